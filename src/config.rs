@@ -1,0 +1,695 @@
+//! `config.json` / `generation_config.json` parsing and strict architecture validation.
+//!
+//! Sizes may vary (tiny test models load), but the architecture must be exactly
+//! Qwen3.5/3.6-MoE: hybrid GDN / gated-attention layers, top-k MoE with a shared expert in
+//! every layer, untied lm_head, partial NeoX RoPE. Every inconsistency is reported at once,
+//! each with the field it concerns.
+
+use serde_json::Value;
+use std::fmt;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Gated DeltaNet (linear attention).
+    Gdn,
+    /// Gated full attention with a KV cache.
+    Attention,
+}
+
+/// The text model's hyper-parameters (`qwen3_5_moe_text`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TextConfig {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub vocab_size: usize,
+    pub layer_kinds: Vec<LayerKind>,
+    pub num_attention_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+    pub gdn_num_key_heads: usize,
+    pub gdn_num_value_heads: usize,
+    pub gdn_key_dim: usize,
+    pub gdn_value_dim: usize,
+    pub conv_kernel: usize,
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub moe_intermediate: usize,
+    pub shared_intermediate: usize,
+    pub rms_norm_eps: f32,
+    pub max_position_embeddings: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub mtp_layers: usize,
+}
+
+/// Everything that is wrong with a config, each with the field it concerns.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub source: String,
+    pub problems: Vec<String>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{}: {} problem(s) with the model configuration:",
+            self.source,
+            self.problems.len()
+        )?;
+        for p in &self.problems {
+            writeln!(f, "  - {p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Reads fields from a JSON object, collecting every problem instead of stopping at the first.
+struct Fields<'a> {
+    obj: &'a Value,
+    prefix: &'a str,
+    problems: Vec<String>,
+}
+
+impl<'a> Fields<'a> {
+    fn name(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn usize_req(&mut self, key: &str) -> usize {
+        match self.get(key) {
+            Some(v) => match v.as_u64() {
+                Some(n) => n as usize,
+                None => {
+                    let name = self.name(key);
+                    self.problems
+                        .push(format!("`{name}` must be a non-negative integer, found {v}"));
+                    0
+                }
+            },
+            None => {
+                let name = self.name(key);
+                self.problems.push(format!("`{name}` is missing"));
+                0
+            }
+        }
+    }
+
+    fn usize_or(&mut self, key: &str, default: usize) -> usize {
+        if self.get(key).is_some() {
+            self.usize_req(key)
+        } else {
+            default
+        }
+    }
+
+    fn f64_or(&mut self, key: &str, default: f64) -> f64 {
+        match self.get(key) {
+            None => default,
+            Some(v) => v.as_f64().unwrap_or_else(|| {
+                let name = self.name(key);
+                self.problems
+                    .push(format!("`{name}` must be a number, found {v}"));
+                default
+            }),
+        }
+    }
+
+    fn bool_or(&mut self, key: &str, default: bool) -> bool {
+        match self.get(key) {
+            None => default,
+            Some(v) => v.as_bool().unwrap_or_else(|| {
+                let name = self.name(key);
+                self.problems
+                    .push(format!("`{name}` must be true or false, found {v}"));
+                default
+            }),
+        }
+    }
+
+    fn str_opt(&mut self, key: &str) -> Option<&'a str> {
+        let v = self.get(key)?;
+        match v.as_str() {
+            Some(s) => Some(s),
+            None => {
+                let name = self.name(key);
+                self.problems
+                    .push(format!("`{name}` must be a string, found {v}"));
+                None
+            }
+        }
+    }
+
+    fn check(&mut self, ok: bool, msg: impl FnOnce() -> String) {
+        if !ok {
+            self.problems.push(msg());
+        }
+    }
+}
+
+/// Token ids: a single integer or a list of integers.
+fn token_ids(v: Option<&Value>) -> Option<Vec<u32>> {
+    match v? {
+        Value::Number(n) => n.as_u64().map(|x| vec![x as u32]),
+        Value::Array(a) => a.iter().map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        _ => None,
+    }
+}
+
+impl TextConfig {
+    /// Loads `config.json` from a checkpoint directory.
+    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            anyhow::anyhow!("cannot read model config {}: {e}", path.display())
+        })?;
+        let json: Value = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("{} is not valid JSON: {e}", path.display()))?;
+        Ok(Self::from_json(&json, &path.display().to_string())?)
+    }
+
+    /// Parses the wrapper (`qwen3_5_moe` with `text_config`) or the flat text config.
+    pub fn from_json(json: &Value, source: &str) -> Result<Self, ConfigError> {
+        let err = |problems: Vec<String>| ConfigError {
+            source: source.to_string(),
+            problems,
+        };
+        if !json.is_object() {
+            return Err(err(vec!["the config must be a JSON object".into()]));
+        }
+        let model_type = json.get("model_type").and_then(Value::as_str);
+        let (obj, prefix) = match model_type {
+            Some("qwen3_5_moe") => match json.get("text_config") {
+                Some(t) if t.is_object() => (t, "text_config."),
+                _ => {
+                    return Err(err(vec![
+                        "`text_config` is missing: a `qwen3_5_moe` config nests the text model there"
+                            .into(),
+                    ]));
+                }
+            },
+            Some("qwen3_5_moe_text") => (json, ""),
+            Some(other) => {
+                return Err(err(vec![format!(
+                    "`model_type` is \"{other}\"; Kestrel runs only \"qwen3_5_moe\" (or its text model \"qwen3_5_moe_text\")"
+                )]));
+            }
+            None => {
+                return Err(err(vec![
+                    "`model_type` is missing (expected \"qwen3_5_moe\" or \"qwen3_5_moe_text\")"
+                        .into(),
+                ]));
+            }
+        };
+        if prefix == "text_config." {
+            if let Some(t) = obj.get("model_type").and_then(Value::as_str) {
+                if t != "qwen3_5_moe_text" {
+                    return Err(err(vec![format!(
+                        "`text_config.model_type` is \"{t}\", expected \"qwen3_5_moe_text\""
+                    )]));
+                }
+            }
+        }
+
+        let mut f = Fields {
+            obj,
+            prefix,
+            problems: Vec::new(),
+        };
+        let hidden_size = f.usize_req("hidden_size");
+        let num_layers = f.usize_req("num_hidden_layers");
+        let vocab_size = f.usize_req("vocab_size");
+        let num_attention_heads = f.usize_req("num_attention_heads");
+        let num_kv_heads = f.usize_req("num_key_value_heads");
+        let head_dim = f.usize_req("head_dim");
+        let gdn_num_key_heads = f.usize_req("linear_num_key_heads");
+        let gdn_num_value_heads = f.usize_req("linear_num_value_heads");
+        let gdn_key_dim = f.usize_req("linear_key_head_dim");
+        let gdn_value_dim = f.usize_req("linear_value_head_dim");
+        let conv_kernel = f.usize_req("linear_conv_kernel_dim");
+        let num_experts = f.usize_req("num_experts");
+        let experts_per_token = f.usize_req("num_experts_per_tok");
+        let moe_intermediate = f.usize_req("moe_intermediate_size");
+        let shared_intermediate = f.usize_req("shared_expert_intermediate_size");
+        let rms_norm_eps = f.f64_or("rms_norm_eps", 1e-6) as f32;
+        let max_position_embeddings = f.usize_or("max_position_embeddings", 262_144);
+        let mtp_layers = f.usize_or("mtp_num_hidden_layers", 0);
+
+        // The wrapper carries tie_word_embeddings at the top level; either place counts.
+        let tied = json
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+            || f.bool_or("tie_word_embeddings", false);
+        f.check(!tied, || {
+            "`tie_word_embeddings` is true, but this architecture has an untied lm_head".into()
+        });
+        if let Some(act) = f.str_opt("hidden_act") {
+            f.check(act == "silu", || {
+                format!("`{prefix}hidden_act` is \"{act}\", expected \"silu\"")
+            });
+        }
+        let bias = f.bool_or("attention_bias", false);
+        f.check(!bias, || {
+            format!("`{prefix}attention_bias` is true; this architecture has no attention bias")
+        });
+        let gate = f.bool_or("attn_output_gate", true);
+        f.check(gate, || {
+            format!("`{prefix}attn_output_gate` is false; this architecture gates attention output")
+        });
+        let norm_topk = f.bool_or("norm_topk_prob", true);
+        f.check(norm_topk, || {
+            format!("`{prefix}norm_topk_prob` is false; this architecture renormalises the top-k")
+        });
+        if let Some(v) = f.get("mlp_only_layers") {
+            let empty = v.as_array().map(|a| a.is_empty()).unwrap_or(false);
+            f.check(empty, || {
+                format!("`{prefix}mlp_only_layers` must be empty: every layer is a sparse MoE layer")
+            });
+        }
+
+        // Layer pattern: explicit `layer_types`, else every `full_attention_interval`-th layer.
+        let interval = f.usize_or("full_attention_interval", 4);
+        f.check(interval >= 1, || {
+            format!("`{prefix}full_attention_interval` must be at least 1")
+        });
+        let expected_kind = |i: usize| {
+            if interval >= 1 && (i + 1) % interval == 0 {
+                LayerKind::Attention
+            } else {
+                LayerKind::Gdn
+            }
+        };
+        let layer_kinds: Vec<LayerKind> = match f.get("layer_types") {
+            None => (0..num_layers).map(expected_kind).collect(),
+            Some(Value::Array(a)) => {
+                let mut kinds = Vec::with_capacity(a.len());
+                for (i, t) in a.iter().enumerate() {
+                    match t.as_str() {
+                        Some("linear_attention") => kinds.push(LayerKind::Gdn),
+                        Some("full_attention") => kinds.push(LayerKind::Attention),
+                        _ => f.problems.push(format!(
+                            "`{prefix}layer_types[{i}]` is {t}, expected \"linear_attention\" or \"full_attention\""
+                        )),
+                    }
+                }
+                if a.len() != num_layers {
+                    f.problems.push(format!(
+                        "`{prefix}layer_types` has {} entries but `{prefix}num_hidden_layers` is {num_layers}",
+                        a.len()
+                    ));
+                }
+                if kinds.len() == a.len() && interval >= 1 {
+                    for (i, k) in kinds.iter().enumerate() {
+                        if *k != expected_kind(i) {
+                            f.problems.push(format!(
+                                "`{prefix}layer_types[{i}]` is {k:?}, but the hybrid pattern (full attention every {interval} layers, `{prefix}full_attention_interval`) puts {:?} there",
+                                expected_kind(i)
+                            ));
+                        }
+                    }
+                }
+                kinds
+            }
+            Some(v) => {
+                f.problems
+                    .push(format!("`{prefix}layer_types` must be a list, found {v}"));
+                Vec::new()
+            }
+        };
+
+        // RoPE: transformers 5 nests it in `rope_parameters`; older files use `rope_scaling`
+        // or top-level keys. Only the default (1-D for text) rope type exists for this model.
+        let rope = f
+            .get("rope_parameters")
+            .or_else(|| f.get("rope_scaling"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let rope_field = |k: &str| rope.get(k).filter(|v| !v.is_null()).cloned();
+        if let Some(t) = rope_field("rope_type").or_else(|| rope_field("type")) {
+            let ok = matches!(t.as_str(), Some("default") | Some("mrope"));
+            f.check(ok, || {
+                format!("`{prefix}rope_parameters.rope_type` is {t}; only \"default\" is supported")
+            });
+        }
+        let rope_theta = rope_field("rope_theta")
+            .and_then(|v| v.as_f64())
+            .unwrap_or_else(|| f.f64_or("rope_theta", 10_000_000.0));
+        let partial = rope_field("partial_rotary_factor")
+            .and_then(|v| v.as_f64())
+            .unwrap_or_else(|| f.f64_or("partial_rotary_factor", 0.25));
+        let rotary = head_dim as f64 * partial;
+        let rotary_dim = rotary.round() as usize;
+        f.check(
+            partial > 0.0 && partial <= 1.0 && (rotary - rotary.round()).abs() < 1e-9,
+            || {
+                format!(
+                    "`{prefix}partial_rotary_factor` {partial} times `head_dim` {head_dim} is not a whole number of rotary dims"
+                )
+            },
+        );
+        f.check(rotary_dim % 2 == 0, || {
+            format!("rotary dims ({rotary_dim} = head_dim x partial_rotary_factor) must be even")
+        });
+        if let Some(sec) = rope_field("mrope_section") {
+            let sum: Option<u64> = sec
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_u64).sum::<Option<u64>>());
+            f.check(sum == Some((rotary_dim / 2) as u64), || {
+                format!(
+                    "`{prefix}rope_parameters.mrope_section` {sec} must sum to rotary_dim/2 = {}",
+                    rotary_dim / 2
+                )
+            });
+        }
+        f.check(rope_theta > 0.0, || {
+            format!("`{prefix}rope_theta` must be positive")
+        });
+
+        // Head and expert consistency.
+        let positive = [
+            ("hidden_size", hidden_size),
+            ("num_hidden_layers", num_layers),
+            ("vocab_size", vocab_size),
+            ("num_attention_heads", num_attention_heads),
+            ("num_key_value_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("linear_num_key_heads", gdn_num_key_heads),
+            ("linear_num_value_heads", gdn_num_value_heads),
+            ("linear_key_head_dim", gdn_key_dim),
+            ("linear_value_head_dim", gdn_value_dim),
+            ("linear_conv_kernel_dim", conv_kernel),
+            ("num_experts", num_experts),
+            ("num_experts_per_tok", experts_per_token),
+            ("moe_intermediate_size", moe_intermediate),
+            (
+                "shared_expert_intermediate_size (the shared expert is part of the architecture)",
+                shared_intermediate,
+            ),
+        ];
+        for (name, v) in positive {
+            if v == 0 && obj.get(name.split(' ').next().unwrap()).is_some() {
+                f.problems.push(format!("`{prefix}{name}` must be positive"));
+            }
+        }
+        if num_kv_heads > 0 {
+            f.check(num_attention_heads % num_kv_heads == 0, || {
+                format!(
+                    "`{prefix}num_attention_heads` ({num_attention_heads}) must be a multiple of `{prefix}num_key_value_heads` ({num_kv_heads})"
+                )
+            });
+        }
+        if gdn_num_key_heads > 0 {
+            f.check(gdn_num_value_heads % gdn_num_key_heads == 0, || {
+                format!(
+                    "`{prefix}linear_num_value_heads` ({gdn_num_value_heads}) must be a multiple of `{prefix}linear_num_key_heads` ({gdn_num_key_heads})"
+                )
+            });
+        }
+        f.check(experts_per_token <= num_experts, || {
+            format!(
+                "`{prefix}num_experts_per_tok` ({experts_per_token}) exceeds `{prefix}num_experts` ({num_experts})"
+            )
+        });
+        f.check(layer_kinds.contains(&LayerKind::Gdn) || num_layers == 0, || {
+            format!("`{prefix}layer_types` has no linear_attention (GDN) layer; this is a hybrid model")
+        });
+
+        let eos_token_ids = token_ids(f.get("eos_token_id"))
+            .or_else(|| token_ids(json.get("eos_token_id")))
+            .unwrap_or_default();
+
+        if !f.problems.is_empty() {
+            return Err(err(f.problems));
+        }
+        Ok(TextConfig {
+            hidden_size,
+            num_layers,
+            vocab_size,
+            layer_kinds,
+            num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            rotary_dim,
+            rope_theta,
+            gdn_num_key_heads,
+            gdn_num_value_heads,
+            gdn_key_dim,
+            gdn_value_dim,
+            conv_kernel,
+            num_experts,
+            experts_per_token,
+            moe_intermediate,
+            shared_intermediate,
+            rms_norm_eps,
+            max_position_embeddings,
+            eos_token_ids,
+            mtp_layers,
+        })
+    }
+
+    /// The exact shape of Qwen3.6-35B-A3B (used by `--synthetic full` and the docs).
+    pub fn qwen36_35b_a3b() -> Self {
+        TextConfig {
+            hidden_size: 2048,
+            num_layers: 40,
+            vocab_size: 248_320,
+            layer_kinds: (0..40)
+                .map(|i| {
+                    if i % 4 == 3 {
+                        LayerKind::Attention
+                    } else {
+                        LayerKind::Gdn
+                    }
+                })
+                .collect(),
+            num_attention_heads: 16,
+            num_kv_heads: 2,
+            head_dim: 256,
+            rotary_dim: 64,
+            rope_theta: 10_000_000.0,
+            gdn_num_key_heads: 16,
+            gdn_num_value_heads: 32,
+            gdn_key_dim: 128,
+            gdn_value_dim: 128,
+            conv_kernel: 4,
+            num_experts: 256,
+            experts_per_token: 8,
+            moe_intermediate: 512,
+            shared_intermediate: 512,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: 262_144,
+            eos_token_ids: vec![248_044],
+            mtp_layers: 1,
+        }
+    }
+
+    pub fn num_gdn_layers(&self) -> usize {
+        self.layer_kinds.iter().filter(|k| **k == LayerKind::Gdn).count()
+    }
+    pub fn num_attention_layers(&self) -> usize {
+        self.num_layers - self.num_gdn_layers()
+    }
+    /// Width of q (and of k) in a GDN layer.
+    pub fn gdn_qk_width(&self) -> usize {
+        self.gdn_num_key_heads * self.gdn_key_dim
+    }
+    /// Width of v (and of the gate z) in a GDN layer.
+    pub fn gdn_v_width(&self) -> usize {
+        self.gdn_num_value_heads * self.gdn_value_dim
+    }
+    /// Channels of the causal conv: q, k and v together.
+    pub fn gdn_conv_channels(&self) -> usize {
+        2 * self.gdn_qk_width() + self.gdn_v_width()
+    }
+    /// KV cache bytes per token of context, all attention layers, at `bytes_per_elem`.
+    pub fn kv_bytes_per_token(&self, bytes_per_elem: usize) -> usize {
+        self.num_attention_layers() * 2 * self.num_kv_heads * self.head_dim * bytes_per_elem
+    }
+    /// GDN state bytes per sequence: bf16 conv state + f32 recurrent state (the GPU layout).
+    pub fn gdn_state_bytes(&self) -> usize {
+        let conv = (self.conv_kernel - 1) * self.gdn_conv_channels() * 2;
+        let rec = self.gdn_num_value_heads * self.gdn_key_dim * self.gdn_value_dim * 4;
+        self.num_gdn_layers() * (conv + rec)
+    }
+
+    /// Parameter counts: (total, active per token incl. lm_head but not the embedding table).
+    pub fn parameter_counts(&self) -> (u64, u64) {
+        let d = self.hidden_size as u64;
+        let vocab = self.vocab_size as u64;
+        let (qk, v) = (self.gdn_qk_width() as u64, self.gdn_v_width() as u64);
+        let hv = self.gdn_num_value_heads as u64;
+        let gdn = (2 * qk + v) * d
+            + v * d
+            + 2 * hv * d
+            + self.gdn_conv_channels() as u64 * self.conv_kernel as u64
+            + 2 * hv
+            + self.gdn_value_dim as u64
+            + d * v;
+        let hd = self.head_dim as u64;
+        let nq = self.num_attention_heads as u64;
+        let nkv = self.num_kv_heads as u64;
+        let attn = 2 * nq * hd * d + 2 * nkv * hd * d + d * nq * hd + 2 * hd;
+        let e = self.num_experts as u64;
+        let expert = 3 * self.moe_intermediate as u64 * d;
+        let shared = 3 * self.shared_intermediate as u64 * d;
+        let router = e * d;
+        let moe_total = router + e * expert + shared + d;
+        let moe_active = router + self.experts_per_token as u64 * expert + shared + d;
+        let norms = 2 * d;
+        let mut total = 2 * vocab * d + d;
+        let mut active = vocab * d + d;
+        for k in &self.layer_kinds {
+            let mixer = match k {
+                LayerKind::Gdn => gdn,
+                LayerKind::Attention => attn,
+            };
+            total += mixer + moe_total + norms;
+            active += mixer + moe_active + norms;
+        }
+        (total, active)
+    }
+}
+
+/// Sampling defaults and end tokens from `generation_config.json`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationConfig {
+    pub eos_token_ids: Vec<u32>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub do_sample: Option<bool>,
+}
+
+impl GenerationConfig {
+    /// Reads `generation_config.json` if present; a missing file means "no defaults".
+    pub fn from_dir(dir: &Path) -> anyhow::Result<Self> {
+        let path = dir.join("generation_config.json");
+        if !path.exists() {
+            return Ok(Self::default());
+        }
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        Self::from_json_str(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
+    pub fn from_json_str(text: &str) -> anyhow::Result<Self> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| anyhow::anyhow!("invalid JSON: {e}"))?;
+        let f32_of = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
+        let eos = match v.get("eos_token_id") {
+            None | Some(Value::Null) => Vec::new(),
+            some => token_ids(some)
+                .ok_or_else(|| anyhow::anyhow!("`eos_token_id` must be an integer or a list of integers"))?,
+        };
+        Ok(GenerationConfig {
+            eos_token_ids: eos,
+            temperature: f32_of("temperature"),
+            top_k: v.get("top_k").and_then(Value::as_u64).map(|x| x as usize),
+            top_p: f32_of("top_p"),
+            min_p: f32_of("min_p"),
+            repetition_penalty: f32_of("repetition_penalty"),
+            presence_penalty: f32_of("presence_penalty"),
+            do_sample: v.get("do_sample").and_then(Value::as_bool),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tiny() -> Value {
+        json!({
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 512,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            "full_attention_interval": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": true},
+            "hidden_act": "silu", "tie_word_embeddings": false
+        })
+    }
+
+    #[test]
+    fn parses_flat_and_wrapper() {
+        let c = TextConfig::from_json(&tiny(), "t").unwrap();
+        assert_eq!(c.rotary_dim, 8);
+        assert_eq!(c.rope_theta, 1e7);
+        assert_eq!(c.num_attention_layers(), 1);
+        assert_eq!(c.gdn_conv_channels(), 2 * 32 + 96);
+        let wrapped = json!({"model_type": "qwen3_5_moe", "text_config": tiny(), "tie_word_embeddings": false});
+        assert_eq!(TextConfig::from_json(&wrapped, "w").unwrap(), c);
+    }
+
+    #[test]
+    fn reports_every_problem_with_its_field() {
+        let mut j = tiny();
+        j["num_key_value_heads"] = json!(3);
+        j["num_experts_per_tok"] = json!(9);
+        j["tie_word_embeddings"] = json!(true);
+        j["layer_types"][0] = json!("full_attention");
+        j.as_object_mut().unwrap().remove("head_dim");
+        let e = TextConfig::from_json(&j, "cfg.json").unwrap_err().to_string();
+        for needle in [
+            "num_key_value_heads",
+            "num_experts_per_tok",
+            "tie_word_embeddings",
+            "layer_types[0]",
+            "`head_dim` is missing",
+        ] {
+            assert!(e.contains(needle), "missing {needle:?} in:\n{e}");
+        }
+    }
+
+    #[test]
+    fn rejects_other_models_and_bad_rope() {
+        let e = TextConfig::from_json(&json!({"model_type": "llama"}), "c").unwrap_err();
+        assert!(e.to_string().contains("llama"));
+        let mut j = tiny();
+        j["rope_parameters"]["rope_type"] = json!("yarn");
+        let e = TextConfig::from_json(&j, "c").unwrap_err().to_string();
+        assert!(e.contains("rope_type"), "{e}");
+        let mut j = tiny();
+        j["layer_types"] = json!(["linear_attention"]);
+        let e = TextConfig::from_json(&j, "c").unwrap_err().to_string();
+        assert!(e.contains("has 1 entries"), "{e}");
+    }
+
+    #[test]
+    fn full_size_counts_match_the_spec() {
+        let c = TextConfig::qwen36_35b_a3b();
+        let (total, active) = c.parameter_counts();
+        assert_eq!(total, 34_660_610_688);
+        assert_eq!(active, 2_946_429_568);
+        assert_eq!(c.kv_bytes_per_token(2), 20_480);
+        assert_eq!(c.gdn_state_bytes(), 64_389_120);
+    }
+
+    #[test]
+    fn generation_config_eos_forms() {
+        let g = GenerationConfig::from_json_str(r#"{"eos_token_id": [248046, 248044], "top_k": 20, "top_p": 0.95}"#).unwrap();
+        assert_eq!(g.eos_token_ids, vec![248046, 248044]);
+        assert_eq!(g.top_k, Some(20));
+        let g = GenerationConfig::from_json_str(r#"{"eos_token_id": 7}"#).unwrap();
+        assert_eq!(g.eos_token_ids, vec![7]);
+        assert!(GenerationConfig::from_json_str(r#"{"eos_token_id": "x"}"#).is_err());
+    }
+}

@@ -1,0 +1,9 @@
+//! Kestrel: an inference engine for exactly one model family, Qwen3.6-35B-A3B
+//! (`qwen3_5_moe`): hybrid Gated DeltaNet / gated attention, 256-expert top-8 MoE.
+
+pub mod config;
+pub mod model;
+pub mod ops;
+pub mod state;
+pub mod tensor;
+pub mod weights;

@@ -1,0 +1,261 @@
+//! The Qwen3.5/3.6-MoE text forward pass on the CPU, top to bottom in one place.
+//!
+//! f32 math on stored (bf16/f16/f32) weights. This is the reference every GPU path is
+//! checked against; see `../shared/docs/model-spec.md` §3 for the equations.
+
+use crate::config::TextConfig;
+use crate::ops::attention::{apply_rope, causal_attention, rope_inv_freq};
+use crate::ops::gdn::{DeltaInputs, causal_conv_silu, delta_rule_chunked, delta_rule_step};
+use crate::ops::gemm::matmul;
+use crate::ops::moe::moe_forward;
+use crate::ops::norm::{
+    gated_rms_norm, l2_normalize, rms_norm_zero_centred, rms_norm_zero_centred_inplace,
+};
+use crate::ops::{sigmoid, softplus};
+use crate::state::{GdnState, KvCache, LayerState, SequenceState};
+use crate::weights::{AttentionWeights, Checkpoint, GdnWeights, Mixer, ModelWeights};
+use anyhow::{Result, bail};
+use std::path::Path;
+
+/// Which logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position's `[vocab]` (prefill and decode).
+    Last,
+    /// Every position's, `[t, vocab]` (tests, speculative verification).
+    All,
+}
+
+/// How the GDN recurrence runs for multi-token calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnMode {
+    /// Chunked WY form for `t > 1`, step form for `t == 1` (the default).
+    Auto,
+    /// Always the step form (a cross-check of the chunked one).
+    Step,
+}
+
+/// The interface every backend implements (CPU now; CUDA behind the same calls).
+pub trait Engine {
+    type State: Clone;
+    fn config(&self) -> &TextConfig;
+    fn new_state(&self) -> Self::State;
+    /// Tokens already processed by `state`.
+    fn state_len(&self, state: &Self::State) -> usize;
+    /// Runs `tokens` through the model, appending them to `state`.
+    fn forward(&self, state: &mut Self::State, tokens: &[u32], logits: Logits)
+    -> Result<Vec<f32>>;
+}
+
+pub struct CpuModel {
+    pub config: TextConfig,
+    pub weights: ModelWeights,
+    pub gdn_mode: GdnMode,
+    inv_freq: Vec<f32>,
+}
+
+impl CpuModel {
+    pub fn new(config: TextConfig, weights: ModelWeights) -> Self {
+        let inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta);
+        CpuModel {
+            config,
+            weights,
+            gdn_mode: GdnMode::Auto,
+            inv_freq,
+        }
+    }
+
+    /// Loads `config.json` and the safetensors weights of a checkpoint directory.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = TextConfig::from_file(&dir.join("config.json"))?;
+        let ck = Checkpoint::open(dir)?;
+        let weights = ModelWeights::from_checkpoint(&ck, &config)?;
+        Ok(Self::new(config, weights))
+    }
+
+    /// Prefill in chunks of at most `chunk` tokens; returns the last position's logits.
+    pub fn prefill(
+        &self,
+        state: &mut SequenceState,
+        tokens: &[u32],
+        chunk: usize,
+    ) -> Result<Vec<f32>> {
+        let mut logits = Vec::new();
+        for piece in tokens.chunks(chunk.max(1)) {
+            logits = self.forward(state, piece, Logits::Last)?;
+        }
+        Ok(logits)
+    }
+
+    fn gdn_layer(&self, x: &[f32], t: usize, w: &GdnWeights, st: &mut GdnState) -> Vec<f32> {
+        let c = &self.config;
+        let (hk, hv, dk, dv) = (
+            c.gdn_num_key_heads,
+            c.gdn_num_value_heads,
+            c.gdn_key_dim,
+            c.gdn_value_dim,
+        );
+        let (qk, ch) = (c.gdn_qk_width(), c.gdn_conv_channels());
+        // 1. projections
+        let p = matmul(x, t, &w.in_qkv);
+        let z = matmul(x, t, &w.in_z);
+        let b = matmul(x, t, &w.in_b);
+        let a = matmul(x, t, &w.in_a);
+        // 2. causal conv over pre-conv inputs (state carries the last kernel-1), SiLU
+        let p = causal_conv_silu(&p, t, ch, &mut st.conv, &w.conv, c.conv_kernel);
+        // 3-5. split, L2-normalise q and k, scale q
+        let scale = 1.0 / (dk as f32).sqrt();
+        let mut q = Vec::with_capacity(t * qk);
+        let mut k = Vec::with_capacity(t * qk);
+        let mut v = Vec::with_capacity(t * c.gdn_v_width());
+        for row in p.chunks_exact(ch) {
+            q.extend_from_slice(&row[..qk]);
+            k.extend_from_slice(&row[qk..2 * qk]);
+            v.extend_from_slice(&row[2 * qk..]);
+        }
+        for h in q.chunks_exact_mut(dk) {
+            l2_normalize(h, 1e-6);
+            h.iter_mut().for_each(|x| *x *= scale);
+        }
+        for h in k.chunks_exact_mut(dk) {
+            l2_normalize(h, 1e-6);
+        }
+        // 6. write strength and log-decay
+        let beta: Vec<f32> = b.iter().map(|x| sigmoid(*x)).collect();
+        let g: Vec<f32> = a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let j = i % hv;
+                -w.a_log[j].exp() * softplus(x + w.dt_bias[j])
+            })
+            .collect();
+        // 7-8. delta rule
+        let inp = DeltaInputs {
+            t,
+            num_value_heads: hv,
+            group: hv / hk,
+            dk,
+            dv,
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+        };
+        let mut o = if t > 1 && self.gdn_mode == GdnMode::Auto {
+            delta_rule_chunked(&inp, &mut st.recurrent)
+        } else {
+            delta_rule_step(&inp, &mut st.recurrent)
+        };
+        // 9. gated RMSNorm per value head, 10. output projection
+        for (oh, zh) in o.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
+            gated_rms_norm(oh, zh, &w.norm, c.rms_norm_eps);
+        }
+        matmul(&o, t, &w.out)
+    }
+
+    fn attention_layer(
+        &self,
+        x: &[f32],
+        t: usize,
+        w: &AttentionWeights,
+        kv: &mut KvCache,
+        past: usize,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+        let eps = c.rms_norm_eps;
+        // q_proj holds per-head [query | gate] blocks of 2*hd.
+        let qg = matmul(x, t, &w.q);
+        let mut k = matmul(x, t, &w.k);
+        let v = matmul(x, t, &w.v);
+        let mut q = Vec::with_capacity(t * nq * hd);
+        let mut gate = Vec::with_capacity(t * nq * hd);
+        for block in qg.chunks_exact(2 * hd) {
+            q.extend_from_slice(&block[..hd]);
+            gate.extend_from_slice(&block[hd..]);
+        }
+        rms_norm_zero_centred_inplace(&mut q, &w.q_norm, eps);
+        rms_norm_zero_centred_inplace(&mut k, &w.k_norm, eps);
+        for s in 0..t {
+            for h in q[s * nq * hd..(s + 1) * nq * hd].chunks_exact_mut(hd) {
+                apply_rope(h, past + s, &self.inv_freq);
+            }
+            for h in k[s * nkv * hd..(s + 1) * nkv * hd].chunks_exact_mut(hd) {
+                apply_rope(h, past + s, &self.inv_freq);
+            }
+        }
+        kv.k.extend_from_slice(&k);
+        kv.v.extend_from_slice(&v);
+        let mut o = causal_attention(&q, t, past, &kv.k, &kv.v, nq, nkv, hd);
+        for (oi, gi) in o.iter_mut().zip(&gate) {
+            *oi *= sigmoid(*gi);
+        }
+        matmul(&o, t, &w.o)
+    }
+}
+
+impl Engine for CpuModel {
+    type State = SequenceState;
+
+    fn config(&self) -> &TextConfig {
+        &self.config
+    }
+
+    fn new_state(&self) -> SequenceState {
+        SequenceState::new(&self.config)
+    }
+
+    fn state_len(&self, state: &SequenceState) -> usize {
+        state.len
+    }
+
+    fn forward(
+        &self,
+        state: &mut SequenceState,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (t, d) = (tokens.len(), c.hidden_size);
+        if t == 0 {
+            bail!("forward called with no tokens");
+        }
+        if let Some(bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
+        }
+        let past = state.len;
+
+        // Embedding
+        let mut h = Vec::with_capacity(t * d);
+        for &id in tokens {
+            h.extend(self.weights.embed.row_f32(id as usize));
+        }
+
+        // Decoder layers: pre-norm mixer and pre-norm MoE, each with a residual add.
+        for (layer, st) in self.weights.layers.iter().zip(state.layers.iter_mut()) {
+            let a = rms_norm_zero_centred(&h, &layer.input_norm, c.rms_norm_eps);
+            let mixed = match (&layer.mixer, st) {
+                (Mixer::Gdn(w), LayerState::Gdn(s)) => self.gdn_layer(&a, t, w, s),
+                (Mixer::Attention(w), LayerState::Attention(kv)) => {
+                    self.attention_layer(&a, t, w, kv, past)
+                }
+                _ => bail!("sequence state does not match the model's layer pattern"),
+            };
+            h.iter_mut().zip(&mixed).for_each(|(x, m)| *x += m);
+            let b = rms_norm_zero_centred(&h, &layer.post_attention_norm, c.rms_norm_eps);
+            let ffn = moe_forward(&b, t, d, &layer.moe, c.experts_per_token);
+            h.iter_mut().zip(&ffn).for_each(|(x, m)| *x += m);
+        }
+        state.len += t;
+
+        // Final norm and lm_head on the positions asked for.
+        let (rows, n) = match logits {
+            Logits::Last => (&h[(t - 1) * d..], 1),
+            Logits::All => (&h[..], t),
+        };
+        let y = rms_norm_zero_centred(rows, &self.weights.final_norm, c.rms_norm_eps);
+        Ok(matmul(&y, n, &self.weights.lm_head))
+    }
+}

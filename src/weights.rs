@@ -1,0 +1,506 @@
+//! Checkpoint loading: memory-mapped safetensors (single file or sharded with an index),
+//! tensor-name normalisation across the official and re-exported layouts, and the typed
+//! per-layer weights the model graph reads.
+//!
+//! Accepted layouts:
+//! * official: `model.language_model.*`, top-level `lm_head.weight`, fused 3-D experts
+//!   `mlp.experts.gate_up_proj [E, 2I, D]` / `mlp.experts.down_proj [E, D, I]`;
+//! * per-expert: `mlp.experts.{e}.{gate,up,down}_proj.weight`;
+//! * the plain `model.*` prefix.
+//!
+//! `model.visual.*` is skipped; `mtp.*` is kept (listed) for speculative decoding later.
+
+use crate::config::{LayerKind, TextConfig};
+use crate::tensor::{DType, Mat, Storage, convert_to_f32};
+use anyhow::{Context, Result, anyhow, bail};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// One tensor found in a checkpoint file.
+#[derive(Clone)]
+pub struct TensorEntry {
+    pub name: String,
+    pub file: PathBuf,
+    pub storage: Arc<Storage>,
+    /// Absolute byte offset of the data in the file.
+    pub offset: usize,
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+}
+
+/// All tensors of a checkpoint directory, by canonical (text-model-relative) name.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub files: Vec<PathBuf>,
+    tensors: HashMap<String, TensorEntry>,
+    pub mtp: Vec<String>,
+    pub skipped_vision: usize,
+}
+
+/// Maps a stored name to the canonical one, or `None` for tensors we skip.
+fn canonical_name(name: &str) -> Option<String> {
+    if name.starts_with("model.visual.") || name.starts_with("visual.") {
+        return None;
+    }
+    if let Some(rest) = name.strip_prefix("model.language_model.") {
+        return Some(rest.to_string());
+    }
+    if let Some(rest) = name.strip_prefix("model.") {
+        return Some(rest.to_string());
+    }
+    Some(name.to_string())
+}
+
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    // SAFETY: the file is opened read-only; like every mmap-based loader we assume the
+    // checkpoint is not modified while the engine runs.
+    unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))
+}
+
+fn explain(e: safetensors::SafeTensorError, file_len: usize) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => {
+            format!("file is {file_len} bytes, too short to hold a safetensors header (truncated?)")
+        }
+        E::InvalidHeaderLength => "the header length field points past the end of the file (truncated or not a safetensors file)".into(),
+        E::HeaderTooLarge => "the header length field is absurdly large (not a safetensors file?)".into(),
+        E::InvalidHeader(e) => format!("the header is not valid UTF-8: {e}"),
+        E::InvalidHeaderDeserialization(e) => format!("the header is not valid safetensors JSON: {e}"),
+        E::MetadataIncompleteBuffer => format!(
+            "the tensor data does not match the file size ({file_len} bytes): the file is truncated or has trailing bytes"
+        ),
+        E::InvalidOffset(name) => format!(
+            "tensor `{name}` has data offsets that overlap, leave gaps, or run past the end of the data"
+        ),
+        E::TensorInvalidInfo => "a tensor's shape and dtype do not match its byte range".into(),
+        E::ValidationOverflow => "a tensor's shape overflows".into(),
+        other => other.to_string(),
+    }
+}
+
+impl Checkpoint {
+    /// Opens every safetensors file of `dir` (through `model.safetensors.index.json` when
+    /// present) and indexes their tensors. Reads only headers; data stays mapped.
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!("model directory {} does not exist", dir.display());
+        }
+        let index_path = dir.join("model.safetensors.index.json");
+        let mut expected: Option<BTreeMap<String, String>> = None;
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("cannot read {}", index_path.display()))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| anyhow!("{} is not valid JSON: {e}", index_path.display()))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| anyhow!("{} has no `weight_map` object", index_path.display()))?;
+            let mut weight_map = BTreeMap::new();
+            for (tensor, file) in map {
+                let file = file.as_str().ok_or_else(|| {
+                    anyhow!(
+                        "{}: `weight_map.{tensor}` must be a file name",
+                        index_path.display()
+                    )
+                })?;
+                if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+                    bail!(
+                        "{}: shard name {file:?} for tensor `{tensor}` must be a plain file name",
+                        index_path.display()
+                    );
+                }
+                weight_map.insert(tensor.clone(), file.to_string());
+            }
+            let mut shards: Vec<String> = weight_map.values().cloned().collect();
+            shards.sort();
+            shards.dedup();
+            for s in &shards {
+                if !dir.join(s).exists() {
+                    let example = weight_map.iter().find(|(_, f)| *f == s).unwrap().0;
+                    bail!(
+                        "shard {} is named by {} (e.g. for tensor `{example}`) but does not exist",
+                        dir.join(s).display(),
+                        index_path.display()
+                    );
+                }
+            }
+            expected = Some(weight_map);
+            shards.into_iter().map(|s| dir.join(s)).collect()
+        } else if dir.join("model.safetensors").exists() {
+            vec![dir.join("model.safetensors")]
+        } else {
+            let mut found: Vec<PathBuf> = std::fs::read_dir(dir)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            found.sort();
+            if found.is_empty() {
+                bail!(
+                    "no weights in {}: expected model.safetensors or model.safetensors.index.json",
+                    dir.display()
+                );
+            }
+            found
+        };
+
+        let mut ckpt = Checkpoint {
+            dir: dir.to_path_buf(),
+            files: files.clone(),
+            tensors: HashMap::new(),
+            mtp: Vec::new(),
+            skipped_vision: 0,
+        };
+        let mut seen: HashMap<String, PathBuf> = HashMap::new();
+        for path in &files {
+            let mmap = map_file(path)?;
+            let file_len = mmap.len();
+            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
+                .map_err(|e| anyhow!("{}: {}", path.display(), explain(e, file_len)))?;
+            let storage = Arc::new(Storage::Mmap(mmap));
+            let data_start = 8 + header_len;
+            let mut infos: Vec<(String, &safetensors::tensor::TensorInfo)> =
+                meta.tensors().into_iter().collect();
+            infos.sort_by(|a, b| a.0.cmp(&b.0));
+            for (name, info) in infos {
+                if let Some(first) = seen.insert(name.clone(), path.clone()) {
+                    bail!(
+                        "duplicate tensor `{name}`: found in {} and again in {}",
+                        first.display(),
+                        path.display()
+                    );
+                }
+                if let Some(map) = &expected {
+                    match map.get(&name) {
+                        Some(f) if dir.join(f) == *path => {}
+                        Some(f) => bail!(
+                            "tensor `{name}` is in {} but the index says it is in {f}",
+                            path.display()
+                        ),
+                        None => bail!(
+                            "tensor `{name}` in {} is not listed in the index {}",
+                            path.display(),
+                            index_path.display()
+                        ),
+                    }
+                }
+                let Some(canon) = canonical_name(&name) else {
+                    ckpt.skipped_vision += 1;
+                    continue;
+                };
+                if canon.starts_with("mtp.") {
+                    ckpt.mtp.push(canon.clone());
+                }
+                let entry = TensorEntry {
+                    name: name.clone(),
+                    file: path.clone(),
+                    storage: storage.clone(),
+                    offset: data_start + info.data_offsets.0,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                };
+                if let Some(prev) = ckpt.tensors.insert(canon.clone(), entry) {
+                    bail!(
+                        "duplicate tensor: `{}` and `{name}` both name `{canon}` ({} and {})",
+                        prev.name,
+                        prev.file.display(),
+                        path.display()
+                    );
+                }
+            }
+        }
+        if let Some(map) = &expected {
+            if let Some(missing) = map.keys().find(|k| !seen.contains_key(*k)) {
+                bail!(
+                    "tensor `{missing}` is listed in {} (shard {}) but that shard does not contain it",
+                    index_path.display(),
+                    map[missing]
+                );
+            }
+        }
+        ckpt.mtp.sort();
+        Ok(ckpt)
+    }
+
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn entry(&self, name: &str) -> Result<&TensorEntry> {
+        self.tensors.get(name).ok_or_else(|| {
+            anyhow!(
+                "tensor `{name}` is missing from the checkpoint in {} (looked for `model.language_model.{name}`, `model.{name}` and `{name}`)",
+                self.dir.display()
+            )
+        })
+    }
+
+    fn float_dtype(e: &TensorEntry) -> Result<DType> {
+        match e.dtype {
+            safetensors::Dtype::F32 => Ok(DType::F32),
+            safetensors::Dtype::F16 => Ok(DType::F16),
+            safetensors::Dtype::BF16 => Ok(DType::BF16),
+            other => bail!(
+                "tensor `{}` in {} has dtype {other:?}; expected BF16, F16 or F32",
+                e.name,
+                e.file.display()
+            ),
+        }
+    }
+
+    fn check_shape(e: &TensorEntry, shape: &[usize]) -> Result<()> {
+        if e.shape != shape {
+            bail!(
+                "tensor `{}` in {} has shape {:?}, expected {:?} from config.json",
+                e.name,
+                e.file.display(),
+                e.shape,
+                shape
+            );
+        }
+        Ok(())
+    }
+
+    /// A matrix `[rows, cols]`, or a 3-D tensor viewed as `[shape[0]*shape[1], shape[2]]`.
+    pub fn mat(&self, name: &str, shape: &[usize]) -> Result<Mat> {
+        let e = self.entry(name)?;
+        Self::check_shape(e, shape)?;
+        let dtype = Self::float_dtype(e)?;
+        let cols = *shape.last().unwrap_or(&1);
+        let rows = shape.iter().product::<usize>() / cols.max(1);
+        Ok(Mat {
+            storage: e.storage.clone(),
+            offset: e.offset,
+            dtype,
+            rows,
+            cols,
+        })
+    }
+
+    /// A small vector read at its stored dtype and kept in f32.
+    pub fn vec_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let e = self.entry(name)?;
+        Self::check_shape(e, shape)?;
+        let dtype = Self::float_dtype(e)?;
+        let n: usize = shape.iter().product();
+        let mut out = vec![0.0; n];
+        convert_to_f32(
+            dtype,
+            &e.storage.bytes()[e.offset..e.offset + n * dtype.size()],
+            &mut out,
+        );
+        Ok(out)
+    }
+
+    /// Canonical names not used by the model graph (reported by `inspect`).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Typed weights of the text model.
+
+pub struct GdnWeights {
+    /// `in_proj_qkv` [2*Kd + Vd, D]: q, k, v rows (also the conv channel order).
+    pub in_qkv: Mat,
+    /// `in_proj_z` [Vd, D]: the output gate, per value head.
+    pub in_z: Mat,
+    /// `in_proj_b` [Hv, D] -> beta; `in_proj_a` [Hv, D] -> decay input.
+    pub in_b: Mat,
+    pub in_a: Mat,
+    /// Depthwise conv taps, `[channels, kernel]`, tap `kernel-1` multiplies the current token.
+    pub conv: Vec<f32>,
+    pub a_log: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    /// Gated RMSNorm weight (plain, not 1+w), shared by all value heads.
+    pub norm: Vec<f32>,
+    pub out: Mat,
+}
+
+pub struct AttentionWeights {
+    /// `q_proj` [Nq * 2 * hd, D]: per head a [query | gate] block.
+    pub q: Mat,
+    pub k: Mat,
+    pub v: Mat,
+    pub o: Mat,
+    pub q_norm: Vec<f32>,
+    pub k_norm: Vec<f32>,
+}
+
+pub struct ExpertWeights {
+    pub gate: Mat,
+    pub up: Mat,
+    pub down: Mat,
+}
+
+pub struct MoeWeights {
+    pub router: Mat,
+    pub experts: Vec<ExpertWeights>,
+    pub shared: ExpertWeights,
+    /// `shared_expert_gate` [1, D] as a vector.
+    pub shared_gate: Vec<f32>,
+}
+
+pub enum Mixer {
+    Gdn(GdnWeights),
+    Attention(AttentionWeights),
+}
+
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    pub post_attention_norm: Vec<f32>,
+    pub mixer: Mixer,
+    pub moe: MoeWeights,
+}
+
+pub struct ModelWeights {
+    pub embed: Mat,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    pub lm_head: Mat,
+}
+
+impl ModelWeights {
+    /// Builds the typed weights from a checkpoint, checking every shape against `cfg`.
+    pub fn from_checkpoint(ck: &Checkpoint, cfg: &TextConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for (i, kind) in cfg.layer_kinds.iter().enumerate() {
+            let p = format!("layers.{i}.");
+            let mixer = match kind {
+                LayerKind::Gdn => {
+                    let a = format!("{p}linear_attn.");
+                    let hv = cfg.gdn_num_value_heads;
+                    let ch = cfg.gdn_conv_channels();
+                    Mixer::Gdn(GdnWeights {
+                        in_qkv: ck.mat(&format!("{a}in_proj_qkv.weight"), &[ch, d])?,
+                        in_z: ck.mat(&format!("{a}in_proj_z.weight"), &[cfg.gdn_v_width(), d])?,
+                        in_b: ck.mat(&format!("{a}in_proj_b.weight"), &[hv, d])?,
+                        in_a: ck.mat(&format!("{a}in_proj_a.weight"), &[hv, d])?,
+                        conv: ck.vec_f32(
+                            &format!("{a}conv1d.weight"),
+                            &[ch, 1, cfg.conv_kernel],
+                        )?,
+                        a_log: ck.vec_f32(&format!("{a}A_log"), &[hv])?,
+                        dt_bias: ck.vec_f32(&format!("{a}dt_bias"), &[hv])?,
+                        norm: ck.vec_f32(&format!("{a}norm.weight"), &[cfg.gdn_value_dim])?,
+                        out: ck.mat(&format!("{a}out_proj.weight"), &[d, cfg.gdn_v_width()])?,
+                    })
+                }
+                LayerKind::Attention => {
+                    let a = format!("{p}self_attn.");
+                    let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
+                    Mixer::Attention(AttentionWeights {
+                        q: ck.mat(&format!("{a}q_proj.weight"), &[nq * 2 * hd, d])?,
+                        k: ck.mat(&format!("{a}k_proj.weight"), &[nkv * hd, d])?,
+                        v: ck.mat(&format!("{a}v_proj.weight"), &[nkv * hd, d])?,
+                        o: ck.mat(&format!("{a}o_proj.weight"), &[d, nq * hd])?,
+                        q_norm: ck.vec_f32(&format!("{a}q_norm.weight"), &[hd])?,
+                        k_norm: ck.vec_f32(&format!("{a}k_norm.weight"), &[hd])?,
+                    })
+                }
+            };
+            layers.push(LayerWeights {
+                input_norm: ck.vec_f32(&format!("{p}input_layernorm.weight"), &[d])?,
+                post_attention_norm: ck
+                    .vec_f32(&format!("{p}post_attention_layernorm.weight"), &[d])?,
+                mixer,
+                moe: load_moe(ck, cfg, &format!("{p}mlp."))?,
+            });
+        }
+        Ok(ModelWeights {
+            embed: ck.mat("embed_tokens.weight", &[cfg.vocab_size, d])?,
+            layers,
+            final_norm: ck.vec_f32("norm.weight", &[d])?,
+            lm_head: ck.mat("lm_head.weight", &[cfg.vocab_size, d])?,
+        })
+    }
+
+    /// Bytes of all weights the graph reads (as stored).
+    pub fn nbytes(&self) -> usize {
+        let v = |x: &Vec<f32>| x.len() * 4;
+        let e = |x: &ExpertWeights| x.gate.nbytes() + x.up.nbytes() + x.down.nbytes();
+        let mut n = self.embed.nbytes() + self.lm_head.nbytes() + v(&self.final_norm);
+        for l in &self.layers {
+            n += v(&l.input_norm) + v(&l.post_attention_norm);
+            n += match &l.mixer {
+                Mixer::Gdn(g) => {
+                    g.in_qkv.nbytes()
+                        + g.in_z.nbytes()
+                        + g.in_a.nbytes()
+                        + g.in_b.nbytes()
+                        + g.out.nbytes()
+                        + v(&g.conv)
+                        + v(&g.a_log)
+                        + v(&g.dt_bias)
+                        + v(&g.norm)
+                }
+                Mixer::Attention(a) => {
+                    a.q.nbytes()
+                        + a.k.nbytes()
+                        + a.v.nbytes()
+                        + a.o.nbytes()
+                        + v(&a.q_norm)
+                        + v(&a.k_norm)
+                }
+            };
+            n += l.moe.router.nbytes()
+                + l.moe.experts.iter().map(e).sum::<usize>()
+                + e(&l.moe.shared)
+                + v(&l.moe.shared_gate);
+        }
+        n
+    }
+}
+
+fn load_moe(ck: &Checkpoint, cfg: &TextConfig, p: &str) -> Result<MoeWeights> {
+    let (d, e, i) = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate);
+    let fused = format!("{p}experts.gate_up_proj");
+    let experts = if ck.contains(&fused) {
+        // Fused [E, 2I, D] (gate rows first) and [E, D, I], viewed per expert without copying.
+        let gate_up = ck.mat(&fused, &[e, 2 * i, d])?;
+        let down = ck.mat(&format!("{p}experts.down_proj"), &[e, d, i])?;
+        (0..e)
+            .map(|x| ExpertWeights {
+                gate: gate_up.rows_view(x * 2 * i, i),
+                up: gate_up.rows_view(x * 2 * i + i, i),
+                down: down.rows_view(x * d, d),
+            })
+            .collect()
+    } else {
+        let mut v = Vec::with_capacity(e);
+        for x in 0..e {
+            let q = format!("{p}experts.{x}.");
+            v.push(ExpertWeights {
+                gate: ck.mat(&format!("{q}gate_proj.weight"), &[i, d])?,
+                up: ck.mat(&format!("{q}up_proj.weight"), &[i, d])?,
+                down: ck.mat(&format!("{q}down_proj.weight"), &[d, i])?,
+            });
+        }
+        v
+    };
+    let s = cfg.shared_intermediate;
+    Ok(MoeWeights {
+        router: ck.mat(&format!("{p}gate.weight"), &[e, d])?,
+        experts,
+        shared: ExpertWeights {
+            gate: ck.mat(&format!("{p}shared_expert.gate_proj.weight"), &[s, d])?,
+            up: ck.mat(&format!("{p}shared_expert.up_proj.weight"), &[s, d])?,
+            down: ck.mat(&format!("{p}shared_expert.down_proj.weight"), &[d, s])?,
+        },
+        shared_gate: ck.vec_f32(&format!("{p}shared_expert_gate.weight"), &[1, d])?,
+    })
+}
