@@ -7,3 +7,7 @@ pub mod ops;
 pub mod state;
 pub mod tensor;
 pub mod weights;
+pub mod chat;
+pub mod generate;
+pub mod synthetic;
+pub mod tokenizer;
