@@ -67,6 +67,9 @@ impl CpuModel {
 
     /// Loads `config.json` and the safetensors weights of a checkpoint directory.
     pub fn load(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!("model directory {} does not exist", dir.display());
+        }
         let config = TextConfig::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
         let weights = ModelWeights::from_checkpoint(&ck, &config)?;

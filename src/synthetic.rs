@@ -151,3 +151,212 @@ pub fn demo_config() -> TextConfig {
 }
 
 pub const DEMO_SEED: u64 = 20_260_901;
+
+/// Tensor naming used by [`write_checkpoint`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `model.language_model.*`, fused 3-D experts, wrapper config (the official release).
+    Official,
+    /// `model.*`, one tensor per expert matrix, flat text config.
+    PerExpert,
+}
+
+/// The flat `qwen3_5_moe_text` config.json of `cfg`.
+pub fn config_json(cfg: &TextConfig) -> serde_json::Value {
+    let layer_types: Vec<&str> = cfg
+        .layer_kinds
+        .iter()
+        .map(|k| match k {
+            LayerKind::Gdn => "linear_attention",
+            LayerKind::Attention => "full_attention",
+        })
+        .collect();
+    serde_json::json!({
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "vocab_size": cfg.vocab_size,
+        "layer_types": layer_types,
+        "full_attention_interval": 4,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "linear_num_key_heads": cfg.gdn_num_key_heads,
+        "linear_num_value_heads": cfg.gdn_num_value_heads,
+        "linear_key_head_dim": cfg.gdn_key_dim,
+        "linear_value_head_dim": cfg.gdn_value_dim,
+        "linear_conv_kernel_dim": cfg.conv_kernel,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "moe_intermediate_size": cfg.moe_intermediate,
+        "shared_expert_intermediate_size": cfg.shared_intermediate,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": false,
+        "eos_token_id": cfg.eos_token_ids,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.rotary_dim as f64 / cfg.head_dim as f64,
+        },
+    })
+}
+
+/// Writes `weights` as a safetensors checkpoint (config.json included) in `dir`, split over
+/// `shards` files with an index when `shards > 1`. Used by tests and full-size checks.
+pub fn write_checkpoint(
+    dir: &std::path::Path,
+    cfg: &TextConfig,
+    weights: &ModelWeights,
+    layout: Layout,
+    shards: usize,
+) -> anyhow::Result<()> {
+    use crate::tensor::encode_f32;
+    std::fs::create_dir_all(dir)?;
+    let prefix = match layout {
+        Layout::Official => "model.language_model.",
+        Layout::PerExpert => "model.",
+    };
+    // (name, dtype, shape, bytes)
+    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+    fn add_mat(
+        tensors: &mut Vec<(String, DType, Vec<usize>, Vec<u8>)>,
+        name: String,
+        m: &Mat,
+        shape: Vec<usize>,
+    ) {
+        tensors.push((name, m.dtype, shape, m.bytes().to_vec()));
+    }
+    let mut vecs: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    add_mat(
+        &mut tensors,
+        format!("{prefix}embed_tokens.weight"),
+        &weights.embed,
+        vec![weights.embed.rows, weights.embed.cols],
+    );
+    add_mat(
+        &mut tensors,
+        "lm_head.weight".into(),
+        &weights.lm_head,
+        vec![weights.lm_head.rows, weights.lm_head.cols],
+    );
+    vecs.push((
+        format!("{prefix}norm.weight"),
+        vec![cfg.hidden_size],
+        weights.final_norm.clone(),
+    ));
+    let shape = |m: &Mat| vec![m.rows, m.cols];
+    for (i, l) in weights.layers.iter().enumerate() {
+        let p = format!("{prefix}layers.{i}.");
+        vecs.push((format!("{p}input_layernorm.weight"), vec![cfg.hidden_size], l.input_norm.clone()));
+        vecs.push((
+            format!("{p}post_attention_layernorm.weight"),
+            vec![cfg.hidden_size],
+            l.post_attention_norm.clone(),
+        ));
+        match &l.mixer {
+            Mixer::Gdn(g) => {
+                let a = format!("{p}linear_attn.");
+                add_mat(&mut tensors, format!("{a}in_proj_qkv.weight"), &g.in_qkv, shape(&g.in_qkv));
+                add_mat(&mut tensors, format!("{a}in_proj_z.weight"), &g.in_z, shape(&g.in_z));
+                add_mat(&mut tensors, format!("{a}in_proj_b.weight"), &g.in_b, shape(&g.in_b));
+                add_mat(&mut tensors, format!("{a}in_proj_a.weight"), &g.in_a, shape(&g.in_a));
+                add_mat(&mut tensors, format!("{a}out_proj.weight"), &g.out, shape(&g.out));
+                let ch = cfg.gdn_conv_channels();
+                vecs.push((format!("{a}conv1d.weight"), vec![ch, 1, cfg.conv_kernel], g.conv.clone()));
+                vecs.push((format!("{a}A_log"), vec![g.a_log.len()], g.a_log.clone()));
+                vecs.push((format!("{a}dt_bias"), vec![g.dt_bias.len()], g.dt_bias.clone()));
+                vecs.push((format!("{a}norm.weight"), vec![g.norm.len()], g.norm.clone()));
+            }
+            Mixer::Attention(w) => {
+                let a = format!("{p}self_attn.");
+                add_mat(&mut tensors, format!("{a}q_proj.weight"), &w.q, shape(&w.q));
+                add_mat(&mut tensors, format!("{a}k_proj.weight"), &w.k, shape(&w.k));
+                add_mat(&mut tensors, format!("{a}v_proj.weight"), &w.v, shape(&w.v));
+                add_mat(&mut tensors, format!("{a}o_proj.weight"), &w.o, shape(&w.o));
+                vecs.push((format!("{a}q_norm.weight"), vec![w.q_norm.len()], w.q_norm.clone()));
+                vecs.push((format!("{a}k_norm.weight"), vec![w.k_norm.len()], w.k_norm.clone()));
+            }
+        }
+        let m = format!("{p}mlp.");
+        add_mat(&mut tensors, format!("{m}gate.weight"), &l.moe.router, shape(&l.moe.router));
+        match layout {
+            Layout::Official => {
+                let (mut gu, mut dn) = (Vec::new(), Vec::new());
+                for e in &l.moe.experts {
+                    gu.extend_from_slice(e.gate.bytes());
+                    gu.extend_from_slice(e.up.bytes());
+                    dn.extend_from_slice(e.down.bytes());
+                }
+                let (ne, i, d) = (cfg.num_experts, cfg.moe_intermediate, cfg.hidden_size);
+                let dt = l.moe.experts[0].gate.dtype;
+                tensors.push((format!("{m}experts.gate_up_proj"), dt, vec![ne, 2 * i, d], gu));
+                tensors.push((format!("{m}experts.down_proj"), dt, vec![ne, d, i], dn));
+            }
+            Layout::PerExpert => {
+                for (x, e) in l.moe.experts.iter().enumerate() {
+                    add_mat(&mut tensors, format!("{m}experts.{x}.gate_proj.weight"), &e.gate, shape(&e.gate));
+                    add_mat(&mut tensors, format!("{m}experts.{x}.up_proj.weight"), &e.up, shape(&e.up));
+                    add_mat(&mut tensors, format!("{m}experts.{x}.down_proj.weight"), &e.down, shape(&e.down));
+                }
+            }
+        }
+        let s = &l.moe.shared;
+        add_mat(&mut tensors, format!("{m}shared_expert.gate_proj.weight"), &s.gate, shape(&s.gate));
+        add_mat(&mut tensors, format!("{m}shared_expert.up_proj.weight"), &s.up, shape(&s.up));
+        add_mat(&mut tensors, format!("{m}shared_expert.down_proj.weight"), &s.down, shape(&s.down));
+        vecs.push((format!("{m}shared_expert_gate.weight"), vec![1, cfg.hidden_size], l.moe.shared_gate.clone()));
+    }
+    // Small vectors are stored in f32 (their dtype is read from the header on load).
+    for (name, shape, v) in vecs {
+        tensors.push((name, DType::F32, shape, encode_f32(&v, DType::F32)));
+    }
+
+    let st_dtype = |d: DType| match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::BF16 => safetensors::Dtype::BF16,
+    };
+    let shards = shards.max(1);
+    let per = tensors.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0usize;
+    for (s, group) in tensors.chunks(per).enumerate() {
+        let file = if shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", s + 1, shards)
+        };
+        let views: Vec<(String, safetensors::tensor::TensorView)> = group
+            .iter()
+            .map(|(n, dt, shape, bytes)| {
+                total += bytes.len();
+                weight_map.insert(n.clone(), serde_json::Value::String(file.clone()));
+                let view = safetensors::tensor::TensorView::new(st_dtype(*dt), shape.clone(), bytes)
+                    .expect("shape and bytes agree");
+                (n.clone(), view)
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(&file))?;
+    }
+    if shards > 1 {
+        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)?,
+        )?;
+    }
+    let text = config_json(cfg);
+    let config = match layout {
+        Layout::PerExpert => text,
+        Layout::Official => serde_json::json!({
+            "model_type": "qwen3_5_moe",
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "tie_word_embeddings": false,
+            "text_config": text,
+        }),
+    };
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}
