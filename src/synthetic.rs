@@ -45,13 +45,12 @@ pub fn random_weights(cfg: &TextConfig, seed: u64, dtype: DType) -> ModelWeights
     let vecn = |n: usize, mean: f32, std: f32, rng: &mut Rng| -> Vec<f32> {
         (0..n).map(|_| mean + rng.normal(std)).collect()
     };
-    let expert = |rows: usize, rng: &mut Rng, mat: &dyn Fn(usize, usize, &mut Rng) -> Mat| {
-        ExpertWeights {
+    let expert =
+        |rows: usize, rng: &mut Rng, mat: &dyn Fn(usize, usize, &mut Rng) -> Mat| ExpertWeights {
             gate: mat(rows, d, rng),
             up: mat(rows, d, rng),
             down: mat(d, rows, rng),
-        }
-    };
+        };
     let embed = {
         let v: Vec<f32> = (0..cfg.vocab_size * d).map(|_| rng.normal(1.0)).collect();
         Mat::from_f32(&v, cfg.vocab_size, d, dtype)
@@ -249,7 +248,11 @@ pub fn write_checkpoint(
     let shape = |m: &Mat| vec![m.rows, m.cols];
     for (i, l) in weights.layers.iter().enumerate() {
         let p = format!("{prefix}layers.{i}.");
-        vecs.push((format!("{p}input_layernorm.weight"), vec![cfg.hidden_size], l.input_norm.clone()));
+        vecs.push((
+            format!("{p}input_layernorm.weight"),
+            vec![cfg.hidden_size],
+            l.input_norm.clone(),
+        ));
         vecs.push((
             format!("{p}post_attention_layernorm.weight"),
             vec![cfg.hidden_size],
@@ -258,16 +261,53 @@ pub fn write_checkpoint(
         match &l.mixer {
             Mixer::Gdn(g) => {
                 let a = format!("{p}linear_attn.");
-                add_mat(&mut tensors, format!("{a}in_proj_qkv.weight"), &g.in_qkv, shape(&g.in_qkv));
-                add_mat(&mut tensors, format!("{a}in_proj_z.weight"), &g.in_z, shape(&g.in_z));
-                add_mat(&mut tensors, format!("{a}in_proj_b.weight"), &g.in_b, shape(&g.in_b));
-                add_mat(&mut tensors, format!("{a}in_proj_a.weight"), &g.in_a, shape(&g.in_a));
-                add_mat(&mut tensors, format!("{a}out_proj.weight"), &g.out, shape(&g.out));
+                add_mat(
+                    &mut tensors,
+                    format!("{a}in_proj_qkv.weight"),
+                    &g.in_qkv,
+                    shape(&g.in_qkv),
+                );
+                add_mat(
+                    &mut tensors,
+                    format!("{a}in_proj_z.weight"),
+                    &g.in_z,
+                    shape(&g.in_z),
+                );
+                add_mat(
+                    &mut tensors,
+                    format!("{a}in_proj_b.weight"),
+                    &g.in_b,
+                    shape(&g.in_b),
+                );
+                add_mat(
+                    &mut tensors,
+                    format!("{a}in_proj_a.weight"),
+                    &g.in_a,
+                    shape(&g.in_a),
+                );
+                add_mat(
+                    &mut tensors,
+                    format!("{a}out_proj.weight"),
+                    &g.out,
+                    shape(&g.out),
+                );
                 let ch = cfg.gdn_conv_channels();
-                vecs.push((format!("{a}conv1d.weight"), vec![ch, 1, cfg.conv_kernel], g.conv.clone()));
+                vecs.push((
+                    format!("{a}conv1d.weight"),
+                    vec![ch, 1, cfg.conv_kernel],
+                    g.conv.clone(),
+                ));
                 vecs.push((format!("{a}A_log"), vec![g.a_log.len()], g.a_log.clone()));
-                vecs.push((format!("{a}dt_bias"), vec![g.dt_bias.len()], g.dt_bias.clone()));
-                vecs.push((format!("{a}norm.weight"), vec![g.norm.len()], g.norm.clone()));
+                vecs.push((
+                    format!("{a}dt_bias"),
+                    vec![g.dt_bias.len()],
+                    g.dt_bias.clone(),
+                ));
+                vecs.push((
+                    format!("{a}norm.weight"),
+                    vec![g.norm.len()],
+                    g.norm.clone(),
+                ));
             }
             Mixer::Attention(w) => {
                 let a = format!("{p}self_attn.");
@@ -275,12 +315,25 @@ pub fn write_checkpoint(
                 add_mat(&mut tensors, format!("{a}k_proj.weight"), &w.k, shape(&w.k));
                 add_mat(&mut tensors, format!("{a}v_proj.weight"), &w.v, shape(&w.v));
                 add_mat(&mut tensors, format!("{a}o_proj.weight"), &w.o, shape(&w.o));
-                vecs.push((format!("{a}q_norm.weight"), vec![w.q_norm.len()], w.q_norm.clone()));
-                vecs.push((format!("{a}k_norm.weight"), vec![w.k_norm.len()], w.k_norm.clone()));
+                vecs.push((
+                    format!("{a}q_norm.weight"),
+                    vec![w.q_norm.len()],
+                    w.q_norm.clone(),
+                ));
+                vecs.push((
+                    format!("{a}k_norm.weight"),
+                    vec![w.k_norm.len()],
+                    w.k_norm.clone(),
+                ));
             }
         }
         let m = format!("{p}mlp.");
-        add_mat(&mut tensors, format!("{m}gate.weight"), &l.moe.router, shape(&l.moe.router));
+        add_mat(
+            &mut tensors,
+            format!("{m}gate.weight"),
+            &l.moe.router,
+            shape(&l.moe.router),
+        );
         match layout {
             Layout::Official => {
                 let (mut gu, mut dn) = (Vec::new(), Vec::new());
@@ -291,22 +344,61 @@ pub fn write_checkpoint(
                 }
                 let (ne, i, d) = (cfg.num_experts, cfg.moe_intermediate, cfg.hidden_size);
                 let dt = l.moe.experts[0].gate.dtype;
-                tensors.push((format!("{m}experts.gate_up_proj"), dt, vec![ne, 2 * i, d], gu));
+                tensors.push((
+                    format!("{m}experts.gate_up_proj"),
+                    dt,
+                    vec![ne, 2 * i, d],
+                    gu,
+                ));
                 tensors.push((format!("{m}experts.down_proj"), dt, vec![ne, d, i], dn));
             }
             Layout::PerExpert => {
                 for (x, e) in l.moe.experts.iter().enumerate() {
-                    add_mat(&mut tensors, format!("{m}experts.{x}.gate_proj.weight"), &e.gate, shape(&e.gate));
-                    add_mat(&mut tensors, format!("{m}experts.{x}.up_proj.weight"), &e.up, shape(&e.up));
-                    add_mat(&mut tensors, format!("{m}experts.{x}.down_proj.weight"), &e.down, shape(&e.down));
+                    add_mat(
+                        &mut tensors,
+                        format!("{m}experts.{x}.gate_proj.weight"),
+                        &e.gate,
+                        shape(&e.gate),
+                    );
+                    add_mat(
+                        &mut tensors,
+                        format!("{m}experts.{x}.up_proj.weight"),
+                        &e.up,
+                        shape(&e.up),
+                    );
+                    add_mat(
+                        &mut tensors,
+                        format!("{m}experts.{x}.down_proj.weight"),
+                        &e.down,
+                        shape(&e.down),
+                    );
                 }
             }
         }
         let s = &l.moe.shared;
-        add_mat(&mut tensors, format!("{m}shared_expert.gate_proj.weight"), &s.gate, shape(&s.gate));
-        add_mat(&mut tensors, format!("{m}shared_expert.up_proj.weight"), &s.up, shape(&s.up));
-        add_mat(&mut tensors, format!("{m}shared_expert.down_proj.weight"), &s.down, shape(&s.down));
-        vecs.push((format!("{m}shared_expert_gate.weight"), vec![1, cfg.hidden_size], l.moe.shared_gate.clone()));
+        add_mat(
+            &mut tensors,
+            format!("{m}shared_expert.gate_proj.weight"),
+            &s.gate,
+            shape(&s.gate),
+        );
+        add_mat(
+            &mut tensors,
+            format!("{m}shared_expert.up_proj.weight"),
+            &s.up,
+            shape(&s.up),
+        );
+        add_mat(
+            &mut tensors,
+            format!("{m}shared_expert.down_proj.weight"),
+            &s.down,
+            shape(&s.down),
+        );
+        vecs.push((
+            format!("{m}shared_expert_gate.weight"),
+            vec![1, cfg.hidden_size],
+            l.moe.shared_gate.clone(),
+        ));
     }
     // Small vectors are stored in f32 (their dtype is read from the header on load).
     for (name, shape, v) in vecs {
@@ -333,15 +425,17 @@ pub fn write_checkpoint(
             .map(|(n, dt, shape, bytes)| {
                 total += bytes.len();
                 weight_map.insert(n.clone(), serde_json::Value::String(file.clone()));
-                let view = safetensors::tensor::TensorView::new(st_dtype(*dt), shape.clone(), bytes)
-                    .expect("shape and bytes agree");
+                let view =
+                    safetensors::tensor::TensorView::new(st_dtype(*dt), shape.clone(), bytes)
+                        .expect("shape and bytes agree");
                 (n.clone(), view)
             })
             .collect();
         safetensors::serialize_to_file(views, None, &dir.join(&file))?;
     }
     if shards > 1 {
-        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         std::fs::write(
             dir.join("model.safetensors.index.json"),
             serde_json::to_string_pretty(&index)?,
@@ -357,6 +451,9 @@ pub fn write_checkpoint(
             "text_config": text,
         }),
     };
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     Ok(())
 }

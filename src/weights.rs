@@ -213,14 +213,14 @@ impl Checkpoint {
                 }
             }
         }
-        if let Some(map) = &expected {
-            if let Some(missing) = map.keys().find(|k| !seen.contains_key(*k)) {
-                bail!(
-                    "tensor `{missing}` is listed in {} (shard {}) but that shard does not contain it",
-                    index_path.display(),
-                    map[missing]
-                );
-            }
+        if let Some(map) = &expected
+            && let Some(missing) = map.keys().find(|k| !seen.contains_key(*k))
+        {
+            bail!(
+                "tensor `{missing}` is listed in {} (shard {}) but that shard does not contain it",
+                index_path.display(),
+                map[missing]
+            );
         }
         ckpt.mtp.sort();
         Ok(ckpt)
@@ -390,10 +390,8 @@ impl ModelWeights {
                         in_z: ck.mat(&format!("{a}in_proj_z.weight"), &[cfg.gdn_v_width(), d])?,
                         in_b: ck.mat(&format!("{a}in_proj_b.weight"), &[hv, d])?,
                         in_a: ck.mat(&format!("{a}in_proj_a.weight"), &[hv, d])?,
-                        conv: ck.vec_f32(
-                            &format!("{a}conv1d.weight"),
-                            &[ch, 1, cfg.conv_kernel],
-                        )?,
+                        conv: ck
+                            .vec_f32(&format!("{a}conv1d.weight"), &[ch, 1, cfg.conv_kernel])?,
                         a_log: ck.vec_f32(&format!("{a}A_log"), &[hv])?,
                         dt_bias: ck.vec_f32(&format!("{a}dt_bias"), &[hv])?,
                         norm: ck.vec_f32(&format!("{a}norm.weight"), &[cfg.gdn_value_dim])?,

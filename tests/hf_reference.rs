@@ -29,7 +29,11 @@ fn fixtures() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.safetensors").exists())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 2, "expected the HF fixtures in {}", root.display());
+    assert!(
+        dirs.len() >= 2,
+        "expected the HF fixtures in {}",
+        root.display()
+    );
     dirs
 }
 
@@ -69,7 +73,10 @@ fn read_reference(dir: &Path) -> Reference {
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let err = a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    let err = a
+        .iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
     err / scale
 }
 
@@ -109,8 +116,16 @@ fn cpu_matches_hf_prefill_and_decode() {
             "{}: prompt rel err {pe:.2e}, decode rel err {de:.2e}",
             dir.display()
         );
-        assert!(pe <= REL_TOL, "{}: prompt logits rel err {pe}", dir.display());
-        assert!(de <= REL_TOL, "{}: decode logits rel err {de}", dir.display());
+        assert!(
+            pe <= REL_TOL,
+            "{}: prompt logits rel err {pe}",
+            dir.display()
+        );
+        assert!(
+            de <= REL_TOL,
+            "{}: decode logits rel err {de}",
+            dir.display()
+        );
         assert_eq!(ids, r.decode_ids, "{}: greedy tokens", dir.display());
     }
 }
@@ -136,7 +151,11 @@ fn step_form_gdn_matches_hf_too() {
         model.gdn_mode = GdnMode::Step;
         let r = read_reference(&dir);
         let (pe, de, ids) = run(&model, &r, r.prompt_ids.len());
-        assert!(pe <= REL_TOL && de <= REL_TOL, "{}: {pe} {de}", dir.display());
+        assert!(
+            pe <= REL_TOL && de <= REL_TOL,
+            "{}: {pe} {de}",
+            dir.display()
+        );
         assert_eq!(ids, r.decode_ids);
     }
 }

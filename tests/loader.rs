@@ -62,7 +62,7 @@ fn edit_header(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     f(&mut header);
     let mut h = serde_json::to_vec(&header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -107,7 +107,9 @@ fn all_layouts_and_dtypes_load_to_the_same_model() {
     for dt in [DType::F32, DType::F16] {
         let (_t, dir) = write(Layout::PerExpert, dt, 1);
         let m = CpuModel::load(&dir).unwrap();
-        let got = m.forward(&mut m.new_state(), &tokens, Logits::Last).unwrap();
+        let got = m
+            .forward(&mut m.new_state(), &tokens, Logits::Last)
+            .unwrap();
         assert_eq!(got.len(), cfg.vocab_size);
         assert!(got.iter().all(|x| x.is_finite()));
     }
@@ -177,11 +179,17 @@ fn truncated_file() {
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.set_len(len - 100).unwrap();
     let e = load_err(&dir);
-    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
     // Shorter than the 8-byte length prefix.
     f.set_len(5).unwrap();
     let e = load_err(&dir);
-    assert!(e.contains("model.safetensors") && e.contains("too short"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("too short"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -212,7 +220,9 @@ fn missing_tensor() {
     let (_t, dir) = write(Layout::PerExpert, DType::BF16, 1);
     edit_header(&dir.join("model.safetensors"), |h| {
         let o = h.as_object_mut().unwrap();
-        let v = o.remove("model.layers.2.linear_attn.in_proj_z.weight").unwrap();
+        let v = o
+            .remove("model.layers.2.linear_attn.in_proj_z.weight")
+            .unwrap();
         o.insert("model.layers.2.linear_attn.unexpected.weight".into(), v);
     });
     let e = load_err(&dir);
@@ -288,5 +298,8 @@ fn bad_config_values_name_the_field() {
     assert!(e.contains("text_config.linear_num_value_heads"), "{e}");
     std::fs::write(&p, "{not json").unwrap();
     let e = load_err(&dir);
-    assert!(e.contains("config.json") && e.contains("not valid JSON"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("not valid JSON"),
+        "{e}"
+    );
 }

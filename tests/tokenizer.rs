@@ -14,7 +14,9 @@ fn tokenizer() -> &'static Tokenizer {
 }
 
 fn fixture(name: &str) -> Vec<Value> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
@@ -37,7 +39,9 @@ fn encode_decode_match_the_reference_corpus() {
         // With special-token parsing off, special tokens are text, as in HF's
         // `encode_special_tokens=True`; the non-special added tokens (<think>, <tool_call>)
         // are still matched there, like in HF, so those cases carry their own ids.
-        let plain = case.get("ids_encode_special_tokens").map_or(expected.clone(), ids);
+        let plain = case
+            .get("ids_encode_special_tokens")
+            .map_or(expected.clone(), ids);
         assert_eq!(
             t.encode(text, false).unwrap(),
             plain,
@@ -82,47 +86,42 @@ fn special_token_ids_are_the_real_ones() {
     assert_eq!(s, "<think>Hello");
 }
 
+fn chat_request(case: &Value) -> ChatRequest {
+    ChatRequest {
+        messages: case["messages"].as_array().unwrap().clone(),
+        tools: case["tools"].as_array().cloned(),
+        add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap_or(false),
+        enable_thinking: case.get("enable_thinking").and_then(Value::as_bool),
+        extra: case
+            .get("extra")
+            .and_then(Value::as_object)
+            .cloned()
+            .unwrap_or_default(),
+    }
+}
+
 #[test]
 fn chat_template_matches_transformers_rendering() {
-    let t = tokenizer();
-    let template = t.template.as_ref().unwrap();
+    let template = tokenizer().template.as_ref().unwrap();
     let cases = fixture("chat_template/cases.json");
-    // Every other key of a case is a template variable (e.g. preserve_thinking).
-    const KNOWN: [&str; 7] = [
-        "name",
-        "messages",
-        "tools",
-        "add_generation_prompt",
-        "enable_thinking",
-        "expected",
-        "expected_error",
-    ];
-    assert!(cases.len() >= 8);
+    assert!(cases.len() >= 10);
     for case in &cases {
         let name = case["name"].as_str().unwrap();
-        let req = ChatRequest {
-            messages: case["messages"].as_array().unwrap().clone(),
-            tools: case["tools"].as_array().cloned(),
-            add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap_or(false),
-            enable_thinking: case.get("enable_thinking").and_then(Value::as_bool),
-            extra: case
-                .as_object()
-                .unwrap()
-                .iter()
-                .filter(|(k, _)| !KNOWN.contains(&k.as_str()))
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-        };
-        match case.get("expected_error").and_then(Value::as_str) {
-            Some(msg) => {
-                let e = template.render(&req).unwrap_err().to_string();
-                assert!(e.contains(msg), "case {name}: {e}");
-            }
-            None => {
-                let got = template.render(&req).unwrap();
-                assert_eq!(got, case["expected"].as_str().unwrap(), "case {name}");
-            }
-        }
+        let got = template.render(&chat_request(case)).unwrap();
+        assert_eq!(got, case["expected"].as_str().unwrap(), "case {name}");
+    }
+}
+
+#[test]
+fn chat_template_rejections_are_errors_with_the_templates_message() {
+    let template = tokenizer().template.as_ref().unwrap();
+    for case in &fixture("chat_template/errors.json") {
+        let msg = case["expected_error"].as_str().unwrap();
+        let e = template
+            .render(&chat_request(case))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(msg), "case {}: {e}", case["name"]);
     }
 }
 

@@ -27,6 +27,7 @@ pub fn apply_rope(x: &mut [f32], pos: usize, inv_freq: &[f32]) {
 /// Causal attention of `t` new queries at positions `past..past+t` over a cache that
 /// already holds their keys. `q` is `[t, nq, hd]`, caches `[past + t, nkv, hd]`;
 /// query head `h` reads KV head `h / (nq / nkv)`. Returns `[t, nq, hd]`.
+#[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     q: &[f32],
     t: usize,

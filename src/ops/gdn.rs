@@ -152,7 +152,14 @@ pub fn delta_rule_chunked(inp: &DeltaInputs, state: &mut [f32]) -> Vec<f32> {
             let mut start = 0;
             while start < t {
                 let n = CHUNK.min(t - start);
-                chunk(inp, j, start, n, s0, &mut o_head[start * dv..(start + n) * dv]);
+                chunk(
+                    inp,
+                    j,
+                    start,
+                    n,
+                    s0,
+                    &mut o_head[start * dv..(start + n) * dv],
+                );
                 start += n;
             }
             o_head
@@ -171,12 +178,13 @@ fn chunk(inp: &DeltaInputs, j: usize, start: usize, n: usize, s0: &mut [f32], o:
     let (dk, dv) = (inp.dk, inp.dv);
     let tok = |r: usize| start + r;
     // Inclusive cumulative log-decay.
-    let mut gamma = vec![0.0f32; n];
     let mut acc = 0.0f32;
-    for r in 0..n {
-        acc += inp.g(tok(r), j);
-        gamma[r] = acc;
-    }
+    let gamma: Vec<f32> = (0..n)
+        .map(|r| {
+            acc += inp.g(tok(r), j);
+            acc
+        })
+        .collect();
     let beta: Vec<f32> = (0..n).map(|r| inp.beta(tok(r), j)).collect();
     // L[r][s] = β_r (k_r·k_s) exp(γ_r − γ_s), strictly lower.
     let mut l = vec![0.0f32; n * n];
@@ -265,7 +273,9 @@ mod tests {
     use crate::ops::norm::l2_normalize;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
@@ -297,8 +307,16 @@ mod tests {
         let (mut s1, mut s2) = (init.clone(), init.clone());
         let o1 = delta_rule_step(&inp, &mut s1);
         let o2 = delta_rule_chunked(&inp, &mut s2);
-        let max_o = o1.iter().zip(&o2).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-        let max_s = s1.iter().zip(&s2).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        let max_o = o1
+            .iter()
+            .zip(&o2)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        let max_s = s1
+            .iter()
+            .zip(&s2)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
         assert!(max_o < 1e-4 && max_s < 1e-4, "o {max_o} s {max_s}");
         // And the state actually moved.
         assert!(s1.iter().zip(&init).any(|(a, b)| (a - b).abs() > 1e-2));

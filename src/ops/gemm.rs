@@ -74,8 +74,12 @@ mod tests {
     #[test]
     fn matches_naive_product_across_blocks() {
         let (t, k, n) = (3, 40, 2000); // n spans several row blocks
-        let x: Vec<f32> = (0..t * k).map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5).collect();
-        let wv: Vec<f32> = (0..n * k).map(|i| ((i * 11) % 17) as f32 / 17.0 - 0.5).collect();
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5)
+            .collect();
+        let wv: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 11) % 17) as f32 / 17.0 - 0.5)
+            .collect();
         for dt in [DType::F32, DType::BF16] {
             let w = Mat::from_f32(&wv, n, k, dt);
             let wf = w.to_f32();

@@ -16,7 +16,9 @@ pub fn route(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
     idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
     idx.truncate(k);
     let chosen: f32 = idx.iter().map(|&e| probs[e] / total).sum();
-    idx.into_iter().map(|e| (e, probs[e] / total / chosen)).collect()
+    idx.into_iter()
+        .map(|e| (e, probs[e] / total / chosen))
+        .collect()
 }
 
 /// SwiGLU feed-forward of `t` rows: `(SiLU(x Gᵀ) ⊙ x Uᵀ) Dᵀ`.
@@ -49,7 +51,10 @@ pub fn moe_forward(x: &[f32], t: usize, d: usize, w: &MoeWeights, top_k: usize) 
         }
         let y = swiglu(&xs, rows.len(), &w.experts[ex]);
         for (r, &(tok, wt)) in rows.iter().enumerate() {
-            for (o, v) in out[tok * d..(tok + 1) * d].iter_mut().zip(&y[r * d..(r + 1) * d]) {
+            for (o, v) in out[tok * d..(tok + 1) * d]
+                .iter_mut()
+                .zip(&y[r * d..(r + 1) * d])
+            {
                 *o += wt * v;
             }
         }
@@ -57,7 +62,10 @@ pub fn moe_forward(x: &[f32], t: usize, d: usize, w: &MoeWeights, top_k: usize) 
     let shared = swiglu(x, t, &w.shared);
     for tok in 0..t {
         let gate = sigmoid(dot(&x[tok * d..(tok + 1) * d], &w.shared_gate));
-        for (o, s) in out[tok * d..(tok + 1) * d].iter_mut().zip(&shared[tok * d..(tok + 1) * d]) {
+        for (o, s) in out[tok * d..(tok + 1) * d]
+            .iter_mut()
+            .zip(&shared[tok * d..(tok + 1) * d])
+        {
             *o += gate * s;
         }
     }
