@@ -1,8 +1,10 @@
 //! Kestrel: an inference engine for exactly one model family, Qwen3.6-35B-A3B
 //! (`qwen3_5_moe`): hybrid Gated DeltaNet / gated attention, 256-expert top-8 MoE.
 
+pub mod bench;
 pub mod chat;
 pub mod config;
+pub mod cuda;
 pub mod generate;
 pub mod model;
 pub mod ops;

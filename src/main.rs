@@ -53,6 +53,31 @@ enum Command {
         #[arg(long)]
         model: PathBuf,
     },
+    /// Benchmark (Lily's contract: batch 1, greedy, TTFT-style prefill, 64 decode steps).
+    Bench {
+        /// Seeded random weights of a known shape instead of a checkpoint: `full` (the exact
+        /// 40-layer Qwen3.6-35B-A3B shape) or `demo`.
+        #[arg(long)]
+        synthetic: Option<String>,
+        /// Checkpoint directory (when not --synthetic).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// cpu or cuda.
+        #[arg(long, default_value = "cuda")]
+        device: String,
+        /// Comma-separated context lengths.
+        #[arg(
+            long,
+            default_value = "256,512,1024,2048,4096,8192,16384,32768,65536,131072"
+        )]
+        contexts: String,
+        /// Prompt tokens per prefill chunk on the GPU.
+        #[arg(long, default_value_t = 4096)]
+        max_chunk: usize,
+        /// Write the results as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 fn main() {
@@ -80,6 +105,14 @@ fn run(cli: Cli) -> Result<()> {
             max_seq,
         } => generate(prompt, model, max_tokens, raw, no_think, max_seq),
         Command::Inspect { model } => inspect(model),
+        Command::Bench {
+            synthetic,
+            model,
+            device,
+            contexts,
+            max_chunk,
+            json,
+        } => bench_cmd(synthetic, model, device, contexts, max_chunk, json),
     }
 }
 
@@ -269,5 +302,202 @@ fn inspect(dir: PathBuf) -> Result<()> {
         "cpu backend     {} of f32 state per sequence before any token",
         human_bytes(cpu_state as u64)
     );
+    Ok(())
+}
+
+struct CudaRunner<'a>(&'a kestrel::cuda::model::CudaModel, usize);
+
+impl kestrel::bench::GreedyRunner for CudaRunner<'_> {
+    type State = kestrel::cuda::model::CudaState;
+    fn fresh(&self) -> Result<Self::State> {
+        self.0.new_state_checked()
+    }
+    fn step(&self, state: &mut Self::State, tokens: &[u32]) -> Result<u32> {
+        self.0.forward_greedy(state, tokens, self.1)
+    }
+}
+
+struct CpuRunner<'a>(&'a CpuModel, usize);
+
+impl kestrel::bench::GreedyRunner for CpuRunner<'_> {
+    type State = SequenceState;
+    fn fresh(&self) -> Result<Self::State> {
+        Ok(self.0.new_state())
+    }
+    fn step(&self, state: &mut Self::State, tokens: &[u32]) -> Result<u32> {
+        let mut logits = Vec::new();
+        for piece in tokens.chunks(4096) {
+            logits = self.0.forward(state, piece, kestrel::model::Logits::Last)?;
+        }
+        Ok(kestrel::generate::greedy(&logits, self.1))
+    }
+}
+
+fn utc_date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let rem = secs % 86_400;
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+fn bench_cmd(
+    synthetic: Option<String>,
+    model: Option<PathBuf>,
+    device: String,
+    contexts: String,
+    max_chunk: usize,
+    json: Option<PathBuf>,
+) -> Result<()> {
+    let contexts: Vec<usize> = contexts
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| anyhow::anyhow!("--contexts: {s:?} is not a whole number"))
+        })
+        .collect::<Result<_>>()?;
+    if contexts.is_empty() || contexts.contains(&0) {
+        anyhow::bail!("--contexts needs positive lengths");
+    }
+    let max_ctx = *contexts.iter().max().unwrap();
+    let (cfg, host, weights_label) = match (&synthetic, &model) {
+        (Some(s), None) => {
+            let cfg = match s.as_str() {
+                "full" => TextConfig::qwen36_35b_a3b(),
+                "demo" => synthetic::demo_config(),
+                other => anyhow::bail!("--synthetic must be `full` or `demo`, not {other:?}"),
+            };
+            eprintln!(
+                "kestrel bench: SYNTHETIC weights (seeded random, {} shape): these numbers measure speed only, never output quality",
+                if s == "full" {
+                    "exact 40-layer Qwen3.6-35B-A3B"
+                } else {
+                    "demo"
+                }
+            );
+            (cfg, None, format!("synthetic-{s}"))
+        }
+        (None, Some(dir)) => {
+            let m = CpuModel::load(dir)?;
+            (m.config.clone(), Some(m), dir.display().to_string())
+        }
+        _ => anyhow::bail!("give exactly one of --synthetic full|demo or --model DIR"),
+    };
+    let vocab_limit = cfg
+        .vocab_size
+        .min(kestrel::tokenizer::special::FIRST_PADDING_ID as usize);
+    let log = |s: &str| eprintln!("{s}");
+    let (rows, device_name, copy_bw) = match device.as_str() {
+        "cuda" => {
+            let gpu = kestrel::cuda::Gpu::open(0)?;
+            let copy_bw = gpu.measure_copy_bandwidth(4 << 30)?;
+            eprintln!(
+                "device: {} (copy bandwidth {:.2} TB/s read+write)",
+                gpu.name,
+                copy_bw / 1e12
+            );
+            let max_seq = max_ctx + kestrel::bench::DECODE_STEPS + 8;
+            let t0 = std::time::Instant::now();
+            let m = match &host {
+                Some(h) => kestrel::cuda::model::CudaModel::from_weights(
+                    gpu.clone(),
+                    cfg.clone(),
+                    &h.weights,
+                    max_seq,
+                    max_chunk,
+                )?,
+                None => kestrel::cuda::model::CudaModel::synthetic(
+                    gpu.clone(),
+                    cfg.clone(),
+                    7,
+                    max_seq,
+                    max_chunk,
+                )?,
+            };
+            eprintln!("weights ready in {:.1} s", t0.elapsed().as_secs_f64());
+            let runner = CudaRunner(&m, vocab_limit);
+            let mut rows = Vec::new();
+            for &c in &contexts {
+                rows.push(kestrel::bench::bench_context(
+                    &runner,
+                    &cfg,
+                    c,
+                    vocab_limit,
+                    copy_bw,
+                    log,
+                )?);
+            }
+            (rows, gpu.name.clone(), copy_bw)
+        }
+        "cpu" => {
+            let m = match host {
+                Some(h) => h,
+                None => {
+                    let w = synthetic::random_weights(&cfg, 7, DType::BF16);
+                    CpuModel::new(cfg.clone(), w)
+                }
+            };
+            let runner = CpuRunner(&m, vocab_limit);
+            let mut rows = Vec::new();
+            for &c in &contexts {
+                rows.push(kestrel::bench::bench_context(
+                    &runner,
+                    &cfg,
+                    c,
+                    vocab_limit,
+                    0.0,
+                    log,
+                )?);
+            }
+            (rows, "cpu".to_string(), 0.0)
+        }
+        other => anyhow::bail!("--device must be cpu or cuda, not {other:?}"),
+    };
+    println!(
+        "{:>8} {:>14} {:>10} {:>13} {:>10} {:>9}",
+        "context", "prefill tok/s", "ttft ms", "decode tok/s", "ms/token", "bw frac"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>14.0} {:>10.1} {:>13.1} {:>10.3} {:>9.3}",
+            r.context,
+            r.prefill_tok_s,
+            r.ttft_ms,
+            r.decode_tok_s,
+            r.decode_ms_per_token,
+            r.decode_bandwidth_fraction
+        );
+    }
+    if let Some(path) = json {
+        let report = serde_json::json!({
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "commit": std::env::var("KESTREL_COMMIT").unwrap_or_else(|_| "unknown".into()),
+            "date": utc_date(),
+            "device": device_name,
+            "weights": weights_label,
+            "copy_bandwidth_bytes_per_s": copy_bw,
+            "contract": "batch 1, greedy, prompt[i] = ((i*2654435761) mod 2^32) mod vocab, warm-up, TTFT prefill, 64 decode steps, median of 2 rounds",
+            "rows": rows,
+        });
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     Ok(())
 }

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU round, run on the H200 through the device tool from the repository root:
+#   GPU test executables (built here with `cargo test --release --no-run`, staged by
+#   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
+#   HF peer, all logs and JSON under $OUT.
+# Usage: scripts/gpu_check.sh [tests] [fullwidth] [bench CONTEXTS] [peer]
+set -uo pipefail
+OUT=${OUT:-/tmp/kestrel-out}
+mkdir -p "$OUT"
+export KESTREL_CACHE_DIR=/tmp/kestrel-cache RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
+export KESTREL_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+status=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests)
+      for t in .device/bin/test-*; do
+        echo "== $t"
+        "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$OUT/tests.log" || status=1
+      done ;;
+    fullwidth)
+      python3 scripts/fullwidth_check.py --out /tmp/fullwidth 2>&1 | tee "$OUT/fullwidth-hf.log" || status=1
+      KESTREL_FULLWIDTH_DIR=/tmp/fullwidth .device/bin/test-cuda fullwidth --nocapture 2>&1 | tee "$OUT/fullwidth.log" || status=1 ;;
+    bench)
+      shift
+      .device/bin/kestrel bench --synthetic full --contexts "$1" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    peer)
+      python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;
+    *) echo "unknown step $1"; status=1 ;;
+  esac
+  shift
+done
+exit $status

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds the release binary and test executables here (no GPU needed) and copies them into
+# .device/ (git-ignored), which the device tool carries to the GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release
+cargo test --release --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
+        print(m["target"]["name"], m["executable"])' > /tmp/kestrel-test-exes
+rm -rf .device && mkdir -p .device/bin
+cp target/release/kestrel .device/bin/
+while read -r name exe; do
+  case "$name" in cuda) cp "$exe" ".device/bin/test-$name" ;; esac
+done < /tmp/kestrel-test-exes
+git rev-parse --short HEAD > .device/COMMIT
+du -sh .device

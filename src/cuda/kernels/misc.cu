@@ -1,0 +1,78 @@
+// Embedding gather, greedy argmax, casts and seeded random fill.
+
+extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const int* __restrict__ ids,
+                                        float* __restrict__ out, int d) {
+    int t = blockIdx.x;
+    const bf16* row = table + (size_t)ids[t] * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)t * d + i] = __bfloat162float(row[i]);
+}
+
+// out[row] = index of the max of x[row, 0..n) (first on ties). One block per row.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int stride, int* __restrict__ out) {
+    const float* r = x + (size_t)blockIdx.x * stride;
+    float best = -INFINITY;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = r[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = best; si[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        int nw = (blockDim.x + 31) >> 5;
+        best = lane < nw ? sv[lane] : -INFINITY;
+        idx = lane < nw ? si[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+        }
+        if (lane == 0) out[blockIdx.x] = idx;
+    }
+}
+
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        y[i] = __float2bfloat16(x[i]);
+}
+
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Seeded approximately-normal values (sum of four uniforms), mean + std * N(0,1).
+extern "C" __global__ void fill_random_bf16(bf16* __restrict__ out, u64 n, u64 seed, float mean, float std) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = splitmix64(seed * 0x100000001B3ull + i);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) s += (float)((r >> (16 * k)) & 0xffff) * (1.0f / 65536.0f);
+        out[i] = __float2bfloat16(mean + (s - 2.0f) * 1.7320508f * std);
+    }
+}
+
+extern "C" __global__ void fill_random_f32(float* __restrict__ out, u64 n, u64 seed, float mean, float std) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = splitmix64(seed * 0x100000001B3ull + i);
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) s += (float)((r >> (16 * k)) & 0xffff) * (1.0f / 65536.0f);
+        out[i] = mean + (s - 2.0f) * 1.7320508f * std;
+    }
+}
+
+// Memory bandwidth probe: y = x, 16 bytes per thread per step.
+extern "C" __global__ void copy_probe(const uint4* __restrict__ x, uint4* __restrict__ y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) y[i] = x[i];
+}

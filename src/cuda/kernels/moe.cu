@@ -1,0 +1,174 @@
+// Sparse MoE: routing (softmax over all experts, top-k renormalised), a device-side counting
+// sort of (token, slot) pairs by expert, a grouped bf16 tensor-core GEMM over the selected
+// experts only, SwiGLU, and the combine with the sigmoid-gated shared expert.
+
+// One warp per token. logits: [t, e]; writes topk ids/weights [t, k] and counts[e] += 1.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, int k,
+                                     int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                                     int* __restrict__ counts) {
+    int s = blockIdx.x, lane = threadIdx.x;
+    const float* r = logits + (size_t)s * e;
+    float mx = -INFINITY;
+    for (int i = lane; i < e; i += 32) mx = fmaxf(mx, r[i]);
+    mx = warp_max(mx);
+    float total = 0.0f;
+    for (int i = lane; i < e; i += 32) total += expf(r[i] - mx);
+    total = warp_sum(total);
+    // Iterative arg-max over the logits (same order as over the probabilities).
+    int chosen_ids[16];
+    float chosen_p[16];
+    float sum_p = 0.0f;
+    for (int kk = 0; kk < k; kk++) {
+        float best = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = lane; i < e; i += 32) {
+            bool taken = false;
+            for (int q = 0; q < kk; q++) taken |= (chosen_ids[q] == i);
+            float v = r[i];
+            if (!taken && (v > best || (v == best && i < bi))) { best = v; bi = i; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+        }
+        chosen_ids[kk] = bi;
+        chosen_p[kk] = expf(best - mx) / total;
+        sum_p += chosen_p[kk];
+    }
+    if (lane == 0) {
+        for (int kk = 0; kk < k; kk++) {
+            topk_ids[s * k + kk] = chosen_ids[kk];
+            topk_w[s * k + kk] = chosen_p[kk] / sum_p;
+            atomicAdd(&counts[chosen_ids[kk]], 1);
+        }
+    }
+}
+
+// Single thread block: exclusive scan of counts and the tile table for the grouped GEMM.
+// tiles: (expert, first row in sorted order, rows) for every tile_m rows of every expert.
+extern "C" __global__ void moe_plan(const int* __restrict__ counts, int e, int tile_m,
+                                    int* __restrict__ offsets, int* __restrict__ cursor,
+                                    int* __restrict__ tile_expert, int* __restrict__ tile_row,
+                                    int* __restrict__ tile_rows, int* __restrict__ num_tiles) {
+    if (threadIdx.x != 0) return;
+    int off = 0, nt = 0;
+    for (int x = 0; x < e; x++) {
+        offsets[x] = off;
+        cursor[x] = off;
+        int c = counts[x];
+        for (int r = 0; r < c; r += tile_m) {
+            tile_expert[nt] = x;
+            tile_row[nt] = off + r;
+            tile_rows[nt] = min(tile_m, c - r);
+            nt++;
+        }
+        off += c;
+    }
+    offsets[e] = off;
+    *num_tiles = nt;
+}
+
+// Thread per (token, slot): its row in expert-sorted order.
+extern "C" __global__ void moe_scatter(const int* __restrict__ topk_ids, int n, int k, int* __restrict__ cursor,
+                                       int* __restrict__ sorted_token, int* __restrict__ slot_row) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int row = atomicAdd(&cursor[topk_ids[i]], 1);
+    sorted_token[row] = i / k;
+    slot_row[i] = row;
+}
+
+// Grouped GEMM: for each tile (expert x, rows r0..r0+rows of the sorted order) and a block of
+// 64 output columns: C[row, n] = sum_k A[a_row(row), k] * W_x[n, k].
+// A: bf16 [*, kdim] gathered through `gather` (or row = sorted row if gather is null);
+// W: bf16 [E, ndim, kdim]; C: f32 [rows_total, ndim]. 4 warps, each a 32x32 quadrant.
+#define TM 64
+#define TN 64
+#define TK 32
+extern "C" __global__ void __launch_bounds__(128) moe_gemm(
+    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,
+    float* __restrict__ c, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+    const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {
+    using namespace nvcuda;
+    int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
+    int n0 = blockIdx.y * TN;
+    const bf16* wx = w + (size_t)x * ndim * kdim;
+    __shared__ __align__(32) bf16 as[TM][TK + 8];
+    __shared__ __align__(32) bf16 bs[TN][TK + 8];
+    __shared__ __align__(32) float cs[TM][TN + 4];
+    __shared__ int arow[TM];
+    int tid = threadIdx.x, warp = tid >> 5;
+    if (tid < TM) arow[tid] = tid < rows ? (gather ? gather[r0 + tid] : r0 + tid) : -1;
+    __syncthreads();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    for (int k0 = 0; k0 < kdim; k0 += TK) {
+        // 64 x 32 elements per operand, 16 per thread.
+        for (int idx = tid; idx < TM * TK; idx += 128) {
+            int rr = idx / TK, kk = idx % TK;
+            int ar = arow[rr];
+            bool kin = k0 + kk < kdim;
+            as[rr][kk] = (ar >= 0 && kin) ? a[(size_t)ar * kdim + k0 + kk] : __float2bfloat16(0.0f);
+            int nn = n0 + rr;
+            bs[rr][kk] = (nn < ndim && kin) ? wx[(size_t)nn * kdim + k0 + kk] : __float2bfloat16(0.0f);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < TK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) wmma::load_matrix_sync(fa[i], &as[wm + i * 16][kk], TK + 8);
+#pragma unroll
+            for (int j = 0; j < 2; j++) wmma::load_matrix_sync(fb[j], &bs[wn + j * 16][kk], TK + 8);
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            wmma::store_matrix_sync(&cs[wm + i * 16][wn + j * 16], acc[i][j], TN + 4, wmma::mem_row_major);
+    __syncthreads();
+    for (int idx = tid; idx < TM * TN; idx += 128) {
+        int rr = idx / TN, nn = idx % TN;
+        if (rr < rows && n0 + nn < ndim) c[(size_t)(r0 + rr) * ndim + n0 + nn] = cs[rr][nn];
+    }
+}
+
+// act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
+extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int rows, int inter) {
+    size_t n = (size_t)rows * inter;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        size_t r = idx / inter, i = idx % inter;
+        act[idx] = __float2bfloat16(silu_f(gu[r * 2 * inter + i]) * gu[r * 2 * inter + inter + i]);
+    }
+}
+
+// Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sigmoid(x[t] . w_sg) * ys[t].
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ slot_row,
+                                       const float* __restrict__ topk_w, const float* __restrict__ ys,
+                                       const bf16* __restrict__ x, const float* __restrict__ w_sg,
+                                       float* __restrict__ h, int k, int d) {
+    int s = blockIdx.x;
+    float dot = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
+    float gate = sigmoid_f(block_sum(dot));
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int kk = 0; kk < k; kk++)
+            acc += topk_w[s * k + kk] * y[(size_t)slot_row[s * k + kk] * d + i];
+        h[(size_t)s * d + i] += acc + gate * ys[(size_t)s * d + i];
+    }
+}

@@ -1,0 +1,470 @@
+//! CUDA backend for NVIDIA Hopper: the device, run-time compiled kernels (NVRTC, cached on
+//! disk by source hash and arch), cuBLAS for dense products, and device buffers.
+//!
+//! Everything loads dynamically (cudarc), so the crate builds and its CPU tests run on
+//! machines without CUDA; `Gpu::open` says clearly why a GPU cannot be used.
+
+pub mod model;
+
+use anyhow::{Context, Result, anyhow, bail};
+use cudarc::cublas::{CudaBlas, sys as cublas_sys};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The kernel sources, one file per op family, compiled as one module.
+const SOURCES: [(&str, &str); 6] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("misc.cu", include_str!("kernels/misc.cu")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("gdn.cu", include_str!("kernels/gdn.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("moe.cu", include_str!("kernels/moe.cu")),
+];
+
+const KERNELS: &[&str] = &[
+    "embed_gather",
+    "argmax_rows",
+    "f32_to_bf16",
+    "fill_random_bf16",
+    "fill_random_f32",
+    "copy_probe",
+    "rmsnorm_zc_bf16",
+    "gdn_conv",
+    "gdn_qk_l2norm",
+    "gdn_gates",
+    "gdn_recurrent_16",
+    "gdn_recurrent_32",
+    "gdn_recurrent_64",
+    "gdn_recurrent_128",
+    "gdn_gated_norm",
+    "attn_prep",
+    "attn_split",
+    "attn_combine",
+    "moe_route",
+    "moe_plan",
+    "moe_scatter",
+    "moe_gemm",
+    "swiglu_bf16",
+    "moe_combine",
+];
+
+/// A raw device allocation, freed on drop.
+pub struct DeviceBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: ptr came from malloc_sync and is freed once.
+            unsafe {
+                let _ = result::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+/// A kernel argument.
+pub enum Arg {
+    Ptr(u64),
+    I(i32),
+    F(f32),
+    U(u64),
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: std::collections::HashMap<&'static str, CudaFunction>,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_memory: usize,
+}
+
+fn cuda_include_dir() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            candidates.push(PathBuf::from(v).join("include"));
+        }
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    candidates
+        .into_iter()
+        .find(|p| p.join("cuda_bf16.h").exists())
+}
+
+fn fnv1a64(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in *p {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn kernel_cache_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("KESTREL_CACHE_DIR") {
+        return PathBuf::from(d).join("kernels");
+    }
+    let base = std::env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|_| std::env::var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|_| std::env::temp_dir());
+    base.join("kestrel").join("kernels")
+}
+
+/// Runs `f`, turning a panic (cudarc panics when a CUDA library cannot be loaded) into
+/// `None` without printing the panic message.
+fn quiet_catch<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Option<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(f).ok();
+    std::panic::set_hook(hook);
+    r
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, checks it is Hopper-class, and compiles (or loads cached) kernels.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        let ctx = quiet_catch(|| CudaContext::new(ordinal))
+            .ok_or_else(|| {
+                anyhow!("CUDA is not available: the CUDA driver library (libcuda.so) could not be loaded")
+            })?
+            .map_err(|e| anyhow!("CUDA is not available: cannot open GPU {ordinal}: {e:?}"))?;
+        // We order everything on one stream ourselves.
+        // SAFETY: all work of this backend runs on `stream`.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))?;
+        if cc.0 != 9 {
+            bail!(
+                "GPU {ordinal} is {name} (compute capability {}.{}); Kestrel's CUDA backend needs a Hopper-class GPU (H100/H200, compute capability 9.0)",
+                cc.0,
+                cc.1
+            );
+        }
+        let total_memory = ctx.total_mem().unwrap_or(0);
+        let stream = ctx.default_stream();
+        let blas = quiet_catch(|| CudaBlas::new(stream.clone()))
+            .ok_or_else(|| anyhow!("cuBLAS could not be loaded (libcublas.so)"))?
+            .map_err(|e| anyhow!("cuBLAS init failed: {e:?}"))?;
+        let module = Self::compile(&ctx, cc)?;
+        let mut functions = std::collections::HashMap::new();
+        for k in KERNELS {
+            let f = module
+                .load_function(k)
+                .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
+            functions.insert(*k, f);
+        }
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            blas,
+            functions,
+            name,
+            compute_capability: cc,
+            total_memory,
+        }))
+    }
+
+    fn compile(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Arc<cudarc::driver::CudaModule>> {
+        let arch: &'static str = if cc == (9, 0) {
+            "compute_90a"
+        } else {
+            "compute_90"
+        };
+        let mut src = String::new();
+        for (name, text) in SOURCES {
+            src.push_str(&format!("// ---- {name}\n"));
+            src.push_str(text);
+            src.push('\n');
+        }
+        let src = src.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "");
+        let src = format!("#include <cuda_bf16.h>\n#include <mma.h>\n{src}");
+        let hash = fnv1a64(&[src.as_bytes(), arch.as_bytes(), b"v1 -O3 std=c++17"]);
+        let cache = kernel_cache_dir().join(format!("{hash:016x}-{arch}.ptx"));
+        let ptx = if let Ok(text) = std::fs::read_to_string(&cache) {
+            tracing::debug!("kernels from cache {}", cache.display());
+            cudarc::nvrtc::Ptx::from_src(text)
+        } else {
+            let include = cuda_include_dir().ok_or_else(|| {
+                anyhow!(
+                    "cannot find the CUDA headers (cuda_bf16.h) that NVRTC needs: set CUDA_HOME or CUDA_PATH, or install them under /usr/local/cuda/include"
+                )
+            })?;
+            let opts = cudarc::nvrtc::CompileOptions {
+                arch: Some(arch),
+                include_paths: vec![include.display().to_string()],
+                options: vec!["--std=c++17".into(), "-default-device".into()],
+                ..Default::default()
+            };
+            let t0 = std::time::Instant::now();
+            let ptx = quiet_catch(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
+                .ok_or_else(|| anyhow!("NVRTC could not be loaded (libnvrtc.so)"))?
+                .map_err(|e| match e {
+                    cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                        anyhow!("kernel compilation failed:\n{}", log.to_string_lossy())
+                    }
+                    other => anyhow!("kernel compilation failed: {other:?}"),
+                })?;
+            tracing::info!("compiled kernels for {arch} in {:?}", t0.elapsed());
+            let text = ptx.to_src();
+            if let Some(dir) = cache.parent() {
+                let _ = std::fs::create_dir_all(dir);
+                let _ = std::fs::write(&cache, &text);
+            }
+            ptx
+        };
+        ctx.load_module(ptx)
+            .map_err(|e| anyhow!("loading the kernel module failed: {e:?}"))
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("CUDA bind: {e:?}"))
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| anyhow!("cuMemGetInfo: {e:?}"))
+    }
+
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuf> {
+        self.bind()?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            // SAFETY: plain device allocation; freed by DeviceBuf::drop.
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+                anyhow!(
+                    "GPU out of memory allocating {:.2} GiB: {e:?}",
+                    bytes as f64 / (1u64 << 30) as f64
+                )
+            })?
+        };
+        Ok(DeviceBuf {
+            ptr,
+            bytes,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    pub fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuf> {
+        let b = self.alloc(bytes)?;
+        self.memset_zero(b.ptr, bytes)?;
+        Ok(b)
+    }
+
+    pub fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: ptr..ptr+bytes lies in one of our allocations.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("memset: {e:?}"))
+    }
+
+    pub fn upload<T: Copy>(&self, data: &[T]) -> Result<DeviceBuf> {
+        let b = self.alloc(std::mem::size_of_val(data))?;
+        self.copy_to_device(b.ptr, data)?;
+        Ok(b)
+    }
+
+    pub fn copy_to_device<T: Copy>(&self, dst: u64, data: &[T]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: dst has room for data (caller's allocation). From pageable memory the call
+        // returns once the source has been staged, so `data` may be dropped right after.
+        unsafe { result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("host-to-device copy: {e:?}"))
+    }
+
+    pub fn copy_to_host<T: Copy>(&self, src: u64, out: &mut [T]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: src holds at least out.len() elements.
+        unsafe { result::memcpy_dtoh_async(out, src, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("device-to-host copy: {e:?}"))?;
+        self.sync()
+    }
+
+    pub fn copy_device(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie in our allocations and do not overlap.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("device copy: {e:?}"))
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| anyhow!("CUDA error (a kernel failed?): {e:?}"))
+    }
+
+    /// Launches `name` on the stream.
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) | Arg::U(p) => b.arg(p),
+                Arg::I(i) => b.arg(i),
+                Arg::F(x) => b.arg(x),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: argument lists match the kernels' signatures (checked by the GPU tests).
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .with_context(|| format!("launching {name}"))
+    }
+
+    /// `y[t, n] = beta * y + x[t, k] · W[n, k]ᵀ`: W and x bf16 row-major, y f32 with row
+    /// stride `ldy`, f32 accumulation (cuBLAS).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        w: u64,
+        n: usize,
+        k: usize,
+        x: u64,
+        t: usize,
+        y: u64,
+        ldy: usize,
+        beta: f32,
+    ) -> Result<()> {
+        let alpha = 1.0f32;
+        // Column-major view: y^T [n, t] = W [n, k] (stored as k x n, transposed) · x^T [k, t].
+        // SAFETY: pointers and leading dimensions describe our device buffers.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                t as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| anyhow!("cuBLAS GEMM [{t}x{k}]·[{n}x{k}]ᵀ failed: {e:?}"))
+    }
+
+    /// Fills `n` bf16 values at `ptr` with seeded approximately-normal numbers.
+    pub fn fill_random_bf16(
+        &self,
+        ptr: u64,
+        n: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> Result<()> {
+        self.launch(
+            "fill_random_bf16",
+            (1024, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr),
+                Arg::U(n as u64),
+                Arg::U(seed),
+                Arg::F(mean),
+                Arg::F(std),
+            ],
+        )
+    }
+
+    pub fn fill_random_f32(
+        &self,
+        ptr: u64,
+        n: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> Result<()> {
+        self.launch(
+            "fill_random_f32",
+            (1024, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr),
+                Arg::U(n as u64),
+                Arg::U(seed),
+                Arg::F(mean),
+                Arg::F(std),
+            ],
+        )
+    }
+
+    /// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`.
+    pub fn measure_copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let a = self.alloc_zeroed(bytes)?;
+        let b = self.alloc(bytes)?;
+        let n16 = (bytes / 16) as u64;
+        let run = || {
+            self.launch(
+                "copy_probe",
+                (132 * 8, 1, 1),
+                512,
+                0,
+                &[Arg::Ptr(a.ptr), Arg::Ptr(b.ptr), Arg::U(n16)],
+            )
+        };
+        run()?;
+        self.sync()?;
+        let reps = 10;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            run()?;
+        }
+        self.sync()?;
+        let secs = t0.elapsed().as_secs_f64() / reps as f64;
+        Ok(2.0 * bytes as f64 / secs)
+    }
+}

@@ -1,0 +1,1102 @@
+//! The forward pass on the GPU, top to bottom, mirroring `crate::model` (the CPU reference).
+//!
+//! Activations: the residual stream is f32; every GEMM input is bf16 (like the reference's
+//! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
+//! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
+
+use super::{Arg, DeviceBuf, Gpu};
+use crate::config::{LayerKind, TextConfig};
+use crate::model::{Engine, Logits};
+use crate::ops::attention::rope_inv_freq;
+use crate::tensor::{DType, Mat, encode_f32};
+use crate::weights::{ExpertWeights, Mixer, ModelWeights};
+use anyhow::{Result, anyhow, bail};
+use std::sync::Arc;
+
+/// Rows of logits computed per lm_head call in `Logits::All` mode.
+const LOGITS_ROWS: usize = 64;
+/// Grouped-GEMM tile height (tokens), as in `moe.cu`.
+const MOE_TILE_M: usize = 64;
+/// Attention splits per query in prefill (bounded workspace); decode may use up to 256.
+const PREFILL_SPLITS: usize = 8;
+const DECODE_SPLITS: usize = 256;
+
+struct GdnW {
+    in_qkv: DeviceBuf,
+    in_z: DeviceBuf,
+    /// `[2*Hv, D]`: b rows then a rows.
+    in_ba: DeviceBuf,
+    conv: DeviceBuf,
+    a_log: DeviceBuf,
+    dt_bias: DeviceBuf,
+    norm: DeviceBuf,
+    out: DeviceBuf,
+}
+
+struct AttnW {
+    q: DeviceBuf,
+    k: DeviceBuf,
+    v: DeviceBuf,
+    o: DeviceBuf,
+    q_norm: DeviceBuf,
+    k_norm: DeviceBuf,
+}
+
+enum MixerW {
+    Gdn(GdnW),
+    Attn(AttnW),
+}
+
+struct LayerW {
+    input_norm: DeviceBuf,
+    post_norm: DeviceBuf,
+    mixer: MixerW,
+    router: DeviceBuf,
+    /// `[E, 2I, D]`: per expert gate rows then up rows.
+    gate_up: DeviceBuf,
+    /// `[E, D, I]`.
+    down: DeviceBuf,
+    /// `[2Is, D]`.
+    shared_gate_up: DeviceBuf,
+    shared_down: DeviceBuf,
+    shared_gate: DeviceBuf,
+}
+
+/// Scratch buffers for up to `max_chunk` tokens.
+struct Workspace {
+    ids: DeviceBuf,
+    h: DeviceBuf,
+    xb: DeviceBuf,
+    p: DeviceBuf,
+    qkv: DeviceBuf,
+    z: DeviceBuf,
+    ba: DeviceBuf,
+    beta: DeviceBuf,
+    g: DeviceBuf,
+    o: DeviceBuf,
+    ob: DeviceBuf,
+    qg: DeviceBuf,
+    k: DeviceBuf,
+    v: DeviceBuf,
+    q: DeviceBuf,
+    part: DeviceBuf,
+    part_floats: usize,
+    router: DeviceBuf,
+    counts: DeviceBuf,
+    offsets: DeviceBuf,
+    cursor: DeviceBuf,
+    tile_expert: DeviceBuf,
+    tile_row: DeviceBuf,
+    tile_rows: DeviceBuf,
+    num_tiles: DeviceBuf,
+    topk_ids: DeviceBuf,
+    topk_w: DeviceBuf,
+    sorted_token: DeviceBuf,
+    slot_row: DeviceBuf,
+    gu: DeviceBuf,
+    act: DeviceBuf,
+    y: DeviceBuf,
+    sgu: DeviceBuf,
+    sact: DeviceBuf,
+    ys: DeviceBuf,
+    logits: DeviceBuf,
+    next: DeviceBuf,
+}
+
+pub struct CudaModel {
+    pub config: TextConfig,
+    pub gpu: Arc<Gpu>,
+    embed: DeviceBuf,
+    final_norm: DeviceBuf,
+    lm_head: DeviceBuf,
+    inv_freq: DeviceBuf,
+    layers: Vec<LayerW>,
+    ws: std::cell::RefCell<Workspace>,
+    pub max_chunk: usize,
+    pub max_seq: usize,
+    pub weight_bytes: usize,
+}
+
+/// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
+/// `max_seq` positions. Cloning copies it on the device (a snapshot).
+pub struct CudaState {
+    pub len: usize,
+    max_seq: usize,
+    gdn: Vec<(DeviceBuf, DeviceBuf)>,
+    kv: Vec<(DeviceBuf, DeviceBuf)>,
+    kv_token_bytes: usize,
+    gpu: Arc<Gpu>,
+}
+
+impl CudaState {
+    fn try_clone(&self) -> Result<Self> {
+        let g = &self.gpu;
+        let copy = |b: &DeviceBuf, bytes: usize| -> Result<DeviceBuf> {
+            let n = g.alloc(b.bytes)?;
+            g.copy_device(n.ptr, b.ptr, bytes)?;
+            Ok(n)
+        };
+        let mut gdn = Vec::with_capacity(self.gdn.len());
+        for (c, r) in &self.gdn {
+            gdn.push((copy(c, c.bytes)?, copy(r, r.bytes)?));
+        }
+        let used = self.len * self.kv_token_bytes;
+        let mut kv = Vec::with_capacity(self.kv.len());
+        for (k, v) in &self.kv {
+            kv.push((copy(k, used)?, copy(v, used)?));
+        }
+        Ok(CudaState {
+            len: self.len,
+            max_seq: self.max_seq,
+            gdn,
+            kv,
+            kv_token_bytes: self.kv_token_bytes,
+            gpu: self.gpu.clone(),
+        })
+    }
+
+    /// Bytes of device memory held.
+    pub fn memory_bytes(&self) -> usize {
+        self.gdn
+            .iter()
+            .map(|(a, b)| a.bytes + b.bytes)
+            .sum::<usize>()
+            + self
+                .kv
+                .iter()
+                .map(|(a, b)| a.bytes + b.bytes)
+                .sum::<usize>()
+    }
+}
+
+impl Clone for CudaState {
+    fn clone(&self) -> Self {
+        self.try_clone()
+            .expect("GPU memory exhausted while snapshotting a sequence state")
+    }
+}
+
+/// Weights in the shape the GPU kernels read, from host matrices or seeded on the device.
+enum Source<'a> {
+    Host(&'a ModelWeights),
+    Synthetic(u64),
+}
+
+fn bf16_bytes(m: &Mat) -> Vec<u8> {
+    match m.dtype {
+        DType::BF16 => m.bytes().to_vec(),
+        _ => encode_f32(&m.to_f32(), DType::BF16),
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    encode_f32(v, DType::F32)
+}
+
+/// Sizes of all buffers, to plan memory before allocating anything.
+pub struct MemoryPlan {
+    pub weights: usize,
+    pub state: usize,
+    pub workspace: usize,
+}
+
+impl MemoryPlan {
+    pub fn total(&self) -> usize {
+        self.weights + self.state + self.workspace
+    }
+}
+
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+impl CudaModel {
+    /// Bytes of state for one sequence of `max_seq` tokens.
+    pub fn state_bytes(cfg: &TextConfig, max_seq: usize) -> usize {
+        let conv = (cfg.conv_kernel - 1) * cfg.gdn_conv_channels() * 4;
+        let rec = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4;
+        cfg.num_gdn_layers() * (conv + rec) + max_seq * cfg.kv_bytes_per_token(2)
+    }
+
+    fn workspace_floats(cfg: &TextConfig, t: usize) -> (Vec<(&'static str, usize, usize)>, usize) {
+        let d = cfg.hidden_size;
+        let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
+        let hv = cfg.gdn_num_value_heads;
+        let (e, k, i, is) = (
+            cfg.num_experts,
+            cfg.experts_per_token,
+            cfg.moe_intermediate,
+            cfg.shared_intermediate,
+        );
+        let max_tiles = (t * k).div_ceil(MOE_TILE_M) + e;
+        let part = (t * nq * PREFILL_SPLITS).max(nq * DECODE_SPLITS) * (hd + 2);
+        // (name, elements, bytes per element)
+        let list = vec![
+            ("ids", t, 4),
+            ("h", t * d, 4),
+            ("xb", t * d.max(cfg.gdn_v_width()).max(nq * hd), 2),
+            ("p", t * cfg.gdn_conv_channels(), 4),
+            ("qkv", t * cfg.gdn_conv_channels(), 4),
+            ("z", t * cfg.gdn_v_width(), 4),
+            ("ba", t * 2 * hv, 4),
+            ("beta", t * hv, 4),
+            ("g", t * hv, 4),
+            ("o", t * cfg.gdn_v_width(), 4),
+            ("ob", t * cfg.gdn_v_width().max(nq * hd), 2),
+            ("qg", t * nq * 2 * hd, 4),
+            ("k", t * nkv * hd, 4),
+            ("v", t * nkv * hd, 4),
+            ("q", t * nq * hd, 4),
+            ("part", part, 4),
+            ("router", t * e, 4),
+            ("counts", e, 4),
+            ("offsets", e + 1, 4),
+            ("cursor", e, 4),
+            ("tile_expert", max_tiles, 4),
+            ("tile_row", max_tiles, 4),
+            ("tile_rows", max_tiles, 4),
+            ("num_tiles", 1, 4),
+            ("topk_ids", t * k, 4),
+            ("topk_w", t * k, 4),
+            ("sorted_token", t * k, 4),
+            ("slot_row", t * k, 4),
+            ("gu", t * k * 2 * i, 4),
+            ("act", t * k * i, 2),
+            ("y", t * k * d, 4),
+            ("sgu", t * 2 * is, 4),
+            ("sact", t * is, 2),
+            ("ys", t * d, 4),
+            ("logits", LOGITS_ROWS.min(t.max(1)) * cfg.vocab_size, 4),
+            ("next", t.max(1), 4),
+        ];
+        let total = list.iter().map(|(_, n, b)| n * b).sum();
+        (list, total)
+    }
+
+    /// The memory plan for `cfg`, a `max_seq` context and `max_chunk`-token prefill chunks.
+    pub fn plan(cfg: &TextConfig, max_seq: usize, max_chunk: usize) -> MemoryPlan {
+        let (total, _) = cfg.parameter_counts();
+        let vec_extra = cfg.num_layers * 4 * cfg.hidden_size * 4;
+        MemoryPlan {
+            weights: total as usize * 2 + vec_extra,
+            state: Self::state_bytes(cfg, max_seq),
+            workspace: Self::workspace_floats(cfg, max_chunk).1,
+        }
+    }
+
+    fn check_supported(cfg: &TextConfig) -> Result<()> {
+        if ![16, 32, 64, 128].contains(&cfg.gdn_key_dim) {
+            bail!(
+                "the CUDA GDN kernel supports key head dims 16/32/64/128, not {}",
+                cfg.gdn_key_dim
+            );
+        }
+        if cfg.head_dim % 32 != 0 || cfg.head_dim > 256 {
+            bail!(
+                "the CUDA attention kernel needs head_dim a multiple of 32 up to 256, not {}",
+                cfg.head_dim
+            );
+        }
+        if cfg.conv_kernel > 9 || cfg.experts_per_token > 16 || cfg.gdn_value_dim > 1024 {
+            bail!(
+                "config exceeds the CUDA kernels' limits (conv kernel <= 9, top-k <= 16, value dim <= 1024)"
+            );
+        }
+        Ok(())
+    }
+
+    /// Uploads host weights (converted to bf16) and allocates state/workspace.
+    pub fn from_weights(
+        gpu: Arc<Gpu>,
+        cfg: TextConfig,
+        weights: &ModelWeights,
+        max_seq: usize,
+        max_chunk: usize,
+    ) -> Result<Self> {
+        Self::build(gpu, cfg, Source::Host(weights), max_seq, max_chunk)
+    }
+
+    /// Seeded random weights generated on the device (`--synthetic`), never real output.
+    pub fn synthetic(
+        gpu: Arc<Gpu>,
+        cfg: TextConfig,
+        seed: u64,
+        max_seq: usize,
+        max_chunk: usize,
+    ) -> Result<Self> {
+        Self::build(gpu, cfg, Source::Synthetic(seed), max_seq, max_chunk)
+    }
+
+    fn build(
+        gpu: Arc<Gpu>,
+        cfg: TextConfig,
+        src: Source,
+        max_seq: usize,
+        max_chunk: usize,
+    ) -> Result<Self> {
+        Self::check_supported(&cfg)?;
+        let plan = Self::plan(&cfg, max_seq, max_chunk);
+        let (free, total) = gpu.memory()?;
+        // One sequence state is created by the caller; keep 1 GiB of headroom for cuBLAS.
+        let need = plan.total() + (1 << 30);
+        if need > free {
+            bail!(
+                "not enough GPU memory on {}: need {:.2} GiB (weights {:.2} + state for --max-seq {max_seq} {:.2} + workspace {:.2} + 1.00 headroom), {:.2} GiB free of {:.2}",
+                gpu.name,
+                gib(need),
+                gib(plan.weights),
+                gib(plan.state),
+                gib(plan.workspace),
+                gib(free),
+                gib(total)
+            );
+        }
+        let d = cfg.hidden_size;
+        let mut seed_counter = 0u64;
+        let mut mat =
+            |host: Option<Vec<u8>>, rows: usize, cols: usize, std: f32| -> Result<DeviceBuf> {
+                match (host, &src) {
+                    (Some(bytes), _) => gpu.upload(&bytes),
+                    (None, Source::Synthetic(seed)) => {
+                        let b = gpu.alloc(rows * cols * 2)?;
+                        seed_counter += 1;
+                        gpu.fill_random_bf16(
+                            b.ptr,
+                            rows * cols,
+                            seed.wrapping_add(seed_counter),
+                            0.0,
+                            std,
+                        )?;
+                        Ok(b)
+                    }
+                    (None, Source::Host(_)) => unreachable!("host weights always give bytes"),
+                }
+            };
+        let host = match &src {
+            Source::Host(w) => Some(*w),
+            Source::Synthetic(_) => None,
+        };
+        let mut vec_counter = 0u64;
+        let mut vecf = |host: Option<&[f32]>, n: usize, mean: f32, std: f32| -> Result<DeviceBuf> {
+            match host {
+                Some(v) => gpu.upload(&f32_bytes(v)),
+                None => {
+                    let b = gpu.alloc(n * 4)?;
+                    vec_counter += 1;
+                    gpu.fill_random_f32(b.ptr, n, 0x5eed_0000 + vec_counter, mean, std)?;
+                    Ok(b)
+                }
+            }
+        };
+        let wstd = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+        let embed = mat(host.map(|w| bf16_bytes(&w.embed)), cfg.vocab_size, d, 1.0)?;
+        let lm_head = mat(
+            host.map(|w| bf16_bytes(&w.lm_head)),
+            cfg.vocab_size,
+            d,
+            wstd(d),
+        )?;
+        let final_norm = vecf(host.map(|w| w.final_norm.as_slice()), d, 0.0, 0.1)?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        let cat = |parts: &[&Mat]| -> Vec<u8> {
+            let mut v = Vec::new();
+            for p in parts {
+                v.extend(bf16_bytes(p));
+            }
+            v
+        };
+        for (l, kind) in cfg.layer_kinds.iter().enumerate() {
+            let hl = host.map(|w| &w.layers[l]);
+            let mixer = match kind {
+                LayerKind::Gdn => {
+                    let g = hl.map(|x| match &x.mixer {
+                        Mixer::Gdn(g) => g,
+                        Mixer::Attention(_) => unreachable!("layer kinds come from the config"),
+                    });
+                    let (hv, ch) = (cfg.gdn_num_value_heads, cfg.gdn_conv_channels());
+                    MixerW::Gdn(GdnW {
+                        in_qkv: mat(g.map(|g| bf16_bytes(&g.in_qkv)), ch, d, wstd(d))?,
+                        in_z: mat(
+                            g.map(|g| bf16_bytes(&g.in_z)),
+                            cfg.gdn_v_width(),
+                            d,
+                            wstd(d),
+                        )?,
+                        in_ba: mat(g.map(|g| cat(&[&g.in_b, &g.in_a])), 2 * hv, d, wstd(d))?,
+                        conv: vecf(g.map(|g| g.conv.as_slice()), ch * cfg.conv_kernel, 0.0, 0.5)?,
+                        a_log: match g {
+                            Some(g) => gpu.upload(&f32_bytes(&g.a_log))?,
+                            None => gpu.upload(&f32_bytes(
+                                &(0..hv)
+                                    .map(|j| (1.0 + 15.0 * j as f32 / hv as f32).ln())
+                                    .collect::<Vec<_>>(),
+                            ))?,
+                        },
+                        dt_bias: vecf(g.map(|g| g.dt_bias.as_slice()), hv, 0.0, 0.5)?,
+                        norm: vecf(g.map(|g| g.norm.as_slice()), cfg.gdn_value_dim, 1.0, 0.1)?,
+                        out: mat(
+                            g.map(|g| bf16_bytes(&g.out)),
+                            d,
+                            cfg.gdn_v_width(),
+                            wstd(cfg.gdn_v_width()),
+                        )?,
+                    })
+                }
+                LayerKind::Attention => {
+                    let a = hl.map(|x| match &x.mixer {
+                        Mixer::Attention(a) => a,
+                        Mixer::Gdn(_) => unreachable!("layer kinds come from the config"),
+                    });
+                    let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
+                    MixerW::Attn(AttnW {
+                        q: mat(a.map(|a| bf16_bytes(&a.q)), nq * 2 * hd, d, wstd(d))?,
+                        k: mat(a.map(|a| bf16_bytes(&a.k)), nkv * hd, d, wstd(d))?,
+                        v: mat(a.map(|a| bf16_bytes(&a.v)), nkv * hd, d, wstd(d))?,
+                        o: mat(a.map(|a| bf16_bytes(&a.o)), d, nq * hd, wstd(nq * hd))?,
+                        q_norm: vecf(a.map(|a| a.q_norm.as_slice()), hd, 0.0, 0.1)?,
+                        k_norm: vecf(a.map(|a| a.k_norm.as_slice()), hd, 0.0, 0.1)?,
+                    })
+                }
+            };
+            let moe = hl.map(|x| &x.moe);
+            let (e, i, is) = (
+                cfg.num_experts,
+                cfg.moe_intermediate,
+                cfg.shared_intermediate,
+            );
+            let experts_gate_up = moe.map(|m| {
+                let mut v = Vec::with_capacity(e * 2 * i * d * 2);
+                for x in &m.experts {
+                    v.extend(bf16_bytes(&x.gate));
+                    v.extend(bf16_bytes(&x.up));
+                }
+                v
+            });
+            let experts_down = moe.map(|m| {
+                let mut v = Vec::with_capacity(e * d * i * 2);
+                for x in &m.experts {
+                    v.extend(bf16_bytes(&x.down));
+                }
+                v
+            });
+            let shared = moe.map(|m| &m.shared);
+            let sh_gu = shared.map(|s: &ExpertWeights| cat(&[&s.gate, &s.up]));
+            layers.push(LayerW {
+                input_norm: vecf(hl.map(|x| x.input_norm.as_slice()), d, 0.0, 0.1)?,
+                post_norm: vecf(hl.map(|x| x.post_attention_norm.as_slice()), d, 0.0, 0.1)?,
+                mixer,
+                router: mat(moe.map(|m| bf16_bytes(&m.router)), e, d, 0.1)?,
+                gate_up: mat(experts_gate_up, e * 2 * i, d, wstd(d))?,
+                down: mat(experts_down, e * d, i, wstd(i))?,
+                shared_gate_up: mat(sh_gu, 2 * is, d, wstd(d))?,
+                shared_down: mat(shared.map(|s| bf16_bytes(&s.down)), d, is, wstd(is))?,
+                shared_gate: vecf(moe.map(|m| m.shared_gate.as_slice()), d, 0.0, wstd(d))?,
+            });
+        }
+        let inv_freq = gpu.upload(&f32_bytes(&rope_inv_freq(cfg.rotary_dim, cfg.rope_theta)))?;
+        let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
+        gpu.sync()?;
+        Ok(CudaModel {
+            config: cfg,
+            gpu,
+            embed,
+            final_norm,
+            lm_head,
+            inv_freq,
+            layers,
+            ws: std::cell::RefCell::new(ws),
+            max_chunk,
+            max_seq,
+            weight_bytes: plan.weights,
+        })
+    }
+
+    fn alloc_workspace(gpu: &Gpu, cfg: &TextConfig, t: usize) -> Result<Workspace> {
+        let (list, _) = Self::workspace_floats(cfg, t);
+        let mut bufs: std::collections::HashMap<&str, DeviceBuf> = std::collections::HashMap::new();
+        let mut part_floats = 0;
+        for (name, n, b) in list {
+            if name == "part" {
+                part_floats = n;
+            }
+            bufs.insert(name, gpu.alloc((n * b).max(4))?);
+        }
+        let mut take = |n: &str| bufs.remove(n).ok_or_else(|| anyhow!("workspace {n}"));
+        Ok(Workspace {
+            ids: take("ids")?,
+            h: take("h")?,
+            xb: take("xb")?,
+            p: take("p")?,
+            qkv: take("qkv")?,
+            z: take("z")?,
+            ba: take("ba")?,
+            beta: take("beta")?,
+            g: take("g")?,
+            o: take("o")?,
+            ob: take("ob")?,
+            qg: take("qg")?,
+            k: take("k")?,
+            v: take("v")?,
+            q: take("q")?,
+            part: take("part")?,
+            part_floats,
+            router: take("router")?,
+            counts: take("counts")?,
+            offsets: take("offsets")?,
+            cursor: take("cursor")?,
+            tile_expert: take("tile_expert")?,
+            tile_row: take("tile_row")?,
+            tile_rows: take("tile_rows")?,
+            num_tiles: take("num_tiles")?,
+            topk_ids: take("topk_ids")?,
+            topk_w: take("topk_w")?,
+            sorted_token: take("sorted_token")?,
+            slot_row: take("slot_row")?,
+            gu: take("gu")?,
+            act: take("act")?,
+            y: take("y")?,
+            sgu: take("sgu")?,
+            sact: take("sact")?,
+            ys: take("ys")?,
+            logits: take("logits")?,
+            next: take("next")?,
+        })
+    }
+
+    /// A fresh sequence state with room for `max_seq` tokens.
+    pub fn new_state_checked(&self) -> Result<CudaState> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let mut gdn = Vec::new();
+        let mut kv = Vec::new();
+        let kv_token_bytes = c.num_kv_heads * c.head_dim * 2;
+        for kind in &c.layer_kinds {
+            match kind {
+                LayerKind::Gdn => gdn.push((
+                    g.alloc_zeroed((c.conv_kernel - 1) * c.gdn_conv_channels() * 4)?,
+                    g.alloc_zeroed(c.gdn_num_value_heads * c.gdn_key_dim * c.gdn_value_dim * 4)?,
+                )),
+                LayerKind::Attention => kv.push((
+                    g.alloc(self.max_seq * kv_token_bytes)?,
+                    g.alloc(self.max_seq * kv_token_bytes)?,
+                )),
+            }
+        }
+        Ok(CudaState {
+            len: 0,
+            max_seq: self.max_seq,
+            gdn,
+            kv,
+            kv_token_bytes,
+            gpu: self.gpu.clone(),
+        })
+    }
+
+    /// One forward pass over at most `max_chunk` tokens; the last hidden rows stay in `ws.h`.
+    fn forward_chunk(&self, ws: &Workspace, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let t = tokens.len();
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
+        let past = state.len;
+        let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+        g.copy_to_device(ws.ids.ptr, &ids)?;
+        let ti = t as i32;
+        let block = |n: usize| n.div_ceil(32).clamp(1, 32) as u32 * 32;
+
+        // Embedding
+        g.launch(
+            "embed_gather",
+            (t as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(self.embed.ptr),
+                Arg::Ptr(ws.ids.ptr),
+                Arg::Ptr(ws.h.ptr),
+                Arg::I(d as i32),
+            ],
+        )?;
+        let rmsnorm = |w: &DeviceBuf, src: u64, rows: usize| {
+            g.launch(
+                "rmsnorm_zc_bf16",
+                (rows as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(src),
+                    Arg::Ptr(w.ptr),
+                    Arg::Ptr(ws.xb.ptr),
+                    Arg::I(d as i32),
+                    Arg::F(eps),
+                ],
+            )
+        };
+        let (mut gdn_i, mut attn_i) = (0, 0);
+        for layer in &self.layers {
+            rmsnorm(&layer.input_norm, ws.h.ptr, t)?;
+            match &layer.mixer {
+                MixerW::Gdn(w) => {
+                    let (st_conv, st_rec) = &state.gdn[gdn_i];
+                    gdn_i += 1;
+                    let (hk, hv, dk, dv) = (
+                        c.gdn_num_key_heads,
+                        c.gdn_num_value_heads,
+                        c.gdn_key_dim,
+                        c.gdn_value_dim,
+                    );
+                    let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
+                    g.gemm(w.in_qkv.ptr, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
+                    g.gemm(w.in_z.ptr, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
+                    g.gemm(w.in_ba.ptr, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
+                    g.launch(
+                        "gdn_conv",
+                        (ch.div_ceil(128) as u32, 1, 1),
+                        128,
+                        0,
+                        &[
+                            Arg::Ptr(ws.p.ptr),
+                            Arg::Ptr(st_conv.ptr),
+                            Arg::Ptr(w.conv.ptr),
+                            Arg::Ptr(ws.qkv.ptr),
+                            Arg::I(ti),
+                            Arg::I(ch as i32),
+                            Arg::I(c.conv_kernel as i32),
+                        ],
+                    )?;
+                    g.launch(
+                        "gdn_qk_l2norm",
+                        (t as u32, 2 * hk as u32, 1),
+                        block(dk),
+                        0,
+                        &[
+                            Arg::Ptr(ws.qkv.ptr),
+                            Arg::I(ch as i32),
+                            Arg::I(hk as i32),
+                            Arg::I(dk as i32),
+                            Arg::F(1.0 / (dk as f32).sqrt()),
+                        ],
+                    )?;
+                    g.launch(
+                        "gdn_gates",
+                        ((t * hv).div_ceil(256) as u32, 1, 1),
+                        256,
+                        0,
+                        &[
+                            Arg::Ptr(ws.ba.ptr),
+                            Arg::Ptr(ws.ba.ptr + (hv * 4) as u64),
+                            Arg::I(2 * hv as i32),
+                            Arg::Ptr(w.a_log.ptr),
+                            Arg::Ptr(w.dt_bias.ptr),
+                            Arg::Ptr(ws.beta.ptr),
+                            Arg::Ptr(ws.g.ptr),
+                            Arg::I(ti),
+                            Arg::I(hv as i32),
+                        ],
+                    )?;
+                    let rec = match dk {
+                        16 => "gdn_recurrent_16",
+                        32 => "gdn_recurrent_32",
+                        64 => "gdn_recurrent_64",
+                        _ => "gdn_recurrent_128",
+                    };
+                    g.launch(
+                        rec,
+                        (hv as u32, 1, 1),
+                        block(dv),
+                        0,
+                        &[
+                            Arg::Ptr(ws.qkv.ptr),
+                            Arg::I(ch as i32),
+                            Arg::Ptr(ws.g.ptr),
+                            Arg::Ptr(ws.beta.ptr),
+                            Arg::Ptr(st_rec.ptr),
+                            Arg::Ptr(ws.o.ptr),
+                            Arg::I(ti),
+                            Arg::I(hk as i32),
+                            Arg::I(hv as i32),
+                            Arg::I(dv as i32),
+                        ],
+                    )?;
+                    g.launch(
+                        "gdn_gated_norm",
+                        ((t * hv) as u32, 1, 1),
+                        block(dv),
+                        0,
+                        &[
+                            Arg::Ptr(ws.o.ptr),
+                            Arg::Ptr(ws.z.ptr),
+                            Arg::Ptr(w.norm.ptr),
+                            Arg::Ptr(ws.ob.ptr),
+                            Arg::I(dv as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
+                    // Residual add fused into the GEMM (beta = 1).
+                    g.gemm(w.out.ptr, d, vw, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
+                }
+                MixerW::Attn(w) => {
+                    let (kc, vc) = &state.kv[attn_i];
+                    attn_i += 1;
+                    let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+                    g.gemm(
+                        w.q.ptr,
+                        nq * 2 * hd,
+                        d,
+                        ws.xb.ptr,
+                        t,
+                        ws.qg.ptr,
+                        nq * 2 * hd,
+                        0.0,
+                    )?;
+                    g.gemm(w.k.ptr, nkv * hd, d, ws.xb.ptr, t, ws.k.ptr, nkv * hd, 0.0)?;
+                    g.gemm(w.v.ptr, nkv * hd, d, ws.xb.ptr, t, ws.v.ptr, nkv * hd, 0.0)?;
+                    g.launch(
+                        "attn_prep",
+                        (t as u32, (nq + nkv) as u32, 1),
+                        block(hd),
+                        (hd * 4) as u32,
+                        &[
+                            Arg::Ptr(ws.qg.ptr),
+                            Arg::Ptr(ws.k.ptr),
+                            Arg::Ptr(ws.v.ptr),
+                            Arg::Ptr(w.q_norm.ptr),
+                            Arg::Ptr(w.k_norm.ptr),
+                            Arg::Ptr(self.inv_freq.ptr),
+                            Arg::Ptr(ws.q.ptr),
+                            Arg::Ptr(kc.ptr),
+                            Arg::Ptr(vc.ptr),
+                            Arg::I(past as i32),
+                            Arg::I(nq as i32),
+                            Arg::I(nkv as i32),
+                            Arg::I(hd as i32),
+                            Arg::I((c.rotary_dim / 2) as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
+                    let n_max = past + t;
+                    let cap = (ws.part_floats / (t * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
+                    let chunk = n_max.div_ceil(cap).max(64);
+                    let nsplit = n_max.div_ceil(chunk);
+                    g.launch(
+                        "attn_split",
+                        (t as u32, nq as u32, nsplit.div_ceil(4) as u32),
+                        128,
+                        0,
+                        &[
+                            Arg::Ptr(ws.q.ptr),
+                            Arg::Ptr(kc.ptr),
+                            Arg::Ptr(vc.ptr),
+                            Arg::Ptr(ws.part.ptr),
+                            Arg::I(past as i32),
+                            Arg::I(nq as i32),
+                            Arg::I(nkv as i32),
+                            Arg::I(hd as i32),
+                            Arg::I(nsplit as i32),
+                            Arg::I(chunk as i32),
+                            Arg::F(1.0 / (hd as f32).sqrt()),
+                        ],
+                    )?;
+                    g.launch(
+                        "attn_combine",
+                        (t as u32, nq as u32, 1),
+                        block(hd),
+                        0,
+                        &[
+                            Arg::Ptr(ws.part.ptr),
+                            Arg::Ptr(ws.qg.ptr),
+                            Arg::Ptr(ws.ob.ptr),
+                            Arg::I(past as i32),
+                            Arg::I(nq as i32),
+                            Arg::I(hd as i32),
+                            Arg::I(nsplit as i32),
+                            Arg::I(chunk as i32),
+                        ],
+                    )?;
+                    g.gemm(w.o.ptr, d, nq * hd, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
+                }
+            }
+            rmsnorm(&layer.post_norm, ws.h.ptr, t)?;
+            self.moe(ws, layer, t)?;
+        }
+        state.len += t;
+        Ok(())
+    }
+
+    fn moe(&self, ws: &Workspace, layer: &LayerW, t: usize) -> Result<()> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let (d, e, k, i, is) = (
+            c.hidden_size,
+            c.num_experts,
+            c.experts_per_token,
+            c.moe_intermediate,
+            c.shared_intermediate,
+        );
+        let rows = t * k;
+        let max_tiles = rows.div_ceil(MOE_TILE_M) + e;
+        g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
+        g.memset_zero(ws.counts.ptr, e * 4)?;
+        g.launch(
+            "moe_route",
+            (t as u32, 1, 1),
+            32,
+            0,
+            &[
+                Arg::Ptr(ws.router.ptr),
+                Arg::I(e as i32),
+                Arg::I(k as i32),
+                Arg::Ptr(ws.topk_ids.ptr),
+                Arg::Ptr(ws.topk_w.ptr),
+                Arg::Ptr(ws.counts.ptr),
+            ],
+        )?;
+        g.launch(
+            "moe_plan",
+            (1, 1, 1),
+            32,
+            0,
+            &[
+                Arg::Ptr(ws.counts.ptr),
+                Arg::I(e as i32),
+                Arg::I(MOE_TILE_M as i32),
+                Arg::Ptr(ws.offsets.ptr),
+                Arg::Ptr(ws.cursor.ptr),
+                Arg::Ptr(ws.tile_expert.ptr),
+                Arg::Ptr(ws.tile_row.ptr),
+                Arg::Ptr(ws.tile_rows.ptr),
+                Arg::Ptr(ws.num_tiles.ptr),
+            ],
+        )?;
+        g.launch(
+            "moe_scatter",
+            (rows.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ws.topk_ids.ptr),
+                Arg::I(rows as i32),
+                Arg::I(k as i32),
+                Arg::Ptr(ws.cursor.ptr),
+                Arg::Ptr(ws.sorted_token.ptr),
+                Arg::Ptr(ws.slot_row.ptr),
+            ],
+        )?;
+        let grouped = |a: u64, gather: u64, w: u64, out: u64, ndim: usize, kdim: usize| {
+            g.launch(
+                "moe_gemm",
+                (max_tiles as u32, ndim.div_ceil(64) as u32, 1),
+                128,
+                0,
+                &[
+                    Arg::Ptr(a),
+                    Arg::Ptr(gather),
+                    Arg::Ptr(w),
+                    Arg::Ptr(out),
+                    Arg::Ptr(ws.tile_expert.ptr),
+                    Arg::Ptr(ws.tile_row.ptr),
+                    Arg::Ptr(ws.tile_rows.ptr),
+                    Arg::Ptr(ws.num_tiles.ptr),
+                    Arg::I(ndim as i32),
+                    Arg::I(kdim as i32),
+                ],
+            )
+        };
+        let swiglu = |gu: u64, act: u64, rows: usize, inter: usize| {
+            g.launch(
+                "swiglu_bf16",
+                ((rows * inter).div_ceil(256).min(65_535) as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(gu),
+                    Arg::Ptr(act),
+                    Arg::I(rows as i32),
+                    Arg::I(inter as i32),
+                ],
+            )
+        };
+        grouped(
+            ws.xb.ptr,
+            ws.sorted_token.ptr,
+            layer.gate_up.ptr,
+            ws.gu.ptr,
+            2 * i,
+            d,
+        )?;
+        swiglu(ws.gu.ptr, ws.act.ptr, rows, i)?;
+        grouped(ws.act.ptr, 0, layer.down.ptr, ws.y.ptr, d, i)?;
+        // Shared expert (dense).
+        g.gemm(
+            layer.shared_gate_up.ptr,
+            2 * is,
+            d,
+            ws.xb.ptr,
+            t,
+            ws.sgu.ptr,
+            2 * is,
+            0.0,
+        )?;
+        swiglu(ws.sgu.ptr, ws.sact.ptr, t, is)?;
+        g.gemm(
+            layer.shared_down.ptr,
+            d,
+            is,
+            ws.sact.ptr,
+            t,
+            ws.ys.ptr,
+            d,
+            0.0,
+        )?;
+        g.launch(
+            "moe_combine",
+            (t as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ws.y.ptr),
+                Arg::Ptr(ws.slot_row.ptr),
+                Arg::Ptr(ws.topk_w.ptr),
+                Arg::Ptr(ws.ys.ptr),
+                Arg::Ptr(ws.xb.ptr),
+                Arg::Ptr(layer.shared_gate.ptr),
+                Arg::Ptr(ws.h.ptr),
+                Arg::I(k as i32),
+                Arg::I(d as i32),
+            ],
+        )
+    }
+
+    /// Final norm + lm_head for `n` rows of `ws.h` starting at row `r0`, into `ws.logits`.
+    fn logits_rows(&self, ws: &Workspace, r0: usize, n: usize) -> Result<()> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let d = c.hidden_size;
+        g.launch(
+            "rmsnorm_zc_bf16",
+            (n as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ws.h.ptr + (r0 * d * 4) as u64),
+                Arg::Ptr(self.final_norm.ptr),
+                Arg::Ptr(ws.xb.ptr),
+                Arg::I(d as i32),
+                Arg::F(c.rms_norm_eps),
+            ],
+        )?;
+        g.gemm(
+            self.lm_head.ptr,
+            c.vocab_size,
+            d,
+            ws.xb.ptr,
+            n,
+            ws.logits.ptr,
+            c.vocab_size,
+            0.0,
+        )
+    }
+
+    fn check_tokens(&self, state: &CudaState, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        if let Some(bad) = tokens
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
+            bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            );
+        }
+        if state.len + tokens.len() > state.max_seq {
+            bail!(
+                "the sequence would reach {} tokens but the GPU state holds {} (--max-seq)",
+                state.len + tokens.len(),
+                state.max_seq
+            );
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` and returns the greedy next token (argmax over ids `< vocab_limit`),
+    /// computed on the device: only 4 bytes come back.
+    pub fn forward_greedy(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> Result<u32> {
+        self.gpu.bind()?;
+        self.check_tokens(state, tokens)?;
+        let ws = self.ws.borrow();
+        let mut last = 0;
+        for piece in tokens.chunks(self.max_chunk) {
+            self.forward_chunk(&ws, state, piece)?;
+            last = piece.len();
+        }
+        self.logits_rows(&ws, last - 1, 1)?;
+        self.gpu.launch(
+            "argmax_rows",
+            (1, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::Ptr(ws.logits.ptr),
+                Arg::I(vocab_limit.min(self.config.vocab_size) as i32),
+                Arg::I(self.config.vocab_size as i32),
+                Arg::Ptr(ws.next.ptr),
+            ],
+        )?;
+        let mut out = [0i32; 1];
+        self.gpu.copy_to_host(ws.next.ptr, &mut out)?;
+        Ok(out[0] as u32)
+    }
+}
+
+impl Engine for CudaModel {
+    type State = CudaState;
+
+    fn config(&self) -> &TextConfig {
+        &self.config
+    }
+
+    fn new_state(&self) -> CudaState {
+        self.new_state_checked()
+            .expect("GPU memory exhausted allocating a sequence state")
+    }
+
+    fn state_len(&self, state: &CudaState) -> usize {
+        state.len
+    }
+
+    fn forward(&self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+        self.gpu.bind()?;
+        self.check_tokens(state, tokens)?;
+        let v = self.config.vocab_size;
+        let ws = self.ws.borrow();
+        let mut out = Vec::new();
+        let n_chunks = tokens.len().div_ceil(self.max_chunk);
+        for (ci, piece) in tokens.chunks(self.max_chunk).enumerate() {
+            self.forward_chunk(&ws, state, piece)?;
+            if logits == Logits::All {
+                let mut r0 = 0;
+                while r0 < piece.len() {
+                    let n = LOGITS_ROWS.min(piece.len() - r0);
+                    self.logits_rows(&ws, r0, n)?;
+                    let mut buf = vec![0f32; n * v];
+                    self.gpu.copy_to_host(ws.logits.ptr, &mut buf)?;
+                    out.extend(buf);
+                    r0 += n;
+                }
+            } else if ci + 1 == n_chunks {
+                self.logits_rows(&ws, piece.len() - 1, 1)?;
+                let mut buf = vec![0f32; v];
+                self.gpu.copy_to_host(ws.logits.ptr, &mut buf)?;
+                out = buf;
+            }
+        }
+        Ok(out)
+    }
+}

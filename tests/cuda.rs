@@ -1,0 +1,236 @@
+//! The CUDA backend against the CPU reference and the Hugging Face fixtures. Skips (with the
+//! reason printed) where no usable GPU exists, e.g. in CI; run on the H200 by
+//! `scripts/gpu_check.sh`.
+//!
+//! Tolerance (bf16 activations into every GEMM, bf16 KV cache, f32 accumulation and state):
+//! max |Δlogit| <= 3e-2 x max |logit| against the f32 reference, and identical greedy tokens.
+
+use kestrel::cuda::Gpu;
+use kestrel::cuda::model::CudaModel;
+use kestrel::model::{CpuModel, Engine, Logits};
+use kestrel::ops::argmax;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const REL_TOL: f32 = 3e-2;
+
+fn gpu() -> Option<Arc<Gpu>> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            println!("SKIPPED: no usable GPU: {e:#}");
+            None
+        }
+    }
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.safetensors").exists())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+struct Reference {
+    prompt_ids: Vec<u32>,
+    prompt_logits: Vec<f32>,
+    decode_ids: Vec<u32>,
+    decode_logits: Vec<f32>,
+}
+
+fn read_reference(dir: &Path) -> Reference {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |n: &str| -> Vec<f32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let ids = |n: &str| -> Vec<u32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    };
+    Reference {
+        prompt_ids: ids("prompt_ids"),
+        prompt_logits: f32s("prompt_logits"),
+        decode_ids: ids("decode_ids"),
+        decode_logits: f32s("decode_logits"),
+    }
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+fn load(gpu: &Arc<Gpu>, dir: &Path, max_chunk: usize) -> (CpuModel, CudaModel) {
+    let cpu = CpuModel::load(dir).unwrap();
+    let cuda = CudaModel::from_weights(
+        gpu.clone(),
+        cpu.config.clone(),
+        &cpu.weights,
+        512,
+        max_chunk,
+    )
+    .unwrap();
+    (cpu, cuda)
+}
+
+#[test]
+fn cuda_matches_hf_prefill_decode_and_greedy() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let (_cpu, cuda) = load(&gpu, &dir, 256);
+        let r = read_reference(&dir);
+        let vocab = cuda.config.vocab_size;
+        let mut st = cuda.new_state();
+        let prompt = cuda.forward(&mut st, &r.prompt_ids, Logits::All).unwrap();
+        let pe = rel_err(&prompt, &r.prompt_logits);
+        // Free-running greedy decode on the GPU.
+        let mut ids = vec![argmax(&prompt[prompt.len() - vocab..]).unwrap() as u32];
+        let mut dl = Vec::new();
+        for i in 0..r.decode_ids.len() {
+            let l = cuda.forward(&mut st, &[ids[i]], Logits::Last).unwrap();
+            if i + 1 < r.decode_ids.len() {
+                ids.push(argmax(&l).unwrap() as u32);
+            }
+            dl.extend(l);
+        }
+        let de = rel_err(&dl, &r.decode_logits);
+        println!(
+            "{}: prompt rel err {pe:.2e}, decode rel err {de:.2e}",
+            dir.display()
+        );
+        assert!(pe <= REL_TOL, "{}: prompt {pe}", dir.display());
+        assert!(de <= REL_TOL, "{}: decode {de}", dir.display());
+        assert!(r.decode_ids.len() >= 32);
+        assert_eq!(ids, r.decode_ids, "{}: greedy tokens", dir.display());
+    }
+}
+
+#[test]
+fn cuda_chunked_prefill_equals_one_shot_and_token_by_token() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        // max_chunk 7 forces the model's own chunking; explicit calls of 1 and 64 tokens too.
+        for (max_chunk, call) in [(256, 1), (7, 256), (256, 64), (256, 7)] {
+            let (_cpu, cuda) = load(&gpu, &dir, max_chunk);
+            let mut st = cuda.new_state();
+            let mut all = Vec::new();
+            for piece in r.prompt_ids.chunks(call) {
+                all.extend(cuda.forward(&mut st, piece, Logits::All).unwrap());
+            }
+            let e = rel_err(&all, &r.prompt_logits);
+            println!(
+                "{} max_chunk {max_chunk} calls of {call}: {e:.2e}",
+                dir.display()
+            );
+            assert!(
+                e <= REL_TOL,
+                "{} chunk {max_chunk}/{call}: {e}",
+                dir.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn cuda_matches_cpu_and_snapshots_restore() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let (cpu, cuda) = load(&gpu, &dir, 256);
+        let r = read_reference(&dir);
+        let half = r.prompt_ids.len() / 2;
+        let mut st = cuda.new_state();
+        cuda.forward(&mut st, &r.prompt_ids[..half], Logits::Last)
+            .unwrap();
+        let snap = st.clone();
+        let rest = &r.prompt_ids[half..];
+        let a = cuda.forward(&mut st, rest, Logits::All).unwrap();
+        cuda.forward(&mut st, &[1, 2, 3], Logits::Last).unwrap();
+        let mut st = snap.clone();
+        let b = cuda.forward(&mut st, rest, Logits::All).unwrap();
+        assert_eq!(a, b, "{}: restored snapshot diverged", dir.display());
+        let mut cs = cpu.new_state();
+        let c = cpu.forward(&mut cs, &r.prompt_ids, Logits::All).unwrap();
+        let e = rel_err(&b, &c[half * cpu.config.vocab_size..]);
+        assert!(e <= REL_TOL, "{}: vs CPU {e}", dir.display());
+        // Device-side greedy agrees with host argmax.
+        let mut s1 = cuda.new_state();
+        let next = cuda
+            .forward_greedy(&mut s1, &r.prompt_ids, cuda.config.vocab_size)
+            .unwrap();
+        assert_eq!(next, r.decode_ids[0]);
+        let _ = &r.decode_logits;
+    }
+}
+
+#[test]
+fn cuda_rejects_bad_tokens_and_overflow() {
+    let Some(gpu) = gpu() else { return };
+    let dir = fixtures().remove(0);
+    let (_cpu, cuda) = load(&gpu, &dir, 64);
+    let mut st = cuda.new_state();
+    let e = cuda
+        .forward(&mut st, &[cuda.config.vocab_size as u32], Logits::Last)
+        .unwrap_err();
+    assert!(e.to_string().contains("outside the vocabulary"));
+    let long = vec![1u32; 600];
+    let e = cuda.forward(&mut st, &long, Logits::Last).unwrap_err();
+    assert!(e.to_string().contains("--max-seq"), "{e}");
+}
+
+/// Needs no fixtures: seeded random weights (demo shape, real vocabulary; and a shape with
+/// dk=32, 8 value heads, 16 experts top-4), GPU against CPU in prefill and decode.
+#[test]
+fn cuda_matches_cpu_on_random_weights() {
+    let Some(gpu) = gpu() else { return };
+    let mut wide = kestrel::synthetic::demo_config();
+    wide.vocab_size = 3000;
+    wide.gdn_key_dim = 32;
+    wide.gdn_value_dim = 48;
+    wide.gdn_num_value_heads = 8;
+    wide.num_experts = 16;
+    wide.experts_per_token = 4;
+    wide.head_dim = 64;
+    wide.rotary_dim = 16;
+    for cfg in [kestrel::synthetic::demo_config(), wide] {
+        let w = kestrel::synthetic::random_weights(&cfg, 11, kestrel::tensor::DType::BF16);
+        let cuda = CudaModel::from_weights(gpu.clone(), cfg.clone(), &w, 256, 64).unwrap();
+        let cpu = CpuModel::new(cfg.clone(), w);
+        let prompt: Vec<u32> = kestrel::bench::prompt(100, cfg.vocab_size.min(248_077));
+        let (mut cs, mut gs) = (cpu.new_state(), cuda.new_state());
+        let a = cpu.forward(&mut cs, &prompt, Logits::All).unwrap();
+        let b = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
+        let e = rel_err(&b, &a);
+        println!(
+            "random weights hidden {} vocab {}: prefill rel err {e:.2e}",
+            cfg.hidden_size, cfg.vocab_size
+        );
+        assert!(e <= REL_TOL, "prefill {e}");
+        let mut tok = argmax(&a[a.len() - cfg.vocab_size..]).unwrap() as u32;
+        for step in 0..8 {
+            let a = cpu.forward(&mut cs, &[tok], Logits::Last).unwrap();
+            let b = cuda.forward(&mut gs, &[tok], Logits::Last).unwrap();
+            let e = rel_err(&b, &a);
+            assert!(e <= REL_TOL, "decode step {step}: {e}");
+            tok = argmax(&a).unwrap() as u32;
+        }
+    }
+}
