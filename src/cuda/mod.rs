@@ -123,6 +123,59 @@ fn kernel_cache_dir() -> PathBuf {
     base.join("kestrel").join("kernels")
 }
 
+/// The kernels as PTX for `arch` (e.g. `compute_90a`): from the disk cache (keyed by source
+/// hash and arch) or compiled with NVRTC. Needs no GPU, only libnvrtc and the CUDA headers.
+pub fn kernel_ptx(arch: &'static str, use_cache: bool) -> Result<cudarc::nvrtc::Ptx> {
+    let mut src = String::new();
+    for (name, text) in SOURCES {
+        src.push_str(&format!("// ---- {name}\n"));
+        src.push_str(text);
+        src.push('\n');
+    }
+    let src = src.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "");
+    let src = format!("#include <cuda_bf16.h>\n#include <mma.h>\n{src}");
+    let hash = fnv1a64(&[src.as_bytes(), arch.as_bytes(), b"v1 -O3 std=c++17"]);
+    let cache = kernel_cache_dir().join(format!("{hash:016x}-{arch}.ptx"));
+    let cached = if use_cache {
+        std::fs::read_to_string(&cache).ok()
+    } else {
+        None
+    };
+    let ptx = if let Some(text) = cached {
+        tracing::debug!("kernels from cache {}", cache.display());
+        cudarc::nvrtc::Ptx::from_src(text)
+    } else {
+        let include = cuda_include_dir().ok_or_else(|| {
+            anyhow!(
+                "cannot find the CUDA headers (cuda_bf16.h) that NVRTC needs: set CUDA_HOME or CUDA_PATH, or install them under /usr/local/cuda/include"
+            )
+        })?;
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(arch),
+            include_paths: vec![include.display().to_string()],
+            options: vec!["--std=c++17".into(), "-default-device".into()],
+            ..Default::default()
+        };
+        let t0 = std::time::Instant::now();
+        let ptx = quiet_catch(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
+            .ok_or_else(|| anyhow!("NVRTC could not be loaded (libnvrtc.so)"))?
+            .map_err(|e| match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                    anyhow!("kernel compilation failed:\n{}", log.to_string_lossy())
+                }
+                other => anyhow!("kernel compilation failed: {other:?}"),
+            })?;
+        tracing::info!("compiled kernels for {arch} in {:?}", t0.elapsed());
+        let text = ptx.to_src();
+        if let Some(dir) = cache.parent() {
+            let _ = std::fs::create_dir_all(dir);
+            let _ = std::fs::write(&cache, &text);
+        }
+        ptx
+    };
+    Ok(ptx)
+}
+
 /// Runs `f`, turning a panic (cudarc panics when a CUDA library cannot be loaded) into
 /// `None` without printing the panic message.
 fn quiet_catch<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Option<T> {
@@ -185,48 +238,7 @@ impl Gpu {
         } else {
             "compute_90"
         };
-        let mut src = String::new();
-        for (name, text) in SOURCES {
-            src.push_str(&format!("// ---- {name}\n"));
-            src.push_str(text);
-            src.push('\n');
-        }
-        let src = src.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "");
-        let src = format!("#include <cuda_bf16.h>\n#include <mma.h>\n{src}");
-        let hash = fnv1a64(&[src.as_bytes(), arch.as_bytes(), b"v1 -O3 std=c++17"]);
-        let cache = kernel_cache_dir().join(format!("{hash:016x}-{arch}.ptx"));
-        let ptx = if let Ok(text) = std::fs::read_to_string(&cache) {
-            tracing::debug!("kernels from cache {}", cache.display());
-            cudarc::nvrtc::Ptx::from_src(text)
-        } else {
-            let include = cuda_include_dir().ok_or_else(|| {
-                anyhow!(
-                    "cannot find the CUDA headers (cuda_bf16.h) that NVRTC needs: set CUDA_HOME or CUDA_PATH, or install them under /usr/local/cuda/include"
-                )
-            })?;
-            let opts = cudarc::nvrtc::CompileOptions {
-                arch: Some(arch),
-                include_paths: vec![include.display().to_string()],
-                options: vec!["--std=c++17".into(), "-default-device".into()],
-                ..Default::default()
-            };
-            let t0 = std::time::Instant::now();
-            let ptx = quiet_catch(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
-                .ok_or_else(|| anyhow!("NVRTC could not be loaded (libnvrtc.so)"))?
-                .map_err(|e| match e {
-                    cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                        anyhow!("kernel compilation failed:\n{}", log.to_string_lossy())
-                    }
-                    other => anyhow!("kernel compilation failed: {other:?}"),
-                })?;
-            tracing::info!("compiled kernels for {arch} in {:?}", t0.elapsed());
-            let text = ptx.to_src();
-            if let Some(dir) = cache.parent() {
-                let _ = std::fs::create_dir_all(dir);
-                let _ = std::fs::write(&cache, &text);
-            }
-            ptx
-        };
+        let ptx = kernel_ptx(arch, true)?;
         ctx.load_module(ptx)
             .map_err(|e| anyhow!("loading the kernel module failed: {e:?}"))
     }
@@ -466,5 +478,24 @@ impl Gpu {
         self.sync()?;
         let secs = t0.elapsed().as_secs_f64() / reps as f64;
         Ok(2.0 * bytes as f64 / secs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Compiles every kernel with NVRTC when it is available (no GPU needed); skips otherwise.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        if super::cuda_include_dir().is_none() {
+            println!("SKIPPED: no CUDA headers (set CUDA_HOME) to compile the kernels");
+            return;
+        }
+        match super::kernel_ptx("compute_90a", false) {
+            Ok(ptx) => assert!(ptx.to_src().contains(".entry moe_gemm")),
+            Err(e) if e.to_string().contains("could not be loaded") => {
+                println!("SKIPPED: {e}")
+            }
+            Err(e) => panic!("{e:#}"),
+        }
     }
 }

@@ -3,6 +3,9 @@
 #include <mma.h>
 
 typedef __nv_bfloat16 bf16;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 typedef unsigned long long u64;
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
