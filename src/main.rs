@@ -444,6 +444,19 @@ fn bench_cmd(
                     log,
                 )?);
             }
+            let prof = gpu.take_profile();
+            if !prof.is_empty() {
+                let total: f64 = prof.iter().map(|p| p.2).sum();
+                eprintln!("profile (each op between syncs; all contexts, all rounds):");
+                for (name, calls, secs) in prof.iter().take(30) {
+                    eprintln!(
+                        "  {name:<32} {calls:>8} calls {:>10.3} ms {:>6.1}%  {:>8.1} us/call",
+                        secs * 1e3,
+                        100.0 * secs / total,
+                        secs * 1e6 / *calls as f64
+                    );
+                }
+            }
             (rows, gpu.name.clone(), copy_bw)
         }
         "cpu" => {

@@ -6,7 +6,7 @@
 use crate::config::TextConfig;
 use crate::ops::attention::{apply_rope, causal_attention, rope_inv_freq};
 use crate::ops::gdn::{DeltaInputs, causal_conv_silu, delta_rule_chunked, delta_rule_step};
-use crate::ops::gemm::matmul;
+use crate::ops::gemm::{matmul_act, round_bf16};
 use crate::ops::moe::moe_forward;
 use crate::ops::norm::{
     gated_rms_norm, l2_normalize, rms_norm_zero_centred, rms_norm_zero_centred_inplace,
@@ -50,6 +50,9 @@ pub struct CpuModel {
     pub config: TextConfig,
     pub weights: ModelWeights,
     pub gdn_mode: GdnMode,
+    /// Round every GEMM input and the KV cache to bf16, as the GPU backend does (so the two
+    /// can be compared tightly); off by default (pure f32 reference).
+    pub bf16_activations: bool,
     inv_freq: Vec<f32>,
 }
 
@@ -60,6 +63,7 @@ impl CpuModel {
             config,
             weights,
             gdn_mode: GdnMode::Auto,
+            bf16_activations: false,
             inv_freq,
         }
     }
@@ -89,6 +93,10 @@ impl CpuModel {
         Ok(logits)
     }
 
+    fn mm(&self, x: &[f32], t: usize, w: &crate::tensor::Mat) -> Vec<f32> {
+        matmul_act(x, t, w, self.bf16_activations)
+    }
+
     fn gdn_layer(&self, x: &[f32], t: usize, w: &GdnWeights, st: &mut GdnState) -> Vec<f32> {
         let c = &self.config;
         let (hk, hv, dk, dv) = (
@@ -99,10 +107,10 @@ impl CpuModel {
         );
         let (qk, ch) = (c.gdn_qk_width(), c.gdn_conv_channels());
         // 1. projections
-        let p = matmul(x, t, &w.in_qkv);
-        let z = matmul(x, t, &w.in_z);
-        let b = matmul(x, t, &w.in_b);
-        let a = matmul(x, t, &w.in_a);
+        let p = self.mm(x, t, &w.in_qkv);
+        let z = self.mm(x, t, &w.in_z);
+        let b = self.mm(x, t, &w.in_b);
+        let a = self.mm(x, t, &w.in_a);
         // 2. causal conv over pre-conv inputs (state carries the last kernel-1), SiLU
         let p = causal_conv_silu(&p, t, ch, &mut st.conv, &w.conv, c.conv_kernel);
         // 3-5. split, L2-normalise q and k, scale q
@@ -154,7 +162,7 @@ impl CpuModel {
         for (oh, zh) in o.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
             gated_rms_norm(oh, zh, &w.norm, c.rms_norm_eps);
         }
-        matmul(&o, t, &w.out)
+        self.mm(&o, t, &w.out)
     }
 
     fn attention_layer(
@@ -169,9 +177,9 @@ impl CpuModel {
         let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let eps = c.rms_norm_eps;
         // q_proj holds per-head [query | gate] blocks of 2*hd.
-        let qg = matmul(x, t, &w.q);
-        let mut k = matmul(x, t, &w.k);
-        let v = matmul(x, t, &w.v);
+        let qg = self.mm(x, t, &w.q);
+        let mut k = self.mm(x, t, &w.k);
+        let v = self.mm(x, t, &w.v);
         let mut q = Vec::with_capacity(t * nq * hd);
         let mut gate = Vec::with_capacity(t * nq * hd);
         for block in qg.chunks_exact(2 * hd) {
@@ -188,13 +196,18 @@ impl CpuModel {
                 apply_rope(h, past + s, &self.inv_freq);
             }
         }
-        kv.k.extend_from_slice(&k);
-        kv.v.extend_from_slice(&v);
+        if self.bf16_activations {
+            kv.k.extend(round_bf16(&k));
+            kv.v.extend(round_bf16(&v));
+        } else {
+            kv.k.extend_from_slice(&k);
+            kv.v.extend_from_slice(&v);
+        }
         let mut o = causal_attention(&q, t, past, &kv.k, &kv.v, nq, nkv, hd);
         for (oi, gi) in o.iter_mut().zip(&gate) {
             *oi *= sigmoid(*gi);
         }
-        matmul(&o, t, &w.o)
+        self.mm(&o, t, &w.o)
     }
 }
 
@@ -250,7 +263,14 @@ impl Engine for CpuModel {
             };
             h.iter_mut().zip(&mixed).for_each(|(x, m)| *x += m);
             let b = rms_norm_zero_centred(&h, &layer.post_attention_norm, c.rms_norm_eps);
-            let ffn = moe_forward(&b, t, d, &layer.moe, c.experts_per_token);
+            let ffn = moe_forward(
+                &b,
+                t,
+                d,
+                &layer.moe,
+                c.experts_per_token,
+                self.bf16_activations,
+            );
             h.iter_mut().zip(&ffn).for_each(|(x, m)| *x += m);
         }
         state.len += t;
@@ -261,6 +281,6 @@ impl Engine for CpuModel {
             Logits::All => (&h[..], t),
         };
         let y = rms_norm_zero_centred(rows, &self.weights.final_norm, c.rms_norm_eps);
-        Ok(matmul(&y, n, &self.weights.lm_head))
+        Ok(self.mm(&y, n, &self.weights.lm_head))
     }
 }

@@ -84,6 +84,8 @@ pub struct Gpu {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub total_memory: usize,
+    /// With `KESTREL_PROFILE=1`: per-op (calls, seconds), each op timed between syncs.
+    profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
 }
 
 fn cuda_include_dir() -> Option<PathBuf> {
@@ -229,6 +231,9 @@ impl Gpu {
             name,
             compute_capability: cc,
             total_memory,
+            profile: std::env::var("KESTREL_PROFILE")
+                .ok()
+                .map(|_| std::sync::Mutex::new(Default::default())),
         }))
     }
 
@@ -332,6 +337,33 @@ impl Gpu {
             .map_err(|e| anyhow!("CUDA error (a kernel failed?): {e:?}"))
     }
 
+    fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let Some(p) = &self.profile else { return f() };
+        self.sync()?;
+        let t0 = std::time::Instant::now();
+        let r = f()?;
+        self.sync()?;
+        let dt = t0.elapsed().as_secs_f64();
+        let mut m = p.lock().unwrap();
+        let e = m.entry(name()).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += dt;
+        Ok(r)
+    }
+
+    /// The profile collected so far (op, calls, seconds), most expensive first; then reset.
+    pub fn take_profile(&self) -> Vec<(String, u64, f64)> {
+        let Some(p) = &self.profile else {
+            return Vec::new();
+        };
+        let mut m = p.lock().unwrap();
+        let mut v: Vec<(String, u64, f64)> =
+            m.iter().map(|(k, (c, s))| (k.clone(), *c, *s)).collect();
+        m.clear();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
     /// Launches `name` on the stream.
     pub fn launch(
         &self,
@@ -359,15 +391,38 @@ impl Gpu {
             shared_mem_bytes: smem,
         };
         // SAFETY: argument lists match the kernels' signatures (checked by the GPU tests).
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .with_context(|| format!("launching {name}"))
+        self.timed(
+            || name.to_string(),
+            || {
+                unsafe { b.launch(cfg) }
+                    .map(|_| ())
+                    .with_context(|| format!("launching {name}"))
+            },
+        )
     }
 
     /// `y[t, n] = beta * y + x[t, k] · W[n, k]ᵀ`: W and x bf16 row-major, y f32 with row
     /// stride `ldy`, f32 accumulation (cuBLAS).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
+        &self,
+        w: u64,
+        n: usize,
+        k: usize,
+        x: u64,
+        t: usize,
+        y: u64,
+        ldy: usize,
+        beta: f32,
+    ) -> Result<()> {
+        self.timed(
+            || format!("gemm {n}x{k} t={t}"),
+            || self.gemm_raw(w, n, k, x, t, y, ldy, beta),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_raw(
         &self,
         w: u64,
         n: usize,

@@ -60,6 +60,22 @@ pub fn matmul(x: &[f32], t: usize, w: &Mat) -> Vec<f32> {
     y
 }
 
+/// Rounds values to bf16 precision (kept as f32): what a bf16 GEMM input sees.
+pub fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|v| half::bf16::from_f32(*v).to_f32())
+        .collect()
+}
+
+/// [`matmul`], optionally with the input rounded to bf16 first (the GPU's precision).
+pub fn matmul_act(x: &[f32], t: usize, w: &Mat, bf16_input: bool) -> Vec<f32> {
+    if bf16_input {
+        matmul(&round_bf16(x), t, w)
+    } else {
+        matmul(x, t, w)
+    }
+}
+
 /// Dot product in f32.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -2,7 +2,7 @@
 //! sigmoid-gated shared expert. Tokens are grouped by expert so each expert's weights are
 //! widened once per call (a grouped GEMM, not one GEMV per token).
 
-use super::gemm::{dot, matmul};
+use super::gemm::{dot, matmul_act};
 use super::{sigmoid, silu};
 use crate::weights::{ExpertWeights, MoeWeights};
 
@@ -22,16 +22,24 @@ pub fn route(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
 }
 
 /// SwiGLU feed-forward of `t` rows: `(SiLU(x Gᵀ) ⊙ x Uᵀ) Dᵀ`.
-pub fn swiglu(x: &[f32], t: usize, w: &ExpertWeights) -> Vec<f32> {
-    let g = matmul(x, t, &w.gate);
-    let u = matmul(x, t, &w.up);
+/// With `bf16`, GEMM inputs are rounded to bf16 (the GPU's precision).
+pub fn swiglu(x: &[f32], t: usize, w: &ExpertWeights, bf16: bool) -> Vec<f32> {
+    let g = matmul_act(x, t, &w.gate, bf16);
+    let u = matmul_act(x, t, &w.up, bf16);
     let m: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
-    matmul(&m, t, &w.down)
+    matmul_act(&m, t, &w.down, bf16)
 }
 
 /// The MoE block for `t` tokens `x [t, d]`; returns `[t, d]`.
-pub fn moe_forward(x: &[f32], t: usize, d: usize, w: &MoeWeights, top_k: usize) -> Vec<f32> {
-    let router = matmul(x, t, &w.router);
+pub fn moe_forward(
+    x: &[f32],
+    t: usize,
+    d: usize,
+    w: &MoeWeights,
+    top_k: usize,
+    bf16: bool,
+) -> Vec<f32> {
+    let router = matmul_act(x, t, &w.router, bf16);
     let e = w.experts.len();
     // Group (token, weight) by expert.
     let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
@@ -49,7 +57,7 @@ pub fn moe_forward(x: &[f32], t: usize, d: usize, w: &MoeWeights, top_k: usize) 
         for &(tok, _) in rows {
             xs.extend_from_slice(&x[tok * d..(tok + 1) * d]);
         }
-        let y = swiglu(&xs, rows.len(), &w.experts[ex]);
+        let y = swiglu(&xs, rows.len(), &w.experts[ex], bf16);
         for (r, &(tok, wt)) in rows.iter().enumerate() {
             for (o, v) in out[tok * d..(tok + 1) * d]
                 .iter_mut()
@@ -59,9 +67,14 @@ pub fn moe_forward(x: &[f32], t: usize, d: usize, w: &MoeWeights, top_k: usize) 
             }
         }
     }
-    let shared = swiglu(x, t, &w.shared);
+    let shared = swiglu(x, t, &w.shared, bf16);
     for tok in 0..t {
-        let gate = sigmoid(dot(&x[tok * d..(tok + 1) * d], &w.shared_gate));
+        let xt = &x[tok * d..(tok + 1) * d];
+        let gate = if bf16 {
+            sigmoid(dot(&super::gemm::round_bf16(xt), &w.shared_gate))
+        } else {
+            sigmoid(dot(xt, &w.shared_gate))
+        };
         for (o, s) in out[tok * d..(tok + 1) * d]
             .iter_mut()
             .zip(&shared[tok * d..(tok + 1) * d])
