@@ -241,3 +241,73 @@ fn cuda_matches_cpu_on_random_weights() {
         }
     }
 }
+
+/// Full-width check (run by `scripts/gpu_check.sh fullwidth` after
+/// `scripts/fullwidth_check.py` wrote a full-width, reduced-depth checkpoint with transformers
+/// and its f32 reference): Kestrel loads it through the normal loader and must match HF's
+/// logits (max |Δ| <= 3e-2 x max |logit|) and its greedy continuation. Skips without the
+/// checkpoint (KESTREL_FULLWIDTH_DIR).
+#[test]
+fn fullwidth_checkpoint_matches_hf() {
+    let Ok(dir) = std::env::var("KESTREL_FULLWIDTH_DIR") else {
+        println!("SKIPPED: KESTREL_FULLWIDTH_DIR not set (see scripts/gpu_check.sh fullwidth)");
+        return;
+    };
+    let Some(gpu) = gpu() else { return };
+    let dir = PathBuf::from(dir);
+    let t0 = std::time::Instant::now();
+    let cpu = CpuModel::load(&dir.join("model")).unwrap();
+    let cfg = cpu.config.clone();
+    assert_eq!(cfg.hidden_size, 2048);
+    assert_eq!(cfg.num_experts, 256);
+    assert_eq!(cfg.vocab_size, 248_320);
+    let cuda = CudaModel::from_weights(gpu.clone(), cfg.clone(), &cpu.weights, 1024, 256).unwrap();
+    drop(cpu);
+    println!(
+        "loaded full-width checkpoint in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |n: &str| -> Vec<f32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let ids = |n: &str| -> Vec<u32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    };
+    let (prompt, last4, dec_ids, dec_logits) = (
+        ids("prompt_ids"),
+        f32s("prompt_logits_last4"),
+        ids("decode_ids"),
+        f32s("decode_logits"),
+    );
+    let v = cfg.vocab_size;
+    let mut state = cuda.new_state();
+    let all = cuda.forward(&mut state, &prompt, Logits::All).unwrap();
+    let e = rel_err(&all[all.len() - 4 * v..], &last4);
+    println!("full-width prompt logits (last 4 positions) rel err {e:.3e}");
+    assert!(e <= REL_TOL, "prompt logits {e}");
+    let mut got = vec![argmax(&all[all.len() - v..]).unwrap() as u32];
+    let mut logits = Vec::new();
+    for i in 0..dec_ids.len() {
+        let l = cuda.forward(&mut state, &[got[i]], Logits::Last).unwrap();
+        if i + 1 < dec_ids.len() {
+            got.push(argmax(&l).unwrap() as u32);
+        }
+        logits.extend(l);
+    }
+    let e = rel_err(&logits, &dec_logits);
+    println!("full-width decode logits rel err {e:.3e}; greedy {got:?} vs HF {dec_ids:?}");
+    assert!(e <= REL_TOL, "decode logits {e}");
+    assert_eq!(got, dec_ids, "greedy continuation");
+}

@@ -45,6 +45,7 @@ const KERNELS: &[&str] = &[
     "moe_plan",
     "moe_scatter",
     "moe_gemm",
+    "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
 ];

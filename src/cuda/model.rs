@@ -17,6 +17,9 @@ use std::sync::Arc;
 const LOGITS_ROWS: usize = 64;
 /// Grouped-GEMM tile height (tokens), as in `moe.cu`.
 const MOE_TILE_M: usize = 64;
+/// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
+/// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
+const MOE_GEMV_MAX_ROWS: usize = 64;
 /// Attention splits per query in prefill (bounded workspace); decode may use up to 256.
 const PREFILL_SPLITS: usize = 8;
 const DECODE_SPLITS: usize = 256;
@@ -296,6 +299,9 @@ impl CudaModel {
                 "the CUDA attention kernel needs head_dim a multiple of 32 up to 256, not {}",
                 cfg.head_dim
             );
+        }
+        if cfg.hidden_size % 8 != 0 || cfg.moe_intermediate % 8 != 0 || cfg.hidden_size > 12_288 {
+            bail!("the CUDA MoE kernels need hidden and expert sizes that are multiples of 8");
         }
         if cfg.conv_kernel > 9 || cfg.experts_per_token > 16 || cfg.gdn_value_dim > 1024 {
             bail!(
@@ -851,57 +857,6 @@ impl CudaModel {
                 Arg::Ptr(ws.counts.ptr),
             ],
         )?;
-        g.launch(
-            "moe_plan",
-            (1, 1, 1),
-            32,
-            0,
-            &[
-                Arg::Ptr(ws.counts.ptr),
-                Arg::I(e as i32),
-                Arg::I(MOE_TILE_M as i32),
-                Arg::Ptr(ws.offsets.ptr),
-                Arg::Ptr(ws.cursor.ptr),
-                Arg::Ptr(ws.tile_expert.ptr),
-                Arg::Ptr(ws.tile_row.ptr),
-                Arg::Ptr(ws.tile_rows.ptr),
-                Arg::Ptr(ws.num_tiles.ptr),
-            ],
-        )?;
-        g.launch(
-            "moe_scatter",
-            (rows.div_ceil(256) as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(ws.topk_ids.ptr),
-                Arg::I(rows as i32),
-                Arg::I(k as i32),
-                Arg::Ptr(ws.cursor.ptr),
-                Arg::Ptr(ws.sorted_token.ptr),
-                Arg::Ptr(ws.slot_row.ptr),
-            ],
-        )?;
-        let grouped = |a: u64, gather: u64, w: u64, out: u64, ndim: usize, kdim: usize| {
-            g.launch(
-                "moe_gemm",
-                (max_tiles as u32, ndim.div_ceil(64) as u32, 1),
-                128,
-                0,
-                &[
-                    Arg::Ptr(a),
-                    Arg::Ptr(gather),
-                    Arg::Ptr(w),
-                    Arg::Ptr(out),
-                    Arg::Ptr(ws.tile_expert.ptr),
-                    Arg::Ptr(ws.tile_row.ptr),
-                    Arg::Ptr(ws.tile_rows.ptr),
-                    Arg::Ptr(ws.num_tiles.ptr),
-                    Arg::I(ndim as i32),
-                    Arg::I(kdim as i32),
-                ],
-            )
-        };
         let swiglu = |gu: u64, act: u64, rows: usize, inter: usize| {
             g.launch(
                 "swiglu_bf16",
@@ -916,16 +871,92 @@ impl CudaModel {
                 ],
             )
         };
-        grouped(
-            ws.xb.ptr,
-            ws.sorted_token.ptr,
-            layer.gate_up.ptr,
-            ws.gu.ptr,
-            2 * i,
-            d,
-        )?;
-        swiglu(ws.gu.ptr, ws.act.ptr, rows, i)?;
-        grouped(ws.act.ptr, 0, layer.down.ptr, ws.y.ptr, d, i)?;
+        let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
+        let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
+            g.launch(
+                "moe_gemv",
+                (rows as u32, ndim.div_ceil(32) as u32, 1),
+                256,
+                (kdim * 4) as u32,
+                &[
+                    Arg::Ptr(a),
+                    Arg::I(by_k as i32),
+                    Arg::Ptr(ws.topk_ids.ptr),
+                    Arg::I(k as i32),
+                    Arg::Ptr(w),
+                    Arg::Ptr(out),
+                    Arg::I(ndim as i32),
+                    Arg::I(kdim as i32),
+                ],
+            )
+        };
+        if gemv_path {
+            gemv(ws.xb.ptr, true, layer.gate_up.ptr, ws.gu.ptr, 2 * i, d)?;
+            swiglu(ws.gu.ptr, ws.act.ptr, rows, i)?;
+            gemv(ws.act.ptr, false, layer.down.ptr, ws.y.ptr, d, i)?;
+        } else {
+            g.launch(
+                "moe_plan",
+                (1, 1, 1),
+                32,
+                0,
+                &[
+                    Arg::Ptr(ws.counts.ptr),
+                    Arg::I(e as i32),
+                    Arg::I(MOE_TILE_M as i32),
+                    Arg::Ptr(ws.offsets.ptr),
+                    Arg::Ptr(ws.cursor.ptr),
+                    Arg::Ptr(ws.tile_expert.ptr),
+                    Arg::Ptr(ws.tile_row.ptr),
+                    Arg::Ptr(ws.tile_rows.ptr),
+                    Arg::Ptr(ws.num_tiles.ptr),
+                ],
+            )?;
+            g.launch(
+                "moe_scatter",
+                (rows.div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(ws.topk_ids.ptr),
+                    Arg::I(rows as i32),
+                    Arg::I(k as i32),
+                    Arg::Ptr(ws.cursor.ptr),
+                    Arg::Ptr(ws.sorted_token.ptr),
+                    Arg::Ptr(ws.slot_row.ptr),
+                ],
+            )?;
+            let grouped = |a: u64, gather: u64, w: u64, out: u64, ndim: usize, kdim: usize| {
+                g.launch(
+                    "moe_gemm",
+                    (max_tiles as u32, ndim.div_ceil(64) as u32, 1),
+                    128,
+                    0,
+                    &[
+                        Arg::Ptr(a),
+                        Arg::Ptr(gather),
+                        Arg::Ptr(w),
+                        Arg::Ptr(out),
+                        Arg::Ptr(ws.tile_expert.ptr),
+                        Arg::Ptr(ws.tile_row.ptr),
+                        Arg::Ptr(ws.tile_rows.ptr),
+                        Arg::Ptr(ws.num_tiles.ptr),
+                        Arg::I(ndim as i32),
+                        Arg::I(kdim as i32),
+                    ],
+                )
+            };
+            grouped(
+                ws.xb.ptr,
+                ws.sorted_token.ptr,
+                layer.gate_up.ptr,
+                ws.gu.ptr,
+                2 * i,
+                d,
+            )?;
+            swiglu(ws.gu.ptr, ws.act.ptr, rows, i)?;
+            grouped(ws.act.ptr, 0, layer.down.ptr, ws.y.ptr, d, i)?;
+        }
         // Shared expert (dense).
         g.gemm(
             layer.shared_gate_up.ptr,
@@ -955,7 +986,8 @@ impl CudaModel {
             0,
             &[
                 Arg::Ptr(ws.y.ptr),
-                Arg::Ptr(ws.slot_row.ptr),
+                // The GEMV path leaves rows unsorted (row = token * k + slot).
+                Arg::Ptr(if gemv_path { 0 } else { ws.slot_row.ptr }),
                 Arg::Ptr(ws.topk_w.ptr),
                 Arg::Ptr(ws.ys.ptr),
                 Arg::Ptr(ws.xb.ptr),

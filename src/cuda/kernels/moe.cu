@@ -110,14 +110,17 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(
         for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
     int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
     for (int k0 = 0; k0 < kdim; k0 += TK) {
-        // 64 x 32 elements per operand, 16 per thread.
-        for (int idx = tid; idx < TM * TK; idx += 128) {
-            int rr = idx / TK, kk = idx % TK;
+        // 64 x 32 bf16 per operand = 256 vectors of 8; two per thread each (kdim % 8 == 0).
+        for (int idx = tid; idx < TM * TK / 8; idx += 128) {
+            int rr = idx / (TK / 8), kk = (idx % (TK / 8)) * 8;
             int ar = arow[rr];
             bool kin = k0 + kk < kdim;
-            as[rr][kk] = (ar >= 0 && kin) ? a[(size_t)ar * kdim + k0 + kk] : __float2bfloat16(0.0f);
+            uint4 va = make_uint4(0, 0, 0, 0), vb = make_uint4(0, 0, 0, 0);
+            if (ar >= 0 && kin) va = *reinterpret_cast<const uint4*>(a + (size_t)ar * kdim + k0 + kk);
             int nn = n0 + rr;
-            bs[rr][kk] = (nn < ndim && kin) ? wx[(size_t)nn * kdim + k0 + kk] : __float2bfloat16(0.0f);
+            if (nn < ndim && kin) vb = *reinterpret_cast<const uint4*>(wx + (size_t)nn * kdim + k0 + kk);
+            *reinterpret_cast<uint4*>(&as[rr][kk]) = va;
+            *reinterpret_cast<uint4*>(&bs[rr][kk]) = vb;
         }
         __syncthreads();
 #pragma unroll
@@ -147,6 +150,38 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(
     }
 }
 
+// Decode path (few rows): one warp per output element block, 16-byte weight loads.
+// Row r = token * k + slot reads expert topk_ids[r] and input row (gather_by_k ? r / k : r)
+// of a [*, kdim] bf16; y: f32 [rows, ndim]. grid (rows, ceil(ndim / 32)), block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_gemv(
+    const bf16* __restrict__ a, int gather_by_k, const int* __restrict__ topk_ids, int k,
+    const bf16* __restrict__ w, float* __restrict__ y, int ndim, int kdim) {
+    extern __shared__ float xs[];
+    int r = blockIdx.x;
+    int ar = gather_by_k ? r / k : r;
+    const bf16* x = a + (size_t)ar * kdim;
+    for (int i = threadIdx.x; i < kdim; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
+    __syncthreads();
+    const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nvec = kdim / 8;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int n = blockIdx.y * 32 + warp * 4 + q;
+        if (n >= ndim) break;
+        const uint4* wr = reinterpret_cast<const uint4*>(wx + (size_t)n * kdim);
+        float acc = 0.0f;
+        for (int c = lane; c < nvec; c += 32) {
+            uint4 v = wr[c];
+            const bf16* e = reinterpret_cast<const bf16*>(&v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc += __bfloat162float(e[j]) * xs[c * 8 + j];
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) y[(size_t)r * ndim + n] = acc;
+    }
+}
+
 // act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
 extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int rows, int inter) {
     size_t n = (size_t)rows * inter;
@@ -167,8 +202,10 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     float gate = sigmoid_f(block_sum(dot));
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float acc = 0.0f;
-        for (int kk = 0; kk < k; kk++)
-            acc += topk_w[s * k + kk] * y[(size_t)slot_row[s * k + kk] * d + i];
+        for (int kk = 0; kk < k; kk++) {
+            int row = slot_row ? slot_row[s * k + kk] : s * k + kk;  // null: rows unsorted
+            acc += topk_w[s * k + kk] * y[(size_t)row * d + i];
+        }
         h[(size_t)s * d + i] += acc + gate * ys[(size_t)s * d + i];
     }
 }
