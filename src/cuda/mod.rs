@@ -41,6 +41,7 @@ const KERNELS: &[&str] = &[
     "attn_prep",
     "attn_split",
     "attn_combine",
+    "attn_flash",
     "moe_route",
     "moe_plan",
     "moe_scatter",
@@ -363,6 +364,19 @@ impl Gpu {
         m.clear();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         v
+    }
+
+    /// Lets `name` use up to `bytes` of dynamic shared memory (above the 48 KiB default).
+    pub fn set_max_dynamic_smem(&self, name: &str, bytes: usize) -> Result<()> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| anyhow!("cannot give {name} {bytes} bytes of shared memory: {e:?}"))
     }
 
     /// Launches `name` on the stream.

@@ -23,6 +23,18 @@ const MOE_GEMV_MAX_ROWS: usize = 64;
 /// Attention splits per query in prefill (bounded workspace); decode may use up to 256.
 const PREFILL_SPLITS: usize = 8;
 const DECODE_SPLITS: usize = 256;
+/// Calls with at least this many tokens use the tensor-core flash kernel for attention.
+const FLASH_MIN_TOKENS: usize = 16;
+
+/// Dynamic shared memory of `attn_flash` for head dim `hd` (see attention.cu).
+fn flash_smem_bytes(hd: usize) -> usize {
+    let (fq, fk) = (64, 32);
+    (fq + 2 * fk) * (hd + 8) * 2
+        + fq * (hd + 4) * 4
+        + fq * (fk + 4) * 4
+        + fq * (fk + 8) * 2
+        + 2 * fq * 4
+}
 
 struct GdnW {
     in_qkv: DeviceBuf,
@@ -500,6 +512,7 @@ impl CudaModel {
             });
         }
         let inv_freq = gpu.upload(&f32_bytes(&rope_inv_freq(cfg.rotary_dim, cfg.rope_theta)))?;
+        gpu.set_max_dynamic_smem("attn_flash", flash_smem_bytes(cfg.head_dim))?;
         let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
         gpu.sync()?;
         Ok(CudaModel {
@@ -780,45 +793,67 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
-                    let n_max = past + t;
-                    let cap = (ws.part_floats / (t * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
-                    let chunk = n_max.div_ceil(cap).max(64);
-                    let nsplit = n_max.div_ceil(chunk);
-                    g.launch(
-                        "attn_split",
-                        (t as u32, nq as u32, nsplit.div_ceil(4) as u32),
-                        128,
-                        0,
-                        &[
-                            Arg::Ptr(ws.q.ptr),
-                            Arg::Ptr(kc.ptr),
-                            Arg::Ptr(vc.ptr),
-                            Arg::Ptr(ws.part.ptr),
-                            Arg::I(past as i32),
-                            Arg::I(nq as i32),
-                            Arg::I(nkv as i32),
-                            Arg::I(hd as i32),
-                            Arg::I(nsplit as i32),
-                            Arg::I(chunk as i32),
-                            Arg::F(1.0 / (hd as f32).sqrt()),
-                        ],
-                    )?;
-                    g.launch(
-                        "attn_combine",
-                        (t as u32, nq as u32, 1),
-                        block(hd),
-                        0,
-                        &[
-                            Arg::Ptr(ws.part.ptr),
-                            Arg::Ptr(ws.qg.ptr),
-                            Arg::Ptr(ws.ob.ptr),
-                            Arg::I(past as i32),
-                            Arg::I(nq as i32),
-                            Arg::I(hd as i32),
-                            Arg::I(nsplit as i32),
-                            Arg::I(chunk as i32),
-                        ],
-                    )?;
+                    if t >= FLASH_MIN_TOKENS {
+                        g.launch(
+                            "attn_flash",
+                            (t.div_ceil(64) as u32, nq as u32, 1),
+                            128,
+                            flash_smem_bytes(hd) as u32,
+                            &[
+                                Arg::Ptr(ws.q.ptr),
+                                Arg::Ptr(kc.ptr),
+                                Arg::Ptr(vc.ptr),
+                                Arg::Ptr(ws.qg.ptr),
+                                Arg::Ptr(ws.ob.ptr),
+                                Arg::I(ti),
+                                Arg::I(past as i32),
+                                Arg::I(nq as i32),
+                                Arg::I(nkv as i32),
+                                Arg::I(hd as i32),
+                                Arg::F(1.0 / (hd as f32).sqrt()),
+                            ],
+                        )?;
+                    } else {
+                        let n_max = past + t;
+                        let cap = (ws.part_floats / (t * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
+                        let chunk = n_max.div_ceil(cap).max(64);
+                        let nsplit = n_max.div_ceil(chunk);
+                        g.launch(
+                            "attn_split",
+                            (t as u32, nq as u32, nsplit.div_ceil(4) as u32),
+                            128,
+                            0,
+                            &[
+                                Arg::Ptr(ws.q.ptr),
+                                Arg::Ptr(kc.ptr),
+                                Arg::Ptr(vc.ptr),
+                                Arg::Ptr(ws.part.ptr),
+                                Arg::I(past as i32),
+                                Arg::I(nq as i32),
+                                Arg::I(nkv as i32),
+                                Arg::I(hd as i32),
+                                Arg::I(nsplit as i32),
+                                Arg::I(chunk as i32),
+                                Arg::F(1.0 / (hd as f32).sqrt()),
+                            ],
+                        )?;
+                        g.launch(
+                            "attn_combine",
+                            (t as u32, nq as u32, 1),
+                            block(hd),
+                            0,
+                            &[
+                                Arg::Ptr(ws.part.ptr),
+                                Arg::Ptr(ws.qg.ptr),
+                                Arg::Ptr(ws.ob.ptr),
+                                Arg::I(past as i32),
+                                Arg::I(nq as i32),
+                                Arg::I(hd as i32),
+                                Arg::I(nsplit as i32),
+                                Arg::I(chunk as i32),
+                            ],
+                        )?;
+                    }
                     g.gemm(w.o.ptr, d, nq * hd, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }
             }

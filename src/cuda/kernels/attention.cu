@@ -94,3 +94,125 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
     float gate = qg[((size_t)s * nq + h) * 2 * hd + hd + i];
     out[((size_t)s * nq + h) * hd + i] = __float2bfloat16(acc / l * sigmoid_f(gate));
 }
+
+// Prefill attention on tensor cores (flash-attention style): a block = 64 queries of one head,
+// 4 warps of 16 query rows; key/value tiles of 32 from the bf16 cache; online softmax in f32
+// with the running output in shared memory; causal; sigmoid output gate fused.
+// Dynamic shared memory: see `flash_smem_bytes` on the host. grid (ceil(t/64), nq), block 128.
+#define FQ 64
+#define FK 32
+extern "C" __global__ void __launch_bounds__(128) attn_flash(
+    const float* __restrict__ q, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd, float scale) {
+    using namespace nvcuda;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int ldh = hd + 8;   // bf16 row stride for Q/K/V tiles
+    const int ldo = hd + 4;   // f32 row stride for O
+    bf16* qs = reinterpret_cast<bf16*>(smem);                 // [FQ][ldh]
+    bf16* ks = qs + FQ * ldh;                                   // [FK][ldh]
+    bf16* vs = ks + FK * ldh;                                   // [FK][ldh]
+    float* os = reinterpret_cast<float*>(vs + FK * ldh);        // [FQ][ldo]
+    float* ss = os + FQ * ldo;                                  // [FQ][FK + 4]
+    bf16* ps = reinterpret_cast<bf16*>(ss + FQ * (FK + 4));     // [FQ][FK + 8]
+    float* mrow = reinterpret_cast<float*>(ps + FQ * (FK + 8)); // [FQ]
+    float* lrow = mrow + FQ;                                    // [FQ]
+    const int q0 = blockIdx.x * FQ, h = blockIdx.y, kvh = h / (nq / nkv);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    for (int idx = tid; idx < FQ * hd; idx += 128) {
+        int r = idx / hd, c = idx % hd;
+        float v = q0 + r < t ? q[((size_t)(q0 + r) * nq + h) * hd + c] * scale : 0.0f;
+        qs[r * ldh + c] = __float2bfloat16(v);
+        os[r * ldo + c] = 0.0f;
+    }
+    if (tid < FQ) { mrow[tid] = -INFINITY; lrow[tid] = 0.0f; }
+    const int n_valid = past + t;                       // keys in the cache
+    const int n_end = min(n_valid, past + q0 + FQ);     // last row's causal bound (exclusive)
+    for (int k0 = 0; k0 < n_end; k0 += FK) {
+        __syncthreads();
+        for (int idx = tid; idx < FK * (hd / 8); idx += 128) {
+            int r = idx / (hd / 8), c = (idx % (hd / 8)) * 8;
+            int kp = k0 + r;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (kp < n_valid) {
+                size_t off = ((size_t)kp * nkv + kvh) * hd + c;
+                kv4 = *reinterpret_cast<const uint4*>(k_cache + off);
+                vv4 = *reinterpret_cast<const uint4*>(v_cache + off);
+            }
+            *reinterpret_cast<uint4*>(ks + r * ldh + c) = kv4;
+            *reinterpret_cast<uint4*>(vs + r * ldh + c) = vv4;
+        }
+        __syncthreads();
+        // S = Q K^T for this warp's 16 rows: 16 x 32.
+        const int wr = warp * 16;
+        {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[2];
+            wmma::fill_fragment(sacc[0], 0.0f);
+            wmma::fill_fragment(sacc[1], 0.0f);
+            for (int kk = 0; kk < hd; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
+                wmma::load_matrix_sync(fa, qs + wr * ldh + kk, ldh);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
+                    wmma::load_matrix_sync(fb, ks + (j * 16) * ldh + kk, ldh);
+                    wmma::mma_sync(sacc[j], fa, fb, sacc[j]);
+                }
+            }
+            wmma::store_matrix_sync(ss + wr * (FK + 4), sacc[0], FK + 4, wmma::mem_row_major);
+            wmma::store_matrix_sync(ss + wr * (FK + 4) + 16, sacc[1], FK + 4, wmma::mem_row_major);
+        }
+        __syncwarp();
+        // Online softmax: 2 lanes per row, 16 columns each.
+        {
+            int r = wr + (lane >> 1), half = lane & 1;
+            int qpos = past + q0 + r;
+            bool row_ok = q0 + r < t;
+            float mx = -INFINITY;
+            for (int c = half * 16; c < half * 16 + 16; c++) {
+                int kp = k0 + c;
+                float s = ss[r * (FK + 4) + c];
+                if (row_ok && kp <= qpos && kp < n_valid) mx = fmaxf(mx, s);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            float m_old = mrow[r];
+            float m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int c = half * 16; c < half * 16 + 16; c++) {
+                int kp = k0 + c;
+                float s = ss[r * (FK + 4) + c];
+                float p = (row_ok && kp <= qpos && kp < n_valid) ? expf(s - m_new) : 0.0f;
+                ps[r * (FK + 8) + c] = __float2bfloat16(p);
+                sum += p;
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            float corr = (m_new == -INFINITY) ? 1.0f : expf(m_old - m_new);
+            __syncwarp();
+            if (half == 0) { mrow[r] = m_new; lrow[r] = lrow[r] * corr + sum; }
+            // Rescale this row of O (each of the two lanes takes half of the columns).
+            for (int c = half; c < hd; c += 2) os[r * ldo + c] *= corr;
+        }
+        __syncwarp();
+        // O += P V for this warp's rows.
+        for (int j = 0; j < hd; j += 16) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc;
+            wmma::load_matrix_sync(oacc, os + wr * ldo + j, ldo, wmma::mem_row_major);
+#pragma unroll
+            for (int kk = 0; kk < FK; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fp;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fv;
+                wmma::load_matrix_sync(fp, ps + wr * (FK + 8) + kk, FK + 8);
+                wmma::load_matrix_sync(fv, vs + kk * ldh + j, ldh);
+                wmma::mma_sync(oacc, fp, fv, oacc);
+            }
+            wmma::store_matrix_sync(os + wr * ldo + j, oacc, ldo, wmma::mem_row_major);
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < FQ * hd; idx += 128) {
+        int r = idx / hd, c = idx % hd;
+        int s = q0 + r;
+        if (s >= t) continue;
+        float gate = qg[((size_t)s * nq + h) * 2 * hd + hd + c];
+        out[((size_t)s * nq + h) * hd + c] = __float2bfloat16(os[r * ldo + c] / lrow[r] * sigmoid_f(gate));
+    }
+}
