@@ -28,7 +28,7 @@ const FLASH_MIN_TOKENS: usize = 16;
 
 /// Dynamic shared memory of `attn_flash` for head dim `hd` (see attention.cu).
 fn flash_smem_bytes(hd: usize) -> usize {
-    let (fq, fk) = (64, 32);
+    let (fq, fk) = (64, 64);
     (fq + 2 * fk) * (hd + 8) * 2
         + fq * (hd + 4) * 4
         + fq * (fk + 4) * 4

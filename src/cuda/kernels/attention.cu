@@ -96,11 +96,11 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
 }
 
 // Prefill attention on tensor cores (flash-attention style): a block = 64 queries of one head,
-// 4 warps of 16 query rows; key/value tiles of 32 from the bf16 cache; online softmax in f32
+// 4 warps of 16 query rows; key/value tiles of 64 from the bf16 cache; online softmax in f32
 // with the running output in shared memory; causal; sigmoid output gate fused.
 // Dynamic shared memory: see `flash_smem_bytes` on the host. grid (ceil(t/64), nq), block 128.
 #define FQ 64
-#define FK 32
+#define FK 64
 extern "C" __global__ void __launch_bounds__(128) attn_flash(
     const float* __restrict__ q, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd, float scale) {
@@ -145,30 +145,31 @@ extern "C" __global__ void __launch_bounds__(128) attn_flash(
         // S = Q K^T for this warp's 16 rows: 16 x 32.
         const int wr = warp * 16;
         {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[2];
-            wmma::fill_fragment(sacc[0], 0.0f);
-            wmma::fill_fragment(sacc[1], 0.0f);
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[FK / 16];
+#pragma unroll
+            for (int j = 0; j < FK / 16; j++) wmma::fill_fragment(sacc[j], 0.0f);
             for (int kk = 0; kk < hd; kk += 16) {
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
                 wmma::load_matrix_sync(fa, qs + wr * ldh + kk, ldh);
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
+                for (int j = 0; j < FK / 16; j++) {
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
                     wmma::load_matrix_sync(fb, ks + (j * 16) * ldh + kk, ldh);
                     wmma::mma_sync(sacc[j], fa, fb, sacc[j]);
                 }
             }
-            wmma::store_matrix_sync(ss + wr * (FK + 4), sacc[0], FK + 4, wmma::mem_row_major);
-            wmma::store_matrix_sync(ss + wr * (FK + 4) + 16, sacc[1], FK + 4, wmma::mem_row_major);
+#pragma unroll
+            for (int j = 0; j < FK / 16; j++)
+                wmma::store_matrix_sync(ss + wr * (FK + 4) + j * 16, sacc[j], FK + 4, wmma::mem_row_major);
         }
         __syncwarp();
-        // Online softmax: 2 lanes per row, 16 columns each.
+        // Online softmax: 2 lanes per row, FK/2 columns each.
         {
             int r = wr + (lane >> 1), half = lane & 1;
             int qpos = past + q0 + r;
             bool row_ok = q0 + r < t;
             float mx = -INFINITY;
-            for (int c = half * 16; c < half * 16 + 16; c++) {
+            for (int c = half * (FK / 2); c < (half + 1) * (FK / 2); c++) {
                 int kp = k0 + c;
                 float s = ss[r * (FK + 4) + c];
                 if (row_ok && kp <= qpos && kp < n_valid) mx = fmaxf(mx, s);
@@ -177,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_flash(
             float m_old = mrow[r];
             float m_new = fmaxf(m_old, mx);
             float sum = 0.0f;
-            for (int c = half * 16; c < half * 16 + 16; c++) {
+            for (int c = half * (FK / 2); c < (half + 1) * (FK / 2); c++) {
                 int kp = k0 + c;
                 float s = ss[r * (FK + 4) + c];
                 float p = (row_ok && kp <= qpos && kp < n_valid) ? expf(s - m_new) : 0.0f;
