@@ -573,6 +573,7 @@ pub struct GenerationConfig {
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
     pub do_sample: Option<bool>,
 }
 
@@ -606,6 +607,7 @@ impl GenerationConfig {
             min_p: f32_of("min_p"),
             repetition_penalty: f32_of("repetition_penalty"),
             presence_penalty: f32_of("presence_penalty"),
+            frequency_penalty: f32_of("frequency_penalty"),
             do_sample: v.get("do_sample").and_then(Value::as_bool),
         })
     }

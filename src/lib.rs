@@ -4,8 +4,11 @@
 pub mod chat;
 pub mod config;
 pub mod generate;
+pub mod hub;
 pub mod model;
 pub mod ops;
+pub mod sampling;
+pub mod session;
 pub mod state;
 pub mod synthetic;
 pub mod tensor;
