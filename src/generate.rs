@@ -377,14 +377,16 @@ pub enum Channel {
 
 /// Turns a reply's ids into reasoning and answer text as they arrive: incremental
 /// detokenization per channel, stop strings, end tokens hidden, the `<think>` markers
-/// themselves turned into channel switches, leading blank lines of the answer dropped.
+/// themselves turned into channel switches, and the newlines that follow them (the template's
+/// `<think>\n` ... `</think>\n\n`) dropped from the start of each channel.
 pub struct ReplyDecoder {
     think: Option<(u32, u32)>,
     hidden: Vec<u32>,
     channel: Channel,
     stream: TextStream,
     stop: StopMatcher,
-    answer_started: bool,
+    /// Whether the current channel has shown text (its leading newlines are dropped).
+    started: bool,
     /// Everything emitted so far, per channel.
     pub reasoning: String,
     pub answer: String,
@@ -409,7 +411,7 @@ impl ReplyDecoder {
             },
             stream: TextStream::new(),
             stop: StopMatcher::new(stops),
-            answer_started: false,
+            started: false,
             reasoning: String::new(),
             answer: String::new(),
         }
@@ -420,13 +422,12 @@ impl ReplyDecoder {
     }
 
     fn emit(&mut self, text: String, out: &mut Vec<(Channel, String)>) {
-        let text = match self.channel {
-            Channel::Answer if !self.answer_started => {
-                let t = text.trim_start_matches(['\n', '\r']);
-                self.answer_started = !t.is_empty();
-                t.to_string()
-            }
-            _ => text,
+        let text = if self.started {
+            text
+        } else {
+            let t = text.trim_start_matches(['\n', '\r']);
+            self.started = !t.is_empty();
+            t.to_string()
         };
         if text.is_empty() {
             return;
@@ -455,6 +456,7 @@ impl ReplyDecoder {
         let held = self.stop.flush();
         self.emit(held, out);
         self.channel = to;
+        self.started = false;
         Ok(false)
     }
 

@@ -280,7 +280,11 @@ fn run(cli: Cli) -> Result<i32> {
             let loaded = load(&model)?;
             with_engine!(&loaded.backend, e => generate_cmd(e, &loaded, &model, &opts, &prompt, raw, system))
         }
-        Command::Chat { system, model, opts } => {
+        Command::Chat {
+            system,
+            model,
+            opts,
+        } => {
             install_interrupt_handler(0);
             let loaded = load(&model)?;
             with_engine!(&loaded.backend, e => chat_cmd(e, &loaded, &model, &opts, system))
@@ -291,7 +295,6 @@ fn run(cli: Cli) -> Result<i32> {
         }
     }
 }
-
 
 struct Loaded {
     backend: Backend,
@@ -579,7 +582,7 @@ fn setup<E: Engine>(
                 stop_ids,
                 prefill_chunk: 4096,
                 max_seq,
-            thinking,
+                thinking,
             },
             stop_strings: opts.stop.clone(),
             think_ids,

@@ -540,7 +540,16 @@ mod tests {
     fn min_p_drops_ids_below_a_fraction_of_the_best() {
         // probabilities proportional to 8, 4, 2, 1
         let l: Vec<f32> = [8f32, 4.0, 2.0, 1.0].iter().map(|x| x.ln()).collect();
-        for (p, keep) in [(0.0, 4), (0.1, 4), (0.125, 4), (0.2, 3), (0.5, 2), (0.9, 1)] {
+        for (p, keep) in [
+            (0.0, 4),
+            (0.1, 4),
+            (0.12, 4),
+            (0.13, 3),
+            (0.2, 3),
+            (0.45, 2),
+            (0.55, 1),
+            (0.9, 1),
+        ] {
             let mut c = cands(&l);
             top_k(&mut c, 0);
             min_p(&mut c, p);
