@@ -91,7 +91,7 @@ struct ModelArgs {
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     /// Context limit in tokens (prompt + reply), at most the model's maximum positions.
-    #[arg(long, default_value_t = 32_768, value_parser = clap::value_parser!(u64).range(2..))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 32_768, value_parser = clap::value_parser!(u64).range(2..))]
     max_seq: u64,
     /// Do not read the weights up front (pages load from disk on first use instead).
     #[arg(long)]
@@ -104,37 +104,37 @@ struct ModelArgs {
 #[derive(Args, Clone, Debug)]
 struct GenArgs {
     /// Maximum generated tokens per reply [default: 4096; 64 for the demo model].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
     max_tokens: Option<u64>,
     /// Sampling temperature; 0 is greedy [default: generation_config.json's when it samples
     /// (do_sample), else 0].
-    #[arg(long, value_parser = parse_temperature)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_temperature)]
     temperature: Option<f32>,
     /// Keep only the K most likely tokens; 0 is off [default: generation_config.json, else 0].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     top_k: Option<usize>,
     /// Nucleus sampling mass, in (0, 1] [default: generation_config.json, else 1].
-    #[arg(long, value_parser = parse_top_p)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
     top_p: Option<f32>,
     /// Drop tokens less likely than MIN_P times the most likely one, in [0, 1]
     /// [default: generation_config.json, else 0].
-    #[arg(long, value_parser = parse_min_p)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_min_p)]
     min_p: Option<f32>,
     /// Repetition penalty (> 0; 1 is off) on tokens of the reply so far.
-    #[arg(long, value_parser = parse_repetition_penalty)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_repetition_penalty)]
     repetition_penalty: Option<f32>,
     /// Presence penalty in [-2, 2] on tokens of the reply so far.
-    #[arg(long, value_parser = parse_presence_frequency)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_presence_frequency)]
     presence_penalty: Option<f32>,
     /// Frequency penalty in [-2, 2] on tokens of the reply so far.
-    #[arg(long, value_parser = parse_presence_frequency)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_presence_frequency)]
     frequency_penalty: Option<f32>,
     /// Random seed: the same seed gives the same output on the same backend [default: random].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
     /// Stop when the reply contains this text (not printed). Repeatable; `\n`, `\t` and `\\`
     /// are unescaped.
-    #[arg(long, value_parser = parse_stop)]
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_stop)]
     stop: Vec<String>,
     /// Think before answering (the template's enable_thinking; the model's default).
     #[arg(long, conflicts_with = "no_think")]
@@ -143,7 +143,7 @@ struct GenArgs {
     #[arg(long)]
     no_think: bool,
     /// Close the thinking block after this many tokens (feeds `</think>\n\n`).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     thinking_budget: Option<usize>,
 }
 
@@ -916,6 +916,9 @@ fn chat_cmd<E: Engine>(
             Ok(false) => return Ok(0),
             Err(e) => {
                 eprintln!("error: {e:#}");
+                if format!("{e:#}").contains("context limit") {
+                    eprintln!("(/reset starts a new conversation; --max-seq raises the limit)");
+                }
                 continue;
             }
         }

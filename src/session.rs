@@ -175,12 +175,10 @@ fn run_turn<E: Engine>(
 ) -> Result<Reply> {
     let prompt = conv.prompt(tokenizer)?;
     let limit = settings.opts.max_seq;
-    if prompt.ids.len() >= limit {
+    if prompt.ids.len() > limit {
         bail!(
-            "the conversation is {} tokens with this message but the context limit is {} tokens \
-             (/reset starts over)",
-            prompt.ids.len(),
-            limit
+            "the prompt is {} tokens but the context limit is {limit} tokens",
+            prompt.ids.len()
         );
     }
     let (cached_ids, mut state) = match conv.take_cache(&prompt.ids) {
