@@ -700,6 +700,15 @@ mod tests {
         .unwrap();
         assert_eq!(g.eos_token_ids, vec![248046, 248044]);
         assert_eq!(g.top_k, Some(20));
+        assert_eq!((g.presence_penalty, g.frequency_penalty), (None, None));
+        let g = GenerationConfig::from_json_str(
+            r#"{"eos_token_id": 7, "presence_penalty": 1.5, "frequency_penalty": 0.5}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (g.presence_penalty, g.frequency_penalty),
+            (Some(1.5), Some(0.5))
+        );
         let g = GenerationConfig::from_json_str(r#"{"eos_token_id": 7}"#).unwrap();
         assert_eq!(g.eos_token_ids, vec![7]);
         assert!(GenerationConfig::from_json_str(r#"{"eos_token_id": "x"}"#).is_err());

@@ -470,16 +470,16 @@ impl ReplyDecoder {
         if self.hidden.contains(&id) {
             return Ok((out, false));
         }
-        if let Some((open, close)) = self.think {
-            if id == open || id == close {
-                let to = if id == open {
-                    Channel::Reasoning
-                } else {
-                    Channel::Answer
-                };
-                let stopped = self.switch(to, &decode, &mut out)?;
-                return Ok((out, stopped));
-            }
+        if let Some((open, close)) = self.think
+            && (id == open || id == close)
+        {
+            let to = if id == open {
+                Channel::Reasoning
+            } else {
+                Channel::Answer
+            };
+            let stopped = self.switch(to, &decode, &mut out)?;
+            return Ok((out, stopped));
         }
         let piece = self.stream.push(id, &decode)?;
         let (text, stopped) = self.stop.push(&piece);

@@ -80,8 +80,7 @@ pub fn resolve_in_cache(cache: &Path, repo_id: &str, revision: Option<&str>) -> 
     let snapshots = repo_dir.join("snapshots");
     if !snapshots.is_dir() {
         bail!(
-            "`{repo_id}` is not in the Hugging Face cache: {} does not exist (no network access; \
-             download it first, e.g. `hf download {repo_id}`, or pass a checkpoint directory)",
+            "`{repo_id}` is not in the Hugging Face cache ({} does not exist)",
             snapshots.display()
         );
     }
@@ -168,7 +167,8 @@ pub fn resolve_model_with(spec: &str, env: impl Fn(&str) -> Option<String>) -> R
     };
     resolve_in_cache(&cache, repo, rev).map_err(|e| {
         anyhow::anyhow!(
-            "--model {spec}: no such directory, and {e} [cache {}, {}]",
+            "--model {spec}: no such directory, and {e}. The cache is {} ({}). Kestrel never \
+             downloads: fetch it first (`hf download {repo}`) or pass a checkpoint directory.",
             cache.display(),
             cache_origin(&env)
         )

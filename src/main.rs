@@ -243,6 +243,7 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run(Cli::parse()) {
         Ok(code) => std::process::exit(code),
@@ -489,36 +490,26 @@ impl ProgressBar {
 }
 
 /// Sampling settings: flags over `generation_config.json` over the neutral defaults.
-/// `generation_config.json` follows transformers: without `do_sample: true` it is greedy.
 fn sampling_params(
     opts: &GenArgs,
     cfg: &GenerationConfig,
     vocab_limit: usize,
 ) -> Result<SamplingParams> {
-    let sampling = cfg.do_sample == Some(true);
-    let p = SamplingParams {
-        temperature: opts.temperature.unwrap_or(if sampling {
-            cfg.temperature.unwrap_or(1.0)
-        } else {
-            0.0
-        }),
-        top_k: opts.top_k.or(cfg.top_k).unwrap_or(0),
-        top_p: opts.top_p.or(cfg.top_p).unwrap_or(1.0),
-        min_p: opts.min_p.or(cfg.min_p).unwrap_or(0.0),
-        repetition_penalty: opts
-            .repetition_penalty
-            .or(cfg.repetition_penalty)
-            .unwrap_or(1.0),
-        presence_penalty: opts
-            .presence_penalty
-            .or(cfg.presence_penalty)
-            .unwrap_or(0.0),
-        frequency_penalty: opts
-            .frequency_penalty
-            .or(cfg.frequency_penalty)
-            .unwrap_or(0.0),
-        vocab_limit,
+    let mut p = SamplingParams::from_generation_config(cfg, vocab_limit);
+    let set = |dst: &mut f32, flag: Option<f32>| {
+        if let Some(v) = flag {
+            *dst = v;
+        }
     };
+    set(&mut p.temperature, opts.temperature);
+    set(&mut p.top_p, opts.top_p);
+    set(&mut p.min_p, opts.min_p);
+    set(&mut p.repetition_penalty, opts.repetition_penalty);
+    set(&mut p.presence_penalty, opts.presence_penalty);
+    set(&mut p.frequency_penalty, opts.frequency_penalty);
+    if let Some(k) = opts.top_k {
+        p.top_k = k;
+    }
     // Flags were checked when parsed, so a bad value here comes from the checkpoint.
     p.validate().map_err(|e| {
         anyhow::anyhow!(

@@ -9,6 +9,7 @@
 //! (the argmax after the penalties). Ids at or above `vocab_limit` (the padding rows of the
 //! embedding) are never chosen.
 
+use crate::config::GenerationConfig;
 use std::collections::HashMap;
 use std::fmt;
 
@@ -143,6 +144,26 @@ impl SamplingParams {
             });
         }
         Ok(())
+    }
+
+    /// A checkpoint's defaults from its `generation_config.json`, read as transformers reads
+    /// it: greedy (temperature 0) unless `do_sample` is true; fields it leaves out are off.
+    pub fn from_generation_config(cfg: &GenerationConfig, vocab_limit: usize) -> Self {
+        let d = SamplingParams::default();
+        SamplingParams {
+            temperature: if cfg.do_sample == Some(true) {
+                cfg.temperature.unwrap_or(d.temperature)
+            } else {
+                0.0
+            },
+            top_k: cfg.top_k.unwrap_or(d.top_k),
+            top_p: cfg.top_p.unwrap_or(d.top_p),
+            min_p: cfg.min_p.unwrap_or(d.min_p),
+            repetition_penalty: cfg.repetition_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: cfg.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: cfg.frequency_penalty.unwrap_or(d.frequency_penalty),
+            vocab_limit,
+        }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -686,6 +707,22 @@ mod tests {
         assert_eq!(lp.top.len(), 2);
         assert_eq!(lp.top[0].0, 0);
         assert!((lp.top[0].1 - 0.5f32.ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn generation_config_defaults_follow_transformers() {
+        let g = GenerationConfig::from_json_str(
+            r#"{"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95}"#,
+        )
+        .unwrap();
+        let p = SamplingParams::from_generation_config(&g, 100);
+        assert_eq!(
+            (p.temperature, p.top_k, p.top_p, p.min_p, p.vocab_limit),
+            (0.6, 20, 0.95, 0.0, 100)
+        );
+        // Without do_sample it is greedy, whatever the temperature says.
+        let g = GenerationConfig::from_json_str(r#"{"temperature": 0.6}"#).unwrap();
+        assert!(SamplingParams::from_generation_config(&g, 100).is_greedy());
     }
 
     #[test]

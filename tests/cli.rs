@@ -341,6 +341,40 @@ fn model_given_as_a_repo_id_in_the_hugging_face_cache() {
     let built_in = kestrel(&args(None), None, &[]);
     assert_ok(&built_in);
     assert_eq!(text(&from_cache.stdout), text(&built_in.stdout));
+
+    // Sampling defaults come from the checkpoint's generation_config.json, checked like flags.
+    std::fs::write(
+        snap.join("generation_config.json"),
+        r#"{"do_sample": true, "top_p": 1.5, "eos_token_id": [248046, 248044]}"#,
+    )
+    .unwrap();
+    let err = fails(
+        &["generate", "--prompt", "Hi", "--model", "kestrel-test/demo"],
+        1,
+        &env,
+    );
+    assert!(
+        err.contains("generation_config.json")
+            && err.contains("top_p is 1.5")
+            && err.contains("--top-p"),
+        "{err}"
+    );
+    let out = kestrel(
+        &[
+            "generate",
+            "--prompt",
+            "Hi",
+            "--model",
+            "kestrel-test/demo",
+            "--top-p",
+            "0.9",
+            "--max-tokens",
+            "2",
+        ],
+        None,
+        &env,
+    );
+    assert_ok(&out);
 }
 
 /// Runs a command that must fail: returns stderr after checking the exit code and that
