@@ -384,67 +384,140 @@ impl Sampler {
         if n == 0 {
             return 0;
         }
-        self.scratch.clear();
-        self.scratch.extend(
+        let penalised = !history.is_empty()
+            && (p.repetition_penalty != 1.0
+                || p.presence_penalty != 0.0
+                || p.frequency_penalty != 0.0);
+        if p.is_greedy() && !penalised {
+            return argmax(&logits[..n]);
+        }
+        let x = &mut self.scratch;
+        x.clear();
+        x.extend(
             logits[..n]
                 .iter()
-                .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x }),
+                .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v }),
         );
         apply_penalties(
-            &mut self.scratch,
+            x,
             history,
             p.repetition_penalty,
             p.presence_penalty,
             p.frequency_penalty,
         );
         if p.is_greedy() {
-            return argmax(&self.scratch);
+            return argmax(x);
         }
         let t = p.temperature.max(f32::MIN_POSITIVE);
-        self.cands.clear();
-        self.cands.extend(
-            self.scratch
-                .iter()
-                .enumerate()
-                .filter(|(_, x)| **x > f32::NEG_INFINITY)
-                .map(|(i, &x)| (i as u32, x / t)),
-        );
-        if self.cands.is_empty() {
-            return argmax(&self.scratch);
+        if t != 1.0 {
+            x.iter_mut().for_each(|v| *v /= t);
         }
-        let total = if p.top_k > 0 {
-            top_k(&mut self.cands, p.top_k);
-            weights(&self.cands).1
-        } else if p.top_p < 1.0 || p.min_p > 0.0 {
-            sort_enough(&mut self.cands, p.top_p, p.min_p)
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            return argmax(x);
+        }
+        let cands = &mut self.cands;
+        let total = if p.top_k > 0 && p.top_k < n {
+            top_k_scan(x, p.top_k, cands);
+            weights(cands).1
+        } else if p.top_p >= 1.0 && p.min_p <= 0.0 {
+            // Plain sampling over the whole vocabulary, in id order: the weights replace the
+            // logits in place, so each needs one exp.
+            let mut total = 0.0f64;
+            for v in x.iter_mut() {
+                *v = (*v - max).exp();
+                total += *v as f64;
+            }
+            let u = self.rng.next_f64() * total;
+            let mut acc = 0.0;
+            let mut last = 0;
+            for (i, &w) in x.iter().enumerate() {
+                if w > 0.0 {
+                    acc += w as f64;
+                    last = i as u32;
+                    if u < acc {
+                        return i as u32;
+                    }
+                }
+            }
+            return last;
+        } else if p.min_p > 0.0 {
+            // Min-p keeps a prefix of the sorted order, so filtering first and sorting only
+            // the survivors gives the same result; top-p still needs the full mass.
+            let total = if p.top_p < 1.0 {
+                x.iter().map(|&v| (v - max).exp() as f64).sum()
+            } else {
+                0.0
+            };
+            let threshold = max as f64 + (p.min_p as f64).ln();
+            cands.clear();
+            cands.extend(
+                x.iter()
+                    .enumerate()
+                    .filter(|(_, v)| **v as f64 >= threshold)
+                    .map(|(i, &v)| (i as u32, v)),
+            );
+            cands.sort_unstable_by(by_logit_desc);
+            total
         } else {
-            // Plain sampling: no order needed beyond the deterministic one of the ids.
-            return draw_unsorted(&self.cands, &mut self.rng);
+            cands.clear();
+            cands.extend(
+                x.iter()
+                    .enumerate()
+                    .filter(|(_, v)| **v > f32::NEG_INFINITY)
+                    .map(|(i, &v)| (i as u32, v)),
+            );
+            sort_enough(cands, p.top_p, 0.0)
         };
-        top_p_of_mass(&mut self.cands, p.top_p, total);
-        min_p(&mut self.cands, p.min_p);
-        let probs = probabilities(&self.cands);
+        top_p_of_mass(cands, p.top_p, total);
+        min_p(cands, p.min_p);
+        let probs = probabilities(cands);
         let u = self.rng.next_f64();
         let mut acc = 0.0;
-        for (c, pr) in self.cands.iter().zip(&probs) {
+        for (c, pr) in cands.iter().zip(&probs) {
             acc += pr;
             if u < acc {
                 return c.0;
             }
         }
-        self.cands.last().map_or(0, |c| c.0)
+        cands.last().map_or(0, |c| c.0)
     }
 }
 
-/// Index of the largest value (the lowest index on ties).
+/// Index of the largest value, the lowest index on ties, NaN never chosen (0 if nothing is
+/// larger than minus infinity).
 fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
     for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
+        if v > best_v {
             best = i;
+            best_v = v;
         }
     }
     best as u32
+}
+
+/// The `k` largest of `x` as `(id, value)` sorted like [`top_k`] (ties: lower id first), in
+/// one pass without building the full candidate list: a buffer of at most `2k` entries is
+/// cut back to its best `k` whenever it fills, and later values that cannot beat the k-th
+/// best so far are skipped.
+fn top_k_scan(x: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
+    out.clear();
+    let cap = (2 * k).max(64);
+    let mut threshold = f32::NEG_INFINITY;
+    for (i, &v) in x.iter().enumerate() {
+        // Equal values later in the scan have larger ids, so they lose the tie.
+        if v > threshold {
+            out.push((i as u32, v));
+            if out.len() >= cap {
+                out.select_nth_unstable_by(k - 1, by_logit_desc);
+                out.truncate(k);
+                threshold = out[k - 1].1;
+            }
+        }
+    }
+    top_k(out, k);
 }
 
 /// Sorts only as many of the largest candidates as top-p and min-p can keep, growing the
@@ -474,21 +547,6 @@ fn sort_enough(cands: &mut Vec<(u32, f32)>, top_p: f32, min_p: f32) -> f64 {
         }
         k = (k * 8).min(cands.len());
     }
-}
-
-/// Draws from the full softmax of candidates in id order.
-fn draw_unsorted(cands: &[(u32, f32)], rng: &mut Rng) -> u32 {
-    let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = cands.iter().map(|c| (c.1 as f64 - max).exp()).sum();
-    let u = rng.next_f64() * sum;
-    let mut acc = 0.0;
-    for c in cands {
-        acc += (c.1 as f64 - max).exp();
-        if u < acc {
-            return c.0;
-        }
-    }
-    cands.last().map_or(0, |c| c.0)
 }
 
 #[cfg(test)]
@@ -696,6 +754,22 @@ mod tests {
             top_p_of_mass(&mut fast, tp, total);
             min_p(&mut fast, mp);
             assert_eq!(ids(&full), ids(&fast), "top_p {tp} min_p {mp}");
+        }
+    }
+
+    #[test]
+    fn top_k_scan_matches_top_k() {
+        let mut rng = Rng::new(4);
+        // Coarse values, so there are many ties.
+        let x: Vec<f32> = (0..20_000)
+            .map(|_| (rng.next_f64() * 50.0).floor() as f32)
+            .collect();
+        for k in [1, 5, 20, 64, 1000] {
+            let mut full = cands(&x);
+            top_k(&mut full, k);
+            let mut scanned = Vec::new();
+            top_k_scan(&x, k, &mut scanned);
+            assert_eq!(scanned, full, "k {k}");
         }
     }
 
