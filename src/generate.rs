@@ -123,8 +123,8 @@ pub fn ends_inside_thinking(ids: &[u32], open_id: u32, close_id: u32) -> bool {
 ///
 /// `full_prompt_len` is the whole prompt's length (the state's tokens plus `prompt`) and is
 /// only used for the stats and the thinking check; `in_thinking` says whether the prompt ends
-/// inside a thinking block. `on_token` sees every generated id (end tokens included) and
-/// returns a reason to stop, if any. `cancel` is polled before every forward call. With
+/// inside a thinking block. `on_token` sees every generated id (end tokens included) with the
+/// logits it was chosen from (for logprobs), and returns a reason to stop, if any. `cancel` is polled before every forward call. With
 /// `snapshot_at = Some(n)`, the state is copied after `n` of `prompt`'s tokens (`0 < n <
 /// prompt.len()`).
 #[allow(clippy::too_many_arguments)]
@@ -137,7 +137,7 @@ pub fn generate<E: Engine>(
     sampler: &mut Sampler,
     cancel: &AtomicBool,
     snapshot_at: Option<usize>,
-    mut on_token: impl FnMut(u32) -> Option<StopReason>,
+    mut on_token: impl FnMut(u32, &[f32]) -> Option<StopReason>,
 ) -> Result<Generation<E::State>> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -227,7 +227,7 @@ pub fn generate<E: Engine>(
                 thinking_tokens += 1;
             }
         }
-        if let Some(reason) = on_token(next) {
+        if let Some(reason) = on_token(next, &logits) {
             break reason;
         }
         if opts.stop_ids.contains(&next) {
@@ -573,7 +573,7 @@ pub fn reply<E: Engine>(
         sampler,
         cancel,
         snapshot_at,
-        |id| match decoder.push(id, decode) {
+        |id, _| match decoder.push(id, decode) {
             Ok((pieces, stopped)) => {
                 if !send(pieces, &mut failure) {
                     Some(StopReason::Cancelled)

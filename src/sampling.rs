@@ -376,6 +376,12 @@ impl Sampler {
         &self.params
     }
 
+    /// The model's log-probability of `id` and its `top_n` most likely ids at this position
+    /// (before any sampling transform), over the ids this sampler may choose.
+    pub fn logprobs(&self, logits: &[f32], id: u32, top_n: usize) -> TokenLogprobs {
+        logprobs(logits, self.params.vocab_limit, id, top_n)
+    }
+
     /// Chooses the next id from one position's `logits`. `history` is what the penalties
     /// count (the CLI passes the reply generated so far).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {

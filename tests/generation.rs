@@ -120,7 +120,16 @@ fn prefill_in_chunks_then_one_token_per_step_and_stop_at_end_token() {
         &mut greedy(),
         &AtomicBool::new(false),
         Some(5),
-        |_| None,
+        |id, logits| {
+            // Each id comes with the logits it was chosen from.
+            assert_eq!(logits[id as usize], 50.0);
+            assert_eq!(
+                greedy().logprobs(logits, id, 1).top[0].0,
+                id,
+                "the chosen id is the most likely one"
+            );
+            None
+        },
     )
     .unwrap();
     let mut expected = words.clone();
@@ -155,7 +164,7 @@ fn max_tokens_context_limit_and_cancel() {
             &mut greedy(),
             &AtomicBool::new(cancel),
             None,
-            |_| None,
+            |_, _| None,
         )
     };
     let g = run(opts(5), false).unwrap();
@@ -205,7 +214,7 @@ fn padding_rows_are_never_sampled() {
             &mut s,
             &AtomicBool::new(false),
             None,
-            |_| None,
+            |_, _| None,
         )
         .unwrap();
         assert!(
@@ -239,7 +248,7 @@ fn thinking_budget_forces_the_end_of_the_thinking_block() {
         &mut greedy(),
         &AtomicBool::new(false),
         None,
-        |_| None,
+        |_, _| None,
     )
     .unwrap();
     let hmm = ids(" hmm")[0];
@@ -260,7 +269,7 @@ fn thinking_budget_forces_the_end_of_the_thinking_block() {
         &mut greedy(),
         &AtomicBool::new(false),
         None,
-        |_| None,
+        |_, _| None,
     )
     .unwrap();
     assert_eq!(g.stats.generated, vec![hmm; 8]);
