@@ -573,6 +573,7 @@ pub struct GenerationConfig {
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
     pub do_sample: Option<bool>,
 }
 
@@ -606,6 +607,7 @@ impl GenerationConfig {
             min_p: f32_of("min_p"),
             repetition_penalty: f32_of("repetition_penalty"),
             presence_penalty: f32_of("presence_penalty"),
+            frequency_penalty: f32_of("frequency_penalty"),
             do_sample: v.get("do_sample").and_then(Value::as_bool),
         })
     }
@@ -698,6 +700,15 @@ mod tests {
         .unwrap();
         assert_eq!(g.eos_token_ids, vec![248046, 248044]);
         assert_eq!(g.top_k, Some(20));
+        assert_eq!((g.presence_penalty, g.frequency_penalty), (None, None));
+        let g = GenerationConfig::from_json_str(
+            r#"{"eos_token_id": 7, "presence_penalty": 1.5, "frequency_penalty": 0.5}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (g.presence_penalty, g.frequency_penalty),
+            (Some(1.5), Some(0.5))
+        );
         let g = GenerationConfig::from_json_str(r#"{"eos_token_id": 7}"#).unwrap();
         assert_eq!(g.eos_token_ids, vec![7]);
         assert!(GenerationConfig::from_json_str(r#"{"eos_token_id": "x"}"#).is_err());

@@ -1,22 +1,44 @@
-//! The generation loop: prefill the prompt, then decode one token at a time until an end
-//! token or the token limit. Backend-agnostic (any [`Engine`]).
+//! The generation loop and what turns its ids into text, all backend-agnostic (any
+//! [`Engine`]):
+//!
+//! * [`generate`]: prefill the prompt (after whatever the state already holds), then sample one
+//!   token at a time until an end token, a stop, the token limit, the context limit or a
+//!   cancel; optionally closes the thinking block after a token budget.
+//! * [`TextStream`]: incremental, UTF-8-safe detokenization in O(1) per token.
+//! * [`StopMatcher`]: stop strings caught across token boundaries, never printed.
+//! * [`ReplyDecoder`]: the three above per reply, with the reasoning (`<think>...</think>`)
+//!   and the answer separated into two channels.
 
 use crate::model::{Engine, Logits};
-use crate::ops::argmax;
+use crate::sampling::Sampler;
+use crate::tokenizer::Tokenizer;
 use anyhow::{Result, bail};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+/// The `<think>` / `</think>` ids and what to do about the thinking block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThinkingControl {
+    pub open_id: u32,
+    pub close_id: u32,
+    /// After this many tokens inside a thinking block, `close_ids` are fed instead of
+    /// sampled tokens.
+    pub budget: Option<usize>,
+    /// The ids of `</think>\n\n`.
+    pub close_ids: Vec<u32>,
+}
 
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
     pub max_tokens: usize,
     /// Generation stops after emitting any of these ids (not included in the text).
     pub stop_ids: Vec<u32>,
-    /// Only ids below this are ever chosen (the vocabulary's padding rows are excluded).
-    pub vocab_limit: usize,
     /// Prompt tokens per prefill call.
     pub prefill_chunk: usize,
     /// The context limit: prompt + generated tokens never exceed it.
     pub max_seq: usize,
+    pub thinking: Option<ThinkingControl>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,95 +46,221 @@ pub enum StopReason {
     EndToken,
     MaxTokens,
     ContextFull,
+    StopString,
     Cancelled,
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StopReason::EndToken => "end token",
+            StopReason::MaxTokens => "max tokens",
+            StopReason::ContextFull => "context full",
+            StopReason::StopString => "stop string",
+            StopReason::Cancelled => "cancelled",
+        })
+    }
 }
 
 #[derive(Clone, Debug)]
 pub struct GenerationStats {
+    /// Tokens of the whole prompt, including those reused from the state.
     pub prompt_tokens: usize,
+    /// Prompt tokens the state already held (not prefilled again).
+    pub cached_tokens: usize,
+    /// Every generated id, end token and forced ids included.
     pub generated: Vec<u32>,
+    /// Ids fed by the thinking budget rather than sampled.
+    pub forced_tokens: usize,
+    /// Prefill time up to the first sampled token.
     pub time_to_first_token: Duration,
     pub decode_time: Duration,
     pub stop: StopReason,
+    /// False when a cancel interrupted the prefill: the state then holds part of the prompt.
+    pub prefill_complete: bool,
 }
 
 impl GenerationStats {
+    /// Prompt tokens actually run through the model.
+    pub fn prefilled_tokens(&self) -> usize {
+        self.prompt_tokens - self.cached_tokens
+    }
     pub fn prefill_tok_s(&self) -> f64 {
-        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64().max(1e-9)
+        self.prefilled_tokens() as f64 / self.time_to_first_token.as_secs_f64().max(1e-9)
     }
     /// Decode rate over the tokens after the first.
     pub fn decode_tok_s(&self) -> f64 {
         let n = self.generated.len().saturating_sub(1);
         n as f64 / self.decode_time.as_secs_f64().max(1e-9)
     }
+    /// Ids the state holds beyond the prompt: all generated ids but the last, which was
+    /// sampled and never run through the model.
+    pub fn fed_tokens(&self) -> &[u32] {
+        &self.generated[..self.generated.len().saturating_sub(1)]
+    }
 }
 
-/// Greedy choice over the allowed ids.
-pub fn greedy(logits: &[f32], vocab_limit: usize) -> u32 {
-    argmax(&logits[..vocab_limit.min(logits.len())]).unwrap_or(0) as u32
+/// What one [`generate`] call returns: the stats and, if asked, a copy of the state taken
+/// right after the first `snapshot_at` prompt tokens.
+pub struct Generation<S> {
+    pub stats: GenerationStats,
+    pub snapshot: Option<S>,
 }
 
-/// Runs `prompt` through `engine` from `state` and decodes greedily. `on_token` sees every
-/// generated id (end tokens included) and returns `false` to stop.
-pub fn generate_greedy<E: Engine>(
+/// True when the last `<think>` in `ids` is not followed by a `</think>`, i.e. the model
+/// continues inside a thinking block.
+pub fn ends_inside_thinking(ids: &[u32], open_id: u32, close_id: u32) -> bool {
+    let open = ids.iter().rposition(|&x| x == open_id);
+    let close = ids.iter().rposition(|&x| x == close_id);
+    match (open, close) {
+        (Some(o), Some(c)) => o > c,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+/// Runs `prompt` through `engine` after what `state` already holds and generates.
+///
+/// `full_prompt_len` is the whole prompt's length (the state's tokens plus `prompt`) and is
+/// only used for the stats and the thinking check; `in_thinking` says whether the prompt ends
+/// inside a thinking block. `on_token` sees every generated id (end tokens included) with the
+/// logits it was chosen from (for logprobs), and returns a reason to stop, if any. `cancel` is polled before every forward call. With
+/// `snapshot_at = Some(n)`, the state is copied after `n` of `prompt`'s tokens (`0 < n <
+/// prompt.len()`).
+#[allow(clippy::too_many_arguments)]
+pub fn generate<E: Engine>(
     engine: &E,
     state: &mut E::State,
     prompt: &[u32],
+    in_thinking: bool,
     opts: &GenerateOptions,
-    mut on_token: impl FnMut(u32) -> bool,
-) -> Result<GenerationStats> {
+    sampler: &mut Sampler,
+    cancel: &AtomicBool,
+    snapshot_at: Option<usize>,
+    mut on_token: impl FnMut(u32, &[f32]) -> Option<StopReason>,
+) -> Result<Generation<E::State>> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let start_len = engine.state_len(state);
-    if start_len + prompt.len() > opts.max_seq {
+    let cached = engine.state_len(state);
+    if cached + prompt.len() > opts.max_seq {
+        if cached == 0 {
+            bail!(
+                "the prompt is {} tokens but the context limit is {} tokens",
+                prompt.len(),
+                opts.max_seq
+            );
+        }
         bail!(
-            "the prompt is {} tokens (plus {} already in context) but the context limit is {} tokens",
+            "the prompt is {} tokens ({} new, {} already in context) but the context limit is {} tokens",
+            cached + prompt.len(),
             prompt.len(),
-            start_len,
+            cached,
             opts.max_seq
         );
     }
     let t0 = Instant::now();
+    let mut stats = GenerationStats {
+        prompt_tokens: cached + prompt.len(),
+        cached_tokens: cached,
+        generated: Vec::new(),
+        forced_tokens: 0,
+        time_to_first_token: Duration::ZERO,
+        decode_time: Duration::ZERO,
+        stop: StopReason::Cancelled,
+        prefill_complete: false,
+    };
+    let mut snapshot = None;
+    let split = snapshot_at.filter(|&n| n > 0 && n < prompt.len());
+    let parts: [&[u32]; 2] = match split {
+        Some(n) => [&prompt[..n], &prompt[n..]],
+        None => [prompt, &[]],
+    };
     let mut logits = Vec::new();
-    for piece in prompt.chunks(opts.prefill_chunk.max(1)) {
-        logits = engine.forward(state, piece, Logits::Last)?;
+    for (i, part) in parts.iter().enumerate() {
+        for piece in part.chunks(opts.prefill_chunk.max(1)) {
+            if cancel.load(Ordering::SeqCst) {
+                stats.time_to_first_token = t0.elapsed();
+                return Ok(Generation { stats, snapshot });
+            }
+            logits = engine.forward(state, piece, Logits::Last)?;
+        }
+        if i == 0 && split.is_some() {
+            snapshot = Some(state.clone());
+        }
     }
-    let mut next = greedy(&logits, opts.vocab_limit);
-    let ttft = t0.elapsed();
-    let t1 = Instant::now();
-    let mut generated = Vec::new();
+    stats.prefill_complete = true;
+
+    let mut thinking = in_thinking;
+    let mut thinking_tokens = 0usize;
+    let mut forced: std::collections::VecDeque<u32> = Default::default();
+    let mut t_decode = None;
     let stop = loop {
-        generated.push(next);
-        if !on_token(next) {
-            break StopReason::Cancelled;
+        let budget_hit = opts.thinking.as_ref().is_some_and(|t| {
+            thinking && forced.is_empty() && t.budget.is_some_and(|b| thinking_tokens >= b)
+        });
+        if budget_hit && let Some(t) = &opts.thinking {
+            forced.extend(&t.close_ids);
+        }
+        let was_forced = !forced.is_empty();
+        let next = match forced.pop_front() {
+            Some(id) => {
+                stats.forced_tokens += 1;
+                id
+            }
+            None => sampler.sample(&logits, &stats.generated),
+        };
+        if t_decode.is_none() {
+            stats.time_to_first_token = t0.elapsed();
+            t_decode = Some(Instant::now());
+        }
+        stats.generated.push(next);
+        if let Some(t) = &opts.thinking {
+            if next == t.open_id {
+                thinking = true;
+            } else if next == t.close_id {
+                thinking = false;
+                if !was_forced {
+                    forced.clear();
+                }
+            } else if thinking {
+                thinking_tokens += 1;
+            }
+        }
+        if let Some(reason) = on_token(next, &logits) {
+            break reason;
         }
         if opts.stop_ids.contains(&next) {
             break StopReason::EndToken;
         }
-        if generated.len() >= opts.max_tokens {
+        if stats.generated.len() >= opts.max_tokens {
             break StopReason::MaxTokens;
         }
         if engine.state_len(state) + 1 > opts.max_seq {
             break StopReason::ContextFull;
         }
+        if cancel.load(Ordering::SeqCst) {
+            break StopReason::Cancelled;
+        }
         logits = engine.forward(state, &[next], Logits::Last)?;
-        next = greedy(&logits, opts.vocab_limit);
     };
-    Ok(GenerationStats {
-        prompt_tokens: prompt.len(),
-        generated,
-        time_to_first_token: ttft,
-        decode_time: t1.elapsed(),
-        stop,
-    })
+    stats.stop = stop;
+    stats.decode_time = t_decode.map_or(Duration::ZERO, |t| t.elapsed());
+    Ok(Generation { stats, snapshot })
 }
 
-/// Incremental detokenization: yields only text that is complete (no split UTF-8
-/// characters), however the bytes fall across tokens.
+/// Incremental detokenization: yields only complete text (no split UTF-8 characters),
+/// however the bytes fall across tokens, at O(1) cost per token.
+///
+/// It keeps two offsets into the ids: `prefix` starts a short window of already-emitted ids
+/// that gives the decoder context, and `read` is where the unemitted ids begin. Each push
+/// decodes `ids[prefix..read]` and `ids[prefix..]`; the new text is the difference, emitted
+/// only when it does not end in U+FFFD (an incomplete character), after which the window
+/// slides forward. Windows stay a few ids long, so the cost does not grow with the reply.
 pub struct TextStream {
     ids: Vec<u32>,
-    emitted: usize,
+    prefix: usize,
+    read: usize,
 }
 
 impl Default for TextStream {
@@ -125,20 +273,402 @@ impl TextStream {
     pub fn new() -> Self {
         TextStream {
             ids: Vec::new(),
-            emitted: 0,
+            prefix: 0,
+            read: 0,
         }
     }
 
     /// Adds one id; returns newly completed text (possibly empty).
     pub fn push(&mut self, id: u32, decode: impl Fn(&[u32]) -> Result<String>) -> Result<String> {
         self.ids.push(id);
-        let text = decode(&self.ids)?;
-        // A trailing U+FFFD means an incomplete multi-byte character: wait for more bytes.
-        if text.ends_with('\u{FFFD}') {
+        let before = decode(&self.ids[self.prefix..self.read])?;
+        let now = decode(&self.ids[self.prefix..])?;
+        if now.len() <= before.len() || now.ends_with('\u{FFFD}') {
             return Ok(String::new());
         }
-        let new = text.get(self.emitted..).unwrap_or("").to_string();
-        self.emitted = text.len();
+        let new = now.get(before.len()..).unwrap_or("").to_string();
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        if self.prefix > 256 {
+            self.ids.drain(..self.prefix);
+            self.read -= self.prefix;
+            self.prefix = 0;
+        }
         Ok(new)
+    }
+
+    /// The text still held back (an incomplete character at the end), decoded lossily; the
+    /// stream is empty afterwards.
+    pub fn finish(&mut self, decode: impl Fn(&[u32]) -> Result<String>) -> Result<String> {
+        let before = decode(&self.ids[self.prefix..self.read])?;
+        let now = decode(&self.ids[self.prefix..])?;
+        let rest = now.get(before.len()..).unwrap_or("").to_string();
+        *self = TextStream::new();
+        Ok(rest)
+    }
+}
+
+/// Catches stop strings in streamed text, also when they are split across pieces. Text that
+/// could be the start of a stop string is held back until it is known not to be one, so a
+/// stop string is never emitted.
+#[derive(Clone, Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    pending: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: &[String]) -> Self {
+        StopMatcher {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            pending: String::new(),
+        }
+    }
+
+    /// Feeds a piece; returns the text safe to emit and whether a stop string was found
+    /// (the text is then everything before it, and the rest is dropped).
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stops.is_empty() {
+            return (piece.to_string(), false);
+        }
+        self.pending.push_str(piece);
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min();
+        if let Some(at) = first {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Hold back the longest tail that is a proper prefix of some stop string.
+        let len = self.pending.len();
+        let bytes = self.pending.as_bytes();
+        let hold = self
+            .stops
+            .iter()
+            .filter_map(|s| {
+                (1..s.len().min(len + 1)).rev().find(|&n| {
+                    self.pending.is_char_boundary(len - n)
+                        && s.as_bytes().starts_with(&bytes[len - n..])
+                })
+            })
+            .max()
+            .unwrap_or(0);
+        let out = self.pending[..len - hold].to_string();
+        self.pending.drain(..len - hold);
+        (out, false)
+    }
+
+    /// The held-back text (the reply ended without completing a stop string).
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+/// Which part of a reply a piece of text belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Channel {
+    /// Inside `<think>...</think>`.
+    Reasoning,
+    Answer,
+}
+
+/// Turns a reply's ids into reasoning and answer text as they arrive: incremental
+/// detokenization per channel, stop strings, end tokens hidden, the `<think>` markers
+/// themselves turned into channel switches, and the newlines that follow them (the template's
+/// `<think>\n` ... `</think>\n\n`) dropped from the start of each channel.
+pub struct ReplyDecoder {
+    think: Option<(u32, u32)>,
+    hidden: Vec<u32>,
+    channel: Channel,
+    stream: TextStream,
+    stop: StopMatcher,
+    /// Whether the current channel has shown text (its leading newlines are dropped).
+    started: bool,
+    /// Everything emitted so far, per channel.
+    pub reasoning: String,
+    pub answer: String,
+}
+
+impl ReplyDecoder {
+    /// `think`: the `<think>` / `</think>` ids; `in_thinking`: whether the prompt leaves the
+    /// model inside a thinking block; `hidden`: ids never shown (end tokens).
+    pub fn new(
+        think: Option<(u32, u32)>,
+        in_thinking: bool,
+        stops: &[String],
+        hidden: &[u32],
+    ) -> Self {
+        ReplyDecoder {
+            think,
+            hidden: hidden.to_vec(),
+            channel: if in_thinking && think.is_some() {
+                Channel::Reasoning
+            } else {
+                Channel::Answer
+            },
+            stream: TextStream::new(),
+            stop: StopMatcher::new(stops),
+            started: false,
+            reasoning: String::new(),
+            answer: String::new(),
+        }
+    }
+
+    pub fn channel(&self) -> Channel {
+        self.channel
+    }
+
+    fn emit(&mut self, text: String, out: &mut Vec<(Channel, String)>) {
+        let text = if self.started {
+            text
+        } else {
+            let t = text.trim_start_matches(['\n', '\r']);
+            self.started = !t.is_empty();
+            t.to_string()
+        };
+        if text.is_empty() {
+            return;
+        }
+        match self.channel {
+            Channel::Reasoning => self.reasoning.push_str(&text),
+            Channel::Answer => self.answer.push_str(&text),
+        }
+        out.push((self.channel, text));
+    }
+
+    /// Ends the current channel's text (a stop string can still complete in what was held
+    /// back) and continues in `to`. Returns whether a stop string was found.
+    fn switch(
+        &mut self,
+        to: Channel,
+        decode: &impl Fn(&[u32]) -> Result<String>,
+        out: &mut Vec<(Channel, String)>,
+    ) -> Result<bool> {
+        let rest = self.stream.finish(decode)?;
+        let (text, stopped) = self.stop.push(&rest);
+        self.emit(text, out);
+        if stopped {
+            return Ok(true);
+        }
+        let held = self.stop.flush();
+        self.emit(held, out);
+        self.channel = to;
+        self.started = false;
+        Ok(false)
+    }
+
+    /// Adds one id. Returns the new text pieces and whether a stop string ended the reply.
+    pub fn push(
+        &mut self,
+        id: u32,
+        decode: impl Fn(&[u32]) -> Result<String>,
+    ) -> Result<(Vec<(Channel, String)>, bool)> {
+        let mut out = Vec::new();
+        if self.hidden.contains(&id) {
+            return Ok((out, false));
+        }
+        if let Some((open, close)) = self.think
+            && (id == open || id == close)
+        {
+            let to = if id == open {
+                Channel::Reasoning
+            } else {
+                Channel::Answer
+            };
+            let stopped = self.switch(to, &decode, &mut out)?;
+            return Ok((out, stopped));
+        }
+        let piece = self.stream.push(id, &decode)?;
+        let (text, stopped) = self.stop.push(&piece);
+        self.emit(text, &mut out);
+        Ok((out, stopped))
+    }
+
+    /// Emits what is still held back when the reply ends without a stop string.
+    pub fn finish(
+        &mut self,
+        decode: impl Fn(&[u32]) -> Result<String>,
+    ) -> Result<Vec<(Channel, String)>> {
+        let mut out = Vec::new();
+        let rest = self.stream.finish(&decode)?;
+        let (text, stopped) = self.stop.push(&rest);
+        self.emit(text, &mut out);
+        if !stopped {
+            let held = self.stop.flush();
+            self.emit(held, &mut out);
+        }
+        Ok(out)
+    }
+}
+
+/// Everything about a reply besides the prompt: the loop's options, stop strings, and the
+/// thinking markers.
+#[derive(Clone, Debug)]
+pub struct ReplySettings {
+    pub opts: GenerateOptions,
+    pub stop_strings: Vec<String>,
+    /// The `<think>` / `</think>` ids (`None`: no reasoning channel).
+    pub think_ids: Option<(u32, u32)>,
+}
+
+/// One finished reply.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub stats: GenerationStats,
+    pub reasoning: String,
+    pub answer: String,
+}
+
+/// Generates a reply to `prompt` (the whole prompt; `state` already holds its first
+/// `engine.state_len(state)` ids) and streams its text to `on_text` as it is decoded. An
+/// error from `on_text` (say, a closed pipe) stops the reply and is returned.
+#[allow(clippy::too_many_arguments)]
+pub fn reply<E: Engine>(
+    engine: &E,
+    tokenizer: &Tokenizer,
+    state: &mut E::State,
+    prompt: &[u32],
+    snapshot_at: Option<usize>,
+    settings: &ReplySettings,
+    sampler: &mut Sampler,
+    cancel: &AtomicBool,
+    mut on_text: impl FnMut(Channel, &str) -> std::io::Result<()>,
+) -> Result<(Reply, Option<E::State>)> {
+    let cached = engine.state_len(state);
+    if cached >= prompt.len() {
+        bail!(
+            "the state already holds {cached} tokens but the prompt is {} tokens",
+            prompt.len()
+        );
+    }
+    let in_thinking = settings
+        .think_ids
+        .is_some_and(|(o, c)| ends_inside_thinking(prompt, o, c));
+    let mut decoder = ReplyDecoder::new(
+        settings.think_ids,
+        in_thinking,
+        &settings.stop_strings,
+        &settings.opts.stop_ids,
+    );
+    let decode = |ids: &[u32]| tokenizer.decode(ids, true);
+    let mut failure: Option<anyhow::Error> = None;
+    let mut send = |pieces: Vec<(Channel, String)>, failure: &mut Option<anyhow::Error>| {
+        for (ch, text) in pieces {
+            if let Err(e) = on_text(ch, &text) {
+                *failure = Some(e.into());
+                return false;
+            }
+        }
+        true
+    };
+    let generation = generate(
+        engine,
+        state,
+        &prompt[cached..],
+        in_thinking,
+        &settings.opts,
+        sampler,
+        cancel,
+        snapshot_at,
+        |id, _| match decoder.push(id, decode) {
+            Ok((pieces, stopped)) => {
+                if !send(pieces, &mut failure) {
+                    Some(StopReason::Cancelled)
+                } else if stopped {
+                    Some(StopReason::StopString)
+                } else {
+                    None
+                }
+            }
+            Err(e) => {
+                failure = Some(e);
+                Some(StopReason::Cancelled)
+            }
+        },
+    )?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let mut generation = generation;
+    if generation.stats.stop != StopReason::StopString {
+        let pieces = decoder.finish(decode)?;
+        let mut failure = None;
+        send(pieces, &mut failure);
+        if let Some(e) = failure {
+            return Err(e);
+        }
+    }
+    let snapshot = generation.snapshot.take();
+    Ok((
+        Reply {
+            stats: generation.stats,
+            reasoning: decoder.reasoning,
+            answer: decoder.answer,
+        },
+        snapshot,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_stops(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut m = StopMatcher::new(&stops);
+        let mut out = String::new();
+        for p in pieces {
+            let (t, stop) = m.push(p);
+            out.push_str(&t);
+            if stop {
+                return (out, true);
+            }
+        }
+        out.push_str(&m.flush());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_strings_split_across_pieces() {
+        assert_eq!(
+            run_stops(&["STOP"], &["abc S", "T", "OP tail"]),
+            ("abc ".into(), true)
+        );
+        assert_eq!(run_stops(&["\n\n"], &["a\n", "\nb"]), ("a".into(), true));
+        // a prefix that turns out not to be a stop is emitted in full
+        assert_eq!(
+            run_stops(&["STOP"], &["ST", "OOP", "!"]),
+            ("STOOP!".into(), false)
+        );
+        // the earliest of several stops wins, even if another completes in the same piece
+        assert_eq!(
+            run_stops(&["world", "lo w"], &["hel", "lo world"]),
+            ("hel".into(), true)
+        );
+        // multi-byte stop split inside a character's bytes' pieces
+        assert_eq!(
+            run_stops(&["終わり"], &["これで終", "わ", "り。"]),
+            ("これで".into(), true)
+        );
+        assert_eq!(run_stops(&[], &["a", "b"]), ("ab".into(), false));
+    }
+
+    #[test]
+    fn held_back_text_is_released_as_soon_as_it_cannot_match() {
+        let mut m = StopMatcher::new(&["<END>".to_string()]);
+        assert_eq!(m.push("x <E"), ("x ".to_string(), false));
+        assert_eq!(m.push("N"), (String::new(), false));
+        assert_eq!(m.push("X"), ("<ENX".to_string(), false));
+    }
+
+    #[test]
+    fn thinking_state_of_a_prompt() {
+        assert!(ends_inside_thinking(&[1, 5, 2], 5, 6));
+        assert!(!ends_inside_thinking(&[1, 5, 2, 6, 3], 5, 6));
+        assert!(ends_inside_thinking(&[5, 6, 5], 5, 6));
+        assert!(!ends_inside_thinking(&[1, 2], 5, 6));
     }
 }

@@ -1,18 +1,32 @@
-//! The `kestrel` command line.
+//! The `kestrel` command line: `generate`, `chat` and `inspect`.
+//!
+//! Everything that generates is generic over [`Engine`]; [`load_engine`] turns `--device` and
+//! `--model` into a [`Backend`], and [`with_engine!`] hands its engine to generic code. A new
+//! backend is one more `Backend` variant, one more arm in `load_engine` and in `with_engine!`.
 
-use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
-use kestrel::chat::ChatRequest;
+use anyhow::Context;
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kestrel::config::{GenerationConfig, TextConfig};
-use kestrel::generate::{GenerateOptions, TextStream, generate_greedy};
+use kestrel::generate::{
+    Channel, GenerateOptions, GenerationStats, ReplySettings, StopReason, ThinkingControl, reply,
+};
+use kestrel::hub;
 use kestrel::model::{CpuModel, Engine};
+use kestrel::sampling::{SamplingParams, check};
+use kestrel::session::{Conversation, chat_turn};
 use kestrel::state::SequenceState;
 use kestrel::synthetic;
-use kestrel::tensor::DType;
+use kestrel::tensor::{DType, Mat};
 use kestrel::tokenizer::Tokenizer;
-use kestrel::weights::Checkpoint;
-use std::io::Write;
-use std::path::PathBuf;
+use kestrel::weights::{Checkpoint, Mixer, ModelWeights};
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// The demo model's generation defaults: the real model's `generation_config.json`.
+const BUNDLED_GENERATION_CONFIG: &str = include_str!("../assets/qwen3_6/generation_config.json");
 
 #[derive(Parser)]
 #[command(
@@ -27,31 +41,37 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate a reply to one prompt (chat-formatted unless --raw).
+    /// Generate a reply to one prompt (chat-formatted unless --raw) and stream it to stdout.
     Generate {
         /// The prompt text.
         #[arg(long)]
         prompt: String,
-        /// Checkpoint directory. Without it, the bundled demo model (random weights) runs.
-        #[arg(long)]
-        model: Option<PathBuf>,
-        /// Maximum number of generated tokens.
-        #[arg(long, default_value_t = 64)]
-        max_tokens: usize,
         /// Send the prompt as is, without the chat template.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "system")]
         raw: bool,
-        /// Render the template with thinking disabled.
+        /// A system message (chat-formatted prompts only).
         #[arg(long)]
-        no_think: bool,
-        /// Context limit in tokens (prompt + reply).
-        #[arg(long, default_value_t = 32_768)]
-        max_seq: usize,
+        system: Option<String>,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        opts: GenArgs,
+    },
+    /// Interactive multi-turn chat; reads one message per line from stdin (/help for commands).
+    Chat {
+        /// The system message.
+        #[arg(long)]
+        system: Option<String>,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        opts: GenArgs,
     },
     /// Validate a checkpoint and print its shape, sizes and per-sequence state bytes.
     Inspect {
+        /// Checkpoint directory or Hugging Face repo id (resolved in the local cache).
         #[arg(long)]
-        model: PathBuf,
+        model: String,
     },
     /// Benchmark (Lily's contract: batch 1, greedy, TTFT-style prefill, 64 decode steps).
     Bench {
@@ -80,6 +100,168 @@ enum Command {
     },
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Args, Clone, Debug)]
+struct ModelArgs {
+    /// Checkpoint directory, or a Hugging Face repo id (`Qwen/Qwen3.6-35B-A3B`, optionally
+    /// `@revision`) resolved offline in the local Hugging Face cache. Without it, the bundled
+    /// demo model (random weights) runs.
+    #[arg(long)]
+    model: Option<String>,
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Context limit in tokens (prompt + reply), at most the model's maximum positions.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 32_768, value_parser = clap::value_parser!(u64).range(2..))]
+    max_seq: u64,
+    /// Do not read the weights up front (pages load from disk on first use instead).
+    #[arg(long)]
+    lazy_load: bool,
+    /// Only the generated text: no banner, progress bar or stats line.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args, Clone, Debug)]
+struct GenArgs {
+    /// Maximum generated tokens per reply [default: 4096; 64 for the demo model].
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
+    max_tokens: Option<u64>,
+    /// Sampling temperature; 0 is greedy [default: generation_config.json's when it samples
+    /// (do_sample), else 0].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_temperature)]
+    temperature: Option<f32>,
+    /// Keep only the K most likely tokens; 0 is off [default: generation_config.json, else 0].
+    #[arg(long, allow_negative_numbers = true)]
+    top_k: Option<usize>,
+    /// Nucleus sampling mass, in (0, 1] [default: generation_config.json, else 1].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than MIN_P times the most likely one, in [0, 1]
+    /// [default: generation_config.json, else 0].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_min_p)]
+    min_p: Option<f32>,
+    /// Repetition penalty (> 0; 1 is off) on tokens of the reply so far.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_repetition_penalty)]
+    repetition_penalty: Option<f32>,
+    /// Presence penalty in [-2, 2] on tokens of the reply so far.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_presence_frequency)]
+    presence_penalty: Option<f32>,
+    /// Frequency penalty in [-2, 2] on tokens of the reply so far.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_presence_frequency)]
+    frequency_penalty: Option<f32>,
+    /// Random seed: the same seed gives the same output on the same backend [default: random].
+    #[arg(long, allow_negative_numbers = true)]
+    seed: Option<u64>,
+    /// Stop when the reply contains this text (not printed). Repeatable; `\n`, `\t` and `\\`
+    /// are unescaped.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_stop)]
+    stop: Vec<String>,
+    /// Think before answering (the template's enable_thinking; the model's default).
+    #[arg(long, conflicts_with = "no_think")]
+    think: bool,
+    /// Answer without thinking (enable_thinking=false).
+    #[arg(long)]
+    no_think: bool,
+    /// Close the thinking block after this many tokens (feeds `</think>\n\n`).
+    #[arg(long, allow_negative_numbers = true)]
+    thinking_budget: Option<usize>,
+}
+
+fn number(s: &str) -> Result<f32, String> {
+    s.trim()
+        .parse::<f32>()
+        .map_err(|_| format!("`{s}` is not a number"))
+}
+
+fn ranged(s: &str, ok: fn(f32) -> bool, expected: &str) -> Result<f32, String> {
+    let x = number(s)?;
+    if ok(x) {
+        Ok(x)
+    } else {
+        Err(format!("must be {expected}"))
+    }
+}
+
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    ranged(s, check::temperature, check::TEMPERATURE)
+}
+fn parse_top_p(s: &str) -> Result<f32, String> {
+    ranged(s, check::top_p, check::TOP_P)
+}
+fn parse_min_p(s: &str) -> Result<f32, String> {
+    ranged(s, check::min_p, check::MIN_P)
+}
+fn parse_repetition_penalty(s: &str) -> Result<f32, String> {
+    ranged(s, check::repetition_penalty, check::REPETITION_PENALTY)
+}
+fn parse_presence_frequency(s: &str) -> Result<f32, String> {
+    ranged(s, check::presence_frequency, check::PRESENCE_FREQUENCY)
+}
+
+fn parse_stop(s: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('t') => out.push('\t'),
+            Some('\\') => out.push('\\'),
+            Some(other) => {
+                out.push('\\');
+                out.push(other);
+            }
+            None => out.push('\\'),
+        }
+    }
+    if out.is_empty() {
+        return Err("a stop string cannot be empty".into());
+    }
+    Ok(out)
+}
+
+/// Set by Ctrl-C while a reply is being generated: stops that reply.
+static CANCEL: AtomicBool = AtomicBool::new(false);
+/// While true (outside generation), Ctrl-C ends the program at once.
+static EXIT_ON_INTERRUPT: AtomicBool = AtomicBool::new(true);
+
+/// Ctrl-C outside generation exits with `status`; during generation it only stops the reply.
+fn install_interrupt_handler(status: i32) {
+    use signal_hook::consts::SIGINT;
+    // The conditional exit must be registered first so it runs before the flag is set.
+    let r = signal_hook::flag::register_conditional_shutdown(SIGINT, status, &EXIT_ON_INTERRUPT)
+        .and_then(|_| signal_hook::flag::register(SIGINT, &CANCEL));
+    if let Err(e) = r {
+        tracing::warn!("cannot install the Ctrl-C handler: {e}");
+    }
+}
+
+/// Marks the span of one reply: Ctrl-C cancels it instead of ending the program.
+struct Generating;
+
+impl Generating {
+    fn start() -> Self {
+        CANCEL.store(false, Ordering::SeqCst);
+        EXIT_ON_INTERRUPT.store(false, Ordering::SeqCst);
+        Generating
+    }
+}
+
+impl Drop for Generating {
+    fn drop(&mut self) {
+        EXIT_ON_INTERRUPT.store(true, Ordering::SeqCst);
+    }
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -87,24 +269,59 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    if let Err(e) = run(Cli::parse()) {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
+    match run(Cli::parse()) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
+/// A loaded model, whichever backend runs it.
+enum Backend {
+    Cpu(CpuModel),
+    Cuda(kestrel::cuda::model::CudaModel),
+}
+
+/// Runs `$body` with `$e` bound to the backend's engine (`&impl Engine`).
+macro_rules! with_engine {
+    ($backend:expr, $e:ident => $body:expr) => {
+        match $backend {
+            Backend::Cpu($e) => $body,
+            Backend::Cuda($e) => $body,
+        }
+    };
+}
+
+fn run(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Generate {
             prompt,
-            model,
-            max_tokens,
             raw,
-            no_think,
-            max_seq,
-        } => generate(prompt, model, max_tokens, raw, no_think, max_seq),
-        Command::Inspect { model } => inspect(model),
+            system,
+            model,
+            opts,
+        } => {
+            install_interrupt_handler(130);
+            let loaded = load(&model)?;
+            with_engine!(&loaded.backend, e => generate_cmd(e, &loaded, &model, &opts, &prompt, raw, system))
+        }
+        Command::Chat {
+            system,
+            model,
+            opts,
+        } => {
+            install_interrupt_handler(0);
+            let loaded = load(&model)?;
+            with_engine!(&loaded.backend, e => chat_cmd(e, &loaded, &model, &opts, system))
+        }
+        Command::Inspect { model } => {
+            inspect(&hub::resolve_model(&model)?)?;
+            Ok(0)
+        }
         Command::Bench {
             synthetic,
             model,
@@ -112,126 +329,130 @@ fn run(cli: Cli) -> Result<()> {
             contexts,
             max_chunk,
             json,
-        } => bench_cmd(synthetic, model, device, contexts, max_chunk, json),
+        } => {
+            bench_cmd(synthetic, model, device, contexts, max_chunk, json)?;
+            Ok(0)
+        }
     }
 }
 
 struct Loaded {
-    model: CpuModel,
+    backend: Backend,
     tokenizer: Tokenizer,
     generation: GenerationConfig,
+    demo: bool,
 }
 
-fn load(model: Option<PathBuf>) -> Result<Loaded> {
-    match model {
-        Some(dir) => {
-            let m = CpuModel::load(&dir)?;
-            let tokenizer = Tokenizer::for_model_dir(&dir)?;
-            let generation = GenerationConfig::from_dir(&dir)?;
-            Ok(Loaded {
-                model: m,
-                tokenizer,
-                generation,
-            })
+/// Resolves `--model`, checks `--device`, and loads the engine, tokenizer and generation
+/// defaults.
+fn load(args: &ModelArgs) -> Result<Loaded> {
+    let dir = match &args.model {
+        Some(spec) => {
+            let dir = hub::resolve_model(spec)?;
+            tracing::info!("model {spec} -> {}", dir.display());
+            Some(dir)
         }
-        None => {
-            eprintln!(
-                "kestrel: no --model given: running the bundled demo model (Qwen3.6 architecture at toy size, \
-                 random weights, real tokenizer), so the text is gibberish. For real output: \
-                 hf download Qwen/Qwen3.6-35B-A3B, then --model <dir>."
-            );
-            let cfg = synthetic::demo_config();
-            let weights = synthetic::random_weights(&cfg, synthetic::DEMO_SEED, DType::BF16);
-            let generation = GenerationConfig {
-                eos_token_ids: cfg.eos_token_ids.clone(),
-                ..Default::default()
-            };
-            Ok(Loaded {
-                model: CpuModel::new(cfg, weights),
-                tokenizer: Tokenizer::bundled()?,
-                generation,
-            })
-        }
+        None => None,
+    };
+    let backend = load_engine(args.device, dir.as_deref(), args)?;
+    match dir {
+        Some(dir) => Ok(Loaded {
+            backend,
+            tokenizer: Tokenizer::for_model_dir(&dir)?,
+            generation: GenerationConfig::from_dir(&dir)?,
+            demo: false,
+        }),
+        None => Ok(Loaded {
+            backend,
+            tokenizer: Tokenizer::bundled()?,
+            generation: GenerationConfig::from_json_str(BUNDLED_GENERATION_CONFIG)?,
+            demo: true,
+        }),
     }
 }
 
-fn generate(
-    prompt: String,
-    model: Option<PathBuf>,
-    max_tokens: usize,
-    raw: bool,
-    no_think: bool,
-    max_seq: usize,
-) -> Result<()> {
-    let Loaded {
-        model,
-        tokenizer,
-        generation,
-    } = load(model)?;
-    let text = if raw {
-        prompt
-    } else {
-        let template = tokenizer
-            .template
-            .as_ref()
-            .context("the checkpoint has no chat template; use --raw")?;
-        template.render(&ChatRequest {
-            messages: vec![serde_json::json!({"role": "user", "content": prompt})],
-            add_generation_prompt: true,
-            enable_thinking: no_think.then_some(false),
-            ..Default::default()
-        })?
+/// The engine for `device`: a checkpoint directory, or the bundled demo model.
+fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<Backend> {
+    // Open the GPU first: a missing or unsuitable GPU is reported before any weights load.
+    let gpu = match device {
+        Device::Cpu => None,
+        Device::Cuda => Some(
+            kestrel::cuda::Gpu::open(0)
+                .context("--device cuda (without a usable GPU, use --device cpu)")?,
+        ),
     };
-    let ids = tokenizer.encode(&text, !raw)?;
-    let cfg = model.config();
-    let mut stop_ids = generation.eos_token_ids.clone();
-    for id in &cfg.eos_token_ids {
-        if !stop_ids.contains(id) {
-            stop_ids.push(*id);
-        }
-    }
-    let opts = GenerateOptions {
-        max_tokens,
-        stop_ids: stop_ids.clone(),
-        vocab_limit: tokenizer.vocab_size().min(cfg.vocab_size),
-        prefill_chunk: 4096,
-        max_seq: max_seq.min(cfg.max_position_embeddings),
-    };
-    let mut state = model.new_state();
-    let mut stream = TextStream::new();
-    let mut out = std::io::stdout().lock();
-    let mut write_err = None;
-    let stats = generate_greedy(&model, &mut state, &ids, &opts, |id| {
-        if stop_ids.contains(&id) {
-            return true;
-        }
-        match stream.push(id, |ids| tokenizer.decode(ids, true)) {
-            Ok(piece) => {
-                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                    write_err = Some(e);
-                    return false;
-                }
-                true
+    let make = |cfg: TextConfig, weights: ModelWeights| -> Result<Backend> {
+        match &gpu {
+            None => Ok(Backend::Cpu(CpuModel::new(cfg, weights))),
+            Some(g) => {
+                let max_seq = (args.max_seq as usize).min(cfg.max_position_embeddings);
+                let m = kestrel::cuda::model::CudaModel::from_weights(
+                    g.clone(),
+                    cfg,
+                    &weights,
+                    max_seq,
+                    4096,
+                )?;
+                Ok(Backend::Cuda(m))
             }
-            Err(_) => true,
         }
-    })?;
-    if let Some(e) = write_err
-        && e.kind() != std::io::ErrorKind::BrokenPipe
-    {
-        return Err(e.into());
+    };
+    let Some(dir) = dir else {
+        if !args.quiet {
+            eprintln!(
+                "kestrel: no --model given: running the bundled demo model (Qwen3.6 architecture at toy \
+                 size, random weights, real tokenizer), so the text is gibberish. For real output: \
+                 hf download Qwen/Qwen3.6-35B-A3B, then --model Qwen/Qwen3.6-35B-A3B (or a directory)."
+            );
+        }
+        let cfg = synthetic::demo_config();
+        let weights = synthetic::random_weights(&cfg, synthetic::DEMO_SEED, DType::BF16);
+        return make(cfg, weights);
+    };
+    let config = TextConfig::from_file(&dir.join("config.json"))?;
+    let ck = Checkpoint::open(dir)?;
+    let weights = ModelWeights::from_checkpoint(&ck, &config)?;
+    if !args.lazy_load && gpu.is_none() {
+        let show = !args.quiet && std::io::stderr().is_terminal();
+        read_weights(&weights, show);
     }
-    writeln!(out)?;
-    eprintln!(
-        "[prompt {} tokens, generated {}, ttft {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s, stop: {:?}]",
-        stats.prompt_tokens,
-        stats.generated.len(),
-        stats.time_to_first_token.as_secs_f64() * 1e3,
-        stats.prefill_tok_s(),
-        stats.decode_tok_s(),
-        stats.stop
-    );
-    Ok(())
+    make(config, weights)
+}
+
+/// Every weight matrix of the model (fused experts appear as their per-expert views).
+fn matrices(w: &ModelWeights) -> Vec<&Mat> {
+    let mut v = vec![&w.embed, &w.lm_head];
+    for l in &w.layers {
+        match &l.mixer {
+            Mixer::Gdn(g) => v.extend([&g.in_qkv, &g.in_z, &g.in_a, &g.in_b, &g.out]),
+            Mixer::Attention(a) => v.extend([&a.q, &a.k, &a.v, &a.o]),
+        }
+        v.push(&l.moe.router);
+        for e in l.moe.experts.iter().chain([&l.moe.shared]) {
+            v.extend([&e.gate, &e.up, &e.down]);
+        }
+    }
+    v
+}
+
+/// Reads every page of the memory-mapped weights once, so they are in memory before the
+/// first token, with a progress bar over the bytes read when `show`.
+fn read_weights(w: &ModelWeights, show: bool) {
+    let mats = matrices(w);
+    let total: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
+    let mut bar = ProgressBar::new("reading weights", total, show);
+    let mut checksum = 0u8;
+    for m in mats {
+        for chunk in m.bytes().chunks(1 << 20) {
+            // One byte per 4 KiB page faults the page in.
+            for page in chunk.chunks(4096) {
+                checksum ^= page[0];
+            }
+            bar.advance(chunk.len() as u64);
+        }
+    }
+    std::hint::black_box(checksum);
+    bar.finish();
 }
 
 fn human_bytes(n: u64) -> String {
@@ -245,10 +466,526 @@ fn human_bytes(n: u64) -> String {
     format!("{v:.2} {}", units[u])
 }
 
-fn inspect(dir: PathBuf) -> Result<()> {
+/// A one-line progress bar on stderr (bytes, rate); draws nothing when not shown.
+struct ProgressBar {
+    label: &'static str,
+    total: u64,
+    done: u64,
+    start: Instant,
+    last_draw: Option<Instant>,
+    show: bool,
+}
+
+impl ProgressBar {
+    fn new(label: &'static str, total: u64, show: bool) -> Self {
+        ProgressBar {
+            label,
+            total,
+            done: 0,
+            start: Instant::now(),
+            last_draw: None,
+            show,
+        }
+    }
+
+    fn advance(&mut self, n: u64) {
+        self.done += n;
+        if self.show
+            && self
+                .last_draw
+                .is_none_or(|t| t.elapsed() >= Duration::from_millis(100))
+        {
+            self.draw();
+        }
+    }
+
+    fn draw(&mut self) {
+        self.last_draw = Some(Instant::now());
+        let frac = self.done as f64 / self.total.max(1) as f64;
+        let width = 30;
+        let filled = ((frac * width as f64) as usize).min(width);
+        let secs = self.start.elapsed().as_secs_f64();
+        let rate = self.done as f64 / secs.max(1e-6);
+        let eta = if rate > 0.0 {
+            (self.total - self.done) as f64 / rate
+        } else {
+            0.0
+        };
+        eprint!(
+            "\r\x1b[2K{} [{}{}] {} / {}  {}/s  eta {:.0} s",
+            self.label,
+            "=".repeat(filled),
+            " ".repeat(width - filled),
+            human_bytes(self.done),
+            human_bytes(self.total),
+            human_bytes(rate as u64),
+            eta
+        );
+    }
+
+    fn finish(&mut self) {
+        let secs = self.start.elapsed().as_secs_f64();
+        if self.show {
+            self.draw();
+            eprintln!(
+                "\r\x1b[2K{}: {} in {:.1} s ({}/s)",
+                self.label,
+                human_bytes(self.total),
+                secs,
+                human_bytes((self.total as f64 / secs.max(1e-6)) as u64)
+            );
+        } else {
+            tracing::info!(
+                "{}: {} in {:.1} s",
+                self.label,
+                human_bytes(self.total),
+                secs
+            );
+        }
+    }
+}
+
+/// Sampling settings: flags over `generation_config.json` over the neutral defaults.
+fn sampling_params(
+    opts: &GenArgs,
+    cfg: &GenerationConfig,
+    vocab_limit: usize,
+) -> Result<SamplingParams> {
+    let mut p = SamplingParams::from_generation_config(cfg, vocab_limit);
+    let set = |dst: &mut f32, flag: Option<f32>| {
+        if let Some(v) = flag {
+            *dst = v;
+        }
+    };
+    set(&mut p.temperature, opts.temperature);
+    set(&mut p.top_p, opts.top_p);
+    set(&mut p.min_p, opts.min_p);
+    set(&mut p.repetition_penalty, opts.repetition_penalty);
+    set(&mut p.presence_penalty, opts.presence_penalty);
+    set(&mut p.frequency_penalty, opts.frequency_penalty);
+    if let Some(k) = opts.top_k {
+        p.top_k = k;
+    }
+    // Flags were checked when parsed, so a bad value here comes from the checkpoint.
+    p.validate().map_err(|e| {
+        anyhow::anyhow!(
+            "generation_config.json: {e}; override it with --{}",
+            e.field.replace('_', "-")
+        )
+    })?;
+    Ok(p)
+}
+
+/// A seed from the clock when none is given.
+fn fresh_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
+}
+
+/// Everything a reply needs besides the prompt, from the flags and the checkpoint.
+struct Setup {
+    settings: ReplySettings,
+    params: SamplingParams,
+    seed: u64,
+}
+
+fn setup<E: Engine>(
+    engine: &E,
+    loaded: &Loaded,
+    model: &ModelArgs,
+    opts: &GenArgs,
+) -> Result<Setup> {
+    let cfg = engine.config();
+    let tok = &loaded.tokenizer;
+    let vocab_limit = tok.vocab_size().min(cfg.vocab_size);
+    let params = sampling_params(opts, &loaded.generation, vocab_limit)?;
+    let mut stop_ids = loaded.generation.eos_token_ids.clone();
+    for id in &cfg.eos_token_ids {
+        if !stop_ids.contains(id) {
+            stop_ids.push(*id);
+        }
+    }
+    let think_ids = tok.token_to_id("<think>").zip(tok.token_to_id("</think>"));
+    let thinking = match (think_ids, opts.thinking_budget) {
+        (Some((open_id, close_id)), budget) => Some(ThinkingControl {
+            open_id,
+            close_id,
+            budget,
+            close_ids: tok.encode("</think>\n\n", true)?,
+        }),
+        (None, Some(_)) => bail!("--thinking-budget: this tokenizer has no <think> tokens"),
+        (None, None) => None,
+    };
+    let max_seq = (model.max_seq as usize).min(cfg.max_position_embeddings);
+    let default_max = if loaded.demo { 64 } else { 4096 };
+    let seed = opts.seed.unwrap_or_else(fresh_seed);
+    tracing::info!("sampling {params:?}, seed {seed}");
+    Ok(Setup {
+        settings: ReplySettings {
+            opts: GenerateOptions {
+                max_tokens: opts.max_tokens.map_or(default_max, |n| n as usize),
+                stop_ids,
+                prefill_chunk: 4096,
+                max_seq,
+                thinking,
+            },
+            stop_strings: opts.stop.clone(),
+            think_ids,
+        },
+        params,
+        seed,
+    })
+}
+
+fn enable_thinking(opts: &GenArgs) -> Option<bool> {
+    if opts.think {
+        Some(true)
+    } else if opts.no_think {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Writes a reply to stdout: the reasoning dimmed on a terminal (else between `<think>` and
+/// `</think>` lines), then the answer.
+struct Printer {
+    color: bool,
+    channel: Option<Channel>,
+    line_start: bool,
+}
+
+impl Printer {
+    fn new() -> Self {
+        Printer {
+            color: std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none(),
+            channel: None,
+            line_start: true,
+        }
+    }
+
+    fn write(&mut self, s: &str) -> std::io::Result<()> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        let mut out = std::io::stdout().lock();
+        out.write_all(s.as_bytes())?;
+        out.flush()?;
+        self.line_start = s.ends_with('\n');
+        Ok(())
+    }
+
+    fn close_reasoning(&mut self) -> std::io::Result<()> {
+        if self.color {
+            self.write("\x1b[0m")?;
+            self.line_start = false;
+        }
+        if !self.line_start {
+            self.write("\n")?;
+        }
+        if !self.color {
+            self.write("</think>\n")?;
+        }
+        self.write("\n")
+    }
+
+    fn text(&mut self, ch: Channel, text: &str) -> std::io::Result<()> {
+        if self.channel != Some(ch) {
+            if self.channel == Some(Channel::Reasoning) {
+                self.close_reasoning()?;
+            }
+            if ch == Channel::Reasoning {
+                self.write(if self.color { "\x1b[2m" } else { "<think>\n" })?;
+            }
+            self.channel = Some(ch);
+        }
+        self.write(text)
+    }
+
+    /// Ends the reply: closes the reasoning style or marker and the line.
+    fn end(&mut self) -> std::io::Result<()> {
+        if self.channel == Some(Channel::Reasoning) {
+            if self.color {
+                self.write("\x1b[0m")?;
+            }
+            if !self.color {
+                if !self.line_start {
+                    self.write("\n")?;
+                }
+                self.write("</think>")?;
+                self.line_start = false;
+            }
+        }
+        self.channel = None;
+        if !self.line_start {
+            self.write("\n")?;
+        }
+        Ok(())
+    }
+}
+
+fn stats_line(s: &GenerationStats) -> String {
+    format!(
+        "[prompt {} tokens, cached {}, ttft {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s, generated {} tokens, stop: {}]",
+        s.prompt_tokens,
+        s.cached_tokens,
+        s.time_to_first_token.as_secs_f64() * 1e3,
+        s.prefill_tok_s(),
+        s.decode_tok_s(),
+        s.generated.len(),
+        s.stop
+    )
+}
+
+/// Ends a reply's output, treating a closed stdout as the reader having had enough.
+fn finish_output(printer: &mut Printer, result: Result<()>) -> Result<bool> {
+    let result = result.and_then(|_| printer.end().map_err(Into::into));
+    match result {
+        Ok(()) => Ok(true),
+        Err(e) => match e.downcast_ref::<std::io::Error>() {
+            Some(io) if io.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+            _ => Err(e),
+        },
+    }
+}
+
+fn generate_cmd<E: Engine>(
+    engine: &E,
+    loaded: &Loaded,
+    model: &ModelArgs,
+    opts: &GenArgs,
+    prompt: &str,
+    raw: bool,
+    system: Option<String>,
+) -> Result<i32> {
+    let Setup {
+        settings,
+        params,
+        seed,
+    } = setup(engine, loaded, model, opts)?;
+    let tok = &loaded.tokenizer;
+    let mut sampler = kestrel::sampling::Sampler::new(params, seed);
+    let mut printer = Printer::new();
+    let guard = Generating::start();
+    let outcome = if raw {
+        if opts.think || opts.no_think {
+            tracing::warn!("--think / --no-think only apply to chat-formatted prompts");
+        }
+        let ids = tok.encode(prompt, false)?;
+        let mut state = engine.new_state();
+        reply(
+            engine,
+            tok,
+            &mut state,
+            &ids,
+            None,
+            &settings,
+            &mut sampler,
+            &CANCEL,
+            |ch, t| printer.text(ch, t),
+        )
+        .map(|(r, _)| r)
+    } else {
+        if tok.template.is_none() {
+            bail!("the checkpoint has no chat template; use --raw");
+        }
+        let mut conv = Conversation::<E::State>::new();
+        conv.system = system;
+        conv.enable_thinking = enable_thinking(opts);
+        chat_turn(
+            engine,
+            tok,
+            &mut conv,
+            prompt,
+            &settings,
+            &mut sampler,
+            &CANCEL,
+            |ch, t| printer.text(ch, t),
+        )
+    };
+    drop(guard);
+    let (reply, io) = match outcome {
+        Ok(r) => (Some(r), Ok(())),
+        Err(e) => (None, Err(e)),
+    };
+    if !finish_output(&mut printer, io)? {
+        return Ok(0);
+    }
+    let reply = reply.expect("errors returned above");
+    if !model.quiet {
+        eprintln!("{}", stats_line(&reply.stats));
+    }
+    Ok(if reply.stats.stop == StopReason::Cancelled {
+        130
+    } else {
+        0
+    })
+}
+
+const CHAT_HELP: &str = "\
+commands:
+  /reset           forget the conversation (keeps the system prompt)
+  /system [TEXT]   set (or, without TEXT, clear) the system prompt
+  /think on|off    think before answering, or answer directly
+  /stats           conversation and speed statistics
+  /help            this list
+  /exit            quit (also Ctrl-D; Ctrl-C quits at the prompt and stops a reply)";
+
+/// Running totals of a chat session.
+#[derive(Default)]
+struct ChatTotals {
+    turns: usize,
+    prefilled: usize,
+    cached: usize,
+    generated: usize,
+    last: Option<GenerationStats>,
+}
+
+fn chat_cmd<E: Engine>(
+    engine: &E,
+    loaded: &Loaded,
+    model: &ModelArgs,
+    opts: &GenArgs,
+    system: Option<String>,
+) -> Result<i32> {
+    let Setup {
+        settings,
+        params,
+        seed,
+    } = setup(engine, loaded, model, opts)?;
+    let tok = &loaded.tokenizer;
+    if tok.template.is_none() {
+        bail!("the checkpoint has no chat template, so it cannot chat");
+    }
+    let mut sampler = kestrel::sampling::Sampler::new(params, seed);
+    let mut conv = Conversation::<E::State>::new();
+    conv.system = system;
+    conv.enable_thinking = enable_thinking(opts);
+    let interactive = std::io::stdin().is_terminal();
+    if !model.quiet {
+        eprintln!(
+            "kestrel chat: one message per line; /help lists commands; Ctrl-D or /exit quits."
+        );
+    }
+    let mut totals = ChatTotals::default();
+    let mut stdin = std::io::stdin().lock();
+    let mut line = String::new();
+    loop {
+        if interactive {
+            let mut out = std::io::stdout().lock();
+            write!(out, "> ")?;
+            out.flush()?;
+        }
+        line.clear();
+        if stdin.read_line(&mut line)? == 0 {
+            if interactive {
+                println!();
+            }
+            return Ok(0);
+        }
+        let input = line.trim();
+        if input.is_empty() {
+            continue;
+        }
+        if let Some(cmd) = input.strip_prefix('/') {
+            let (name, arg) = cmd.split_once(char::is_whitespace).unwrap_or((cmd, ""));
+            let arg = arg.trim();
+            match name {
+                "exit" | "quit" => return Ok(0),
+                "help" => eprintln!("{CHAT_HELP}"),
+                "reset" => {
+                    conv.reset();
+                    eprintln!("(conversation cleared)");
+                }
+                "system" => {
+                    conv.system = (!arg.is_empty()).then(|| arg.to_string());
+                    eprintln!(
+                        "({}; the next reply prefills the conversation again)",
+                        if arg.is_empty() {
+                            "system prompt cleared"
+                        } else {
+                            "system prompt set"
+                        }
+                    );
+                }
+                "think" => match arg {
+                    "on" => {
+                        conv.enable_thinking = Some(true);
+                        eprintln!("(thinking on)");
+                    }
+                    "off" => {
+                        conv.enable_thinking = Some(false);
+                        eprintln!("(thinking off)");
+                    }
+                    _ => eprintln!("usage: /think on|off"),
+                },
+                "stats" => {
+                    let context = conv.cached_lengths().first().copied().unwrap_or(0);
+                    eprintln!(
+                        "turns {}, context {} / {} tokens, prompt tokens prefilled {}, reused {}, generated {}, seed {}",
+                        totals.turns,
+                        context,
+                        settings.opts.max_seq,
+                        totals.prefilled,
+                        totals.cached,
+                        totals.generated,
+                        seed
+                    );
+                    if let Some(s) = &totals.last {
+                        eprintln!("last reply {}", stats_line(s));
+                    }
+                }
+                _ => eprintln!("unknown command /{name}; /help lists the commands"),
+            }
+            continue;
+        }
+        let mut printer = Printer::new();
+        let guard = Generating::start();
+        let outcome = chat_turn(
+            engine,
+            tok,
+            &mut conv,
+            input,
+            &settings,
+            &mut sampler,
+            &CANCEL,
+            |ch, t| printer.text(ch, t),
+        );
+        drop(guard);
+        let (reply, io) = match outcome {
+            Ok(r) => (Some(r), Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        match finish_output(&mut printer, io) {
+            Ok(true) => {}
+            Ok(false) => return Ok(0),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                if format!("{e:#}").contains("context limit") {
+                    eprintln!("(/reset starts a new conversation; --max-seq raises the limit)");
+                }
+                continue;
+            }
+        }
+        let Some(reply) = reply else { continue };
+        let s = &reply.stats;
+        totals.turns += 1;
+        totals.prefilled += s.prefilled_tokens();
+        totals.cached += s.cached_tokens;
+        totals.generated += s.generated.len();
+        if !model.quiet {
+            eprintln!("{}", stats_line(s));
+        }
+        totals.last = Some(reply.stats);
+    }
+}
+
+fn inspect(dir: &Path) -> Result<()> {
     let cfg = TextConfig::from_file(&dir.join("config.json"))?;
-    let ck = Checkpoint::open(&dir)?;
-    let weights = kestrel::weights::ModelWeights::from_checkpoint(&ck, &cfg)?;
+    let ck = Checkpoint::open(dir)?;
+    let weights = ModelWeights::from_checkpoint(&ck, &cfg)?;
     let (total, active) = cfg.parameter_counts();
     println!("checkpoint      {}", dir.display());
     println!(
@@ -329,7 +1066,7 @@ impl kestrel::bench::GreedyRunner for CpuRunner<'_> {
         for piece in tokens.chunks(4096) {
             logits = self.0.forward(state, piece, kestrel::model::Logits::Last)?;
         }
-        Ok(kestrel::generate::greedy(&logits, self.1))
+        Ok(kestrel::ops::argmax(&logits[..self.1.min(logits.len())]).unwrap_or(0) as u32)
     }
 }
 
