@@ -1,0 +1,841 @@
+#!/usr/bin/env python3
+"""Write tiny random-weight Qwen3.5/3.6-MoE ("qwen3_5_moe") checkpoints plus Hugging Face
+reference outputs, as golden fixtures for Kestrel's Rust tests.
+
+Two fixtures are written under --out (default tests/fixtures):
+
+  tiny-flat-f32/        flat text-only layout (model_type qwen3_5_moe_text), f32, written by
+                        Qwen3_5MoeForCausalLM.save_pretrained (per-expert keys, `model.` prefix).
+  tiny-official-bf16/   official release layout (wrapper config, model.language_model.*, fused
+                        experts, bf16 with an f32 A_log, 2 shards + index, dummy vision and MTP
+                        tensors, generation_config.json).
+
+Each fixture also gets reference.safetensors (prompt/decode ids and logits computed by
+transformers in float32) and reference.json (versions, seeds, scales, margins, checks).
+See tests/fixtures/README.md for the format. Regenerate with:
+
+    /work/venv-fixtures/bin/python scripts/make_fixtures.py --out tests/fixtures --seed 1234
+
+Only torch, transformers, safetensors and numpy are needed (scripts/requirements-fixtures.txt).
+Everything runs on CPU in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+import torch
+import transformers
+import safetensors
+from safetensors import safe_open
+from safetensors.torch import save_file, load_file
+from transformers import (
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5MoeVisionConfig,
+)
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod
+
+MIN_GREEDY_MARGIN = 0.05     # top1 - top2 logit gap required at every greedy step
+MIN_ROUTER_GAP = 5e-4        # k-th minus (k+1)-th router logit, every token and layer (f32 noise ~5e-5)
+SELFCHECK_TOL = 3e-4         # cached decode vs one uncached forward (measured f32 noise is ~1e-4 at |logit|~15)
+N_DECODE = 64
+
+# ----------------------------------------------------------------------------------------------
+# Fixture definitions
+# ----------------------------------------------------------------------------------------------
+
+FIXTURES = {
+    "tiny-flat-f32": dict(
+        layout="flat",
+        storage="f32",
+        T=37,
+        text=dict(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            full_attention_interval=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=24,
+            linear_conv_kernel_dim=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            # rotary dims = 32 * 0.25 = 8 -> 4 frequencies -> mrope_section sums to 4
+            rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[2, 1, 1], mrope_interleaved=True),
+        ),
+    ),
+    "tiny-official-bf16": dict(
+        layout="official",
+        storage="bf16",
+        T=150,  # > 2 x 64: HF's chunked GDN prefill crosses two chunk boundaries
+        text=dict(
+            vocab_size=1000,
+            hidden_size=96,
+            num_hidden_layers=8,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+            full_attention_interval=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            # rotary dims = 64 * 0.25 = 16 -> 8 frequencies -> mrope_section sums to 8
+            rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[3, 3, 2], mrope_interleaved=True),
+        ),
+        # official eos ids [248046, 248044] do not fit a 1000-token vocab; stand-ins:
+        # 1 plays <|im_end|>, 2 plays <|endoftext|>.
+        eos_token_id=[1, 2],
+        pad_token_id=2,
+        bos_token_id=2,
+    ),
+}
+
+COMMON_TEXT = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    partial_rotary_factor=0.25,
+    attention_bias=False,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    router_aux_loss_coef=0.001,
+)
+
+# weight scales (see init_weights); chosen so logits have std ~2-3 and routing is spread out
+EMBED_STD = 1.0
+HEAD_GAIN = 3.0
+ROUTER_GAIN = 3.0
+ZC_NORM_STD = 0.3     # zero-centred RMSNorm weights (used as 1 + w)
+GATED_NORM_STD = 0.3  # GDN gated norm weight = 1 + N(0, 0.3) (used as plain w)
+CONV_STD = 0.5
+DT_BIAS_MEAN, DT_BIAS_STD = -4.0, 1.0
+A_RANGE = (1.0, 16.0)
+
+
+def make_text_config(fx):
+    kw = dict(COMMON_TEXT)
+    kw.update(copy.deepcopy(fx["text"]))
+    for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if k in fx:
+            kw[k] = fx[k]
+    cfg = Qwen3_5MoeTextConfig(**kw)
+    assert cfg.layer_types == fx["text"]["layer_types"]
+    for i, t in enumerate(cfg.layer_types):
+        assert t == ("full_attention" if i % 4 == 3 else "linear_attention")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight initialisation
+# ----------------------------------------------------------------------------------------------
+
+ZC_NORM_RE = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$")
+
+
+def init_weights(model, cfg, gen):
+    """Overwrite every parameter with a fixed-seed draw. Returns {name: rule} for the record."""
+    D = cfg.hidden_size
+    I = cfg.moe_intermediate_size
+    rules = {}
+
+    def normal(shape, std, mean=0.0):
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shp = tuple(p.shape)
+            if name.endswith("embed_tokens.weight"):
+                v, r = normal(shp, EMBED_STD), f"N(0,{EMBED_STD})"
+            elif name == "lm_head.weight":
+                v, r = normal(shp, HEAD_GAIN / math.sqrt(D)), f"N(0,{HEAD_GAIN}/sqrt(D))"
+            elif name.endswith("linear_attn.norm.weight"):
+                v, r = 1.0 + normal(shp, GATED_NORM_STD), f"1+N(0,{GATED_NORM_STD})"
+            elif ZC_NORM_RE.search(name) or name.endswith("model.norm.weight"):
+                v, r = normal(shp, ZC_NORM_STD), f"N(0,{ZC_NORM_STD})"
+            elif name.endswith("linear_attn.A_log"):
+                lo, hi = A_RANGE
+                u = torch.rand(shp, generator=gen, dtype=torch.float32) * (hi - lo) + lo
+                v, r = torch.log(u), f"log(U({lo},{hi}))"
+            elif name.endswith("linear_attn.dt_bias"):
+                v, r = normal(shp, DT_BIAS_STD, DT_BIAS_MEAN), f"N({DT_BIAS_MEAN},{DT_BIAS_STD})"
+            elif name.endswith("linear_attn.conv1d.weight"):
+                v, r = normal(shp, CONV_STD), f"N(0,{CONV_STD})"
+            elif name.endswith("mlp.gate.weight"):
+                v, r = normal(shp, ROUTER_GAIN / math.sqrt(D)), f"N(0,{ROUTER_GAIN}/sqrt(D))"
+            elif name.endswith("mlp.experts.gate_up_proj"):
+                v, r = normal(shp, 1.0 / math.sqrt(D)), "N(0,1/sqrt(D))"
+            elif name.endswith("mlp.experts.down_proj"):
+                v, r = normal(shp, 1.0 / math.sqrt(I)), "N(0,1/sqrt(I))"
+            elif p.ndim == 2:
+                v, r = normal(shp, 1.0 / math.sqrt(shp[1])), "N(0,1/sqrt(fan_in))"
+            else:
+                raise RuntimeError(f"no init rule for parameter {name} {shp}")
+            p.copy_(v)
+            rules[re.sub(r"\.\d+\.", ".N.", name)] = r
+    return rules
+
+
+def round_params_to_bf16(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+
+
+def build_model(cfg, seed, bf16_round):
+    torch.manual_seed(seed)  # HF's own init draws from the global RNG; we overwrite it anyway
+    model = Qwen3_5MoeForCausalLM(cfg)
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    gen = torch.Generator().manual_seed(seed)
+    rules = init_weights(model, cfg, gen)
+    if bf16_round:
+        round_params_to_bf16(model)
+    model.eval()
+    return model, rules
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference computation
+# ----------------------------------------------------------------------------------------------
+
+class RouterTap:
+    """Forward hooks on every MoE router: records router logits and chosen experts."""
+
+    def __init__(self, model, k):
+        self.records = []  # (layer, logits[n,E], indices[n,k])
+        self.handles = []
+        self.k = k
+        self.min_gap = float("inf")
+        for li, layer in enumerate(model.model.layers):
+            self.handles.append(layer.mlp.gate.register_forward_hook(self._hook(li)))
+
+    def _hook(self, li):
+        def fn(_mod, _inp, out):
+            logits, _scores, idx = out
+            self.records.append((li, logits.detach().clone(), idx.detach().clone()))
+            srt = torch.sort(logits.detach().float(), dim=-1, descending=True).values
+            self.min_gap = min(self.min_gap, float((srt[:, self.k - 1] - srt[:, self.k]).min()))
+        return fn
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+    def summary(self, cfg):
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        counts = torch.zeros(cfg.num_hidden_layers, E, dtype=torch.long)
+        min_gap = float("inf")
+        for li, logits, idx in self.records:
+            counts[li] += torch.bincount(idx.reshape(-1), minlength=E)
+            s = torch.sort(logits.float(), dim=-1, descending=True).values
+            min_gap = min(min_gap, float((s[:, k - 1] - s[:, k]).min()))
+        return counts, min_gap
+
+
+def top2_margin(logits):
+    s = torch.topk(logits, 2, dim=-1).values
+    return s[..., 0] - s[..., 1]
+
+
+@torch.no_grad()
+def run_reference(model, cfg, prompt_ids, n_decode, reject=None):
+    """Prefill, then n_decode greedy cached steps. `reject(row)` (optional) is called on every
+    row whose argmax is (or would be) a greedy choice; if it returns True the run stops early
+    and None is returned (used by the seed search)."""
+    T = prompt_ids.numel()
+    out = model(input_ids=prompt_ids[None], use_cache=True)
+    prompt_logits = out.logits[0].float().clone()
+    if reject is not None and reject(prompt_logits[-1]):
+        return None
+    cache = out.past_key_values
+    decode_ids = [int(prompt_logits[-1].argmax())]
+    decode_logits = []
+    for i in range(n_decode):
+        assert cache.get_seq_length() == T + i, (cache.get_seq_length(), T + i)
+        tok = torch.tensor([[decode_ids[i]]], dtype=torch.long)
+        pos = torch.tensor([[T + i]], dtype=torch.long)
+        out = model(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True)
+        cache = out.past_key_values
+        row = out.logits[0, -1].float().clone()
+        decode_logits.append(row)
+        if reject is not None and reject(row):
+            return None
+        if i + 1 < n_decode:
+            decode_ids.append(int(row.argmax()))
+    return prompt_logits, torch.tensor(decode_ids, dtype=torch.long), torch.stack(decode_logits)
+
+
+@torch.no_grad()
+def full_forward(model, ids):
+    return model(input_ids=ids[None], use_cache=False).logits[0].float()
+
+
+def _f64_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, **_kw):
+    """Token-by-token gated delta rule in float64 (spec section 3.4.7), same call signature as
+    transformers' torch_{chunk,recurrent}_gated_delta_rule. Diagnostic only."""
+    f64 = torch.float64
+    q, k, v, b, gg = [x.transpose(1, 2).to(f64) for x in (query, key, value, beta, g)]
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    bsz, nh, L, dk = k.shape
+    S = torch.zeros(bsz, nh, dk, v.shape[-1], dtype=f64) if initial_state is None else initial_state.to(f64)
+    o = torch.empty(bsz, nh, L, v.shape[-1], dtype=f64)
+    for t in range(L):
+        S = S * gg[:, :, t].exp()[..., None, None]
+        u = (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, :, t])) * b[:, :, t, None]
+        S = S + k[:, :, t, :, None] * u[:, :, None, :]
+        o[:, :, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, :, t])
+    return o.transpose(1, 2).to(query.dtype), (S if output_final_state else None)
+
+
+@torch.no_grad()
+def f64_diagnostic(model, res):
+    """How far is the float32 HF reference from a float64 re-run (GDN core replaced by a float64
+    recurrence; HF still does RMSNorm statistics and RoPE cos/sin in float32)? This is the noise
+    floor a correct f32 implementation should expect against the stored logits."""
+    saved = (hf_mod.torch_chunk_gated_delta_rule, hf_mod.torch_recurrent_gated_delta_rule)
+    hf_mod.torch_chunk_gated_delta_rule = _f64_delta_rule
+    hf_mod.torch_recurrent_gated_delta_rule = _f64_delta_rule
+    try:
+        m64 = copy.deepcopy(model).double()
+        seq = torch.cat([res["prompt_ids"], res["decode_ids"]])
+        T = res["prompt_ids"].numel()
+        ref = m64(input_ids=seq[None], use_cache=False).logits[0]
+    finally:
+        hf_mod.torch_chunk_gated_delta_rule, hf_mod.torch_recurrent_gated_delta_rule = saved
+    return {
+        "prompt_logits_vs_f64_max_abs": float((res["prompt_logits"].double() - ref[:T]).abs().max()),
+        "decode_logits_vs_f64_max_abs": float((res["decode_logits"].double() - ref[T:]).abs().max()),
+        "f64_greedy_ids_agree": bool(torch.equal(ref[T - 1:-1].argmax(-1), res["decode_ids"])),
+    }
+
+
+def try_seed(name, fx, cfg, seed, verbose=True):
+    bf16 = fx["storage"] == "bf16"
+    model, rules = build_model(cfg, seed, bf16)
+    gen = torch.Generator().manual_seed(seed + 7919)
+    prompt_ids = torch.randint(0, cfg.vocab_size, (fx["T"],), generator=gen, dtype=torch.long)
+
+    eos = set(fx.get("eos_token_id", []) or [])
+
+    def reject(row):
+        return (float(top2_margin(row)) < MIN_GREEDY_MARGIN or int(row.argmax()) in eos
+                or tap.min_gap < MIN_ROUTER_GAP)
+
+    tap = RouterTap(model, cfg.num_experts_per_tok)
+    out = run_reference(model, cfg, prompt_ids, N_DECODE, reject=reject)
+    tap.close()
+    if out is None:
+        if verbose:
+            print(f"  [{name}] seed {seed}: reject early (greedy margin < {MIN_GREEDY_MARGIN}, eos, "
+                  f"or router gap < {MIN_ROUTER_GAP})", flush=True)
+        return False, None
+    prompt_logits, decode_ids, decode_logits = out
+    counts, router_gap = tap.summary(cfg)
+
+    chosen_rows = torch.cat([prompt_logits[-1:], decode_logits])  # N+1 rows (last one unused)
+    margins = top2_margin(chosen_rows)
+    min_margin_used = float(margins[:-1].min())
+    min_margin_all = float(margins.min())
+    eos_hit = [int(t) for t in decode_ids if int(t) in eos]
+
+    ok = True
+    why = []
+    if min_margin_all < MIN_GREEDY_MARGIN:
+        ok = False
+        why.append(f"greedy margin {min_margin_all:.4f}")
+    if router_gap < MIN_ROUTER_GAP:
+        ok = False
+        why.append(f"router gap {router_gap:.2e}")
+    if eos_hit:
+        ok = False
+        why.append(f"decode hits eos {eos_hit}")
+    used = (counts > 0).sum(dim=1)
+    if int(used.min()) < math.ceil(0.75 * cfg.num_experts):
+        ok = False
+        why.append(f"few experts used {used.tolist()}")
+    share = counts.float() / counts.sum(dim=1, keepdim=True)
+    if float(share.max()) > 3.0 / cfg.num_experts:
+        ok = False
+        why.append(f"expert share too high {float(share.max()):.3f}")
+    if verbose:
+        print(f"  [{name}] seed {seed}: margin(min over steps) {min_margin_all:.4f}, router gap "
+              f"{router_gap:.2e}, logit std {float(prompt_logits.std()):.3f} -> "
+              f"{'OK' if ok else 'reject: ' + '; '.join(why)}", flush=True)
+    return ok, dict(model=model, rules=rules, prompt_ids=prompt_ids, prompt_logits=prompt_logits,
+                    decode_ids=decode_ids, decode_logits=decode_logits, counts=counts,
+                    router_gap=router_gap, min_margin_used=min_margin_used,
+                    min_margin_all=min_margin_all, margins=margins)
+
+
+@torch.no_grad()
+def hidden_stats(model, ids):
+    """RMS of the residual stream after each decoder layer and of the final-normed state."""
+    out = model(input_ids=ids[None], use_cache=False, output_hidden_states=True)
+    hs = out.hidden_states  # embeddings, then each layer (last one is post-norm in some versions)
+    return [round(float(h.float().pow(2).mean().sqrt()), 4) for h in hs]
+
+
+# ----------------------------------------------------------------------------------------------
+# Writers
+# ----------------------------------------------------------------------------------------------
+
+def fused_to_per_expert(sd, n_experts, inter):
+    """Split fused expert tensors ([E,2I,D] gate rows first, [E,D,I]) into per-expert keys."""
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", k)
+        if not m:
+            out[k] = v
+            continue
+        base, which = m.groups()
+        assert v.shape[0] == n_experts
+        for e in range(n_experts):
+            if which == "gate_up_proj":
+                assert v.shape[1] == 2 * inter
+                out[f"{base}.{e}.gate_proj.weight"] = v[e, :inter].contiguous()
+                out[f"{base}.{e}.up_proj.weight"] = v[e, inter:].contiguous()
+            else:
+                out[f"{base}.{e}.down_proj.weight"] = v[e].contiguous()
+    return out
+
+
+def write_flat(model, cfg, fdir):
+    """Fixture A: whatever Qwen3_5MoeForCausalLM.save_pretrained writes (f32), forced to the
+    per-expert layout if a future transformers saves fused keys."""
+    model.save_pretrained(fdir, safe_serialization=True)
+    path = os.path.join(fdir, "model.safetensors")
+    assert os.path.exists(path), os.listdir(fdir)
+    sd = load_file(path)
+    info = {"save_pretrained_wrote_fused_experts": any(k.endswith("experts.gate_up_proj") for k in sd)}
+    if info["save_pretrained_wrote_fused_experts"]:
+        sd = fused_to_per_expert(sd, cfg.num_experts, cfg.moe_intermediate_size)
+        save_file(sd, path, metadata={"format": "pt"})
+    assert all(k.startswith("model.") or k == "lm_head.weight" for k in sd)
+    assert not any(k.startswith("model.language_model.") for k in sd)
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    return info
+
+
+def official_text_state(model):
+    """In-memory Qwen3_5MoeForCausalLM names -> official names (fused experts already match)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            out[k] = v
+        elif k.startswith("model."):
+            out["model.language_model." + k[len("model."):]] = v
+        else:
+            raise RuntimeError(k)
+    return out
+
+
+def storage_dtype(name):
+    # A_log stays f32 on purpose; everything else (big matrices, dt_bias, norms, conv, router)
+    # is bf16 -> mixed small-vector dtypes, as seen across copies of the real checkpoint.
+    return torch.float32 if name.endswith("linear_attn.A_log") else torch.bfloat16
+
+
+def stub_vision_config(D):
+    return Qwen3_5MoeVisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                                  patch_size=2, temporal_patch_size=2, spatial_merge_size=2,
+                                  in_channels=3, out_hidden_size=D, num_position_embeddings=16)
+
+
+def make_vision_tensors(vcfg, gen):
+    vm = hf_mod.Qwen3_5MoeVisionModel(vcfg)
+    out = {}
+    for k, v in vm.state_dict().items():
+        if "inv_freq" in k:
+            continue
+        out["model.visual." + k] = (torch.randn(v.shape, generator=gen) * 0.02).to(torch.bfloat16)
+    return out
+
+
+def make_mtp_tensors(cfg, gen):
+    """A partial MTP set with the official names and shapes (norms, fc, one layer's norms and
+    router). Random; transformers ignores mtp.*, so there is no reference for them."""
+    D, hd, E = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+
+    def n(shape, std):
+        return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+
+    return {
+        "mtp.fc.weight": n((D, 2 * D), 1 / math.sqrt(2 * D)),
+        "mtp.pre_fc_norm_embedding.weight": n((D,), ZC_NORM_STD),
+        "mtp.pre_fc_norm_hidden.weight": n((D,), ZC_NORM_STD),
+        "mtp.norm.weight": n((D,), ZC_NORM_STD),
+        "mtp.layers.0.input_layernorm.weight": n((D,), ZC_NORM_STD),
+        "mtp.layers.0.post_attention_layernorm.weight": n((D,), ZC_NORM_STD),
+        "mtp.layers.0.self_attn.q_norm.weight": n((hd,), ZC_NORM_STD),
+        "mtp.layers.0.self_attn.k_norm.weight": n((hd,), ZC_NORM_STD),
+        "mtp.layers.0.mlp.gate.weight": n((E, D), ROUTER_GAIN / math.sqrt(D)),
+        "mtp.layers.0.mlp.shared_expert_gate.weight": n((1, D), 1 / math.sqrt(D)),
+    }
+
+
+def official_config_dict(cfg, fx, vcfg):
+    wrapper = Qwen3_5MoeConfig(text_config=cfg.to_dict(), vision_config=vcfg.to_dict(),
+                               tie_word_embeddings=False)
+    d = wrapper.to_dict()
+    d["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+    d["model_type"] = "qwen3_5_moe"
+    d["tie_word_embeddings"] = False
+    d.pop("dtype", None)
+    tc = d["text_config"]
+    tc["model_type"] = "qwen3_5_moe_text"
+    tc["dtype"] = "bfloat16"
+    tc["tie_word_embeddings"] = False
+    # keys the official text_config carries that transformers does not read
+    tc["attn_output_gate"] = True
+    tc["mamba_ssm_dtype"] = "float32"
+    tc["mtp_num_hidden_layers"] = 1
+    tc["mtp_use_dedicated_embeddings"] = False
+    tc.pop("architectures", None)
+    d["vision_config"]["model_type"] = "qwen3_5_moe_vision"
+    d.pop("transformers_version", None)
+    d["transformers_version"] = transformers.__version__
+    # the wrapper's special ids refer to the real vocab; keep them inside the tiny one
+    for k, v in (("image_token_id", 990), ("video_token_id", 991),
+                 ("vision_start_token_id", 992), ("vision_end_token_id", 993)):
+        d[k] = v
+    return d
+
+
+def write_official(model, cfg, fx, fdir, seed):
+    gen = torch.Generator().manual_seed(seed + 104729)
+    tensors = {}
+    for k, v in official_text_state(model).items():
+        t = v.detach().to(storage_dtype(k)).contiguous()
+        assert torch.equal(t.float(), v.float()), f"{k} is not bf16-representable"
+        tensors[k] = t
+    vcfg = stub_vision_config(cfg.hidden_size)
+    tensors.update(make_vision_tensors(vcfg, gen))
+    tensors.update(make_mtp_tensors(cfg, gen))
+
+    names = sorted(tensors)
+    nbytes = {k: tensors[k].numel() * tensors[k].element_size() for k in names}
+    total = sum(nbytes.values())
+    shard_names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    shards = [{}, {}]
+    acc = 0
+    for k in names:  # sorted order; the cut falls in the middle of a layer on purpose
+        s = 0 if acc < total / 2 else 1
+        shards[s][k] = tensors[k]
+        acc += nbytes[k]
+    weight_map = {}
+    for fname, sh in zip(shard_names, shards):
+        assert sh
+        save_file(sh, os.path.join(fdir, fname), metadata={"format": "pt"})
+        for k in sh:
+            weight_map[k] = fname
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(fdir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+
+    conf = official_config_dict(cfg, fx, vcfg)
+    with open(os.path.join(fdir, "config.json"), "w") as f:
+        json.dump(conf, f, indent=2, sort_keys=True)
+        f.write("\n")
+    gen_conf = {
+        "bos_token_id": fx["bos_token_id"],
+        "pad_token_id": fx["pad_token_id"],
+        "eos_token_id": list(fx["eos_token_id"]),
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_k": 20,
+        "top_p": 0.95,
+        "transformers_version": transformers.__version__,
+    }
+    with open(os.path.join(fdir, "generation_config.json"), "w") as f:
+        json.dump(gen_conf, f, indent=2)
+        f.write("\n")
+    return {"total_size": total, "shards": {n: len(s) for n, s in zip(shard_names, shards)}}
+
+
+def write_reference(fdir, res):
+    ref = {
+        "prompt_ids": res["prompt_ids"].to(torch.int64).contiguous(),
+        "prompt_logits": res["prompt_logits"].to(torch.float32).contiguous(),
+        "decode_ids": res["decode_ids"].to(torch.int64).contiguous(),
+        "decode_logits": res["decode_logits"].to(torch.float32).contiguous(),
+    }
+    save_file(ref, os.path.join(fdir, "reference.safetensors"), metadata={"format": "pt"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification: load what was written back into transformers and reproduce the logits
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def compare_models(ref_model, other, label, seq):
+    sd_ref = ref_model.state_dict()
+    sd_oth = other.state_dict()
+    assert set(sd_ref) == set(sd_oth), (label, set(sd_ref) ^ set(sd_oth))
+    for k in sd_ref:
+        assert torch.equal(sd_ref[k].float(), sd_oth[k].float()), (label, k)
+    a = full_forward(ref_model, seq)
+    other.set_attn_implementation("eager")
+    other.set_experts_implementation("eager")
+    b = other(input_ids=seq[None], use_cache=False).logits[0].float()
+    d = float((a - b).abs().max())
+    assert d <= 1e-5, (label, d)
+    return d
+
+
+@torch.no_grad()
+def verify_flat(fdir, model, cfg, seq):
+    checks = {}
+    re_model, info = Qwen3_5MoeForCausalLM.from_pretrained(fdir, dtype=torch.float32,
+                                                           output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    checks["reload_CausalLM_max_abs_logit_diff"] = compare_models(model, re_model.eval(), "flat", seq)
+    # independent check of the per-expert split (gate rows first)
+    sd = load_file(os.path.join(fdir, "model.safetensors"))
+    I = cfg.moe_intermediate_size
+    for li, layer in enumerate(model.model.layers):
+        gu, dn = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+        for e in range(cfg.num_experts):
+            p = f"model.layers.{li}.mlp.experts.{e}."
+            assert torch.equal(sd[p + "gate_proj.weight"], gu[e, :I])
+            assert torch.equal(sd[p + "up_proj.weight"], gu[e, I:])
+            assert torch.equal(sd[p + "down_proj.weight"], dn[e])
+    checks["per_expert_split_matches_fused"] = True
+    return checks
+
+
+@torch.no_grad()
+def verify_official(fdir, model, cfg, seq):
+    checks = {}
+    # (1) manual mapping of the files back to CausalLM names
+    idx = json.load(open(os.path.join(fdir, "model.safetensors.index.json")))
+    loaded = {}
+    total = 0
+    for fname in sorted(set(idx["weight_map"].values())):
+        with safe_open(os.path.join(fdir, fname), "pt") as f:
+            for k in f.keys():
+                assert idx["weight_map"][k] == fname
+                t = f.get_tensor(k)
+                total += t.numel() * t.element_size()
+                loaded[k] = t
+    assert set(loaded) == set(idx["weight_map"]) and total == idx["metadata"]["total_size"]
+    sd_ref = model.state_dict()
+    for k, v in sd_ref.items():
+        ok = "model.language_model." + k[len("model."):] if k.startswith("model.") else k
+        assert torch.equal(loaded[ok].float(), v), k
+    checks["manual_name_mapping_exact"] = True
+
+    # (2) transformers CausalLM on a text-only copy (prefix rule model.language_model. -> model.)
+    conf = json.load(open(os.path.join(fdir, "config.json")))
+    with tempfile.TemporaryDirectory() as td:
+        tc = dict(conf["text_config"])
+        tc["architectures"] = ["Qwen3_5MoeForCausalLM"]
+        json.dump(tc, open(os.path.join(td, "config.json"), "w"), indent=2)
+        for fname in set(idx["weight_map"].values()) | {"model.safetensors.index.json"}:
+            shutil.copy(os.path.join(fdir, fname), td)
+        m2, info = Qwen3_5MoeForCausalLM.from_pretrained(td, dtype=torch.float32, output_loading_info=True)
+        assert not info["missing_keys"] and not info["mismatched_keys"], info
+        checks["reload_CausalLM_textonly_unexpected_keys_reported"] = sorted(info["unexpected_keys"])[:5]
+        checks["reload_CausalLM_textonly_max_abs_logit_diff"] = compare_models(model, m2.eval(), "official/causal", seq)
+
+    # (3) the full wrapper class straight from the fixture directory
+    m3, info = Qwen3_5MoeForConditionalGeneration.from_pretrained(fdir, dtype=torch.float32,
+                                                                  output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    m3.eval()
+    m3.set_attn_implementation("eager")
+    m3.set_experts_implementation("eager")
+    lm_sd = {k: v for k, v in m3.state_dict().items() if not k.startswith("model.visual.")}
+    for k, v in sd_ref.items():
+        ok = "model.language_model." + k[len("model."):] if k.startswith("model.") else k
+        assert torch.equal(lm_sd[ok].float(), v), k
+    a = full_forward(model, seq)
+    b = m3(input_ids=seq[None], use_cache=False).logits[0].float()
+    d = float((a - b).abs().max())
+    assert d <= 1e-5, d
+    checks["reload_ConditionalGeneration_max_abs_logit_diff"] = d
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+def config_summary(cfg):
+    keys = ["vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "rms_norm_eps", "rope_parameters", "tie_word_embeddings"]
+    d = {k: getattr(cfg, k) for k in keys}
+    d["rotary_dim"] = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
+    return json.loads(json.dumps(d))
+
+
+def make_fixture(name, fx, out_root, base_seed, fixture_index, max_attempts):
+    print(f"== {name}", flush=True)
+    cfg = make_text_config(fx)
+    fdir = os.path.join(out_root, name)
+    res = None
+    for attempt in range(max_attempts):
+        seed = base_seed + 1000 * fixture_index + attempt
+        ok, res = try_seed(name, fx, cfg, seed)
+        if ok:
+            break
+    else:
+        raise SystemExit(f"{name}: no seed in {max_attempts} attempts met the margin/routing criteria")
+    model = res["model"]
+    assert res["min_margin_all"] >= MIN_GREEDY_MARGIN
+    assert res["router_gap"] >= MIN_ROUTER_GAP
+
+    # self-check: one uncached forward over prompt + decode ids reproduces the cached logits
+    seq = torch.cat([res["prompt_ids"], res["decode_ids"]])
+    full = full_forward(model, seq)
+    T = res["prompt_ids"].numel()
+    d_prompt = float((full[:T] - res["prompt_logits"]).abs().max())
+    d_decode = float((full[T:] - res["decode_logits"]).abs().max())
+    assert d_prompt <= SELFCHECK_TOL and d_decode <= SELFCHECK_TOL, (d_prompt, d_decode)
+    # and the recomputation's own greedy choices agree
+    assert torch.equal(full[T - 1:-1].argmax(-1), res["decode_ids"])
+    print(f"  self-check: uncached vs prefill {d_prompt:.2e}, vs cached decode {d_decode:.2e}", flush=True)
+    diag64 = f64_diagnostic(model, res)
+    assert diag64["f64_greedy_ids_agree"], diag64
+    print(f"  f64 diagnostic: {diag64}", flush=True)
+
+    if os.path.isdir(fdir):
+        shutil.rmtree(fdir)
+    os.makedirs(fdir)
+    if fx["layout"] == "flat":
+        write_info = write_flat(model, cfg, fdir)
+        verify = verify_flat(fdir, model, cfg, seq)
+    else:
+        write_info = write_official(model, cfg, fx, fdir, seed)
+        verify = verify_official(fdir, model, cfg, seq)
+    write_reference(fdir, res)
+    print(f"  reload checks: {verify}", flush=True)
+
+    counts = res["counts"]
+    all_logits = torch.cat([res["prompt_logits"], res["decode_logits"]])
+    margins = res["margins"]
+    step_of_min = int(margins[:-1].argmin())
+    info = {
+        "fixture": name,
+        "layout": fx["layout"],
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                     "safetensors": safetensors.__version__, "python": sys.version.split()[0]},
+        "seed": {"base_seed": base_seed, "used_seed": seed, "attempts": attempt + 1,
+                 "rule": "used_seed = base_seed + 1000*fixture_index + attempt; first seed meeting the criteria"},
+        "dtype_notes": (
+            "Weights stored f32; reference computed in float32 on CPU."
+            if fx["storage"] == "f32" else
+            "Weights stored bf16 except linear_attn.A_log (f32, holding bf16-representable values). "
+            "The reference model was built in f32, every parameter rounded to bf16 and back, and run "
+            "in float32 on CPU, so f32 math on the upcast bf16 weights should match tightly."),
+        "reference_path": {"attn_implementation": "eager", "experts_implementation": "eager",
+                           "gdn_prefill": "torch_chunk_gated_delta_rule (torch fallback, chunk 64)",
+                           "gdn_decode": "torch_recurrent_gated_delta_rule (torch fallback)",
+                           "conv": "causal_conv1d_fn / causal_conv1d_update torch fallbacks",
+                           "fla_or_causal_conv1d_installed": gdn_backend_info()},
+        "T": T,
+        "N": N_DECODE,
+        "step_convention": (
+            "prompt_logits[t] = logits after prompt_ids[0..t] (one-shot prefill, positions 0..T-1). "
+            "decode_ids[0] = argmax(prompt_logits[T-1]). Step i (0..N-1) feeds decode_ids[i] at "
+            "position T+i with the cache, giving decode_logits[i]; decode_ids[i+1] = "
+            "argmax(decode_logits[i]). The argmax of decode_logits[N-1] is not stored. EOS is ignored."),
+        "config_summary": config_summary(cfg),
+        "init_rules": res["rules"],
+        "min_greedy_margin": res["min_margin_used"],
+        "min_greedy_margin_including_last_row": res["min_margin_all"],
+        "min_greedy_margin_step": ("prompt_logits[T-1]" if step_of_min == 0 else f"decode_logits[{step_of_min - 1}]"),
+        "max_abs_logit": float(all_logits.abs().max()),
+        "logit_std": float(all_logits.std()),
+        "prompt_logit_std": float(res["prompt_logits"].std()),
+        "hidden_rms_per_layer_output": hidden_stats(model, seq),
+        "min_router_topk_gap": res["router_gap"],
+        "experts_used_per_layer": (counts > 0).sum(dim=1).tolist(),
+        "expert_token_counts_per_layer": counts.tolist(),
+        "selfcheck_uncached_vs_prefill_max_abs": d_prompt,
+        "selfcheck_uncached_vs_cached_decode_max_abs": d_decode,
+        "f64_diagnostic": dict(diag64, note=(
+            "HF float32 logits vs the same model run in float64 with the GDN core replaced by a "
+            "float64 token-by-token recurrence (HF still computes RMSNorm statistics and RoPE "
+            "cos/sin in float32 there). Indicates the float32 noise floor of the reference.")),
+        "reload_checks": verify,
+        "write_info": write_info,
+        "distinct_decode_ids": int(torch.unique(res["decode_ids"]).numel()),
+    }
+    if fx["layout"] == "official":
+        info["eos_note"] = ("generation_config eos_token_id [1, 2] stands in for the real "
+                            "[248046, 248044], which do not fit the 1000-token vocab; the seed "
+                            "search rejects seeds whose greedy decode emits an eos id, so a "
+                            "stop-at-eos loop runs all 64 steps.")
+    with open(os.path.join(fdir, "reference.json"), "w") as f:
+        json.dump(info, f, indent=2)
+        f.write("\n")
+    print(f"  wrote {fdir}: margin {res['min_margin_used']:.4f}, max|logit| {info['max_abs_logit']:.3f}, "
+          f"logit std {info['logit_std']:.3f}, experts used {info['experts_used_per_layer']}", flush=True)
+    return info
+
+
+def gdn_backend_info():
+    import importlib.util
+    return {p: importlib.util.find_spec(p) is not None for p in ("fla", "causal_conv1d", "kernels")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="tests/fixtures")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--only", choices=sorted(FIXTURES), action="append",
+                    help="write only these fixtures (repeatable)")
+    ap.add_argument("--max-attempts", type=int, default=2000)
+    args = ap.parse_args()
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.use_deterministic_algorithms(True)
+    be = gdn_backend_info()
+    if be["fla"] or be["causal_conv1d"]:
+        raise SystemExit(f"fla / causal_conv1d are installed ({be}); the fixtures must use the torch "
+                         "fallback path; use a clean venv (scripts/requirements-fixtures.txt)")
+    os.makedirs(args.out, exist_ok=True)
+    for i, (name, fx) in enumerate(FIXTURES.items()):
+        if args.only and name not in args.only:
+            continue
+        make_fixture(name, fx, args.out, args.seed, i, args.max_attempts)
+
+
+if __name__ == "__main__":
+    main()
