@@ -244,11 +244,20 @@ fn cuda_matches_cpu_on_random_weights() {
     }
 }
 
+/// ‖a − b‖₂ / ‖b‖₂.
+fn norm_rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
 /// Full-width check (run by `scripts/gpu_check.sh fullwidth` after
 /// `scripts/fullwidth_check.py` wrote a full-width, reduced-depth checkpoint with transformers
 /// and its f32 reference): Kestrel loads it through the normal loader and must match HF's
-/// logits (max |Δ| <= 3e-2 x max |logit|) and its greedy continuation. Skips without the
-/// checkpoint (KESTREL_FULLWIDTH_DIR).
+/// logits within ‖Δ‖/‖ref‖ <= 2e-2 (bf16; transformers' own bf16 run is further off, see
+/// the script's reference.json) and its greedy continuation (teacher-forced: every step's
+/// argmax equals HF's, the script picked a prompt whose steps have a top-2 margin >= 0.1).
+/// Skips without the checkpoint (KESTREL_FULLWIDTH_DIR).
 #[test]
 fn fullwidth_checkpoint_matches_hf() {
     let Ok(dir) = std::env::var("KESTREL_FULLWIDTH_DIR") else {
@@ -266,7 +275,7 @@ fn fullwidth_checkpoint_matches_hf() {
     let cuda = CudaModel::from_weights(gpu.clone(), cfg.clone(), &cpu.weights, 1024, 256).unwrap();
     drop(cpu);
     println!(
-        "loaded full-width checkpoint in {:.1} s",
+        "loaded the full-width checkpoint in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
@@ -296,20 +305,28 @@ fn fullwidth_checkpoint_matches_hf() {
     let v = cfg.vocab_size;
     let mut state = cuda.new_state();
     let all = cuda.forward(&mut state, &prompt, Logits::All).unwrap();
-    let e = rel_err(&all[all.len() - 4 * v..], &last4);
-    println!("full-width prompt logits (last 4 positions) rel err {e:.3e}");
-    assert!(e <= REL_TOL, "prompt logits {e}");
+    let tail = &all[all.len() - 4 * v..];
+    let (pn, pm) = (norm_rel_err(tail, &last4), rel_err(tail, &last4));
     let mut got = vec![argmax(&all[all.len() - v..]).unwrap() as u32];
     let mut logits = Vec::new();
     for i in 0..dec_ids.len() {
-        let l = cuda.forward(&mut state, &[got[i]], Logits::Last).unwrap();
+        // Teacher-forced: feed HF's token, compare our choice with HF's next one.
+        let l = cuda
+            .forward(&mut state, &[dec_ids[i]], Logits::Last)
+            .unwrap();
         if i + 1 < dec_ids.len() {
             got.push(argmax(&l).unwrap() as u32);
         }
         logits.extend(l);
     }
-    let e = rel_err(&logits, &dec_logits);
-    println!("full-width decode logits rel err {e:.3e}; greedy {got:?} vs HF {dec_ids:?}");
-    assert!(e <= REL_TOL, "decode logits {e}");
+    let (dn, dm) = (
+        norm_rel_err(&logits, &dec_logits),
+        rel_err(&logits, &dec_logits),
+    );
+    println!(
+        "full-width vs HF f32: prompt (last 4) |d|/|ref| {pn:.3e} (max-abs/scale {pm:.3e}); decode |d|/|ref| {dn:.3e} (max-abs/scale {dm:.3e})"
+    );
+    println!("greedy: kestrel {got:?}\n        hf      {dec_ids:?}");
+    assert!(pn <= 2e-2 && dn <= 2e-2, "logits: prompt {pn}, decode {dn}");
     assert_eq!(got, dec_ids, "greedy continuation");
 }
