@@ -427,6 +427,49 @@ impl ModelWeights {
         })
     }
 
+    /// Every matrix re-stored as bf16 (what the GPU backend holds), so the CPU reference can
+    /// run at the GPU's precision.
+    pub fn round_to_bf16(&mut self) {
+        let r = |m: &mut Mat| {
+            if m.dtype != DType::BF16 {
+                *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
+            }
+        };
+        r(&mut self.embed);
+        r(&mut self.lm_head);
+        for l in &mut self.layers {
+            match &mut l.mixer {
+                Mixer::Gdn(g) => {
+                    for m in [
+                        &mut g.in_qkv,
+                        &mut g.in_z,
+                        &mut g.in_a,
+                        &mut g.in_b,
+                        &mut g.out,
+                    ] {
+                        r(m);
+                    }
+                }
+                Mixer::Attention(a) => {
+                    for m in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
+                        r(m);
+                    }
+                }
+            }
+            r(&mut l.moe.router);
+            for e in l
+                .moe
+                .experts
+                .iter_mut()
+                .chain(std::iter::once(&mut l.moe.shared))
+            {
+                r(&mut e.gate);
+                r(&mut e.up);
+                r(&mut e.down);
+            }
+        }
+    }
+
     /// Bytes of all weights the graph reads (as stored).
     pub fn nbytes(&self) -> usize {
         let v = |x: &Vec<f32>| x.len() * 4;
