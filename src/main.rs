@@ -1180,6 +1180,8 @@ fn bench_cmd(
                     copy_bw,
                     log,
                 )?);
+                // Written after every context, so a run cut short keeps what it measured.
+                write_bench_json(json.as_deref(), &rows, &gpu.name, &weights_label, copy_bw)?;
             }
             let prof = gpu.take_profile();
             if !prof.is_empty() {
@@ -1235,19 +1237,34 @@ fn bench_cmd(
             r.decode_bandwidth_fraction
         );
     }
-    if let Some(path) = json {
-        let report = serde_json::json!({
-            "command": std::env::args().collect::<Vec<_>>().join(" "),
-            "commit": std::env::var("KESTREL_COMMIT").unwrap_or_else(|_| "unknown".into()),
-            "date": utc_date(),
-            "device": device_name,
-            "weights": weights_label,
-            "copy_bandwidth_bytes_per_s": copy_bw,
-            "contract": "batch 1, greedy, prompt[i] = ((i*2654435761) mod 2^32) mod vocab, warm-up, TTFT prefill, 64 decode steps, median of 2 rounds",
-            "rows": rows,
-        });
-        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
+    write_bench_json(
+        json.as_deref(),
+        &rows,
+        &device_name,
+        &weights_label,
+        copy_bw,
+    )?;
     Ok(())
+}
+
+fn write_bench_json(
+    path: Option<&Path>,
+    rows: &[kestrel::bench::BenchRow],
+    device: &str,
+    weights: &str,
+    copy_bw: f64,
+) -> Result<()> {
+    let Some(path) = path else { return Ok(()) };
+    let report = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": std::env::var("KESTREL_COMMIT").unwrap_or_else(|_| "unknown".into()),
+        "date": utc_date(),
+        "device": device,
+        "weights": weights,
+        "copy_bandwidth_bytes_per_s": copy_bw,
+        "contract": "batch 1, greedy, prompt[i] = ((i*2654435761) mod 2^32) mod vocab, exact-shape warm-up, TTFT prefill, 64 decode steps, median of 2 rounds",
+        "rows": rows,
+    });
+    std::fs::write(path, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("cannot write {}", path.display()))
 }
