@@ -109,11 +109,13 @@ FIXTURES = {
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
                                  mrope_section=[3, 3, 2], mrope_interleaved=True),
         ),
-        # official eos ids [248046, 248044] do not fit a 1000-token vocab; stand-ins:
-        # 1 plays <|im_end|>, 2 plays <|endoftext|>.
+        # The official ids do not fit a 1000-token vocab; stand-ins: 1 plays <|im_end|> (248046),
+        # 2 plays <|endoftext|> (248044). generation_config.json gets eos [1, 2] (official:
+        # [248046, 248044]); text_config gets eos 2 and bos 2 (official: 248044).
         eos_token_id=[1, 2],
         pad_token_id=2,
         bos_token_id=2,
+        text_config_eos_token_id=2,
     ),
 }
 
@@ -143,9 +145,9 @@ A_RANGE = (1.0, 16.0)
 def make_text_config(fx):
     kw = dict(COMMON_TEXT)
     kw.update(copy.deepcopy(fx["text"]))
-    for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        if k in fx:
-            kw[k] = fx[k]
+    if "text_config_eos_token_id" in fx:
+        kw["eos_token_id"] = fx["text_config_eos_token_id"]
+        kw["bos_token_id"] = fx["bos_token_id"]
     cfg = Qwen3_5MoeTextConfig(**kw)
     assert cfg.layer_types == fx["text"]["layer_types"]
     for i, t in enumerate(cfg.layer_types):
@@ -396,15 +398,21 @@ def try_seed(name, fx, cfg, seed, verbose=True):
     return ok, dict(model=model, rules=rules, prompt_ids=prompt_ids, prompt_logits=prompt_logits,
                     decode_ids=decode_ids, decode_logits=decode_logits, counts=counts,
                     router_gap=router_gap, min_margin_used=min_margin_used,
-                    min_margin_all=min_margin_all, margins=margins)
+                    min_margin_all=min_margin_all, margins=margins, tap_records=tap.records)
 
 
 @torch.no_grad()
 def hidden_stats(model, ids):
-    """RMS of the residual stream after each decoder layer and of the final-normed state."""
-    out = model(input_ids=ids[None], use_cache=False, output_hidden_states=True)
-    hs = out.hidden_states  # embeddings, then each layer (last one is post-norm in some versions)
-    return [round(float(h.float().pow(2).mean().sqrt()), 4) for h in hs]
+    """RMS of the residual stream: embeddings, after each decoder layer, after the final norm."""
+    rec = {}
+    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, i, o: rec.__setitem__("embed", o))]
+    for li, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_hook(lambda m, i, o, li=li: rec.__setitem__(f"layer{li}", o)))
+    hooks.append(model.model.norm.register_forward_hook(lambda m, i, o: rec.__setitem__("final_norm", o)))
+    model(input_ids=ids[None], use_cache=False)
+    for h in hooks:
+        h.remove()
+    return {k: round(float(v.float().pow(2).mean().sqrt()), 4) for k, v in rec.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,32 +513,46 @@ def make_mtp_tensors(cfg, gen):
     }
 
 
+TEXT_CONFIG_KEYS = [
+    "attention_bias", "attention_dropout", "bos_token_id", "eos_token_id", "full_attention_interval",
+    "head_dim", "hidden_act", "hidden_size", "initializer_range", "layer_types",
+    "linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_value_head_dim", "max_position_embeddings", "model_type", "moe_intermediate_size",
+    "num_attention_heads", "num_experts", "num_experts_per_tok", "num_hidden_layers",
+    "num_key_value_heads", "output_router_logits", "partial_rotary_factor", "rms_norm_eps",
+    "rope_parameters", "router_aux_loss_coef", "shared_expert_intermediate_size",
+    "tie_word_embeddings", "use_cache", "vocab_size",
+]
+VISION_CONFIG_KEYS = [
+    "depth", "hidden_act", "hidden_size", "in_channels", "initializer_range", "intermediate_size",
+    "model_type", "num_heads", "num_position_embeddings", "out_hidden_size", "patch_size",
+    "spatial_merge_size", "temporal_patch_size",
+]
+
+
 def official_config_dict(cfg, fx, vcfg):
-    wrapper = Qwen3_5MoeConfig(text_config=cfg.to_dict(), vision_config=vcfg.to_dict(),
-                               tie_word_embeddings=False)
-    d = wrapper.to_dict()
-    d["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
-    d["model_type"] = "qwen3_5_moe"
-    d["tie_word_embeddings"] = False
-    d.pop("dtype", None)
-    tc = d["text_config"]
-    tc["model_type"] = "qwen3_5_moe_text"
-    tc["dtype"] = "bfloat16"
-    tc["tie_word_embeddings"] = False
+    """A clean wrapper config.json in the style of the official release (only meaningful keys)."""
+    td, vd = cfg.to_dict(), vcfg.to_dict()
+    text = {k: td[k] for k in TEXT_CONFIG_KEYS}
     # keys the official text_config carries that transformers does not read
-    tc["attn_output_gate"] = True
-    tc["mamba_ssm_dtype"] = "float32"
-    tc["mtp_num_hidden_layers"] = 1
-    tc["mtp_use_dedicated_embeddings"] = False
-    tc.pop("architectures", None)
-    d["vision_config"]["model_type"] = "qwen3_5_moe_vision"
-    d.pop("transformers_version", None)
-    d["transformers_version"] = transformers.__version__
-    # the wrapper's special ids refer to the real vocab; keep them inside the tiny one
-    for k, v in (("image_token_id", 990), ("video_token_id", 991),
-                 ("vision_start_token_id", 992), ("vision_end_token_id", 993)):
-        d[k] = v
-    return d
+    text.update({"attn_output_gate": True, "dtype": "bfloat16", "mamba_ssm_dtype": "float32",
+                 "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+                 "model_type": "qwen3_5_moe_text", "tie_word_embeddings": False})
+    vision = {k: vd[k] for k in VISION_CONFIG_KEYS}
+    vision["model_type"] = "qwen3_5_moe_vision"
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        # the real ids (248056/248057/248053/248054) do not fit the tiny vocab
+        "image_token_id": 990,
+        "video_token_id": 991,
+        "vision_start_token_id": 992,
+        "vision_end_token_id": 993,
+        "text_config": dict(sorted(text.items())),
+        "vision_config": dict(sorted(vision.items())),
+        "transformers_version": transformers.__version__,
+    }
 
 
 def write_official(model, cfg, fx, fdir, seed):
@@ -567,7 +589,7 @@ def write_official(model, cfg, fx, fdir, seed):
 
     conf = official_config_dict(cfg, fx, vcfg)
     with open(os.path.join(fdir, "config.json"), "w") as f:
-        json.dump(conf, f, indent=2, sort_keys=True)
+        json.dump(conf, f, indent=2)
         f.write("\n")
     gen_conf = {
         "bos_token_id": fx["bos_token_id"],
@@ -722,7 +744,14 @@ def make_fixture(name, fx, out_root, base_seed, fixture_index, max_attempts):
 
     # self-check: one uncached forward over prompt + decode ids reproduces the cached logits
     seq = torch.cat([res["prompt_ids"], res["decode_ids"]])
+    tap = RouterTap(model, cfg.num_experts_per_tok)
     full = full_forward(model, seq)
+    tap.close()
+    # ... with the same expert choices at every token and layer
+    for li in range(cfg.num_hidden_layers):
+        cached = torch.cat([idx for l, _, idx in res["tap_records"] if l == li])
+        uncached = [idx for l, _, idx in tap.records if l == li][0]
+        assert torch.equal(cached.sort(-1).values, uncached.sort(-1).values), f"routing differs, layer {li}"
     T = res["prompt_ids"].numel()
     d_prompt = float((full[:T] - res["prompt_logits"]).abs().max())
     d_decode = float((full[T:] - res["decode_logits"]).abs().max())
@@ -783,7 +812,7 @@ def make_fixture(name, fx, out_root, base_seed, fixture_index, max_attempts):
         "max_abs_logit": float(all_logits.abs().max()),
         "logit_std": float(all_logits.std()),
         "prompt_logit_std": float(res["prompt_logits"].std()),
-        "hidden_rms_per_layer_output": hidden_stats(model, seq),
+        "hidden_rms": hidden_stats(model, seq),
         "min_router_topk_gap": res["router_gap"],
         "experts_used_per_layer": (counts > 0).sum(dim=1).tolist(),
         "expert_token_counts_per_layer": counts.tolist(),
