@@ -280,7 +280,8 @@ fn main() {
     }
 }
 
-/// A loaded model, whichever backend runs it.
+/// A loaded model, whichever backend runs it (one per process, so size does not matter).
+#[allow(clippy::large_enum_variant)]
 enum Backend {
     Cpu(CpuModel),
     Cuda(kestrel::cuda::model::CudaModel),
