@@ -18,6 +18,8 @@ use kestrel::cuda::Gpu;
 use kestrel::cuda::model::CudaModel;
 use kestrel::model::{CpuModel, Engine, Logits};
 use kestrel::ops::argmax;
+mod common;
+use common::{f32_tensor, fixtures, id_tensor, norm_rel_err, read_reference, rel_err};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -34,60 +36,6 @@ fn gpu() -> Option<Arc<Gpu>> {
         }
         Err(e) => panic!("GPU present but unusable: {e:#}"),
     }
-}
-
-fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.safetensors").exists())
-        .collect();
-    dirs.sort();
-    dirs
-}
-
-struct Reference {
-    prompt_ids: Vec<u32>,
-    prompt_logits: Vec<f32>,
-    decode_ids: Vec<u32>,
-    decode_logits: Vec<f32>,
-}
-
-fn read_reference(dir: &Path) -> Reference {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let f32s = |n: &str| -> Vec<f32> {
-        st.tensor(n)
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let ids = |n: &str| -> Vec<u32> {
-        st.tensor(n)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect()
-    };
-    Reference {
-        prompt_ids: ids("prompt_ids"),
-        prompt_logits: f32s("prompt_logits"),
-        decode_ids: ids("decode_ids"),
-        decode_logits: f32s("decode_logits"),
-    }
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
 }
 
 /// The GPU model of a fixture and the CPU reference at the GPU's precision.
@@ -300,13 +248,6 @@ fn cuda_matches_cpu_on_random_weights() {
     }
 }
 
-/// ‖a − b‖₂ / ‖b‖₂.
-fn norm_rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
 /// Full-width check (run by `scripts/gpu_check.sh fullwidth` after
 /// `scripts/fullwidth_check.py` wrote a full-width, reduced-depth checkpoint with transformers
 /// and its f32 reference): Kestrel loads it through the normal loader and must match HF's
@@ -336,22 +277,8 @@ fn fullwidth_checkpoint_matches_hf() {
     );
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let f32s = |n: &str| -> Vec<f32> {
-        st.tensor(n)
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let ids = |n: &str| -> Vec<u32> {
-        st.tensor(n)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect()
-    };
+    let f32s = |n: &str| f32_tensor(&st, n);
+    let ids = |n: &str| id_tensor(&st, n);
     let (prompt, last4, dec_ids, dec_logits) = (
         ids("prompt_ids"),
         f32s("prompt_logits_last4"),

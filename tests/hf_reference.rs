@@ -7,78 +7,10 @@
 
 use kestrel::model::{CpuModel, Engine, GdnMode, Logits};
 use kestrel::ops::argmax;
-use std::path::{Path, PathBuf};
+mod common;
+use common::{Reference, fixtures, read_reference, rel_err};
 
 const REL_TOL: f32 = 1e-3;
-
-struct Reference {
-    prompt_ids: Vec<u32>,
-    /// `[T, V]`
-    prompt_logits: Vec<f32>,
-    decode_ids: Vec<u32>,
-    /// `[N, V]`
-    decode_logits: Vec<f32>,
-    vocab: usize,
-}
-
-fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.safetensors").exists())
-        .collect();
-    dirs.sort();
-    assert!(
-        dirs.len() >= 2,
-        "expected the HF fixtures in {}",
-        root.display()
-    );
-    dirs
-}
-
-fn read_reference(dir: &Path) -> Reference {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let f32s = |name: &str| -> (Vec<f32>, Vec<usize>) {
-        let t = st.tensor(name).unwrap();
-        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
-        let v = t
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        (v, t.shape().to_vec())
-    };
-    let ids = |name: &str| -> Vec<u32> {
-        let t = st.tensor(name).unwrap();
-        assert_eq!(t.dtype(), safetensors::Dtype::I64, "{name}");
-        t.data()
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let (prompt_logits, shape) = f32s("prompt_logits");
-    let (decode_logits, _) = f32s("decode_logits");
-    Reference {
-        prompt_ids: ids("prompt_ids"),
-        prompt_logits,
-        decode_ids: ids("decode_ids"),
-        decode_logits,
-        vocab: shape[1],
-    }
-}
-
-/// max |a - b| / max |b|.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let err = a
-        .iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    err / scale
-}
 
 /// Prefill in chunks (all positions' logits), then greedy decode; returns the relative
 /// error against the reference and the generated ids.

@@ -477,51 +477,30 @@ impl Gpu {
         .map_err(|e| anyhow!("cuBLAS GEMM [{t}x{k}]·[{n}x{k}]ᵀ failed: {e:?}"))
     }
 
-    /// Fills `n` bf16 values at `ptr` with seeded approximately-normal numbers.
-    pub fn fill_random_bf16(
+    /// Fills `n` values at `ptr` (bf16, or f32 when `f32` is set) with seeded
+    /// approximately-normal numbers `mean + std * N(0, 1)`.
+    pub fn fill_random(
         &self,
         ptr: u64,
         n: usize,
+        f32: bool,
         seed: u64,
         mean: f32,
         std: f32,
     ) -> Result<()> {
-        self.launch(
-            "fill_random_bf16",
-            (1024, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(ptr),
-                Arg::U(n as u64),
-                Arg::U(seed),
-                Arg::F(mean),
-                Arg::F(std),
-            ],
-        )
-    }
-
-    pub fn fill_random_f32(
-        &self,
-        ptr: u64,
-        n: usize,
-        seed: u64,
-        mean: f32,
-        std: f32,
-    ) -> Result<()> {
-        self.launch(
-            "fill_random_f32",
-            (1024, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(ptr),
-                Arg::U(n as u64),
-                Arg::U(seed),
-                Arg::F(mean),
-                Arg::F(std),
-            ],
-        )
+        let kernel = if f32 {
+            "fill_random_f32"
+        } else {
+            "fill_random_bf16"
+        };
+        let args = [
+            Arg::Ptr(ptr),
+            Arg::U(n as u64),
+            Arg::U(seed),
+            Arg::F(mean),
+            Arg::F(std),
+        ];
+        self.launch(kernel, (1024, 1, 1), 256, 0, &args)
     }
 
     /// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`.

@@ -381,9 +381,10 @@ impl CudaModel {
                     (None, Source::Synthetic(seed)) => {
                         let b = gpu.alloc(rows * cols * 2)?;
                         seed_counter += 1;
-                        gpu.fill_random_bf16(
+                        gpu.fill_random(
                             b.ptr,
                             rows * cols,
+                            false,
                             seed.wrapping_add(seed_counter),
                             0.0,
                             std,
@@ -404,7 +405,7 @@ impl CudaModel {
                 None => {
                     let b = gpu.alloc(n * 4)?;
                     vec_counter += 1;
-                    gpu.fill_random_f32(b.ptr, n, 0x5eed_0000 + vec_counter, mean, std)?;
+                    gpu.fill_random(b.ptr, n, true, 0x5eed_0000 + vec_counter, mean, std)?;
                     Ok(b)
                 }
             }

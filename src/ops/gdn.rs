@@ -95,11 +95,22 @@ impl DeltaInputs<'_> {
     }
 }
 
+/// Per-head outputs `[Hv][t, dv]` into the token-major layout `[t, Hv, dv]`.
+fn interleave_heads(per_head: &[Vec<f32>], t: usize, dv: usize) -> Vec<f32> {
+    let hv = per_head.len();
+    let mut out = vec![0.0f32; t * hv * dv];
+    for (j, o_head) in per_head.iter().enumerate() {
+        for tok in 0..t {
+            out[(tok * hv + j) * dv..][..dv].copy_from_slice(&o_head[tok * dv..][..dv]);
+        }
+    }
+    out
+}
+
 /// Step form: token by token, `S ← λS; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq`.
 /// Returns `o` as `[t, Hv, dv]`; `state` is `[Hv, dk, dv]`.
 pub fn delta_rule_step(inp: &DeltaInputs, state: &mut [f32]) -> Vec<f32> {
-    let (hv, dk, dv, t) = (inp.num_value_heads, inp.dk, inp.dv, inp.t);
-    let mut out = vec![0.0f32; t * hv * dv];
+    let (dk, dv, t) = (inp.dk, inp.dv, inp.t);
     let per_head: Vec<Vec<f32>> = state
         .par_chunks_mut(dk * dv)
         .enumerate()
@@ -131,19 +142,13 @@ pub fn delta_rule_step(inp: &DeltaInputs, state: &mut [f32]) -> Vec<f32> {
             o_head
         })
         .collect();
-    for (j, o_head) in per_head.iter().enumerate() {
-        for tok in 0..t {
-            out[(tok * hv + j) * dv..][..dv].copy_from_slice(&o_head[tok * dv..][..dv]);
-        }
-    }
-    out
+    interleave_heads(&per_head, t, dv)
 }
 
 /// Chunked (WY) form over chunks of [`CHUNK`] tokens; equal to [`delta_rule_step`] up to
 /// rounding. Returns `o` as `[t, Hv, dv]` and advances `state`.
 pub fn delta_rule_chunked(inp: &DeltaInputs, state: &mut [f32]) -> Vec<f32> {
-    let (hv, dk, dv, t) = (inp.num_value_heads, inp.dk, inp.dv, inp.t);
-    let mut out = vec![0.0f32; t * hv * dv];
+    let (dk, dv, t) = (inp.dk, inp.dv, inp.t);
     let per_head: Vec<Vec<f32>> = state
         .par_chunks_mut(dk * dv)
         .enumerate()
@@ -165,12 +170,7 @@ pub fn delta_rule_chunked(inp: &DeltaInputs, state: &mut [f32]) -> Vec<f32> {
             o_head
         })
         .collect();
-    for (j, o_head) in per_head.iter().enumerate() {
-        for tok in 0..t {
-            out[(tok * hv + j) * dv..][..dv].copy_from_slice(&o_head[tok * dv..][..dv]);
-        }
-    }
-    out
+    interleave_heads(&per_head, t, dv)
 }
 
 /// One chunk of `n` tokens for value head `j`, incoming state `s0` (updated in place).

@@ -1,0 +1,81 @@
+//! Helpers shared by the test files: the HF fixtures and error measures.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+/// The HF fixture directories (those with a `reference.safetensors`).
+pub fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        dirs.len() >= 2,
+        "expected the HF fixtures in {}",
+        root.display()
+    );
+    dirs
+}
+
+pub fn f32_tensor(st: &safetensors::SafeTensors, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+    t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+pub fn id_tensor(st: &safetensors::SafeTensors, name: &str) -> Vec<u32> {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::I64, "{name}");
+    t.data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+/// A fixture's transformers outputs (see tests/fixtures/README.md).
+pub struct Reference {
+    pub prompt_ids: Vec<u32>,
+    /// `[T, V]`
+    pub prompt_logits: Vec<f32>,
+    pub decode_ids: Vec<u32>,
+    /// `[N, V]`
+    pub decode_logits: Vec<f32>,
+    pub vocab: usize,
+}
+
+pub fn read_reference(dir: &Path) -> Reference {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    Reference {
+        prompt_ids: id_tensor(&st, "prompt_ids"),
+        prompt_logits: f32_tensor(&st, "prompt_logits"),
+        decode_ids: id_tensor(&st, "decode_ids"),
+        decode_logits: f32_tensor(&st, "decode_logits"),
+        vocab: st.tensor("prompt_logits").unwrap().shape()[1],
+    }
+}
+
+/// max |a - b| / max |b| (the "logit scale").
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let err = a
+        .iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    err / scale
+}
+
+/// ‖a − b‖₂ / ‖b‖₂.
+pub fn norm_rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
