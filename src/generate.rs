@@ -538,6 +538,9 @@ pub fn reply<E: Engine>(
     mut on_text: impl FnMut(Channel, &str) -> std::io::Result<()>,
 ) -> Result<(Reply, Option<E::State>)> {
     let cached = engine.state_len(state);
+    if prompt.is_empty() {
+        bail!("the prompt is empty (nothing to generate from)");
+    }
     if cached >= prompt.len() {
         bail!(
             "the state already holds {cached} tokens but the prompt is {} tokens",
