@@ -387,13 +387,24 @@ fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<B
             None => Ok(Backend::Cpu(CpuModel::new(cfg, weights))),
             Some(g) => {
                 let max_seq = (args.max_seq as usize).min(cfg.max_position_embeddings);
-                let m = kestrel::cuda::model::CudaModel::from_weights(
+                let show = !args.quiet && std::io::stderr().is_terminal();
+                let mut bar: Option<ProgressBar> = None;
+                let m = kestrel::cuda::model::CudaModel::from_weights_with_progress(
                     g.clone(),
                     cfg,
                     &weights,
                     max_seq,
                     4096,
+                    &mut |done, total| {
+                        let b = bar.get_or_insert_with(|| {
+                            ProgressBar::new("uploading weights to the GPU", total, show)
+                        });
+                        b.advance(done.saturating_sub(b.done));
+                    },
                 )?;
+                if let Some(mut b) = bar {
+                    b.finish();
+                }
                 Ok(Backend::Cuda(m))
             }
         }

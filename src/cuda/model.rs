@@ -334,7 +334,34 @@ impl CudaModel {
         max_seq: usize,
         max_chunk: usize,
     ) -> Result<Self> {
-        Self::build(gpu, cfg, Source::Host(weights), max_seq, max_chunk)
+        Self::build(
+            gpu,
+            cfg,
+            Source::Host(weights),
+            max_seq,
+            max_chunk,
+            &mut |_, _| {},
+        )
+    }
+
+    /// [`CudaModel::from_weights`], calling `progress(bytes_uploaded, total_bytes)` as the
+    /// weights go up (for a progress bar).
+    pub fn from_weights_with_progress(
+        gpu: Arc<Gpu>,
+        cfg: TextConfig,
+        weights: &ModelWeights,
+        max_seq: usize,
+        max_chunk: usize,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        Self::build(
+            gpu,
+            cfg,
+            Source::Host(weights),
+            max_seq,
+            max_chunk,
+            progress,
+        )
     }
 
     /// Seeded random weights generated on the device (`--synthetic`), never real output.
@@ -345,7 +372,14 @@ impl CudaModel {
         max_seq: usize,
         max_chunk: usize,
     ) -> Result<Self> {
-        Self::build(gpu, cfg, Source::Synthetic(seed), max_seq, max_chunk)
+        Self::build(
+            gpu,
+            cfg,
+            Source::Synthetic(seed),
+            max_seq,
+            max_chunk,
+            &mut |_, _| {},
+        )
     }
 
     fn build(
@@ -354,9 +388,19 @@ impl CudaModel {
         src: Source,
         max_seq: usize,
         max_chunk: usize,
+        progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
         Self::check_supported(&cfg)?;
         let plan = Self::plan(&cfg, max_seq, max_chunk);
+        let upload_total = plan.weights as u64;
+        let uploaded = std::cell::Cell::new(0u64);
+        let progress = std::cell::RefCell::new(progress);
+        let upload = |bytes: &[u8]| -> Result<DeviceBuf> {
+            let b = gpu.upload(bytes)?;
+            uploaded.set(uploaded.get() + bytes.len() as u64);
+            (progress.borrow_mut())(uploaded.get().min(upload_total), upload_total);
+            Ok(b)
+        };
         let (free, total) = gpu.memory()?;
         // One sequence state is created by the caller; keep 1 GiB of headroom for cuBLAS.
         let need = plan.total() + (1 << 30);
@@ -377,7 +421,7 @@ impl CudaModel {
         let mut mat =
             |host: Option<Vec<u8>>, rows: usize, cols: usize, std: f32| -> Result<DeviceBuf> {
                 match (host, &src) {
-                    (Some(bytes), _) => gpu.upload(&bytes),
+                    (Some(bytes), _) => upload(&bytes),
                     (None, Source::Synthetic(seed)) => {
                         let b = gpu.alloc(rows * cols * 2)?;
                         seed_counter += 1;
@@ -401,7 +445,7 @@ impl CudaModel {
         let mut vec_counter = 0u64;
         let mut vecf = |host: Option<&[f32]>, n: usize, mean: f32, std: f32| -> Result<DeviceBuf> {
             match host {
-                Some(v) => gpu.upload(&f32_bytes(v)),
+                Some(v) => upload(&f32_bytes(v)),
                 None => {
                     let b = gpu.alloc(n * 4)?;
                     vec_counter += 1;
@@ -517,6 +561,7 @@ impl CudaModel {
         }
         let inv_freq = gpu.upload(&f32_bytes(&rope_inv_freq(cfg.rotary_dim, cfg.rope_theta)))?;
         gpu.set_max_dynamic_smem("attn_flash", flash_smem_bytes(cfg.head_dim))?;
+        (progress.borrow_mut())(upload_total, upload_total);
         let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
         gpu.sync()?;
         Ok(CudaModel {
