@@ -328,3 +328,25 @@ fn fullwidth_checkpoint_matches_hf() {
     );
     assert_eq!(got, dec_ids, "greedy continuation");
 }
+
+/// The second grouped MoE GEMM (128x128 tiles, cp.async) against the first, on prompts long
+/// enough to take the grouped path; same math, so the logits must agree closely.
+#[test]
+fn moe_gemm_v2_matches_v1() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        let (_cpu, mut cuda) = load(&gpu, &dir, 256);
+        cuda.moe_gemm_v2 = false;
+        let a = cuda
+            .forward(&mut cuda.new_state(), &r.prompt_ids, Logits::All)
+            .unwrap();
+        cuda.moe_gemm_v2 = true;
+        let b = cuda
+            .forward(&mut cuda.new_state(), &r.prompt_ids, Logits::All)
+            .unwrap();
+        let n = norm_rel_err(&b, &a);
+        println!("{}: moe_gemm2 vs moe_gemm {n:.2e}", dir.display());
+        assert!(n <= 1e-3, "{}: {n}", dir.display());
+    }
+}

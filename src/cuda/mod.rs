@@ -46,6 +46,7 @@ const KERNELS: &[&str] = &[
     "moe_plan",
     "moe_scatter",
     "moe_gemm",
+    "moe_gemm2",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",

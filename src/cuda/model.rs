@@ -130,6 +130,9 @@ pub struct CudaModel {
     pub max_chunk: usize,
     pub max_seq: usize,
     pub weight_bytes: usize,
+    /// Use `moe_gemm2` (128x128 tiles, cp.async double buffering) for the prefill MoE.
+    /// Opt-in (`KESTREL_MOE_GEMM=v2`) until it has been verified on the GPU.
+    pub moe_gemm_v2: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -576,6 +579,7 @@ impl CudaModel {
             max_chunk,
             max_seq,
             weight_bytes: plan.weights,
+            moe_gemm_v2: std::env::var("KESTREL_MOE_GEMM").is_ok_and(|v| v == "v2"),
         })
     }
 
@@ -924,7 +928,12 @@ impl CudaModel {
             c.shared_intermediate,
         );
         let rows = t * k;
-        let max_tiles = rows.div_ceil(MOE_TILE_M) + e;
+        let (kernel, tile_m, tile_n) = if self.moe_gemm_v2 {
+            ("moe_gemm2", 128, 128)
+        } else {
+            ("moe_gemm", MOE_TILE_M, 64)
+        };
+        let max_tiles = rows.div_ceil(tile_m) + e;
         g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
         g.memset_zero(ws.counts.ptr, e * 4)?;
         g.launch(
@@ -987,7 +996,7 @@ impl CudaModel {
                 &[
                     Arg::Ptr(ws.counts.ptr),
                     Arg::I(e as i32),
-                    Arg::I(MOE_TILE_M as i32),
+                    Arg::I(tile_m as i32),
                     Arg::Ptr(ws.offsets.ptr),
                     Arg::Ptr(ws.cursor.ptr),
                     Arg::Ptr(ws.tile_expert.ptr),
@@ -1012,9 +1021,9 @@ impl CudaModel {
             )?;
             let grouped = |a: u64, gather: u64, w: u64, out: u64, ndim: usize, kdim: usize| {
                 g.launch(
-                    "moe_gemm",
-                    (max_tiles as u32, ndim.div_ceil(64) as u32, 1),
-                    128,
+                    kernel,
+                    (max_tiles as u32, ndim.div_ceil(tile_n) as u32, 1),
+                    if self.moe_gemm_v2 { 256 } else { 128 },
                     0,
                     &[
                         Arg::Ptr(a),

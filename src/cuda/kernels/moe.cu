@@ -209,3 +209,101 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
         h[(size_t)s * d + i] += acc + gate * ys[(size_t)s * d + i];
     }
 }
+
+// Grouped GEMM, second version (opt-in with KESTREL_MOE_GEMM=v2 until verified on the GPU):
+// 128x128 tiles, 8 warps of 64x32, K tiles of 32 double-buffered with cp.async (16-byte
+// copies, zero-filled out of range). Same contract as moe_gemm, with the plan's tile_m = 128.
+#define BM2 128
+#define BN2 128
+#define BK2 32
+#define LDS2 (BK2 + 8)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
+    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,
+    float* __restrict__ c, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+    const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {
+    using namespace nvcuda;
+    int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
+    int n0 = blockIdx.y * BN2;
+    const bf16* wx = w + (size_t)x * ndim * kdim;
+    // [2][BM2][LDS2] of A then [2][BN2][LDS2] of B; reused as the epilogue's staging.
+    __shared__ __align__(128) bf16 smem[2 * BM2 * LDS2 + 2 * BN2 * LDS2];
+    __shared__ int arow[BM2];
+    bf16* as = smem;
+    bf16* bs = smem + 2 * BM2 * LDS2;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (tid < BM2) arow[tid] = tid < rows ? (gather ? gather[r0 + tid] : r0 + tid) : -1;
+    __syncthreads();
+    auto load = [&](int buf, int k0) {
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            int v = tid + q * 256;           // 512 vectors of 8 per operand tile
+            int r = v >> 2, kk = (v & 3) * 8;
+            bool kin = k0 + kk < kdim;
+            int ar = arow[r];
+            bool va = ar >= 0 && kin;
+            cp_async16(as + (buf * BM2 + r) * LDS2 + kk, va ? a + (size_t)ar * kdim + k0 + kk : a, va);
+            int nn = n0 + r;
+            bool vb = nn < ndim && kin;
+            cp_async16(bs + (buf * BN2 + r) * LDS2 + kk, vb ? wx + (size_t)nn * kdim + k0 + kk : wx, vb);
+        }
+        cp_async_commit();
+    };
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
+    int nk = (kdim + BK2 - 1) / BK2;
+    load(0, 0);
+    for (int kt = 0; kt < nk; kt++) {
+        if (kt + 1 < nk) {
+            load((kt + 1) & 1, (kt + 1) * BK2);
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        const bf16* ab = as + (kt & 1) * BM2 * LDS2;
+        const bf16* bb = bs + (kt & 1) * BN2 * LDS2;
+#pragma unroll
+        for (int kk = 0; kk < BK2; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[4];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb[2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) wmma::load_matrix_sync(fa[i], ab + (wm + i * 16) * LDS2 + kk, LDS2);
+#pragma unroll
+            for (int j = 0; j < 2; j++) wmma::load_matrix_sync(fb[j], bb + (wn + j * 16) * LDS2 + kk, LDS2);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    // Epilogue: each warp stages one 16x16 fragment at a time (1.25 KiB per warp).
+    float* stage = reinterpret_cast<float*>(smem) + warp * 16 * 20;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            wmma::store_matrix_sync(stage, acc[i][j], 20, wmma::mem_row_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                int rr = wm + i * 16 + (e >> 4), nn = n0 + wn + j * 16 + (e & 15);
+                if (rr < rows && nn < ndim) c[(size_t)(r0 + rr) * ndim + nn] = stage[(e >> 4) * 20 + (e & 15)];
+            }
+            __syncwarp();
+        }
+}
