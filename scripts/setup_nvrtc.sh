@@ -3,7 +3,7 @@
 # kernel-compilation test runs on CPU-only machines such as CI. Prints the two exports to
 # eval; prints nothing (and exits 0) when the wheels cannot be had.
 set -u
-dir=${KESTREL_NVRTC_DIR:-$HOME/.cache/kestrel/nvrtc-13.0}
+dir=${KESTREL_NVRTC_DIR:-${HOME:-/tmp}/.cache/kestrel/nvrtc-13.0}
 if [ ! -f "$dir/nvidia/cu13/include/crt/mma.h" ] || [ ! -e "$dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
   tmp=$(mktemp -d)
   if ! timeout 300 python3 -m pip download -q --no-deps -d "$tmp" \
