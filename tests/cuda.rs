@@ -350,3 +350,29 @@ fn moe_gemm_v2_matches_v1() {
         assert!(n <= 1e-3, "{}: {n}", dir.display());
     }
 }
+
+/// The decode GEMV kernel against cuBLAS on every single-token product of a decode run.
+#[test]
+fn dense_gemv_matches_cublas_in_decode() {
+    use std::sync::atomic::Ordering;
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        let (_cpu, cuda) = load(&gpu, &dir, 256);
+        let run = |on: bool| {
+            gpu.dense_gemv.store(on, Ordering::Relaxed);
+            let mut st = cuda.new_state();
+            cuda.forward(&mut st, &r.prompt_ids, Logits::Last).unwrap();
+            let mut out = Vec::new();
+            for &tok in &r.decode_ids[..16] {
+                out.extend(cuda.forward(&mut st, &[tok], Logits::Last).unwrap());
+            }
+            out
+        };
+        let (a, b) = (run(false), run(true));
+        gpu.dense_gemv.store(false, Ordering::Relaxed);
+        let n = norm_rel_err(&b, &a);
+        println!("{}: gemv_bf16 vs cuBLAS in decode {n:.2e}", dir.display());
+        assert!(n <= 1e-3, "{}: {n}", dir.display());
+    }
+}

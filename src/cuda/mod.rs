@@ -29,6 +29,7 @@ const KERNELS: &[&str] = &[
     "fill_random_bf16",
     "fill_random_f32",
     "copy_probe",
+    "gemv_bf16",
     "rmsnorm_zc_bf16",
     "gdn_conv",
     "gdn_qk_l2norm",
@@ -87,6 +88,9 @@ pub struct Gpu {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub total_memory: usize,
+    /// Single-token GEMMs through our `gemv_bf16` instead of cuBLAS. Opt-in
+    /// (`KESTREL_DENSE_GEMV=1`) until it has been verified on the GPU.
+    pub dense_gemv: std::sync::atomic::AtomicBool,
     /// With `KESTREL_PROFILE=1`: per-op (calls, seconds), each op timed between syncs.
     profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
 }
@@ -234,6 +238,9 @@ impl Gpu {
             name,
             compute_capability: cc,
             total_memory,
+            dense_gemv: std::sync::atomic::AtomicBool::new(
+                std::env::var("KESTREL_DENSE_GEMV").is_ok_and(|v| v == "1"),
+            ),
             profile: std::env::var("KESTREL_PROFILE")
                 .ok()
                 .map(|_| std::sync::Mutex::new(Default::default())),
@@ -431,6 +438,27 @@ impl Gpu {
         ldy: usize,
         beta: f32,
     ) -> Result<()> {
+        let gemv = t == 1
+            && k.is_multiple_of(8)
+            && k <= 12_288
+            && self.dense_gemv.load(std::sync::atomic::Ordering::Relaxed);
+        if gemv {
+            let args = [
+                Arg::Ptr(w),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+                Arg::I(n as i32),
+                Arg::I(k as i32),
+                Arg::F(beta),
+            ];
+            return self.launch(
+                "gemv_bf16",
+                (n.div_ceil(32) as u32, 1, 1),
+                256,
+                (k * 4) as u32,
+                &args,
+            );
+        }
         self.timed(
             || format!("gemm {n}x{k} t={t}"),
             || self.gemm_raw(w, n, k, x, t, y, ldy, beta),
