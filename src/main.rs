@@ -1,4 +1,4 @@
-//! The `kestrel` command line: `generate`, `chat` and `inspect`.
+//! The `kestrel` command line: `generate`, `chat`, `serve`, `inspect` and `bench`.
 //!
 //! Everything that generates is generic over [`Engine`]; [`load_engine`] turns `--device` and
 //! `--model` into a [`Backend`], and [`with_engine!`] hands its engine to generic code. A new
@@ -66,6 +66,30 @@ enum Command {
         model: ModelArgs,
         #[command(flatten)]
         opts: GenArgs,
+    },
+    /// Serve an OpenAI-compatible HTTP API (chat and text completions, streaming, tools).
+    Serve {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        bind: String,
+        /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+        #[arg(long)]
+        api_key: Option<String>,
+        /// Bytes of sequence states the prefix cache keeps (K, M, G suffixes allowed).
+        #[arg(long, default_value = "4G", value_parser = parse_bytes)]
+        cache_mem: u64,
+        /// Seconds a request may take, queueing included, before it is stopped.
+        #[arg(long, default_value_t = 600)]
+        request_timeout: u64,
+        /// The model id clients send (default: the --model value, or `kestrel-demo`).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// Tokens per reply when a chat request gives no max_tokens [default: 4096; 64 for
+        /// the demo model].
+        #[arg(long)]
+        default_max_tokens: Option<usize>,
+        #[command(flatten)]
+        model: ModelArgs,
     },
     /// Validate a checkpoint and print its shape, sizes and per-sequence state bytes.
     Inspect {
@@ -204,6 +228,33 @@ fn parse_presence_frequency(s: &str) -> Result<f32, String> {
     ranged(s, check::presence_frequency, check::PRESENCE_FREQUENCY)
 }
 
+/// `123`, `64K`, `512M`, `4G` (binary multiples).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m = match c.to_ascii_uppercase() {
+                'K' => 1u64 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                'B' => 1,
+                _ => return Err(format!("unknown size suffix in `{s}` (K, M, G, T)")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 4G, 512M, 1000000)"))?;
+    if !(n >= 0.0) {
+        return Err(format!("`{s}` is not a size"));
+    }
+    Ok((n * mult as f64) as u64)
+}
+
 fn parse_stop(s: &str) -> Result<String, String> {
     let mut out = String::new();
     let mut chars = s.chars();
@@ -318,6 +369,23 @@ fn run(cli: Cli) -> Result<i32> {
             let loaded = load(&model)?;
             with_engine!(&loaded.backend, e => chat_cmd(e, &loaded, &model, &opts, system))
         }
+        Command::Serve {
+            bind,
+            api_key,
+            cache_mem,
+            request_timeout,
+            served_model_name,
+            default_max_tokens,
+            model,
+        } => serve_cmd(
+            bind,
+            api_key,
+            cache_mem,
+            request_timeout,
+            served_model_name,
+            default_max_tokens,
+            model,
+        ),
         Command::Inspect { model } => {
             inspect(&hub::resolve_model(&model)?)?;
             Ok(0)
@@ -980,6 +1048,81 @@ fn chat_cmd<E: Engine>(
         }
         totals.last = Some(reply.stats);
     }
+}
+
+/// `kestrel serve`: tokenizer and defaults load first, the HTTP listener starts at once
+/// (`/health` answers 503 until the weights are in), and the engine loads and then runs on
+/// its own thread.
+fn serve_cmd(
+    bind: String,
+    api_key: Option<String>,
+    cache_mem: u64,
+    request_timeout: u64,
+    served_model_name: Option<String>,
+    default_max_tokens: Option<usize>,
+    model: ModelArgs,
+) -> Result<i32> {
+    use kestrel::server::{ServerConfig, Shared, run_model, serve};
+    let dir = match &model.model {
+        Some(spec) => Some(hub::resolve_model(spec)?),
+        None => None,
+    };
+    let (tokenizer, generation) = match &dir {
+        Some(d) => (Tokenizer::for_model_dir(d)?, GenerationConfig::from_dir(d)?),
+        None => (
+            Tokenizer::bundled()?,
+            GenerationConfig::from_json_str(BUNDLED_GENERATION_CONFIG)?,
+        ),
+    };
+    let model_id = served_model_name.unwrap_or_else(|| match &model.model {
+        Some(spec) => spec.clone(),
+        None => "kestrel-demo".into(),
+    });
+    let config = ServerConfig {
+        model_id: model_id.clone(),
+        max_seq: model.max_seq as usize,
+        api_key,
+        cache_mem: cache_mem.min(usize::MAX as u64) as usize,
+        request_timeout: Duration::from_secs(request_timeout.max(1)),
+        default_max_tokens: default_max_tokens.unwrap_or(if dir.is_none() { 64 } else { 4096 }),
+        prefill_chunk: 4096,
+    };
+    let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(&bind))
+        .with_context(|| format!("cannot listen on {bind}"))?;
+    let addr = listener.local_addr()?;
+    let model_shared = shared.clone();
+    let model_args = model.clone();
+    std::thread::Builder::new()
+        .name("kestrel-model".into())
+        .spawn(move || {
+            let backend = match load_engine(model_args.device, dir.as_deref(), &model_args) {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    std::process::exit(1);
+                }
+            };
+            if !model_args.quiet {
+                eprintln!("kestrel serve: model loaded; ready");
+            }
+            with_engine!(&backend, e => run_model(e, model_shared, rx));
+        })?;
+    if !model.quiet {
+        eprintln!(
+            "kestrel serve: listening on http://{addr} (model id `{model_id}`); Ctrl-C stops"
+        );
+    }
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    runtime.block_on(serve(listener, shared, shutdown))?;
+    Ok(0)
 }
 
 fn inspect(dir: &Path) -> Result<()> {
