@@ -249,7 +249,7 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
         .trim()
         .parse()
         .map_err(|_| format!("`{s}` is not a size (e.g. 4G, 512M, 1000000)"))?;
-    if !(n >= 0.0) {
+    if !n.is_finite() || n < 0.0 {
         return Err(format!("`{s}` is not a size"));
     }
     Ok((n * mult as f64) as u64)
@@ -331,7 +331,8 @@ fn main() {
     }
 }
 
-/// A loaded model, whichever backend runs it.
+/// A loaded model, whichever backend runs it (one per process, so its size does not matter).
+#[allow(clippy::large_enum_variant)]
 enum Backend {
     Cpu(CpuModel),
     Cuda(kestrel::cuda::model::CudaModel),

@@ -247,7 +247,8 @@ impl ToolCallStream {
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
         let pending = std::mem::take(&mut self.pending);
-        if !pending.is_empty() && !(self.calls > 0 && pending.trim().is_empty()) {
+        let separator = self.calls > 0 && pending.trim().is_empty();
+        if !pending.is_empty() && !separator {
             out.push(Piece::Text(pending));
         }
         if let Some(buf) = self.inside.take() {

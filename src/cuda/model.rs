@@ -306,13 +306,16 @@ impl CudaModel {
                 cfg.gdn_key_dim
             );
         }
-        if cfg.head_dim % 32 != 0 || cfg.head_dim > 256 {
+        if !cfg.head_dim.is_multiple_of(32) || cfg.head_dim > 256 {
             bail!(
                 "the CUDA attention kernel needs head_dim a multiple of 32 up to 256, not {}",
                 cfg.head_dim
             );
         }
-        if cfg.hidden_size % 8 != 0 || cfg.moe_intermediate % 8 != 0 || cfg.hidden_size > 12_288 {
+        if !cfg.hidden_size.is_multiple_of(8)
+            || !cfg.moe_intermediate.is_multiple_of(8)
+            || cfg.hidden_size > 12_288
+        {
             bail!("the CUDA MoE kernels need hidden and expert sizes that are multiples of 8");
         }
         if cfg.conv_kernel > 9 || cfg.experts_per_token > 16 || cfg.gdn_value_dim > 1024 {

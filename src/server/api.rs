@@ -188,13 +188,13 @@ pub fn parse_gen_params(
     chat: bool,
 ) -> R<GenParams> {
     refuse_unsupported(obj)?;
-    if let Some(n) = present(obj, "n") {
-        if n.as_i64() != Some(1) {
-            return Err(ApiError::invalid(
-                "n",
-                format!("`n` is {} but only n=1 is supported", short_json(n)),
-            ));
-        }
+    if let Some(n) = present(obj, "n")
+        && n.as_i64() != Some(1)
+    {
+        return Err(ApiError::invalid(
+            "n",
+            format!("`n` is {} but only n=1 is supported", short_json(n)),
+        ));
     }
     let mut p = defaults.clone();
     let max_tokens = match opt_positive(obj, "max_completion_tokens")? {
@@ -525,13 +525,13 @@ fn parse_tools(obj: &Map<String, Value>) -> R<Option<Vec<Value>>> {
         .ok_or_else(|| type_error("tools", "a list", v))?;
     for (i, t) in list.iter().enumerate() {
         let p = format!("tools[{i}]");
-        if let Some(ty) = t.get("type") {
-            if ty != "function" {
-                return Err(ApiError::invalid(
-                    &format!("{p}.type"),
-                    "only tools of type \"function\" are supported",
-                ));
-            }
+        if let Some(ty) = t.get("type")
+            && ty != "function"
+        {
+            return Err(ApiError::invalid(
+                &format!("{p}.type"),
+                "only tools of type \"function\" are supported",
+            ));
         }
         if t.pointer("/function/name")
             .and_then(Value::as_str)
