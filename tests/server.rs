@@ -770,6 +770,59 @@ fn scripted_tool_calls_whole_and_streamed() {
 }
 
 #[test]
+fn scripted_named_tool_choice_forces_the_call() {
+    // The prompt is prefilled with `<tool_call>\n<function=get_weather>\n`; the script
+    // writes the rest of the call.
+    let a = scripted_server("<parameter=city>\nLima\n</parameter>\n</function>\n</tool_call>");
+    let tools: Value = serde_json::from_str(WEATHER_TOOLS).unwrap();
+    let v = chat(
+        a,
+        json!({"messages": user("weather?"), "tools": tools, "max_tokens": 50,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    );
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(
+        c["message"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    assert_eq!(
+        c["message"]["tool_calls"][0]["function"]["arguments"],
+        r#"{"city":"Lima"}"#
+    );
+    assert!(c["message"].get("reasoning_content").is_none());
+    let (status, v) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": user("x"), "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    );
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("tool_choice"))
+    );
+}
+
+#[test]
+fn request_timeout_stops_a_long_generation() {
+    let mut cfg = config(4096, None);
+    cfg.request_timeout = Duration::from_millis(800);
+    let a = start(demo_engine, cfg, Duration::ZERO);
+    wait_ready(a);
+    let t0 = Instant::now();
+    let (status, v) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": user("go on forever"), "max_tokens": 100000}),
+    );
+    assert_eq!(status, 504, "{v}");
+    assert_eq!(v["error"]["type"], "timeout");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    // the server still answers afterwards (within a fresh deadline)
+    let v = chat(a, json!({"messages": user("short"), "max_tokens": 1}));
+    assert_eq!(v["usage"]["completion_tokens"], 1);
+}
+
+#[test]
 fn scripted_truncated_tool_call_is_returned_as_content() {
     let a = scripted_server("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar");
     let tools: Value = serde_json::from_str(WEATHER_TOOLS).unwrap();

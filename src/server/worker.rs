@@ -120,7 +120,19 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             });
             return;
         }
-        if let Err(e) = self.run_job(&job) {
+        // A panic in the engine fails this request only; the thread keeps serving.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(&job)))
+            .unwrap_or_else(|p| {
+                let what = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(anyhow::anyhow!(
+                    "internal error (model thread panicked: {what})"
+                ))
+            });
+        if let Err(e) = outcome {
             let msg = format!("{e:#}");
             let status = if msg.contains("context limit") {
                 400
