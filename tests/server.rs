@@ -879,3 +879,35 @@ fn binary_serves_the_demo_model() {
     assert_eq!(v["model"], "kestrel-demo");
     assert_eq!(v["usage"]["completion_tokens"], 2);
 }
+
+#[test]
+fn official_openai_python_client() {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "SKIPPED official_openai_python_client: `python3 -c \"import openai\"` fails (pip install openai to run it)"
+        );
+        return;
+    }
+    let a = scripted_server(
+        "Checking the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    );
+    let out = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
+        .arg(format!("http://{a}/v1"))
+        .arg("test-model")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openai client failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
