@@ -450,9 +450,35 @@ fn client_disconnect_stops_generation_and_frees_the_slot() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // a non-streaming client that hangs up is noticed too
+    let mut s = TcpStream::connect(a).unwrap();
+    let mut b = body.clone();
+    b["stream"] = json!(false);
+    s.write_all(request("POST", "/v1/chat/completions", Some(&b.to_string()), &[]).as_bytes())
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(s);
+    let t0 = Instant::now();
+    loop {
+        let m = http(a, "GET", "/metrics", None, &[]).1;
+        if metric(&m, "kestrel_cancelled_total") > before + 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "generation never stopped:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // the slot is free: a short request completes promptly
     let v = chat(a, json!({"messages": user("after"), "max_tokens": 2}));
     assert_eq!(v["usage"]["completion_tokens"], 2);
+    let m = http(a, "GET", "/metrics", None, &[]).1;
+    // (other tests share this server, so the gauges are only checked to be there)
+    assert!(metric(&m, "kestrel_running_sequences") <= 1);
+    assert!(metric(&m, "kestrel_queue_depth") < 64);
+    assert!(m.contains("kestrel_time_to_first_token_seconds_bucket{le=\"+Inf\"}"));
+    assert!(m.contains("kestrel_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}"));
 }
 
 #[test]

@@ -554,11 +554,17 @@ async fn chat_inner(
 ) -> Result<Response, ApiError> {
     let v = read_request(s, headers, body).await?;
     let input = api::parse_chat(&v, &s.defaults)?;
-    let prompt = render_chat(s, &input)?;
+    let params = input.params.clone();
+    // Rendering and tokenizing a long prompt takes a while: off the async workers.
+    let s2 = s.clone();
+    let prompt = tokio::task::spawn_blocking(move || render_chat(&s2, &input))
+        .await
+        .map_err(|e| {
+            ApiError::new(500, "server_error", format!("prompt rendering failed: {e}"))
+        })??;
     if prompt.ids.len() >= s.config.max_seq {
         return Err(context_error(s, prompt.ids.len(), "messages"));
     }
-    let params = input.params;
     let settings = settings(s, &params, s.config.default_max_tokens, true)?;
     let prompt_tokens = prompt.ids.len();
     let sub = submit(s, prompt.ids, prompt.points, settings, &params).await?;
@@ -786,10 +792,15 @@ async fn completion_inner(
     let v = read_request(s, headers, body).await?;
     let (prompt, params) = api::parse_completion(&v, &s.defaults)?;
     let ids = match prompt {
-        api::PromptInput::Text(t) => s
-            .tokenizer
-            .encode(&t, true)
-            .map_err(|e| ApiError::new(500, "server_error", format!("{e:#}")))?,
+        api::PromptInput::Text(t) => {
+            let s2 = s.clone();
+            tokio::task::spawn_blocking(move || s2.tokenizer.encode(&t, true))
+                .await
+                .map_err(|e| {
+                    ApiError::new(500, "server_error", format!("tokenization failed: {e}"))
+                })?
+                .map_err(|e| ApiError::new(500, "server_error", format!("{e:#}")))?
+        }
         api::PromptInput::Ids(ids) => {
             let vocab = s.defaults.vocab_limit;
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
