@@ -133,13 +133,17 @@ impl Engine for Scripted {
 }
 
 fn scripted_server(text: &str) -> SocketAddr {
+    scripted_server_with(text, 4096)
+}
+
+fn scripted_server_with(text: &str, max_seq: usize) -> SocketAddr {
     let script = Tokenizer::bundled().unwrap().encode(text, true).unwrap();
     let a = start(
         move || Scripted {
             config: kestrel::synthetic::demo_config(),
             script,
         },
-        config(4096, None),
+        config(max_seq, None),
         Duration::ZERO,
     );
     wait_ready(a);
@@ -936,4 +940,36 @@ fn official_openai_python_client() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn scripted_thinking_budget_and_context_limit() {
+    let text = "one two three four five six seven eight nine ten eleven twelve";
+    let a = scripted_server(text);
+    // after 2 reasoning tokens `</think>` is fed; the script then starts over as the answer
+    let v = chat(
+        a,
+        json!({"messages": user("count"), "thinking_budget": 2, "max_tokens": 30}),
+    );
+    let m = &v["choices"][0]["message"];
+    assert_eq!(
+        m["reasoning_content"].as_str().unwrap().trim(),
+        "one two",
+        "{v}"
+    );
+    assert_eq!(m["content"], text);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // --max-seq bounds prompt + reply: the reply stops with `length` at the limit
+    let a = scripted_server_with(&format!("{text} {text} {text} {text}"), 40);
+    let (status, v) = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "a b", "max_tokens": 1000}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let u = &v["usage"];
+    // The sequence state holds the limit (the prompt and every token fed back); the last
+    // sampled token is never fed, so it needs no room.
+    assert_eq!(u["total_tokens"].as_u64().unwrap(), 41, "{v}");
 }
