@@ -1119,8 +1119,17 @@ fn serve_cmd(
             "kestrel serve: listening on http://{addr} (model id `{model_id}`); Ctrl-C stops"
         );
     }
-    let shutdown = async {
+    // Ctrl-C: stop accepting, end running and queued requests (503), then exit once the
+    // open responses are closed; a second Ctrl-C exits at once.
+    let stop_shared = shared.clone();
+    let shutdown = async move {
         let _ = tokio::signal::ctrl_c().await;
+        eprintln!("kestrel serve: shutting down (Ctrl-C again to exit at once)");
+        stop_shared.stopping.store(true, Ordering::SeqCst);
+        tokio::spawn(async {
+            let _ = tokio::signal::ctrl_c().await;
+            std::process::exit(130);
+        });
     };
     runtime.block_on(serve(listener, shared, shutdown))?;
     Ok(0)

@@ -61,6 +61,8 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Set by the model thread once the weights are loaded.
     pub ready: AtomicBool,
+    /// Set on shutdown: running and queued requests end with a 503 error.
+    pub stopping: AtomicBool,
     defaults: SamplingParams,
     stop_ids: Vec<u32>,
     think_ids: Option<(u32, u32)>,
@@ -95,6 +97,7 @@ impl Shared {
             tokenizer,
             metrics: Metrics::default(),
             ready: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             defaults,
             stop_ids: generation.eos_token_ids.clone(),
             think_ids,
@@ -240,6 +243,13 @@ fn unix_now() -> u64 {
 /// Auth, readiness, body and JSON checks common to the POST endpoints.
 async fn read_request(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
     check_auth(s, headers)?;
+    if s.stopping.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the server is shutting down",
+        ));
+    }
     if !s.ready.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             503,
@@ -404,6 +414,7 @@ async fn submit(
 
 fn event_error(status: u16, message: String) -> ApiError {
     match status {
+        503 => ApiError::new(503, "service_unavailable", message),
         400 => ApiError::invalid("", message).with_code("context_length_exceeded"),
         504 => ApiError::new(504, "timeout", message),
         _ => ApiError::new(status, "server_error", message),

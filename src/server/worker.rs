@@ -112,6 +112,13 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             m.cancelled.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        if self.shared.stopping.load(Ordering::SeqCst) {
+            let _ = job.events.send(Event::Error {
+                status: 503,
+                message: "the server is shutting down".into(),
+            });
+            return;
+        }
         if Instant::now() >= job.deadline {
             m.timeouts.fetch_add(1, Ordering::Relaxed);
             let _ = job.events.send(Event::Error {
@@ -233,6 +240,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         let mut sampler = Sampler::new(params, job.seed);
         let mut reasoning_tokens = 0usize;
         let mut timed_out = false;
+        let mut stopping = false;
         let mut failure = None;
         let mut last = None::<Instant>;
         let done = engine.state_len(&state);
@@ -285,6 +293,10 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     timed_out = true;
                     return Some(StopReason::Cancelled);
                 }
+                if shared.stopping.load(Ordering::SeqCst) {
+                    stopping = true;
+                    return Some(StopReason::Cancelled);
+                }
                 stopped.then_some(StopReason::StopString)
             },
         )?;
@@ -314,6 +326,11 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     "the request timed out after {} generated tokens",
                     stats.generated.len()
                 ),
+            });
+        } else if stopping {
+            let _ = job.events.send(Event::Error {
+                status: 503,
+                message: "the server is shutting down".into(),
             });
         } else if stats.stop == StopReason::Cancelled {
             m.cancelled.fetch_add(1, Ordering::Relaxed);
