@@ -137,17 +137,18 @@ fn scripted_server(text: &str) -> SocketAddr {
 }
 
 fn scripted_server_with(text: &str, max_seq: usize) -> SocketAddr {
-    let script = Tokenizer::bundled().unwrap().encode(text, true).unwrap();
-    let a = start(
-        move || Scripted {
-            config: kestrel::synthetic::demo_config(),
-            script,
-        },
-        config(max_seq, None),
-        Duration::ZERO,
-    );
+    let a = start(scripted(text), config(max_seq, None), Duration::ZERO);
     wait_ready(a);
     a
+}
+
+/// A factory for a [`Scripted`] engine writing `text`.
+fn scripted(text: &str) -> impl FnOnce() -> Scripted + Send + 'static {
+    let script = Tokenizer::bundled().unwrap().encode(text, true).unwrap();
+    move || Scripted {
+        config: kestrel::synthetic::demo_config(),
+        script,
+    }
 }
 
 /// A minimal HTTP/1.1 client: (status, body), chunked bodies decoded.
@@ -242,7 +243,11 @@ fn user(text: &str) -> Value {
 
 #[test]
 fn health_is_503_while_loading_then_200() {
-    let a = start(demo_engine, config(4096, None), Duration::from_millis(1500));
+    let a = start(
+        scripted("hello"),
+        config(4096, None),
+        Duration::from_millis(1000),
+    );
     let (status, body) = http(a, "GET", "/health", None, &[]);
     assert_eq!(status, 503, "{body}");
     let (status, v) = post(a, "/v1/chat/completions", &json!({"messages": user("hi")}));
@@ -627,7 +632,11 @@ fn errors_have_openai_shape_and_status() {
 
 #[test]
 fn api_key_is_enforced() {
-    let a = start(demo_engine, config(4096, Some("sekret")), Duration::ZERO);
+    let a = start(
+        scripted("hello"),
+        config(4096, Some("sekret")),
+        Duration::ZERO,
+    );
     wait_ready(a);
     let body = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
     let (s, t) = http(a, "POST", "/v1/chat/completions", Some(&body), &[]);
@@ -836,7 +845,8 @@ fn scripted_named_tool_choice_forces_the_call() {
 fn request_timeout_stops_a_long_generation() {
     let mut cfg = config(4096, None);
     cfg.request_timeout = Duration::from_millis(800);
-    let a = start(demo_engine, cfg, Duration::ZERO);
+    // a script far longer than the timeout allows
+    let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
     wait_ready(a);
     let t0 = Instant::now();
     let (status, v) = post(
