@@ -88,6 +88,9 @@ enum Command {
         /// the demo model].
         #[arg(long)]
         default_max_tokens: Option<usize>,
+        /// Requests that may wait for the model; more are refused with 429.
+        #[arg(long, default_value_t = 1024)]
+        max_queue: usize,
         #[command(flatten)]
         model: ModelArgs,
     },
@@ -377,6 +380,7 @@ fn run(cli: Cli) -> Result<i32> {
             request_timeout,
             served_model_name,
             default_max_tokens,
+            max_queue,
             model,
         } => serve_cmd(
             bind,
@@ -385,6 +389,7 @@ fn run(cli: Cli) -> Result<i32> {
             request_timeout,
             served_model_name,
             default_max_tokens,
+            max_queue,
             model,
         ),
         Command::Inspect { model } => {
@@ -1061,6 +1066,7 @@ fn serve_cmd(
     request_timeout: u64,
     served_model_name: Option<String>,
     default_max_tokens: Option<usize>,
+    max_queue: usize,
     model: ModelArgs,
 ) -> Result<i32> {
     use kestrel::server::{ServerConfig, Shared, run_model, serve};
@@ -1087,6 +1093,7 @@ fn serve_cmd(
         request_timeout: Duration::from_secs(request_timeout.max(1)),
         default_max_tokens: default_max_tokens.unwrap_or(if dir.is_none() { 64 } else { 4096 }),
         prefill_chunk: 4096,
+        max_queue,
     };
     let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -25,6 +25,7 @@ fn config(max_seq: usize, api_key: Option<&str>) -> ServerConfig {
         request_timeout: Duration::from_secs(120),
         default_max_tokens: 8,
         prefill_chunk: 4096,
+        max_queue: 64,
     }
 }
 
@@ -843,7 +844,7 @@ fn scripted_named_tool_choice_forces_the_call() {
 
 #[test]
 fn request_timeout_stops_a_long_generation() {
-    let mut cfg = config(4096, None);
+    let mut cfg = config(32_768, None);
     cfg.request_timeout = Duration::from_millis(800);
     // a script far longer than the timeout allows
     let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
@@ -982,4 +983,34 @@ fn scripted_thinking_budget_and_context_limit() {
     // The sequence state holds the limit (the prompt and every token fed back); the last
     // sampled token is never fed, so it needs no room.
     assert_eq!(u["total_tokens"].as_u64().unwrap(), 41, "{v}");
+}
+
+#[test]
+fn a_full_queue_is_refused_with_429() {
+    let mut cfg = config(32_768, None);
+    cfg.max_queue = 1;
+    cfg.request_timeout = Duration::from_secs(3);
+    let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
+    wait_ready(a);
+    let long = json!({"messages": user("long"), "max_tokens": 100000});
+    let running = std::thread::spawn(move || post(a, "/v1/chat/completions", &long).0);
+    std::thread::sleep(Duration::from_millis(300));
+    let queued = std::thread::spawn(move || {
+        post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": user("q"), "max_tokens": 1}),
+        )
+        .0
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, v) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": user("r"), "max_tokens": 1}),
+    );
+    assert_eq!(status, 429, "{v}");
+    assert_eq!(v["error"]["code"], "queue_full");
+    assert_eq!(running.join().unwrap(), 504);
+    assert_eq!(queued.join().unwrap(), 200);
 }

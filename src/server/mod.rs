@@ -52,6 +52,8 @@ pub struct ServerConfig {
     /// `max_tokens` of a chat request that gives none.
     pub default_max_tokens: usize,
     pub prefill_chunk: usize,
+    /// Requests waiting for the model beyond this are refused with 429.
+    pub max_queue: usize,
 }
 
 /// What the HTTP handlers and the model thread share.
@@ -387,7 +389,16 @@ async fn submit(
         deadline: Instant::now() + s.config.request_timeout,
     };
     let guard = CancelOnDrop(cancel);
-    s.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+    let waiting = s.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+    if waiting as usize >= s.config.max_queue {
+        s.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::new(
+            429,
+            "rate_limit_error",
+            format!("{waiting} requests are already waiting for the model; retry later"),
+        )
+        .with_code("queue_full"));
+    }
     let sent = s.jobs.lock().unwrap_or_else(|e| e.into_inner()).send(job);
     if sent.is_err() {
         s.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
