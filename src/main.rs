@@ -69,28 +69,8 @@ enum Command {
     },
     /// Serve an OpenAI-compatible HTTP API (chat and text completions, streaming, tools).
     Serve {
-        /// Address to listen on.
-        #[arg(long, default_value = "127.0.0.1:8000")]
-        bind: String,
-        /// Require `Authorization: Bearer KEY` on /v1 endpoints.
-        #[arg(long)]
-        api_key: Option<String>,
-        /// Bytes of sequence states the prefix cache keeps (K, M, G suffixes allowed).
-        #[arg(long, default_value = "4G", value_parser = parse_bytes)]
-        cache_mem: u64,
-        /// Seconds a request may take, queueing included, before it is stopped.
-        #[arg(long, default_value_t = 600)]
-        request_timeout: u64,
-        /// The model id clients send (default: the --model value, or `kestrel-demo`).
-        #[arg(long)]
-        served_model_name: Option<String>,
-        /// Tokens per reply when a chat request gives no max_tokens [default: 4096; 64 for
-        /// the demo model].
-        #[arg(long)]
-        default_max_tokens: Option<usize>,
-        /// Requests that may wait for the model; more are refused with 429.
-        #[arg(long, default_value_t = 1024)]
-        max_queue: usize,
+        #[command(flatten)]
+        serve: ServeArgs,
         #[command(flatten)]
         model: ModelArgs,
     },
@@ -152,6 +132,32 @@ struct ModelArgs {
     /// Only the generated text: no banner, progress bar or stats line.
     #[arg(long, short)]
     quiet: bool,
+}
+
+#[derive(Args, Clone, Debug)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    bind: String,
+    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Bytes of sequence states the prefix cache keeps (K, M, G suffixes allowed).
+    #[arg(long, default_value = "4G", value_parser = parse_bytes)]
+    cache_mem: u64,
+    /// Seconds a request may take, queueing included, before it is stopped.
+    #[arg(long, default_value_t = 600)]
+    request_timeout: u64,
+    /// The model id clients send (default: the --model value, or `kestrel-demo`).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Tokens per reply when a chat request gives no max_tokens [default: 4096; 64 for
+    /// the demo model].
+    #[arg(long)]
+    default_max_tokens: Option<usize>,
+    /// Requests that may wait for the model; more are refused with 429.
+    #[arg(long, default_value_t = 1024)]
+    max_queue: usize,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -373,25 +379,7 @@ fn run(cli: Cli) -> Result<i32> {
             let loaded = load(&model)?;
             with_engine!(&loaded.backend, e => chat_cmd(e, &loaded, &model, &opts, system))
         }
-        Command::Serve {
-            bind,
-            api_key,
-            cache_mem,
-            request_timeout,
-            served_model_name,
-            default_max_tokens,
-            max_queue,
-            model,
-        } => serve_cmd(
-            bind,
-            api_key,
-            cache_mem,
-            request_timeout,
-            served_model_name,
-            default_max_tokens,
-            max_queue,
-            model,
-        ),
+        Command::Serve { serve, model } => serve_cmd(serve, model),
         Command::Inspect { model } => {
             inspect(&hub::resolve_model(&model)?)?;
             Ok(0)
@@ -1059,17 +1047,17 @@ fn chat_cmd<E: Engine>(
 /// `kestrel serve`: tokenizer and defaults load first, the HTTP listener starts at once
 /// (`/health` answers 503 until the weights are in), and the engine loads and then runs on
 /// its own thread.
-fn serve_cmd(
-    bind: String,
-    api_key: Option<String>,
-    cache_mem: u64,
-    request_timeout: u64,
-    served_model_name: Option<String>,
-    default_max_tokens: Option<usize>,
-    max_queue: usize,
-    model: ModelArgs,
-) -> Result<i32> {
+fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
     use kestrel::server::{ServerConfig, Shared, run_model, serve};
+    let ServeArgs {
+        bind,
+        api_key,
+        cache_mem,
+        request_timeout,
+        served_model_name,
+        default_max_tokens,
+        max_queue,
+    } = args;
     let dir = match &model.model {
         Some(spec) => Some(hub::resolve_model(spec)?),
         None => None,
