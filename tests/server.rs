@@ -1014,3 +1014,29 @@ fn a_full_queue_is_refused_with_429() {
     assert_eq!(running.join().unwrap(), 504);
     assert_eq!(queued.join().unwrap(), 200);
 }
+
+#[test]
+fn long_prompts_are_snapshotted_at_chunk_boundaries() {
+    let a = scripted_server_with("ok", 8192);
+    let ids: Vec<u32> = (0..3000).map(|i| 1000 + i).collect();
+    let ask = |ids: &[u32]| {
+        let (status, v) = post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": ids, "max_tokens": 1}),
+        );
+        assert_eq!(status, 200, "{v}");
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(ask(&ids), 0);
+    // shares 2500 tokens with the first: resumes from the snapshot at 2048
+    let mut other = ids[..2500].to_vec();
+    other.extend(5000..5100);
+    assert_eq!(ask(&other), 2048);
+    // the first prompt plus its reply extended: resumes from the end of the first request
+    let mut longer = ids.clone();
+    longer.extend([7, 8, 9]);
+    assert!(ask(&longer) >= 3000);
+}
