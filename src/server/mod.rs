@@ -549,7 +549,8 @@ fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiErro
         .encode(&text, true)
         .map_err(|e| ApiError::new(500, "server_error", format!("{e:#}")))?;
     // Snapshot at the end of the first message (a shared system prompt) and before the
-    // last message (the conversation so far, which the next turn extends).
+    // generation prompt, the last `<|im_start|>` (the conversation so far, which the next
+    // turn extends).
     let mut points = Vec::new();
     if let Some(im) = s.im_start {
         let starts: Vec<usize> = ids
