@@ -158,6 +158,9 @@ struct ServeArgs {
     /// Requests that may wait for the model; more are refused with 429.
     #[arg(long, default_value_t = 1024)]
     max_queue: usize,
+    /// Sequences generated at once, interleaved token by token (each holds its own state).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    max_running: u64,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -1057,7 +1060,9 @@ fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         served_model_name,
         default_max_tokens,
         max_queue,
+        max_running,
     } = args;
+    let max_running = max_running as usize;
     let dir = match &model.model {
         Some(spec) => Some(hub::resolve_model(spec)?),
         None => None,
@@ -1082,6 +1087,7 @@ fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         default_max_tokens: default_max_tokens.unwrap_or(if dir.is_none() { 64 } else { 4096 }),
         prefill_chunk: 4096,
         max_queue,
+        max_running,
     };
     let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

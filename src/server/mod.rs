@@ -54,6 +54,8 @@ pub struct ServerConfig {
     pub prefill_chunk: usize,
     /// Requests waiting for the model beyond this are refused with 429.
     pub max_queue: usize,
+    /// Sequences decoded at once (interleaved token by token; admitted in arrival order).
+    pub max_running: usize,
 }
 
 /// What the HTTP handlers and the model thread share.

@@ -2,15 +2,19 @@
 //! engine (resuming from the prefix cache), and streams [`Event`]s back to its HTTP handler.
 //!
 //! Engines are not `Sync` (the CUDA one keeps its workspace in a `RefCell`), so exactly one
-//! thread owns the engine and the HTTP side never touches it. The [`Scheduler`] holds the
-//! waiting queue and the cache; this round it runs one sequence at a time (`max_running` 1).
-//! Batched decode slots in as a `step()` that advances every running sequence by one token
-//! per forward call; admission, cancellation and the cache stay as they are.
+//! thread owns the engine and the HTTP side never touches it.
+//!
+//! The [`Scheduler`] admits waiting jobs in arrival order up to `max_running` sequences
+//! (admission = cache lookup + prefill), then advances every running sequence by one token
+//! per round ([`Scheduler::step`]: one decode forward call per sequence today). Batched decode
+//! slots in there: one forward over all running sequences' next tokens, the per-sequence
+//! bookkeeping (sampling, text, stops, events) unchanged.
 
 use super::Shared;
 use super::cache::PrefixCache;
 use crate::generate::{
-    Channel, ReplyDecoder, ReplySettings, StopReason, ends_inside_thinking, generate,
+    Channel, DecodeLoop, GenerationStats, ReplyDecoder, ReplySettings, StopReason,
+    ends_inside_thinking,
 };
 use crate::model::{Engine, Logits};
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs, logprobs};
@@ -59,32 +63,84 @@ pub struct Job {
 /// Prompt tokens between chunk-boundary snapshots of long prompts.
 pub const SNAPSHOT_EVERY: usize = 2048;
 
+/// A sequence being decoded: its job and its decoding state.
+struct Running<S> {
+    job: Job,
+    seq: Seq<S>,
+}
+
+struct Seq<S> {
+    settings: ReplySettings,
+    state: S,
+    sampler: Sampler,
+    decoder: ReplyDecoder,
+    dl: DecodeLoop,
+    vocab_limit: usize,
+    reasoning_tokens: usize,
+    t0: Instant,
+    last: Option<Instant>,
+}
+
+/// Why a sequence left the running set.
+enum End {
+    Stop(StopReason),
+    TimedOut,
+    ShuttingDown,
+    Gone,
+}
+
 pub struct Scheduler<'e, E: Engine> {
     engine: &'e E,
     shared: Arc<Shared>,
     waiting: VecDeque<Job>,
+    running: Vec<Running<E::State>>,
     cache: PrefixCache<E::State>,
-    /// Sequences decoded at once (1 this round; see the module docs).
+    /// Sequences decoded at once (interleaved token by token).
     pub max_running: usize,
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> anyhow::Error {
+    let what = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    anyhow::anyhow!("internal error (model thread panicked: {what})")
+}
+
+fn fail(job: &Job, e: anyhow::Error) {
+    let msg = format!("{e:#}");
+    let status = if msg.contains("context limit") {
+        400
+    } else {
+        500
+    };
+    tracing::error!("request failed: {msg}");
+    let _ = job.events.send(Event::Error {
+        status,
+        message: msg,
+    });
 }
 
 impl<'e, E: Engine> Scheduler<'e, E> {
     pub fn new(engine: &'e E, shared: Arc<Shared>) -> Self {
         let cap = shared.config.cache_mem;
+        let max_running = shared.config.max_running.max(1);
         Scheduler {
             engine,
             shared,
             waiting: VecDeque::new(),
+            running: Vec::new(),
             cache: PrefixCache::new(cap),
-            max_running: 1,
+            max_running,
         }
     }
 
-    /// Serves jobs until every sender is gone.
+    /// Serves jobs until every sender is gone and nothing is left to do.
     pub fn run(mut self, rx: Receiver<Job>) {
         self.shared.ready.store(true, Ordering::SeqCst);
         loop {
-            if self.waiting.is_empty() {
+            if self.waiting.is_empty() && self.running.is_empty() {
                 match rx.recv_timeout(Duration::from_secs(1)) {
                     Ok(job) => self.waiting.push_back(job),
                     Err(RecvTimeoutError::Timeout) => continue,
@@ -94,30 +150,44 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             while let Ok(job) = rx.try_recv() {
                 self.waiting.push_back(job);
             }
-            if let Some(job) = self.waiting.pop_front() {
-                self.shared
-                    .metrics
-                    .queue_depth
-                    .fetch_sub(1, Ordering::Relaxed);
-                self.shared.metrics.running.fetch_add(1, Ordering::Relaxed);
-                self.serve(job);
-                self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+            while self.running.len() < self.max_running {
+                let Some(job) = self.waiting.pop_front() else {
+                    break;
+                };
+                let shared = self.shared.clone();
+                let m = &shared.metrics;
+                m.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                // A panic in the engine fails this request only; the thread keeps serving.
+                let admitted =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.admit(&job)))
+                        .unwrap_or_else(|p| Err(panic_message(p)));
+                match admitted {
+                    Ok(Some(seq)) => {
+                        self.running.push(Running { job, seq });
+                        m.running.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(None) => {}
+                    Err(e) => fail(&job, e),
+                }
             }
+            self.step();
         }
     }
 
-    fn serve(&mut self, job: Job) {
+    /// Checks a job, resumes it from the cache and prefills its prompt. `None`: nothing to
+    /// run (the reason was reported).
+    fn admit(&mut self, job: &Job) -> anyhow::Result<Option<Seq<E::State>>> {
         let m = &self.shared.metrics;
         if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
             m.cancelled.fetch_add(1, Ordering::Relaxed);
-            return;
+            return Ok(None);
         }
         if self.shared.stopping.load(Ordering::SeqCst) {
             let _ = job.events.send(Event::Error {
                 status: 503,
                 message: "the server is shutting down".into(),
             });
-            return;
+            return Ok(None);
         }
         if Instant::now() >= job.deadline {
             m.timeouts.fetch_add(1, Ordering::Relaxed);
@@ -125,39 +195,9 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 status: 504,
                 message: "the request timed out waiting for the model".into(),
             });
-            return;
+            return Ok(None);
         }
-        // A panic in the engine fails this request only; the thread keeps serving.
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(&job)))
-            .unwrap_or_else(|p| {
-                let what = p
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                Err(anyhow::anyhow!(
-                    "internal error (model thread panicked: {what})"
-                ))
-            });
-        if let Err(e) = outcome {
-            let msg = format!("{e:#}");
-            let status = if msg.contains("context limit") {
-                400
-            } else {
-                500
-            };
-            tracing::error!("request failed: {msg}");
-            let _ = job.events.send(Event::Error {
-                status,
-                message: msg,
-            });
-        }
-    }
-
-    fn run_job(&mut self, job: &Job) -> anyhow::Result<()> {
         let engine = self.engine;
-        let shared = self.shared.clone();
-        let m = &shared.metrics;
         let cfg = engine.config();
         let mut settings = job.settings.clone();
         for id in &cfg.eos_token_ids {
@@ -170,7 +210,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         params.vocab_limit = params.vocab_limit.min(cfg.vocab_size);
         let vocab_limit = params.vocab_limit;
         let prompt = &job.prompt;
-        if prompt.len() >= settings.opts.max_seq {
+        if prompt.is_empty() || prompt.len() >= settings.opts.max_seq {
             anyhow::bail!(
                 "the prompt is {} tokens but the context limit is {} tokens",
                 prompt.len(),
@@ -193,7 +233,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         });
         let t0 = Instant::now();
 
-        // Prefill up to each snapshot point and save the state there.
+        // Prefill, saving the state at each snapshot point.
         let mut points: Vec<usize> = job
             .snapshot_points
             .iter()
@@ -207,151 +247,157 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             .collect();
         points.sort_unstable();
         points.dedup();
+        points.push(prompt.len());
         let chunk = settings.opts.prefill_chunk.max(1);
+        let mut logits = Vec::new();
         for p in points {
             let done = engine.state_len(&state);
             for piece in prompt[done..p].chunks(chunk) {
                 if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
                     m.cancelled.fetch_add(1, Ordering::Relaxed);
-                    return Ok(());
+                    return Ok(None);
                 }
-                engine.forward(&mut state, piece, Logits::Last)?;
+                logits = engine.forward(&mut state, piece, Logits::Last)?;
             }
-            self.cache.insert(
-                prompt[..p].to_vec(),
-                state.clone(),
-                engine.state_bytes(&state),
-            );
+            if p < prompt.len() {
+                let bytes = engine.state_bytes(&state);
+                self.cache
+                    .insert(prompt[..p].to_vec(), state.clone(), bytes);
+            }
         }
         self.publish_cache();
 
-        // Generate.
         let in_thinking = settings
             .think_ids
             .is_some_and(|(o, c)| ends_inside_thinking(prompt, o, c));
-        let mut decoder = ReplyDecoder::new(
+        let decoder = ReplyDecoder::new(
             settings.think_ids,
             in_thinking,
             &settings.stop_strings,
             &settings.opts.stop_ids,
         );
-        let tok = &shared.tokenizer;
-        let decode = |ids: &[u32]| tok.decode(ids, true);
-        let mut sampler = Sampler::new(params, job.seed);
-        let mut reasoning_tokens = 0usize;
-        let mut timed_out = false;
-        let mut stopping = false;
-        let mut failure = None;
-        let mut last = None::<Instant>;
-        let done = engine.state_len(&state);
-        let generation = generate(
-            engine,
-            &mut state,
-            &prompt[done..],
-            in_thinking,
-            &settings.opts,
-            &mut sampler,
-            &job.cancel,
-            None,
-            |id, logits| {
-                let now = Instant::now();
-                match last {
-                    None => m.ttft.observe((now - t0).as_secs_f64()),
-                    Some(t) => m.itl.observe((now - t).as_secs_f64()),
+        let stats = GenerationStats {
+            prompt_tokens: prompt.len(),
+            cached_tokens: cached,
+            generated: Vec::new(),
+            forced_tokens: 0,
+            time_to_first_token: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            stop: StopReason::Cancelled,
+            prefill_complete: true,
+        };
+        Ok(Some(Seq {
+            settings,
+            state,
+            sampler: Sampler::new(params, job.seed),
+            decoder,
+            dl: DecodeLoop::new(stats, in_thinking, logits, t0),
+            vocab_limit,
+            reasoning_tokens: 0,
+            t0,
+            last: None,
+        }))
+    }
+
+    /// One token for every running sequence, in admission order; finished ones leave.
+    pub fn step(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let Running { job, seq } = &mut self.running[i];
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                advance(self.engine, &self.shared, job, seq)
+            }))
+            .unwrap_or_else(|p| Err(panic_message(p)));
+            match outcome {
+                Ok(None) => i += 1,
+                Ok(Some(end)) => {
+                    let r = self.running.remove(i);
+                    self.finish(r, end);
                 }
-                last = Some(now);
-                if decoder.channel() == Channel::Reasoning {
-                    reasoning_tokens += 1;
+                Err(e) => {
+                    let r = self.running.remove(i);
+                    self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+                    fail(&r.job, e);
                 }
-                let hidden = settings.opts.stop_ids.contains(&id);
-                let lp = job
-                    .logprobs
-                    .filter(|_| !hidden)
-                    .map(|n| logprobs(logits, vocab_limit, id, n));
-                let (pieces, stopped) = match decoder.push(id, decode) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        failure = Some(e);
-                        return Some(StopReason::Cancelled);
-                    }
-                };
-                if (!pieces.is_empty() || lp.is_some())
-                    && job
-                        .events
-                        .send(Event::Token {
-                            pieces,
-                            logprobs: lp,
-                        })
-                        .is_err()
-                {
-                    return Some(StopReason::Cancelled);
-                }
-                if job.events.is_closed() {
-                    return Some(StopReason::Cancelled);
-                }
-                if now >= job.deadline {
-                    timed_out = true;
-                    return Some(StopReason::Cancelled);
-                }
-                if shared.stopping.load(Ordering::SeqCst) {
-                    stopping = true;
-                    return Some(StopReason::Cancelled);
-                }
-                stopped.then_some(StopReason::StopString)
-            },
-        )?;
-        if let Some(e) = failure {
-            return Err(e);
+            }
         }
-        let stats = generation.stats;
-        if stats.stop != StopReason::StopString && stats.stop != StopReason::Cancelled {
-            let pieces = decoder.finish(decode)?;
-            if !pieces.is_empty() {
-                let _ = job.events.send(Event::Token {
-                    pieces,
-                    logprobs: None,
-                });
+    }
+
+    fn finish(&mut self, r: Running<E::State>, end: End) {
+        let m = &self.shared.metrics;
+        m.running.fetch_sub(1, Ordering::Relaxed);
+        let Running {
+            job,
+            seq:
+                Seq {
+                    state,
+                    mut decoder,
+                    dl,
+                    reasoning_tokens,
+                    ..
+                },
+        } = r;
+        let stop = match end {
+            End::Stop(s) => s,
+            _ => StopReason::Cancelled,
+        };
+        let stats = dl.finish(stop);
+        if matches!(end, End::Stop(s) if s != StopReason::StopString) {
+            let tok = &self.shared.tokenizer;
+            match decoder.finish(|ids: &[u32]| tok.decode(ids, true)) {
+                Ok(pieces) if !pieces.is_empty() => {
+                    let _ = job.events.send(Event::Token {
+                        pieces,
+                        logprobs: None,
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => return fail(&job, e),
             }
         }
         m.prompt_tokens
-            .fetch_add(prompt.len() as u64, Ordering::Relaxed);
-        m.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+            .fetch_add(stats.prompt_tokens as u64, Ordering::Relaxed);
+        m.cached_tokens
+            .fetch_add(stats.cached_tokens as u64, Ordering::Relaxed);
         m.generated_tokens
             .fetch_add(stats.generated.len() as u64, Ordering::Relaxed);
-        if timed_out {
-            m.timeouts.fetch_add(1, Ordering::Relaxed);
-            let _ = job.events.send(Event::Error {
-                status: 504,
-                message: format!(
-                    "the request timed out after {} generated tokens",
-                    stats.generated.len()
-                ),
-            });
-        } else if stopping {
-            let _ = job.events.send(Event::Error {
-                status: 503,
-                message: "the server is shutting down".into(),
-            });
-        } else if stats.stop == StopReason::Cancelled {
-            m.cancelled.fetch_add(1, Ordering::Relaxed);
-        } else {
-            let _ = job.events.send(Event::Done {
-                stop: stats.stop,
-                completion_tokens: stats.generated.len(),
-                reasoning_tokens,
-            });
-        }
-        // The state after prompt + reply: the next turn of the conversation may extend it.
-        if stats.prefill_complete && stats.stop != StopReason::Cancelled {
-            let mut ids = prompt.clone();
-            ids.extend_from_slice(stats.fed_tokens());
-            if engine.state_len(&state) == ids.len() {
-                let bytes = engine.state_bytes(&state);
-                self.cache.insert(ids, state, bytes);
+        match end {
+            End::TimedOut => {
+                m.timeouts.fetch_add(1, Ordering::Relaxed);
+                let _ = job.events.send(Event::Error {
+                    status: 504,
+                    message: format!(
+                        "the request timed out after {} generated tokens",
+                        stats.generated.len()
+                    ),
+                });
+            }
+            End::ShuttingDown => {
+                let _ = job.events.send(Event::Error {
+                    status: 503,
+                    message: "the server is shutting down".into(),
+                });
+            }
+            End::Gone => {
+                m.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            End::Stop(stop) => {
+                let _ = job.events.send(Event::Done {
+                    stop,
+                    completion_tokens: stats.generated.len(),
+                    reasoning_tokens,
+                });
+                // The state after prompt + reply: the next turn of the conversation may
+                // extend it.
+                let mut ids = job.prompt.clone();
+                ids.extend_from_slice(stats.fed_tokens());
+                if self.engine.state_len(&state) == ids.len() {
+                    let bytes = self.engine.state_bytes(&state);
+                    self.cache.insert(ids, state, bytes);
+                }
             }
         }
         self.publish_cache();
-        Ok(())
     }
 
     fn publish_cache(&self) {
@@ -361,4 +407,61 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         m.cache_entries
             .store(self.cache.len() as u64, Ordering::Relaxed);
     }
+}
+
+/// One decode step of `job`'s sequence `r`: pick a token, report it, check the limits, run it through the
+/// model. `Some(end)` when the sequence is done.
+fn advance<E: Engine>(
+    engine: &E,
+    shared: &Shared,
+    job: &Job,
+    r: &mut Seq<E::State>,
+) -> anyhow::Result<Option<End>> {
+    let m = &shared.metrics;
+    let opts = &r.settings.opts;
+    let id = r.dl.pick(opts, &mut r.sampler);
+    let now = Instant::now();
+    match r.last {
+        None => m.ttft.observe((now - r.t0).as_secs_f64()),
+        Some(t) => m.itl.observe((now - t).as_secs_f64()),
+    }
+    r.last = Some(now);
+    if r.decoder.channel() == Channel::Reasoning {
+        r.reasoning_tokens += 1;
+    }
+    let hidden = opts.stop_ids.contains(&id);
+    let lp = job
+        .logprobs
+        .filter(|_| !hidden)
+        .map(|n| logprobs(&r.dl.logits, r.vocab_limit, id, n));
+    let tok = &shared.tokenizer;
+    let (pieces, stopped) = r.decoder.push(id, |ids: &[u32]| tok.decode(ids, true))?;
+    if (!pieces.is_empty() || lp.is_some())
+        && job
+            .events
+            .send(Event::Token {
+                pieces,
+                logprobs: lp,
+            })
+            .is_err()
+    {
+        return Ok(Some(End::Gone));
+    }
+    if job.events.is_closed() || job.cancel.load(Ordering::SeqCst) {
+        return Ok(Some(End::Gone));
+    }
+    if now >= job.deadline {
+        return Ok(Some(End::TimedOut));
+    }
+    if shared.stopping.load(Ordering::SeqCst) {
+        return Ok(Some(End::ShuttingDown));
+    }
+    if stopped {
+        return Ok(Some(End::Stop(StopReason::StopString)));
+    }
+    if let Some(stop) = r.dl.check(opts, engine.state_len(&r.state)) {
+        return Ok(Some(End::Stop(stop)));
+    }
+    r.dl.logits = engine.forward(&mut r.state, &[id], Logits::Last)?;
+    Ok(None)
 }
