@@ -1042,3 +1042,38 @@ fn long_prompts_are_snapshotted_at_chunk_boundaries() {
     longer.extend([7, 8, 9]);
     assert!(ask(&longer) >= 3000);
 }
+
+#[test]
+fn a_short_request_finishes_while_a_long_stream_runs() {
+    // 30000 tokens take tens of seconds even scripted, so a request that had to wait for the
+    // long one would take that long
+    let a = scripted_server_with(&"word ".repeat(30_000), 32_768);
+    let long = json!({"messages": user("a long story please"), "max_tokens": 30000,
+                      "stream": true, "seed": 2});
+    let mut s = TcpStream::connect(a).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(request("POST", "/v1/chat/completions", Some(&long.to_string()), &[]).as_bytes())
+        .unwrap();
+    let mut reader = BufReader::new(s);
+    let mut line = String::new();
+    let mut next_data = |reader: &mut BufReader<TcpStream>| loop {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "stream ended");
+        if let Some(d) = line.trim_end().split("data: ").nth(1) {
+            return d.to_string();
+        }
+    };
+    // the long reply is under way
+    for _ in 0..3 {
+        assert_ne!(next_data(&mut reader), "[DONE]");
+    }
+    // a short request is served meanwhile (interleaved), not after the long one
+    let t0 = Instant::now();
+    let v = chat(a, json!({"messages": user("short"), "max_tokens": 2}));
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    let d = next_data(&mut reader);
+    assert_ne!(d, "[DONE]");
+    let chunk: Value = serde_json::from_str(&d).unwrap();
+    assert!(chunk["choices"][0]["finish_reason"].is_null(), "{chunk}");
+}
