@@ -486,7 +486,7 @@ fn client_disconnect_stops_generation_and_frees_the_slot() {
     assert_eq!(v["usage"]["completion_tokens"], 2);
     let m = http(a, "GET", "/metrics", None, &[]).1;
     // (other tests share this server, so the gauges are only checked to be there)
-    assert!(metric(&m, "kestrel_running_sequences") <= 1);
+    assert!(metric(&m, "kestrel_running_sequences") <= 4);
     assert!(metric(&m, "kestrel_queue_depth") < 64);
     assert!(m.contains("kestrel_time_to_first_token_seconds_bucket{le=\"+Inf\"}"));
     assert!(m.contains("kestrel_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}"));
