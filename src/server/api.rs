@@ -1082,6 +1082,45 @@ mod tests {
     }
 
     #[test]
+    fn completion_prompts_and_tool_choices() {
+        let d = defaults();
+        let (p, g) =
+            parse_completion(&json!({"prompt": "hi", "logprobs": 2, "stream": true}), &d).unwrap();
+        assert_eq!(p, PromptInput::Text("hi".into()));
+        assert_eq!((g.logprobs, g.stream), (Some(2), true));
+        let (p, _) = parse_completion(&json!({"prompt": [1, 2, 3]}), &d).unwrap();
+        assert_eq!(p, PromptInput::Ids(vec![1, 2, 3]));
+        for bad in [
+            json!({"prompt": ""}),
+            json!({"prompt": 5}),
+            json!({"prompt": [-1]}),
+            json!({"prompt": "x", "logprobs": 99}),
+            json!({"prompt": "x", "echo": true}),
+        ] {
+            assert_eq!(parse_completion(&bad, &d).unwrap_err().status, 400, "{bad}");
+        }
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        let c = parse_chat(&json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}), &d).unwrap();
+        assert_eq!(c.tool_choice, ToolChoice::Named("f".into()));
+        let c = parse_chat(
+            &json!({"messages": [{"role": "user", "content": "x"}], "tools": tools}),
+            &d,
+        )
+        .unwrap();
+        assert_eq!(c.tool_choice, ToolChoice::Auto);
+        // a forced opening is parsed together with what the model writes next
+        let mut a = Assembler::new(
+            Some(tools.as_array().unwrap()),
+            "<tool_call>\n<function=f>\n",
+        );
+        assert!(
+            a.push(Channel::Answer, "</function>\n</tool_call>")
+                .iter()
+                .any(|d| matches!(d, Delta::Call(c) if c.name == "f"))
+        );
+    }
+
+    #[test]
     fn sse_encoding() {
         assert_eq!(sse_data(&json!({"a": 1})), "data: {\"a\":1}\n\n");
         let meta = ResponseMeta {
