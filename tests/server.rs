@@ -630,6 +630,43 @@ fn errors_have_openai_shape_and_status() {
     }
     let (got, _) = http(a, "GET", "/v1/chat/completions", None, &[]);
     assert_eq!(got, 405);
+    // odd bodies are client errors, never 500
+    let m = |extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let odd = [
+        "null".to_string(),
+        "\"text\"".to_string(),
+        "".to_string(),
+        json!({"messages": [null]}).to_string(),
+        json!({"messages": [{"role": "user", "content": [null]}]}).to_string(),
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}).to_string(),
+        json!({"messages": [{"role": "tool", "content": "x"}]}).to_string(),
+        json!({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]}).to_string(),
+        json!({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}).to_string(),
+        m(json!({"stop": [1]})),
+        m(json!({"stop": [""]})),
+        m(json!({"tools": {}})),
+        m(json!({"tools": [{"type": "function"}]})),
+        m(json!({"tool_choice": "sometimes"})),
+        m(json!({"top_k": -5})),
+        m(json!({"seed": "x"})),
+        m(json!({"max_tokens": 1.5})),
+        m(json!({"stream_options": true})),
+        m(json!({"chat_template_kwargs": {"enable_thinking": "yes"}})),
+        m(json!({"model": 7})),
+        m(json!({"thinking_budget": -1})),
+    ];
+    for body in odd {
+        let (got, text) = http(a, "POST", "/v1/chat/completions", Some(&body), &[]);
+        assert!((400..500).contains(&got), "{body}: {got} {text}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        assert!(v["error"]["message"].is_string(), "{text}");
+    }
 }
 
 #[test]
