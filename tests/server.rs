@@ -1056,7 +1056,11 @@ fn a_full_queue_is_refused_with_429() {
 
 #[test]
 fn long_prompts_are_snapshotted_at_chunk_boundaries() {
-    let a = scripted_server_with("ok", 8192);
+    // prefill in rounds of 100 tokens (interleaved with other sequences' decoding)
+    let mut cfg = config(8192, None);
+    cfg.prefill_chunk = 100;
+    let a = start(scripted("ok"), cfg, Duration::ZERO);
+    wait_ready(a);
     let ids: Vec<u32> = (0..3000).map(|i| 1000 + i).collect();
     let ask = |ids: &[u32]| {
         let (status, v) = post(

@@ -74,7 +74,12 @@ struct Seq<S> {
     state: S,
     sampler: Sampler,
     decoder: ReplyDecoder,
-    dl: DecodeLoop,
+    /// Prompt lengths still to reach: snapshot points, then the whole prompt.
+    points: VecDeque<usize>,
+    /// `None` while the prompt is being prefilled.
+    dl: Option<DecodeLoop>,
+    in_thinking: bool,
+    cached: usize,
     vocab_limit: usize,
     reasoning_tokens: usize,
     t0: Instant,
@@ -219,7 +224,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         }
 
         // Resume from the longest cached prefix.
-        let (mut state, cached) = match self.cache.lookup(prompt) {
+        let (state, cached) = match self.cache.lookup(prompt) {
             Some((n, s)) => (s.clone(), n),
             None => (engine.new_state(), 0),
         };
@@ -233,7 +238,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         });
         let t0 = Instant::now();
 
-        // Prefill, saving the state at each snapshot point.
+        // Snapshot points (the prefill itself runs in `advance`, a chunk per round).
         let mut points: Vec<usize> = job
             .snapshot_points
             .iter()
@@ -248,24 +253,6 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         points.sort_unstable();
         points.dedup();
         points.push(prompt.len());
-        let chunk = settings.opts.prefill_chunk.max(1);
-        let mut logits = Vec::new();
-        for p in points {
-            let done = engine.state_len(&state);
-            for piece in prompt[done..p].chunks(chunk) {
-                if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
-                    m.cancelled.fetch_add(1, Ordering::Relaxed);
-                    return Ok(None);
-                }
-                logits = engine.forward(&mut state, piece, Logits::Last)?;
-            }
-            if p < prompt.len() {
-                let bytes = engine.state_bytes(&state);
-                self.cache
-                    .insert(prompt[..p].to_vec(), state.clone(), bytes);
-            }
-        }
-        self.publish_cache();
 
         let in_thinking = settings
             .think_ids
@@ -276,22 +263,15 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             &settings.stop_strings,
             &settings.opts.stop_ids,
         );
-        let stats = GenerationStats {
-            prompt_tokens: prompt.len(),
-            cached_tokens: cached,
-            generated: Vec::new(),
-            forced_tokens: 0,
-            time_to_first_token: Duration::ZERO,
-            decode_time: Duration::ZERO,
-            stop: StopReason::Cancelled,
-            prefill_complete: true,
-        };
         Ok(Some(Seq {
             settings,
             state,
             sampler: Sampler::new(params, job.seed),
             decoder,
-            dl: DecodeLoop::new(stats, in_thinking, logits, t0),
+            points: points.into(),
+            dl: None,
+            in_thinking,
+            cached,
             vocab_limit,
             reasoning_tokens: 0,
             t0,
@@ -304,8 +284,9 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         let mut i = 0;
         while i < self.running.len() {
             let Running { job, seq } = &mut self.running[i];
+            let (engine, shared, cache) = (self.engine, &self.shared, &mut self.cache);
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                advance(self.engine, &self.shared, job, seq)
+                advance(engine, shared, cache, job, seq)
             }))
             .unwrap_or_else(|p| Err(panic_message(p)));
             match outcome {
@@ -334,6 +315,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     mut decoder,
                     dl,
                     reasoning_tokens,
+                    cached,
                     ..
                 },
         } = r;
@@ -341,7 +323,20 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             End::Stop(s) => s,
             _ => StopReason::Cancelled,
         };
-        let stats = dl.finish(stop);
+        let stats = match dl {
+            Some(dl) => dl.finish(stop),
+            // stopped during the prefill
+            None => GenerationStats {
+                prompt_tokens: job.prompt.len(),
+                cached_tokens: cached,
+                generated: Vec::new(),
+                forced_tokens: 0,
+                time_to_first_token: Duration::ZERO,
+                decode_time: Duration::ZERO,
+                stop,
+                prefill_complete: false,
+            },
+        };
         if matches!(end, End::Stop(s) if s != StopReason::StopString) {
             let tok = &self.shared.tokenizer;
             match decoder.finish(|ids: &[u32]| tok.decode(ids, true)) {
@@ -414,12 +409,52 @@ impl<'e, E: Engine> Scheduler<'e, E> {
 fn advance<E: Engine>(
     engine: &E,
     shared: &Shared,
+    cache: &mut PrefixCache<E::State>,
     job: &Job,
     r: &mut Seq<E::State>,
 ) -> anyhow::Result<Option<End>> {
     let m = &shared.metrics;
     let opts = &r.settings.opts;
-    let id = r.dl.pick(opts, &mut r.sampler);
+    if job.events.is_closed() || job.cancel.load(Ordering::SeqCst) {
+        return Ok(Some(End::Gone));
+    }
+    let Some(dl) = &mut r.dl else {
+        // Prefill: one chunk per round, so running sequences keep decoding meanwhile.
+        if Instant::now() >= job.deadline {
+            return Ok(Some(End::TimedOut));
+        }
+        if shared.stopping.load(Ordering::SeqCst) {
+            return Ok(Some(End::ShuttingDown));
+        }
+        let prompt = &job.prompt;
+        let done = engine.state_len(&r.state);
+        let p = *r.points.front().unwrap_or(&prompt.len());
+        let end = p.min(done + opts.prefill_chunk.max(1));
+        let logits = engine.forward(&mut r.state, &prompt[done..end], Logits::Last)?;
+        if end == p {
+            r.points.pop_front();
+            if p < prompt.len() {
+                let bytes = engine.state_bytes(&r.state);
+                cache.insert(prompt[..p].to_vec(), r.state.clone(), bytes);
+                m.cache_bytes.store(cache.bytes() as u64, Ordering::Relaxed);
+                m.cache_entries.store(cache.len() as u64, Ordering::Relaxed);
+            } else {
+                let stats = GenerationStats {
+                    prompt_tokens: prompt.len(),
+                    cached_tokens: r.cached,
+                    generated: Vec::new(),
+                    forced_tokens: 0,
+                    time_to_first_token: Duration::ZERO,
+                    decode_time: Duration::ZERO,
+                    stop: StopReason::Cancelled,
+                    prefill_complete: true,
+                };
+                r.dl = Some(DecodeLoop::new(stats, r.in_thinking, logits, r.t0));
+            }
+        }
+        return Ok(None);
+    };
+    let id = dl.pick(opts, &mut r.sampler);
     let now = Instant::now();
     match r.last {
         None => m.ttft.observe((now - r.t0).as_secs_f64()),
@@ -433,7 +468,7 @@ fn advance<E: Engine>(
     let lp = job
         .logprobs
         .filter(|_| !hidden)
-        .map(|n| logprobs(&r.dl.logits, r.vocab_limit, id, n));
+        .map(|n| logprobs(&dl.logits, r.vocab_limit, id, n));
     let tok = &shared.tokenizer;
     let (pieces, stopped) = r.decoder.push(id, |ids: &[u32]| tok.decode(ids, true))?;
     if (!pieces.is_empty() || lp.is_some())
@@ -459,9 +494,9 @@ fn advance<E: Engine>(
     if stopped {
         return Ok(Some(End::Stop(StopReason::StopString)));
     }
-    if let Some(stop) = r.dl.check(opts, engine.state_len(&r.state)) {
+    if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
         return Ok(Some(End::Stop(stop)));
     }
-    r.dl.logits = engine.forward(&mut r.state, &[id], Logits::Last)?;
+    dl.logits = engine.forward(&mut r.state, &[id], Logits::Last)?;
     Ok(None)
 }
