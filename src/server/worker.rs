@@ -5,8 +5,9 @@
 //! thread owns the engine and the HTTP side never touches it.
 //!
 //! The [`Scheduler`] admits waiting jobs in arrival order up to `max_running` sequences
-//! (admission = cache lookup + prefill), then advances every running sequence by one token
-//! per round ([`Scheduler::step`]: one decode forward call per sequence today). Batched decode
+//! (admission = checks + prefix-cache lookup), then advances every running sequence by one
+//! step per round ([`Scheduler::step`]): a prefill chunk (saving snapshots at their points)
+//! or one decode token, each one forward call per sequence today. Batched decode
 //! slots in there: one forward over all running sequences' next tokens, the per-sequence
 //! bookkeeping (sampling, text, stops, events) unchanged.
 
