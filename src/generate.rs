@@ -191,62 +191,113 @@ pub fn generate<E: Engine>(
     }
     stats.prefill_complete = true;
 
-    let mut thinking = in_thinking;
-    let mut thinking_tokens = 0usize;
-    let mut forced: std::collections::VecDeque<u32> = Default::default();
-    let mut t_decode = None;
+    let mut dl = DecodeLoop::new(stats, in_thinking, logits, t0);
     let stop = loop {
-        let budget_hit = opts.thinking.as_ref().is_some_and(|t| {
-            thinking && forced.is_empty() && t.budget.is_some_and(|b| thinking_tokens >= b)
-        });
-        if budget_hit && let Some(t) = &opts.thinking {
-            forced.extend(&t.close_ids);
-        }
-        let was_forced = !forced.is_empty();
-        let next = match forced.pop_front() {
-            Some(id) => {
-                stats.forced_tokens += 1;
-                id
-            }
-            None => sampler.sample(&logits, &stats.generated),
-        };
-        if t_decode.is_none() {
-            stats.time_to_first_token = t0.elapsed();
-            t_decode = Some(Instant::now());
-        }
-        stats.generated.push(next);
-        if let Some(t) = &opts.thinking {
-            if next == t.open_id {
-                thinking = true;
-            } else if next == t.close_id {
-                thinking = false;
-                if !was_forced {
-                    forced.clear();
-                }
-            } else if thinking {
-                thinking_tokens += 1;
-            }
-        }
-        if let Some(reason) = on_token(next, &logits) {
+        let next = dl.pick(opts, sampler);
+        if let Some(reason) = on_token(next, &dl.logits) {
             break reason;
         }
-        if opts.stop_ids.contains(&next) {
-            break StopReason::EndToken;
-        }
-        if stats.generated.len() >= opts.max_tokens {
-            break StopReason::MaxTokens;
-        }
-        if engine.state_len(state) + 1 > opts.max_seq {
-            break StopReason::ContextFull;
+        if let Some(reason) = dl.check(opts, engine.state_len(state)) {
+            break reason;
         }
         if cancel.load(Ordering::SeqCst) {
             break StopReason::Cancelled;
         }
-        logits = engine.forward(state, &[next], Logits::Last)?;
+        dl.logits = engine.forward(state, &[next], Logits::Last)?;
     };
-    stats.stop = stop;
-    stats.decode_time = t_decode.map_or(Duration::ZERO, |t| t.elapsed());
+    let stats = dl.finish(stop);
     Ok(Generation { stats, snapshot })
+}
+
+/// The decode loop of [`generate`] one token at a time, for callers that interleave
+/// several sequences (the server's scheduler). Per token: [`pick`](Self::pick) the next id
+/// (sampled, or forced by the thinking budget), report it, [`check`](Self::check) the
+/// limits, then run the id through the model and store the new `logits`.
+pub struct DecodeLoop {
+    pub stats: GenerationStats,
+    /// The logits the next id is chosen from.
+    pub logits: Vec<f32>,
+    thinking: bool,
+    thinking_tokens: usize,
+    forced: std::collections::VecDeque<u32>,
+    t0: Instant,
+    t_decode: Option<Instant>,
+}
+
+impl DecodeLoop {
+    /// After a complete prefill: `logits` are the prompt's last position's, `t0` when the
+    /// request started (for the time to first token).
+    pub fn new(stats: GenerationStats, in_thinking: bool, logits: Vec<f32>, t0: Instant) -> Self {
+        DecodeLoop {
+            stats,
+            logits,
+            thinking: in_thinking,
+            thinking_tokens: 0,
+            forced: Default::default(),
+            t0,
+            t_decode: None,
+        }
+    }
+
+    /// Chooses and records the next id.
+    pub fn pick(&mut self, opts: &GenerateOptions, sampler: &mut Sampler) -> u32 {
+        let budget_hit = opts.thinking.as_ref().is_some_and(|t| {
+            self.thinking
+                && self.forced.is_empty()
+                && t.budget.is_some_and(|b| self.thinking_tokens >= b)
+        });
+        if budget_hit && let Some(t) = &opts.thinking {
+            self.forced.extend(&t.close_ids);
+        }
+        let was_forced = !self.forced.is_empty();
+        let next = match self.forced.pop_front() {
+            Some(id) => {
+                self.stats.forced_tokens += 1;
+                id
+            }
+            None => sampler.sample(&self.logits, &self.stats.generated),
+        };
+        if self.t_decode.is_none() {
+            self.stats.time_to_first_token = self.t0.elapsed();
+            self.t_decode = Some(Instant::now());
+        }
+        self.stats.generated.push(next);
+        if let Some(t) = &opts.thinking {
+            if next == t.open_id {
+                self.thinking = true;
+            } else if next == t.close_id {
+                self.thinking = false;
+                if !was_forced {
+                    self.forced.clear();
+                }
+            } else if self.thinking {
+                self.thinking_tokens += 1;
+            }
+        }
+        next
+    }
+
+    /// After the last picked id was reported: the reason to stop, if any (end token, token
+    /// limit, context limit), given how many tokens the state holds.
+    pub fn check(&self, opts: &GenerateOptions, state_len: usize) -> Option<StopReason> {
+        let next = *self.stats.generated.last()?;
+        if opts.stop_ids.contains(&next) {
+            Some(StopReason::EndToken)
+        } else if self.stats.generated.len() >= opts.max_tokens {
+            Some(StopReason::MaxTokens)
+        } else if state_len + 1 > opts.max_seq {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        }
+    }
+
+    /// The final stats.
+    pub fn finish(mut self, stop: StopReason) -> GenerationStats {
+        self.stats.stop = stop;
+        self.stats.decode_time = self.t_decode.map_or(Duration::ZERO, |t| t.elapsed());
+        self.stats
+    }
 }
 
 /// Incremental detokenization: yields only complete text (no split UTF-8 characters),

@@ -1,4 +1,4 @@
-//! The `kestrel` command line: `generate`, `chat` and `inspect`.
+//! The `kestrel` command line: `generate`, `chat`, `serve`, `inspect` and `bench`.
 //!
 //! Everything that generates is generic over [`Engine`]; [`load_engine`] turns `--device` and
 //! `--model` into a [`Backend`], and [`with_engine!`] hands its engine to generic code. A new
@@ -67,6 +67,13 @@ enum Command {
         #[command(flatten)]
         opts: GenArgs,
     },
+    /// Serve an OpenAI-compatible HTTP API (chat and text completions, streaming, tools).
+    Serve {
+        #[command(flatten)]
+        serve: ServeArgs,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
     /// Validate a checkpoint and print its shape, sizes and per-sequence state bytes.
     Inspect {
         /// Checkpoint directory or Hugging Face repo id (resolved in the local cache).
@@ -125,6 +132,35 @@ struct ModelArgs {
     /// Only the generated text: no banner, progress bar or stats line.
     #[arg(long, short)]
     quiet: bool,
+}
+
+#[derive(Args, Clone, Debug)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    bind: String,
+    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Bytes of sequence states the prefix cache keeps (K, M, G suffixes allowed).
+    #[arg(long, default_value = "4G", value_parser = parse_bytes)]
+    cache_mem: u64,
+    /// Seconds a request may take, queueing included, before it is stopped.
+    #[arg(long, default_value_t = 600)]
+    request_timeout: u64,
+    /// The model id clients send (default: the --model value, or `kestrel-demo`).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Tokens per reply when a chat request gives no max_tokens [default: 4096; 64 for
+    /// the demo model].
+    #[arg(long)]
+    default_max_tokens: Option<usize>,
+    /// Requests that may wait for the model; more are refused with 429.
+    #[arg(long, default_value_t = 1024)]
+    max_queue: usize,
+    /// Sequences generated at once, interleaved token by token (each holds its own state).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    max_running: u64,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -202,6 +238,33 @@ fn parse_repetition_penalty(s: &str) -> Result<f32, String> {
 }
 fn parse_presence_frequency(s: &str) -> Result<f32, String> {
     ranged(s, check::presence_frequency, check::PRESENCE_FREQUENCY)
+}
+
+/// `123`, `64K`, `512M`, `4G` (binary multiples).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m = match c.to_ascii_uppercase() {
+                'K' => 1u64 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                'B' => 1,
+                _ => return Err(format!("unknown size suffix in `{s}` (K, M, G, T)")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 4G, 512M, 1000000)"))?;
+    if !n.is_finite() || n < 0.0 {
+        return Err(format!("`{s}` is not a size"));
+    }
+    Ok((n * mult as f64) as u64)
 }
 
 fn parse_stop(s: &str) -> Result<String, String> {
@@ -319,6 +382,7 @@ fn run(cli: Cli) -> Result<i32> {
             let loaded = load(&model)?;
             with_engine!(&loaded.backend, e => chat_cmd(e, &loaded, &model, &opts, system))
         }
+        Command::Serve { serve, model } => serve_cmd(serve, model),
         Command::Inspect { model } => {
             inspect(&hub::resolve_model(&model)?)?;
             Ok(0)
@@ -992,6 +1056,95 @@ fn chat_cmd<E: Engine>(
         }
         totals.last = Some(reply.stats);
     }
+}
+
+/// `kestrel serve`: tokenizer and defaults load first, the HTTP listener starts at once
+/// (`/health` answers 503 until the weights are in), and the engine loads and then runs on
+/// its own thread.
+fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
+    use kestrel::server::{ServerConfig, Shared, run_model, serve};
+    let ServeArgs {
+        bind,
+        api_key,
+        cache_mem,
+        request_timeout,
+        served_model_name,
+        default_max_tokens,
+        max_queue,
+        max_running,
+    } = args;
+    let max_running = max_running as usize;
+    let dir = match &model.model {
+        Some(spec) => Some(hub::resolve_model(spec)?),
+        None => None,
+    };
+    let (tokenizer, generation) = match &dir {
+        Some(d) => (Tokenizer::for_model_dir(d)?, GenerationConfig::from_dir(d)?),
+        None => (
+            Tokenizer::bundled()?,
+            GenerationConfig::from_json_str(BUNDLED_GENERATION_CONFIG)?,
+        ),
+    };
+    let model_id = served_model_name.unwrap_or_else(|| match &model.model {
+        Some(spec) => spec.clone(),
+        None => "kestrel-demo".into(),
+    });
+    let config = ServerConfig {
+        model_id: model_id.clone(),
+        max_seq: model.max_seq as usize,
+        api_key,
+        cache_mem: cache_mem.min(usize::MAX as u64) as usize,
+        request_timeout: Duration::from_secs(request_timeout.max(1)),
+        default_max_tokens: default_max_tokens.unwrap_or(if dir.is_none() { 64 } else { 4096 }),
+        prefill_chunk: 4096,
+        max_queue,
+        max_running,
+    };
+    let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(&bind))
+        .with_context(|| format!("cannot listen on {bind}"))?;
+    let addr = listener.local_addr()?;
+    let model_shared = shared.clone();
+    let model_args = model.clone();
+    std::thread::Builder::new()
+        .name("kestrel-model".into())
+        .spawn(move || {
+            let backend = match load_engine(model_args.device, dir.as_deref(), &model_args) {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    std::process::exit(1);
+                }
+            };
+            if !model_args.quiet {
+                eprintln!("kestrel serve: model loaded; ready");
+            }
+            with_engine!(&backend, e => run_model(e, model_shared, rx));
+        })?;
+    if !model.quiet {
+        eprintln!(
+            "kestrel serve: listening on http://{addr} (model id `{model_id}`); Ctrl-C stops"
+        );
+    }
+    // Ctrl-C: stop accepting, end running and queued requests (503), then exit once the
+    // open responses are closed; a second Ctrl-C exits at once.
+    let stop_shared = shared.clone();
+    let shutdown = async move {
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("kestrel serve: shutting down (Ctrl-C again to exit at once)");
+        stop_shared.stopping.store(true, Ordering::SeqCst);
+        tokio::spawn(async {
+            let _ = tokio::signal::ctrl_c().await;
+            std::process::exit(130);
+        });
+    };
+    runtime.block_on(serve(listener, shared, shutdown))?;
+    Ok(0)
 }
 
 fn inspect(dir: &Path) -> Result<()> {

@@ -44,6 +44,8 @@ pub trait Engine {
     fn state_len(&self, state: &Self::State) -> usize;
     /// Runs `tokens` through the model, appending them to `state`.
     fn forward(&self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>>;
+    /// Memory a state holds (what a cached snapshot of it costs), in bytes.
+    fn state_bytes(&self, state: &Self::State) -> usize;
 }
 
 pub struct CpuModel {
@@ -224,6 +226,10 @@ impl Engine for CpuModel {
 
     fn state_len(&self, state: &SequenceState) -> usize {
         state.len
+    }
+
+    fn state_bytes(&self, state: &SequenceState) -> usize {
+        state.memory_bytes()
     }
 
     fn forward(

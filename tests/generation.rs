@@ -57,6 +57,9 @@ impl Engine for Scripted {
     fn state_len(&self, s: &Ids) -> usize {
         s.0.len()
     }
+    fn state_bytes(&self, s: &Ids) -> usize {
+        s.0.len() * 4
+    }
     fn forward(&self, s: &mut Ids, tokens: &[u32], _: Logits) -> Result<Vec<f32>> {
         self.calls.borrow_mut().push(tokens.len());
         s.0.extend_from_slice(tokens);

@@ -1196,6 +1196,16 @@ impl Engine for CudaModel {
         state.len
     }
 
+    fn state_bytes(&self, state: &CudaState) -> usize {
+        // Device memory: a snapshot copies every buffer whole.
+        state
+            .gdn
+            .iter()
+            .chain(&state.kv)
+            .map(|(a, b)| a.bytes + b.bytes)
+            .sum()
+    }
+
     fn forward(&self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         self.gpu.bind()?;
         self.check_tokens(state, tokens)?;

@@ -1,0 +1,126 @@
+//! The prefix cache: saved sequence states keyed by the token ids they hold, bounded by
+//! bytes, least recently used evicted first. A request resumes from the longest saved state
+//! whose ids are a proper prefix of its prompt (at least one prompt token must still run, to
+//! produce the first logits).
+
+struct Entry<S> {
+    ids: Vec<u32>,
+    state: S,
+    bytes: usize,
+    last_used: u64,
+}
+
+pub struct PrefixCache<S> {
+    entries: Vec<Entry<S>>,
+    capacity: usize,
+    used: usize,
+    clock: u64,
+}
+
+impl<S> PrefixCache<S> {
+    /// A cache holding at most `capacity` bytes of states (0 disables it).
+    pub fn new(capacity: usize) -> Self {
+        PrefixCache {
+            entries: Vec::new(),
+            capacity,
+            used: 0,
+            clock: 0,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.used
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The longest saved state whose ids are a proper prefix of `prompt`, and its length.
+    pub fn lookup(&mut self, prompt: &[u32]) -> Option<(usize, &S)> {
+        self.clock += 1;
+        let clock = self.clock;
+        let best = self
+            .entries
+            .iter_mut()
+            .filter(|e| e.ids.len() < prompt.len() && prompt.starts_with(&e.ids))
+            .max_by_key(|e| e.ids.len())?;
+        best.last_used = clock;
+        Some((best.ids.len(), &best.state))
+    }
+
+    /// Saves `state` (holding `ids`, costing `bytes`), replacing a state with the same ids and
+    /// evicting the least recently used until it fits. A state larger than the whole cache is
+    /// not kept.
+    pub fn insert(&mut self, ids: Vec<u32>, state: S, bytes: usize) {
+        if ids.is_empty() || bytes > self.capacity {
+            return;
+        }
+        self.clock += 1;
+        if let Some(i) = self.entries.iter().position(|e| e.ids == ids) {
+            let old = self.entries.swap_remove(i);
+            self.used -= old.bytes;
+        }
+        while self.used + bytes > self.capacity {
+            let Some((i, _)) = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+            else {
+                break;
+            };
+            let old = self.entries.swap_remove(i);
+            self.used -= old.bytes;
+        }
+        self.used += bytes;
+        self.entries.push(Entry {
+            ids,
+            state,
+            bytes,
+            last_used: self.clock,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn longest_proper_prefix_wins() {
+        let mut c = PrefixCache::new(100);
+        c.insert(vec![1, 2], "a", 10);
+        c.insert(vec![1, 2, 3], "b", 10);
+        c.insert(vec![1, 9], "c", 10);
+        assert_eq!(c.lookup(&[1, 2, 3, 4]), Some((3, &"b")));
+        // the whole prompt is never a hit: one token must still run
+        assert_eq!(c.lookup(&[1, 2, 3]), Some((2, &"a")));
+        assert_eq!(c.lookup(&[5, 1, 2]), None);
+    }
+
+    #[test]
+    fn lru_eviction_by_bytes() {
+        let mut c = PrefixCache::new(30);
+        c.insert(vec![1], "a", 10);
+        c.insert(vec![2], "b", 10);
+        c.insert(vec![3], "c", 10);
+        assert!(c.lookup(&[1, 0]).is_some()); // touch a
+        c.insert(vec![4], "d", 10); // evicts b, the least recently used
+        assert!(c.lookup(&[2, 0]).is_none());
+        assert!(c.lookup(&[1, 0]).is_some());
+        assert_eq!((c.len(), c.bytes()), (3, 30));
+        c.insert(vec![5], "big", 31); // larger than the cache: not kept
+        assert_eq!((c.len(), c.bytes()), (3, 30));
+        c.insert(vec![1], "a2", 5); // same ids: replaced
+        assert_eq!((c.len(), c.bytes()), (3, 25));
+        assert_eq!(c.lookup(&[1, 0]), Some((1, &"a2")));
+        let mut off = PrefixCache::new(0);
+        off.insert(vec![1], "a", 1);
+        assert!(off.is_empty());
+    }
+}

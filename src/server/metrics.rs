@@ -1,0 +1,188 @@
+//! Counters and gauges for `GET /metrics` (Prometheus text format).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Upper bounds (seconds) of the latency histograms' buckets.
+const BUCKETS: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+#[derive(Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    /// Sum in microseconds.
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, secs: f64) {
+        for (b, c) in BUCKETS.iter().zip(&self.counts) {
+            if secs <= *b {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_us
+            .fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in BUCKETS.iter().zip(&self.counts) {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{b}\"}} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
+        let n = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(out, "{name}_count {n}");
+    }
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    /// (endpoint, status) -> count.
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub queue_depth: AtomicU64,
+    pub running: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    pub cache_bytes: AtomicU64,
+    pub cache_entries: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub timeouts: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+}
+
+impl Metrics {
+    pub fn request(&self, endpoint: &str, status: u16) {
+        let mut m = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry((endpoint.to_string(), status)).or_default() += 1;
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP kestrel_requests_total HTTP requests by endpoint and status.\n# TYPE kestrel_requests_total counter\n");
+        for ((ep, status), n) in self
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "kestrel_requests_total{{endpoint=\"{ep}\",status=\"{status}\"}} {n}"
+            );
+        }
+        let scalar = |out: &mut String, name: &str, kind: &str, help: &str, v: &AtomicU64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        };
+        scalar(
+            &mut out,
+            "kestrel_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of finished requests.",
+            &self.prompt_tokens,
+        );
+        scalar(
+            &mut out,
+            "kestrel_generated_tokens_total",
+            "counter",
+            "Generated tokens.",
+            &self.generated_tokens,
+        );
+        scalar(
+            &mut out,
+            "kestrel_cached_tokens_total",
+            "counter",
+            "Prompt tokens reused from the prefix cache.",
+            &self.cached_tokens,
+        );
+        scalar(
+            &mut out,
+            "kestrel_queue_depth",
+            "gauge",
+            "Requests waiting for the model.",
+            &self.queue_depth,
+        );
+        scalar(
+            &mut out,
+            "kestrel_running_sequences",
+            "gauge",
+            "Sequences being generated.",
+            &self.running,
+        );
+        scalar(
+            &mut out,
+            "kestrel_prefix_cache_hits_total",
+            "counter",
+            "Requests that resumed from a cached prefix.",
+            &self.cache_hits,
+        );
+        scalar(
+            &mut out,
+            "kestrel_prefix_cache_misses_total",
+            "counter",
+            "Requests that found no cached prefix.",
+            &self.cache_misses,
+        );
+        scalar(
+            &mut out,
+            "kestrel_prefix_cache_bytes",
+            "gauge",
+            "Bytes of cached sequence states.",
+            &self.cache_bytes,
+        );
+        scalar(
+            &mut out,
+            "kestrel_prefix_cache_entries",
+            "gauge",
+            "Cached sequence states.",
+            &self.cache_entries,
+        );
+        scalar(
+            &mut out,
+            "kestrel_cancelled_total",
+            "counter",
+            "Requests stopped because the client went away.",
+            &self.cancelled,
+        );
+        scalar(
+            &mut out,
+            "kestrel_timeouts_total",
+            "counter",
+            "Requests stopped by the request timeout.",
+            &self.timeouts,
+        );
+        self.ttft.render(
+            &mut out,
+            "kestrel_time_to_first_token_seconds",
+            "Time from dequeue to the first generated token.",
+        );
+        self.itl.render(
+            &mut out,
+            "kestrel_inter_token_latency_seconds",
+            "Time between generated tokens.",
+        );
+        out
+    }
+}

@@ -1,0 +1,503 @@
+//! The model thread: takes [`Job`]s from a channel in arrival order, runs each through the
+//! engine (resuming from the prefix cache), and streams [`Event`]s back to its HTTP handler.
+//!
+//! Engines are not `Sync` (the CUDA one keeps its workspace in a `RefCell`), so exactly one
+//! thread owns the engine and the HTTP side never touches it.
+//!
+//! The [`Scheduler`] admits waiting jobs in arrival order up to `max_running` sequences
+//! (admission = checks + prefix-cache lookup), then advances every running sequence by one
+//! step per round ([`Scheduler::step`]): a prefill chunk (saving snapshots at their points)
+//! or one decode token, each one forward call per sequence today. Batched decode
+//! slots in there: one forward over all running sequences' next tokens, the per-sequence
+//! bookkeeping (sampling, text, stops, events) unchanged.
+
+use super::Shared;
+use super::cache::PrefixCache;
+use crate::generate::{
+    Channel, DecodeLoop, GenerationStats, ReplyDecoder, ReplySettings, StopReason,
+    ends_inside_thinking,
+};
+use crate::model::{Engine, Logits};
+use crate::sampling::{Sampler, SamplingParams, TokenLogprobs, logprobs};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What the model thread reports about one job.
+#[derive(Debug)]
+pub enum Event {
+    /// Prefill is about to start: the prompt's length and how much of it the cache held.
+    Started { cached_tokens: usize },
+    /// One generated token: the text it completed (possibly none) and its log-probabilities.
+    Token {
+        pieces: Vec<(Channel, String)>,
+        logprobs: Option<TokenLogprobs>,
+    },
+    Done {
+        stop: StopReason,
+        completion_tokens: usize,
+        reasoning_tokens: usize,
+    },
+    /// The job failed (`status` for the HTTP response when nothing was sent yet).
+    Error { status: u16, message: String },
+}
+
+/// One request for the model.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    /// Prompt lengths after which the state is saved to the prefix cache.
+    pub snapshot_points: Vec<usize>,
+    pub settings: ReplySettings,
+    pub params: SamplingParams,
+    pub seed: u64,
+    /// `Some(top_n)`: report each token's log-probability and the top `top_n`.
+    pub logprobs: Option<usize>,
+    pub events: UnboundedSender<Event>,
+    /// Set when the client has gone away.
+    pub cancel: Arc<AtomicBool>,
+    pub deadline: Instant,
+}
+
+/// Prompt tokens between chunk-boundary snapshots of long prompts.
+pub const SNAPSHOT_EVERY: usize = 2048;
+
+/// A sequence being decoded: its job and its decoding state.
+struct Running<S> {
+    job: Job,
+    seq: Seq<S>,
+}
+
+struct Seq<S> {
+    settings: ReplySettings,
+    state: S,
+    sampler: Sampler,
+    decoder: ReplyDecoder,
+    /// Prompt lengths still to reach: snapshot points, then the whole prompt.
+    points: VecDeque<usize>,
+    /// `None` while the prompt is being prefilled.
+    dl: Option<DecodeLoop>,
+    in_thinking: bool,
+    cached: usize,
+    vocab_limit: usize,
+    reasoning_tokens: usize,
+    t0: Instant,
+    last: Option<Instant>,
+}
+
+/// Why a sequence left the running set.
+enum End {
+    Stop(StopReason),
+    TimedOut,
+    ShuttingDown,
+    Gone,
+}
+
+pub struct Scheduler<'e, E: Engine> {
+    engine: &'e E,
+    shared: Arc<Shared>,
+    waiting: VecDeque<Job>,
+    running: Vec<Running<E::State>>,
+    cache: PrefixCache<E::State>,
+    /// Sequences decoded at once (interleaved token by token).
+    pub max_running: usize,
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> anyhow::Error {
+    let what = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    anyhow::anyhow!("internal error (model thread panicked: {what})")
+}
+
+fn fail(job: &Job, e: anyhow::Error) {
+    let msg = format!("{e:#}");
+    let status = if msg.contains("context limit") {
+        400
+    } else {
+        500
+    };
+    tracing::error!("request failed: {msg}");
+    let _ = job.events.send(Event::Error {
+        status,
+        message: msg,
+    });
+}
+
+impl<'e, E: Engine> Scheduler<'e, E> {
+    pub fn new(engine: &'e E, shared: Arc<Shared>) -> Self {
+        let cap = shared.config.cache_mem;
+        let max_running = shared.config.max_running.max(1);
+        Scheduler {
+            engine,
+            shared,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            cache: PrefixCache::new(cap),
+            max_running,
+        }
+    }
+
+    /// Serves jobs until every sender is gone and nothing is left to do.
+    pub fn run(mut self, rx: Receiver<Job>) {
+        self.shared.ready.store(true, Ordering::SeqCst);
+        loop {
+            if self.waiting.is_empty() && self.running.is_empty() {
+                match rx.recv_timeout(Duration::from_secs(1)) {
+                    Ok(job) => self.waiting.push_back(job),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            while let Ok(job) = rx.try_recv() {
+                self.waiting.push_back(job);
+            }
+            while self.running.len() < self.max_running {
+                let Some(job) = self.waiting.pop_front() else {
+                    break;
+                };
+                let shared = self.shared.clone();
+                let m = &shared.metrics;
+                m.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                // A panic in the engine fails this request only; the thread keeps serving.
+                let admitted =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.admit(&job)))
+                        .unwrap_or_else(|p| Err(panic_message(p)));
+                match admitted {
+                    Ok(Some(seq)) => {
+                        self.running.push(Running { job, seq });
+                        m.running.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(None) => {}
+                    Err(e) => fail(&job, e),
+                }
+            }
+            self.step();
+        }
+    }
+
+    /// Checks a job, resumes it from the cache and prefills its prompt. `None`: nothing to
+    /// run (the reason was reported).
+    fn admit(&mut self, job: &Job) -> anyhow::Result<Option<Seq<E::State>>> {
+        let m = &self.shared.metrics;
+        if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
+            m.cancelled.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
+        if self.shared.stopping.load(Ordering::SeqCst) {
+            let _ = job.events.send(Event::Error {
+                status: 503,
+                message: "the server is shutting down".into(),
+            });
+            return Ok(None);
+        }
+        if Instant::now() >= job.deadline {
+            m.timeouts.fetch_add(1, Ordering::Relaxed);
+            let _ = job.events.send(Event::Error {
+                status: 504,
+                message: "the request timed out waiting for the model".into(),
+            });
+            return Ok(None);
+        }
+        let engine = self.engine;
+        let cfg = engine.config();
+        let mut settings = job.settings.clone();
+        for id in &cfg.eos_token_ids {
+            if !settings.opts.stop_ids.contains(id) {
+                settings.opts.stop_ids.push(*id);
+            }
+        }
+        settings.opts.max_seq = settings.opts.max_seq.min(cfg.max_position_embeddings);
+        let mut params = job.params.clone();
+        params.vocab_limit = params.vocab_limit.min(cfg.vocab_size);
+        let vocab_limit = params.vocab_limit;
+        let prompt = &job.prompt;
+        if prompt.is_empty() || prompt.len() >= settings.opts.max_seq {
+            anyhow::bail!(
+                "the prompt is {} tokens but the context limit is {} tokens",
+                prompt.len(),
+                settings.opts.max_seq
+            );
+        }
+
+        // Resume from the longest cached prefix.
+        let (state, cached) = match self.cache.lookup(prompt) {
+            Some((n, s)) => (s.clone(), n),
+            None => (engine.new_state(), 0),
+        };
+        if cached > 0 {
+            m.cache_hits.fetch_add(1, Ordering::Relaxed);
+        } else {
+            m.cache_misses.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = job.events.send(Event::Started {
+            cached_tokens: cached,
+        });
+        let t0 = Instant::now();
+
+        // Snapshot points (the prefill itself runs in `advance`, a chunk per round).
+        let mut points: Vec<usize> = job
+            .snapshot_points
+            .iter()
+            .copied()
+            .chain(
+                (1..)
+                    .map(|k| k * SNAPSHOT_EVERY)
+                    .take_while(|&p| p < prompt.len()),
+            )
+            .filter(|&p| p > cached && p < prompt.len())
+            .collect();
+        points.sort_unstable();
+        points.dedup();
+        points.push(prompt.len());
+
+        let in_thinking = settings
+            .think_ids
+            .is_some_and(|(o, c)| ends_inside_thinking(prompt, o, c));
+        let decoder = ReplyDecoder::new(
+            settings.think_ids,
+            in_thinking,
+            &settings.stop_strings,
+            &settings.opts.stop_ids,
+        );
+        Ok(Some(Seq {
+            settings,
+            state,
+            sampler: Sampler::new(params, job.seed),
+            decoder,
+            points: points.into(),
+            dl: None,
+            in_thinking,
+            cached,
+            vocab_limit,
+            reasoning_tokens: 0,
+            t0,
+            last: None,
+        }))
+    }
+
+    /// One token for every running sequence, in admission order; finished ones leave.
+    pub fn step(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let Running { job, seq } = &mut self.running[i];
+            let (engine, shared, cache) = (self.engine, &self.shared, &mut self.cache);
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                advance(engine, shared, cache, job, seq)
+            }))
+            .unwrap_or_else(|p| Err(panic_message(p)));
+            match outcome {
+                Ok(None) => i += 1,
+                Ok(Some(end)) => {
+                    let r = self.running.remove(i);
+                    self.finish(r, end);
+                }
+                Err(e) => {
+                    let r = self.running.remove(i);
+                    self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+                    fail(&r.job, e);
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self, r: Running<E::State>, end: End) {
+        let m = &self.shared.metrics;
+        m.running.fetch_sub(1, Ordering::Relaxed);
+        let Running {
+            job,
+            seq:
+                Seq {
+                    state,
+                    mut decoder,
+                    dl,
+                    reasoning_tokens,
+                    cached,
+                    ..
+                },
+        } = r;
+        let stop = match end {
+            End::Stop(s) => s,
+            _ => StopReason::Cancelled,
+        };
+        let stats = match dl {
+            Some(dl) => dl.finish(stop),
+            // stopped during the prefill
+            None => GenerationStats {
+                prompt_tokens: job.prompt.len(),
+                cached_tokens: cached,
+                generated: Vec::new(),
+                forced_tokens: 0,
+                time_to_first_token: Duration::ZERO,
+                decode_time: Duration::ZERO,
+                stop,
+                prefill_complete: false,
+            },
+        };
+        if matches!(end, End::Stop(s) if s != StopReason::StopString) {
+            let tok = &self.shared.tokenizer;
+            match decoder.finish(|ids: &[u32]| tok.decode(ids, true)) {
+                Ok(pieces) if !pieces.is_empty() => {
+                    let _ = job.events.send(Event::Token {
+                        pieces,
+                        logprobs: None,
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => return fail(&job, e),
+            }
+        }
+        m.prompt_tokens
+            .fetch_add(stats.prompt_tokens as u64, Ordering::Relaxed);
+        m.cached_tokens
+            .fetch_add(stats.cached_tokens as u64, Ordering::Relaxed);
+        m.generated_tokens
+            .fetch_add(stats.generated.len() as u64, Ordering::Relaxed);
+        match end {
+            End::TimedOut => {
+                m.timeouts.fetch_add(1, Ordering::Relaxed);
+                let _ = job.events.send(Event::Error {
+                    status: 504,
+                    message: format!(
+                        "the request timed out after {} generated tokens",
+                        stats.generated.len()
+                    ),
+                });
+            }
+            End::ShuttingDown => {
+                let _ = job.events.send(Event::Error {
+                    status: 503,
+                    message: "the server is shutting down".into(),
+                });
+            }
+            End::Gone => {
+                m.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            End::Stop(stop) => {
+                let _ = job.events.send(Event::Done {
+                    stop,
+                    completion_tokens: stats.generated.len(),
+                    reasoning_tokens,
+                });
+                // The state after prompt + reply: the next turn of the conversation may
+                // extend it.
+                let mut ids = job.prompt.clone();
+                ids.extend_from_slice(stats.fed_tokens());
+                if self.engine.state_len(&state) == ids.len() {
+                    let bytes = self.engine.state_bytes(&state);
+                    self.cache.insert(ids, state, bytes);
+                }
+            }
+        }
+        self.publish_cache();
+    }
+
+    fn publish_cache(&self) {
+        let m = &self.shared.metrics;
+        m.cache_bytes
+            .store(self.cache.bytes() as u64, Ordering::Relaxed);
+        m.cache_entries
+            .store(self.cache.len() as u64, Ordering::Relaxed);
+    }
+}
+
+/// One decode step of `job`'s sequence `r`: pick a token, report it, check the limits, run it through the
+/// model. `Some(end)` when the sequence is done.
+fn advance<E: Engine>(
+    engine: &E,
+    shared: &Shared,
+    cache: &mut PrefixCache<E::State>,
+    job: &Job,
+    r: &mut Seq<E::State>,
+) -> anyhow::Result<Option<End>> {
+    let m = &shared.metrics;
+    let opts = &r.settings.opts;
+    if job.events.is_closed() || job.cancel.load(Ordering::SeqCst) {
+        return Ok(Some(End::Gone));
+    }
+    let Some(dl) = &mut r.dl else {
+        // Prefill: one chunk per round, so running sequences keep decoding meanwhile.
+        if Instant::now() >= job.deadline {
+            return Ok(Some(End::TimedOut));
+        }
+        if shared.stopping.load(Ordering::SeqCst) {
+            return Ok(Some(End::ShuttingDown));
+        }
+        let prompt = &job.prompt;
+        let done = engine.state_len(&r.state);
+        let p = *r.points.front().unwrap_or(&prompt.len());
+        let end = p.min(done + opts.prefill_chunk.max(1));
+        let logits = engine.forward(&mut r.state, &prompt[done..end], Logits::Last)?;
+        if end == p {
+            r.points.pop_front();
+            if p < prompt.len() {
+                let bytes = engine.state_bytes(&r.state);
+                cache.insert(prompt[..p].to_vec(), r.state.clone(), bytes);
+                m.cache_bytes.store(cache.bytes() as u64, Ordering::Relaxed);
+                m.cache_entries.store(cache.len() as u64, Ordering::Relaxed);
+            } else {
+                let stats = GenerationStats {
+                    prompt_tokens: prompt.len(),
+                    cached_tokens: r.cached,
+                    generated: Vec::new(),
+                    forced_tokens: 0,
+                    time_to_first_token: Duration::ZERO,
+                    decode_time: Duration::ZERO,
+                    stop: StopReason::Cancelled,
+                    prefill_complete: true,
+                };
+                r.dl = Some(DecodeLoop::new(stats, r.in_thinking, logits, r.t0));
+            }
+        }
+        return Ok(None);
+    };
+    let id = dl.pick(opts, &mut r.sampler);
+    let now = Instant::now();
+    match r.last {
+        None => m.ttft.observe((now - r.t0).as_secs_f64()),
+        Some(t) => m.itl.observe((now - t).as_secs_f64()),
+    }
+    r.last = Some(now);
+    if r.decoder.channel() == Channel::Reasoning {
+        r.reasoning_tokens += 1;
+    }
+    let hidden = opts.stop_ids.contains(&id);
+    let lp = job
+        .logprobs
+        .filter(|_| !hidden)
+        .map(|n| logprobs(&dl.logits, r.vocab_limit, id, n));
+    let tok = &shared.tokenizer;
+    let (pieces, stopped) = r.decoder.push(id, |ids: &[u32]| tok.decode(ids, true))?;
+    if (!pieces.is_empty() || lp.is_some())
+        && job
+            .events
+            .send(Event::Token {
+                pieces,
+                logprobs: lp,
+            })
+            .is_err()
+    {
+        return Ok(Some(End::Gone));
+    }
+    if job.events.is_closed() || job.cancel.load(Ordering::SeqCst) {
+        return Ok(Some(End::Gone));
+    }
+    if now >= job.deadline {
+        return Ok(Some(End::TimedOut));
+    }
+    if shared.stopping.load(Ordering::SeqCst) {
+        return Ok(Some(End::ShuttingDown));
+    }
+    if stopped {
+        return Ok(Some(End::Stop(StopReason::StopString)));
+    }
+    if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
+        return Ok(Some(End::Stop(stop)));
+    }
+    dl.logits = engine.forward(&mut r.state, &[id], Logits::Last)?;
+    Ok(None)
+}
