@@ -145,6 +145,8 @@ pub struct GenParams {
     /// `Some(top_n)` when log-probabilities were asked for.
     pub logprobs: Option<usize>,
     pub thinking_budget: Option<usize>,
+    /// `prompt_cache_key`: the caller's cache affinity; its saved prefixes are evicted last.
+    pub cache_key: Option<String>,
 }
 
 /// Options this server refuses rather than silently ignores, with the value that is harmless.
@@ -320,6 +322,11 @@ pub fn parse_gen_params(
             ));
         }
     };
+    let cache_key = match present(obj, "prompt_cache_key") {
+        None => None,
+        Some(Value::String(k)) => Some(k.clone()),
+        Some(v) => return Err(type_error("prompt_cache_key", "a string", v)),
+    };
     Ok(GenParams {
         max_tokens,
         sampling: p,
@@ -329,6 +336,7 @@ pub fn parse_gen_params(
         include_usage,
         logprobs,
         thinking_budget,
+        cache_key,
     })
 }
 
@@ -1001,6 +1009,10 @@ mod tests {
             (
                 json!({"messages": [{"role": "user", "content": "x"}], "stop": 5}),
                 "stop",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "prompt_cache_key": 7}),
+                "prompt_cache_key",
             ),
             (
                 json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}),

@@ -1,10 +1,12 @@
 //! The prefix cache: saved sequence states keyed by the token ids they hold, bounded by
 //! bytes, least recently used evicted first. A request resumes from the longest saved state
 //! whose ids are a proper prefix of its prompt (at least one prompt token must still run, to
-//! produce the first logits).
+//! produce the first logits). States saved under a `prompt_cache_key` are the caller's: when
+//! a request with that key needs room, other keys' (and untagged) states go first.
 
 struct Entry<S> {
     ids: Vec<u32>,
+    key: Option<String>,
     state: S,
     bytes: usize,
     last_used: u64,
@@ -53,10 +55,10 @@ impl<S> PrefixCache<S> {
         Some((best.ids.len(), &best.state))
     }
 
-    /// Saves `state` (holding `ids`, costing `bytes`), replacing a state with the same ids and
-    /// evicting the least recently used until it fits. A state larger than the whole cache is
-    /// not kept.
-    pub fn insert(&mut self, ids: Vec<u32>, state: S, bytes: usize) {
+    /// Saves `state` (holding `ids`, costing `bytes`, tagged with `key`), replacing a state
+    /// with the same ids and evicting until it fits: the least recently used state of another
+    /// key first, then of the same key. A state larger than the whole cache is not kept.
+    pub fn insert(&mut self, ids: Vec<u32>, state: S, bytes: usize, key: Option<&str>) {
         if ids.is_empty() || bytes > self.capacity {
             return;
         }
@@ -70,7 +72,7 @@ impl<S> PrefixCache<S> {
                 .entries
                 .iter()
                 .enumerate()
-                .min_by_key(|(_, e)| e.last_used)
+                .min_by_key(|(_, e)| (key.is_some() && e.key.as_deref() == key, e.last_used))
             else {
                 break;
             };
@@ -80,6 +82,7 @@ impl<S> PrefixCache<S> {
         self.used += bytes;
         self.entries.push(Entry {
             ids,
+            key: key.map(str::to_string),
             state,
             bytes,
             last_used: self.clock,
@@ -89,14 +92,29 @@ impl<S> PrefixCache<S> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_cache_key_keeps_its_own_states_in_preference() {
+        let mut c = super::PrefixCache::new(20);
+        c.insert(vec![1], "mine", 10, Some("alice"));
+        c.insert(vec![2], "other", 10, Some("bob"));
+        // Room for a new "alice" state: bob's goes although alice's is older.
+        c.insert(vec![3], "mine too", 10, Some("alice"));
+        assert_eq!(c.lookup(&[1, 0]), Some((1, &"mine")));
+        assert!(c.lookup(&[2, 0]).is_none());
+        // Without a key, plain LRU: the least recently used ([3]) goes.
+        c.insert(vec![4], "anon", 10, None);
+        assert!(c.lookup(&[3, 0]).is_none());
+        assert_eq!(c.lookup(&[1, 0]), Some((1, &"mine")));
+    }
+
     use super::*;
 
     #[test]
     fn longest_proper_prefix_wins() {
         let mut c = PrefixCache::new(100);
-        c.insert(vec![1, 2], "a", 10);
-        c.insert(vec![1, 2, 3], "b", 10);
-        c.insert(vec![1, 9], "c", 10);
+        c.insert(vec![1, 2], "a", 10, None);
+        c.insert(vec![1, 2, 3], "b", 10, None);
+        c.insert(vec![1, 9], "c", 10, None);
         assert_eq!(c.lookup(&[1, 2, 3, 4]), Some((3, &"b")));
         // the whole prompt is never a hit: one token must still run
         assert_eq!(c.lookup(&[1, 2, 3]), Some((2, &"a")));
@@ -106,21 +124,21 @@ mod tests {
     #[test]
     fn lru_eviction_by_bytes() {
         let mut c = PrefixCache::new(30);
-        c.insert(vec![1], "a", 10);
-        c.insert(vec![2], "b", 10);
-        c.insert(vec![3], "c", 10);
+        c.insert(vec![1], "a", 10, None);
+        c.insert(vec![2], "b", 10, None);
+        c.insert(vec![3], "c", 10, None);
         assert!(c.lookup(&[1, 0]).is_some()); // touch a
-        c.insert(vec![4], "d", 10); // evicts b, the least recently used
+        c.insert(vec![4], "d", 10, None); // evicts b, the least recently used
         assert!(c.lookup(&[2, 0]).is_none());
         assert!(c.lookup(&[1, 0]).is_some());
         assert_eq!((c.len(), c.bytes()), (3, 30));
-        c.insert(vec![5], "big", 31); // larger than the cache: not kept
+        c.insert(vec![5], "big", 31, None); // larger than the cache: not kept
         assert_eq!((c.len(), c.bytes()), (3, 30));
-        c.insert(vec![1], "a2", 5); // same ids: replaced
+        c.insert(vec![1], "a2", 5, None); // same ids: replaced
         assert_eq!((c.len(), c.bytes()), (3, 25));
         assert_eq!(c.lookup(&[1, 0]), Some((1, &"a2")));
         let mut off = PrefixCache::new(0);
-        off.insert(vec![1], "a", 1);
+        off.insert(vec![1], "a", 1, None);
         assert!(off.is_empty());
     }
 }

@@ -386,6 +386,7 @@ async fn submit(
         params: params.sampling.clone(),
         seed: params.seed.unwrap_or_else(|| fresh_seed(s)),
         logprobs: params.logprobs,
+        cache_key: params.cache_key.clone(),
         events: tx,
         cancel: cancel.clone(),
         deadline: Instant::now() + s.config.request_timeout,

@@ -55,6 +55,9 @@ pub struct Job {
     pub seed: u64,
     /// `Some(top_n)`: report each token's log-probability and the top `top_n`.
     pub logprobs: Option<usize>,
+    /// `prompt_cache_key`: states this request saves are tagged with it, and when the cache
+    /// must evict, it evicts other keys' states before this key's.
+    pub cache_key: Option<String>,
     pub events: UnboundedSender<Event>,
     /// Set when the client has gone away.
     pub cancel: Arc<AtomicBool>,
@@ -389,7 +392,8 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 ids.extend_from_slice(stats.fed_tokens());
                 if self.engine.state_len(&state) == ids.len() {
                     let bytes = self.engine.state_bytes(&state);
-                    self.cache.insert(ids, state, bytes);
+                    self.cache
+                        .insert(ids, state, bytes, job.cache_key.as_deref());
                 }
             }
         }
@@ -436,7 +440,12 @@ fn advance<E: Engine>(
             r.points.pop_front();
             if p < prompt.len() {
                 let bytes = engine.state_bytes(&r.state);
-                cache.insert(prompt[..p].to_vec(), r.state.clone(), bytes);
+                cache.insert(
+                    prompt[..p].to_vec(),
+                    r.state.clone(),
+                    bytes,
+                    job.cache_key.as_deref(),
+                );
                 m.cache_bytes.store(cache.bytes() as u64, Ordering::Relaxed);
                 m.cache_entries.store(cache.len() as u64, Ordering::Relaxed);
             } else {
