@@ -41,3 +41,27 @@ __device__ float block_sum(float v) {
     __syncthreads();
     return total;
 }
+
+// y[r] = beta * y[r] + W[r, :] . xs for rows r = row0 + warp * 4 + q (q < 4, r < n):
+// W bf16 [n, k] read with 16-byte loads (k % 8 == 0), xs the input staged in shared memory.
+// The body of the decode GEMVs (dense and per-expert).
+__device__ __forceinline__ void rows_dot4(const bf16* __restrict__ w, const float* xs, int n, int k,
+                                          int row0, float* __restrict__ y, float beta) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nvec = k / 8;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int r = row0 + warp * 4 + q;
+        if (r >= n) break;
+        const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)r * k);
+        float acc = 0.0f;
+        for (int c = lane; c < nvec; c += 32) {
+            uint4 v = wr[c];
+            const bf16* e = reinterpret_cast<const bf16*>(&v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc += __bfloat162float(e[j]) * xs[c * 8 + j];
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) y[r] = beta == 0.0f ? acc : beta * y[r] + acc;
+    }
+}

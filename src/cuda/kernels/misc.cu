@@ -85,21 +85,5 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16(
     extern __shared__ float xs[];
     for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
     __syncthreads();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int nvec = k / 8;
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        int r = blockIdx.x * 32 + warp * 4 + q;
-        if (r >= n) break;
-        const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)r * k);
-        float acc = 0.0f;
-        for (int c = lane; c < nvec; c += 32) {
-            uint4 v = wr[c];
-            const bf16* e = reinterpret_cast<const bf16*>(&v);
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc += __bfloat162float(e[j]) * xs[c * 8 + j];
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) y[r] = beta == 0.0f ? acc : beta * y[r] + acc;
-    }
+    rows_dot4(w, xs, n, k, blockIdx.x * 32, y, beta);
 }

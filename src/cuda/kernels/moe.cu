@@ -163,23 +163,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv(
     for (int i = threadIdx.x; i < kdim; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
     __syncthreads();
     const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int nvec = kdim / 8;
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        int n = blockIdx.y * 32 + warp * 4 + q;
-        if (n >= ndim) break;
-        const uint4* wr = reinterpret_cast<const uint4*>(wx + (size_t)n * kdim);
-        float acc = 0.0f;
-        for (int c = lane; c < nvec; c += 32) {
-            uint4 v = wr[c];
-            const bf16* e = reinterpret_cast<const bf16*>(&v);
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc += __bfloat162float(e[j]) * xs[c * 8 + j];
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) y[(size_t)r * ndim + n] = acc;
-    }
+    rows_dot4(wx, xs, ndim, kdim, blockIdx.y * 32, y + (size_t)r * ndim, 0.0f);
 }
 
 // act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
