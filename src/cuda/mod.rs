@@ -13,10 +13,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// The kernel sources, one file per op family, compiled as one module.
-const SOURCES: [(&str, &str); 6] = [
+const SOURCES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("misc.cu", include_str!("kernels/misc.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
@@ -29,7 +30,7 @@ const KERNELS: &[&str] = &[
     "fill_random_bf16",
     "fill_random_f32",
     "copy_probe",
-    "gemv_bf16",
+    "gemv_dec",
     "rmsnorm_zc_bf16",
     "gdn_conv",
     "gdn_qk_l2norm",
@@ -39,6 +40,11 @@ const KERNELS: &[&str] = &[
     "gdn_recurrent_64",
     "gdn_recurrent_128",
     "gdn_gated_norm",
+    "gdn_conv_dec",
+    "gdn_step_dec_16",
+    "gdn_step_dec_32",
+    "gdn_step_dec_64",
+    "gdn_step_dec_128",
     "attn_prep",
     "attn_split",
     "attn_combine",
@@ -51,6 +57,9 @@ const KERNELS: &[&str] = &[
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
+    "moe_router_dec",
+    "moe_gate_up_dec",
+    "moe_down_dec",
 ];
 
 /// A raw device allocation, freed on drop.
@@ -88,9 +97,6 @@ pub struct Gpu {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub total_memory: usize,
-    /// Single-token GEMMs through our `gemv_bf16` instead of cuBLAS. Opt-in
-    /// (`KESTREL_DENSE_GEMV=1`) until it has been verified on the GPU.
-    pub dense_gemv: std::sync::atomic::AtomicBool,
     /// With `KESTREL_PROFILE=1`: per-op (calls, seconds), each op timed between syncs.
     profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
 }
@@ -238,9 +244,6 @@ impl Gpu {
             name,
             compute_capability: cc,
             total_memory,
-            dense_gemv: std::sync::atomic::AtomicBool::new(
-                std::env::var("KESTREL_DENSE_GEMV").is_ok_and(|v| v == "1"),
-            ),
             profile: std::env::var("KESTREL_PROFILE")
                 .ok()
                 .map(|_| std::sync::Mutex::new(Default::default())),
@@ -347,6 +350,28 @@ impl Gpu {
             .map_err(|e| anyhow!("CUDA error (a kernel failed?): {e:?}"))
     }
 
+    /// Whether per-op profiling (`KESTREL_PROFILE`) is on: it syncs after every op, so
+    /// nothing can be captured into a CUDA graph.
+    pub fn profiling(&self) -> bool {
+        self.profile.is_some()
+    }
+
+    /// Records the launches `f` makes on the stream into a CUDA graph (nothing runs).
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<cudarc::driver::CudaGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| anyhow!("CUDA graph capture: {e:?}"))?;
+        let recorded = f();
+        // End the capture even when recording failed, so the stream is usable again.
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(|e| anyhow!("CUDA graph instantiate: {e:?}"));
+        recorded?;
+        graph?.ok_or_else(|| anyhow!("CUDA graph capture recorded nothing"))
+    }
+
     fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let Some(p) = &self.profile else { return f() };
         self.sync()?;
@@ -438,27 +463,6 @@ impl Gpu {
         ldy: usize,
         beta: f32,
     ) -> Result<()> {
-        let gemv = t == 1
-            && k.is_multiple_of(8)
-            && k <= 12_288
-            && self.dense_gemv.load(std::sync::atomic::Ordering::Relaxed);
-        if gemv {
-            let args = [
-                Arg::Ptr(w),
-                Arg::Ptr(x),
-                Arg::Ptr(y),
-                Arg::I(n as i32),
-                Arg::I(k as i32),
-                Arg::F(beta),
-            ];
-            return self.launch(
-                "gemv_bf16",
-                (n.div_ceil(32) as u32, 1, 1),
-                256,
-                (k * 4) as u32,
-                &args,
-            );
-        }
         self.timed(
             || format!("gemm {n}x{k} t={t}"),
             || self.gemm_raw(w, n, k, x, t, y, ldy, beta),

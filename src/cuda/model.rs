@@ -23,6 +23,14 @@ const MOE_GEMV_MAX_ROWS: usize = 64;
 /// Attention splits per query in prefill (bounded workspace); decode may use up to 256.
 const PREFILL_SPLITS: usize = 8;
 const DECODE_SPLITS: usize = 256;
+/// Attention splits per query head in the fused decode step, by context length: each bucket
+/// gets its own captured graph; the kernels derive the chunk length from the position.
+fn decode_splits(n: usize) -> usize {
+    [4, 16, 64]
+        .into_iter()
+        .find(|&b| b * 64 >= n)
+        .unwrap_or(DECODE_SPLITS)
+}
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
 
@@ -37,10 +45,9 @@ fn flash_smem_bytes(hd: usize) -> usize {
 }
 
 struct GdnW {
-    in_qkv: DeviceBuf,
-    in_z: DeviceBuf,
-    /// `[2*Hv, D]`: b rows then a rows.
-    in_ba: DeviceBuf,
+    /// `[C + Hv*Dv + 2*Hv, D]`: the qkv conv inputs, z, b, a rows in one matrix, so decode
+    /// reads them in one GEMV (prefill multiplies the three parts).
+    in_proj: DeviceBuf,
     conv: DeviceBuf,
     a_log: DeviceBuf,
     dt_bias: DeviceBuf,
@@ -49,12 +56,34 @@ struct GdnW {
 }
 
 struct AttnW {
-    q: DeviceBuf,
-    k: DeviceBuf,
-    v: DeviceBuf,
+    /// `[Nq*2*Hd + 2*Nkv*Hd, D]`: query+gate, key and value rows in one matrix.
+    qkv: DeviceBuf,
     o: DeviceBuf,
     q_norm: DeviceBuf,
     k_norm: DeviceBuf,
+}
+
+impl GdnW {
+    /// Device pointers of the qkv, z and b|a parts of `in_proj`.
+    fn in_parts(&self, c: &TextConfig) -> (u64, u64, u64) {
+        let row = (c.hidden_size * 2) as u64;
+        let (ch, vw) = (c.gdn_conv_channels() as u64, c.gdn_v_width() as u64);
+        let p = self.in_proj.ptr;
+        (p, p + ch * row, p + (ch + vw) * row)
+    }
+}
+
+impl AttnW {
+    /// Device pointers of the query+gate, key and value parts of `qkv`.
+    fn qkv_parts(&self, c: &TextConfig) -> (u64, u64, u64) {
+        let row = (c.hidden_size * 2) as u64;
+        let (q, kv) = (
+            (c.num_attention_heads * 2 * c.head_dim) as u64,
+            (c.num_kv_heads * c.head_dim) as u64,
+        );
+        let p = self.qkv.ptr;
+        (p, p + q * row, p + (q + kv) * row)
+    }
 }
 
 enum MixerW {
@@ -118,6 +147,104 @@ struct Workspace {
     next: DeviceBuf,
 }
 
+/// Buffers of the fused one-token decode step, apart from the prefill workspace. A captured
+/// decode graph holds these pointers, so they never move.
+struct DecodeWs {
+    /// `[token id, position]`: the step's only input, written before each launch (the greedy
+    /// argmax also writes the next id into slot 0).
+    step_in: DeviceBuf,
+    h: DeviceBuf,
+    /// Output of the fused input projection (GDN: qkv|z|b|a; attention: q+gate|k|v).
+    proj: DeviceBuf,
+    qkv: DeviceBuf,
+    q: DeviceBuf,
+    ob: DeviceBuf,
+    xb: DeviceBuf,
+    router: DeviceBuf,
+    topk_ids: DeviceBuf,
+    topk_w: DeviceBuf,
+    sgate: DeviceBuf,
+    /// Last-block counters of the router top-k and the lm_head argmax (zero between launches).
+    done: DeviceBuf,
+    act: DeviceBuf,
+    act_ld: usize,
+    part: DeviceBuf,
+    logits: DeviceBuf,
+    arg_val: DeviceBuf,
+    arg_idx: DeviceBuf,
+    next: DeviceBuf,
+}
+
+impl DecodeWs {
+    /// (name, bytes) of every buffer.
+    fn sizes(c: &TextConfig) -> Vec<(&'static str, usize)> {
+        let (d, hd, nq, nkv) = (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_kv_heads);
+        let gdn_rows = c.gdn_conv_channels() + c.gdn_v_width() + 2 * c.gdn_num_value_heads;
+        let attn_rows = nq * 2 * hd + 2 * nkv * hd;
+        let act_ld = c.moe_intermediate.max(c.shared_intermediate);
+        vec![
+            ("step_in", 8),
+            ("h", d * 4),
+            ("proj", gdn_rows.max(attn_rows) * 4),
+            ("qkv", c.gdn_conv_channels() * 4),
+            ("q", nq * hd * 4),
+            ("ob", c.gdn_v_width().max(nq * hd) * 2),
+            ("xb", d * 2),
+            ("router", c.num_experts * 4),
+            ("topk_ids", c.experts_per_token * 4),
+            ("topk_w", c.experts_per_token * 4),
+            ("sgate", 4),
+            ("done", 8),
+            ("act", (c.experts_per_token + 1) * act_ld * 4),
+            ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
+            ("logits", c.vocab_size * 4),
+            ("arg_val", c.vocab_size.div_ceil(32) * 4),
+            ("arg_idx", c.vocab_size.div_ceil(32) * 4),
+            ("next", 4),
+        ]
+    }
+
+    fn alloc(gpu: &Gpu, c: &TextConfig) -> Result<Self> {
+        let mut bufs = std::collections::HashMap::new();
+        for (name, bytes) in Self::sizes(c) {
+            bufs.insert(name, gpu.alloc_zeroed(bytes)?);
+        }
+        let mut take = |n: &str| bufs.remove(n).ok_or_else(|| anyhow!("decode buffer {n}"));
+        Ok(DecodeWs {
+            step_in: take("step_in")?,
+            h: take("h")?,
+            proj: take("proj")?,
+            qkv: take("qkv")?,
+            q: take("q")?,
+            ob: take("ob")?,
+            xb: take("xb")?,
+            router: take("router")?,
+            topk_ids: take("topk_ids")?,
+            topk_w: take("topk_w")?,
+            sgate: take("sgate")?,
+            done: take("done")?,
+            act: take("act")?,
+            act_ld: c.moe_intermediate.max(c.shared_intermediate),
+            part: take("part")?,
+            logits: take("logits")?,
+            arg_val: take("arg_val")?,
+            arg_idx: take("arg_idx")?,
+            next: take("next")?,
+        })
+    }
+}
+
+/// Whether the fused decode kernels fit `c` (their staged vectors live in 48 KiB of shared
+/// memory); otherwise one-token steps take the general path.
+fn fused_decode_fits(c: &TextConfig) -> bool {
+    let smem = 48 * 1024;
+    let act_ld = c.moe_intermediate.max(c.shared_intermediate);
+    c.hidden_size.max(c.gdn_v_width()).max(c.num_attention_heads * c.head_dim) * 4 <= smem
+        && (c.experts_per_token + 1) * act_ld * 4 <= smem
+        && (c.hidden_size + c.num_experts) * 4 <= smem
+        && c.gdn_conv_channels() % 8 == 0
+}
+
 pub struct CudaModel {
     pub config: TextConfig,
     pub gpu: Arc<Gpu>,
@@ -133,12 +260,20 @@ pub struct CudaModel {
     /// Use `moe_gemm2` (128x128 tiles, cp.async double buffering) for the prefill MoE.
     /// Opt-in (`KESTREL_MOE_GEMM=v2`) until it has been verified on the GPU.
     pub moe_gemm_v2: bool,
+    dws: DecodeWs,
+    /// One-token steps through the fused decode kernels (off: the general path, for
+    /// comparison; `KESTREL_DECODE=unfused`).
+    pub fused_decode: bool,
+    /// Replay the fused decode step as a CUDA graph (`KESTREL_DECODE_GRAPH=0` turns it off).
+    pub decode_graph: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
 /// `max_seq` positions. Cloning copies it on the device (a snapshot).
 pub struct CudaState {
     pub len: usize,
+    /// Captured decode graphs of this state, by (attention splits, argmax vocab limit).
+    graphs: Vec<((usize, usize), DecodeGraph)>,
     max_seq: usize,
     gdn: Vec<(DeviceBuf, DeviceBuf)>,
     kv: Vec<(DeviceBuf, DeviceBuf)>,
@@ -165,6 +300,7 @@ impl CudaState {
         }
         Ok(CudaState {
             len: self.len,
+            graphs: Vec::new(),
             max_seq: self.max_seq,
             gdn,
             kv,
@@ -193,6 +329,13 @@ impl Clone for CudaState {
             .expect("GPU memory exhausted while snapshotting a sequence state")
     }
 }
+
+/// A captured decode step. The graph only names device memory, so it may move between
+/// threads with its state (it is never used from two threads at once).
+struct DecodeGraph(cudarc::driver::CudaGraph);
+// SAFETY: the CUDA graph handles are plain driver objects; the owning state is used by one
+// thread at a time (`&mut` for every step), which is all the driver requires.
+unsafe impl Send for DecodeGraph {}
 
 /// Weights in the shape the GPU kernels read, from host matrices or seeded on the device.
 enum Source<'a> {
@@ -298,7 +441,8 @@ impl CudaModel {
         MemoryPlan {
             weights: total as usize * 2 + vec_extra,
             state: Self::state_bytes(cfg, max_seq),
-            workspace: Self::workspace_floats(cfg, max_chunk).1,
+            workspace: Self::workspace_floats(cfg, max_chunk).1
+                + DecodeWs::sizes(cfg).iter().map(|(_, b)| b).sum::<usize>(),
         }
     }
 
@@ -484,14 +628,12 @@ impl CudaModel {
                     });
                     let (hv, ch) = (cfg.gdn_num_value_heads, cfg.gdn_conv_channels());
                     MixerW::Gdn(GdnW {
-                        in_qkv: mat(g.map(|g| bf16_bytes(&g.in_qkv)), ch, d, wstd(d))?,
-                        in_z: mat(
-                            g.map(|g| bf16_bytes(&g.in_z)),
-                            cfg.gdn_v_width(),
+                        in_proj: mat(
+                            g.map(|g| cat(&[&g.in_qkv, &g.in_z, &g.in_b, &g.in_a])),
+                            ch + cfg.gdn_v_width() + 2 * hv,
                             d,
                             wstd(d),
                         )?,
-                        in_ba: mat(g.map(|g| cat(&[&g.in_b, &g.in_a])), 2 * hv, d, wstd(d))?,
                         conv: vecf(g.map(|g| g.conv.as_slice()), ch * cfg.conv_kernel, 0.0, 0.5)?,
                         a_log: match g {
                             Some(g) => gpu.upload(&f32_bytes(&g.a_log))?,
@@ -518,9 +660,12 @@ impl CudaModel {
                     });
                     let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
                     MixerW::Attn(AttnW {
-                        q: mat(a.map(|a| bf16_bytes(&a.q)), nq * 2 * hd, d, wstd(d))?,
-                        k: mat(a.map(|a| bf16_bytes(&a.k)), nkv * hd, d, wstd(d))?,
-                        v: mat(a.map(|a| bf16_bytes(&a.v)), nkv * hd, d, wstd(d))?,
+                        qkv: mat(
+                            a.map(|a| cat(&[&a.q, &a.k, &a.v])),
+                            nq * 2 * hd + 2 * nkv * hd,
+                            d,
+                            wstd(d),
+                        )?,
                         o: mat(a.map(|a| bf16_bytes(&a.o)), d, nq * hd, wstd(nq * hd))?,
                         q_norm: vecf(a.map(|a| a.q_norm.as_slice()), hd, 0.0, 0.1)?,
                         k_norm: vecf(a.map(|a| a.k_norm.as_slice()), hd, 0.0, 0.1)?,
@@ -566,7 +711,10 @@ impl CudaModel {
         gpu.set_max_dynamic_smem("attn_flash", flash_smem_bytes(cfg.head_dim))?;
         (progress.borrow_mut())(upload_total, upload_total);
         let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
+        let dws = DecodeWs::alloc(&gpu, &cfg)?;
         gpu.sync()?;
+        let fused_decode =
+            fused_decode_fits(&cfg) && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -580,6 +728,9 @@ impl CudaModel {
             max_seq,
             weight_bytes: plan.weights,
             moe_gemm_v2: std::env::var("KESTREL_MOE_GEMM").is_ok_and(|v| v == "v2"),
+            dws,
+            fused_decode,
+            decode_graph: std::env::var("KESTREL_DECODE_GRAPH").map_or(true, |v| v != "0"),
         })
     }
 
@@ -656,6 +807,7 @@ impl CudaModel {
         }
         Ok(CudaState {
             len: 0,
+            graphs: Vec::new(),
             max_seq: self.max_seq,
             gdn,
             kv,
@@ -718,9 +870,10 @@ impl CudaModel {
                         c.gdn_value_dim,
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
-                    g.gemm(w.in_qkv.ptr, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
-                    g.gemm(w.in_z.ptr, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
-                    g.gemm(w.in_ba.ptr, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
+                    let (in_qkv, in_z, in_ba) = w.in_parts(c);
+                    g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
+                    g.gemm(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
+                    g.gemm(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
                     g.launch(
                         "gdn_conv",
                         (ch.div_ceil(128) as u32, 1, 1),
@@ -811,18 +964,10 @@ impl CudaModel {
                     let (kc, vc) = &state.kv[attn_i];
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-                    g.gemm(
-                        w.q.ptr,
-                        nq * 2 * hd,
-                        d,
-                        ws.xb.ptr,
-                        t,
-                        ws.qg.ptr,
-                        nq * 2 * hd,
-                        0.0,
-                    )?;
-                    g.gemm(w.k.ptr, nkv * hd, d, ws.xb.ptr, t, ws.k.ptr, nkv * hd, 0.0)?;
-                    g.gemm(w.v.ptr, nkv * hd, d, ws.xb.ptr, t, ws.v.ptr, nkv * hd, 0.0)?;
+                    let (wq, wk, wv) = w.qkv_parts(c);
+                    g.gemm(wq, nq * 2 * hd, d, ws.xb.ptr, t, ws.qg.ptr, nq * 2 * hd, 0.0)?;
+                    g.gemm(wk, nkv * hd, d, ws.xb.ptr, t, ws.k.ptr, nkv * hd, 0.0)?;
+                    g.gemm(wv, nkv * hd, d, ws.xb.ptr, t, ws.v.ptr, nkv * hd, 0.0)?;
                     g.launch(
                         "attn_prep",
                         (t as u32, (nq + nkv) as u32, 1),
@@ -839,6 +984,7 @@ impl CudaModel {
                             Arg::Ptr(kc.ptr),
                             Arg::Ptr(vc.ptr),
                             Arg::I(past as i32),
+                            Arg::Ptr(0),
                             Arg::I(nq as i32),
                             Arg::I(nkv as i32),
                             Arg::I(hd as i32),
@@ -882,6 +1028,7 @@ impl CudaModel {
                                 Arg::Ptr(vc.ptr),
                                 Arg::Ptr(ws.part.ptr),
                                 Arg::I(past as i32),
+                                Arg::Ptr(0),
                                 Arg::I(nq as i32),
                                 Arg::I(nkv as i32),
                                 Arg::I(hd as i32),
@@ -900,6 +1047,7 @@ impl CudaModel {
                                 Arg::Ptr(ws.qg.ptr),
                                 Arg::Ptr(ws.ob.ptr),
                                 Arg::I(past as i32),
+                                Arg::Ptr(0),
                                 Arg::I(nq as i32),
                                 Arg::I(hd as i32),
                                 Arg::I(nsplit as i32),
@@ -1092,6 +1240,335 @@ impl CudaModel {
         )
     }
 
+    /// The fused one-token step, top to bottom: every launch reads the token and position
+    /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
+    /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
+    /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
+    /// experts' gate/up, experts' down with the combine), eight per attention layer.
+    fn decode_launches(
+        &self,
+        state: &CudaState,
+        nsplit: usize,
+        vocab_limit: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let dw = &self.dws;
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
+        let pos = dw.step_in.ptr + 4;
+        let block = |n: usize| n.div_ceil(32).clamp(1, 32) as u32 * 32;
+        g.launch(
+            "embed_gather",
+            (1, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(self.embed.ptr),
+                Arg::Ptr(dw.step_in.ptr),
+                Arg::Ptr(dw.h.ptr),
+                Arg::I(d as i32),
+            ],
+        )?;
+        // y = beta*y + W·x, x = the bf16 vector `x` or (x = 0) RMSNorm(h) with weight `norm`.
+        let gemv = |w: u64, n: usize, k: usize, x: u64, norm: u64, y: u64, beta: f32| {
+            g.launch(
+                "gemv_dec",
+                (n.div_ceil(32) as u32, 1, 1),
+                256,
+                (k * 4) as u32,
+                &[
+                    Arg::Ptr(w),
+                    Arg::I(n as i32),
+                    Arg::I(k as i32),
+                    Arg::Ptr(x),
+                    Arg::Ptr(dw.h.ptr),
+                    Arg::Ptr(norm),
+                    Arg::F(eps),
+                    Arg::Ptr(0),
+                    Arg::Ptr(y),
+                    Arg::F(beta),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::I(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                ],
+            )
+        };
+        let (mut gdn_i, mut attn_i) = (0, 0);
+        for layer in &self.layers {
+            match &layer.mixer {
+                MixerW::Gdn(w) => {
+                    let (st_conv, st_rec) = &state.gdn[gdn_i];
+                    gdn_i += 1;
+                    let (hk, hv, dk, dv) = (
+                        c.gdn_num_key_heads,
+                        c.gdn_num_value_heads,
+                        c.gdn_key_dim,
+                        c.gdn_value_dim,
+                    );
+                    let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
+                    let rows = ch + vw + 2 * hv;
+                    gemv(w.in_proj.ptr, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0)?;
+                    g.launch(
+                        "gdn_conv_dec",
+                        ((2 * hk + hv) as u32, 1, 1),
+                        block(dk.max(dv)),
+                        0,
+                        &[
+                            Arg::Ptr(dw.proj.ptr),
+                            Arg::Ptr(st_conv.ptr),
+                            Arg::Ptr(w.conv.ptr),
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::I(ch as i32),
+                            Arg::I(c.conv_kernel as i32),
+                            Arg::I(hk as i32),
+                            Arg::I(dk as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(1.0 / (dk as f32).sqrt()),
+                        ],
+                    )?;
+                    let step = match dk {
+                        16 => "gdn_step_dec_16",
+                        32 => "gdn_step_dec_32",
+                        64 => "gdn_step_dec_64",
+                        _ => "gdn_step_dec_128",
+                    };
+                    g.launch(
+                        step,
+                        (hv as u32, 1, 1),
+                        block(dv),
+                        0,
+                        &[
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
+                            Arg::Ptr(w.a_log.ptr),
+                            Arg::Ptr(w.dt_bias.ptr),
+                            Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
+                            Arg::Ptr(w.norm.ptr),
+                            Arg::Ptr(st_rec.ptr),
+                            Arg::Ptr(dw.ob.ptr),
+                            Arg::I(hk as i32),
+                            Arg::I(hv as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
+                    gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0)?;
+                }
+                MixerW::Attn(w) => {
+                    let (kc, vc) = &state.kv[attn_i];
+                    attn_i += 1;
+                    let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+                    let rows = nq * 2 * hd + 2 * nkv * hd;
+                    gemv(w.qkv.ptr, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0)?;
+                    let kp = dw.proj.ptr + (nq * 2 * hd * 4) as u64;
+                    g.launch(
+                        "attn_prep",
+                        (1, (nq + nkv) as u32, 1),
+                        block(hd),
+                        (hd * 4) as u32,
+                        &[
+                            Arg::Ptr(dw.proj.ptr),
+                            Arg::Ptr(kp),
+                            Arg::Ptr(kp + (nkv * hd * 4) as u64),
+                            Arg::Ptr(w.q_norm.ptr),
+                            Arg::Ptr(w.k_norm.ptr),
+                            Arg::Ptr(self.inv_freq.ptr),
+                            Arg::Ptr(dw.q.ptr),
+                            Arg::Ptr(kc.ptr),
+                            Arg::Ptr(vc.ptr),
+                            Arg::I(0),
+                            Arg::Ptr(pos),
+                            Arg::I(nq as i32),
+                            Arg::I(nkv as i32),
+                            Arg::I(hd as i32),
+                            Arg::I((c.rotary_dim / 2) as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
+                    g.launch(
+                        "attn_split",
+                        (1, nq as u32, nsplit.div_ceil(4) as u32),
+                        128,
+                        0,
+                        &[
+                            Arg::Ptr(dw.q.ptr),
+                            Arg::Ptr(kc.ptr),
+                            Arg::Ptr(vc.ptr),
+                            Arg::Ptr(dw.part.ptr),
+                            Arg::I(0),
+                            Arg::Ptr(pos),
+                            Arg::I(nq as i32),
+                            Arg::I(nkv as i32),
+                            Arg::I(hd as i32),
+                            Arg::I(nsplit as i32),
+                            Arg::I(0),
+                            Arg::F(1.0 / (hd as f32).sqrt()),
+                        ],
+                    )?;
+                    g.launch(
+                        "attn_combine",
+                        (1, nq as u32, 1),
+                        block(hd),
+                        0,
+                        &[
+                            Arg::Ptr(dw.part.ptr),
+                            Arg::Ptr(dw.proj.ptr),
+                            Arg::Ptr(dw.ob.ptr),
+                            Arg::I(0),
+                            Arg::Ptr(pos),
+                            Arg::I(nq as i32),
+                            Arg::I(hd as i32),
+                            Arg::I(nsplit as i32),
+                            Arg::I(0),
+                        ],
+                    )?;
+                    gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0)?;
+                }
+            }
+            self.moe_decode(layer)?;
+        }
+        // Final norm + lm_head with the greedy argmax fused (the next id also lands in
+        // step_in[0], ready for the next step).
+        g.launch(
+            "gemv_dec",
+            (c.vocab_size.div_ceil(32) as u32, 1, 1),
+            256,
+            (d * 4) as u32,
+            &[
+                Arg::Ptr(self.lm_head.ptr),
+                Arg::I(c.vocab_size as i32),
+                Arg::I(d as i32),
+                Arg::Ptr(0),
+                Arg::Ptr(dw.h.ptr),
+                Arg::Ptr(self.final_norm.ptr),
+                Arg::F(eps),
+                Arg::Ptr(0),
+                Arg::Ptr(dw.logits.ptr),
+                Arg::F(0.0),
+                Arg::Ptr(dw.arg_val.ptr),
+                Arg::Ptr(dw.arg_idx.ptr),
+                Arg::Ptr(dw.done.ptr + 4),
+                Arg::I(vocab_limit.min(c.vocab_size) as i32),
+                Arg::Ptr(dw.next.ptr),
+                Arg::Ptr(dw.step_in.ptr),
+            ],
+        )
+    }
+
+    /// The MoE block of one token in three launches: router (+ its RMSNorm, the shared
+    /// expert's gate and the top-k), the chosen and shared experts' gate/up with SwiGLU, and
+    /// their down projections combined into the residual.
+    fn moe_decode(&self, layer: &LayerW) -> Result<()> {
+        let c = &self.config;
+        let g = &*self.gpu;
+        let dw = &self.dws;
+        let (d, e, k, i, is) = (
+            c.hidden_size,
+            c.num_experts,
+            c.experts_per_token,
+            c.moe_intermediate,
+            c.shared_intermediate,
+        );
+        g.launch(
+            "moe_router_dec",
+            (e.div_ceil(32) as u32 + 1, 1, 1),
+            256,
+            ((d + e) * 4) as u32,
+            &[
+                Arg::Ptr(dw.h.ptr),
+                Arg::Ptr(layer.post_norm.ptr),
+                Arg::F(c.rms_norm_eps),
+                Arg::I(d as i32),
+                Arg::Ptr(layer.router.ptr),
+                Arg::I(e as i32),
+                Arg::Ptr(layer.shared_gate.ptr),
+                Arg::Ptr(dw.xb.ptr),
+                Arg::Ptr(dw.router.ptr),
+                Arg::Ptr(dw.sgate.ptr),
+                Arg::I(k as i32),
+                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::Ptr(dw.topk_w.ptr),
+                Arg::Ptr(dw.done.ptr),
+            ],
+        )?;
+        g.launch(
+            "moe_gate_up_dec",
+            (i.max(is).div_ceil(16) as u32, (k + 1) as u32, 1),
+            256,
+            (d * 4) as u32,
+            &[
+                Arg::Ptr(dw.xb.ptr),
+                Arg::I(d as i32),
+                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::I(k as i32),
+                Arg::Ptr(layer.gate_up.ptr),
+                Arg::I(i as i32),
+                Arg::Ptr(layer.shared_gate_up.ptr),
+                Arg::I(is as i32),
+                Arg::Ptr(dw.act.ptr),
+                Arg::I(dw.act_ld as i32),
+            ],
+        )?;
+        g.launch(
+            "moe_down_dec",
+            (d.div_ceil(8) as u32, 1, 1),
+            256,
+            ((k + 1) * dw.act_ld * 4) as u32,
+            &[
+                Arg::Ptr(dw.act.ptr),
+                Arg::I(dw.act_ld as i32),
+                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::Ptr(dw.topk_w.ptr),
+                Arg::I(k as i32),
+                Arg::Ptr(dw.sgate.ptr),
+                Arg::Ptr(layer.down.ptr),
+                Arg::I(i as i32),
+                Arg::Ptr(layer.shared_down.ptr),
+                Arg::I(is as i32),
+                Arg::Ptr(dw.h.ptr),
+                Arg::I(d as i32),
+            ],
+        )
+    }
+
+    /// Decode graphs captured for `state` so far.
+    pub fn decode_graphs(&self, state: &CudaState) -> usize {
+        state.graphs.len()
+    }
+
+    /// Runs one token through the fused decode step (replaying this state's captured graph
+    /// when graphs are on); logits land in `dws.logits`, the greedy id in `dws.next`.
+    fn decode_step(&self, state: &mut CudaState, token: u32, vocab_limit: usize) -> Result<()> {
+        self.gpu
+            .copy_to_device(self.dws.step_in.ptr, &[token as i32, state.len as i32])?;
+        let nsplit = decode_splits(state.len + 1);
+        if self.decode_graph && !self.gpu.profiling() {
+            let key = (nsplit, vocab_limit);
+            let at = match state.graphs.iter().position(|(k, _)| *k == key) {
+                Some(at) => at,
+                None => {
+                    let graph = self
+                        .gpu
+                        .capture(|| self.decode_launches(state, nsplit, vocab_limit))?;
+                    state.graphs.push((key, DecodeGraph(graph)));
+                    state.graphs.len() - 1
+                }
+            };
+            state.graphs[at]
+                .1
+                .0
+                .launch()
+                .map_err(|e| anyhow!("launching the decode graph: {e:?}"))?;
+        } else {
+            self.decode_launches(state, nsplit, vocab_limit)?;
+        }
+        state.len += 1;
+        Ok(())
+    }
+
     /// Final norm + lm_head for `n` rows of `ws.h` starting at row `r0`, into `ws.logits`.
     fn logits_rows(&self, ws: &Workspace, r0: usize, n: usize) -> Result<()> {
         let c = &self.config;
@@ -1155,6 +1632,12 @@ impl CudaModel {
     ) -> Result<u32> {
         self.gpu.bind()?;
         self.check_tokens(state, tokens)?;
+        if tokens.len() == 1 && self.fused_decode {
+            self.decode_step(state, tokens[0], vocab_limit)?;
+            let mut out = [0i32; 1];
+            self.gpu.copy_to_host(self.dws.next.ptr, &mut out)?;
+            return Ok(out[0] as u32);
+        }
         let ws = self.ws.borrow();
         let mut last = 0;
         for piece in tokens.chunks(self.max_chunk) {
@@ -1210,6 +1693,12 @@ impl Engine for CudaModel {
         self.gpu.bind()?;
         self.check_tokens(state, tokens)?;
         let v = self.config.vocab_size;
+        if tokens.len() == 1 && self.fused_decode {
+            self.decode_step(state, tokens[0], v)?;
+            let mut out = vec![0f32; v];
+            self.gpu.copy_to_host(self.dws.logits.ptr, &mut out)?;
+            return Ok(out);
+        }
         let ws = self.ws.borrow();
         let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.max_chunk);

@@ -4,12 +4,14 @@
 
 // grid (t, nq + nkv), block hd. qg: [t, nq, 2*hd] ([query | gate] per head); k, v: [t, nkv*hd].
 // q_out: [t, nq, hd] f32; caches: [max_seq, nkv, hd] bf16, tokens written at past + s.
+// `past_dev`, when set, holds `past` on the device (decode graphs: no per-step arguments).
 extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* __restrict__ k,
                                      const float* __restrict__ v, const float* __restrict__ q_norm,
                                      const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
                                      float* __restrict__ q_out, bf16* __restrict__ k_cache,
-                                     bf16* __restrict__ v_cache, int past, int nq, int nkv, int hd,
-                                     int rot_half, float eps) {
+                                     bf16* __restrict__ v_cache, int past, const int* __restrict__ past_dev,
+                                     int nq, int nkv, int hd, int rot_half, float eps) {
+    if (past_dev) past = *past_dev;
     int s = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
     bool is_q = head < nq;
     int kvh = head - nq;
@@ -39,10 +41,16 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
 }
 
 // One warp per (query s, head h, split). Keys [split*chunk, min(...)) of the 0..past+s range.
-// part: [t, nq, nsplit, hd + 2] = acc[hd], running max, running sum.
+// part: [t, nq, nsplit, hd + 2] = acc[hd], running max, running sum. With `past_dev` set, past
+// comes from the device and chunk = max(64, ceil(n / nsplit)) is derived from it (decode graphs).
 extern "C" __global__ void attn_split(const float* __restrict__ q, const bf16* __restrict__ k_cache,
                                       const bf16* __restrict__ v_cache, float* __restrict__ part,
-                                      int past, int nq, int nkv, int hd, int nsplit, int chunk, float scale) {
+                                      int past, const int* __restrict__ past_dev, int nq, int nkv, int hd,
+                                      int nsplit, int chunk, float scale) {
+    if (past_dev) {
+        past = *past_dev;
+        chunk = max(64, (past + 1 + nsplit - 1) / nsplit);
+    }
     int s = blockIdx.x, h = blockIdx.y, sp = blockIdx.z * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (sp >= nsplit) return;
@@ -76,7 +84,12 @@ extern "C" __global__ void attn_split(const float* __restrict__ q, const bf16* _
 
 // grid (t, nq), block hd: merge the splits, normalise, apply sigmoid(gate), write bf16 [t, nq*hd].
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ qg,
-                                        bf16* __restrict__ out, int past, int nq, int hd, int nsplit, int chunk) {
+                                        bf16* __restrict__ out, int past, const int* __restrict__ past_dev, int nq,
+                                        int hd, int nsplit, int chunk) {
+    if (past_dev) {
+        past = *past_dev;
+        chunk = max(64, (past + 1 + nsplit - 1) / nsplit);
+    }
     int s = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
     if (i >= hd) return;
     int n = past + s + 1;

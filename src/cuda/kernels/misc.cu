@@ -76,14 +76,3 @@ extern "C" __global__ void fill_random_f32(float* __restrict__ out, u64 n, u64 s
 extern "C" __global__ void copy_probe(const uint4* __restrict__ x, uint4* __restrict__ y, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) y[i] = x[i];
 }
-
-// Decode GEMV (opt-in with KESTREL_DENSE_GEMV=1 until verified on the GPU):
-// y[r] = beta * y[r] + W[r, :] . x, W bf16 [n, k] (k % 8 == 0), x bf16 [k], y f32.
-// grid ceil(n / 32), block 256: each warp 4 rows, 16-byte weight loads, x staged in smem.
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16(
-    const bf16* __restrict__ w, const bf16* __restrict__ x, float* __restrict__ y, int n, int k, float beta) {
-    extern __shared__ float xs[];
-    for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
-    __syncthreads();
-    rows_dot4(w, xs, n, k, blockIdx.x * 32, y, beta);
-}

@@ -2,19 +2,17 @@
 // sort of (token, slot) pairs by expert, a grouped bf16 tensor-core GEMM over the selected
 // experts only, SwiGLU, and the combine with the sigmoid-gated shared expert.
 
-// One warp per token. logits: [t, e]; writes topk ids/weights [t, k] and counts[e] += 1.
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, int k,
-                                     int* __restrict__ topk_ids, float* __restrict__ topk_w,
-                                     int* __restrict__ counts) {
-    int s = blockIdx.x, lane = threadIdx.x;
-    const float* r = logits + (size_t)s * e;
+// Softmax top-k of one router row `r` [e] by one warp (iterative arg-max over the logits,
+// which orders like the probabilities; first index on ties); lane 0 writes the chosen ids and
+// their probabilities renormalised over the k.
+__device__ void route_topk_warp(const float* r, int e, int k, int* __restrict__ ids, float* __restrict__ wts) {
+    int lane = threadIdx.x & 31;
     float mx = -INFINITY;
     for (int i = lane; i < e; i += 32) mx = fmaxf(mx, r[i]);
     mx = warp_max(mx);
     float total = 0.0f;
     for (int i = lane; i < e; i += 32) total += expf(r[i] - mx);
     total = warp_sum(total);
-    // Iterative arg-max over the logits (same order as over the probabilities).
     int chosen_ids[16];
     float chosen_p[16];
     float sum_p = 0.0f;
@@ -36,13 +34,21 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, in
         chosen_p[kk] = expf(best - mx) / total;
         sum_p += chosen_p[kk];
     }
-    if (lane == 0) {
+    if (lane == 0)
         for (int kk = 0; kk < k; kk++) {
-            topk_ids[s * k + kk] = chosen_ids[kk];
-            topk_w[s * k + kk] = chosen_p[kk] / sum_p;
-            atomicAdd(&counts[chosen_ids[kk]], 1);
+            ids[kk] = chosen_ids[kk];
+            wts[kk] = chosen_p[kk] / sum_p;
         }
-    }
+}
+
+// Prefill routing, a warp per token: logits [t, e] -> topk ids/weights [t, k]; counts[e] += 1.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, int k,
+                                     int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                                     int* __restrict__ counts) {
+    int s = blockIdx.x;
+    route_topk_warp(logits + (size_t)s * e, e, k, topk_ids + s * k, topk_w + s * k);
+    if (threadIdx.x == 0)
+        for (int kk = 0; kk < k; kk++) atomicAdd(&counts[topk_ids[s * k + kk]], 1);
 }
 
 // Single thread block: exclusive scan of counts and the tile table for the grouped GEMM.
@@ -163,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv(
     for (int i = threadIdx.x; i < kdim; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
     __syncthreads();
     const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
-    rows_dot4(wx, xs, ndim, kdim, blockIdx.y * 32, y + (size_t)r * ndim, 0.0f);
+    block_gemv32(wx, xs, ndim, kdim, blockIdx.y * 32, y + (size_t)r * ndim, 0.0f);
 }
 
 // act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
@@ -290,4 +296,80 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
             }
             __syncwarp();
         }
+}
+
+// ---- Decode (one token): three launches for the whole MoE block ----
+
+// Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
+// the experts); the extra last block computes the shared-expert gate sigmoid(x . w_sg); the last
+// block to finish picks the top-k. grid ceil(e / 32) + 1, block 256, smem (d + e) floats.
+extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
+    const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
+    int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
+    extern __shared__ float xs[];
+    stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr);
+    if (blockIdx.x + 1 < gridDim.x) {
+        block_gemv32(wr, xs, e, d, blockIdx.x * 32, logits, 0.0f);
+    } else {
+        float dot = 0.0f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
+        dot = block_sum(dot);
+        if (threadIdx.x == 0) *sgate = sigmoid_f(dot);
+    }
+    if (!last_block_done(done)) return;
+    float* rl = xs + d;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) rl[i] = __ldcg(logits + i);
+    __syncthreads();
+    if (threadIdx.x < 32) route_topk_warp(rl, e, k, topk_ids, topk_w);
+}
+
+// Gate/up half of the k chosen experts and the shared expert (slot k): act[s, j] =
+// bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows.
+// grid (ceil(max(inter, s_inter) / 16), k + 1), block 256 (a warp = 2 j's = 4 rows), smem d floats.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
+    const bf16* __restrict__ xb, int d, const int* __restrict__ topk_ids, int k, const bf16* __restrict__ gate_up,
+    int inter, const bf16* __restrict__ shared_gate_up, int s_inter, float* __restrict__ act, int act_ld) {
+    extern __shared__ float xs[];
+    stage_bf16(xs, xb, d);
+    int slot = blockIdx.y, lane = threadIdx.x & 31;
+    int n = slot == k ? s_inter : inter;
+    const bf16* w = slot == k ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
+    int j0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * 2;
+    if (j0 >= n) return;
+    bool two = j0 + 1 < n;
+    const bf16* rows[4] = {w + (size_t)j0 * d, two ? w + (size_t)(j0 + 1) * d : nullptr, w + (size_t)(n + j0) * d,
+                           two ? w + (size_t)(n + j0 + 1) * d : nullptr};
+    float acc[4];
+    warp_rows_dot<4>(rows, xs, d, acc);
+    float* out = act + (size_t)slot * act_ld;
+    if (lane == 0) out[j0] = __bfloat162float(__float2bfloat16(silu_f(acc[0]) * acc[2]));
+    if (lane == 1 && two) out[j0 + 1] = __bfloat162float(__float2bfloat16(silu_f(acc[1]) * acc[3]));
+}
+
+// Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
+// shared_down[r, :] . act_k. grid ceil(d / 8), block 256 (a warp per row), smem (k+1)*act_ld floats.
+extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
+    const float* __restrict__ act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+    int k, const float* __restrict__ sgate, const bf16* __restrict__ down, int inter,
+    const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
+    extern __shared__ float as[];
+    for (int i = threadIdx.x; i < (k + 1) * act_ld; i += blockDim.x) as[i] = act[i];
+    __syncthreads();
+    int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= d) return;
+    float acc = 0.0f;
+#pragma unroll 3
+    for (int s = 0; s <= k; s++) {
+        bool sh = s == k;
+        int kk = sh ? s_inter : inter;
+        const uint4* wr = reinterpret_cast<const uint4*>(
+            sh ? shared_down + (size_t)r * s_inter : down + ((size_t)topk_ids[s] * d + r) * inter);
+        const float* xs = as + (size_t)s * act_ld;
+        float part = 0.0f;
+        for (int c = lane; c < (kk >> 3); c += 32) part += dot8(__ldg(wr + c), xs + c * 8);
+        acc += (sh ? *sgate : topk_w[s]) * part;
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) h[r] += acc;
 }

@@ -1,0 +1,65 @@
+// Decode GEMVs (one token): the weights stream once with 16-byte loads, four rows per warp in
+// flight; the input vector is staged in shared memory (rounded to bf16 like every GEMM input).
+
+// y[r] = beta * y[r] + W[r, :] . x for W bf16 [n, k]. The input is the bf16 vector `x`, or,
+// when `x` is null, the zero-centred RMSNorm of the f32 residual `h` with weight `nw` (block 0
+// also stores that as bf16 in `xb_out`, if given, for later kernels).
+// With `arg_val` set (lm_head), also the greedy argmax over rows < arg_limit: per-block
+// partials, reduced by the last block into arg_out[0] (and arg_out2[0] if given).
+// grid ceil(n / 32), block 256, dynamic smem k floats.
+extern "C" __global__ void __launch_bounds__(256) gemv_dec(
+    const bf16* __restrict__ w, int n, int k, const bf16* __restrict__ x, const float* __restrict__ h,
+    const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta,
+    float* __restrict__ arg_val, int* __restrict__ arg_idx, unsigned* __restrict__ arg_done, int arg_limit,
+    int* __restrict__ arg_out, int* __restrict__ arg_out2) {
+    extern __shared__ float xs[];
+    if (x) stage_bf16(xs, x, k);
+    else stage_rmsnorm(xs, h, nw, k, eps, blockIdx.x == 0 ? xb_out : nullptr);
+    int row0 = blockIdx.x * 32;
+    block_gemv32(w, xs, n, k, row0, y, beta);
+    if (!arg_val) return;
+    // Greedy argmax: block partial over its rows (first index on ties), then the last block.
+    __syncthreads();
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (warp == 0) {
+        int r = row0 + lane;
+        float v = r < n && r < arg_limit ? y[r] : -INFINITY;
+        int id = r < n && r < arg_limit ? r : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, id, o);
+            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+        }
+        if (lane == 0) { arg_val[blockIdx.x] = v; arg_idx[blockIdx.x] = id; }
+    }
+    if (!last_block_done(arg_done)) return;
+    float v = -INFINITY;
+    int id = 0x7fffffff;
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
+        float ov = __ldcg(arg_val + b);
+        int oi = __ldcg(arg_idx + b);
+        if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, id, o);
+        if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+    }
+    if (lane == 0) { bv[warp] = v; bi[warp] = id; }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? bv[lane] : -INFINITY;
+        id = lane < (int)(blockDim.x >> 5) ? bi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, id, o);
+            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+        }
+        if (lane == 0) {
+            arg_out[0] = id;
+            if (arg_out2) arg_out2[0] = id;
+        }
+    }
+}
