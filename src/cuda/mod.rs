@@ -224,7 +224,10 @@ impl Gpu {
             );
         }
         let total_memory = ctx.total_mem().unwrap_or(0);
-        let stream = ctx.default_stream();
+        // A created stream, not the legacy default one, which cannot be captured into graphs.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
         let blas = quiet_catch(|| CudaBlas::new(stream.clone()))
             .ok_or_else(|| anyhow!("cuBLAS could not be loaded (libcublas.so)"))?
             .map_err(|e| anyhow!("cuBLAS init failed: {e:?}"))?;
