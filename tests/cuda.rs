@@ -404,7 +404,9 @@ fn fused_decode_and_graph_match_general_path() {
                 "{}: step {step}: device argmax differs from the logits' argmax",
                 dir.display()
             );
-            if margin(g) > 0.05 * scale {
+            // The two paths differ by summation order only (~1e-7), so every step whose top-2
+            // margin is not a near-tie must pick the same token.
+            if margin(g) > 1e-3 * scale {
                 compared += 1;
                 assert_eq!(
                     argmax(f).unwrap(),
@@ -420,7 +422,11 @@ fn fused_decode_and_graph_match_general_path() {
             dir.display(),
             direct.len()
         );
-        assert!(n <= 1e-2, "{}: {n}", dir.display());
-        assert!(compared >= 32, "{}: only {compared} confident steps", dir.display());
+        assert!(n <= 1e-4, "{}: {n}", dir.display());
+        assert!(
+            compared >= 56,
+            "{}: only {compared} of 64 steps without a near-tie",
+            dir.display()
+        );
     }
 }

@@ -97,8 +97,31 @@ pub struct Gpu {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub total_memory: usize,
-    /// With `KESTREL_PROFILE=1`: per-op (calls, seconds), each op timed between syncs.
-    profile: Option<std::sync::Mutex<std::collections::BTreeMap<String, (u64, f64)>>>,
+    /// With `KESTREL_PROFILE=1`: per-op (calls, seconds), each op timed on the GPU by a pair
+    /// of CUDA events (no host syncs in between, so launch gaps are not counted).
+    profile: Option<std::sync::Mutex<Profile>>,
+}
+
+/// Per-op GPU times: events still in flight, and the totals of resolved ones.
+#[derive(Default)]
+struct Profile {
+    pending: Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    totals: std::collections::BTreeMap<String, (u64, f64)>,
+}
+
+impl Profile {
+    /// Waits for the pending events and adds their times to the totals.
+    fn resolve(&mut self) -> Result<()> {
+        for (name, start, end) in self.pending.drain(..) {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| anyhow!("profile event: {e:?}"))?;
+            let e = self.totals.entry(name).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += ms as f64 / 1e3;
+        }
+        Ok(())
+    }
 }
 
 fn cuda_include_dir() -> Option<PathBuf> {
@@ -377,15 +400,23 @@ impl Gpu {
 
     fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let Some(p) = &self.profile else { return f() };
-        self.sync()?;
-        let t0 = std::time::Instant::now();
+        let event = || {
+            self.ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| anyhow!("profile event: {e:?}"))
+        };
+        let (start, end) = (event()?, event()?);
+        start
+            .record(&self.stream)
+            .map_err(|e| anyhow!("profile event: {e:?}"))?;
         let r = f()?;
-        self.sync()?;
-        let dt = t0.elapsed().as_secs_f64();
+        end.record(&self.stream)
+            .map_err(|e| anyhow!("profile event: {e:?}"))?;
         let mut m = p.lock().unwrap();
-        let e = m.entry(name()).or_insert((0, 0.0));
-        e.0 += 1;
-        e.1 += dt;
+        m.pending.push((name(), start, end));
+        if m.pending.len() >= 8192 {
+            m.resolve()?;
+        }
         Ok(r)
     }
 
@@ -395,9 +426,15 @@ impl Gpu {
             return Vec::new();
         };
         let mut m = p.lock().unwrap();
-        let mut v: Vec<(String, u64, f64)> =
-            m.iter().map(|(k, (c, s))| (k.clone(), *c, *s)).collect();
-        m.clear();
+        if let Err(e) = m.resolve() {
+            tracing::warn!("profile incomplete: {e:#}");
+        }
+        let mut v: Vec<(String, u64, f64)> = m
+            .totals
+            .iter()
+            .map(|(k, (c, s))| (k.clone(), *c, *s))
+            .collect();
+        m.totals.clear();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         v
     }
@@ -443,7 +480,7 @@ impl Gpu {
         };
         // SAFETY: argument lists match the kernels' signatures (checked by the GPU tests).
         self.timed(
-            || name.to_string(),
+            || format!("{name} {}x{}x{}", grid.0, grid.1, grid.2),
             || {
                 unsafe { b.launch(cfg) }
                     .map(|_| ())
