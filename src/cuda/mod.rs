@@ -49,6 +49,7 @@ const KERNELS: &[&str] = &[
     "attn_split",
     "attn_combine",
     "attn_flash",
+    "attn_decode",
     "moe_route",
     "moe_plan",
     "moe_scatter",

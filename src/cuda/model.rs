@@ -23,6 +23,17 @@ const MOE_GEMV_MAX_ROWS: usize = 64;
 /// Attention splits per query in prefill (bounded workspace); decode may use up to 256.
 const PREFILL_SPLITS: usize = 8;
 const DECODE_SPLITS: usize = 256;
+/// Output rows per block of the decode GEMVs with inner dimension `k` (8 warps of
+/// `gemv_rows_per_warp(k)` rows, as in common.cuh).
+fn gemv_rows_per_block(k: usize) -> usize {
+    8 * if k <= 2048 { 2 } else { 1 }
+}
+
+/// Dynamic shared memory of `attn_decode`.
+fn attn_decode_smem(c: &TextConfig) -> usize {
+    2 * 32 * (c.head_dim + 8) * 2 + c.num_attention_heads / c.num_kv_heads * c.head_dim * 4
+}
+
 /// Attention splits per query head in the fused decode step, by context length: each bucket
 /// gets its own captured graph; the kernels derive the chunk length from the position.
 fn decode_splits(n: usize) -> usize {
@@ -198,8 +209,8 @@ impl DecodeWs {
             ("act", (c.experts_per_token + 1) * act_ld * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
-            ("arg_val", c.vocab_size.div_ceil(32) * 4),
-            ("arg_idx", c.vocab_size.div_ceil(32) * 4),
+            ("arg_val", c.vocab_size.div_ceil(8) * 4),
+            ("arg_idx", c.vocab_size.div_ceil(8) * 4),
             ("next", 4),
         ]
     }
@@ -242,7 +253,8 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
     c.hidden_size.max(c.gdn_v_width()).max(c.num_attention_heads * c.head_dim) * 4 <= smem
         && (c.experts_per_token + 1) * act_ld * 4 <= smem
         && (c.hidden_size + c.num_experts) * 4 <= smem
-        && c.gdn_conv_channels() % 8 == 0
+        && attn_decode_smem(c) <= smem
+        && c.num_attention_heads / c.num_kv_heads <= 32
 }
 
 pub struct CudaModel {
@@ -1088,7 +1100,7 @@ impl CudaModel {
             "moe_route",
             (t as u32, 1, 1),
             32,
-            0,
+            (e * 4) as u32,
             &[
                 Arg::Ptr(ws.router.ptr),
                 Arg::I(e as i32),
@@ -1116,7 +1128,7 @@ impl CudaModel {
         let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
             g.launch(
                 "moe_gemv",
-                (rows as u32, ndim.div_ceil(32) as u32, 1),
+                (rows as u32, ndim.div_ceil(gemv_rows_per_block(kdim)) as u32, 1),
                 256,
                 (kdim * 4) as u32,
                 &[
@@ -1273,7 +1285,7 @@ impl CudaModel {
         let gemv = |w: u64, n: usize, k: usize, x: u64, norm: u64, y: u64, beta: f32| {
             g.launch(
                 "gemv_dec",
-                (n.div_ceil(32) as u32, 1, 1),
+                (n.div_ceil(gemv_rows_per_block(k)) as u32, 1, 1),
                 256,
                 (k * 4) as u32,
                 &[
@@ -1389,22 +1401,20 @@ impl CudaModel {
                         ],
                     )?;
                     g.launch(
-                        "attn_split",
-                        (1, nq as u32, nsplit.div_ceil(4) as u32),
-                        128,
-                        0,
+                        "attn_decode",
+                        (nkv as u32, nsplit as u32, 1),
+                        (32 * (nq / nkv)) as u32,
+                        attn_decode_smem(c) as u32,
                         &[
                             Arg::Ptr(dw.q.ptr),
                             Arg::Ptr(kc.ptr),
                             Arg::Ptr(vc.ptr),
                             Arg::Ptr(dw.part.ptr),
-                            Arg::I(0),
                             Arg::Ptr(pos),
                             Arg::I(nq as i32),
                             Arg::I(nkv as i32),
                             Arg::I(hd as i32),
                             Arg::I(nsplit as i32),
-                            Arg::I(0),
                             Arg::F(1.0 / (hd as f32).sqrt()),
                         ],
                     )?;
@@ -1434,7 +1444,7 @@ impl CudaModel {
         // step_in[0], ready for the next step).
         g.launch(
             "gemv_dec",
-            (c.vocab_size.div_ceil(32) as u32, 1, 1),
+            (c.vocab_size.div_ceil(gemv_rows_per_block(d)) as u32, 1, 1),
             256,
             (d * 4) as u32,
             &[
@@ -1474,7 +1484,7 @@ impl CudaModel {
         );
         g.launch(
             "moe_router_dec",
-            (e.div_ceil(32) as u32 + 1, 1, 1),
+            (e.div_ceil(gemv_rows_per_block(d)) as u32 + 1, 1, 1),
             256,
             ((d + e) * 4) as u32,
             &[
@@ -1496,7 +1506,7 @@ impl CudaModel {
         )?;
         g.launch(
             "moe_gate_up_dec",
-            (i.max(is).div_ceil(16) as u32, (k + 1) as u32, 1),
+            (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
             256,
             (d * 4) as u32,
             &[

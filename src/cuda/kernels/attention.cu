@@ -108,6 +108,82 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
     out[((size_t)s * nq + h) * hd + i] = __float2bfloat16(acc / l * sigmoid_f(gate));
 }
 
+// Decode attention (one query per head), split-K over the context: a block = one KV head's
+// GQA group (a warp per query head) over one split; K/V tiles of 32 positions go through shared
+// memory once for the whole group. In a tile, lane j scores key j; the online softmax update is
+// per tile; each lane accumulates hd/32 output dims. Writes the same partials as attn_split.
+// The position comes from the device (graphs). grid (nkv, nsplit), block 32 * (nq / nkv),
+// dynamic smem 2 * 32 * (hd + 8) bf16 + (nq / nkv) * hd floats.
+#define ATT_TK 32
+extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* __restrict__ k_cache,
+                                       const bf16* __restrict__ v_cache, float* __restrict__ part,
+                                       const int* __restrict__ past_dev, int nq, int nkv, int hd, int nsplit,
+                                       float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int ldk = hd + 8;  // bf16 row stride: 16-byte skew between rows, no bank conflicts
+    bf16* ks = reinterpret_cast<bf16*>(smem);
+    bf16* vs = ks + ATT_TK * ldk;
+    float* qs = reinterpret_cast<float*>(vs + ATT_TK * ldk);
+    int kvh = blockIdx.x, sp = blockIdx.y, group = nq / nkv;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int h = kvh * group + warp;
+    int n = *past_dev + 1;
+    int chunk = max(64, (n + nsplit - 1) / nsplit);
+    int start = sp * chunk, end = min(start + chunk, n);
+    if (start >= end) return;  // whole block: beyond the context (combine ignores it)
+    for (int i = lane; i < hd; i += 32) qs[warp * hd + i] = q[(size_t)h * hd + i] * scale;
+    int epl = hd >> 5;  // output dims per lane (hd <= 256)
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    int vecs = hd >> 3;  // 16-byte vectors per row
+    for (int t0 = start; t0 < end; t0 += ATT_TK) {
+        int nt = min(ATT_TK, end - t0);
+        __syncthreads();  // previous tile consumed (and qs written, first time)
+        for (int idx = threadIdx.x; idx < nt * vecs; idx += blockDim.x) {
+            int r = idx / vecs, c = idx % vecs;
+            size_t g = ((size_t)(t0 + r) * nkv + kvh) * hd + c * 8;
+            *reinterpret_cast<uint4*>(ks + r * ldk + c * 8) = *reinterpret_cast<const uint4*>(k_cache + g);
+            *reinterpret_cast<uint4*>(vs + r * ldk + c * 8) = *reinterpret_cast<const uint4*>(v_cache + g);
+        }
+        __syncthreads();
+        float sc = -INFINITY;
+        if (lane < nt) {
+            const bf16* kr = ks + lane * ldk;
+            const float* qr = qs + warp * hd;
+            float s0 = 0.0f, s1 = 0.0f;
+            for (int c = 0; c < vecs; c += 2) {
+                s0 += dot8(*reinterpret_cast<const uint4*>(kr + c * 8), qr + c * 8);
+                if (c + 1 < vecs) s1 += dot8(*reinterpret_cast<const uint4*>(kr + (c + 1) * 8), qr + (c + 1) * 8);
+            }
+            sc = s0 + s1;
+        }
+        float mn = fmaxf(m, warp_max(sc));
+        float corr = expf(m - mn);
+        float p = lane < nt ? expf(sc - mn) : 0.0f;
+        l = l * corr + warp_sum(p);
+        m = mn;
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[e] *= corr;
+        for (int j = 0; j < nt; j++) {
+            float pj = __shfl_sync(0xffffffffu, p, j);
+            const bf16* vr = vs + j * ldk + lane * epl;
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (e < epl) acc[e] += pj * __bfloat162float(vr[e]);
+        }
+    }
+    float* out = part + ((size_t)h * nsplit + sp) * (hd + 2);
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        if (e < epl) out[lane * epl + e] = acc[e];
+    if (lane == 0) {
+        out[hd] = m;
+        out[hd + 1] = l;
+    }
+}
+
 // Prefill attention on tensor cores (flash-attention style): a block = 64 queries of one head,
 // 4 warps of 16 query rows; key/value tiles of 64 from the bf16 cache; online softmax in f32
 // with the running output in shared memory; causal; sigmoid output gate fused.

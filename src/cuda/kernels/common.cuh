@@ -51,40 +51,46 @@ __device__ __forceinline__ float dot8(uint4 v, const float* x) {
     return a.x * x0.x + a.y * x0.y + b.x * x0.z + b.y * x0.w + c.x * x1.x + c.y * x1.y + d.x * x1.z + d.y * x1.w;
 }
 
-// acc[q] = row[q][0..k) . xs for R weight rows (null = skip), summed over the warp: every lane
-// gets every sum. k % 8 == 0; 16-byte loads, R rows (x2 unrolled) in flight per lane.
-// The body of every decode GEMV (dense, per-expert, lm_head).
-template <int R>
-__device__ __forceinline__ void warp_rows_dot(const bf16* const* row, const float* xs, int k, float* acc) {
-    int lane = threadIdx.x & 31, nvec = k >> 3;
+// ---- Decode GEMV machinery: a warp owns R weight rows, each lane streams 16-byte vectors
+// c = lane + 32*j of them. With VPL (vectors per lane) known at compile time, all R*VPL loads
+// are issued before the input is staged, so the staging latency hides behind the weight fetch.
+
+// Rows per warp of the dense decode GEMVs (register budget); the host uses the same rule.
+__host__ __device__ __forceinline__ int gemv_rows_per_warp(int k) { return k <= 2048 ? 2 : 1; }
+
+template <int R, int VPL>
+__device__ __forceinline__ void load_rows(uint4 (&v)[R][VPL], const bf16* const* row) {
+    int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int q = 0; q < R; q++) acc[q] = 0.0f;
-#pragma unroll 2
-    for (int c = lane; c < nvec; c += 32) {
-        uint4 v[R];
+    for (int q = 0; q < R; q++)
 #pragma unroll
-        for (int q = 0; q < R; q++)
-            v[q] = row[q] ? __ldg(reinterpret_cast<const uint4*>(row[q]) + c) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int q = 0; q < R; q++) acc[q] += dot8(v[q], xs + c * 8);
-    }
-#pragma unroll
-    for (int q = 0; q < R; q++) acc[q] = warp_sum(acc[q]);
+        for (int j = 0; j < VPL; j++)
+            v[q][j] = row[q] ? __ldg(reinterpret_cast<const uint4*>(row[q]) + lane + 32 * j) : make_uint4(0, 0, 0, 0);
 }
 
-// y[r] = beta * y[r] + W[r, :] . xs for the block's 32 rows from row0 (4 per warp, r < n);
-// W bf16 [n, k] row-major.
-__device__ __forceinline__ void block_gemv32(const bf16* __restrict__ w, const float* xs, int n, int k, int row0,
-                                             float* __restrict__ y, float beta) {
-    int lane = threadIdx.x & 31, r0 = row0 + (threadIdx.x >> 5) * 4;
-    const bf16* rows[4];
+// Per-lane partial dots of loaded rows with xs (not yet summed over the warp).
+template <int R, int VPL>
+__device__ __forceinline__ void dot_rows(const uint4 (&v)[R][VPL], const float* xs, float* acc) {
+    int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int q = 0; q < 4; q++) rows[q] = r0 + q < n ? w + (size_t)(r0 + q) * k : nullptr;
-    float acc[4];
-    warp_rows_dot<4>(rows, xs, k, acc);
+    for (int q = 0; q < R; q++) {
+        acc[q] = 0.0f;
 #pragma unroll
-    for (int q = 0; q < 4; q++)
-        if (lane == q && r0 + q < n) y[r0 + q] = beta == 0.0f ? acc[q] : beta * y[r0 + q] + acc[q];
+        for (int j = 0; j < VPL; j++) acc[q] += dot8(v[q][j], xs + (lane + 32 * j) * 8);
+    }
+}
+
+// Per-lane partial dots for any k (% 8 == 0): the runtime-length fallback.
+template <int R>
+__device__ __forceinline__ void dot_rows_any(const bf16* const* row, const float* xs, int k, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+    for (int c = lane; c < (k >> 3); c += 32) {
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (row[q]) acc[q] += dot8(__ldg(reinterpret_cast<const uint4*>(row[q]) + c), xs + c * 8);
+    }
 }
 
 // Stage a bf16 vector of k values into shared memory as f32 (then a block barrier).
@@ -110,6 +116,51 @@ __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict
         if (xb_out) xb_out[i] = b;
     }
     __syncthreads();
+}
+
+// Stage the decode GEMV input: the bf16 vector x, or (x null) RMSNorm(h) with weight nw.
+__device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ x, const float* __restrict__ h,
+                                            const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out) {
+    if (x) stage_bf16(xs, x, k);
+    else stage_rmsnorm(xs, h, nw, k, eps, xb_out);
+}
+
+template <int R, int VPL>
+__device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, const bf16* x,
+                                                 const float* h, const float* nw, float eps, bf16* xb_out, float* xs,
+                                                 float* __restrict__ y, float beta) {
+    int lane = threadIdx.x & 31, r0 = row0 + (threadIdx.x >> 5) * R;
+    const bf16* rows[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) rows[q] = r0 + q < n ? w + (size_t)(r0 + q) * k : nullptr;
+    constexpr int NV = VPL > 0 ? VPL : 1;  // VPL 0: runtime-length fallback, nothing preloaded
+    uint4 v[R][NV];
+    if (VPL > 0) load_rows<R, NV>(v, rows);
+    stage_input(xs, x, h, nw, k, eps, xb_out);
+    float acc[R];
+    if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
+    else dot_rows_any<R>(rows, xs, k, acc);
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+        float a = warp_sum(acc[q]);
+        if (lane == q && r0 + q < n) y[r0 + q] = beta == 0.0f ? a : beta * y[r0 + q] + a;
+    }
+}
+
+// y[r] = beta * y[r] + W[r, :] . input for the block's 8 * gemv_rows_per_warp(k) rows from row0;
+// input staged by `stage_input` into xs (k floats of shared memory). All threads must call it.
+__device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, const bf16* x,
+                                           const float* h, const float* nw, float eps, bf16* xb_out, float* xs,
+                                           float* __restrict__ y, float beta) {
+    switch (k) {
+        case 512: block_gemv_fixed<2, 2>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 2048: block_gemv_fixed<2, 8>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 4096: block_gemv_fixed<1, 16>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
+        default:
+            if (k <= 2048) block_gemv_fixed<2, 0>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta);
+            else block_gemv_fixed<1, 0>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta);
+    }
 }
 
 // Block-wide "am I the last block to finish" ticket (threadfence reduction pattern); the last

@@ -6,17 +6,15 @@
 // also stores that as bf16 in `xb_out`, if given, for later kernels).
 // With `arg_val` set (lm_head), also the greedy argmax over rows < arg_limit: per-block
 // partials, reduced by the last block into arg_out[0] (and arg_out2[0] if given).
-// grid ceil(n / 32), block 256, dynamic smem k floats.
+// grid ceil(n / (8 * gemv_rows_per_warp(k))), block 256, dynamic smem k floats.
 extern "C" __global__ void __launch_bounds__(256) gemv_dec(
     const bf16* __restrict__ w, int n, int k, const bf16* __restrict__ x, const float* __restrict__ h,
     const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta,
     float* __restrict__ arg_val, int* __restrict__ arg_idx, unsigned* __restrict__ arg_done, int arg_limit,
     int* __restrict__ arg_out, int* __restrict__ arg_out2) {
     extern __shared__ float xs[];
-    if (x) stage_bf16(xs, x, k);
-    else stage_rmsnorm(xs, h, nw, k, eps, blockIdx.x == 0 ? xb_out : nullptr);
-    int row0 = blockIdx.x * 32;
-    block_gemv32(w, xs, n, k, row0, y, beta);
+    int rows = 8 * gemv_rows_per_warp(k), row0 = blockIdx.x * rows;
+    block_gemv(w, n, k, row0, x, h, nw, eps, blockIdx.x == 0 ? xb_out : nullptr, xs, y, beta);
     if (!arg_val) return;
     // Greedy argmax: block partial over its rows (first index on ties), then the last block.
     __syncthreads();
@@ -25,8 +23,9 @@ extern "C" __global__ void __launch_bounds__(256) gemv_dec(
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (warp == 0) {
         int r = row0 + lane;
-        float v = r < n && r < arg_limit ? y[r] : -INFINITY;
-        int id = r < n && r < arg_limit ? r : 0x7fffffff;
+        bool ok = lane < rows && r < n && r < arg_limit;
+        float v = ok ? y[r] : -INFINITY;
+        int id = ok ? r : 0x7fffffff;
         for (int o = 16; o > 0; o >>= 1) {
             float ov = __shfl_xor_sync(0xffffffffu, v, o);
             int oi = __shfl_xor_sync(0xffffffffu, id, o);

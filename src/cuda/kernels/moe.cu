@@ -2,10 +2,10 @@
 // sort of (token, slot) pairs by expert, a grouped bf16 tensor-core GEMM over the selected
 // experts only, SwiGLU, and the combine with the sigmoid-gated shared expert.
 
-// Softmax top-k of one router row `r` [e] by one warp (iterative arg-max over the logits,
-// which orders like the probabilities; first index on ties); lane 0 writes the chosen ids and
-// their probabilities renormalised over the k.
-__device__ void route_topk_warp(const float* r, int e, int k, int* __restrict__ ids, float* __restrict__ wts) {
+// Softmax top-k of one router row `r` [e] (in shared memory; chosen entries are overwritten)
+// by one warp: k rounds of a warp arg-max over the logits, which orders like the probabilities
+// (first index on ties); lane 0 writes the ids and the probabilities renormalised over the k.
+__device__ void route_topk_warp(float* r, int e, int k, int* __restrict__ ids, float* __restrict__ wts) {
     int lane = threadIdx.x & 31;
     float mx = -INFINITY;
     for (int i = lane; i < e; i += 32) mx = fmaxf(mx, r[i]);
@@ -13,40 +13,42 @@ __device__ void route_topk_warp(const float* r, int e, int k, int* __restrict__ 
     float total = 0.0f;
     for (int i = lane; i < e; i += 32) total += expf(r[i] - mx);
     total = warp_sum(total);
-    int chosen_ids[16];
-    float chosen_p[16];
     float sum_p = 0.0f;
     for (int kk = 0; kk < k; kk++) {
         float best = -INFINITY;
         int bi = 0x7fffffff;
         for (int i = lane; i < e; i += 32) {
-            bool taken = false;
-            for (int q = 0; q < kk; q++) taken |= (chosen_ids[q] == i);
             float v = r[i];
-            if (!taken && (v > best || (v == best && i < bi))) { best = v; bi = i; }
+            if (v > best || (v == best && i < bi)) { best = v; bi = i; }
         }
         for (int o = 16; o > 0; o >>= 1) {
             float ov = __shfl_xor_sync(0xffffffffu, best, o);
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
         }
-        chosen_ids[kk] = bi;
-        chosen_p[kk] = expf(best - mx) / total;
-        sum_p += chosen_p[kk];
+        float p = expf(best - mx) / total;
+        sum_p += p;
+        if (lane == 0) {
+            ids[kk] = bi;
+            wts[kk] = p;
+            r[bi] = -INFINITY;
+        }
+        __syncwarp();
     }
     if (lane == 0)
-        for (int kk = 0; kk < k; kk++) {
-            ids[kk] = chosen_ids[kk];
-            wts[kk] = chosen_p[kk] / sum_p;
-        }
+        for (int kk = 0; kk < k; kk++) wts[kk] /= sum_p;
 }
 
 // Prefill routing, a warp per token: logits [t, e] -> topk ids/weights [t, k]; counts[e] += 1.
+// smem e floats.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, int k,
                                      int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                      int* __restrict__ counts) {
+    extern __shared__ float row[];  // e floats
     int s = blockIdx.x;
-    route_topk_warp(logits + (size_t)s * e, e, k, topk_ids + s * k, topk_w + s * k);
+    for (int i = threadIdx.x; i < e; i += 32) row[i] = logits[(size_t)s * e + i];
+    __syncwarp();
+    route_topk_warp(row, e, k, topk_ids + s * k, topk_w + s * k);
     if (threadIdx.x == 0)
         for (int kk = 0; kk < k; kk++) atomicAdd(&counts[topk_ids[s * k + kk]], 1);
 }
@@ -156,20 +158,19 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(
     }
 }
 
-// Decode path (few rows): one warp per output element block, 16-byte weight loads.
+// Few-row path (short prefill chunks): a block = rows of one (token, slot) product.
 // Row r = token * k + slot reads expert topk_ids[r] and input row (gather_by_k ? r / k : r)
-// of a [*, kdim] bf16; y: f32 [rows, ndim]. grid (rows, ceil(ndim / 32)), block 256.
+// of a [*, kdim] bf16; y: f32 [rows, ndim]. grid (rows, ceil(ndim / (8 * gemv_rows_per_warp(kdim)))),
+// block 256, smem kdim floats.
 extern "C" __global__ void __launch_bounds__(256) moe_gemv(
     const bf16* __restrict__ a, int gather_by_k, const int* __restrict__ topk_ids, int k,
     const bf16* __restrict__ w, float* __restrict__ y, int ndim, int kdim) {
     extern __shared__ float xs[];
     int r = blockIdx.x;
-    int ar = gather_by_k ? r / k : r;
-    const bf16* x = a + (size_t)ar * kdim;
-    for (int i = threadIdx.x; i < kdim; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
-    __syncthreads();
+    const bf16* x = a + (size_t)(gather_by_k ? r / k : r) * kdim;
     const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
-    block_gemv32(wx, xs, ndim, kdim, blockIdx.y * 32, y + (size_t)r * ndim, 0.0f);
+    int row0 = blockIdx.y * 8 * gemv_rows_per_warp(kdim);
+    block_gemv(wx, ndim, kdim, row0, x, nullptr, nullptr, 0.0f, nullptr, xs, y + (size_t)r * ndim, 0.0f);
 }
 
 // act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
@@ -302,16 +303,18 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
 
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
 // the experts); the extra last block computes the shared-expert gate sigmoid(x . w_sg); the last
-// block to finish picks the top-k. grid ceil(e / 32) + 1, block 256, smem (d + e) floats.
+// block to finish picks the top-k. grid ceil(e / (8 * gemv_rows_per_warp(d))) + 1, block 256,
+// smem (d + e) floats.
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
     const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
     int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
     extern __shared__ float xs[];
-    stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr);
     if (blockIdx.x + 1 < gridDim.x) {
-        block_gemv32(wr, xs, e, d, blockIdx.x * 32, logits, 0.0f);
+        block_gemv(wr, e, d, blockIdx.x * 8 * gemv_rows_per_warp(d), nullptr, h, nw, eps, blockIdx.x == 0 ? xb : nullptr,
+                   xs, logits, 0.0f);
     } else {
+        stage_rmsnorm(xs, h, nw, d, eps, nullptr);
         float dot = 0.0f;
         for (int i = threadIdx.x; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
         dot = block_sum(dot);
@@ -325,51 +328,97 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
 }
 
 // Gate/up half of the k chosen experts and the shared expert (slot k): act[s, j] =
-// bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows.
-// grid (ceil(max(inter, s_inter) / 16), k + 1), block 256 (a warp = 2 j's = 4 rows), smem d floats.
+// bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j (its gate
+// and up rows loaded before x is staged). grid (ceil(max(inter, s_inter) / 8), k + 1), block 256,
+// smem d floats.
+template <int VPL>
+__device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const int* __restrict__ topk_ids,
+                                                     int k, const bf16* __restrict__ gate_up, int inter,
+                                                     const bf16* __restrict__ shared_gate_up, int s_inter,
+                                                     float* __restrict__ act, int act_ld, float* xs) {
+    int slot = blockIdx.y, lane = threadIdx.x & 31;
+    int n = slot == k ? s_inter : inter;
+    const bf16* w = slot == k ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
+    int j = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
+    constexpr int NV = VPL > 0 ? VPL : 1;
+    uint4 v[2][NV];
+    if (VPL > 0) load_rows<2, NV>(v, rows);
+    stage_bf16(xs, xb, d);
+    float acc[2];
+    if (VPL > 0) dot_rows<2, NV>(v, xs, acc);
+    else dot_rows_any<2>(rows, xs, d, acc);
+    float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+    if (lane == 0 && j < n) act[(size_t)slot * act_ld + j] = __bfloat162float(__float2bfloat16(silu_f(g) * u));
+}
+
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     const bf16* __restrict__ xb, int d, const int* __restrict__ topk_ids, int k, const bf16* __restrict__ gate_up,
     int inter, const bf16* __restrict__ shared_gate_up, int s_inter, float* __restrict__ act, int act_ld) {
     extern __shared__ float xs[];
-    stage_bf16(xs, xb, d);
-    int slot = blockIdx.y, lane = threadIdx.x & 31;
-    int n = slot == k ? s_inter : inter;
-    const bf16* w = slot == k ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
-    int j0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * 2;
-    if (j0 >= n) return;
-    bool two = j0 + 1 < n;
-    const bf16* rows[4] = {w + (size_t)j0 * d, two ? w + (size_t)(j0 + 1) * d : nullptr, w + (size_t)(n + j0) * d,
-                           two ? w + (size_t)(n + j0 + 1) * d : nullptr};
-    float acc[4];
-    warp_rows_dot<4>(rows, xs, d, acc);
-    float* out = act + (size_t)slot * act_ld;
-    if (lane == 0) out[j0] = __bfloat162float(__float2bfloat16(silu_f(acc[0]) * acc[2]));
-    if (lane == 1 && two) out[j0 + 1] = __bfloat162float(__float2bfloat16(silu_f(acc[1]) * acc[3]));
+    if (d == 2048) moe_gate_up_dec_impl<8>(xb, d, topk_ids, k, gate_up, inter, shared_gate_up, s_inter, act, act_ld, xs);
+    else moe_gate_up_dec_impl<0>(xb, d, topk_ids, k, gate_up, inter, shared_gate_up, s_inter, act, act_ld, xs);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
-// shared_down[r, :] . act_k. grid ceil(d / 8), block 256 (a warp per row), smem (k+1)*act_ld floats.
+// shared_down[r, :] . act_k. A warp per row, its slots' rows loaded in groups of 5 (the first
+// group before the activations are staged). grid ceil(d / 8), block 256, smem (k+1)*act_ld floats.
+template <int VPL>
+__device__ __forceinline__ void moe_down_dec_impl(const float* __restrict__ act, int act_ld,
+                                                  const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+                                                  int k, const float* __restrict__ sgate,
+                                                  const bf16* __restrict__ down, int inter,
+                                                  const bf16* __restrict__ shared_down, int s_inter,
+                                                  float* __restrict__ h, int d, float* as) {
+    constexpr int G = 5, NV = VPL > 0 ? VPL : 1;
+    int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    bool on = r < d;
+    auto row_of = [&](int s) -> const bf16* {
+        if (!on || s > k) return nullptr;
+        return s == k ? shared_down + (size_t)r * s_inter : down + ((size_t)topk_ids[s] * d + r) * inter;
+    };
+    const bf16* rows[G];
+    uint4 v[G][NV];
+#pragma unroll
+    for (int q = 0; q < G; q++) rows[q] = row_of(q);
+    if (VPL > 0) load_rows<G, NV>(v, rows);
+    for (int i = threadIdx.x; i < (k + 1) * act_ld; i += blockDim.x) as[i] = act[i];
+    __syncthreads();
+    float acc = 0.0f;
+    for (int s0 = 0; s0 <= k; s0 += G) {
+        if (s0 > 0) {
+#pragma unroll
+            for (int q = 0; q < G; q++) rows[q] = row_of(s0 + q);
+            if (VPL > 0) load_rows<G, NV>(v, rows);
+        }
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            int s = s0 + q;
+            if (!rows[q]) continue;
+            const float* xs = as + (size_t)s * act_ld;
+            float part = 0.0f;
+            if (VPL > 0) {
+#pragma unroll
+                for (int j = 0; j < NV; j++) part += dot8(v[q][j], xs + (lane + 32 * j) * 8);
+            } else {
+                int kk = s == k ? s_inter : inter;
+                for (int c = lane; c < (kk >> 3); c += 32)
+                    part += dot8(__ldg(reinterpret_cast<const uint4*>(rows[q]) + c), xs + c * 8);
+            }
+            acc += (s == k ? *sgate : topk_w[s]) * part;
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0 && on) h[r] += acc;
+}
+
 extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
     const float* __restrict__ act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     int k, const float* __restrict__ sgate, const bf16* __restrict__ down, int inter,
     const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
     extern __shared__ float as[];
-    for (int i = threadIdx.x; i < (k + 1) * act_ld; i += blockDim.x) as[i] = act[i];
-    __syncthreads();
-    int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (r >= d) return;
-    float acc = 0.0f;
-#pragma unroll 3
-    for (int s = 0; s <= k; s++) {
-        bool sh = s == k;
-        int kk = sh ? s_inter : inter;
-        const uint4* wr = reinterpret_cast<const uint4*>(
-            sh ? shared_down + (size_t)r * s_inter : down + ((size_t)topk_ids[s] * d + r) * inter);
-        const float* xs = as + (size_t)s * act_ld;
-        float part = 0.0f;
-        for (int c = lane; c < (kk >> 3); c += 32) part += dot8(__ldg(wr + c), xs + c * 8);
-        acc += (sh ? *sgate : topk_w[s]) * part;
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) h[r] += acc;
+    if (inter == 512 && s_inter == 512)
+        moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d, as);
+    else
+        moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d, as);
 }
