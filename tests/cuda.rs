@@ -357,7 +357,9 @@ fn moe_gemm_v2_matches_v1() {
 /// The fused one-token decode step, replayed as a CUDA graph and launched directly, against
 /// the general (prefill) path on every fixture: the prompt, then every teacher-forced step of
 /// the reference. Graph and direct launches run the same kernels, so they agree exactly; the
-/// general path differs in summation order only. The greedy ids from the fused lm_head argmax
+/// general path differs in summation order only. Direct launches also run without programmatic
+/// dependent launch, so a kernel reading its inputs before `griddep_wait` would show up as a
+/// difference. The greedy ids from the fused lm_head argmax
 /// equal the argmax of the fused logits at every step.
 #[test]
 fn fused_decode_and_graph_match_general_path() {
@@ -369,6 +371,9 @@ fn fused_decode_and_graph_match_general_path() {
         let mut run = |fused: bool, graph: bool, greedy: bool| {
             cuda.fused_decode = fused;
             cuda.decode_graph = graph;
+            // Direct launches without programmatic dependent launch: a missing griddep_wait
+            // in a kernel would make the overlapped (graph) runs differ from these.
+            cuda.decode_pdl = graph;
             let mut st = cuda.new_state();
             cuda.forward(&mut st, &r.prompt_ids, Logits::Last).unwrap();
             let mut out = Vec::new();

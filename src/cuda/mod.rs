@@ -490,6 +490,71 @@ impl Gpu {
         )
     }
 
+    /// [`Gpu::launch`] with programmatic dependent launch: the kernel may begin while the
+    /// previous kernel on the stream is still running (its blocks wait in `griddep_wait`, see
+    /// common.cuh, before touching what earlier kernels write). Captured graphs keep it.
+    pub fn launch_pdl(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        // Each argument in an 8-byte slot; the driver reads the parameter's own size from its
+        // start, which on little-endian hosts is the value for 4-byte ints and floats too.
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(p) | Arg::U(p) => *p,
+                Arg::I(i) => *i as u32 as u64,
+                Arg::F(x) => x.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = slots
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut std::ffi::c_void)
+            .collect();
+        // SAFETY: a zeroed attribute is valid plain data; we set its id and value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.timed(
+            || format!("{name} {}x{}x{}", grid.0, grid.1, grid.2),
+            || {
+                // SAFETY: argument lists match the kernels' signatures (checked by the GPU
+                // tests); `slots`, `params` and `attr` outlive the call.
+                unsafe {
+                    sys::cuLaunchKernelEx(
+                        &cfg,
+                        f.cu_function(),
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                }
+                .result()
+                .with_context(|| format!("launching {name}"))
+            },
+        )
+    }
+
     /// `y[t, n] = beta * y + x[t, k] · W[n, k]ᵀ`: W and x bf16 row-major, y f32 with row
     /// stride `ldy`, f32 accumulation (cuBLAS).
     #[allow(clippy::too_many_arguments)]

@@ -29,6 +29,10 @@ fn gemv_rows_per_block(k: usize) -> usize {
     8 * if k <= 2048 { 2 } else { 1 }
 }
 
+/// Blocks of the decode lm_head GEMV (each stages the normalised input once, then walks row
+/// groups): 8 per SM of an H200.
+const LM_HEAD_BLOCKS: usize = 132 * 8;
+
 /// Dynamic shared memory of `attn_decode`.
 fn attn_decode_smem(c: &TextConfig) -> usize {
     2 * 32 * (c.head_dim + 8) * 2 + c.num_attention_heads / c.num_kv_heads * c.head_dim * 4
@@ -278,6 +282,9 @@ pub struct CudaModel {
     pub fused_decode: bool,
     /// Replay the fused decode step as a CUDA graph (`KESTREL_DECODE_GRAPH=0` turns it off).
     pub decode_graph: bool,
+    /// Launch the fused decode kernels with programmatic dependent launch, so each one's
+    /// weight loads overlap the previous one's tail (`KESTREL_DECODE_PDL=0` turns it off).
+    pub decode_pdl: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -743,6 +750,7 @@ impl CudaModel {
             dws,
             fused_decode,
             decode_graph: std::env::var("KESTREL_DECODE_GRAPH").map_or(true, |v| v != "0"),
+            decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
         })
     }
 
@@ -1257,6 +1265,22 @@ impl CudaModel {
     /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
     /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
     /// experts' gate/up, experts' down with the combine), eight per attention layer.
+    /// A launch of the fused decode step: with programmatic dependent launch unless turned off.
+    fn decode_launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if self.decode_pdl {
+            self.gpu.launch_pdl(name, grid, block, smem, args)
+        } else {
+            self.gpu.launch(name, grid, block, smem, args)
+        }
+    }
+
     fn decode_launches(
         &self,
         state: &CudaState,
@@ -1264,12 +1288,12 @@ impl CudaModel {
         vocab_limit: usize,
     ) -> Result<()> {
         let c = &self.config;
-        let g = &*self.gpu;
         let dw = &self.dws;
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let pos = dw.step_in.ptr + 4;
+        let launch = |name: &str, grid, block, smem, args: &[Arg]| self.decode_launch(name, grid, block, smem, args);
         let block = |n: usize| n.div_ceil(32).clamp(1, 32) as u32 * 32;
-        g.launch(
+        launch(
             "embed_gather",
             (1, 1, 1),
             256,
@@ -1283,7 +1307,7 @@ impl CudaModel {
         )?;
         // y = beta*y + W·x, x = the bf16 vector `x` or (x = 0) RMSNorm(h) with weight `norm`.
         let gemv = |w: u64, n: usize, k: usize, x: u64, norm: u64, y: u64, beta: f32| {
-            g.launch(
+            launch(
                 "gemv_dec",
                 (n.div_ceil(gemv_rows_per_block(k)) as u32, 1, 1),
                 256,
@@ -1323,7 +1347,7 @@ impl CudaModel {
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
                     gemv(w.in_proj.ptr, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0)?;
-                    g.launch(
+                    launch(
                         "gdn_conv_dec",
                         ((2 * hk + hv) as u32, 1, 1),
                         block(dk.max(dv)),
@@ -1347,7 +1371,7 @@ impl CudaModel {
                         64 => "gdn_step_dec_64",
                         _ => "gdn_step_dec_128",
                     };
-                    g.launch(
+                    launch(
                         step,
                         (hv as u32, 1, 1),
                         block(dv),
@@ -1376,7 +1400,7 @@ impl CudaModel {
                     let rows = nq * 2 * hd + 2 * nkv * hd;
                     gemv(w.qkv.ptr, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0)?;
                     let kp = dw.proj.ptr + (nq * 2 * hd * 4) as u64;
-                    g.launch(
+                    launch(
                         "attn_prep",
                         (1, (nq + nkv) as u32, 1),
                         block(hd),
@@ -1400,7 +1424,7 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
-                    g.launch(
+                    launch(
                         "attn_decode",
                         (nkv as u32, nsplit as u32, 1),
                         (32 * (nq / nkv)) as u32,
@@ -1418,7 +1442,7 @@ impl CudaModel {
                             Arg::F(1.0 / (hd as f32).sqrt()),
                         ],
                     )?;
-                    g.launch(
+                    launch(
                         "attn_combine",
                         (1, nq as u32, 1),
                         block(hd),
@@ -1442,9 +1466,13 @@ impl CudaModel {
         }
         // Final norm + lm_head with the greedy argmax fused (the next id also lands in
         // step_in[0], ready for the next step).
-        g.launch(
+        launch(
             "gemv_dec",
-            (c.vocab_size.div_ceil(gemv_rows_per_block(d)) as u32, 1, 1),
+            (
+                c.vocab_size.div_ceil(gemv_rows_per_block(d)).min(LM_HEAD_BLOCKS) as u32,
+                1,
+                1,
+            ),
             256,
             (d * 4) as u32,
             &[
@@ -1473,8 +1501,8 @@ impl CudaModel {
     /// their down projections combined into the residual.
     fn moe_decode(&self, layer: &LayerW) -> Result<()> {
         let c = &self.config;
-        let g = &*self.gpu;
         let dw = &self.dws;
+        let launch = |name: &str, grid, block, smem, args: &[Arg]| self.decode_launch(name, grid, block, smem, args);
         let (d, e, k, i, is) = (
             c.hidden_size,
             c.num_experts,
@@ -1482,7 +1510,7 @@ impl CudaModel {
             c.moe_intermediate,
             c.shared_intermediate,
         );
-        g.launch(
+        launch(
             "moe_router_dec",
             (e.div_ceil(gemv_rows_per_block(d)) as u32 + 1, 1, 1),
             256,
@@ -1504,7 +1532,7 @@ impl CudaModel {
                 Arg::Ptr(dw.done.ptr),
             ],
         )?;
-        g.launch(
+        launch(
             "moe_gate_up_dec",
             (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
             256,
@@ -1522,7 +1550,7 @@ impl CudaModel {
                 Arg::I(dw.act_ld as i32),
             ],
         )?;
-        g.launch(
+        launch(
             "moe_down_dec",
             (d.div_ceil(8) as u32, 1, 1),
             256,

@@ -11,6 +11,8 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
                                      float* __restrict__ q_out, bf16* __restrict__ k_cache,
                                      bf16* __restrict__ v_cache, int past, const int* __restrict__ past_dev,
                                      int nq, int nkv, int hd, int rot_half, float eps) {
+    griddep_launch();
+    griddep_wait();
     if (past_dev) past = *past_dev;
     int s = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
     bool is_q = head < nq;
@@ -86,24 +88,36 @@ extern "C" __global__ void attn_split(const float* __restrict__ q, const bf16* _
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ qg,
                                         bf16* __restrict__ out, int past, const int* __restrict__ past_dev, int nq,
                                         int hd, int nsplit, int chunk) {
+    griddep_launch();
+    griddep_wait();
     if (past_dev) {
         past = *past_dev;
         chunk = max(64, (past + 1 + nsplit - 1) / nsplit);
     }
-    int s = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
-    if (i >= hd) return;
+    int s = blockIdx.x, h = blockIdx.y, i = threadIdx.x;  // blockDim.x == hd (a multiple of 32)
     int n = past + s + 1;
     int used = min(nsplit, (n + chunk - 1) / chunk);
     const float* base = part + ((size_t)s * nq + h) * nsplit * (hd + 2);
+    // The splits' weights exp(m_sp - max m) in shared memory (nsplit <= 256), read in parallel.
+    __shared__ float wsp[256];
+    __shared__ float red[32];
     float m = -INFINITY;
-    for (int sp = 0; sp < used; sp++) m = fmaxf(m, base[sp * (hd + 2) + hd]);
-    float l = 0.0f, acc = 0.0f;
-    for (int sp = 0; sp < used; sp++) {
-        const float* r = base + sp * (hd + 2);
-        float w = expf(r[hd] - m);
-        l += r[hd + 1] * w;
-        acc += r[i] * w;
+    for (int sp = i; sp < used; sp += blockDim.x) m = fmaxf(m, base[sp * (hd + 2) + hd]);
+    m = warp_max(m);
+    if ((i & 31) == 0) red[i >> 5] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
+    float lpart = 0.0f;
+    for (int sp = i; sp < used; sp += blockDim.x) {
+        float w = expf(base[sp * (hd + 2) + hd] - m);
+        wsp[sp] = w;
+        lpart += base[sp * (hd + 2) + hd + 1] * w;
     }
+    float l = block_sum(lpart);  // (its barriers also publish wsp)
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int sp = 0; sp < used; sp++) acc += wsp[sp] * base[sp * (hd + 2) + i];
     float gate = qg[((size_t)s * nq + h) * 2 * hd + hd + i];
     out[((size_t)s * nq + h) * hd + i] = __float2bfloat16(acc / l * sigmoid_f(gate));
 }
@@ -119,6 +133,8 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* 
                                        const bf16* __restrict__ v_cache, float* __restrict__ part,
                                        const int* __restrict__ past_dev, int nq, int nkv, int hd, int nsplit,
                                        float scale) {
+    griddep_launch();
+    griddep_wait();
     extern __shared__ __align__(16) unsigned char smem[];
     const int ldk = hd + 8;  // bf16 row stride: 16-byte skew between rows, no bank conflicts
     bf16* ks = reinterpret_cast<bf16*>(smem);

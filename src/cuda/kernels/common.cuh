@@ -42,6 +42,13 @@ __device__ float block_sum(float v) {
     return total;
 }
 
+// Programmatic dependent launch (sm_90): the decode kernels are launched so that the next
+// kernel may start while this one runs. `griddep_launch` lets it; `griddep_wait` blocks until
+// the previous kernel has finished and its writes are visible. Before the wait a kernel may read
+// only immutable data (weights). Both are no-ops for a normal launch.
+__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // Dot of 8 bf16 weights (one 16-byte load) with 8 staged f32 inputs.
 __device__ __forceinline__ float dot8(uint4 v, const float* x) {
     const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -126,9 +133,9 @@ __device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ 
 }
 
 template <int R, int VPL>
-__device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, const bf16* x,
-                                                 const float* h, const float* nw, float eps, bf16* xb_out, float* xs,
-                                                 float* __restrict__ y, float beta) {
+__device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                                 const bf16* x, const float* h, const float* nw, float eps,
+                                                 bf16* xb_out, float* xs, float* __restrict__ y, float beta) {
     int lane = threadIdx.x & 31, r0 = row0 + (threadIdx.x >> 5) * R;
     const bf16* rows[R];
 #pragma unroll
@@ -136,7 +143,10 @@ __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int
     constexpr int NV = VPL > 0 ? VPL : 1;  // VPL 0: runtime-length fallback, nothing preloaded
     uint4 v[R][NV];
     if (VPL > 0) load_rows<R, NV>(v, rows);
-    stage_input(xs, x, h, nw, k, eps, xb_out);
+    if (!staged) {
+        griddep_wait();
+        stage_input(xs, x, h, nw, k, eps, xb_out);
+    }
     float acc[R];
     if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
     else dot_rows_any<R>(rows, xs, k, acc);
@@ -147,19 +157,21 @@ __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int
     }
 }
 
-// y[r] = beta * y[r] + W[r, :] . input for the block's 8 * gemv_rows_per_warp(k) rows from row0;
-// input staged by `stage_input` into xs (k floats of shared memory). All threads must call it.
-__device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, const bf16* x,
-                                           const float* h, const float* nw, float eps, bf16* xb_out, float* xs,
-                                           float* __restrict__ y, float beta) {
+// y[r] = beta * y[r] + W[r, :] . input for the block's 8 * gemv_rows_per_warp(k) rows from row0.
+// Unless `staged` (xs already holds it), the input is staged by `stage_input` into xs (k floats
+// of shared memory) after this block's weight rows are in flight and the previous kernel is
+// done (griddep_wait). All threads must call it.
+__device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                           const bf16* x, const float* h, const float* nw, float eps, bf16* xb_out,
+                                           float* xs, float* __restrict__ y, float beta) {
     switch (k) {
-        case 512: block_gemv_fixed<2, 2>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
-        case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
-        case 2048: block_gemv_fixed<2, 8>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
-        case 4096: block_gemv_fixed<1, 16>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 512: block_gemv_fixed<2, 2>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 2048: block_gemv_fixed<2, 8>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 4096: block_gemv_fixed<1, 16>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
         default:
-            if (k <= 2048) block_gemv_fixed<2, 0>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta);
-            else block_gemv_fixed<1, 0>(w, n, k, row0, x, h, nw, eps, xb_out, xs, y, beta);
+            if (k <= 2048) block_gemv_fixed<2, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
+            else block_gemv_fixed<1, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
     }
 }
 

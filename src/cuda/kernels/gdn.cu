@@ -128,6 +128,8 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const flo
 extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __restrict__ state,
                                         const float* __restrict__ w, float* __restrict__ out, int c, int kern,
                                         int hk, int dk, int dv, float q_scale) {
+    griddep_launch();
+    griddep_wait();
     int b = blockIdx.x, i = threadIdx.x;
     bool qk = b < 2 * hk;
     int width = qk ? dk : dv;
@@ -156,6 +158,8 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
                                   const float* __restrict__ z, const float* __restrict__ nw,
                                   float* __restrict__ state, bf16* __restrict__ out, int hk, int hv, int dv,
                                   float eps) {
+    griddep_launch();
+    griddep_wait();
     int j = blockIdx.x, m = threadIdx.x;
     int kh = j / (hv / hk);
     __shared__ float qs[DK], ks[DK];

@@ -3,35 +3,44 @@
 
 // y[r] = beta * y[r] + W[r, :] . x for W bf16 [n, k]. The input is the bf16 vector `x`, or,
 // when `x` is null, the zero-centred RMSNorm of the f32 residual `h` with weight `nw` (block 0
-// also stores that as bf16 in `xb_out`, if given, for later kernels).
+// also stores that as bf16 in `xb_out`, if given, for later kernels). A block stages the input
+// once and walks row groups gridDim.x apart (grids are capped for very tall matrices).
 // With `arg_val` set (lm_head), also the greedy argmax over rows < arg_limit: per-block
 // partials, reduced by the last block into arg_out[0] (and arg_out2[0] if given).
-// grid ceil(n / (8 * gemv_rows_per_warp(k))), block 256, dynamic smem k floats.
+// grid <= ceil(n / (8 * gemv_rows_per_warp(k))), block 256, dynamic smem k floats.
 extern "C" __global__ void __launch_bounds__(256) gemv_dec(
     const bf16* __restrict__ w, int n, int k, const bf16* __restrict__ x, const float* __restrict__ h,
     const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta,
     float* __restrict__ arg_val, int* __restrict__ arg_idx, unsigned* __restrict__ arg_done, int arg_limit,
     int* __restrict__ arg_out, int* __restrict__ arg_out2) {
+    griddep_launch();
     extern __shared__ float xs[];
-    int rows = 8 * gemv_rows_per_warp(k), row0 = blockIdx.x * rows;
-    block_gemv(w, n, k, row0, x, h, nw, eps, blockIdx.x == 0 ? xb_out : nullptr, xs, y, beta);
-    if (!arg_val) return;
-    // Greedy argmax: block partial over its rows (first index on ties), then the last block.
-    __syncthreads();
     __shared__ float bv[32];
     __shared__ int bi[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (warp == 0) {
-        int r = row0 + lane;
-        bool ok = lane < rows && r < n && r < arg_limit;
-        float v = ok ? y[r] : -INFINITY;
-        int id = ok ? r : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, id, o);
-            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+    int rows = 8 * gemv_rows_per_warp(k);
+    float best = -INFINITY;  // warp 0: running argmax over this block's rows
+    int best_id = 0x7fffffff;
+    for (int row0 = blockIdx.x * rows; row0 < n; row0 += gridDim.x * rows) {
+        bool staged = row0 != blockIdx.x * rows;
+        block_gemv(w, n, k, row0, staged, x, h, nw, eps, blockIdx.x == 0 ? xb_out : nullptr, xs, y, beta);
+        if (arg_val) {
+            __syncthreads();  // this group's y visible to warp 0
+            int r = row0 + lane;
+            if (warp == 0 && lane < rows && r < n && r < arg_limit) {
+                float v = y[r];
+                if (v > best) { best = v; best_id = r; }  // rows ascend: first index kept on ties
+            }
         }
-        if (lane == 0) { arg_val[blockIdx.x] = v; arg_idx[blockIdx.x] = id; }
+    }
+    if (!arg_val) return;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
+            if (ov > best || (ov == best && oi < best_id)) { best = ov; best_id = oi; }
+        }
+        if (lane == 0) { arg_val[blockIdx.x] = best; arg_idx[blockIdx.x] = best_id; }
     }
     if (!last_block_done(arg_done)) return;
     float v = -INFINITY;

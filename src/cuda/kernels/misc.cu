@@ -2,6 +2,8 @@
 
 extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const int* __restrict__ ids,
                                         float* __restrict__ out, int d) {
+    griddep_launch();
+    griddep_wait();
     int t = blockIdx.x;
     const bf16* row = table + (size_t)ids[t] * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)t * d + i] = __bfloat162float(row[i]);

@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv(
     const bf16* x = a + (size_t)(gather_by_k ? r / k : r) * kdim;
     const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
     int row0 = blockIdx.y * 8 * gemv_rows_per_warp(kdim);
-    block_gemv(wx, ndim, kdim, row0, x, nullptr, nullptr, 0.0f, nullptr, xs, y + (size_t)r * ndim, 0.0f);
+    block_gemv(wx, ndim, kdim, row0, false, x, nullptr, nullptr, 0.0f, nullptr, xs, y + (size_t)r * ndim, 0.0f);
 }
 
 // act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
@@ -309,11 +309,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
     const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
     int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
+    griddep_launch();
     extern __shared__ float xs[];
     if (blockIdx.x + 1 < gridDim.x) {
-        block_gemv(wr, e, d, blockIdx.x * 8 * gemv_rows_per_warp(d), nullptr, h, nw, eps, blockIdx.x == 0 ? xb : nullptr,
+        block_gemv(wr, e, d, blockIdx.x * 8 * gemv_rows_per_warp(d), false, nullptr, h, nw, eps, blockIdx.x == 0 ? xb : nullptr,
                    xs, logits, 0.0f);
     } else {
+        griddep_wait();
         stage_rmsnorm(xs, h, nw, d, eps, nullptr);
         float dot = 0.0f;
         for (int i = threadIdx.x; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
@@ -336,6 +338,8 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
                                                      int k, const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
                                                      float* __restrict__ act, int act_ld, float* xs) {
+    griddep_launch();
+    griddep_wait();  // the expert ids come from the router
     int slot = blockIdx.y, lane = threadIdx.x & 31;
     int n = slot == k ? s_inter : inter;
     const bf16* w = slot == k ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
@@ -370,6 +374,8 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* __restrict__ act,
                                                   const bf16* __restrict__ down, int inter,
                                                   const bf16* __restrict__ shared_down, int s_inter,
                                                   float* __restrict__ h, int d, float* as) {
+    griddep_launch();
+    griddep_wait();  // expert ids, weights and activations come from the previous kernels
     constexpr int G = 5, NV = VPL > 0 ? VPL : 1;
     int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     bool on = r < d;
