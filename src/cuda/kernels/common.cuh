@@ -42,6 +42,17 @@ __device__ float block_sum(float v) {
     return total;
 }
 
+// 16-byte asynchronous global-to-shared copy (zero-fills the destination when !valid), and
+// its group fences: wait_one leaves the most recent committed group in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
 // y[r] = beta * y[r] + W[r, :] . xs for rows r = row0 + warp * 4 + q (q < 4, r < n):
 // W bf16 [n, k] read with 16-byte loads (k % 8 == 0), xs the input staged in shared memory.
 // The body of the decode GEMVs (dense and per-expert).
