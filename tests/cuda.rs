@@ -590,3 +590,66 @@ fn gdn_conv_prefill_matches_sequential() {
         assert_eq!(s_b, s_a, "{sh:?}: conv state");
     }
 }
+
+/// Time per call of the GDN prefill kernels at the full model's shape over a 4,096-token
+/// chunk (one layer's call), new against sequential; printed, not asserted (the target for
+/// the chunked delta rule is <= 1 ms).
+#[test]
+fn gdn_prefill_kernel_timing_full_shape() {
+    let Some(gpu) = gpu() else { return };
+    let sh = GdnShape {
+        t: 4096,
+        hk: 16,
+        hv: 32,
+        dk: 128,
+        dv: 128,
+    };
+    let (qkv, g, beta, state) = delta_inputs(&sh, 5);
+    let up = |v: &[f32]| gpu.upload(v).unwrap();
+    let (qkv, g, beta, state) = (up(&qkv), up(&g), up(&beta), up(&state));
+    let o = gpu.alloc(sh.t * sh.hv * sh.dv * 4).unwrap();
+    let scratch = gpu.alloc(sh.chunk_scratch_floats() * 4).unwrap();
+    let conv_w = up(&Lcg(6).vec(sh.channels() * 4, 0.5));
+    let conv_state = gpu.alloc_zeroed(3 * sh.channels() * 4).unwrap();
+    let conv_out = gpu.alloc(sh.t * sh.channels() * 4).unwrap();
+    let bufs = DeltaBufs {
+        qkv: qkv.ptr,
+        g: g.ptr,
+        beta: beta.ptr,
+        state: state.ptr,
+        o: o.ptr,
+    };
+    let time_ms = |reps: usize, f: &dyn Fn()| {
+        f();
+        gpu.sync().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        gpu.sync().unwrap();
+        t0.elapsed().as_secs_f64() * 1e3 / reps as f64
+    };
+    let chunked = time_ms(10, &|| {
+        gpu.gdn_delta_chunked(&sh, &bufs, scratch.ptr).unwrap()
+    });
+    let recurrent = time_ms(2, &|| gpu.gdn_delta_recurrent(&sh, &bufs).unwrap());
+    // The conv reads the normalised qkv as its input: any finite numbers do for timing.
+    let conv = |f: fn(&Gpu, &GdnShape, usize, u64, u64, u64, u64) -> anyhow::Result<()>| {
+        time_ms(10, &|| {
+            f(
+                &gpu,
+                &sh,
+                4,
+                qkv.ptr,
+                conv_state.ptr,
+                conv_w.ptr,
+                conv_out.ptr,
+            )
+            .unwrap()
+        })
+    };
+    let (conv_new, conv_old) = (conv(Gpu::gdn_conv_prefill), conv(Gpu::gdn_conv_sequential));
+    println!(
+        "{sh:?}: delta rule chunked {chunked:.3} ms, recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
+    );
+}
