@@ -410,6 +410,8 @@ fn gdn_chunked_matches_recurrent_through_the_model() {
     for dir in fixtures() {
         let r = read_reference(&dir);
         let (_cpu, mut cuda) = load(&gpu, &dir, 256);
+        let sh = GdnShape::of(&cuda.config, 2);
+        assert!(sh.chunked_fits(gpu.max_smem_per_block), "{sh:?}");
         let ids: Vec<u32> = r.prompt_ids.iter().chain(&r.decode_ids).copied().collect();
         for pieces in [&[][..], &[2, 1, 2, 70]] {
             let a = logits_in_pieces(&mut cuda, &ids, pieces, false);

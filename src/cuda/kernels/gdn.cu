@@ -317,16 +317,17 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
         for (int r = 0; r < GDN_C; r++) xr[r] = 0.0f;
 #pragma unroll
         for (int r = 0; r < GDN_C; r++) {
-            float acc = xs[r * ldx + col];
+            // Four partial sums: one chain of r dependent FMAs would leave the SM idle.
+            float a0 = xs[r * ldx + col], a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
 #pragma unroll
             for (int s = 0; s < r; s += 4) {
                 float4 l = ld4(ls + r * GDN_LDP + s);
-                acc -= l.x * xr[s];
-                acc -= l.y * xr[s + 1];
-                acc -= l.z * xr[s + 2];
-                acc -= l.w * xr[s + 3];
+                a0 -= l.x * xr[s];
+                a1 -= l.y * xr[s + 1];
+                a2 -= l.z * xr[s + 2];
+                a3 -= l.w * xr[s + 3];
             }
-            xr[r] = acc;
+            xr[r] = (a0 + a1) + (a2 + a3);
         }
         float* dst = is_k ? w_out + ((size_t)j * tp + c0) * DK + col : u_out + ((size_t)j * tp + c0) * dv + (col - DK);
         const int ld = is_k ? DK : dv;
