@@ -4,6 +4,7 @@
 //! Everything loads dynamically (cudarc), so the crate builds and its CPU tests run on
 //! machines without CUDA; `Gpu::open` says clearly why a GPU cannot be used.
 
+pub mod gdn;
 pub mod model;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -39,6 +40,16 @@ const KERNELS: &[&str] = &[
     "gdn_recurrent_32",
     "gdn_recurrent_64",
     "gdn_recurrent_128",
+    "gdn_conv_prefill",
+    "gdn_conv_advance",
+    "gdn_chunk_prep_16",
+    "gdn_chunk_prep_32",
+    "gdn_chunk_prep_64",
+    "gdn_chunk_prep_128",
+    "gdn_chunk_state_16",
+    "gdn_chunk_state_32",
+    "gdn_chunk_state_64",
+    "gdn_chunk_state_128",
     "gdn_gated_norm",
     "gdn_conv_dec",
     "gdn_step_dec_16",
@@ -83,6 +94,7 @@ impl Drop for DeviceBuf {
 }
 
 /// A kernel argument.
+#[derive(Clone, Copy, Debug)]
 pub enum Arg {
     Ptr(u64),
     I(i32),
@@ -101,6 +113,8 @@ pub struct Gpu {
     /// With `KESTREL_PROFILE=1`: per-op (calls, seconds), each op timed on the GPU by a pair
     /// of CUDA events (no host syncs in between, so launch gaps are not counted).
     profile: Option<std::sync::Mutex<Profile>>,
+    /// Shared memory a block may opt into (bytes).
+    pub max_smem_per_block: usize,
 }
 
 /// Per-op GPU times: events still in flight, and the totals of resolved ones.
@@ -255,6 +269,11 @@ impl Gpu {
         let blas = quiet_catch(|| CudaBlas::new(stream.clone()))
             .ok_or_else(|| anyhow!("cuBLAS could not be loaded (libcublas.so)"))?
             .map_err(|e| anyhow!("cuBLAS init failed: {e:?}"))?;
+        let max_smem_per_block = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
         let module = Self::compile(&ctx, cc)?;
         let mut functions = std::collections::HashMap::new();
         for k in KERNELS {
@@ -263,7 +282,7 @@ impl Gpu {
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
             functions.insert(*k, f);
         }
-        Ok(Arc::new(Gpu {
+        let gpu = Gpu {
             ctx,
             stream,
             blas,
@@ -271,10 +290,17 @@ impl Gpu {
             name,
             compute_capability: cc,
             total_memory,
+            max_smem_per_block,
             profile: std::env::var("KESTREL_PROFILE")
                 .ok()
                 .map(|_| std::sync::Mutex::new(Default::default())),
-        }))
+        };
+        // The chunked GDN kernels need more than the default 48 KiB, how much depends on the
+        // shape (GdnShape::chunked_fits checks it against this limit).
+        for k in gdn::CHUNK_KERNELS {
+            gpu.set_max_dynamic_smem(k, max_smem_per_block)?;
+        }
+        Ok(Arc::new(gpu))
     }
 
     fn compile(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Arc<cudarc::driver::CudaModule>> {
@@ -679,7 +705,12 @@ mod tests {
             return;
         }
         match super::kernel_ptx("compute_90a", false) {
-            Ok(ptx) => assert!(ptx.to_src().contains(".entry moe_gemm")),
+            Ok(ptx) => {
+                let src = ptx.to_src();
+                for k in super::KERNELS {
+                    assert!(src.contains(&format!(".entry {k}(")), "{k} missing");
+                }
+            }
             Err(e) if e.to_string().contains("could not be loaded") => {
                 println!("SKIPPED: {e}")
             }

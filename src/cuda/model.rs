@@ -4,6 +4,7 @@
 //! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
+use super::gdn::{DeltaBufs, GdnShape};
 use super::{Arg, DeviceBuf, Gpu};
 use crate::config::{LayerKind, TextConfig};
 use crate::model::{Engine, Logits};
@@ -133,6 +134,8 @@ struct Workspace {
     beta: DeviceBuf,
     g: DeviceBuf,
     o: DeviceBuf,
+    /// Scratch of the chunked delta rule (W, Q', U, γ per chunk).
+    gdn: DeviceBuf,
     ob: DeviceBuf,
     qg: DeviceBuf,
     k: DeviceBuf,
@@ -285,6 +288,9 @@ pub struct CudaModel {
     /// Launch the fused decode kernels with programmatic dependent launch, so each one's
     /// weight loads overlap the previous one's tail (`KESTREL_DECODE_PDL=0` turns it off).
     pub decode_pdl: bool,
+    /// Prefill GDN with the token-parallel conv and the chunked delta rule; off
+    /// (`KESTREL_GDN=recurrent`) it runs the sequential kernels that decode uses.
+    pub gdn_chunked: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -422,6 +428,7 @@ impl CudaModel {
             ("beta", t * hv, 4),
             ("g", t * hv, 4),
             ("o", t * cfg.gdn_v_width(), 4),
+            ("gdn", GdnShape::of(cfg, t).chunk_scratch_floats(), 4),
             ("ob", t * cfg.gdn_v_width().max(nq * hd), 2),
             ("qg", t * nq * 2 * hd, 4),
             ("k", t * nkv * hd, 4),
@@ -751,6 +758,7 @@ impl CudaModel {
             fused_decode,
             decode_graph: std::env::var("KESTREL_DECODE_GRAPH").map_or(true, |v| v != "0"),
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
+            gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
         })
     }
 
@@ -776,6 +784,7 @@ impl CudaModel {
             beta: take("beta")?,
             g: take("g")?,
             o: take("o")?,
+            gdn: take("gdn")?,
             ob: take("ob")?,
             qg: take("qg")?,
             k: take("k")?,
@@ -883,44 +892,28 @@ impl CudaModel {
                 MixerW::Gdn(w) => {
                     let (st_conv, st_rec) = &state.gdn[gdn_i];
                     gdn_i += 1;
-                    let (hk, hv, dk, dv) = (
-                        c.gdn_num_key_heads,
-                        c.gdn_num_value_heads,
-                        c.gdn_key_dim,
-                        c.gdn_value_dim,
-                    );
+                    let sh = GdnShape::of(c, t);
+                    let (hv, dv) = (sh.hv, sh.dv);
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let (in_qkv, in_z, in_ba) = w.in_parts(c);
                     g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
                     g.gemm(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
                     g.gemm(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
-                    g.launch(
-                        "gdn_conv",
-                        (ch.div_ceil(128) as u32, 1, 1),
-                        128,
-                        0,
-                        &[
-                            Arg::Ptr(ws.p.ptr),
-                            Arg::Ptr(st_conv.ptr),
-                            Arg::Ptr(w.conv.ptr),
-                            Arg::Ptr(ws.qkv.ptr),
-                            Arg::I(ti),
-                            Arg::I(ch as i32),
-                            Arg::I(c.conv_kernel as i32),
-                        ],
-                    )?;
-                    g.launch(
-                        "gdn_qk_l2norm",
-                        (t as u32, 2 * hk as u32, 1),
-                        block(dk),
-                        0,
-                        &[
-                            Arg::Ptr(ws.qkv.ptr),
-                            Arg::I(ch as i32),
-                            Arg::I(hk as i32),
-                            Arg::I(dk as i32),
-                            Arg::F(1.0 / (dk as f32).sqrt()),
-                        ],
+                    let chunked =
+                        t > 1 && self.gdn_chunked && sh.chunked_fits(g.max_smem_per_block);
+                    let conv = if chunked {
+                        Gpu::gdn_conv_prefill
+                    } else {
+                        Gpu::gdn_conv_sequential
+                    };
+                    conv(
+                        g,
+                        &sh,
+                        c.conv_kernel,
+                        ws.p.ptr,
+                        st_conv.ptr,
+                        w.conv.ptr,
+                        ws.qkv.ptr,
                     )?;
                     g.launch(
                         "gdn_gates",
@@ -939,30 +932,18 @@ impl CudaModel {
                             Arg::I(hv as i32),
                         ],
                     )?;
-                    let rec = match dk {
-                        16 => "gdn_recurrent_16",
-                        32 => "gdn_recurrent_32",
-                        64 => "gdn_recurrent_64",
-                        _ => "gdn_recurrent_128",
+                    let bufs = DeltaBufs {
+                        qkv: ws.qkv.ptr,
+                        g: ws.g.ptr,
+                        beta: ws.beta.ptr,
+                        state: st_rec.ptr,
+                        o: ws.o.ptr,
                     };
-                    g.launch(
-                        rec,
-                        (hv as u32, 1, 1),
-                        block(dv),
-                        0,
-                        &[
-                            Arg::Ptr(ws.qkv.ptr),
-                            Arg::I(ch as i32),
-                            Arg::Ptr(ws.g.ptr),
-                            Arg::Ptr(ws.beta.ptr),
-                            Arg::Ptr(st_rec.ptr),
-                            Arg::Ptr(ws.o.ptr),
-                            Arg::I(ti),
-                            Arg::I(hk as i32),
-                            Arg::I(hv as i32),
-                            Arg::I(dv as i32),
-                        ],
-                    )?;
+                    if chunked {
+                        g.gdn_delta_chunked(&sh, &bufs, ws.gdn.ptr)?;
+                    } else {
+                        g.gdn_delta_recurrent(&sh, &bufs)?;
+                    }
                     g.launch(
                         "gdn_gated_norm",
                         ((t * hv) as u32, 1, 1),

@@ -190,3 +190,14 @@ __device__ __forceinline__ bool last_block_done(unsigned* counter) {
     if (last) __threadfence();
     return last;
 }
+
+// 16-byte asynchronous global-to-shared copy (zero-fills the destination when !valid), and
+// its group fences: wait_one leaves the most recent committed group in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }

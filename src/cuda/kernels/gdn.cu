@@ -208,3 +208,442 @@ GDN_STEP_DEC(16)
 GDN_STEP_DEC(32)
 GDN_STEP_DEC(64)
 GDN_STEP_DEC(128)
+
+// ---- Prefill (t > 1): a token-parallel conv and the chunked delta rule.
+
+// Causal depthwise conv + SiLU over a prefill call, one thread per (token, channel), with the
+// q/k L2 norm (and q's dk^-1/2) fused. Block (token blockIdx.x, group blockIdx.y) of 128
+// threads: group y < 2*hk is q/k head y (dk <= 128 channels), the others 128 v channels each.
+// The first kern-1 tokens take their history from the conv state, which is only read here
+// (gdn_conv_advance moves it afterwards, so no block reads a row another block rewrites).
+extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
+    const float* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
+    float* __restrict__ out, int c, int kern, int hk, int dk, float q_scale) {
+    const int s = blockIdx.x, y = blockIdx.y, hist = kern - 1;
+    const bool qk = y < 2 * hk;
+    const int ch = qk ? y * dk + threadIdx.x : 2 * hk * dk + (y - 2 * hk) * blockDim.x + threadIdx.x;
+    const bool valid = qk ? (int)threadIdx.x < dk : ch < c;
+    float v = 0.0f;
+    if (valid) {
+        const float* wc = w + (size_t)ch * kern;
+        float acc = wc[hist] * p[(size_t)s * c + ch];
+        for (int j = 0; j < hist; j++) {
+            int src = s - hist + j;  // token of tap j; negative: conv state row hist + src
+            float x = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(hist + src) * c + ch];
+            acc += wc[j] * x;
+        }
+        v = silu_f(acc);
+    }
+    if (qk) {  // block-uniform
+        float inv = rsqrtf(block_sum(v * v) + 1e-6f);
+        v = v * inv * (y < hk ? q_scale : 1.0f);
+    }
+    if (valid) out[(size_t)s * c + ch] = v;
+}
+
+// After gdn_conv_prefill: the conv state becomes the last kern-1 rows of [state ; p]. One
+// thread per channel reads all its rows before writing any, so no row is read after being
+// overwritten (t < kern-1 keeps some old rows, shifted).
+extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* __restrict__ state,
+                                            int t, int c, int kern) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    int hist = kern - 1;
+    float row[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int src = t + j;  // row of [state ; p]
+        row[j] = j >= hist ? 0.0f : src < hist ? state[(size_t)src * c + ch] : p[(size_t)(src - hist) * c + ch];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) if (j < hist) state[(size_t)j * c + ch] = row[j];
+}
+
+#define GDN_C 64             // chunk length of the chunked delta rule
+#define GDN_LDP (GDN_C + 4)  // row stride of 64x64 matrices in shared memory
+#define GDN_DVS 32           // value columns per block of gdn_chunk_state
+#define GDN_LDS (GDN_DVS + 4)
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+// acc += a · b, component by component in order.
+__device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+    acc = fmaf(a.z, b.z, acc);
+    return fmaf(a.w, b.w, acc);
+}
+// acc[0..3] += x * (y.x, y.y, y.z, y.w)
+__device__ __forceinline__ void axpy4(float x, float4 y, float* acc) {
+    acc[0] = fmaf(x, y.x, acc[0]);
+    acc[1] = fmaf(x, y.y, acc[1]);
+    acc[2] = fmaf(x, y.z, acc[2]);
+    acc[3] = fmaf(x, y.w, acc[3]);
+}
+
+// Chunked delta rule (prefill), part 1: all chunks in parallel. Block = chunk blockIdx.x of
+// value head blockIdx.y, 256 threads. With γ the inclusive cumulative log-decay inside the
+// chunk and Γ_rs = exp(γ_r − γ_s) (s <= r, so never exp of a positive number):
+//   L = strictly lower (β_r k_r·k_s Γ_rs),   P = lower incl. diagonal (q_r·k_s Γ_rs),
+//   [W | U] = (I + L)^-1 [β e^γ K | β V]     (forward substitution, a column per thread),
+//   Q' = e^γ Q − P W,   O_intra = P U,
+// so that part 2 (sequential over chunks) needs only V' = U − W S, O = O_intra + Q' S and the
+// state update: equal to the CPU reference's chunk (O = e^γ Q S + P V', V' = U − W S).
+// Out: w, qp [hv, tp, DK], u [hv, tp, dv], gamma [hv, tp] (tp = chunks * 64; the tail of a
+// partial last chunk is padded as g = β = 0, q = k = v = 0, so its rows of W, Q', U are 0 and
+// its γ is the last token's); O_intra into o [t, hv, dv]. Needs dv % 4 == 0 and c % 4 == 0.
+// Dynamic shared memory: see GdnShape::prep_smem_bytes on the host.
+template <int DK>
+__device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const float* __restrict__ g,
+                                    const float* __restrict__ beta, float* __restrict__ w_out,
+                                    float* __restrict__ qp_out, float* __restrict__ u_out,
+                                    float* __restrict__ gamma_out, float* __restrict__ o, int t, int hk,
+                                    int hv, int dv) {
+    extern __shared__ __align__(16) float gdn_smem[];
+    constexpr int LDK = DK + 4;
+    const int ldx = DK + dv + 4;
+    float* ls = gdn_smem;                 // [64][LDP] L
+    float* ps = ls + GDN_C * GDN_LDP;  // [64][LDP] P
+    float* gam = ps + GDN_C * GDN_LDP; // [64] γ
+    float* eg = gam + GDN_C;           // [64] e^γ
+    float* bet = eg + GDN_C;           // [64] β
+    float* ks = bet + GDN_C;           // [64][LDK] K; X = [W | U] [64][ldx] reuses K and Q
+    float* qs = ks + GDN_C * LDK;      // [64][LDK] Q
+    float* xs = ks;
+    const int tid = threadIdx.x;
+    const int c0 = blockIdx.x * GDN_C, j = blockIdx.y, kh = j / (hv / hk);
+    const int n = min(GDN_C, t - c0);
+    const size_t tp = (size_t)gridDim.x * GDN_C;
+    const size_t qoff = (size_t)kh * DK, koff = (size_t)(hk + kh) * DK;
+    const size_t voff = (size_t)2 * hk * DK + (size_t)j * dv;
+
+    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+        int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+        float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
+        if (r < n) {
+            const float* row = qkv + (size_t)(c0 + r) * c;
+            kv = ld4(row + koff + i);
+            qv = ld4(row + qoff + i);
+        }
+        st4(ks + r * LDK + i, kv);
+        st4(qs + r * LDK + i, qv);
+    }
+    if (tid < GDN_C) {
+        bool in = tid < n;
+        gam[tid] = in ? g[(size_t)(c0 + tid) * hv + j] : 0.0f;
+        bet[tid] = in ? beta[(size_t)(c0 + tid) * hv + j] : 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) {  // serial, in the CPU reference's order
+        float acc = 0.0f;
+        for (int r = 0; r < GDN_C; r++) {
+            acc += gam[r];
+            gam[r] = acc;
+        }
+    }
+    __syncthreads();
+    if (tid < GDN_C) eg[tid] = expf(gam[tid]);
+
+    // L and P. Thread: rows 4*tr..4*tr+3 and columns ts + 16*b, b < 4 (consecutive threads
+    // read consecutive K rows: no bank conflicts); column groups wholly right of the
+    // diagonal are skipped (nb is the same for a whole warp).
+    {
+        const int tr = tid >> 4, ts = tid & 15;
+        const int nb = (4 * tr + 3) / 16 + 1;
+        float kk[4][4], qk[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.0f;
+        for (int i = 0; i < DK; i += 4) {
+            float4 kr[4], qr[4], kc[4];
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                kr[a] = ld4(ks + (4 * tr + a) * LDK + i);
+                qr[a] = ld4(qs + (4 * tr + a) * LDK + i);
+            }
+#pragma unroll
+            for (int b = 0; b < 4; b++) kc[b] = b < nb ? ld4(ks + (ts + 16 * b) * LDK + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    if (b < nb) {
+                        kk[a][b] = fma4(kr[a], kc[b], kk[a][b]);
+                        qk[a][b] = fma4(qr[a], kc[b], qk[a][b]);
+                    }
+                }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            const int r = 4 * tr + a;
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                const int s = ts + 16 * b;
+                float d = s <= r ? expf(gam[r] - gam[s]) : 0.0f;
+                ls[r * GDN_LDP + s] = s < r ? bet[r] * kk[a][b] * d : 0.0f;
+                ps[r * GDN_LDP + s] = qk[a][b] * d;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Forward substitution (I + L) X = B, B = [β e^γ K | β V] read from global memory (K and Q
+    // in shared memory are dead: X takes their place). One column per thread, its 64 rows in
+    // registers; rows run over whole groups of 4 since L's upper triangle and x start at 0.
+    const int ncol = DK + dv;
+    for (int col = tid; col < ncol; col += blockDim.x) {
+        const bool is_k = col < DK;
+        const float* src = qkv + (size_t)c0 * c + (is_k ? koff + col : voff + (col - DK));
+        // The column of B goes through shared memory first: loaded straight into registers,
+        // the compiler hoists all 64 loads and runs out of registers.
+        for (int r = 0; r < GDN_C; r++) {
+            float b = r < n ? src[(size_t)r * c] : 0.0f;
+            xs[r * ldx + col] = is_k ? bet[r] * eg[r] * b : bet[r] * b;
+        }
+        float xr[GDN_C];
+#pragma unroll
+        for (int r = 0; r < GDN_C; r++) xr[r] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < GDN_C; r++) {
+            // Four partial sums: one chain of r dependent FMAs would leave the SM idle.
+            float a0 = xs[r * ldx + col], a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll
+            for (int s = 0; s < r; s += 4) {
+                float4 l = ld4(ls + r * GDN_LDP + s);
+                a0 -= l.x * xr[s];
+                a1 -= l.y * xr[s + 1];
+                a2 -= l.z * xr[s + 2];
+                a3 -= l.w * xr[s + 3];
+            }
+            xr[r] = (a0 + a1) + (a2 + a3);
+        }
+        float* dst = is_k ? w_out + ((size_t)j * tp + c0) * DK + col : u_out + ((size_t)j * tp + c0) * dv + (col - DK);
+        const int ld = is_k ? DK : dv;
+#pragma unroll
+        for (int r = 0; r < GDN_C; r++) {
+            dst[(size_t)r * ld] = xr[r];
+            xs[r * ldx + col] = xr[r];
+        }
+    }
+    if (tid < GDN_C) gamma_out[(size_t)j * tp + c0 + tid] = gam[tid];
+    __syncthreads();
+
+    // Y = P X (P lower-triangular), 4x4 tiles: Q' = e^γ Q − Y[:, :DK], O_intra = Y[:, DK:].
+    const int ncg = ncol / 4;
+    for (int tile = tid; tile < (GDN_C / 4) * ncg; tile += blockDim.x) {
+        const int rg = tile / ncg, cg = tile % ncg;
+        float acc[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
+        for (int s = 0; s <= 4 * rg; s += 4) {
+            float4 pr[4], xv[4];
+#pragma unroll
+            for (int a = 0; a < 4; a++) pr[a] = ld4(ps + (4 * rg + a) * GDN_LDP + s);
+#pragma unroll
+            for (int e = 0; e < 4; e++) xv[e] = ld4(xs + (s + e) * ldx + 4 * cg);
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                axpy4(pr[a].x, xv[0], acc[a]);
+                axpy4(pr[a].y, xv[1], acc[a]);
+                axpy4(pr[a].z, xv[2], acc[a]);
+                axpy4(pr[a].w, xv[3], acc[a]);
+            }
+        }
+        const int col = 4 * cg;
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            const int r = 4 * rg + a;
+            if (col < DK) {
+                float4 q = r < n ? ld4(qkv + (size_t)(c0 + r) * c + qoff + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+                float e = eg[r];
+                st4(qp_out + ((size_t)j * tp + c0 + r) * DK + col,
+                    make_float4(e * q.x - acc[a][0], e * q.y - acc[a][1], e * q.z - acc[a][2], e * q.w - acc[a][3]));
+            } else if (r < n) {
+                st4(o + ((size_t)(c0 + r) * hv + j) * dv + (col - DK), make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]));
+            }
+        }
+    }
+}
+
+// Chunked delta rule, part 2: the chunks in order, for value head blockIdx.x and value
+// columns [32 * blockIdx.y, +32), 256 threads; the state slice S [DK, 32] stays in shared
+// memory (f32) from the first chunk to the last. Per chunk:
+//   R = [W; Q'] S (128 x 32),  V' = U − R_W,  O = O_intra + R_Q' (into o),
+//   S ← e^{γ_last} S + Kᵀ (e^{γ_last − γ} ⊙ V')
+// with the next chunk's W, Q' and γ (double-buffered) and K (single) fetched by cp.async
+// while the current chunk computes. Dynamic shared memory: GdnShape::state_smem_bytes.
+template <int DK>
+__device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+                                     const float* __restrict__ qp_in, const float* __restrict__ u_in,
+                                     const float* __restrict__ gamma_in, float* __restrict__ state,
+                                     float* __restrict__ o, int t, int hk, int hv, int dv) {
+    extern __shared__ __align__(16) float gdn_smem[];
+    constexpr int LDK = DK + 4;
+    float* wq = gdn_smem;                     // [2][128][LDK] W rows then Q' rows, two chunks
+    float* kt = wq + 2 * 2 * GDN_C * LDK;  // [64][LDK] k of the chunk (0 past t)
+    float* ss = kt + GDN_C * LDK;          // [DK][LDS] state slice
+    float* vd = ss + DK * GDN_LDS;         // [64][LDS] e^{γ_last − γ_r} V'_r
+    float* gm = vd + GDN_C * GDN_LDS;      // [2][64] γ, two chunks
+    const int tid = threadIdx.x, j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
+    const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
+    const size_t tp = (size_t)nchunks * GDN_C;
+    const int dvs = min(GDN_DVS, dv - m0);
+    const size_t koff = (size_t)(hk + kh) * DK;
+    float* st = state + (size_t)j * DK * dv + m0;
+
+    // Each loader commits one cp.async group (possibly empty), so that "all but the newest
+    // group done" always means what the waits below need.
+    auto load_wq = [&](int ch, int buf) {
+        if (ch < nchunks) {
+            const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
+            float* dst = wq + buf * 2 * GDN_C * LDK;
+            for (int idx = tid; idx < 2 * GDN_C * DK / 4; idx += blockDim.x) {
+                int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+                const float* src = r < GDN_C ? w_in + (row0 + r) * DK + i : qp_in + (row0 + r - GDN_C) * DK + i;
+                cp_async16(dst + r * LDK + i, src, true);
+            }
+            if (tid < GDN_C / 4) cp_async16(gm + buf * GDN_C + 4 * tid, gamma_in + row0 + 4 * tid, true);
+        }
+        cp_async_commit();
+    };
+    auto load_k = [&](int ch) {
+        if (ch < nchunks) {
+            for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+                int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+                int s = ch * GDN_C + r;
+                bool in = s < t;
+                cp_async16(kt + r * LDK + i, in ? qkv + (size_t)s * c + koff + i : qkv, in);
+            }
+        }
+        cp_async_commit();
+    };
+
+    load_wq(0, 0);
+    load_k(0);
+    for (int idx = tid; idx < DK * GDN_DVS; idx += blockDim.x) {
+        int i = idx / GDN_DVS, m = idx % GDN_DVS;
+        ss[i * GDN_LDS + m] = m < dvs ? st[(size_t)i * dv + m] : 0.0f;  // padding columns stay 0
+    }
+    const int cg = tid & 7;  // columns 4*cg..4*cg+3 of the slice, in both phases
+    const bool col_ok = 4 * cg < dvs;
+    for (int ch = 0; ch < nchunks; ch++) {
+        const int buf = ch & 1, c0 = ch * GDN_C;
+        cp_async_wait_one();  // this chunk's W, Q', γ (its K may still be in flight)
+        __syncthreads();
+        load_wq(ch + 1, buf ^ 1);  // that buffer's last readers passed the barrier above
+        const float* wqb = wq + buf * 2 * GDN_C * LDK;
+        const float* gc = gm + buf * GDN_C;
+
+        // R = [W; Q'] S: thread = rows 4*rg..4*rg+3 (rg < 16: W, else Q'; warp-uniform).
+        {
+            const int rg = tid >> 3;
+            const bool is_w = rg < GDN_C / 4;
+            const int r0 = 4 * (rg % (GDN_C / 4));
+            float4 pre[4];  // U rows, or O_intra rows, fetched before the product
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                const int r = r0 + a;
+                pre[a] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (col_ok) {
+                    if (is_w) pre[a] = ld4(u_in + ((size_t)j * tp + c0 + r) * dv + m0 + 4 * cg);
+                    else if (c0 + r < t) pre[a] = ld4(o + ((size_t)(c0 + r) * hv + j) * dv + m0 + 4 * cg);
+                }
+            }
+            float acc[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
+#pragma unroll 4
+            for (int i = 0; i < DK; i += 4) {
+                float4 av[4], sv[4];
+#pragma unroll
+                for (int a = 0; a < 4; a++) av[a] = ld4(wqb + (4 * rg + a) * LDK + i);
+#pragma unroll
+                for (int e = 0; e < 4; e++) sv[e] = ld4(ss + (i + e) * GDN_LDS + 4 * cg);
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    axpy4(av[a].x, sv[0], acc[a]);
+                    axpy4(av[a].y, sv[1], acc[a]);
+                    axpy4(av[a].z, sv[2], acc[a]);
+                    axpy4(av[a].w, sv[3], acc[a]);
+                }
+            }
+            if (is_w) {
+                const float last = gc[GDN_C - 1];
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    const int r = r0 + a;
+                    const float d = expf(last - gc[r]);
+                    st4(vd + r * GDN_LDS + 4 * cg, make_float4((pre[a].x - acc[a][0]) * d, (pre[a].y - acc[a][1]) * d,
+                                                              (pre[a].z - acc[a][2]) * d, (pre[a].w - acc[a][3]) * d));
+                }
+            } else {
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    const int r = r0 + a;
+                    if (col_ok && c0 + r < t)
+                        st4(o + ((size_t)(c0 + r) * hv + j) * dv + m0 + 4 * cg,
+                            make_float4(pre[a].x + acc[a][0], pre[a].y + acc[a][1], pre[a].z + acc[a][2],
+                                        pre[a].w + acc[a][3]));
+                }
+            }
+        }
+        cp_async_wait_one();  // this chunk's K (the next chunk's W, Q' may still be in flight)
+        __syncthreads();      // V' complete, K visible, every read of S for R done
+
+        // S ← e^{γ_last} S + Kᵀ Vd: thread = key rows 4*ig..4*ig+3, the same 4 columns.
+        {
+            const int ig = tid >> 3;
+            if (4 * ig < DK) {
+                float acc[4][4];
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
+#pragma unroll 4
+                for (int r = 0; r < GDN_C; r++) {
+                    float4 k4 = ld4(kt + r * LDK + 4 * ig), v4 = ld4(vd + r * GDN_LDS + 4 * cg);
+                    axpy4(k4.x, v4, acc[0]);
+                    axpy4(k4.y, v4, acc[1]);
+                    axpy4(k4.z, v4, acc[2]);
+                    axpy4(k4.w, v4, acc[3]);
+                }
+                const float el = expf(gc[GDN_C - 1]);
+#pragma unroll
+                for (int a = 0; a < 4; a++) {
+                    float* sp = ss + (4 * ig + a) * GDN_LDS + 4 * cg;
+                    float4 s4 = ld4(sp);
+                    st4(sp, make_float4(fmaf(el, s4.x, acc[a][0]), fmaf(el, s4.y, acc[a][1]), fmaf(el, s4.z, acc[a][2]),
+                                        fmaf(el, s4.w, acc[a][3])));
+                }
+            }
+        }
+        __syncthreads();  // S updated; K and Vd free
+        load_k(ch + 1);
+    }
+    cp_async_wait_all();
+    for (int idx = tid; idx < DK * GDN_DVS; idx += blockDim.x) {
+        int i = idx / GDN_DVS, m = idx % GDN_DVS;
+        if (m < dvs) st[(size_t)i * dv + m] = ss[i * GDN_LDS + m];
+    }
+}
+
+#define GDN_CHUNKED(DK)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_##DK(                             \
+        const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out,           \
+        float* u_out, float* gamma_out, float* o, int t, int hk, int hv, int dv) {                         \
+        gdn_chunk_prep_impl<DK>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);      \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state_##DK(                               \
+        const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in,                 \
+        const float* gamma_in, float* state, float* o, int t, int hk, int hv, int dv) {                    \
+        gdn_chunk_state_impl<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);           \
+    }
+GDN_CHUNKED(16)
+GDN_CHUNKED(32)
+GDN_CHUNKED(64)
+GDN_CHUNKED(128)

@@ -208,14 +208,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
 #define BN2 128
 #define BK2 32
 #define LDS2 (BK2 + 8)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
 extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
     const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,

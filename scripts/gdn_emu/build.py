@@ -1,0 +1,19 @@
+# Turns src/cuda/kernels/common.cuh + gdn.cu into C++ for the CPU emulator (cuda_emu.h):
+# drops the CUDA includes and the asm cp.async helpers (the emulator has its own), maps the
+# dynamic shared memory to the emulator's buffer and checks float4 alignment.
+# Usage: python3 build.py OUT.inc
+import os, re, sys
+
+kdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "cuda", "kernels")
+com = open(os.path.join(kdir, "common.cuh")).read()
+gdn = open(os.path.join(kdir, "gdn.cu")).read()
+com = com.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "").replace("typedef __nv_bfloat16 bf16;\n", "")
+com = re.sub(r"__device__ __forceinline__ void cp_async16\(.*?\n}\n", "", com, flags=re.S)
+com = re.sub(r"__device__ __forceinline__ void cp_async_(commit|wait_all|wait_one)\(\) \{.*?\}\n", "", com)
+assert "asm" not in com, "an asm helper is left in common.cuh: teach build.py and cuda_emu.h about it"
+gdn = gdn.replace("extern __shared__ __align__(16) float gdn_smem[];", "float* gdn_smem = emu_dyn_smem();")
+assert "extern __shared__" not in gdn
+for name in ["ld4(const float* p) {", "st4(float* p, float4 v) {"]:
+    assert name in gdn, name
+    gdn = gdn.replace(name, name + " emu_check_align(p);")
+open(sys.argv[1], "w").write('#include "cuda_emu.h"\n' + com + "\n" + gdn)

@@ -1,0 +1,126 @@
+// Runs gdn.cu's kernels on the CPU emulator (through run.sh) and checks the chunked delta rule
+// and the recurrent kernel against a double-precision token-by-token delta rule, and the
+// prefill conv against the sequential conv kernels; both cp.async timings (eager, deferred).
+#include "kernels_emu.inc"
+#include <cstdio>
+#include <random>
+
+struct Rng { std::mt19937_64 g; float uni(float a, float b) { return std::uniform_real_distribution<float>(a, b)(g); } };
+
+static double max_rel(const std::vector<float>& a, const std::vector<double>& ref) {
+    double m = 0, s = 0;
+    for (size_t i = 0; i < a.size(); i++) { m = std::max(m, std::fabs(a[i] - ref[i])); s = std::max(s, std::fabs(ref[i])); }
+    return m / s;
+}
+static bool any_nan(const std::vector<float>& a) { for (float x : a) if (!std::isfinite(x)) return true; return false; }
+
+template <int DK>
+void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
+    g_cp_deferred = deferred;
+    const int dk = DK, c = 2 * hk * dk + hv * dv, C = 64, nch = (t + C - 1) / C, tp = nch * C;
+    Rng rng{std::mt19937_64(t * 131 + hv)};
+    std::vector<float> qkv((size_t)t * c), g((size_t)t * hv), beta((size_t)t * hv), s0((size_t)hv * dk * dv);
+    for (int s = 0; s < t; s++) {
+        for (int h = 0; h < 2 * hk; h++) {
+            float* x = &qkv[(size_t)s * c + h * dk];
+            double n = 0;
+            for (int i = 0; i < dk; i++) { x[i] = rng.uni(-1, 1); n += x[i] * x[i]; }
+            float sc = (h < hk ? 1.0f / std::sqrt((float)dk) : 1.0f) / std::sqrt((float)n);
+            for (int i = 0; i < dk; i++) x[i] *= sc;
+        }
+        for (int i = 2 * hk * dk; i < c; i++) qkv[(size_t)s * c + i] = rng.uni(-1, 1);
+        for (int j = 0; j < hv; j++) {
+            float a = 5.0f * std::pow((j + 1.0f) / hv, 3.0f);  // decay scale per head: ~0 .. 5
+            g[s * hv + j] = -rng.uni(0, a);
+            beta[s * hv + j] = rng.uni(0.01f, 0.99f);
+        }
+    }
+    for (auto& x : s0) x = rng.uni(-0.5f, 0.5f);
+    // reference
+    std::vector<double> sref(s0.begin(), s0.end()), oref((size_t)t * hv * dv, 0.0);
+    for (int j = 0; j < hv; j++) {
+        int kh = j / (hv / hk);
+        double* S = &sref[(size_t)j * dk * dv];
+        for (int s = 0; s < t; s++) {
+            const float* q = &qkv[(size_t)s * c + kh * dk];
+            const float* k = &qkv[(size_t)s * c + (hk + kh) * dk];
+            const float* v = &qkv[(size_t)s * c + 2 * hk * dk + j * dv];
+            double dec = std::exp((double)g[s * hv + j]), b = beta[s * hv + j];
+            for (int m = 0; m < dv; m++) {
+                double r = 0;
+                for (int i = 0; i < dk; i++) { S[i * dv + m] *= dec; r += S[i * dv + m] * k[i]; }
+                double u = b * (v[m] - r), o = 0;
+                for (int i = 0; i < dk; i++) { S[i * dv + m] += k[i] * u; o += S[i * dv + m] * q[i]; }
+                oref[((size_t)s * hv + j) * dv + m] = o;
+            }
+        }
+    }
+    const float NaN = std::nanf("");
+    // recurrent kernel
+    std::vector<float> st_r = s0, o_r((size_t)t * hv * dv, NaN);
+    unsigned blk = (dv + 31) / 32 * 32;
+    emu_launch({(unsigned)hv, 1, 1}, blk, 0, [&] {
+        gdn_recurrent_impl<DK>(qkv.data(), c, g.data(), beta.data(), st_r.data(), o_r.data(), t, hk, hv, dv);
+    });
+    // chunked kernels
+    std::vector<float> st_c = s0, o_c((size_t)t * hv * dv, NaN), scratch((size_t)hv * tp * (2 * dk + dv + 1), NaN);
+    float* w = scratch.data();
+    float* qp = w + (size_t)hv * tp * dk;
+    float* u = qp + (size_t)hv * tp * dk;
+    float* gam = u + (size_t)hv * tp * dv;
+    size_t prep = 4 * (2 * C * (C + 4) + 3 * C + std::max(2 * C * (dk + 4), C * (dk + dv + 4)));
+    size_t stsm = 4 * (4 * C * (dk + 4) + C * (dk + 4) + dk * 36 + C * 36 + 2 * C);
+    emu_launch({(unsigned)nch, (unsigned)hv, 1}, 256, prep, [&] {
+        gdn_chunk_prep_impl<DK>(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_c.data(), t, hk, hv, dv);
+    });
+    emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 256, stsm, [&] {
+        gdn_chunk_state_impl<DK>(qkv.data(), c, w, qp, u, gam, st_c.data(), o_c.data(), t, hk, hv, dv);
+    });
+    double er_o = max_rel(o_r, oref), er_s = max_rel(st_r, sref);
+    double ec_o = max_rel(o_c, oref), ec_s = max_rel(st_c, sref);
+    // chunked vs recurrent, as the GPU test will compare them
+    std::vector<double> o_rd(o_r.begin(), o_r.end()), s_rd(st_r.begin(), st_r.end());
+    double x_o = max_rel(o_c, o_rd), x_s = max_rel(st_c, s_rd);
+    bool ok = !any_nan(o_c) && !any_nan(st_c) && ec_o < tol && ec_s < tol && x_o < tol && x_s < tol;
+    printf("%s dk=%d dv=%d hk=%d hv=%d t=%d cp.async %s: recurrent o %.1e S %.1e | chunked o %.1e S %.1e | chunked vs recurrent o %.1e S %.1e\n",
+           ok ? "ok  " : "FAIL", dk, dv, hk, hv, t, deferred ? "deferred" : "eager", er_o, er_s, ec_o, ec_s, x_o, x_s);
+    if (!ok) exit(1);
+}
+
+void run_conv(int t, int hk, int dk, int hv, int dv) {
+    const int c = 2 * hk * dk + hv * dv, kern = 4, hist = kern - 1;
+    Rng rng{std::mt19937_64(7 + t)};
+    std::vector<float> p((size_t)t * c), w((size_t)c * kern), st((size_t)hist * c);
+    for (auto& x : p) x = rng.uni(-2, 2);
+    for (auto& x : w) x = rng.uni(-1, 1);
+    for (auto& x : st) x = rng.uni(-2, 2);
+    std::vector<float> st_a = st, st_b = st, out_a((size_t)t * c, 1e30f), out_b((size_t)t * c, 1e30f);
+    float qs = 1.0f / std::sqrt((float)dk);
+    emu_launch({(unsigned)((c + 127) / 128), 1, 1}, 128, 0, [&] { gdn_conv(p.data(), st_a.data(), w.data(), out_a.data(), t, c, kern); });
+    emu_launch({(unsigned)t, (unsigned)(2 * hk), 1}, (dk + 31) / 32 * 32, 0, [&] { gdn_qk_l2norm(out_a.data(), c, hk, dk, qs); });
+    emu_launch({(unsigned)t, (unsigned)(2 * hk + (hv * dv + 127) / 128), 1}, 128, 0,
+               [&] { gdn_conv_prefill(p.data(), st_b.data(), w.data(), out_b.data(), c, kern, hk, dk, qs); });
+    emu_launch({(unsigned)((c + 255) / 256), 1, 1}, 256, 0, [&] { gdn_conv_advance(p.data(), st_b.data(), t, c, kern); });
+    double eo = 0, es = 0;
+    for (size_t i = 0; i < out_a.size(); i++) eo = std::max(eo, (double)std::fabs(out_a[i] - out_b[i]));
+    for (size_t i = 0; i < st_a.size(); i++) es = std::max(es, (double)std::fabs(st_a[i] - st_b[i]));
+    bool ok = eo < 1e-6 && es == 0;
+    printf("%s conv t=%d c=%d: out max diff %.1e, state max diff %.1e\n", ok ? "ok  " : "FAIL", t, c, eo, es);
+    if (!ok) exit(1);
+}
+
+int main(int argc, char** argv) {
+    bool full = argc > 1 && std::string(argv[1]) == "full";
+    for (int t : {1, 2, 5, 70}) run_conv(t, 2, 16, 4, 24);
+    run_conv(9, 4, 32, 8, 32);
+    for (bool d : {true, false}) {
+        run_delta<16>(37, 2, 4, 24, d, 1e-5);
+        run_delta<16>(150, 2, 4, 24, d, 1e-5);
+        run_delta<32>(130, 4, 8, 32, d, 1e-5);
+        run_delta<32>(64, 2, 4, 48, d, 1e-5);
+        run_delta<64>(100, 2, 4, 64, d, 1e-5);
+        run_delta<128>(70, 1, 2, 128, d, 1e-5);
+    }
+    if (full) run_delta<128>(300, 16, 32, 128, true, 1e-5);
+    return 0;
+}

@@ -1,0 +1,278 @@
+//! Launchers of the Gated DeltaNet kernels (`kernels/gdn.cu`): the causal conv and the delta
+//! rule, sequential (decode, and prefill with `KESTREL_GDN=recurrent`) or token-parallel and
+//! chunked (prefill).
+
+use super::{Arg, Gpu};
+use crate::config::TextConfig;
+use anyhow::Result;
+
+/// Chunk length of the chunked delta rule (`GDN_C` in gdn.cu).
+pub const CHUNK: usize = 64;
+/// Value columns per block of `gdn_chunk_state` (`GDN_DVS`).
+const STATE_COLS: usize = 32;
+/// Threads of the chunked kernels (their tilings are written for 256).
+const CHUNK_THREADS: u32 = 256;
+/// Key head dims the delta-rule kernels are compiled for.
+pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
+/// The chunked kernels, which use more than the default 48 KiB of shared memory.
+pub(super) const CHUNK_KERNELS: [&str; 8] = [
+    "gdn_chunk_prep_16",
+    "gdn_chunk_prep_32",
+    "gdn_chunk_prep_64",
+    "gdn_chunk_prep_128",
+    "gdn_chunk_state_16",
+    "gdn_chunk_state_32",
+    "gdn_chunk_state_64",
+    "gdn_chunk_state_128",
+];
+
+/// One GDN call: `t` tokens; `hk` key heads of dim `dk`, `hv` value heads of dim `dv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnShape {
+    pub t: usize,
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// Device buffers (f32) of one delta-rule call.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaBufs {
+    /// Conv output `[t, c]`: q heads, k heads, v heads; q and k L2-normalised.
+    pub qkv: u64,
+    /// Log-decay `[t, hv]`.
+    pub g: u64,
+    /// Write strength `[t, hv]`.
+    pub beta: u64,
+    /// Recurrent state `[hv, dk, dv]`, advanced in place.
+    pub state: u64,
+    /// Output `[t, hv, dv]`.
+    pub o: u64,
+}
+
+/// Threads for `n` lanes: whole warps, at most 1024.
+fn block(n: usize) -> u32 {
+    n.div_ceil(32).clamp(1, 32) as u32 * 32
+}
+
+impl GdnShape {
+    pub fn of(cfg: &TextConfig, t: usize) -> Self {
+        GdnShape {
+            t,
+            hk: cfg.gdn_num_key_heads,
+            hv: cfg.gdn_num_value_heads,
+            dk: cfg.gdn_key_dim,
+            dv: cfg.gdn_value_dim,
+        }
+    }
+
+    /// Channels of a conv row: q heads, k heads, v heads.
+    pub fn channels(&self) -> usize {
+        2 * self.hk * self.dk + self.hv * self.dv
+    }
+
+    fn chunks(&self) -> usize {
+        self.t.div_ceil(CHUNK)
+    }
+
+    /// Floats of the scratch of [`Gpu::gdn_delta_chunked`]: W, Q', U and γ for every token
+    /// of every chunk (the last one padded) and value head.
+    pub fn chunk_scratch_floats(&self) -> usize {
+        self.hv * self.chunks() * CHUNK * (2 * self.dk + self.dv + 1)
+    }
+
+    /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): L and P, γ, e^γ, β, and
+    /// K and Q, which X = [W | U] later replaces.
+    fn prep_smem_bytes(&self) -> usize {
+        let (dk, dv) = (self.dk, self.dv);
+        let kq = (2 * CHUNK * (dk + 4)).max(CHUNK * (dk + dv + 4));
+        4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + kq)
+    }
+
+    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, the state slice, V', γ twice.
+    fn state_smem_bytes(&self) -> usize {
+        let ldk = self.dk + 4;
+        let lds = STATE_COLS + 4;
+        4 * (4 * CHUNK * ldk + CHUNK * ldk + self.dk * lds + CHUNK * lds + 2 * CHUNK)
+    }
+
+    /// Whether the token-parallel conv and chunked delta rule take this shape, given `smem`
+    /// bytes of shared memory per block (otherwise prefill runs the sequential kernels).
+    pub fn chunked_fits(&self, smem: usize) -> bool {
+        KEY_DIMS.contains(&self.dk)
+            && self.dv.is_multiple_of(4)
+            && self.channels().is_multiple_of(4)
+            && self.prep_smem_bytes() <= smem
+            && self.state_smem_bytes() <= smem
+    }
+}
+
+impl Gpu {
+    /// Causal conv + SiLU of the rows `p` `[t, c]` into `out`, token by token (one thread
+    /// per channel), then the q/k L2 norm (q also times dk^-1/2). `conv_state`
+    /// `[kern-1, c]` is advanced to end with the last inputs.
+    pub fn gdn_conv_sequential(
+        &self,
+        sh: &GdnShape,
+        kern: usize,
+        p: u64,
+        conv_state: u64,
+        conv_w: u64,
+        out: u64,
+    ) -> Result<()> {
+        let c = sh.channels();
+        self.launch(
+            "gdn_conv",
+            (c.div_ceil(128) as u32, 1, 1),
+            128,
+            0,
+            &[
+                Arg::Ptr(p),
+                Arg::Ptr(conv_state),
+                Arg::Ptr(conv_w),
+                Arg::Ptr(out),
+                Arg::I(sh.t as i32),
+                Arg::I(c as i32),
+                Arg::I(kern as i32),
+            ],
+        )?;
+        self.launch(
+            "gdn_qk_l2norm",
+            (sh.t as u32, 2 * sh.hk as u32, 1),
+            block(sh.dk),
+            0,
+            &[
+                Arg::Ptr(out),
+                Arg::I(c as i32),
+                Arg::I(sh.hk as i32),
+                Arg::I(sh.dk as i32),
+                Arg::F(1.0 / (sh.dk as f32).sqrt()),
+            ],
+        )
+    }
+
+    /// [`Gpu::gdn_conv_sequential`] with every (token, channel) in parallel and the norm
+    /// fused, then the conv state advanced by a second kernel. Needs dk <= 128.
+    pub fn gdn_conv_prefill(
+        &self,
+        sh: &GdnShape,
+        kern: usize,
+        p: u64,
+        conv_state: u64,
+        conv_w: u64,
+        out: u64,
+    ) -> Result<()> {
+        let c = sh.channels();
+        let v_groups = (sh.hv * sh.dv).div_ceil(128);
+        self.launch(
+            "gdn_conv_prefill",
+            (sh.t as u32, (2 * sh.hk + v_groups) as u32, 1),
+            128,
+            0,
+            &[
+                Arg::Ptr(p),
+                Arg::Ptr(conv_state),
+                Arg::Ptr(conv_w),
+                Arg::Ptr(out),
+                Arg::I(c as i32),
+                Arg::I(kern as i32),
+                Arg::I(sh.hk as i32),
+                Arg::I(sh.dk as i32),
+                Arg::F(1.0 / (sh.dk as f32).sqrt()),
+            ],
+        )?;
+        self.launch(
+            "gdn_conv_advance",
+            (c.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(p),
+                Arg::Ptr(conv_state),
+                Arg::I(sh.t as i32),
+                Arg::I(c as i32),
+                Arg::I(kern as i32),
+            ],
+        )
+    }
+
+    /// The delta rule token by token: a block per value head, a thread per value column.
+    pub fn gdn_delta_recurrent(&self, sh: &GdnShape, b: &DeltaBufs) -> Result<()> {
+        self.launch(
+            &format!("gdn_recurrent_{}", sh.dk),
+            (sh.hv as u32, 1, 1),
+            block(sh.dv),
+            0,
+            &[
+                Arg::Ptr(b.qkv),
+                Arg::I(sh.channels() as i32),
+                Arg::Ptr(b.g),
+                Arg::Ptr(b.beta),
+                Arg::Ptr(b.state),
+                Arg::Ptr(b.o),
+                Arg::I(sh.t as i32),
+                Arg::I(sh.hk as i32),
+                Arg::I(sh.hv as i32),
+                Arg::I(sh.dv as i32),
+            ],
+        )
+    }
+
+    /// The delta rule in chunks of 64 (same results as [`Gpu::gdn_delta_recurrent`] up to
+    /// rounding): `gdn_chunk_prep`, grid (chunks, hv), prepares every chunk in parallel, then
+    /// `gdn_chunk_state`, grid (hv, dv / 32), carries the state through the chunks.
+    /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
+    /// [`GdnShape::chunked_fits`].
+    pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
+        let tp = sh.chunks() * CHUNK;
+        let w = scratch;
+        let qp = w + (sh.hv * tp * sh.dk * 4) as u64;
+        let u = qp + (sh.hv * tp * sh.dk * 4) as u64;
+        let gamma = u + (sh.hv * tp * sh.dv * 4) as u64;
+        let c = sh.channels() as i32;
+        let tail = [
+            Arg::I(sh.t as i32),
+            Arg::I(sh.hk as i32),
+            Arg::I(sh.hv as i32),
+            Arg::I(sh.dv as i32),
+        ];
+        let mut args = vec![
+            Arg::Ptr(b.qkv),
+            Arg::I(c),
+            Arg::Ptr(b.g),
+            Arg::Ptr(b.beta),
+            Arg::Ptr(w),
+            Arg::Ptr(qp),
+            Arg::Ptr(u),
+            Arg::Ptr(gamma),
+            Arg::Ptr(b.o),
+        ];
+        args.extend(tail);
+        self.launch(
+            &format!("gdn_chunk_prep_{}", sh.dk),
+            (sh.chunks() as u32, sh.hv as u32, 1),
+            CHUNK_THREADS,
+            sh.prep_smem_bytes() as u32,
+            &args,
+        )?;
+        let mut args = vec![
+            Arg::Ptr(b.qkv),
+            Arg::I(c),
+            Arg::Ptr(w),
+            Arg::Ptr(qp),
+            Arg::Ptr(u),
+            Arg::Ptr(gamma),
+            Arg::Ptr(b.state),
+            Arg::Ptr(b.o),
+        ];
+        args.extend(tail);
+        self.launch(
+            &format!("gdn_chunk_state_{}", sh.dk),
+            (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
+            CHUNK_THREADS,
+            sh.state_smem_bytes() as u32,
+            &args,
+        )
+    }
+}
