@@ -276,8 +276,8 @@ pub struct CudaModel {
     pub max_chunk: usize,
     pub max_seq: usize,
     pub weight_bytes: usize,
-    /// Use `moe_gemm2` (128x128 tiles, cp.async double buffering) for the prefill MoE.
-    /// Opt-in (`KESTREL_MOE_GEMM=v2`) until it has been verified on the GPU.
+    /// Use `moe_gemm2` (128x128 tiles, cp.async double buffering) for the prefill MoE
+    /// (default; `KESTREL_MOE_GEMM=v1` selects the 64x64 WMMA kernel).
     pub moe_gemm_v2: bool,
     dws: DecodeWs,
     /// One-token steps through the fused decode kernels (off: the general path, for
@@ -753,7 +753,7 @@ impl CudaModel {
             max_chunk,
             max_seq,
             weight_bytes: plan.weights,
-            moe_gemm_v2: std::env::var("KESTREL_MOE_GEMM").is_ok_and(|v| v == "v2"),
+            moe_gemm_v2: std::env::var("KESTREL_MOE_GEMM").map_or(true, |v| v != "v1"),
             dws,
             fused_decode,
             decode_graph: std::env::var("KESTREL_DECODE_GRAPH").map_or(true, |v| v != "0"),
