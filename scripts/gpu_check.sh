@@ -3,7 +3,9 @@
 #   GPU test executables (built here with `cargo test --release --no-run`, staged by
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
-# Usage: scripts/gpu_check.sh [tests] [fullwidth] [bench CONTEXTS] [peer]
+# Usage: scripts/gpu_check.sh [tests] [fullwidth] [bench CONTEXTS] [peer] [kernels CONTEXT]
+#   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
+#   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/kestrel-out}
 mkdir -p "$OUT"
@@ -28,6 +30,15 @@ while [ $# -gt 0 ]; do
     bench)
       shift
       .device/bin/kestrel bench --synthetic full --contexts "$1" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    kernels)
+      shift
+      # One decode step = the launches from one embed_gather to the next; skip the warm-up.
+      ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+        -k regex:'embed_gather|gemv_dec|_dec_|_dec$|attn_decode|attn_prep|attn_combine' \
+        --launch-skip 3000 --launch-count 600 \
+        .device/bin/kestrel bench --synthetic full --contexts "$1" > "$OUT/ncu.csv" 2> "$OUT/ncu.log" || status=1
+      python3 scripts/kernel_table.py "$OUT/ncu.csv" > "$OUT/decode-kernels.md" || status=1
+      cat "$OUT/decode-kernels.md" ;;
     peer)
       python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;
     *) echo "unknown step $1"; status=1 ;;

@@ -34,9 +34,10 @@ fn gemv_rows_per_block(k: usize) -> usize {
 /// groups): 8 per SM of an H200.
 const LM_HEAD_BLOCKS: usize = 132 * 8;
 
-/// Dynamic shared memory of `attn_decode`.
+/// Dynamic shared memory of `attn_decode`: two stages of 32-position K and V tiles, and the
+/// group's queries.
 fn attn_decode_smem(c: &TextConfig) -> usize {
-    2 * 32 * (c.head_dim + 8) * 2 + c.num_attention_heads / c.num_kv_heads * c.head_dim * 4
+    2 * 2 * 32 * (c.head_dim + 8) * 2 + c.num_attention_heads / c.num_kv_heads * c.head_dim * 4
 }
 
 /// Attention splits per query head in the fused decode step, by context length: each bucket
@@ -260,8 +261,9 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
     c.hidden_size.max(c.gdn_v_width()).max(c.num_attention_heads * c.head_dim) * 4 <= smem
         && (c.experts_per_token + 1) * act_ld * 4 <= smem
         && (c.hidden_size + c.num_experts) * 4 <= smem
-        && attn_decode_smem(c) <= smem
+        && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
+        && c.gdn_value_dim <= 256
 }
 
 pub struct CudaModel {
@@ -735,6 +737,9 @@ impl CudaModel {
         }
         let inv_freq = gpu.upload(&f32_bytes(&rope_inv_freq(cfg.rotary_dim, cfg.rope_theta)))?;
         gpu.set_max_dynamic_smem("attn_flash", flash_smem_bytes(cfg.head_dim))?;
+        if fused_decode_fits(&cfg) {
+            gpu.set_max_dynamic_smem("attn_decode", attn_decode_smem(&cfg))?;
+        }
         (progress.borrow_mut())(upload_total, upload_total);
         let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
         let dws = DecodeWs::alloc(&gpu, &cfg)?;
@@ -1355,7 +1360,7 @@ impl CudaModel {
                     launch(
                         step,
                         (hv as u32, 1, 1),
-                        block(dv),
+                        block(4 * dv),
                         0,
                         &[
                             Arg::Ptr(dw.qkv.ptr),

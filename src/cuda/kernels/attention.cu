@@ -123,11 +123,12 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
 }
 
 // Decode attention (one query per head), split-K over the context: a block = one KV head's
-// GQA group (a warp per query head) over one split; K/V tiles of 32 positions go through shared
-// memory once for the whole group. In a tile, lane j scores key j; the online softmax update is
-// per tile; each lane accumulates hd/32 output dims. Writes the same partials as attn_split.
-// The position comes from the device (graphs). grid (nkv, nsplit), block 32 * (nq / nkv),
-// dynamic smem 2 * 32 * (hd + 8) bf16 + (nq / nkv) * hd floats.
+// GQA group (a warp per query head) over one split; K/V tiles of 32 positions stream through
+// shared memory once for the whole group, double-buffered with cp.async (the next tile loads
+// while this one is used). In a tile, lane j scores key j; the online softmax update is per tile;
+// each lane accumulates hd/32 output dims. Writes the same partials as attn_split. The position
+// comes from the device (graphs). grid (nkv, nsplit), block 32 * (nq / nkv), dynamic smem
+// `attn_decode_smem` on the host: 2 stages x (K + V) x 32 x (hd + 8) bf16 + (nq / nkv) * hd floats.
 #define ATT_TK 32
 extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* __restrict__ k_cache,
                                        const bf16* __restrict__ v_cache, float* __restrict__ part,
@@ -137,9 +138,9 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* 
     griddep_wait();
     extern __shared__ __align__(16) unsigned char smem[];
     const int ldk = hd + 8;  // bf16 row stride: 16-byte skew between rows, no bank conflicts
-    bf16* ks = reinterpret_cast<bf16*>(smem);
-    bf16* vs = ks + ATT_TK * ldk;
-    float* qs = reinterpret_cast<float*>(vs + ATT_TK * ldk);
+    const int tile = ATT_TK * ldk;
+    bf16* kv = reinterpret_cast<bf16*>(smem);  // [stage][K | V][ATT_TK][ldk]
+    float* qs = reinterpret_cast<float*>(kv + 4 * tile);
     int kvh = blockIdx.x, sp = blockIdx.y, group = nq / nkv;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int h = kvh * group + warp;
@@ -147,23 +148,37 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* 
     int chunk = max(64, (n + nsplit - 1) / nsplit);
     int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // whole block: beyond the context (combine ignores it)
+    int vecs = hd >> 3;        // 16-byte vectors per row
+    auto load_tile = [&](int t0, int stage) {
+        int nt = min(ATT_TK, end - t0);
+        bf16* ks = kv + stage * 2 * tile;
+        for (int idx = threadIdx.x; idx < nt * vecs; idx += blockDim.x) {
+            int r = idx / vecs, c = idx % vecs;
+            size_t g = ((size_t)(t0 + r) * nkv + kvh) * hd + c * 8;
+            cp_async16(ks + r * ldk + c * 8, k_cache + g, true);
+            cp_async16(ks + tile + r * ldk + c * 8, v_cache + g, true);
+        }
+        cp_async_commit();
+    };
+    load_tile(start, 0);
     for (int i = lane; i < hd; i += 32) qs[warp * hd + i] = q[(size_t)h * hd + i] * scale;
     int epl = hd >> 5;  // output dims per lane (hd <= 256)
     float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) acc[e] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    int vecs = hd >> 3;  // 16-byte vectors per row
-    for (int t0 = start; t0 < end; t0 += ATT_TK) {
+    int stage = 0;
+    for (int t0 = start; t0 < end; t0 += ATT_TK, stage ^= 1) {
         int nt = min(ATT_TK, end - t0);
-        __syncthreads();  // previous tile consumed (and qs written, first time)
-        for (int idx = threadIdx.x; idx < nt * vecs; idx += blockDim.x) {
-            int r = idx / vecs, c = idx % vecs;
-            size_t g = ((size_t)(t0 + r) * nkv + kvh) * hd + c * 8;
-            *reinterpret_cast<uint4*>(ks + r * ldk + c * 8) = *reinterpret_cast<const uint4*>(k_cache + g);
-            *reinterpret_cast<uint4*>(vs + r * ldk + c * 8) = *reinterpret_cast<const uint4*>(v_cache + g);
+        if (t0 + ATT_TK < end) {
+            load_tile(t0 + ATT_TK, stage ^ 1);
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
         }
-        __syncthreads();
+        __syncthreads();  // this tile (and qs, the first time) visible to every warp
+        const bf16* ks = kv + stage * 2 * tile;
+        const bf16* vs = ks + tile;
         float sc = -INFINITY;
         if (lane < nt) {
             const bf16* kr = ks + lane * ldk;
@@ -182,13 +197,28 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* 
         m = mn;
 #pragma unroll
         for (int e = 0; e < 8; e++) acc[e] *= corr;
-        for (int j = 0; j < nt; j++) {
-            float pj = __shfl_sync(0xffffffffu, p, j);
-            const bf16* vr = vs + j * ldk + lane * epl;
+        if (epl == 8) {
+            for (int j = 0; j < nt; j++) {
+                float pj = __shfl_sync(0xffffffffu, p, j);
+                uint4 raw = *reinterpret_cast<const uint4*>(vs + j * ldk + lane * 8);
+                const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-            for (int e = 0; e < 8; e++)
-                if (e < epl) acc[e] += pj * __bfloat162float(vr[e]);
+                for (int e = 0; e < 4; e++) {
+                    float2 f = __bfloat1622float2(v2[e]);
+                    acc[2 * e] += pj * f.x;
+                    acc[2 * e + 1] += pj * f.y;
+                }
+            }
+        } else {
+            for (int j = 0; j < nt; j++) {
+                float pj = __shfl_sync(0xffffffffu, p, j);
+                const bf16* vr = vs + j * ldk + lane * epl;
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    if (e < epl) acc[e] += pj * __bfloat162float(vr[e]);
+            }
         }
+        __syncthreads();  // every warp done with this stage before it is refilled
     }
     float* out = part + ((size_t)h * nsplit + sp) * (hd + 2);
 #pragma unroll
