@@ -24,10 +24,14 @@ const MOE_GEMV_MAX_ROWS: usize = 64;
 /// Attention splits per query in prefill (bounded workspace); decode may use up to 256.
 const PREFILL_SPLITS: usize = 8;
 const DECODE_SPLITS: usize = 256;
-/// Output rows per block of the decode GEMVs with inner dimension `k` (8 warps of
-/// `gemv_rows_per_warp(k)` rows, as in common.cuh).
+/// Output rows per block of the decode GEMVs with inner dimension `k` (as
+/// `gemv_rows_per_block` in common.cuh).
 fn gemv_rows_per_block(k: usize) -> usize {
-    8 * if k <= 2048 { 2 } else { 1 }
+    match k {
+        0..=2048 => 16,
+        4096 => 4,
+        _ => 8,
+    }
 }
 
 /// Blocks of the decode lm_head GEMV (each stages the normalised input once, then walks row
@@ -257,9 +261,7 @@ impl DecodeWs {
 /// memory); otherwise one-token steps take the general path.
 fn fused_decode_fits(c: &TextConfig) -> bool {
     let smem = 48 * 1024;
-    let act_ld = c.moe_intermediate.max(c.shared_intermediate);
     c.hidden_size.max(c.gdn_v_width()).max(c.num_attention_heads * c.head_dim) * 4 <= smem
-        && (c.experts_per_token + 1) * act_ld * 4 <= smem
         && (c.hidden_size + c.num_experts) * 4 <= smem
         && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
@@ -1538,9 +1540,9 @@ impl CudaModel {
         )?;
         launch(
             "moe_down_dec",
-            (d.div_ceil(8) as u32, 1, 1),
-            256,
-            ((k + 1) * dw.act_ld * 4) as u32,
+            (d.div_ceil(4) as u32, 1, 1),
+            (32 * (k + 1)) as u32,
+            0,
             &[
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(dw.act_ld as i32),

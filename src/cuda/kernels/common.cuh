@@ -62,8 +62,9 @@ __device__ __forceinline__ float dot8(uint4 v, const float* x) {
 // c = lane + 32*j of them. With VPL (vectors per lane) known at compile time, all R*VPL loads
 // are issued before the input is staged, so the staging latency hides behind the weight fetch.
 
-// Rows per warp of the dense decode GEMVs (register budget); the host uses the same rule.
-__host__ __device__ __forceinline__ int gemv_rows_per_warp(int k) { return k <= 2048 ? 2 : 1; }
+// Output rows per 256-thread block of the decode GEMVs (the host uses the same rule): two rows
+// per warp up to k = 2048, a warp pair per row (each half of k) at k = 4096, else a row per warp.
+__host__ __device__ __forceinline__ int gemv_rows_per_block(int k) { return k <= 2048 ? 16 : k == 4096 ? 4 : 8; }
 
 template <int R, int VPL>
 __device__ __forceinline__ void load_rows(uint4 (&v)[R][VPL], const bf16* const* row) {
@@ -100,21 +101,44 @@ __device__ __forceinline__ void dot_rows_any(const bf16* const* row, const float
     }
 }
 
-// Stage a bf16 vector of k values into shared memory as f32 (then a block barrier).
+// Stage a bf16 vector of k values into shared memory as f32 (then a block barrier); 16-byte
+// loads when k % 8 == 0, so one round trip.
 __device__ __forceinline__ void stage_bf16(float* xs, const bf16* __restrict__ x, int k) {
-    for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
+    if ((k & 7) == 0) {
+        for (int c = threadIdx.x; c < (k >> 3); c += blockDim.x) {
+            uint4 raw = reinterpret_cast<const uint4*>(x)[c];
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 f = __bfloat1622float2(p[e]);
+                xs[c * 8 + 2 * e] = f.x;
+                xs[c * 8 + 2 * e + 1] = f.y;
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
+    }
     __syncthreads();
 }
 
 // Stage the zero-centred RMSNorm (1 + w) of the f32 residual h, rounded to bf16 like every GEMM
-// input; `xb_out` (may be null) also receives it as bf16. Ends with a block barrier.
+// input; `xb_out` (may be null) also receives it as bf16. 16-byte loads when k % 4 == 0. Ends
+// with a block barrier.
 __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
                                               int k, float eps, bf16* __restrict__ xb_out) {
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        float v = h[i];
-        xs[i] = v;
-        ss += v * v;
+    if ((k & 3) == 0) {
+        for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
+            float4 v = reinterpret_cast<const float4*>(h)[c];
+            reinterpret_cast<float4*>(xs)[c] = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < k; i += blockDim.x) {
+            float v = h[i];
+            xs[i] = v;
+            ss += v * v;
+        }
     }
     float inv = rsqrtf(block_sum(ss) / k + eps);
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
@@ -123,56 +147,6 @@ __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict
         if (xb_out) xb_out[i] = b;
     }
     __syncthreads();
-}
-
-// Stage the decode GEMV input: the bf16 vector x, or (x null) RMSNorm(h) with weight nw.
-__device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ x, const float* __restrict__ h,
-                                            const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out) {
-    if (x) stage_bf16(xs, x, k);
-    else stage_rmsnorm(xs, h, nw, k, eps, xb_out);
-}
-
-template <int R, int VPL>
-__device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
-                                                 const bf16* x, const float* h, const float* nw, float eps,
-                                                 bf16* xb_out, float* xs, float* __restrict__ y, float beta) {
-    int lane = threadIdx.x & 31, r0 = row0 + (threadIdx.x >> 5) * R;
-    const bf16* rows[R];
-#pragma unroll
-    for (int q = 0; q < R; q++) rows[q] = r0 + q < n ? w + (size_t)(r0 + q) * k : nullptr;
-    constexpr int NV = VPL > 0 ? VPL : 1;  // VPL 0: runtime-length fallback, nothing preloaded
-    uint4 v[R][NV];
-    if (VPL > 0) load_rows<R, NV>(v, rows);
-    if (!staged) {
-        griddep_wait();
-        stage_input(xs, x, h, nw, k, eps, xb_out);
-    }
-    float acc[R];
-    if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
-    else dot_rows_any<R>(rows, xs, k, acc);
-#pragma unroll
-    for (int q = 0; q < R; q++) {
-        float a = warp_sum(acc[q]);
-        if (lane == q && r0 + q < n) y[r0 + q] = beta == 0.0f ? a : beta * y[r0 + q] + a;
-    }
-}
-
-// y[r] = beta * y[r] + W[r, :] . input for the block's 8 * gemv_rows_per_warp(k) rows from row0.
-// Unless `staged` (xs already holds it), the input is staged by `stage_input` into xs (k floats
-// of shared memory) after this block's weight rows are in flight and the previous kernel is
-// done (griddep_wait). All threads must call it.
-__device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
-                                           const bf16* x, const float* h, const float* nw, float eps, bf16* xb_out,
-                                           float* xs, float* __restrict__ y, float beta) {
-    switch (k) {
-        case 512: block_gemv_fixed<2, 2>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
-        case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
-        case 2048: block_gemv_fixed<2, 8>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
-        case 4096: block_gemv_fixed<1, 16>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
-        default:
-            if (k <= 2048) block_gemv_fixed<2, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
-            else block_gemv_fixed<1, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
-    }
 }
 
 // Block-wide "am I the last block to finish" ticket (threadfence reduction pattern); the last

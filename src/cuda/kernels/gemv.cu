@@ -7,7 +7,7 @@
 // once and walks row groups gridDim.x apart (grids are capped for very tall matrices).
 // With `arg_val` set (lm_head), also the greedy argmax over rows < arg_limit: per-block
 // partials, reduced by the last block into arg_out[0] (and arg_out2[0] if given).
-// grid <= ceil(n / (8 * gemv_rows_per_warp(k))), block 256, dynamic smem k floats.
+// grid <= ceil(n / (gemv_rows_per_block(k))), block 256, dynamic smem k floats.
 extern "C" __global__ void __launch_bounds__(256) gemv_dec(
     const bf16* __restrict__ w, int n, int k, const bf16* __restrict__ x, const float* __restrict__ h,
     const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta,
@@ -18,7 +18,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_dec(
     __shared__ float bv[32];
     __shared__ int bi[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int rows = 8 * gemv_rows_per_warp(k);
+    int rows = gemv_rows_per_block(k);
     float best = -INFINITY;  // warp 0: running argmax over this block's rows
     int best_id = 0x7fffffff;
     for (int row0 = blockIdx.x * rows; row0 < n; row0 += gridDim.x * rows) {

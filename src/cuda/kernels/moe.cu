@@ -13,7 +13,8 @@ __device__ void route_topk_warp(float* r, int e, int k, int* __restrict__ ids, f
     float total = 0.0f;
     for (int i = lane; i < e; i += 32) total += expf(r[i] - mx);
     total = warp_sum(total);
-    float sum_p = 0.0f;
+    float sum_p = 0.0f, my_p = 0.0f;  // lane kk keeps the kk-th choice
+    int my_id = 0;
     for (int kk = 0; kk < k; kk++) {
         float best = -INFINITY;
         int bi = 0x7fffffff;
@@ -28,15 +29,14 @@ __device__ void route_topk_warp(float* r, int e, int k, int* __restrict__ ids, f
         }
         float p = expf(best - mx) / total;
         sum_p += p;
-        if (lane == 0) {
-            ids[kk] = bi;
-            wts[kk] = p;
-            r[bi] = -INFINITY;
-        }
+        if (lane == kk) { my_p = p; my_id = bi; }
+        if (lane == 0) r[bi] = -INFINITY;
         __syncwarp();
     }
-    if (lane == 0)
-        for (int kk = 0; kk < k; kk++) wts[kk] /= sum_p;
+    if (lane < k) {
+        ids[lane] = my_id;
+        wts[lane] = my_p / sum_p;
+    }
 }
 
 // Prefill routing, a warp per token: logits [t, e] -> topk ids/weights [t, k]; counts[e] += 1.
@@ -49,6 +49,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, in
     for (int i = threadIdx.x; i < e; i += 32) row[i] = logits[(size_t)s * e + i];
     __syncwarp();
     route_topk_warp(row, e, k, topk_ids + s * k, topk_w + s * k);
+    __syncwarp();  // lanes < k wrote the ids that lane 0 counts
     if (threadIdx.x == 0)
         for (int kk = 0; kk < k; kk++) atomicAdd(&counts[topk_ids[s * k + kk]], 1);
 }
@@ -160,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(
 
 // Few-row path (short prefill chunks): a block = rows of one (token, slot) product.
 // Row r = token * k + slot reads expert topk_ids[r] and input row (gather_by_k ? r / k : r)
-// of a [*, kdim] bf16; y: f32 [rows, ndim]. grid (rows, ceil(ndim / (8 * gemv_rows_per_warp(kdim)))),
+// of a [*, kdim] bf16; y: f32 [rows, ndim]. grid (rows, ceil(ndim / (gemv_rows_per_block(kdim)))),
 // block 256, smem kdim floats.
 extern "C" __global__ void __launch_bounds__(256) moe_gemv(
     const bf16* __restrict__ a, int gather_by_k, const int* __restrict__ topk_ids, int k,
@@ -169,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv(
     int r = blockIdx.x;
     const bf16* x = a + (size_t)(gather_by_k ? r / k : r) * kdim;
     const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
-    int row0 = blockIdx.y * 8 * gemv_rows_per_warp(kdim);
+    int row0 = blockIdx.y * gemv_rows_per_block(kdim);
     block_gemv(wx, ndim, kdim, row0, false, x, nullptr, nullptr, 0.0f, nullptr, xs, y + (size_t)r * ndim, 0.0f);
 }
 
@@ -295,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
 
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
 // the experts); the extra last block computes the shared-expert gate sigmoid(x . w_sg); the last
-// block to finish picks the top-k. grid ceil(e / (8 * gemv_rows_per_warp(d))) + 1, block 256,
+// block to finish picks the top-k. grid ceil(e / (gemv_rows_per_block(d))) + 1, block 256,
 // smem (d + e) floats.
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
@@ -304,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     griddep_launch();
     extern __shared__ float xs[];
     if (blockIdx.x + 1 < gridDim.x) {
-        block_gemv(wr, e, d, blockIdx.x * 8 * gemv_rows_per_warp(d), false, nullptr, h, nw, eps, blockIdx.x == 0 ? xb : nullptr,
+        block_gemv(wr, e, d, blockIdx.x * gemv_rows_per_block(d), false, nullptr, h, nw, eps, blockIdx.x == 0 ? xb : nullptr,
                    xs, logits, 0.0f);
     } else {
         griddep_wait();
@@ -357,66 +358,55 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
-// shared_down[r, :] . act_k. A warp per row, its slots' rows loaded in groups of 5 (the first
-// group before the activations are staged). grid ceil(d / 8), block 256, smem (k+1)*act_ld floats.
+// shared_down[r, :] . act_k. Warp s = slot s (k routed, then the shared expert) over the block's
+// 4 rows, its weight rows in flight at once; the slots' sums meet in shared memory.
+// grid ceil(d / 4), block 32 * (k + 1).
 template <int VPL>
 __device__ __forceinline__ void moe_down_dec_impl(const float* __restrict__ act, int act_ld,
                                                   const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
                                                   int k, const float* __restrict__ sgate,
                                                   const bf16* __restrict__ down, int inter,
                                                   const bf16* __restrict__ shared_down, int s_inter,
-                                                  float* __restrict__ h, int d, float* as) {
+                                                  float* __restrict__ h, int d) {
+    constexpr int NV = VPL > 0 ? VPL : 1;
+    __shared__ float red[17][4];
     griddep_launch();
     griddep_wait();  // expert ids, weights and activations come from the previous kernels
-    constexpr int G = 5, NV = VPL > 0 ? VPL : 1;
-    int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    bool on = r < d;
-    auto row_of = [&](int s) -> const bf16* {
-        if (!on || s > k) return nullptr;
-        return s == k ? shared_down + (size_t)r * s_inter : down + ((size_t)topk_ids[s] * d + r) * inter;
-    };
-    const bf16* rows[G];
-    uint4 v[G][NV];
+    int s = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * 4;
+    int kk = s == k ? s_inter : inter;
+    const bf16* base = s == k ? shared_down : down + (size_t)topk_ids[s] * d * inter;
+    const bf16* rows[4];
 #pragma unroll
-    for (int q = 0; q < G; q++) rows[q] = row_of(q);
-    if (VPL > 0) load_rows<G, NV>(v, rows);
-    for (int i = threadIdx.x; i < (k + 1) * act_ld; i += blockDim.x) as[i] = act[i];
-    __syncthreads();
-    float acc = 0.0f;
-    for (int s0 = 0; s0 <= k; s0 += G) {
-        if (s0 > 0) {
-#pragma unroll
-            for (int q = 0; q < G; q++) rows[q] = row_of(s0 + q);
-            if (VPL > 0) load_rows<G, NV>(v, rows);
-        }
-#pragma unroll
-        for (int q = 0; q < G; q++) {
-            int s = s0 + q;
-            if (!rows[q]) continue;
-            const float* xs = as + (size_t)s * act_ld;
-            float part = 0.0f;
-            if (VPL > 0) {
-#pragma unroll
-                for (int j = 0; j < NV; j++) part += dot8(v[q][j], xs + (lane + 32 * j) * 8);
-            } else {
-                int kk = s == k ? s_inter : inter;
-                for (int c = lane; c < (kk >> 3); c += 32)
-                    part += dot8(__ldg(reinterpret_cast<const uint4*>(rows[q]) + c), xs + c * 8);
-            }
-            acc += (s == k ? *sgate : topk_w[s]) * part;
-        }
+    for (int q = 0; q < 4; q++) rows[q] = r0 + q < d ? base + (size_t)(r0 + q) * kk : nullptr;
+    const float* xs = act + (size_t)s * act_ld;
+    float acc[4];
+    if (VPL > 0) {
+        uint4 v[4][NV];
+        load_rows<4, NV>(v, rows);
+        dot_rows<4, NV>(v, xs, acc);
+    } else {
+        dot_rows_any<4>(rows, xs, kk, acc);
     }
-    acc = warp_sum(acc);
-    if (lane == 0 && on) h[r] += acc;
+    float coef = s == k ? *sgate : topk_w[s];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        float a = warp_sum(acc[q]);
+        if (lane == 0) red[s][q] = coef * a;
+    }
+    __syncthreads();
+    if (threadIdx.x < 4 && r0 + threadIdx.x < d) {
+        float t = 0.0f;
+        for (int i = 0; i <= k; i++) t += red[i][threadIdx.x];
+        h[r0 + threadIdx.x] += t;
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_down_dec(
+extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
     const float* __restrict__ act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     int k, const float* __restrict__ sgate, const bf16* __restrict__ down, int inter,
     const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
-    extern __shared__ float as[];
     if (inter == 512 && s_inter == 512)
-        moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d, as);
+        moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d);
     else
-        moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d, as);
+        moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d);
 }
