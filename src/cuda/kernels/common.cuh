@@ -149,6 +149,83 @@ __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict
     __syncthreads();
 }
 
+// Stage the decode GEMV input: the bf16 vector x, or (x null) RMSNorm(h) with weight nw.
+__device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ x, const float* __restrict__ h,
+                                            const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out) {
+    if (x) stage_bf16(xs, x, k);
+    else stage_rmsnorm(xs, h, nw, k, eps, xb_out);
+}
+
+template <int R, int VPL>
+__device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                                 const bf16* x, const float* h, const float* nw, float eps,
+                                                 bf16* xb_out, float* xs, float* __restrict__ y, float beta) {
+    int lane = threadIdx.x & 31, r0 = row0 + (threadIdx.x >> 5) * R;
+    const bf16* rows[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) rows[q] = r0 + q < n ? w + (size_t)(r0 + q) * k : nullptr;
+    constexpr int NV = VPL > 0 ? VPL : 1;  // VPL 0: runtime-length fallback, nothing preloaded
+    uint4 v[R][NV];
+    if (VPL > 0) load_rows<R, NV>(v, rows);
+    if (!staged) {
+        griddep_wait();
+        stage_input(xs, x, h, nw, k, eps, xb_out);
+    }
+    float acc[R];
+    if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
+    else dot_rows_any<R>(rows, xs, k, acc);
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+        float a = warp_sum(acc[q]);
+        if (lane == q && r0 + q < n) y[r0 + q] = beta == 0.0f ? a : beta * y[r0 + q] + a;
+    }
+}
+
+// k = 4096: warps 2i and 2i+1 take the two halves of row row0 + i (8 vectors per lane each),
+// which doubles the blocks of a short, wide matrix (the out-projections); halves meet in smem.
+__device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                                  const bf16* x, const float* h, const float* nw, float eps,
+                                                  bf16* xb_out, float* xs, float* __restrict__ y, float beta) {
+    __shared__ float halves[8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = row0 + (warp >> 1), half = warp & 1;
+    const bf16* rows[1] = {r < n ? w + (size_t)r * k + half * (k / 2) : nullptr};
+    uint4 v[1][8];
+    load_rows<1, 8>(v, rows);
+    if (!staged) {
+        griddep_wait();
+        stage_input(xs, x, h, nw, k, eps, xb_out);
+    }
+    float acc[1];
+    dot_rows<1, 8>(v, xs + half * (k / 2), acc);
+    float a = warp_sum(acc[0]);
+    if (lane == 0) halves[warp] = a;
+    __syncthreads();
+    if (half == 0 && lane == 0 && r < n) {
+        float t = halves[warp] + halves[warp + 1];
+        y[r] = beta == 0.0f ? t : beta * y[r] + t;
+    }
+    __syncthreads();  // halves reused by the next row group
+}
+
+// y[r] = beta * y[r] + W[r, :] . input for the block's gemv_rows_per_block(k) rows from row0.
+// Unless `staged` (xs already holds it), the input is staged by `stage_input` into xs (k floats
+// of shared memory) after this block's weight rows are in flight and the previous kernel is
+// done (griddep_wait). All threads must call it.
+__device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                           const bf16* x, const float* h, const float* nw, float eps, bf16* xb_out,
+                                           float* xs, float* __restrict__ y, float beta) {
+    switch (k) {
+        case 512: block_gemv_fixed<2, 2>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 2048: block_gemv_fixed<2, 8>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 4096: block_gemv_split2(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        default:
+            if (k <= 2048) block_gemv_fixed<2, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
+            else block_gemv_fixed<1, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
+    }
+}
+
 // Block-wide "am I the last block to finish" ticket (threadfence reduction pattern); the last
 // block also resets the counter for the next launch. All threads must call it.
 __device__ __forceinline__ bool last_block_done(unsigned* counter) {
