@@ -1351,7 +1351,9 @@ fn bench_cmd(
             let prof = gpu.take_profile();
             if !prof.is_empty() {
                 let total: f64 = prof.iter().map(|p| p.2).sum();
-                eprintln!("profile (GPU time per op and grid, CUDA events; all contexts, all rounds):");
+                eprintln!(
+                    "profile (GPU time per op and grid, CUDA events; all contexts, all rounds):"
+                );
                 for (name, calls, secs) in prof.iter().take(45) {
                     eprintln!(
                         "  {name:<32} {calls:>8} calls {:>10.3} ms {:>6.1}%  {:>8.1} us/call",

@@ -248,7 +248,10 @@ fn cuda_matches_cpu_on_random_weights() {
             assert!(e <= REL_TOL, "decode step {step}: {e}");
             tok = argmax(&a).unwrap() as u32;
         }
-        assert!(cuda.decode_graphs(&gs) >= 2, "no second decode graph after crossing 256 positions");
+        assert!(
+            cuda.decode_graphs(&gs) >= 2,
+            "no second decode graph after crossing 256 positions"
+        );
     }
 }
 
@@ -398,10 +401,7 @@ fn fused_decode_and_graph_match_general_path() {
             "{}: graph replay differs from direct launches",
             dir.display()
         );
-        let scale = general
-            .iter()
-            .flatten()
-            .fold(0.0f32, |m, x| m.max(x.abs()));
+        let scale = general.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
         let n = norm_rel_err(&direct.concat(), &general.concat());
         let mut compared = 0;
         let mut differ = Vec::new();
@@ -481,7 +481,11 @@ fn gdn_chunked_matches_recurrent_through_the_model() {
                 ids.len()
             );
             assert!(b.iter().all(|x| x.is_finite()), "{}", dir.display());
-            assert!(n <= NORM_TOL && m <= REL_TOL, "{} {pieces:?}: {n} {m}", dir.display());
+            assert!(
+                n <= NORM_TOL && m <= REL_TOL,
+                "{} {pieces:?}: {n} {m}",
+                dir.display()
+            );
         }
     }
 }

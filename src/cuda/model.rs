@@ -201,7 +201,12 @@ struct DecodeWs {
 impl DecodeWs {
     /// (name, bytes) of every buffer.
     fn sizes(c: &TextConfig) -> Vec<(&'static str, usize)> {
-        let (d, hd, nq, nkv) = (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_kv_heads);
+        let (d, hd, nq, nkv) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_kv_heads,
+        );
         let gdn_rows = c.gdn_conv_channels() + c.gdn_v_width() + 2 * c.gdn_num_value_heads;
         let attn_rows = nq * 2 * hd + 2 * nkv * hd;
         let act_ld = c.moe_intermediate.max(c.shared_intermediate);
@@ -261,7 +266,11 @@ impl DecodeWs {
 /// memory); otherwise one-token steps take the general path.
 fn fused_decode_fits(c: &TextConfig) -> bool {
     let smem = 48 * 1024;
-    c.hidden_size.max(c.gdn_v_width()).max(c.num_attention_heads * c.head_dim) * 4 <= smem
+    c.hidden_size
+        .max(c.gdn_v_width())
+        .max(c.num_attention_heads * c.head_dim)
+        * 4
+        <= smem
         && (c.hidden_size + c.num_experts) * 4 <= smem
         && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
@@ -746,8 +755,8 @@ impl CudaModel {
         let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
         let dws = DecodeWs::alloc(&gpu, &cfg)?;
         gpu.sync()?;
-        let fused_decode =
-            fused_decode_fits(&cfg) && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
+        let fused_decode = fused_decode_fits(&cfg)
+            && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -973,7 +982,16 @@ impl CudaModel {
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     let (wq, wk, wv) = w.qkv_parts(c);
-                    g.gemm(wq, nq * 2 * hd, d, ws.xb.ptr, t, ws.qg.ptr, nq * 2 * hd, 0.0)?;
+                    g.gemm(
+                        wq,
+                        nq * 2 * hd,
+                        d,
+                        ws.xb.ptr,
+                        t,
+                        ws.qg.ptr,
+                        nq * 2 * hd,
+                        0.0,
+                    )?;
                     g.gemm(wk, nkv * hd, d, ws.xb.ptr, t, ws.k.ptr, nkv * hd, 0.0)?;
                     g.gemm(wv, nkv * hd, d, ws.xb.ptr, t, ws.v.ptr, nkv * hd, 0.0)?;
                     g.launch(
@@ -1124,7 +1142,11 @@ impl CudaModel {
         let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
             g.launch(
                 "moe_gemv",
-                (rows as u32, ndim.div_ceil(gemv_rows_per_block(kdim)) as u32, 1),
+                (
+                    rows as u32,
+                    ndim.div_ceil(gemv_rows_per_block(kdim)) as u32,
+                    1,
+                ),
                 256,
                 (kdim * 4) as u32,
                 &[
@@ -1269,17 +1291,14 @@ impl CudaModel {
         }
     }
 
-    fn decode_launches(
-        &self,
-        state: &CudaState,
-        nsplit: usize,
-        vocab_limit: usize,
-    ) -> Result<()> {
+    fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let pos = dw.step_in.ptr + 4;
-        let launch = |name: &str, grid, block, smem, args: &[Arg]| self.decode_launch(name, grid, block, smem, args);
+        let launch = |name: &str, grid, block, smem, args: &[Arg]| {
+            self.decode_launch(name, grid, block, smem, args)
+        };
         let block = |n: usize| n.div_ceil(32).clamp(1, 32) as u32 * 32;
         launch(
             "embed_gather",
@@ -1334,7 +1353,15 @@ impl CudaModel {
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
-                    gemv(w.in_proj.ptr, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0)?;
+                    gemv(
+                        w.in_proj.ptr,
+                        rows,
+                        d,
+                        0,
+                        layer.input_norm.ptr,
+                        dw.proj.ptr,
+                        0.0,
+                    )?;
                     launch(
                         "gdn_conv_dec",
                         ((2 * hk + hv) as u32, 1, 1),
@@ -1386,7 +1413,15 @@ impl CudaModel {
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     let rows = nq * 2 * hd + 2 * nkv * hd;
-                    gemv(w.qkv.ptr, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0)?;
+                    gemv(
+                        w.qkv.ptr,
+                        rows,
+                        d,
+                        0,
+                        layer.input_norm.ptr,
+                        dw.proj.ptr,
+                        0.0,
+                    )?;
                     let kp = dw.proj.ptr + (nq * 2 * hd * 4) as u64;
                     launch(
                         "attn_prep",
@@ -1457,7 +1492,9 @@ impl CudaModel {
         launch(
             "gemv_dec",
             (
-                c.vocab_size.div_ceil(gemv_rows_per_block(d)).min(LM_HEAD_BLOCKS) as u32,
+                c.vocab_size
+                    .div_ceil(gemv_rows_per_block(d))
+                    .min(LM_HEAD_BLOCKS) as u32,
                 1,
                 1,
             ),
@@ -1490,7 +1527,9 @@ impl CudaModel {
     fn moe_decode(&self, layer: &LayerW) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
-        let launch = |name: &str, grid, block, smem, args: &[Arg]| self.decode_launch(name, grid, block, smem, args);
+        let launch = |name: &str, grid, block, smem, args: &[Arg]| {
+            self.decode_launch(name, grid, block, smem, args)
+        };
         let (d, e, k, i, is) = (
             c.hidden_size,
             c.num_experts,
