@@ -1,6 +1,8 @@
 # Turns src/cuda/kernels/common.cuh + gdn.cu into C++ for the CPU emulator (cuda_emu.h):
-# drops the CUDA includes and the asm cp.async helpers (the emulator has its own), maps the
-# dynamic shared memory to the emulator's buffer and checks float4 alignment.
+# keeps common.cuh's basic helpers (up to the programmatic-dependent-launch section; the decode
+# GEMV machinery after it is not used by gdn.cu), makes the griddep fences no-ops (one kernel at
+# a time here), drops the CUDA includes and the asm cp.async helpers (the emulator has its own),
+# maps the dynamic shared memory to the emulator's buffer and checks float4 alignment.
 # Usage: python3 build.py OUT.inc
 import os, re, sys
 
@@ -8,8 +10,8 @@ kdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src
 com = open(os.path.join(kdir, "common.cuh")).read()
 gdn = open(os.path.join(kdir, "gdn.cu")).read()
 com = com.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "").replace("typedef __nv_bfloat16 bf16;\n", "")
-com = re.sub(r"__device__ __forceinline__ void cp_async16\(.*?\n}\n", "", com, flags=re.S)
-com = re.sub(r"__device__ __forceinline__ void cp_async_(commit|wait_all|wait_one)\(\) \{.*?\}\n", "", com)
+cut = com.index("// Programmatic dependent launch")
+com = com[:cut] + "inline void griddep_launch() {}\ninline void griddep_wait() {}\n"
 assert "asm" not in com, "an asm helper is left in common.cuh: teach build.py and cuda_emu.h about it"
 gdn = gdn.replace("extern __shared__ __align__(16) float gdn_smem[];", "float* gdn_smem = emu_dyn_smem();")
 assert "extern __shared__" not in gdn
