@@ -460,8 +460,9 @@ fn logits_in_pieces(
 /// `KESTREL_GDN=recurrent` path) through the whole model. The kernels agree to ~1e-6 at full
 /// size (`gdn_chunked_kernel_matches_recurrent`); through these tiny random models such a
 /// difference can flip bf16 roundings downstream, so the model-level bar is the GPU-vs-CPU one
-/// (‖Δ‖/‖ref‖ <= 3e-2, max <= 1e-1 of the logit scale; measured 7e-3 / 3.8e-2). In one call (2 and 4 chunks, the last partial), and in calls of 2 tokens
-/// (fewer than the conv's history), 1 (decode kernels), 2 and 70 (state carried in).
+/// (‖Δ‖/‖ref‖ <= 3e-2, max <= 1e-1 of the logit scale; measured 7e-3 / 3.8e-2). In one call
+/// (2 and 4 chunks, the last partial), and in calls of 2 tokens (fewer than the conv's
+/// history), 1 (decode kernels), 2 and 70 (state carried in).
 #[test]
 fn gdn_chunked_matches_recurrent_through_the_model() {
     let Some(gpu) = gpu() else { return };

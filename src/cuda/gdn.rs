@@ -2,7 +2,7 @@
 //! rule, sequential (decode, and prefill with `KESTREL_GDN=recurrent`) or token-parallel and
 //! chunked (prefill).
 
-use super::{Arg, Gpu};
+use super::{Arg, Gpu, block_threads as block};
 use crate::config::TextConfig;
 use anyhow::Result;
 
@@ -49,11 +49,6 @@ pub struct DeltaBufs {
     pub state: u64,
     /// Output `[t, hv, dv]`.
     pub o: u64,
-}
-
-/// Threads for `n` lanes: whole warps, at most 1024.
-fn block(n: usize) -> u32 {
-    n.div_ceil(32).clamp(1, 32) as u32 * 32
 }
 
 impl GdnShape {

@@ -9,7 +9,7 @@ pub mod model;
 
 use anyhow::{Context, Result, anyhow, bail};
 use cudarc::cublas::{CudaBlas, sys as cublas_sys};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -24,6 +24,7 @@ const SOURCES: [(&str, &str); 7] = [
     ("moe.cu", include_str!("kernels/moe.cu")),
 ];
 
+/// Every kernel the backend launches, besides `gdn::CHUNK_KERNELS`.
 const KERNELS: &[&str] = &[
     "embed_gather",
     "argmax_rows",
@@ -42,14 +43,6 @@ const KERNELS: &[&str] = &[
     "gdn_recurrent_128",
     "gdn_conv_prefill",
     "gdn_conv_advance",
-    "gdn_chunk_prep_16",
-    "gdn_chunk_prep_32",
-    "gdn_chunk_prep_64",
-    "gdn_chunk_prep_128",
-    "gdn_chunk_state_16",
-    "gdn_chunk_state_32",
-    "gdn_chunk_state_64",
-    "gdn_chunk_state_128",
     "gdn_gated_norm",
     "gdn_conv_dec",
     "gdn_step_dec_16",
@@ -73,6 +66,11 @@ const KERNELS: &[&str] = &[
     "moe_gate_up_dec",
     "moe_down_dec",
 ];
+
+/// Threads for `n` lanes of work: whole warps, at most 1024.
+pub(crate) fn block_threads(n: usize) -> u32 {
+    n.div_ceil(32).clamp(1, 32) as u32 * 32
+}
 
 /// A raw device allocation, freed on drop.
 pub struct DeviceBuf {
@@ -276,7 +274,7 @@ impl Gpu {
             .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
         let module = Self::compile(&ctx, cc)?;
         let mut functions = std::collections::HashMap::new();
-        for k in KERNELS {
+        for k in KERNELS.iter().chain(&gdn::CHUNK_KERNELS) {
             let f = module
                 .load_function(k)
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
@@ -488,64 +486,46 @@ impl Gpu {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
-        let f = self
-            .functions
-            .get(name)
-            .ok_or_else(|| anyhow!("unknown kernel {name}"))?;
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) | Arg::U(p) => b.arg(p),
-                Arg::I(i) => b.arg(i),
-                Arg::F(x) => b.arg(x),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        // SAFETY: argument lists match the kernels' signatures (checked by the GPU tests).
-        self.timed(
-            || format!("{name} {}x{}x{}", grid.0, grid.1, grid.2),
-            || {
-                unsafe { b.launch(cfg) }
-                    .map(|_| ())
-                    .with_context(|| format!("launching {name}"))
-            },
-        )
+        self.launch_ex(name, grid, block, smem, args, false)
     }
 
-    /// [`Gpu::launch`] with programmatic dependent launch: the kernel may begin while the
-    /// previous kernel on the stream is still running (its blocks wait in `griddep_wait`, see
-    /// common.cuh, before touching what earlier kernels write). Captured graphs keep it.
-    pub fn launch_pdl(
+    /// [`Gpu::launch`], with programmatic dependent launch when `pdl` is set: the kernel may
+    /// begin while the previous kernel on the stream is still running (its blocks wait in
+    /// `griddep_wait`, see common.cuh, before touching what earlier kernels write). Captured
+    /// graphs keep it.
+    pub fn launch_ex(
         &self,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         args: &[Arg],
+        pdl: bool,
     ) -> Result<()> {
         use cudarc::driver::sys;
         let f = self
             .functions
             .get(name)
             .ok_or_else(|| anyhow!("unknown kernel {name}"))?;
-        // Each argument in an 8-byte slot; the driver reads the parameter's own size from its
-        // start, which on little-endian hosts is the value for 4-byte ints and floats too.
-        let mut slots: Vec<u64> = args
-            .iter()
-            .map(|a| match a {
+        // Each argument in an 8-byte slot on the stack (no allocation per launch); the driver
+        // reads the parameter's own size from its start, which on little-endian hosts is the
+        // value for 4-byte ints and floats too.
+        const MAX_ARGS: usize = 24;
+        if args.len() > MAX_ARGS {
+            bail!("{name}: {} arguments, at most {MAX_ARGS}", args.len());
+        }
+        let mut slots = [0u64; MAX_ARGS];
+        for (slot, a) in slots.iter_mut().zip(args) {
+            *slot = match a {
                 Arg::Ptr(p) | Arg::U(p) => *p,
                 Arg::I(i) => *i as u32 as u64,
                 Arg::F(x) => x.to_bits() as u64,
-            })
-            .collect();
-        let mut params: Vec<*mut std::ffi::c_void> = slots
-            .iter_mut()
-            .map(|v| v as *mut u64 as *mut std::ffi::c_void)
-            .collect();
+            };
+        }
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
+        for (p, v) in params.iter_mut().zip(slots.iter_mut()) {
+            *p = v as *mut u64 as *mut std::ffi::c_void;
+        }
         // SAFETY: a zeroed attribute is valid plain data; we set its id and value.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -560,7 +540,7 @@ impl Gpu {
             sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: 1,
+            numAttrs: pdl as u32,
         };
         self.timed(
             || format!("{name} {}x{}x{}", grid.0, grid.1, grid.2),
@@ -707,7 +687,7 @@ mod tests {
         match super::kernel_ptx("compute_90a", false) {
             Ok(ptx) => {
                 let src = ptx.to_src();
-                for k in super::KERNELS {
+                for k in super::KERNELS.iter().chain(&super::gdn::CHUNK_KERNELS) {
                     assert!(src.contains(&format!(".entry {k}(")), "{k} missing");
                 }
             }

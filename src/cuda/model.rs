@@ -5,7 +5,7 @@
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
 use super::gdn::{DeltaBufs, GdnShape};
-use super::{Arg, DeviceBuf, Gpu};
+use super::{Arg, DeviceBuf, Gpu, block_threads};
 use crate::config::{LayerKind, TextConfig};
 use crate::model::{Engine, Logits};
 use crate::ops::attention::rope_inv_freq;
@@ -34,9 +34,9 @@ fn gemv_rows_per_block(k: usize) -> usize {
     }
 }
 
-/// Blocks of the decode lm_head GEMV (each stages the normalised input once, then walks row
-/// groups): 8 per SM of an H200.
-const LM_HEAD_BLOCKS: usize = 132 * 8;
+/// At most this many blocks per decode GEMV (8 per SM of an H200): each stages its input
+/// once, then walks row groups, so a tall matrix (lm_head) does not restage it per 16 rows.
+const GEMV_MAX_BLOCKS: usize = 132 * 8;
 
 /// Dynamic shared memory of `attn_decode`: two stages of 32-position K and V tiles, and the
 /// group's queries.
@@ -189,8 +189,8 @@ struct DecodeWs {
     sgate: DeviceBuf,
     /// Last-block counters of the router top-k and the lm_head argmax (zero between launches).
     done: DeviceBuf,
+    /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
-    act_ld: usize,
     part: DeviceBuf,
     logits: DeviceBuf,
     arg_val: DeviceBuf,
@@ -199,6 +199,11 @@ struct DecodeWs {
 }
 
 impl DecodeWs {
+    /// Row stride of `act`: the larger of the routed and shared intermediate sizes.
+    fn act_ld(c: &TextConfig) -> usize {
+        c.moe_intermediate.max(c.shared_intermediate)
+    }
+
     /// (name, bytes) of every buffer.
     fn sizes(c: &TextConfig) -> Vec<(&'static str, usize)> {
         let (d, hd, nq, nkv) = (
@@ -209,7 +214,6 @@ impl DecodeWs {
         );
         let gdn_rows = c.gdn_conv_channels() + c.gdn_v_width() + 2 * c.gdn_num_value_heads;
         let attn_rows = nq * 2 * hd + 2 * nkv * hd;
-        let act_ld = c.moe_intermediate.max(c.shared_intermediate);
         vec![
             ("step_in", 8),
             ("h", d * 4),
@@ -223,7 +227,7 @@ impl DecodeWs {
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
             ("done", 8),
-            ("act", (c.experts_per_token + 1) * act_ld * 4),
+            ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
             ("arg_val", c.vocab_size.div_ceil(8) * 4),
@@ -252,7 +256,6 @@ impl DecodeWs {
             sgate: take("sgate")?,
             done: take("done")?,
             act: take("act")?,
-            act_ld: c.moe_intermediate.max(c.shared_intermediate),
             part: take("part")?,
             logits: take("logits")?,
             arg_val: take("arg_val")?,
@@ -520,14 +523,7 @@ impl CudaModel {
         max_seq: usize,
         max_chunk: usize,
     ) -> Result<Self> {
-        Self::build(
-            gpu,
-            cfg,
-            Source::Host(weights),
-            max_seq,
-            max_chunk,
-            &mut |_, _| {},
-        )
+        Self::from_weights_with_progress(gpu, cfg, weights, max_seq, max_chunk, &mut |_, _| {})
     }
 
     /// [`CudaModel::from_weights`], calling `progress(bytes_uploaded, total_bytes)` as the
@@ -871,7 +867,7 @@ impl CudaModel {
         let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
         g.copy_to_device(ws.ids.ptr, &ids)?;
         let ti = t as i32;
-        let block = |n: usize| n.div_ceil(32).clamp(1, 32) as u32 * 32;
+        let block = block_threads;
 
         // Embedding
         g.launch(
@@ -1275,31 +1271,16 @@ impl CudaModel {
     /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
     /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
     /// experts' gate/up, experts' down with the combine), eight per attention layer.
-    /// A launch of the fused decode step: with programmatic dependent launch unless turned off.
-    fn decode_launch(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        if self.decode_pdl {
-            self.gpu.launch_pdl(name, grid, block, smem, args)
-        } else {
-            self.gpu.launch(name, grid, block, smem, args)
-        }
-    }
-
     fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let pos = dw.step_in.ptr + 4;
         let launch = |name: &str, grid, block, smem, args: &[Arg]| {
-            self.decode_launch(name, grid, block, smem, args)
+            self.gpu
+                .launch_ex(name, grid, block, smem, args, self.decode_pdl)
         };
-        let block = |n: usize| n.div_ceil(32).clamp(1, 32) as u32 * 32;
+        let block = block_threads;
         launch(
             "embed_gather",
             (1, 1, 1),
@@ -1312,11 +1293,35 @@ impl CudaModel {
                 Arg::I(d as i32),
             ],
         )?;
-        // y = beta*y + W·x, x = the bf16 vector `x` or (x = 0) RMSNorm(h) with weight `norm`.
-        let gemv = |w: u64, n: usize, k: usize, x: u64, norm: u64, y: u64, beta: f32| {
+        // y = beta*y + W·x, x = the bf16 vector `x` or (x = 0) RMSNorm(h) with weight `norm`;
+        // with `greedy = Some(limit)` also the argmax over rows < limit into `next` and the
+        // next step's input.
+        let gemv = |w: u64,
+                    n: usize,
+                    k: usize,
+                    x: u64,
+                    norm: u64,
+                    y: u64,
+                    beta: f32,
+                    greedy: Option<usize>| {
+            let (val, idx, done, limit, out, out2) = match greedy {
+                Some(limit) => (
+                    dw.arg_val.ptr,
+                    dw.arg_idx.ptr,
+                    dw.done.ptr + 4,
+                    limit.min(n) as i32,
+                    dw.next.ptr,
+                    dw.step_in.ptr,
+                ),
+                None => (0, 0, 0, 0, 0, 0),
+            };
             launch(
                 "gemv_dec",
-                (n.div_ceil(gemv_rows_per_block(k)) as u32, 1, 1),
+                (
+                    n.div_ceil(gemv_rows_per_block(k)).min(GEMV_MAX_BLOCKS) as u32,
+                    1,
+                    1,
+                ),
                 256,
                 (k * 4) as u32,
                 &[
@@ -1330,12 +1335,12 @@ impl CudaModel {
                     Arg::Ptr(0),
                     Arg::Ptr(y),
                     Arg::F(beta),
-                    Arg::Ptr(0),
-                    Arg::Ptr(0),
-                    Arg::Ptr(0),
-                    Arg::I(0),
-                    Arg::Ptr(0),
-                    Arg::Ptr(0),
+                    Arg::Ptr(val),
+                    Arg::Ptr(idx),
+                    Arg::Ptr(done),
+                    Arg::I(limit),
+                    Arg::Ptr(out),
+                    Arg::Ptr(out2),
                 ],
             )
         };
@@ -1361,6 +1366,7 @@ impl CudaModel {
                         layer.input_norm.ptr,
                         dw.proj.ptr,
                         0.0,
+                        None,
                     )?;
                     launch(
                         "gdn_conv_dec",
@@ -1406,7 +1412,7 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
-                    gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0)?;
+                    gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
                 MixerW::Attn(w) => {
                     let (kc, vc) = &state.kv[attn_i];
@@ -1421,6 +1427,7 @@ impl CudaModel {
                         layer.input_norm.ptr,
                         dw.proj.ptr,
                         0.0,
+                        None,
                     )?;
                     let kp = dw.proj.ptr + (nq * 2 * hd * 4) as u64;
                     launch(
@@ -1482,42 +1489,21 @@ impl CudaModel {
                             Arg::I(0),
                         ],
                     )?;
-                    gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0)?;
+                    gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
             }
             self.moe_decode(layer)?;
         }
-        // Final norm + lm_head with the greedy argmax fused (the next id also lands in
-        // step_in[0], ready for the next step).
-        launch(
-            "gemv_dec",
-            (
-                c.vocab_size
-                    .div_ceil(gemv_rows_per_block(d))
-                    .min(LM_HEAD_BLOCKS) as u32,
-                1,
-                1,
-            ),
-            256,
-            (d * 4) as u32,
-            &[
-                Arg::Ptr(self.lm_head.ptr),
-                Arg::I(c.vocab_size as i32),
-                Arg::I(d as i32),
-                Arg::Ptr(0),
-                Arg::Ptr(dw.h.ptr),
-                Arg::Ptr(self.final_norm.ptr),
-                Arg::F(eps),
-                Arg::Ptr(0),
-                Arg::Ptr(dw.logits.ptr),
-                Arg::F(0.0),
-                Arg::Ptr(dw.arg_val.ptr),
-                Arg::Ptr(dw.arg_idx.ptr),
-                Arg::Ptr(dw.done.ptr + 4),
-                Arg::I(vocab_limit.min(c.vocab_size) as i32),
-                Arg::Ptr(dw.next.ptr),
-                Arg::Ptr(dw.step_in.ptr),
-            ],
+        // Final norm + lm_head with the greedy argmax fused.
+        gemv(
+            self.lm_head.ptr,
+            c.vocab_size,
+            d,
+            0,
+            self.final_norm.ptr,
+            dw.logits.ptr,
+            0.0,
+            Some(vocab_limit),
         )
     }
 
@@ -1528,7 +1514,8 @@ impl CudaModel {
         let c = &self.config;
         let dw = &self.dws;
         let launch = |name: &str, grid, block, smem, args: &[Arg]| {
-            self.decode_launch(name, grid, block, smem, args)
+            self.gpu
+                .launch_ex(name, grid, block, smem, args, self.decode_pdl)
         };
         let (d, e, k, i, is) = (
             c.hidden_size,
@@ -1574,7 +1561,7 @@ impl CudaModel {
                 Arg::Ptr(layer.shared_gate_up.ptr),
                 Arg::I(is as i32),
                 Arg::Ptr(dw.act.ptr),
-                Arg::I(dw.act_ld as i32),
+                Arg::I(DecodeWs::act_ld(c) as i32),
             ],
         )?;
         launch(
@@ -1584,7 +1571,7 @@ impl CudaModel {
             0,
             &[
                 Arg::Ptr(dw.act.ptr),
-                Arg::I(dw.act_ld as i32),
+                Arg::I(DecodeWs::act_ld(c) as i32),
                 Arg::Ptr(dw.topk_ids.ptr),
                 Arg::Ptr(dw.topk_w.ptr),
                 Arg::I(k as i32),

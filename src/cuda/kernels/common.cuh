@@ -49,6 +49,34 @@ __device__ float block_sum(float v) {
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
+// Every lane gets the result.
+__device__ __forceinline__ void warp_argmax(float& v, int& id) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, id, o);
+        if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+    }
+}
+
+// The same over the whole block (blockDim.x a multiple of 32); thread 0 gets the result.
+__device__ void block_argmax(float& v, int& id) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    warp_argmax(v, id);
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = id; }
+    __syncthreads();
+    if (warp == 0) {
+        int nw = (int)(blockDim.x >> 5);
+        v = lane < nw ? sv[lane] : -INFINITY;
+        id = lane < nw ? si[lane] : 0x7fffffff;
+        warp_argmax(v, id);
+    }
+}
+
 // Dot of 8 bf16 weights (one 16-byte load) with 8 staged f32 inputs.
 __device__ __forceinline__ float dot8(uint4 v, const float* x) {
     const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);

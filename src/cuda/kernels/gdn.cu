@@ -290,6 +290,23 @@ __device__ __forceinline__ void axpy4(float x, float4 y, float* acc) {
     acc[3] = fmaf(x, y.w, acc[3]);
 }
 
+// One k-step of four of a 4x4 register tile: acc[a][e] += sum_j A[a][j] * B[j][e], with row a of
+// A at `a + a*lda` and row j of B at `b + j*ldb` (four consecutive floats each).
+__device__ __forceinline__ void tile4x4_step(const float* a, int lda, const float* b, int ldb, float (&acc)[4][4]) {
+    float4 av[4], bv[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) av[r] = ld4(a + r * lda);
+#pragma unroll
+    for (int j = 0; j < 4; j++) bv[j] = ld4(b + j * ldb);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        axpy4(av[r].x, bv[0], acc[r]);
+        axpy4(av[r].y, bv[1], acc[r]);
+        axpy4(av[r].z, bv[2], acc[r]);
+        axpy4(av[r].w, bv[3], acc[r]);
+    }
+}
+
 // Chunked delta rule (prefill), part 1: all chunks in parallel. Block = chunk blockIdx.x of
 // value head blockIdx.y, 256 threads. With γ the inclusive cumulative log-decay inside the
 // chunk and Γ_rs = exp(γ_r − γ_s) (s <= r, so never exp of a positive number):
@@ -447,20 +464,8 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
         for (int a = 0; a < 4; a++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
-        for (int s = 0; s <= 4 * rg; s += 4) {
-            float4 pr[4], xv[4];
-#pragma unroll
-            for (int a = 0; a < 4; a++) pr[a] = ld4(ps + (4 * rg + a) * GDN_LDP + s);
-#pragma unroll
-            for (int e = 0; e < 4; e++) xv[e] = ld4(xs + (s + e) * ldx + 4 * cg);
-#pragma unroll
-            for (int a = 0; a < 4; a++) {
-                axpy4(pr[a].x, xv[0], acc[a]);
-                axpy4(pr[a].y, xv[1], acc[a]);
-                axpy4(pr[a].z, xv[2], acc[a]);
-                axpy4(pr[a].w, xv[3], acc[a]);
-            }
-        }
+        for (int s = 0; s <= 4 * rg; s += 4)
+            tile4x4_step(ps + 4 * rg * GDN_LDP + s, GDN_LDP, xs + s * ldx + 4 * cg, ldx, acc);
         const int col = 4 * cg;
 #pragma unroll
         for (int a = 0; a < 4; a++) {
@@ -567,20 +572,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
 #pragma unroll 4
-            for (int i = 0; i < DK; i += 4) {
-                float4 av[4], sv[4];
-#pragma unroll
-                for (int a = 0; a < 4; a++) av[a] = ld4(wqb + (4 * rg + a) * LDK + i);
-#pragma unroll
-                for (int e = 0; e < 4; e++) sv[e] = ld4(ss + (i + e) * GDN_LDS + 4 * cg);
-#pragma unroll
-                for (int a = 0; a < 4; a++) {
-                    axpy4(av[a].x, sv[0], acc[a]);
-                    axpy4(av[a].y, sv[1], acc[a]);
-                    axpy4(av[a].z, sv[2], acc[a]);
-                    axpy4(av[a].w, sv[3], acc[a]);
-                }
-            }
+            for (int i = 0; i < DK; i += 4)
+                tile4x4_step(wqb + 4 * rg * LDK + i, LDK, ss + i * GDN_LDS + 4 * cg, GDN_LDS, acc);
             if (is_w) {
                 const float last = gc[GDN_C - 1];
 #pragma unroll

@@ -15,8 +15,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_dec(
     int* __restrict__ arg_out, int* __restrict__ arg_out2) {
     griddep_launch();
     extern __shared__ float xs[];
-    __shared__ float bv[32];
-    __shared__ int bi[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int rows = gemv_rows_per_block(k);
     float best = -INFINITY;  // warp 0: running argmax over this block's rows
@@ -35,11 +33,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_dec(
     }
     if (!arg_val) return;
     if (warp == 0) {
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ov > best || (ov == best && oi < best_id)) { best = ov; best_id = oi; }
-        }
+        warp_argmax(best, best_id);
         if (lane == 0) { arg_val[blockIdx.x] = best; arg_idx[blockIdx.x] = best_id; }
     }
     if (!last_block_done(arg_done)) return;
@@ -50,24 +44,9 @@ extern "C" __global__ void __launch_bounds__(256) gemv_dec(
         int oi = __ldcg(arg_idx + b);
         if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, id, o);
-        if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
-    }
-    if (lane == 0) { bv[warp] = v; bi[warp] = id; }
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? bv[lane] : -INFINITY;
-        id = lane < (int)(blockDim.x >> 5) ? bi[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, id, o);
-            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
-        }
-        if (lane == 0) {
-            arg_out[0] = id;
-            if (arg_out2) arg_out2[0] = id;
-        }
+    block_argmax(v, id);
+    if (threadIdx.x == 0) {
+        arg_out[0] = id;
+        if (arg_out2) arg_out2[0] = id;
     }
 }

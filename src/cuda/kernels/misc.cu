@@ -18,27 +18,8 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int s
         float v = r[i];
         if (v > best) { best = v; idx = i; }
     }
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-    }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { sv[warp] = best; si[warp] = idx; }
-    __syncthreads();
-    if (warp == 0) {
-        int nw = (blockDim.x + 31) >> 5;
-        best = lane < nw ? sv[lane] : -INFINITY;
-        idx = lane < nw ? si[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-        }
-        if (lane == 0) out[blockIdx.x] = idx;
-    }
+    block_argmax(best, idx);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx;
 }
 
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, u64 n) {

@@ -22,11 +22,7 @@ __device__ void route_topk_warp(float* r, int e, int k, int* __restrict__ ids, f
             float v = r[i];
             if (v > best || (v == best && i < bi)) { best = v; bi = i; }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-        }
+        warp_argmax(best, bi);
         float p = expf(best - mx) / total;
         sum_p += p;
         if (lane == kk) { my_p = p; my_id = bi; }
