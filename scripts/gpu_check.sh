@@ -3,7 +3,7 @@
 #   GPU test executables (built here with `cargo test --release --no-run`, staged by
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
-# Usage: scripts/gpu_check.sh [tests] [fullwidth] [bench CONTEXTS] [peer] [kernels CONTEXT]
+# Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [peer] [kernels CONTEXT]
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -27,6 +27,11 @@ while [ $# -gt 0 ]; do
     fullwidth)
       python3 scripts/fullwidth_check.py --out /tmp/fullwidth 2>&1 | tee "$OUT/fullwidth-hf.log" || status=1
       KESTREL_FULLWIDTH_DIR=/tmp/fullwidth .device/bin/test-cuda fullwidth --nocapture 2>&1 | tee "$OUT/fullwidth.log" || status=1 ;;
+    cli)
+      # generate/chat/serve --device cuda on the checkpoint `fullwidth` wrote, and the
+      # not-enough-memory error (needs `fullwidth` earlier in the same call).
+      python3 scripts/gpu_cli_check.py --kestrel .device/bin/kestrel --model /tmp/fullwidth/model \
+        --out "$OUT/cli" 2>&1 | tee "$OUT/cli.log" || status=1 ;;
     bench)
       shift
       .device/bin/kestrel bench --synthetic full --contexts "$1" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
