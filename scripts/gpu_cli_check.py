@@ -81,7 +81,8 @@ def main():
     base = f"http://127.0.0.1:{port}"
     log = open(os.path.join(a.out, "serve.log"), "w")
     srv = subprocess.Popen([k, "serve", "--device", "cuda", "--model", m, "--bind",
-                            f"127.0.0.1:{port}", "--max-running", "2", "--default-max-tokens", "16"],
+                            f"127.0.0.1:{port}", "--max-running", "2", "--default-max-tokens", "16",
+                            "--served-model-name", "fw"],
                            stdout=log, stderr=subprocess.STDOUT)
     try:
         t0 = time.perf_counter()
@@ -97,7 +98,7 @@ def main():
             time.sleep(1)
         check(ready, f"serve --device cuda answers /health ({time.perf_counter() - t0:.0f} s to load)")
         if ready:
-            body = {"model": "x", "messages": [{"role": "user", "content": "Say hi."}],
+            body = {"model": "fw", "messages": [{"role": "user", "content": "Say hi."}],
                     "max_tokens": 12, "temperature": 0}
             s, r = http("POST", base + "/v1/chat/completions", body)
             print(r[:800])
@@ -114,7 +115,7 @@ def main():
 
             def one(i):
                 results[i] = http("POST", base + "/v1/completions",
-                                  {"model": "x", "prompt": f"Number {i}:", "max_tokens": 10,
+                                  {"model": "fw", "prompt": f"Number {i}:", "max_tokens": 10,
                                    "temperature": 0})
 
             ths = [threading.Thread(target=one, args=(i,)) for i in range(3)]
@@ -125,7 +126,7 @@ def main():
             check(all(r is not None and r[0] == 200 for r in results),
                   "three concurrent completions all answer 200")
             s, r = http("POST", base + "/v1/chat/completions",
-                        {"model": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3})
+                        {"model": "fw", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3})
             check(400 <= s < 500, f"a bad request gets a 4xx ({s}): {r[:200]}")
             s, r = http("GET", base + "/metrics")
             with open(os.path.join(a.out, "serve-metrics.txt"), "w") as f:
