@@ -3,7 +3,8 @@
 #   GPU test executables (built here with `cargo test --release --no-run`, staged by
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
-# Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [peer] [kernels CONTEXT]
+# Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
+#          [kernels CONTEXT]   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -34,7 +35,11 @@ while [ $# -gt 0 ]; do
         --out "$OUT/cli" 2>&1 | tee "$OUT/cli.log" || status=1 ;;
     bench)
       shift
-      .device/bin/kestrel bench --synthetic full --contexts "$1" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+      .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    profile)
+      shift
+      # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.
+      KESTREL_PROFILE=1 .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} 2>&1 | tee "$OUT/profile-$1.log" || status=1 ;;
     kernels)
       shift
       # One decode step = the launches from one embed_gather to the next; skip the warm-up.

@@ -718,3 +718,160 @@ fn gdn_prefill_kernel_timing_full_shape() {
         "{sh:?}: delta rule chunked {chunked:.3} ms, recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
     );
 }
+
+/// One prefill attention call at the real attention shape (head dim 256, 16 query heads over 2
+/// KV heads) through `kernel`: q/gate f32, K/V cache bf16 holding `past + t` positions.
+struct AttnCase {
+    t: usize,
+    past: usize,
+    q: Vec<f32>,
+    qg: Vec<f32>,
+    k: Vec<half::bf16>,
+    v: Vec<half::bf16>,
+}
+
+const ATT_NQ: usize = 16;
+const ATT_NKV: usize = 2;
+const ATT_HD: usize = 256;
+
+impl AttnCase {
+    fn new(t: usize, past: usize, seed: u64) -> Self {
+        let mut r = Lcg(seed);
+        let n = past + t;
+        let bf = |v: Vec<f32>| v.into_iter().map(half::bf16::from_f32).collect::<Vec<_>>();
+        AttnCase {
+            t,
+            past,
+            q: r.vec(t * ATT_NQ * ATT_HD, 3.0),
+            qg: r.vec(t * ATT_NQ * 2 * ATT_HD, 2.0),
+            k: bf(r.vec(n * ATT_NKV * ATT_HD, 1.0)),
+            v: bf(r.vec(n * ATT_NKV * ATT_HD, 1.0)),
+        }
+    }
+
+    /// Causal attention with the sigmoid output gate, in f64 from the same (bf16) inputs.
+    fn reference(&self) -> Vec<f32> {
+        let (hd, nq, nkv) = (ATT_HD, ATT_NQ, ATT_NKV);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut out = vec![0f32; self.t * nq * hd];
+        for s in 0..self.t {
+            let pos = self.past + s;
+            for h in 0..nq {
+                let kvh = h / (nq / nkv);
+                let q = &self.q[(s * nq + h) * hd..][..hd];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|p| {
+                        let k = &self.k[(p * nkv + kvh) * hd..][..hd];
+                        q.iter()
+                            .zip(k)
+                            .map(|(a, b)| *a as f64 * b.to_f64())
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for c in 0..hd {
+                    let acc: f64 = (0..=pos)
+                        .map(|p| w[p] * self.v[(p * nkv + kvh) * hd + c].to_f64())
+                        .sum();
+                    let gate = self.qg[(s * nq + h) * 2 * hd + hd + c] as f64;
+                    out[(s * nq + h) * hd + c] = (acc / z / (1.0 + (-gate).exp())) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    /// Runs `kernel` (`attn_flash2_hd256` or `attn_flash`); returns the output and, with
+    /// `reps > 0`, the mean milliseconds per call.
+    fn run(&self, gpu: &Gpu, kernel: &str, reps: usize) -> (Vec<f32>, f64) {
+        use kestrel::cuda::Arg;
+        let (q, qg) = (gpu.upload(&self.q).unwrap(), gpu.upload(&self.qg).unwrap());
+        let (k, v) = (gpu.upload(&self.k).unwrap(), gpu.upload(&self.v).unwrap());
+        let out = gpu.alloc_zeroed(self.t * ATT_NQ * ATT_HD * 2).unwrap();
+        let (grid_y, threads, smem) = if kernel == "attn_flash" {
+            let (fq, fk, hd) = (64, 64, ATT_HD);
+            let smem = (fq + 2 * fk) * (hd + 8) * 2
+                + fq * (hd + 4) * 4
+                + fq * (fk + 4) * 4
+                + fq * (fk + 8) * 2
+                + 2 * fq * 4;
+            (ATT_NQ, 128, smem)
+        } else {
+            (ATT_NQ / 2, 256, (2 * 64 + 4 * 64) * (ATT_HD + 8) * 2)
+        };
+        gpu.set_max_dynamic_smem(kernel, smem).unwrap();
+        let launch = || {
+            gpu.launch(
+                kernel,
+                (self.t.div_ceil(64) as u32, grid_y as u32, 1),
+                threads,
+                smem as u32,
+                &[
+                    Arg::Ptr(q.ptr),
+                    Arg::Ptr(k.ptr),
+                    Arg::Ptr(v.ptr),
+                    Arg::Ptr(qg.ptr),
+                    Arg::Ptr(out.ptr),
+                    Arg::I(self.t as i32),
+                    Arg::I(self.past as i32),
+                    Arg::I(ATT_NQ as i32),
+                    Arg::I(ATT_NKV as i32),
+                    Arg::I(ATT_HD as i32),
+                    Arg::F(1.0 / (ATT_HD as f32).sqrt()),
+                ],
+            )
+            .unwrap()
+        };
+        launch();
+        gpu.sync().unwrap();
+        let mut ms = 0.0;
+        if reps > 0 {
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                launch();
+            }
+            gpu.sync().unwrap();
+            ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        }
+        let mut host = vec![half::bf16::ZERO; self.t * ATT_NQ * ATT_HD];
+        gpu.copy_to_host(out.ptr, &mut host).unwrap();
+        (host.iter().map(|x| x.to_f32()).collect(), ms)
+    }
+}
+
+/// The mma.sync flash kernel at the real head shape against an f64 reference, from an empty
+/// cache and continuing after cached positions (chunked prefill), ragged lengths included;
+/// bound 1e-2 (q and the probabilities enter the tensor cores as bf16, the output is bf16).
+/// Then the time of one 4,096-token chunk at positions 0 and 4,096 (the two calls of an 8k
+/// prompt), new kernel against the WMMA one, printed with TFLOP/s.
+#[test]
+fn attn_flash2_matches_reference_full_shape() {
+    let Some(gpu) = gpu() else { return };
+    for (t, past) in [(100, 0), (77, 190), (129, 64)] {
+        let case = AttnCase::new(t, past, 11 + t as u64);
+        let want = case.reference();
+        let (new, _) = case.run(&gpu, "attn_flash2_hd256", 0);
+        let (old, _) = case.run(&gpu, "attn_flash", 0);
+        let (e_new, e_old) = (norm_rel_err(&new, &want), norm_rel_err(&old, &want));
+        println!("t {t} past {past}: flash2 vs f64 {e_new:.2e} (wmma kernel {e_old:.2e})");
+        assert!(e_new <= 1e-2, "t {t} past {past}: {e_new}");
+    }
+    for past in [0, 4096] {
+        let t = 4096;
+        let case = AttnCase::new(t, past, 3);
+        let pairs: usize = (0..t).map(|s| past + s + 1).sum();
+        let flop = (4 * ATT_HD * ATT_NQ * pairs) as f64;
+        let (a, ms_new) = case.run(&gpu, "attn_flash2_hd256", 5);
+        let (b, ms_old) = case.run(&gpu, "attn_flash", 3);
+        let diff = norm_rel_err(&a, &b);
+        println!(
+            "t {t} past {past}: flash2 {ms_new:.3} ms ({:.0} TFLOP/s), wmma {ms_old:.3} ms ({:.0} TFLOP/s); outputs differ by {diff:.2e}",
+            flop / ms_new / 1e9,
+            flop / ms_old / 1e9
+        );
+        assert!(diff <= 1e-2, "past {past}: {diff}");
+    }
+}

@@ -55,6 +55,27 @@ fn decode_splits(n: usize) -> usize {
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
 
+/// The mma.sync flash kernel (`attn_flash2_hd*`) for this shape, if it has one: head dims
+/// 32/64/128/256 and an even number of query heads per KV head (a block takes two).
+fn flash2_kernel(cfg: &TextConfig) -> Option<&'static str> {
+    if !(cfg.num_attention_heads / cfg.num_kv_heads).is_multiple_of(2) {
+        return None;
+    }
+    match cfg.head_dim {
+        32 => Some("attn_flash2_hd32"),
+        64 => Some("attn_flash2_hd64"),
+        128 => Some("attn_flash2_hd128"),
+        256 => Some("attn_flash2_hd256"),
+        _ => None,
+    }
+}
+
+/// Dynamic shared memory of `attn_flash2_hd*`: Q for 64 positions x 2 heads, double-buffered
+/// K and V tiles of 64 keys, rows padded by 8 (see attention.cu).
+fn flash2_smem_bytes(hd: usize) -> usize {
+    (2 * 64 + 4 * 64) * (hd + 8) * 2
+}
+
 /// Dynamic shared memory of `attn_flash` for head dim `hd` (see attention.cu).
 fn flash_smem_bytes(hd: usize) -> usize {
     let (fq, fk) = (64, 64);
@@ -292,6 +313,9 @@ pub struct CudaModel {
     pub max_chunk: usize,
     pub max_seq: usize,
     pub weight_bytes: usize,
+    /// Prefill attention through the mma.sync flash kernel where the shape has one (default;
+    /// `KESTREL_ATTN=wmma` selects the older WMMA kernel).
+    pub attn_flash2: bool,
     /// Use `moe_gemm2` (128x128 tiles, cp.async double buffering) for the prefill MoE
     /// (default; `KESTREL_MOE_GEMM=v1` selects the 64x64 WMMA kernel).
     pub moe_gemm_v2: bool,
@@ -744,6 +768,9 @@ impl CudaModel {
         }
         let inv_freq = gpu.upload(&f32_bytes(&rope_inv_freq(cfg.rotary_dim, cfg.rope_theta)))?;
         gpu.set_max_dynamic_smem("attn_flash", flash_smem_bytes(cfg.head_dim))?;
+        if let Some(k) = flash2_kernel(&cfg) {
+            gpu.set_max_dynamic_smem(k, flash2_smem_bytes(cfg.head_dim))?;
+        }
         if fused_decode_fits(&cfg) {
             gpu.set_max_dynamic_smem("attn_decode", attn_decode_smem(&cfg))?;
         }
@@ -765,6 +792,7 @@ impl CudaModel {
             max_chunk,
             max_seq,
             weight_bytes: plan.weights,
+            attn_flash2: std::env::var("KESTREL_ATTN").map_or(true, |v| v != "wmma"),
             moe_gemm_v2: std::env::var("KESTREL_MOE_GEMM").map_or(true, |v| v != "v1"),
             dws,
             fused_decode,
@@ -1014,12 +1042,17 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
+                    let flash2 = flash2_kernel(c).filter(|_| self.attn_flash2);
                     if t >= FLASH_MIN_TOKENS {
+                        let (name, grid_y, threads, smem) = match flash2 {
+                            Some(k) => (k, nq / 2, 256, flash2_smem_bytes(hd)),
+                            None => ("attn_flash", nq, 128, flash_smem_bytes(hd)),
+                        };
                         g.launch(
-                            "attn_flash",
-                            (t.div_ceil(64) as u32, nq as u32, 1),
-                            128,
-                            flash_smem_bytes(hd) as u32,
+                            name,
+                            (t.div_ceil(64) as u32, grid_y as u32, 1),
+                            threads,
+                            smem as u32,
                             &[
                                 Arg::Ptr(ws.q.ptr),
                                 Arg::Ptr(kc.ptr),

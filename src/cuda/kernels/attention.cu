@@ -352,3 +352,181 @@ extern "C" __global__ void __launch_bounds__(128) attn_flash(
         out[((size_t)s * nq + h) * hd + c] = __float2bfloat16(os[r * ldo + c] / lrow[r] * sigmoid_f(gate));
     }
 }
+
+// Prefill attention on mma.sync tensor cores (flash-attention 2 style). A block = 64 query
+// positions x FA_HPB query heads of one KV group (warps 0-3 the first head, 4-7 the second, 16
+// rows each), so every K/V tile staged in shared memory serves both heads. K/V tiles of 64 keys
+// stream from the bf16 cache through a two-stage cp.async pipeline; S = Q K^T, the online
+// softmax (base 2, Q pre-scaled by scale * log2 e) and O += P V all stay in registers (P is
+// reused from the S accumulators as the A operand). Causal over `past + t` cached keys; the
+// sigmoid output gate is fused into the store. Query blocks run latest first (most keys).
+// Same arguments as attn_flash (hd = HD). grid (ceil(t / 64), nq / FA_HPB), block 256, dynamic
+// smem flash2_smem_bytes(HD) (model.rs).
+#define FA_BQ 64
+#define FA_BK 64
+#define FA_HPB 2
+template <int HD>
+__device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, const bf16* __restrict__ kc,
+                                                 const bf16* __restrict__ vc, const float* __restrict__ qg,
+                                                 bf16* __restrict__ out, int t, int past, int nq, int nkv,
+                                                 float scale_log2) {
+    constexpr int LD = HD + 8;  // padded rows: the 8 row addresses of an ldmatrix hit distinct banks
+    extern __shared__ __align__(128) unsigned char fa_smem[];
+    bf16* qs = reinterpret_cast<bf16*>(fa_smem);  // [FA_HPB * FA_BQ][LD]
+    bf16* ks = qs + FA_HPB * FA_BQ * LD;       // [2][FA_BK][LD]
+    bf16* vs = ks + 2 * FA_BK * LD;            // [2][FA_BK][LD]
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_BQ;
+    const int h0 = blockIdx.y * FA_HPB, kvh = h0 / (nq / nkv);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int n_valid = past + t;
+    const int n_end = min(n_valid, past + q0 + FA_BQ);
+    const int ntiles = (n_end + FA_BK - 1) / FA_BK;
+    auto load_kv = [&](int buf, int k0) {
+        constexpr int VPR = HD / 8;
+        for (int v = tid; v < FA_BK * VPR; v += 256) {
+            int r = v / VPR, c = (v % VPR) * 8, kp = k0 + r;
+            bool ok = kp < n_valid;
+            size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * HD + c;
+            cp_async16(ks + (buf * FA_BK + r) * LD + c, kc + off, ok);
+            cp_async16(vs + (buf * FA_BK + r) * LD + c, vc + off, ok);
+        }
+        cp_async_commit();
+    };
+    load_kv(0, 0);
+    for (int v = tid; v < FA_HPB * FA_BQ * (HD / 4); v += 256) {
+        int rr = v / (HD / 4), c = (v % (HD / 4)) * 4, hh = rr / FA_BQ, r = rr % FA_BQ;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (q0 + r < t) x = *reinterpret_cast<const float4*>(q + ((size_t)(q0 + r) * nq + h0 + hh) * HD + c);
+        unsigned* d = reinterpret_cast<unsigned*>(qs + rr * LD + c);
+        d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
+        d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
+    }
+    const int hh = warp / 4, wr = (warp % 4) * 16;
+    const int g = lane >> 2, cq = 2 * (lane & 3);
+    const int qpos0 = past + q0 + wr + g, qpos1 = qpos0 + 8;
+    const bf16* qw = qs + (hh * FA_BQ + wr) * LD;
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int j = 0; j < ntiles; j++) {
+        if (j + 1 < ntiles) {
+            load_kv((j + 1) & 1, (j + 1) * FA_BK);
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        const bf16* kt = ks + (j & 1) * FA_BK * LD;
+        const bf16* vt = vs + (j & 1) * FA_BK * LD;
+        const int k0 = j * FA_BK;
+        // S = Q K^T: 16 rows x 64 keys per warp.
+        float s[FA_BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA_BK / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            unsigned a[4];
+            ldsm_x4(a, qw + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int nb = 0; nb < FA_BK / 16; nb++) {
+                unsigned b[4];
+                ldsm_x4(b, kt + (nb * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16_16816(s[2 * nb], a, b[0], b[1]);
+                mma_bf16_16816(s[2 * nb + 1], a, b[2], b[3]);
+            }
+        }
+        // Causal / cache-end mask, only on tiles that reach past this warp's first row.
+        if (k0 + FA_BK - 1 > past + q0 + wr || k0 + FA_BK > n_valid) {
+#pragma unroll
+            for (int n = 0; n < FA_BK / 8; n++) {
+                int kp = k0 + n * 8 + cq;
+                if (kp > qpos0 || kp >= n_valid) s[n][0] = -INFINITY;
+                if (kp + 1 > qpos0 || kp + 1 >= n_valid) s[n][1] = -INFINITY;
+                if (kp > qpos1 || kp >= n_valid) s[n][2] = -INFINITY;
+                if (kp + 1 > qpos1 || kp + 1 >= n_valid) s[n][3] = -INFINITY;
+            }
+        }
+        // Online softmax; a row lives in the 4 lanes of a quad.
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int n = 0; n < FA_BK / 8; n++) {
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;
+        const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+        m0 = mx0;
+        m1 = mx1;
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < FA_BK / 8; n++) {
+            s[n][0] = exp2f(s[n][0] - b0);
+            s[n][1] = exp2f(s[n][1] - b0);
+            s[n][2] = exp2f(s[n][2] - b1);
+            s[n][3] = exp2f(s[n][3] - b1);
+            sum0 += s[n][0] + s[n][1];
+            sum1 += s[n][2] + s[n][3];
+        }
+        l0 = l0 * c0 + sum0;  // per-lane partial sums; the quad adds them up at the end
+        l1 = l1 * c1 + sum1;
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            o[n][0] *= c0;
+            o[n][1] *= c0;
+            o[n][2] *= c1;
+            o[n][3] *= c1;
+        }
+        // O += P V: the S accumulators of key blocks 2kk, 2kk+1 are the A fragment of keys 16kk..
+#pragma unroll
+        for (int kk = 0; kk < FA_BK / 16; kk++) {
+            unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int nb = 0; nb < HD / 16; nb++) {
+                unsigned b[4];
+                ldsm_x4_t(b, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + nb * 16 + (lane >> 4) * 8);
+                mma_bf16_16816(o[2 * nb], a, b[0], b[1]);
+                mma_bf16_16816(o[2 * nb + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // the next iteration's prefetch overwrites this buffer
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int h = h0 + hh;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        int srow = q0 + wr + g + half * 8;
+        if (srow >= t) continue;
+        float inv = 1.0f / (half ? l1 : l0);
+        const float* gate = qg + ((size_t)srow * nq + h) * 2 * HD + HD;
+        bf16* dst = out + ((size_t)srow * nq + h) * HD;
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            int c = n * 8 + cq;
+            float2 gt = *reinterpret_cast<const float2*>(gate + c);
+            *reinterpret_cast<unsigned*>(dst + c) =
+                pack_bf16x2(o[n][2 * half] * inv * sigmoid_f(gt.x), o[n][2 * half + 1] * inv * sigmoid_f(gt.y));
+        }
+    }
+}
+
+#define ATTN_FLASH2(HD)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_flash2_hd##HD(                                 \
+        const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,              \
+        const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,         \
+        float scale) {                                                                                       \
+        attn_flash2_body<HD>(q, kc, vc, qg, out, t, past, nq, nkv, scale * 1.4426950408889634f);            \
+    }
+ATTN_FLASH2(32)
+ATTN_FLASH2(64)
+ATTN_FLASH2(128)
+ATTN_FLASH2(256)
