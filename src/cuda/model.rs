@@ -18,6 +18,8 @@ use std::sync::Arc;
 const LOGITS_ROWS: usize = 64;
 /// Grouped-GEMM tile height (tokens), as in `moe.cu`.
 const MOE_TILE_M: usize = 64;
+/// Router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
+const ROUTER_ROWS: usize = 2;
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
 const MOE_GEMV_MAX_ROWS: usize = 64;
@@ -1559,7 +1561,7 @@ impl CudaModel {
         );
         launch(
             "moe_router_dec",
-            (e.div_ceil(gemv_rows_per_block(d)) as u32 + 1, 1, 1),
+            (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
             256,
             ((d + e) * 4) as u32,
             &[

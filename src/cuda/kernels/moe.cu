@@ -291,25 +291,52 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
 // ---- Decode (one token): three launches for the whole MoE block ----
 
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
-// the experts); the extra last block computes the shared-expert gate sigmoid(x . w_sg); the last
-// block to finish picks the top-k. grid ceil(e / (gemv_rows_per_block(d))) + 1, block 256,
-// smem (d + e) floats.
+// the experts). The router is only 1 MB, so its time is latency: ROUTER_ROWS rows per block with
+// the 256 threads splitting k spreads it over ~e/2 blocks, all loads issued before the input is
+// staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg); the last block
+// to finish picks the top-k. grid ceil(e / ROUTER_ROWS) + 1, block 256, smem (d + e) floats.
+#define ROUTER_ROWS 2
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
     const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
     int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
     griddep_launch();
     extern __shared__ float xs[];
+    __shared__ float part[8][ROUTER_ROWS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (blockIdx.x + 1 < gridDim.x) {
-        block_gemv(wr, e, d, blockIdx.x * gemv_rows_per_block(d), false, nullptr, h, nw, eps, blockIdx.x == 0 ? xb : nullptr,
-                   xs, logits, 0.0f);
+        const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
+        const uint4* rows[ROUTER_ROWS];
+        uint4 w[ROUTER_ROWS];
+#pragma unroll
+        for (int q = 0; q < ROUTER_ROWS; q++) {
+            rows[q] = r0 + q < e ? reinterpret_cast<const uint4*>(wr + (size_t)(r0 + q) * d) : nullptr;
+            w[q] = rows[q] && tid < nv ? __ldg(rows[q] + tid) : make_uint4(0, 0, 0, 0);
+        }
+        griddep_wait();
+        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr);
+        float acc[ROUTER_ROWS];
+#pragma unroll
+        for (int q = 0; q < ROUTER_ROWS; q++) {
+            acc[q] = tid < nv ? dot8(w[q], xs + tid * 8) : 0.0f;
+            for (int c = tid + 256; c < nv; c += 256)  // d > 2048 only
+                if (rows[q]) acc[q] += dot8(__ldg(rows[q] + c), xs + c * 8);
+            float a = warp_sum(acc[q]);
+            if (lane == 0) part[warp][q] = a;
+        }
+        __syncthreads();
+        if (tid < ROUTER_ROWS && r0 + tid < e) {
+            float t = 0.0f;
+            for (int i = 0; i < 8; i++) t += part[i][tid];
+            logits[r0 + tid] = t;
+        }
     } else {
         griddep_wait();
         stage_rmsnorm(xs, h, nw, d, eps, nullptr);
         float dot = 0.0f;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
+        for (int i = tid; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
         dot = block_sum(dot);
-        if (threadIdx.x == 0) *sgate = sigmoid_f(dot);
+        if (tid == 0) *sgate = sigmoid_f(dot);
     }
     if (!last_block_done(done)) return;
     float* rl = xs + d;
