@@ -307,3 +307,7 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
 }
+// Wait until at most N of the committed cp.async groups are still in flight (a pipeline of
+// N + 2 stages keeps N loads going while one stage is read).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

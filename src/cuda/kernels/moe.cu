@@ -288,6 +288,174 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
         }
 }
 
+// Grouped GEMM, third version (the default; KESTREL_MOE_GEMM=v2/v1 select the WMMA kernels):
+// mma.sync m16n8k16 fed by ldmatrix, K tiles of 32 in a 4-stage cp.async pipeline (dynamic
+// shared memory, rows padded to 80 bytes so the 8 rows of an ldmatrix hit distinct bank
+// groups), 8 warps as 2 (M) x 4 (N), each a (BM/2) x (BN/4) sub-tile in registers.
+// SWIGLU: the block's BN weight rows are BN/2 gate rows and the matching BN/2 up rows (each
+// warp's columns: its gate half, then the same up columns), so act = bf16(SiLU(gate) * up) is
+// formed in registers and written as bf16 [rows, ndim / 2]; otherwise C is f32 [rows, ndim].
+#define G3_BK 32
+#define G3_LDS 40
+#define G3_STAGES 4
+
+template <int BM, int BN, bool SWIGLU>
+__device__ __forceinline__ void moe_gemm3_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                               const bf16* __restrict__ w, void* __restrict__ out,
+                                               const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                                               const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
+                                               int ndim, int kdim) {
+    constexpr int WM = BM / 2, WN = BN / 4, MI = WM / 16, NJ = WN / 8;
+    constexpr int AV = BM / 64, BV = BN / 64;  // 16-byte vectors per thread per stage
+    constexpr int STAGE = (BM + BN) * G3_LDS;  // bf16 elements
+    extern __shared__ __align__(16) bf16 g3_smem[];
+    int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
+    const bf16* wx = w + (size_t)x * ndim * kdim;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int inter = ndim / 2;
+    int n0 = blockIdx.y * (SWIGLU ? BN / 2 : BN);
+    // Each thread copies the same k column (kc) of rows tid / 4 + 64 q of both operands.
+    int kc = (tid & 3) * 8, lr = tid >> 2;
+    const bf16* asrc[AV];
+    const bf16* bsrc[BV];
+#pragma unroll
+    for (int q = 0; q < AV; q++) {
+        int r = lr + 64 * q;
+        asrc[q] = r < rows ? a + (size_t)(gather ? gather[r0 + r] : r0 + r) * kdim + kc : nullptr;
+    }
+#pragma unroll
+    for (int q = 0; q < BV; q++) {
+        int r = lr + 64 * q, n;
+        bool ok;
+        if (SWIGLU) {
+            int qq = r % WN, j = n0 + (r / WN) * (WN / 2) + qq % (WN / 2);
+            n = qq < WN / 2 ? j : inter + j;
+            ok = j < inter;
+        } else {
+            n = n0 + r;
+            ok = n < ndim;
+        }
+        bsrc[q] = ok ? wx + (size_t)n * kdim + kc : nullptr;
+    }
+    int nk = (kdim + G3_BK - 1) / G3_BK;
+    auto load = [&](int kt) {
+        if (kt < nk) {
+            bf16* sa = g3_smem + (kt % G3_STAGES) * STAGE + lr * G3_LDS + kc;
+            bf16* sb = sa + BM * G3_LDS;
+            int k0 = kt * G3_BK;
+            bool kin = k0 + kc < kdim;
+#pragma unroll
+            for (int q = 0; q < AV; q++) {
+                bool v = asrc[q] && kin;
+                cp_async16(sa + 64 * q * G3_LDS, v ? asrc[q] + k0 : a, v);
+            }
+#pragma unroll
+            for (int q = 0; q < BV; q++) {
+                bool v = bsrc[q] && kin;
+                cp_async16(sb + 64 * q * G3_LDS, v ? bsrc[q] + k0 : w, v);
+            }
+        }
+        cp_async_commit();  // empty groups at the tail keep the wait count uniform
+    };
+    float acc[MI][NJ][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+    int wm = (warp >> 2) * WM, wn = (warp & 3) * WN;
+    // ldmatrix row addresses: A, matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) of an m16 tile;
+    // B, (n 0-7, k 0-7 | 8-15) then (n 8-15, ...) of an n16 pair.
+    int a_off = (wm + (lane & 15)) * G3_LDS + (lane >> 4) * 8;
+    int b_off = BM * G3_LDS + (wn + (lane & 7) + ((lane >> 4) << 3)) * G3_LDS + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int s = 0; s < G3_STAGES - 1; s++) load(s);
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait<G3_STAGES - 2>();
+        __syncthreads();  // stage kt landed for all; stage kt - 1 is free to refill
+        load(kt + G3_STAGES - 1);
+        const bf16* st = g3_smem + (kt % G3_STAGES) * STAGE;
+#pragma unroll
+        for (int kk = 0; kk < G3_BK; kk += 16) {
+            unsigned af[MI][4], bfr[NJ / 2][4];
+#pragma unroll
+            for (int i = 0; i < MI; i++) ldsm_x4(af[i], st + a_off + i * 16 * G3_LDS + kk);
+#pragma unroll
+            for (int j = 0; j < NJ / 2; j++) ldsm_x4(bfr[j], st + b_off + j * 16 * G3_LDS + kk);
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < NJ; j++)
+                    mma_bf16_16816(acc[i][j], af[i], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
+        }
+    }
+    cp_async_wait_all();
+    int g = lane >> 2, c2 = (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < MI; i++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int rr = wm + i * 16 + g + h * 8;
+            if (rr >= rows) continue;
+            size_t row = (size_t)(r0 + rr);
+            if (SWIGLU) {
+                bf16* act = reinterpret_cast<bf16*>(out);
+#pragma unroll
+                for (int j = 0; j < NJ / 2; j++) {
+                    int col = n0 + (wn / 2) + j * 8 + c2;
+                    const float* gt = acc[i][j] + 2 * h;
+                    const float* up = acc[i][j + NJ / 2] + 2 * h;
+                    if (col < inter)
+                        *reinterpret_cast<unsigned*>(act + row * inter + col) =
+                            pack_bf16x2(silu_f(gt[0]) * up[0], silu_f(gt[1]) * up[1]);
+                }
+            } else {
+                float* c = reinterpret_cast<float*>(out);
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    int col = n0 + wn + j * 8 + c2;
+                    if (col < ndim)
+                        *reinterpret_cast<float2*>(c + row * ndim + col) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+// The four entry points: same arguments as moe_gemm2 (out: f32 C, or bf16 act for _swiglu);
+// block 256; dynamic smem 4 * (BM + BN) * 80 bytes; plan tile_m = BM.
+// C f32 [rows, ndim]; BM 128, BN 128: grid (max tiles, ceil(ndim / 128)), smem 80 KiB.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_m128(
+    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
+    const int* __restrict__ num_tiles, int ndim, int kdim) {
+    moe_gemm3_impl<128, 128, false>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
+}
+// C f32 [rows, ndim]; BM 64, BN 256: grid (max tiles, ceil(ndim / 256)), smem 100 KiB.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_m64(
+    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
+    const int* __restrict__ num_tiles, int ndim, int kdim) {
+    moe_gemm3_impl<64, 256, false>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
+}
+// act bf16 [rows, ndim / 2]; BM 128, BN 128: grid (max tiles, ceil(ndim / 2 / 64)), smem 80 KiB.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_swiglu_m128(
+    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
+    const int* __restrict__ num_tiles, int ndim, int kdim) {
+    moe_gemm3_impl<128, 128, true>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
+}
+// act bf16 [rows, ndim / 2]; BM 64, BN 256: grid (max tiles, ceil(ndim / 2 / 128)), smem 100 KiB.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_swiglu_m64(
+    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
+    const int* __restrict__ num_tiles, int ndim, int kdim) {
+    moe_gemm3_impl<64, 256, true>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
+}
+
 // ---- Decode (one token): three launches for the whole MoE block ----
 
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
