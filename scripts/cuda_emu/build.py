@@ -1,21 +1,119 @@
-# Turns src/cuda/kernels/common.cuh + gdn.cu into C++ for the CPU emulator (cuda_emu.h):
-# keeps common.cuh's basic helpers (up to the programmatic-dependent-launch section; the decode
-# GEMV machinery after it is not used by gdn.cu), makes the griddep fences no-ops (one kernel at
-# a time here), drops the CUDA includes and the asm cp.async helpers (the emulator has its own),
-# maps the dynamic shared memory to the emulator's buffer and checks float4 alignment.
-# Usage: python3 build.py OUT.inc
+# Turns src/cuda/kernels/common.cuh + kernel files into C++ for the CPU emulator (cuda_emu.h):
+# splits the sources into top-level items, drops from common.cuh the helpers the emulator
+# provides (its "emu-provides:" list; every inline-asm helper must be among them), drops the
+# kernel files' WMMA kernels (not emulated), maps `extern __shared__` arrays to the emulator's
+# dynamic shared memory and adds alignment checks to gdn.cu's float4 accessors.
+# Usage: python3 build.py OUT.inc gdn.cu [moe.cu ...]
 import os, re, sys
 
-kdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "cuda", "kernels")
+here = os.path.dirname(os.path.abspath(__file__))
+kdir = os.path.join(here, "..", "..", "src", "cuda", "kernels")
+
+
+def items(src):
+    """Top-level items: preprocessor lines, and declarations or definitions up to their closing
+    brace or semicolon, each with the comments and blank lines before it."""
+    out, i, start, depth, n = [], 0, 0, 0, len(src)
+    line_start = True
+    while i < n:
+        c = src[i]
+        if src.startswith("//", i):
+            i = src.find("\n", i)
+            i = n if i < 0 else i
+            continue
+        if src.startswith("/*", i):
+            i = src.index("*/", i) + 2
+            continue
+        if c in "\"'":
+            j = i + 1
+            while src[j] != c:
+                j += 2 if src[j] == "\\" else 1
+            i = j + 1
+            line_start = False
+            continue
+        if c == "#" and depth == 0 and line_start:
+            j = i
+            while True:
+                e = src.find("\n", j)
+                e = n if e < 0 else e
+                if src[e - 1] != "\\":
+                    break
+                j = e + 1
+            out.append(src[start:e + 1])
+            start = i = e + 1
+            line_start = True
+            continue
+        if c == "\n":
+            line_start = True
+        elif not c.isspace():
+            line_start = False
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                j = i + 1
+                while j < n and src[j] in " \t":
+                    j += 1
+                if j < n and src[j] == ";":
+                    i = j
+                out.append(src[start:i + 1])
+                start = i + 1
+        elif c == ";" and depth == 0:
+            out.append(src[start:i + 1])
+            start = i + 1
+        i += 1
+    out.append(src[start:])
+    return out
+
+
+def code(item):
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", item, flags=re.S)
+
+
+def name(item):
+    c = code(item).strip()
+    m = re.match(r"#\s*define\s+(\w+)", c)
+    if m:
+        return m.group(1)
+    c = re.sub(r"__launch_bounds__\([^)]*\)|__align__\([^)]*\)", "", c)
+    m = re.search(r"(\w+)\s*\(", c)
+    return m.group(1) if m else c[:40]
+
+
+emu = open(os.path.join(here, "cuda_emu.h")).read()
+provided = set()
+for line in re.findall(r"// emu-provides:([^\n]*)", emu):
+    provided.update(line.split())
+
 com = open(os.path.join(kdir, "common.cuh")).read()
-gdn = open(os.path.join(kdir, "gdn.cu")).read()
-com = com.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "").replace("typedef __nv_bfloat16 bf16;\n", "")
-cut = com.index("// Programmatic dependent launch")
-com = com[:cut] + "inline void griddep_launch() {}\ninline void griddep_wait() {}\n"
-assert "asm" not in com, "an asm helper is left in common.cuh: teach build.py and cuda_emu.h about it"
-gdn = gdn.replace("extern __shared__ __align__(16) float gdn_smem[];", "float* gdn_smem = emu_dyn_smem();")
-assert "extern __shared__" not in gdn
-for name in ["ld4(const float* p) {", "st4(float* p, float4 v) {"]:
-    assert name in gdn, name
-    gdn = gdn.replace(name, name + " emu_check_align(p);")
-open(sys.argv[1], "w").write('#include "cuda_emu.h"\n' + com + "\n" + gdn)
+kept = []
+for it in items(com):
+    c = code(it)
+    if "#include" in c or "typedef __nv_bfloat16 bf16;" in c:
+        continue
+    nm = name(it)
+    if nm in provided:
+        continue
+    assert "asm" not in c, f"inline asm in common.cuh's {nm}: add it to cuda_emu.h (and its emu-provides list)"
+    kept.append(it)
+out = ['#include "cuda_emu.h"\n', "".join(kept)]
+
+for f in sys.argv[2:]:
+    src = open(os.path.join(kdir, f)).read()
+    parts = []
+    for it in items(src):
+        if "wmma" in code(it):
+            print(f"build.py: {f}: {name(it)} uses WMMA (not emulated), left out", file=sys.stderr)
+            continue
+        parts.append(it)
+    src = "".join(parts)
+    src = re.sub(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];",
+                 r"\1* \2 = reinterpret_cast<\1*>(emu_dyn_smem());", src)
+    assert "extern __shared__" not in src, f
+    if f == "gdn.cu":
+        for fn in ["ld4(const float* p) {", "st4(float* p, float4 v) {"]:
+            assert fn in src, fn
+            src = src.replace(fn, fn + " emu_check_align(p);")
+    out.append(f"\n// ---- {f}\n" + src)
+open(sys.argv[1], "w").write("".join(out))

@@ -1,107 +1,357 @@
-// Minimal CPU emulation of the CUDA features gdn.cu uses: one OS thread per CUDA thread,
-// blocks one after another, __syncthreads as a barrier, warp shuffles through an exchange
-// buffer, cp.async either eager (copy at issue) or deferred (copy at the wait).
+// Small CPU emulation of the CUDA features Kestrel's kernels use, to run them without a GPU:
+// blocks one after another; per block an OS thread per warp and, inside it, a fiber (own stack,
+// cooperative switching) per lane. Barriers: __syncwarp, shuffles, ldmatrix and mma switch
+// between the warp's lanes; __syncthreads waits for the warp's lanes, then for the other warps.
+// Warp-collective operations exchange the lanes' values through the warp's buffers. cp.async
+// copies either at issue (eager) or at the wait that covers them (deferred).
+//
+// emu-provides: griddep_launch griddep_wait cp_async16 cp_async_commit cp_async_wait_all
+// emu-provides: cp_async_wait_one cp_async_wait smem_addr ldsm_x4 ldsm_x4_t mma_bf16_16816
+// (build.py drops these from common.cuh; everything else there compiles as written.)
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <functional>
 #include <thread>
 #include <vector>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 using std::max;
 using std::min;
+
+// ---- CUDA vocabulary ----
 struct uint3_ { unsigned x = 0, y = 0, z = 0; };
 inline thread_local uint3_ threadIdx, blockIdx;
 inline uint3_ blockDim, gridDim;
+struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
+inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct bf16 { uint16_t v; };
 typedef bf16 __nv_bfloat16;
+struct __nv_bfloat162 { bf16 x, y; };
 inline float __bfloat162float(bf16 b) { uint32_t u = (uint32_t)b.v << 16; float f; memcpy(&f, &u, 4); return f; }
-inline bf16 __float2bfloat16(float f) { uint32_t u; memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); return bf16{(uint16_t)(u >> 16)}; }
+// Round to nearest even, NaN kept (as cuda_bf16.h does).
+inline bf16 __float2bfloat16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fff};
+    u += 0x7fff + ((u >> 16) & 1);
+    return bf16{(uint16_t)(u >> 16)};
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) { return {__float2bfloat16(lo), __float2bfloat16(hi)}; }
+inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.x), __bfloat162float(v.y)}; }
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __shared__ static
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void griddep_launch() {}
+inline void griddep_wait() {}  // one kernel at a time here
 
-inline std::barrier<>* g_block_bar;
-inline std::barrier<>* g_warp_bar[32];
-inline float g_xchg[32][32];
-inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
-inline void __syncwarp() { g_warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    g_xchg[w][l] = v;
-    g_warp_bar[w]->arrive_and_wait();
-    float r = g_xchg[w][l ^ o];
-    g_warp_bar[w]->arrive_and_wait();
-    return r;
+[[noreturn]] inline void emu_fail(const char* what) {
+    fprintf(stderr, "cuda_emu: %s (block %u,%u,%u thread %u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+    abort();
 }
+
+// ---- Fibers: a lane runs until it reaches a barrier, then the warp's scheduler runs the next ----
+#if defined(__x86_64__)
+// emu_switch(save, load): pushes the callee-saved registers, stores rsp in *save, continues on
+// the stack `load` (saved the same way, or prepared by emu_fiber_stack).
+extern "C" void emu_switch(void** save, void* load);
+asm(R"(
+    .text
+    .globl emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+#endif
+
+enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_DONE };
+struct Lane {
+    void* sp = nullptr;
+#if !defined(__x86_64__)
+    ucontext_t uc;
+#endif
+    LaneState state = LANE_READY;
+};
+struct Warp {
+    int id = 0, lanes = 0, cur = 0;
+    void* sched_sp = nullptr;
+#if !defined(__x86_64__)
+    ucontext_t sched_uc;
+#endif
+    Lane lane[32];
+    void (*body)(void*) = nullptr;
+    void* arg = nullptr;
+    // exchange buffers of the warp-collective operations
+    uint32_t xchg[32];
+    const void* addr[32];
+    uint32_t ma[32][4], mb[32][2];
+};
+inline thread_local Warp* t_warp;
+constexpr size_t EMU_STACK = 256 * 1024;
+inline std::unique_ptr<char[]> g_stacks[1024];
+
+inline void emu_to_scheduler(LaneState s) {
+    Warp* w = t_warp;
+    Lane& l = w->lane[w->cur];
+    l.state = s;
+#if defined(__x86_64__)
+    emu_switch(&l.sp, w->sched_sp);
+#else
+    swapcontext(&l.uc, &w->sched_uc);
+#endif
+}
+
+[[noreturn]] inline void emu_fiber_main();
 
 // cp.async: per-thread groups of pending copies.
 struct PendingCopy { void* dst; const void* src; bool valid; };
 inline bool g_cp_deferred = false;
-inline thread_local std::vector<std::vector<PendingCopy>> t_groups;
-inline thread_local std::vector<PendingCopy> t_open;
-inline void do_copy(const PendingCopy& c) { if (c.valid) memcpy(c.dst, c.src, 16); else memset(c.dst, 0, 16); }
-inline void cp_async16(void* smem, const void* gmem, bool valid) {
-    if (((uintptr_t)smem & 15) || (valid && ((uintptr_t)gmem & 15))) { fprintf(stderr, "cp.async misaligned\n"); abort(); }
-    PendingCopy c{smem, gmem, valid};
-    if (g_cp_deferred) t_open.push_back(c); else do_copy(c);
-}
-inline void cp_async_commit() { t_groups.push_back(t_open); t_open.clear(); }
-inline void cp_async_wait_n(size_t keep) {
-    while (t_groups.size() > keep) { for (auto& c : t_groups.front()) do_copy(c); t_groups.erase(t_groups.begin()); }
-}
-inline void cp_async_wait_all() { for (auto& c : t_open) do_copy(c); t_open.clear(); cp_async_wait_n(0); }
-inline void cp_async_wait_one() { cp_async_wait_n(1); }
+inline std::vector<std::vector<PendingCopy>> g_cp_groups[1024];
+inline std::vector<PendingCopy> g_cp_open[1024];
 
+inline void emu_fiber_main() {
+    Warp* w = t_warp;
+    w->body(w->arg);
+    unsigned t = threadIdx.x;
+    // a real kernel may exit with copies in flight, but ours should not
+    if (!g_cp_groups[t].empty() || !g_cp_open[t].empty()) emu_fail("cp.async groups left at exit");
+    emu_to_scheduler(LANE_DONE);
+    abort();  // a finished lane is never resumed
+}
+
+inline void emu_resume(Warp* w, int l) {
+    w->cur = l;
+    threadIdx = {(unsigned)(w->id * 32 + l), 0, 0};
+    w->lane[l].state = LANE_READY;
+#if defined(__x86_64__)
+    emu_switch(&w->sched_sp, w->lane[l].sp);
+#else
+    swapcontext(&w->sched_uc, &w->lane[l].uc);
+#endif
+}
+
+// Runs the lanes of warp `id` of the current block on this OS thread.
+inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*body)(void*), void* arg) {
+    Warp w;
+    w.id = id;
+    w.lanes = lanes;
+    w.body = body;
+    w.arg = arg;
+    t_warp = &w;
+    for (int l = 0; l < lanes; l++) {
+        unsigned t = id * 32 + l;
+        if (!g_stacks[t]) g_stacks[t].reset(new char[EMU_STACK]);
+        char* top = g_stacks[t].get() + EMU_STACK;
+        g_cp_groups[t].clear();
+        g_cp_open[t].clear();
+#if defined(__x86_64__)
+        // emu_switch pops 6 registers, then returns into emu_fiber_main with the stack as
+        // after a call (rsp = 8 mod 16).
+        void** sp = reinterpret_cast<void**>((uintptr_t)top & ~(uintptr_t)15);
+        *--sp = nullptr;
+        *--sp = reinterpret_cast<void*>(&emu_fiber_main);
+        for (int r = 0; r < 6; r++) *--sp = nullptr;
+        w.lane[l].sp = sp;
+#else
+        getcontext(&w.lane[l].uc);
+        w.lane[l].uc.uc_stack.ss_sp = g_stacks[t].get();
+        w.lane[l].uc.uc_stack.ss_size = EMU_STACK;
+        w.lane[l].uc.uc_link = nullptr;
+        makecontext(&w.lane[l].uc, (void (*)())emu_fiber_main, 0);
+#endif
+        w.lane[l].state = LANE_READY;
+    }
+    for (;;) {
+        for (int l = 0; l < lanes; l++)
+            if (w.lane[l].state == LANE_READY) emu_resume(&w, l);
+        int done = 0, at_warp = 0, at_block = 0;
+        for (int l = 0; l < lanes; l++) {
+            LaneState s = w.lane[l].state;
+            done += s == LANE_DONE;
+            at_warp += s == LANE_AT_WARP_BAR;
+            at_block += s == LANE_AT_BLOCK_BAR;
+        }
+        if (done == lanes) break;
+        if (at_warp && (at_block || done)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
+        if (at_block) block_bar->arrive_and_wait();
+        for (int l = 0; l < lanes; l++)
+            if (w.lane[l].state != LANE_DONE) w.lane[l].state = LANE_READY;
+    }
+    block_bar->arrive_and_drop();
+    t_warp = nullptr;
+}
+
+inline void __syncthreads() { emu_to_scheduler(LANE_AT_BLOCK_BAR); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_to_scheduler(LANE_AT_WARP_BAR); }
+inline int emu_lane() { return threadIdx.x & 31; }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int o) {
+    static_assert(sizeof(T) == 4);
+    Warp* w = t_warp;
+    int l = emu_lane();
+    memcpy(&w->xchg[l], &v, 4);
+    __syncwarp();
+    T r;
+    memcpy(&r, &w->xchg[l ^ o], 4);
+    __syncwarp();
+    return r;
+}
+
+// ---- cp.async ----
+inline void emu_do_copy(const PendingCopy& c) { if (c.valid) memcpy(c.dst, c.src, 16); else memset(c.dst, 0, 16); }
+inline void cp_async16(void* smem, const void* gmem, bool valid) {
+    if (((uintptr_t)smem & 15) || (valid && ((uintptr_t)gmem & 15))) emu_fail("cp.async misaligned");
+    PendingCopy c{smem, gmem, valid};
+    if (g_cp_deferred) g_cp_open[threadIdx.x].push_back(c);
+    else emu_do_copy(c);
+}
+inline void cp_async_commit() {
+    unsigned t = threadIdx.x;
+    g_cp_groups[t].push_back(g_cp_open[t]);
+    g_cp_open[t].clear();
+}
+inline void cp_async_wait_n(size_t keep) {
+    auto& g = g_cp_groups[threadIdx.x];
+    while (g.size() > keep) { for (auto& c : g.front()) emu_do_copy(c); g.erase(g.begin()); }
+}
+inline void cp_async_wait_all() {
+    for (auto& c : g_cp_open[threadIdx.x]) emu_do_copy(c);
+    g_cp_open[threadIdx.x].clear();
+    cp_async_wait_n(0);
+}
+inline void cp_async_wait_one() { cp_async_wait_n(1); }
+template <int N> inline void cp_async_wait() { cp_async_wait_n(N); }
+
+// ---- shared memory ----
 inline void emu_check_align(const void* p) {
-    if ((uintptr_t)p & 15) { fprintf(stderr, "misaligned float4 access\n"); abort(); }
+    if ((uintptr_t)p & 15) emu_fail("misaligned float4 access");
 }
 inline std::vector<unsigned char> g_dyn_smem;
 inline float* emu_dyn_smem() { return reinterpret_cast<float*>(g_dyn_smem.data()); }
+// Shared-window addresses: offsets into the dynamic shared memory (the only shared memory the
+// emulated ldmatrix/mma kernels address as numbers).
+inline unsigned smem_addr(const void* p) {
+    const unsigned char* q = static_cast<const unsigned char*>(p);
+    if (q < g_dyn_smem.data() || q >= g_dyn_smem.data() + g_dyn_smem.size()) emu_fail("smem_addr outside dynamic shared memory");
+    return (unsigned)(q - g_dyn_smem.data());
+}
+inline void* emu_smem_ptr(unsigned a) { return g_dyn_smem.data() + a; }
 
-// Runs kernel(...) over the grid, one block at a time; dynamic shared memory starts as NaN.
+// ---- Tensor cores (PTX ISA layouts) ----
+// ldmatrix .m8n8.x4.b16: lanes 8i..8i+7 give the addresses of rows 0..7 of matrix i; lane l
+// receives in r[i] the elements (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, the lower column
+// in the low half. .trans: the same of the transposed matrix, i.e. (rows 2(l%4), 2(l%4)+1,
+// col l/4) of the stored one.
+inline void emu_ldsm(unsigned (&r)[4], const void* p, bool trans) {
+    if ((uintptr_t)p & 15) emu_fail("ldmatrix row address not 16-byte aligned");
+    Warp* w = t_warp;
+    int l = emu_lane();
+    w->addr[l] = p;
+    __syncwarp();
+    for (int i = 0; i < 4; i++) {
+        uint16_t lo, hi;
+        if (!trans) {
+            const uint16_t* row = static_cast<const uint16_t*>(w->addr[8 * i + l / 4]);
+            lo = row[2 * (l % 4)];
+            hi = row[2 * (l % 4) + 1];
+        } else {
+            lo = static_cast<const uint16_t*>(w->addr[8 * i + 2 * (l % 4)])[l / 4];
+            hi = static_cast<const uint16_t*>(w->addr[8 * i + 2 * (l % 4) + 1])[l / 4];
+        }
+        r[i] = (unsigned)lo | (unsigned)hi << 16;
+    }
+    __syncwarp();
+}
+inline void ldsm_x4(unsigned (&r)[4], const void* p) { emu_ldsm(r, p, false); }
+inline void ldsm_x4_t(unsigned (&r)[4], const void* p) { emu_ldsm(r, p, true); }
+
+inline float emu_bf16_half(uint32_t reg, int half) { return __bfloat162float(bf16{(uint16_t)(reg >> (16 * half))}); }
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32, D = A B + C. g = lane/4, c = 2(lane%4):
+// A 16x16: a[0] (g, c..c+1), a[1] (g+8, c..), a[2] (g, 8+c..), a[3] (g+8, 8+c..);
+// B 16x8 (k x n): b0 (k c..c+1, n g), b1 (k 8+c.., n g); C/D 16x8: d[0..1] (g, c..c+1),
+// d[2..3] (g+8, c..c+1). The products are exact; their sum is formed in double and rounded
+// once (the hardware's f32 adds may differ in the last bits).
+inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    Warp* w = t_warp;
+    int l = emu_lane();
+    for (int i = 0; i < 4; i++) w->ma[l][i] = a[i];
+    w->mb[l][0] = b0;
+    w->mb[l][1] = b1;
+    __syncwarp();
+    int g = l / 4, c = 2 * (l % 4);
+    float out[4];
+    for (int e = 0; e < 4; e++) {
+        int row = g + 8 * (e / 2), col = c + e % 2;
+        double s = d[e];
+        for (int k = 0; k < 16; k++) {
+            float av = emu_bf16_half(w->ma[(row % 8) * 4 + (k % 8) / 2][row / 8 + 2 * (k / 8)], k % 2);
+            float bv = emu_bf16_half(w->mb[col * 4 + (k % 8) / 2][k / 8], k % 2);
+            s += (double)av * bv;
+        }
+        out[e] = (float)s;
+    }
+    __syncwarp();
+    for (int e = 0; e < 4; e++) d[e] = out[e];
+}
+
+// ---- Launch ----
+// Runs kernel() over the grid, one block at a time; dynamic shared memory starts as NaN.
 template <class F>
 void emu_launch(uint3_ grid, unsigned block, size_t smem, F kernel) {
+    if (block == 0 || block > 1024) emu_fail("bad block size");
     gridDim = grid;
     blockDim = {block, 1, 1};
     g_dyn_smem.assign(smem + 16, 0xff);
+    unsigned nw = (block + 31) / 32;
+    auto body = [](void* f) { (*static_cast<F*>(f))(); };
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
                 std::fill(g_dyn_smem.begin(), g_dyn_smem.end(), 0xff);
-                std::barrier<> bar(block);
-                g_block_bar = &bar;
-                std::vector<std::unique_ptr<std::barrier<>>> wb;
-                for (unsigned w = 0; w < (block + 31) / 32; w++) {
-                    wb.emplace_back(new std::barrier<>(std::min(32u, block - 32 * w)));
-                    g_warp_bar[w] = wb.back().get();
-                }
+                std::barrier<> bar(nw);
                 std::vector<std::thread> th;
-                for (unsigned t = 0; t < block; t++)
-                    th.emplace_back([=] {
-                        threadIdx = {t, 0, 0};
+                for (unsigned w = 0; w < nw; w++)
+                    th.emplace_back([&, w] {
                         blockIdx = {x, y, z};
-                        t_groups.clear();
-                        t_open.clear();
-                        kernel();
-                        if (!t_groups.empty() || !t_open.empty()) {
-                            // a real kernel may exit with copies in flight, but ours should not
-                            fprintf(stderr, "cp.async groups left at exit\n");
-                            abort();
-                        }
+                        emu_run_warp((int)w, (int)std::min(32u, block - 32 * w), &bar, body, &kernel);
                     });
                 for (auto& t : th) t.join();
             }

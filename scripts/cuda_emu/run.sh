@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
-# Runs the GDN kernels of src/cuda/kernels/gdn.cu on the CPU (no GPU needed) through a small
-# CUDA emulator and checks them against a double-precision delta rule and the sequential
-# conv kernels. `run.sh full` adds the full model's head dims (hk 16, hv 32, dk = dv = 128,
-# 300 tokens; about a minute). Needs g++ with C++20.
+# Runs Kestrel's kernels on the CPU (no GPU needed) through the small CUDA emulator in
+# cuda_emu.h and checks them against double-precision references:
+#   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
+#   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv (`gdn full`: the full model's
+#        head dims, 300 tokens; about a minute)
+#   moe  moe.cu: moe_plan + moe_scatter + moe_gemm3 (both tile sizes, SwiGLU-fused and plain)
+#        at the tiny fixtures' dims and a reduced real shape
+# Usage: run.sh [mma|gdn|moe|all] [full]   (default all). Needs g++ with C++20.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+what=${1:-all}
+shift || true
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 "$here/build.py" "$tmp/kernels_emu.inc"
 cp "$here/cuda_emu.h" "$tmp/"
-g++ -std=c++20 -O2 -Wno-unknown-pragmas -pthread -I"$tmp" "$here/gdn_check.cpp" -o "$tmp/gdn_check"
-"$tmp/gdn_check" "$@"
+build() {  # build NAME KERNEL_FILES...
+  local n=$1
+  shift
+  python3 "$here/build.py" "$tmp/kernels_emu.inc" "$@"
+  g++ -std=c++20 -O2 -Wno-unknown-pragmas -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
+}
+for n in mma gdn moe; do
+  [ "$what" = all ] || [ "$what" = "$n" ] || continue
+  case $n in
+    mma) build mma ;;
+    gdn) build gdn gdn.cu ;;
+    moe) build moe moe.cu ;;
+  esac
+  echo "== $n"
+  "$tmp/${n}_check" "$@"
+done

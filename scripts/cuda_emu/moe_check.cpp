@@ -1,0 +1,153 @@
+// Runs moe.cu's prefill MoE kernels on the CPU emulator (through run.sh): moe_plan and
+// moe_scatter on skewed random routing (one expert hot, one unused), then moe_gemm3 at both
+// tile sizes, SwiGLU-fused gate/up (bf16 act), plain gate/up (f32) and plain down (f32, no
+// gather), each against a double-precision reference over every sorted row; outputs start as
+// NaN so that a missed row or column shows.
+#include "kernels_emu.inc"
+#include <cstdio>
+#include <random>
+#include <string>
+
+static std::mt19937_64 rng(11);
+static float uni(float a, float b) { return std::uniform_real_distribution<float>(a, b)(rng); }
+static std::vector<bf16> rand_bf16(size_t n, float scale) {
+    std::vector<bf16> v(n);
+    for (auto& x : v) x = __float2bfloat16(uni(-scale, scale));
+    return v;
+}
+static double f(bf16 b) { return __bfloat162float(b); }
+
+struct Shape { const char* name; int t, d, inter, e, k; };
+
+// The plan's tiles cover every expert's rows in order, tile_m at a time.
+static bool plan_ok(const std::vector<int>& counts, int tile_m, const std::vector<int>& te, const std::vector<int>& tr,
+                    const std::vector<int>& tn, int nt) {
+    int i = 0, off = 0;
+    for (int x = 0; x < (int)counts.size(); x++) {
+        for (int r = 0; r < counts[x]; r += tile_m, i++)
+            if (i >= nt || te[i] != x || tr[i] != off + r || tn[i] != std::min(tile_m, counts[x] - r)) return false;
+        off += counts[x];
+    }
+    return i == nt;
+}
+
+static int fails = 0;
+
+static void run(const Shape& s, bool deferred) {
+    g_cp_deferred = deferred;
+    const int t = s.t, d = s.d, I = s.inter, E = s.e, K = s.k, rows = t * K;
+    // Skewed routing: expert 0 hot, expert E-1 never chosen.
+    std::vector<double> wt(E);
+    for (int x = 0; x < E; x++) wt[x] = x == 0 ? 12.0 * E : x == E - 1 ? 0.0 : 1.0 + x % 3;
+    std::vector<int> topk(rows), counts(E, 0);
+    for (int tok = 0; tok < t; tok++) {
+        std::vector<double> w = wt;
+        for (int j = 0; j < K; j++) {
+            int x = std::discrete_distribution<int>(w.begin(), w.end())(rng);
+            w[x] = 0;
+            topk[tok * K + j] = x;
+            counts[x]++;
+        }
+    }
+    auto xb = rand_bf16((size_t)t * d, 1.0f);
+    auto wgu = rand_bf16((size_t)E * 2 * I * d, 1.0f / std::sqrt((float)d));
+    auto wdn = rand_bf16((size_t)E * d * I, 1.0f / std::sqrt((float)I));
+    auto act_in = rand_bf16((size_t)rows * I, 1.0f);
+    const int max_tiles = (rows + 63) / 64 + E;  // the workspace's bound (smallest tile)
+    std::vector<int> offsets(E + 1), cursor(E), te(max_tiles), tr(max_tiles), tn(max_tiles), nt(1);
+    std::vector<int> sorted_token(rows, -1), slot_row(rows, -1);
+    auto plan = [&](int tile_m) {
+        emu_launch({1, 1, 1}, 32, 0, [&] {
+            moe_plan(counts.data(), E, tile_m, offsets.data(), cursor.data(), te.data(), tr.data(), tn.data(), nt.data());
+        });
+        bool ok = plan_ok(counts, tile_m, te, tr, tn, nt[0]) && nt[0] <= (rows + tile_m - 1) / tile_m + E;
+        if (!ok) { printf("FAIL %s: moe_plan tile_m %d\n", s.name, tile_m); fails++; }
+    };
+    plan(64);
+    emu_launch({(unsigned)((rows + 255) / 256), 1, 1}, 256, 0, [&] {
+        moe_scatter(topk.data(), rows, K, cursor.data(), sorted_token.data(), slot_row.data());
+    });
+    // scatter: a permutation that puts each (token, slot) in its expert's range
+    std::vector<int> expert_of(rows, -1);
+    bool perm = true;
+    for (int x = 0; x < E; x++)
+        for (int r = offsets[x]; r < offsets[x + 1]; r++) expert_of[r] = x;
+    for (int i = 0; i < rows; i++) {
+        int r = slot_row[i];
+        perm &= r >= 0 && r < rows && sorted_token[r] == i / K && expert_of[r] == topk[i];
+    }
+    if (!perm) { printf("FAIL %s: moe_scatter\n", s.name); fails++; }
+
+    // references in double over the sorted rows
+    std::vector<double> gu_ref((size_t)rows * 2 * I), act_ref((size_t)rows * I), y_ref((size_t)rows * d);
+    for (int r = 0; r < rows; r++) {
+        int x = expert_of[r];
+        const bf16* a = &xb[(size_t)sorted_token[r] * d];
+        for (int n = 0; n < 2 * I; n++) {
+            const bf16* w = &wgu[((size_t)x * 2 * I + n) * d];
+            double acc = 0;
+            for (int k = 0; k < d; k++) acc += f(a[k]) * f(w[k]);
+            gu_ref[(size_t)r * 2 * I + n] = acc;
+        }
+        for (int n = 0; n < I; n++) {
+            double g = gu_ref[(size_t)r * 2 * I + n], u = gu_ref[(size_t)r * 2 * I + I + n];
+            act_ref[(size_t)r * I + n] = g / (1 + std::exp(-g)) * u;
+        }
+        for (int n = 0; n < d; n++) {
+            const bf16* w = &wdn[((size_t)x * d + n) * I];
+            double acc = 0;
+            for (int k = 0; k < I; k++) acc += f(act_in[(size_t)r * I + k]) * f(w[k]);
+            y_ref[(size_t)r * d + n] = acc;
+        }
+    }
+    auto scale_of = [](const std::vector<double>& v) { double m = 0; for (double x : v) m = std::max(m, std::fabs(x)); return m; };
+    // f32 outputs: max |err| / max |ref|; bf16 act: each element within its rounding
+    // (2^-8 relative) plus 1e-5 of the scale.
+    auto f32_err = [&](const std::vector<float>& got, const std::vector<double>& ref) {
+        double m = 0, sc = scale_of(ref);
+        for (size_t i = 0; i < got.size(); i++) m = std::isnan(got[i]) ? INFINITY : std::max(m, std::fabs(got[i] - ref[i]) / sc);
+        return m;
+    };
+    auto act_err = [&](const std::vector<bf16>& got, const std::vector<double>& ref) {
+        double m = 0, sc = scale_of(ref);
+        for (size_t i = 0; i < got.size(); i++) {
+            double g = f(got[i]);
+            double e = std::isnan(g) ? INFINITY : std::fabs(g - ref[i]) / (std::fabs(ref[i]) * 0.00390625 + 1e-5 * sc);
+            m = std::max(m, e);
+        }
+        return m;
+    };
+    for (int bm : {128, 64}) {
+        int bn = bm == 128 ? 128 : 256;
+        unsigned smem = 4 * (bm + bn) * 80;
+        plan(bm);
+        unsigned grid_x = (unsigned)((rows + bm - 1) / bm + E);
+        std::vector<bf16> act((size_t)rows * I, bf16{0x7fff});
+        std::vector<float> gu((size_t)rows * 2 * I, NAN), y((size_t)rows * d, NAN);
+        auto gemm = [&](bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim, int kdim) {
+            int cols = swiglu ? ndim / 2 : ndim, bcols = swiglu ? bn / 2 : bn;
+            emu_launch({grid_x, (unsigned)((cols + bcols - 1) / bcols), 1}, 256, smem, [&] {
+                auto k = bm == 128 ? (swiglu ? moe_gemm3_swiglu_m128 : moe_gemm3_m128) : (swiglu ? moe_gemm3_swiglu_m64 : moe_gemm3_m64);
+                k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim);
+            });
+        };
+        gemm(true, xb.data(), sorted_token.data(), wgu.data(), act.data(), 2 * I, d);
+        gemm(false, xb.data(), sorted_token.data(), wgu.data(), gu.data(), 2 * I, d);
+        gemm(false, act_in.data(), nullptr, wdn.data(), y.data(), d, I);
+        double ea = act_err(act, act_ref), eg = f32_err(gu, gu_ref), ey = f32_err(y, y_ref);
+        bool ok = ea <= 1.0 && eg <= 1e-6 && ey <= 1e-6;
+        fails += !ok;
+        printf("%s %-22s d=%d i=%d E=%d rows=%d tiles=%d tile_m=%d cp.async %-8s: swiglu act %.2f of its bound, gate_up %.1e, down %.1e\n",
+               ok ? "ok  " : "FAIL", s.name, d, I, E, rows, nt[0], bm, deferred ? "deferred" : "eager", ea, eg, ey);
+    }
+}
+
+int main(int argc, char** argv) {
+    bool quick = argc > 1 && std::string(argv[1]) == "quick";
+    const Shape tiny[] = {{"tiny-flat-f32", 37, 64, 32, 8, 2}, {"tiny-official-bf16", 150, 96, 32, 16, 4}, {"ragged", 50, 40, 24, 5, 2}};
+    for (bool deferred : {true, false})
+        for (const Shape& s : tiny) run(s, deferred);
+    if (!quick) run({"reduced real", 150, 2048, 512, 16, 2}, true);
+    if (fails) printf("%d check(s) FAILED\n", fails);
+    return fails ? 1 : 0;
+}
