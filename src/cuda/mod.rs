@@ -6,6 +6,7 @@
 
 pub mod gdn;
 pub mod model;
+pub mod moe;
 
 use anyhow::{Context, Result, anyhow, bail};
 use cudarc::cublas::{CudaBlas, sys as cublas_sys};
@@ -63,6 +64,10 @@ const KERNELS: &[&str] = &[
     "moe_scatter",
     "moe_gemm",
     "moe_gemm2",
+    "moe_gemm3_m128",
+    "moe_gemm3_m64",
+    "moe_gemm3_swiglu_m128",
+    "moe_gemm3_swiglu_m64",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
@@ -301,6 +306,9 @@ impl Gpu {
         // shape (GdnShape::chunked_fits checks it against this limit).
         for k in gdn::CHUNK_KERNELS {
             gpu.set_max_dynamic_smem(k, max_smem_per_block)?;
+        }
+        for (k, bytes) in moe::GEMM3_KERNELS {
+            gpu.set_max_dynamic_smem(k, bytes)?;
         }
         Ok(Arc::new(gpu))
     }

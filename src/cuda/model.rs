@@ -5,6 +5,7 @@
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
 use super::gdn::{DeltaBufs, GdnShape};
+use super::moe::{Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
 use crate::config::{LayerKind, TextConfig};
 use crate::model::{Engine, Logits};
@@ -16,8 +17,6 @@ use std::sync::Arc;
 
 /// Rows of logits computed per lm_head call in `Logits::All` mode.
 const LOGITS_ROWS: usize = 64;
-/// Grouped-GEMM tile height (tokens), as in `moe.cu`.
-const MOE_TILE_M: usize = 64;
 /// Router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
 const ROUTER_ROWS: usize = 2;
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
@@ -318,9 +317,12 @@ pub struct CudaModel {
     /// Prefill attention through the mma.sync flash kernel where the shape has one (default;
     /// `KESTREL_ATTN=wmma` selects the older WMMA kernel).
     pub attn_flash2: bool,
-    /// Use `moe_gemm2` (128x128 tiles, cp.async double buffering) for the prefill MoE
-    /// (default; `KESTREL_MOE_GEMM=v1` selects the 64x64 WMMA kernel).
-    pub moe_gemm_v2: bool,
+    /// The prefill MoE's grouped GEMM: `moe_gemm3` (default), or with `KESTREL_MOE_GEMM=v2`
+    /// / `v1` the WMMA kernels.
+    pub moe_gemm: MoeGemm,
+    /// `moe_gemm3`'s tile height, 64 or 128 (`KESTREL_MOE_TILE_M`); None: by the rows per
+    /// expert (`moe::gemm3_tile_m`).
+    pub moe_tile_m: Option<usize>,
     dws: DecodeWs,
     /// One-token steps through the fused decode kernels (off: the general path, for
     /// comparison; `KESTREL_DECODE=unfused`).
@@ -456,7 +458,7 @@ impl CudaModel {
             cfg.moe_intermediate,
             cfg.shared_intermediate,
         );
-        let max_tiles = (t * k).div_ceil(MOE_TILE_M) + e;
+        let max_tiles = super::moe::max_tiles(t * k, e, MIN_TILE_M);
         let part = (t * nq * PREFILL_SPLITS).max(nq * DECODE_SPLITS) * (hd + 2);
         // (name, elements, bytes per element)
         let list = vec![
@@ -795,7 +797,10 @@ impl CudaModel {
             max_seq,
             weight_bytes: plan.weights,
             attn_flash2: std::env::var("KESTREL_ATTN").map_or(true, |v| v != "wmma"),
-            moe_gemm_v2: std::env::var("KESTREL_MOE_GEMM").map_or(true, |v| v != "v1"),
+            moe_gemm: MoeGemm::from_env(),
+            moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
+                .ok()
+                .and_then(|v| v.parse().ok()),
             dws,
             fused_decode,
             decode_graph: std::env::var("KESTREL_DECODE_GRAPH").map_or(true, |v| v != "0"),
@@ -1133,12 +1138,6 @@ impl CudaModel {
             c.shared_intermediate,
         );
         let rows = t * k;
-        let (kernel, tile_m, tile_n) = if self.moe_gemm_v2 {
-            ("moe_gemm2", 128, 128)
-        } else {
-            ("moe_gemm", MOE_TILE_M, 64)
-        };
-        let max_tiles = rows.div_ceil(tile_m) + e;
         g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
         g.memset_zero(ws.counts.ptr, e * 4)?;
         g.launch(
@@ -1155,20 +1154,6 @@ impl CudaModel {
                 Arg::Ptr(ws.counts.ptr),
             ],
         )?;
-        let swiglu = |gu: u64, act: u64, rows: usize, inter: usize| {
-            g.launch(
-                "swiglu_bf16",
-                ((rows * inter).div_ceil(256).min(65_535) as u32, 1, 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(gu),
-                    Arg::Ptr(act),
-                    Arg::I(rows as i32),
-                    Arg::I(inter as i32),
-                ],
-            )
-        };
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
         let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
             g.launch(
@@ -1194,70 +1179,60 @@ impl CudaModel {
         };
         if gemv_path {
             gemv(ws.xb.ptr, true, layer.gate_up.ptr, ws.gu.ptr, 2 * i, d)?;
-            swiglu(ws.gu.ptr, ws.act.ptr, rows, i)?;
+            g.swiglu_bf16(ws.gu.ptr, ws.act.ptr, rows, i)?;
             gemv(ws.act.ptr, false, layer.down.ptr, ws.y.ptr, d, i)?;
         } else {
-            g.launch(
-                "moe_plan",
-                (1, 1, 1),
-                32,
-                0,
-                &[
-                    Arg::Ptr(ws.counts.ptr),
-                    Arg::I(e as i32),
-                    Arg::I(tile_m as i32),
-                    Arg::Ptr(ws.offsets.ptr),
-                    Arg::Ptr(ws.cursor.ptr),
-                    Arg::Ptr(ws.tile_expert.ptr),
-                    Arg::Ptr(ws.tile_row.ptr),
-                    Arg::Ptr(ws.tile_rows.ptr),
-                    Arg::Ptr(ws.num_tiles.ptr),
-                ],
-            )?;
-            g.launch(
-                "moe_scatter",
-                (rows.div_ceil(256) as u32, 1, 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(ws.topk_ids.ptr),
-                    Arg::I(rows as i32),
-                    Arg::I(k as i32),
-                    Arg::Ptr(ws.cursor.ptr),
-                    Arg::Ptr(ws.sorted_token.ptr),
-                    Arg::Ptr(ws.slot_row.ptr),
-                ],
-            )?;
-            let grouped = |a: u64, gather: u64, w: u64, out: u64, ndim: usize, kdim: usize| {
-                g.launch(
-                    kernel,
-                    (max_tiles as u32, ndim.div_ceil(tile_n) as u32, 1),
-                    if self.moe_gemm_v2 { 256 } else { 128 },
-                    0,
-                    &[
-                        Arg::Ptr(a),
-                        Arg::Ptr(gather),
-                        Arg::Ptr(w),
-                        Arg::Ptr(out),
-                        Arg::Ptr(ws.tile_expert.ptr),
-                        Arg::Ptr(ws.tile_row.ptr),
-                        Arg::Ptr(ws.tile_rows.ptr),
-                        Arg::Ptr(ws.num_tiles.ptr),
-                        Arg::I(ndim as i32),
-                        Arg::I(kdim as i32),
-                    ],
-                )
+            let plan = MoePlan {
+                counts: ws.counts.ptr,
+                offsets: ws.offsets.ptr,
+                cursor: ws.cursor.ptr,
+                tile_expert: ws.tile_expert.ptr,
+                tile_row: ws.tile_row.ptr,
+                tile_rows: ws.tile_rows.ptr,
+                num_tiles: ws.num_tiles.ptr,
             };
-            grouped(
-                ws.xb.ptr,
+            let tile_m = self.moe_gemm.tile_m(rows, e, self.moe_tile_m);
+            if tile_m < MIN_TILE_M {
+                bail!(
+                    "MoE tiles of {tile_m} rows: the workspace holds tiles of {MIN_TILE_M} or more"
+                );
+            }
+            g.moe_plan(&plan, e, tile_m)?;
+            g.moe_scatter(
+                ws.topk_ids.ptr,
+                rows,
+                k,
+                ws.cursor.ptr,
                 ws.sorted_token.ptr,
-                layer.gate_up.ptr,
-                ws.gu.ptr,
-                2 * i,
-                d,
+                ws.slot_row.ptr,
             )?;
-            swiglu(ws.gu.ptr, ws.act.ptr, rows, i)?;
-            grouped(ws.act.ptr, 0, layer.down.ptr, ws.y.ptr, d, i)?;
+            let gate_up = Grouped {
+                a: ws.xb.ptr,
+                gather: ws.sorted_token.ptr,
+                w: layer.gate_up.ptr,
+                out: ws.gu.ptr,
+                ndim: 2 * i,
+                kdim: d,
+            };
+            if self.moe_gemm == MoeGemm::V3 {
+                let fused = Grouped {
+                    out: ws.act.ptr,
+                    ..gate_up
+                };
+                g.moe_grouped_swiglu(tile_m, &plan, rows, e, &fused)?;
+            } else {
+                g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &gate_up)?;
+                g.swiglu_bf16(ws.gu.ptr, ws.act.ptr, rows, i)?;
+            }
+            let down = Grouped {
+                a: ws.act.ptr,
+                gather: 0,
+                w: layer.down.ptr,
+                out: ws.y.ptr,
+                ndim: d,
+                kdim: i,
+            };
+            g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
         }
         // Shared expert (dense).
         g.gemm(
@@ -1270,7 +1245,7 @@ impl CudaModel {
             2 * is,
             0.0,
         )?;
-        swiglu(ws.sgu.ptr, ws.sact.ptr, t, is)?;
+        g.swiglu_bf16(ws.sgu.ptr, ws.sact.ptr, t, is)?;
         g.gemm(
             layer.shared_down.ptr,
             d,

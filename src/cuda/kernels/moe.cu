@@ -198,7 +198,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     }
 }
 
-// Grouped GEMM, second version (the default; KESTREL_MOE_GEMM=v1 selects moe_gemm):
+// Grouped GEMM, second version (KESTREL_MOE_GEMM=v2; v1 selects moe_gemm):
 // 128x128 tiles, 8 warps of 64x32, K tiles of 32 double-buffered with cp.async (16-byte
 // copies, zero-filled out of range). Same contract as moe_gemm, with the plan's tile_m = 128.
 #define BM2 128

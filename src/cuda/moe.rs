@@ -1,0 +1,257 @@
+//! Launchers of the prefill MoE's grouped-GEMM machinery (`kernels/moe.cu`): the tile plan
+//! over expert-sorted rows, the scatter into that order, and the grouped GEMMs.
+
+use super::{Arg, Gpu};
+use anyhow::{Result, bail};
+
+/// Which grouped GEMM the prefill MoE runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeGemm {
+    /// `moe_gemm`: WMMA, 64x64 tiles (`KESTREL_MOE_GEMM=v1`).
+    V1,
+    /// `moe_gemm2`: WMMA, 128x128 tiles, cp.async double buffering (`KESTREL_MOE_GEMM=v2`).
+    V2,
+    /// `moe_gemm3_*`: mma.sync + ldmatrix, 4-stage cp.async, 128- or 64-row tiles; gate/up
+    /// fused with the SwiGLU (the default).
+    V3,
+}
+
+/// The smallest plan tile of any grouped GEMM: the workspace's tile list is sized for it.
+pub const MIN_TILE_M: usize = 64;
+
+/// The `moe_gemm3` kernels, with their dynamic shared memory (set at `Gpu::open`).
+pub(super) const GEMM3_KERNELS: [(&str, usize); 4] = [
+    ("moe_gemm3_m128", gemm3_smem(128)),
+    ("moe_gemm3_m64", gemm3_smem(64)),
+    ("moe_gemm3_swiglu_m128", gemm3_smem(128)),
+    ("moe_gemm3_swiglu_m64", gemm3_smem(64)),
+];
+
+/// Output columns per block of `moe_gemm3` with `tile_m`-row tiles (moe.cu's BN).
+const fn gemm3_tile_n(tile_m: usize) -> usize {
+    if tile_m == 128 { 128 } else { 256 }
+}
+
+/// Dynamic shared memory of `moe_gemm3`: 4 stages of (BM + BN) rows of 32 bf16 padded to 40.
+const fn gemm3_smem(tile_m: usize) -> usize {
+    4 * (tile_m + gemm3_tile_n(tile_m)) * 40 * 2
+}
+
+/// `moe_gemm3`'s tile height for `rows` (token, expert) rows over `experts` experts: 64 unless
+/// the experts average 256 rows or more. A tile is wasted on each expert's last, partial tile
+/// (half a tile on average), which at the real model's ~128 rows per expert (4,096-token
+/// chunks) is a third of the 128-row tiles' work; once experts carry 256+ rows that waste is
+/// small and the larger tile's better operand reuse wins.
+pub fn gemm3_tile_m(rows: usize, experts: usize) -> usize {
+    if rows >= 256 * experts.max(1) {
+        128
+    } else {
+        64
+    }
+}
+
+/// Tiles the plan can produce for `rows` rows over `experts` experts (the grid's x extent).
+pub fn max_tiles(rows: usize, experts: usize, tile_m: usize) -> usize {
+    rows.div_ceil(tile_m) + experts
+}
+
+impl MoeGemm {
+    /// From `KESTREL_MOE_GEMM`: `v1`, `v2`, else (unset too) `V3`.
+    pub fn from_env() -> Self {
+        match std::env::var("KESTREL_MOE_GEMM").as_deref() {
+            Ok("v1") => MoeGemm::V1,
+            Ok("v2") => MoeGemm::V2,
+            _ => MoeGemm::V3,
+        }
+    }
+
+    /// The plan's tile height: fixed by the WMMA kernels; for V3 `force` or
+    /// [`gemm3_tile_m`].
+    pub fn tile_m(self, rows: usize, experts: usize, force: Option<usize>) -> usize {
+        match self {
+            MoeGemm::V1 => 64,
+            MoeGemm::V2 => 128,
+            MoeGemm::V3 => force.unwrap_or_else(|| gemm3_tile_m(rows, experts)),
+        }
+    }
+}
+
+/// Device buffers (i32) of the expert plan: `counts [E]` in (rows per expert), then from
+/// `moe_plan`: `offsets [E + 1]`, `cursor [E]` (the scatter's per-expert write positions),
+/// the tile list `tile_expert`, `tile_row`, `tile_rows` (`max_tiles` each) and `num_tiles`.
+#[derive(Clone, Copy, Debug)]
+pub struct MoePlan {
+    pub counts: u64,
+    pub offsets: u64,
+    pub cursor: u64,
+    pub tile_expert: u64,
+    pub tile_row: u64,
+    pub tile_rows: u64,
+    pub num_tiles: u64,
+}
+
+/// One grouped product over the plan's tiles: `out[row] = A[gather[row]] · W_x[n]ᵀ` for the
+/// sorted rows of expert x. `a` bf16 `[*, kdim]`, `gather` i32 per sorted row (0: row itself),
+/// `w` bf16 `[E, ndim, kdim]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Grouped {
+    pub a: u64,
+    pub gather: u64,
+    pub w: u64,
+    pub out: u64,
+    pub ndim: usize,
+    pub kdim: usize,
+}
+
+impl Gpu {
+    /// Builds the tile list of `tile_m`-row tiles from `p.counts` and resets `p.cursor`.
+    pub fn moe_plan(&self, p: &MoePlan, experts: usize, tile_m: usize) -> Result<()> {
+        self.launch(
+            "moe_plan",
+            (1, 1, 1),
+            32,
+            0,
+            &[
+                Arg::Ptr(p.counts),
+                Arg::I(experts as i32),
+                Arg::I(tile_m as i32),
+                Arg::Ptr(p.offsets),
+                Arg::Ptr(p.cursor),
+                Arg::Ptr(p.tile_expert),
+                Arg::Ptr(p.tile_row),
+                Arg::Ptr(p.tile_rows),
+                Arg::Ptr(p.num_tiles),
+            ],
+        )
+    }
+
+    /// Sorts the `rows` (token, slot) pairs of `topk_ids` (`k` per token) by expert:
+    /// `sorted_token[sorted row]` = token, `slot_row[token * k + slot]` = sorted row. Needs the
+    /// cursor from [`Gpu::moe_plan`]; the order within an expert is not deterministic.
+    pub fn moe_scatter(
+        &self,
+        topk_ids: u64,
+        rows: usize,
+        k: usize,
+        cursor: u64,
+        sorted_token: u64,
+        slot_row: u64,
+    ) -> Result<()> {
+        self.launch(
+            "moe_scatter",
+            (rows.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(topk_ids),
+                Arg::I(rows as i32),
+                Arg::I(k as i32),
+                Arg::Ptr(cursor),
+                Arg::Ptr(sorted_token),
+                Arg::Ptr(slot_row),
+            ],
+        )
+    }
+
+    /// The grouped GEMM `g` into f32 `out [rows, ndim]` with kernel `kind` over the plan's
+    /// tiles, which must have been built with `tile_m` (`kind.tile_m`); `rows` and `experts`
+    /// bound the tile count.
+    pub fn moe_grouped(
+        &self,
+        kind: MoeGemm,
+        tile_m: usize,
+        p: &MoePlan,
+        rows: usize,
+        experts: usize,
+        g: &Grouped,
+    ) -> Result<()> {
+        let (name, tile_n, block, smem) = match (kind, tile_m) {
+            (MoeGemm::V1, 64) => ("moe_gemm", 64, 128, 0),
+            (MoeGemm::V2, 128) => ("moe_gemm2", 128, 256, 0),
+            (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
+            (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
+            _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
+        };
+        self.grouped_launch(
+            name,
+            (tile_m, tile_n, block, smem),
+            p,
+            rows,
+            experts,
+            g,
+            g.ndim,
+        )
+    }
+
+    /// `moe_gemm3`'s gate/up product with the SwiGLU fused: `g.w` holds `ndim = 2 * inter`
+    /// rows per expert (gate, then up); `g.out` receives act = SiLU(gate) * up as bf16
+    /// `[rows, inter]`.
+    pub fn moe_grouped_swiglu(
+        &self,
+        tile_m: usize,
+        p: &MoePlan,
+        rows: usize,
+        experts: usize,
+        g: &Grouped,
+    ) -> Result<()> {
+        let name = match tile_m {
+            128 => "moe_gemm3_swiglu_m128",
+            64 => "moe_gemm3_swiglu_m64",
+            _ => bail!("moe_gemm3 has tiles of 64 or 128 rows, not {tile_m}"),
+        };
+        let geometry = (tile_m, gemm3_tile_n(tile_m) / 2, 256, gemm3_smem(tile_m));
+        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2)
+    }
+
+    /// Launches a grouped kernel: (tile_m, output columns per block, threads, smem bytes).
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_launch(
+        &self,
+        name: &str,
+        (tile_m, tile_n, block, smem): (usize, usize, u32, usize),
+        p: &MoePlan,
+        rows: usize,
+        experts: usize,
+        g: &Grouped,
+        out_cols: usize,
+    ) -> Result<()> {
+        self.launch(
+            name,
+            (
+                max_tiles(rows, experts, tile_m) as u32,
+                out_cols.div_ceil(tile_n) as u32,
+                1,
+            ),
+            block,
+            smem as u32,
+            &[
+                Arg::Ptr(g.a),
+                Arg::Ptr(g.gather),
+                Arg::Ptr(g.w),
+                Arg::Ptr(g.out),
+                Arg::Ptr(p.tile_expert),
+                Arg::Ptr(p.tile_row),
+                Arg::Ptr(p.tile_rows),
+                Arg::Ptr(p.num_tiles),
+                Arg::I(g.ndim as i32),
+                Arg::I(g.kdim as i32),
+            ],
+        )
+    }
+
+    /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`.
+    pub fn swiglu_bf16(&self, gu: u64, act: u64, rows: usize, inter: usize) -> Result<()> {
+        self.launch(
+            "swiglu_bf16",
+            ((rows * inter).div_ceil(256).min(65_535) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(gu),
+                Arg::Ptr(act),
+                Arg::I(rows as i32),
+                Arg::I(inter as i32),
+            ],
+        )
+    }
+}
