@@ -102,7 +102,7 @@ int main() {
             int l = threadIdx.x;
             for (int i = l; i < ROWS * 8; i += 32) s[i] = (uint16_t)(i * 7 + 3);
             __syncthreads();
-            auto row_of = [](int lane) -> int { return (lane * 37 + 11) % 64; };  // lane -> smem row
+            auto row_of = [&](int lane) -> int { return (lane * 37 + 11) % ROWS; };  // lane -> smem row
             unsigned r[4];
             if (trans) ldsm_x4_t(r, s + row_of(l) * 8);
             else ldsm_x4(r, s + row_of(l) * 8);
