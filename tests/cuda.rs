@@ -557,7 +557,7 @@ fn moe_grouped_gemm_full_shape() {
     };
     report("v1 moe_gemm (64x64)", nt, t_gu, t_sw, t_dn);
 
-    // Checks one kind's outputs against v1's; f32 outputs first NaN.
+    // One kind's outputs against v1's (its output buffers were NaN before its launches).
     let check = |name: &str, gu_out: Option<&[f32]>, act_out: Option<&[f32]>, y_out: &[f32]| {
         if let Some(g) = gu_out {
             let err = rel_err(g, &gu_r);
