@@ -382,8 +382,8 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
         .collect()
 }
 
-/// The grouped MoE GEMMs at the real model's shape, kernels driven directly: 4,096 tokens
-/// routed top-8 over 256 experts (random, skewed ~9:1 from the first expert to the last),
+/// The grouped MoE GEMMs at the real model's shape, kernels driven directly: 4,096 and 8,192
+/// tokens routed top-8 over 256 experts (random, skewed ~9:1 from the first expert to the last),
 /// d 2,048, i 512, random bf16 weights and inputs. moe_gemm3 at both tile heights, plain
 /// (f32 gate/up and down) and SwiGLU-fused (bf16 act), against moe_gemm (v1) on the same
 /// expert-sorted rows: f32 outputs within 1e-5 of the output scale (the same products summed
@@ -394,9 +394,17 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
 #[test]
 fn moe_grouped_gemm_full_shape() {
     let Some(gpu) = gpu() else { return };
-    let (t, d, i, e, k) = (4096usize, 2048usize, 512usize, 256usize, 8usize);
+    // 4,096 and 8,192 tokens (the default prefill chunk): ~128 and ~256 rows per expert.
+    for t in [4096, 8192] {
+        moe_grouped_gemm_case(&gpu, t);
+    }
+}
+
+/// One chunk of `t` tokens for [`moe_grouped_gemm_full_shape`].
+fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
+    let (d, i, e, k) = (2048usize, 512usize, 256usize, 8usize);
     let rows = t * k;
-    let mut rng = Lcg(23);
+    let mut rng = Lcg(23 + t as u64);
     let weight: Vec<f32> = (0..e).map(|x| 1.0 / (1.0 + x as f32 / 32.0)).collect();
     let total: f32 = weight.iter().sum();
     let (mut topk, mut counts) = (Vec::with_capacity(rows), vec![0i32; e]);
@@ -419,7 +427,7 @@ fn moe_grouped_gemm_full_shape() {
         }
     }
     println!(
-        "{rows} rows over {e} experts: {} to {} per expert",
+        "{t} tokens, {rows} rows over {e} experts: {} to {} per expert",
         counts.iter().min().unwrap(),
         counts.iter().max().unwrap()
     );
