@@ -15,6 +15,7 @@
 //! scale) see `fullwidth_checkpoint_matches_hf`.
 
 use kestrel::cuda::Gpu;
+use kestrel::cuda::attention::{Flash, FlashCall};
 use kestrel::cuda::gdn::{DeltaBufs, GdnShape};
 use kestrel::cuda::model::CudaModel;
 use kestrel::cuda::moe::{self, Grouped, MoeGemm, MoePlan};
@@ -1083,47 +1084,25 @@ impl AttnCase {
         out
     }
 
-    /// Runs `kernel` (`attn_flash2_hd256` or `attn_flash`); returns the output and, with
-    /// `reps > 0`, the mean milliseconds per call.
-    fn run(&self, gpu: &Gpu, kernel: &str, reps: usize) -> (Vec<f32>, f64) {
-        use kestrel::cuda::Arg;
+    /// Runs the `kind` kernel; returns the output and, with `reps > 0`, the mean
+    /// milliseconds per call.
+    fn run(&self, gpu: &Gpu, kind: Flash, reps: usize) -> (Vec<f32>, f64) {
         let (q, qg) = (gpu.upload(&self.q).unwrap(), gpu.upload(&self.qg).unwrap());
         let (k, v) = (gpu.upload(&self.k).unwrap(), gpu.upload(&self.v).unwrap());
         let out = gpu.alloc_zeroed(self.t * ATT_NQ * ATT_HD * 2).unwrap();
-        let (grid_y, threads, smem) = if kernel == "attn_flash" {
-            let (fq, fk, hd) = (64, 64, ATT_HD);
-            let smem = (fq + 2 * fk) * (hd + 8) * 2
-                + fq * (hd + 4) * 4
-                + fq * (fk + 4) * 4
-                + fq * (fk + 8) * 2
-                + 2 * fq * 4;
-            (ATT_NQ, 128, smem)
-        } else {
-            (ATT_NQ / 2, 256, (2 * 64 + 4 * 64) * (ATT_HD + 8) * 2)
+        let call = FlashCall {
+            q: q.ptr,
+            k_cache: k.ptr,
+            v_cache: v.ptr,
+            qg: qg.ptr,
+            out: out.ptr,
+            t: self.t,
+            past: self.past,
+            nq: ATT_NQ,
+            nkv: ATT_NKV,
+            hd: ATT_HD,
         };
-        gpu.set_max_dynamic_smem(kernel, smem).unwrap();
-        let launch = || {
-            gpu.launch(
-                kernel,
-                (self.t.div_ceil(64) as u32, grid_y as u32, 1),
-                threads,
-                smem as u32,
-                &[
-                    Arg::Ptr(q.ptr),
-                    Arg::Ptr(k.ptr),
-                    Arg::Ptr(v.ptr),
-                    Arg::Ptr(qg.ptr),
-                    Arg::Ptr(out.ptr),
-                    Arg::I(self.t as i32),
-                    Arg::I(self.past as i32),
-                    Arg::I(ATT_NQ as i32),
-                    Arg::I(ATT_NKV as i32),
-                    Arg::I(ATT_HD as i32),
-                    Arg::F(1.0 / (ATT_HD as f32).sqrt()),
-                ],
-            )
-            .unwrap()
-        };
+        let launch = || gpu.attn_flash(kind, &call).unwrap();
         launch();
         gpu.sync().unwrap();
         let mut ms = 0.0;
@@ -1152,8 +1131,8 @@ fn attn_flash2_matches_reference_full_shape() {
     for (t, past) in [(100, 0), (77, 190), (129, 64)] {
         let case = AttnCase::new(t, past, 11 + t as u64);
         let want = case.reference();
-        let (new, _) = case.run(&gpu, "attn_flash2_hd256", 0);
-        let (old, _) = case.run(&gpu, "attn_flash", 0);
+        let (new, _) = case.run(&gpu, Flash::Mma, 0);
+        let (old, _) = case.run(&gpu, Flash::Wmma, 0);
         let (e_new, e_old) = (norm_rel_err(&new, &want), norm_rel_err(&old, &want));
         println!("t {t} past {past}: flash2 vs f64 {e_new:.2e} (wmma kernel {e_old:.2e})");
         assert!(e_new <= 1e-2, "t {t} past {past}: {e_new}");
@@ -1163,8 +1142,8 @@ fn attn_flash2_matches_reference_full_shape() {
         let case = AttnCase::new(t, past, 3);
         let pairs: usize = (0..t).map(|s| past + s + 1).sum();
         let flop = (4 * ATT_HD * ATT_NQ * pairs) as f64;
-        let (a, ms_new) = case.run(&gpu, "attn_flash2_hd256", 5);
-        let (b, ms_old) = case.run(&gpu, "attn_flash", 3);
+        let (a, ms_new) = case.run(&gpu, Flash::Mma, 5);
+        let (b, ms_old) = case.run(&gpu, Flash::Wmma, 3);
         let diff = norm_rel_err(&a, &b);
         println!(
             "t {t} past {past}: flash2 {ms_new:.3} ms ({:.0} TFLOP/s), wmma {ms_old:.3} ms ({:.0} TFLOP/s); outputs differ by {diff:.2e}",

@@ -4,6 +4,7 @@
 //! Everything loads dynamically (cudarc), so the crate builds and its CPU tests run on
 //! machines without CUDA; `Gpu::open` says clearly why a GPU cannot be used.
 
+pub mod attention;
 pub mod gdn;
 pub mod model;
 pub mod moe;
@@ -307,7 +308,10 @@ impl Gpu {
         for k in gdn::CHUNK_KERNELS {
             gpu.set_max_dynamic_smem(k, max_smem_per_block)?;
         }
-        for (k, bytes) in moe::GEMM3_KERNELS {
+        for (k, bytes) in attention::FLASH_KERNELS
+            .into_iter()
+            .chain(moe::GEMM3_KERNELS)
+        {
             gpu.set_max_dynamic_smem(k, bytes)?;
         }
         Ok(Arc::new(gpu))

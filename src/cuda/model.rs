@@ -4,6 +4,7 @@
 //! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
+use super::attention::{Flash, FlashCall};
 use super::gdn::{DeltaBufs, GdnShape};
 use super::moe::{Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
@@ -55,37 +56,6 @@ fn decode_splits(n: usize) -> usize {
 }
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
-
-/// The mma.sync flash kernel (`attn_flash2_hd*`) for this shape, if it has one: head dims
-/// 32/64/128/256 and an even number of query heads per KV head (a block takes two).
-fn flash2_kernel(cfg: &TextConfig) -> Option<&'static str> {
-    if !(cfg.num_attention_heads / cfg.num_kv_heads).is_multiple_of(2) {
-        return None;
-    }
-    match cfg.head_dim {
-        32 => Some("attn_flash2_hd32"),
-        64 => Some("attn_flash2_hd64"),
-        128 => Some("attn_flash2_hd128"),
-        256 => Some("attn_flash2_hd256"),
-        _ => None,
-    }
-}
-
-/// Dynamic shared memory of `attn_flash2_hd*`: Q for 64 positions x 2 heads, double-buffered
-/// K and V tiles of 64 keys, rows padded by 8 (see attention.cu).
-fn flash2_smem_bytes(hd: usize) -> usize {
-    (2 * 64 + 4 * 64) * (hd + 8) * 2
-}
-
-/// Dynamic shared memory of `attn_flash` for head dim `hd` (see attention.cu).
-fn flash_smem_bytes(hd: usize) -> usize {
-    let (fq, fk) = (64, 64);
-    (fq + 2 * fk) * (hd + 8) * 2
-        + fq * (hd + 4) * 4
-        + fq * (fk + 4) * 4
-        + fq * (fk + 8) * 2
-        + 2 * fq * 4
-}
 
 struct GdnW {
     /// `[C + Hv*Dv + 2*Hv, D]`: the qkv conv inputs, z, b, a rows in one matrix, so decode
@@ -314,9 +284,9 @@ pub struct CudaModel {
     pub max_chunk: usize,
     pub max_seq: usize,
     pub weight_bytes: usize,
-    /// Prefill attention through the mma.sync flash kernel where the shape has one (default;
-    /// `KESTREL_ATTN=wmma` selects the older WMMA kernel).
-    pub attn_flash2: bool,
+    /// The prefill attention kernel: mma.sync where the shape has one (default), or
+    /// (`KESTREL_ATTN=wmma`) the WMMA kernel.
+    pub flash: Flash,
     /// The prefill MoE's grouped GEMM: `moe_gemm3` (default), or with `KESTREL_MOE_GEMM=v2`
     /// / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -771,10 +741,6 @@ impl CudaModel {
             });
         }
         let inv_freq = gpu.upload(&f32_bytes(&rope_inv_freq(cfg.rotary_dim, cfg.rope_theta)))?;
-        gpu.set_max_dynamic_smem("attn_flash", flash_smem_bytes(cfg.head_dim))?;
-        if let Some(k) = flash2_kernel(&cfg) {
-            gpu.set_max_dynamic_smem(k, flash2_smem_bytes(cfg.head_dim))?;
-        }
         if fused_decode_fits(&cfg) {
             gpu.set_max_dynamic_smem("attn_decode", attn_decode_smem(&cfg))?;
         }
@@ -796,7 +762,11 @@ impl CudaModel {
             max_chunk,
             max_seq,
             weight_bytes: plan.weights,
-            attn_flash2: std::env::var("KESTREL_ATTN").map_or(true, |v| v != "wmma"),
+            flash: if std::env::var("KESTREL_ATTN").is_ok_and(|v| v == "wmma") {
+                Flash::Wmma
+            } else {
+                Flash::Mma
+            },
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1049,30 +1019,21 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
-                    let flash2 = flash2_kernel(c).filter(|_| self.attn_flash2);
                     if t >= FLASH_MIN_TOKENS {
-                        let (name, grid_y, threads, smem) = match flash2 {
-                            Some(k) => (k, nq / 2, 256, flash2_smem_bytes(hd)),
-                            None => ("attn_flash", nq, 128, flash_smem_bytes(hd)),
-                        };
-                        g.launch(
-                            name,
-                            (t.div_ceil(64) as u32, grid_y as u32, 1),
-                            threads,
-                            smem as u32,
-                            &[
-                                Arg::Ptr(ws.q.ptr),
-                                Arg::Ptr(kc.ptr),
-                                Arg::Ptr(vc.ptr),
-                                Arg::Ptr(ws.qg.ptr),
-                                Arg::Ptr(ws.ob.ptr),
-                                Arg::I(ti),
-                                Arg::I(past as i32),
-                                Arg::I(nq as i32),
-                                Arg::I(nkv as i32),
-                                Arg::I(hd as i32),
-                                Arg::F(1.0 / (hd as f32).sqrt()),
-                            ],
+                        g.attn_flash(
+                            self.flash,
+                            &FlashCall {
+                                q: ws.q.ptr,
+                                k_cache: kc.ptr,
+                                v_cache: vc.ptr,
+                                qg: ws.qg.ptr,
+                                out: ws.ob.ptr,
+                                t,
+                                past,
+                                nq,
+                                nkv,
+                                hd,
+                            },
                         )?;
                     } else {
                         let n_max = past + t;

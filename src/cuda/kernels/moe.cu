@@ -425,36 +425,21 @@ __device__ __forceinline__ void moe_gemm3_impl(const bf16* __restrict__ a, const
     }
 }
 
-// The four entry points: same arguments as moe_gemm2 (out: f32 C, or bf16 act for _swiglu);
-// block 256; dynamic smem 4 * (BM + BN) * 80 bytes; plan tile_m = BM.
-// C f32 [rows, ndim]; BM 128, BN 128: grid (max tiles, ceil(ndim / 128)), smem 80 KiB.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_m128(
-    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
-    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
-    const int* __restrict__ num_tiles, int ndim, int kdim) {
-    moe_gemm3_impl<128, 128, false>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
-}
-// C f32 [rows, ndim]; BM 64, BN 256: grid (max tiles, ceil(ndim / 256)), smem 100 KiB.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_m64(
-    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
-    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
-    const int* __restrict__ num_tiles, int ndim, int kdim) {
-    moe_gemm3_impl<64, 256, false>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
-}
-// act bf16 [rows, ndim / 2]; BM 128, BN 128: grid (max tiles, ceil(ndim / 2 / 64)), smem 80 KiB.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_swiglu_m128(
-    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
-    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
-    const int* __restrict__ num_tiles, int ndim, int kdim) {
-    moe_gemm3_impl<128, 128, true>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
-}
-// act bf16 [rows, ndim / 2]; BM 64, BN 256: grid (max tiles, ceil(ndim / 2 / 128)), smem 100 KiB.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm3_swiglu_m64(
-    const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w, void* __restrict__ out,
-    const int* __restrict__ tile_expert, const int* __restrict__ tile_row, const int* __restrict__ tile_rows,
-    const int* __restrict__ num_tiles, int ndim, int kdim) {
-    moe_gemm3_impl<64, 256, true>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);
-}
+// The four entry points: same arguments as moe_gemm2 (out: f32 C [rows, ndim], or for _swiglu
+// bf16 act [rows, ndim / 2]); block 256; dynamic smem 4 * (BM + BN) * 80 bytes; plan tile_m = BM;
+// grid (max tiles, ceil(out columns / (BN, or BN / 2 for _swiglu))). BM 128 / BN 128: 80 KiB;
+// BM 64 / BN 256: 100 KiB.
+#define MOE_GEMM3(NAME, BM, BN, SWIGLU)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                 \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
+        void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
+        moe_gemm3_impl<BM, BN, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim); \
+    }
+MOE_GEMM3(moe_gemm3_m128, 128, 128, false)
+MOE_GEMM3(moe_gemm3_m64, 64, 256, false)
+MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true)
+MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 

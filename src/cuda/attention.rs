@@ -1,0 +1,114 @@
+//! Launcher of the prefill flash-attention kernels (`kernels/attention.cu`).
+
+use super::{Arg, Gpu};
+use anyhow::Result;
+
+/// Which prefill attention kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flash {
+    /// `attn_flash`: WMMA, 64 queries of one head per block (`KESTREL_ATTN=wmma`).
+    Wmma,
+    /// `attn_flash2_hd*`: mma.sync, 64 queries of two heads of one KV group per block (the
+    /// default; shapes without such a kernel fall back to `Wmma`).
+    Mma,
+}
+
+/// Query positions per block of both kernels (attention.cu's FQ and FA_BQ).
+const BLOCK_Q: usize = 64;
+
+/// Dynamic shared memory of `attn_flash`: Q, K and V tiles, the f32 running output, the
+/// scores and probabilities, the row max and sum.
+const fn wmma_smem(hd: usize) -> usize {
+    let (fq, fk) = (64, 64);
+    (fq + 2 * fk) * (hd + 8) * 2
+        + fq * (hd + 4) * 4
+        + fq * (fk + 4) * 4
+        + fq * (fk + 8) * 2
+        + 2 * fq * 4
+}
+
+/// Dynamic shared memory of `attn_flash2_hd*`: Q for 64 positions x 2 heads and
+/// double-buffered K and V tiles of 64 keys, rows padded by 8.
+const fn mma_smem(hd: usize) -> usize {
+    (2 * 64 + 4 * 64) * (hd + 8) * 2
+}
+
+/// The flash kernels with the dynamic shared memory each may use (set at `Gpu::open`; the
+/// WMMA kernel at the largest head dim it takes).
+pub(super) const FLASH_KERNELS: [(&str, usize); 5] = [
+    ("attn_flash", wmma_smem(256)),
+    ("attn_flash2_hd32", mma_smem(32)),
+    ("attn_flash2_hd64", mma_smem(64)),
+    ("attn_flash2_hd128", mma_smem(128)),
+    ("attn_flash2_hd256", mma_smem(256)),
+];
+
+/// The mma.sync kernel for head dim `hd` with `group` query heads per KV head, if there is one
+/// (a block takes two heads of a group).
+fn mma_kernel(hd: usize, group: usize) -> Option<&'static str> {
+    if !group.is_multiple_of(2) {
+        return None;
+    }
+    match hd {
+        32 => Some("attn_flash2_hd32"),
+        64 => Some("attn_flash2_hd64"),
+        128 => Some("attn_flash2_hd128"),
+        256 => Some("attn_flash2_hd256"),
+        _ => None,
+    }
+}
+
+/// One prefill attention call: `q` f32 `[t, nq, hd]`, the bf16 caches `[positions, nkv, hd]`
+/// holding `past + t` positions, `qg` f32 `[t, nq, 2 * hd]` (the output gate in the second
+/// half), `out` bf16 `[t, nq * hd]`.
+#[derive(Clone, Copy, Debug)]
+pub struct FlashCall {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub qg: u64,
+    pub out: u64,
+    pub t: usize,
+    pub past: usize,
+    pub nq: usize,
+    pub nkv: usize,
+    pub hd: usize,
+}
+
+impl Gpu {
+    /// Causal attention of the `t` new positions over the cache, sigmoid output gate fused,
+    /// through `kind` (head dim a multiple of 32 up to 256).
+    pub fn attn_flash(&self, kind: Flash, a: &FlashCall) -> Result<()> {
+        let mma = match kind {
+            Flash::Mma => mma_kernel(a.hd, a.nq / a.nkv),
+            Flash::Wmma => None,
+        };
+        let (name, heads_per_block, threads, smem) = match mma {
+            Some(k) => (k, 2, 256, mma_smem(a.hd)),
+            None => ("attn_flash", 1, 128, wmma_smem(a.hd)),
+        };
+        self.launch(
+            name,
+            (
+                a.t.div_ceil(BLOCK_Q) as u32,
+                (a.nq / heads_per_block) as u32,
+                1,
+            ),
+            threads,
+            smem as u32,
+            &[
+                Arg::Ptr(a.q),
+                Arg::Ptr(a.k_cache),
+                Arg::Ptr(a.v_cache),
+                Arg::Ptr(a.qg),
+                Arg::Ptr(a.out),
+                Arg::I(a.t as i32),
+                Arg::I(a.past as i32),
+                Arg::I(a.nq as i32),
+                Arg::I(a.nkv as i32),
+                Arg::I(a.hd as i32),
+                Arg::F(1.0 / (a.hd as f32).sqrt()),
+            ],
+        )
+    }
+}
