@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The command line on the GPU, end to end: `generate`, `chat` and `serve` with `--device cuda`
 on a real checkpoint directory (the full-width one `fullwidth_check.py` writes), and the
-"not enough GPU memory" error with most of the GPU held by another process.
+"not enough GPU memory" errors: with most of the GPU held by another process, and for
+more running sequences than the GPU holds.
 
 Run by `scripts/gpu_check.sh cli` on the GPU machine; exits nonzero if any check fails and
 writes each command's output under OUT.
@@ -82,7 +83,7 @@ def main():
     log = open(os.path.join(a.out, "serve.log"), "w")
     srv = subprocess.Popen([k, "serve", "--device", "cuda", "--model", m, "--bind",
                             f"127.0.0.1:{port}", "--max-running", "2", "--default-max-tokens", "16",
-                            "--served-model-name", "fw"],
+                            "--served-model-name", "fw", "--cache-mem", "1000G"],
                            stdout=log, stderr=subprocess.STDOUT)
     try:
         t0 = time.perf_counter()
@@ -138,7 +139,18 @@ def main():
         except subprocess.TimeoutExpired:
             srv.kill()
         log.close()
-    print(open(os.path.join(a.out, "serve.log")).read()[-3000:])
+    serve_log = open(os.path.join(a.out, "serve.log")).read()
+    print(serve_log[-3000:])
+    check("the prefix cache gets" in serve_log,
+          "serve limits --cache-mem 1000G to the GPU memory the running states leave, with a warning")
+
+    # More running sequences than the GPU holds: refused at startup with the numbers.
+    p = run("serve-too-many", [k, "serve", "--device", "cuda", "--model", m, "--bind",
+                               f"127.0.0.1:{port + 1}", "--max-running", "200", "--max-seq", "262144"],
+            a.out, timeout=300)
+    check(p.returncode != 0 and "not enough GPU memory for --max-running 200" in p.stderr,
+          "serve with --max-running 200 --max-seq 262144 stops at startup, saying why")
+    check("panicked" not in p.stderr, "that refusal is not a panic")
 
     # Not enough memory: hold all but ~4 GiB of the GPU in this process, then load the model.
     import torch

@@ -1126,9 +1126,13 @@ fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
                 }
             };
             if !model_args.quiet {
-                eprintln!("kestrel serve: model loaded; ready");
+                eprintln!("kestrel serve: model loaded");
             }
-            with_engine!(&backend, e => run_model(e, model_shared, rx));
+            // On the GPU this first checks that --max-running states fit (and sizes the cache).
+            if let Err(e) = with_engine!(&backend, e => run_model(e, model_shared, rx)) {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
         })?;
     if !model.quiet {
         eprintln!(

@@ -46,6 +46,21 @@ pub trait Engine {
     fn forward(&self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>>;
     /// Memory a state holds (what a cached snapshot of it costs), in bytes.
     fn state_bytes(&self, state: &Self::State) -> usize;
+    /// Where states live in a fixed device memory (the GPU): what is still free there and
+    /// what one fresh state takes. `None` (the CPU): states live in host memory and grow as
+    /// they fill.
+    fn state_memory(&self) -> Option<StateMemory> {
+        None
+    }
+}
+
+/// Device memory for sequence states, see [`Engine::state_memory`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateMemory {
+    /// Bytes free on the device now.
+    pub free: usize,
+    /// Bytes of one sequence state (a snapshot of it costs the same).
+    pub per_state: usize,
 }
 
 pub struct CpuModel {

@@ -47,7 +47,7 @@ fn start<E: Engine + 'static>(
     std::thread::spawn(move || {
         std::thread::sleep(load_delay);
         let engine = make();
-        run_model(&engine, model_shared, rx);
+        run_model(&engine, model_shared, rx).unwrap();
     });
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()

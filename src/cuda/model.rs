@@ -9,7 +9,7 @@ use super::gdn::{DeltaBufs, GdnShape};
 use super::moe::{Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
 use crate::config::{LayerKind, TextConfig};
-use crate::model::{Engine, Logits};
+use crate::model::{Engine, Logits, StateMemory};
 use crate::ops::attention::rope_inv_freq;
 use crate::tensor::{DType, Mat, encode_f32};
 use crate::weights::{ExpertWeights, Mixer, ModelWeights};
@@ -1710,6 +1710,13 @@ impl Engine for CudaModel {
             .chain(&state.kv)
             .map(|(a, b)| a.bytes + b.bytes)
             .sum()
+    }
+
+    fn state_memory(&self) -> Option<StateMemory> {
+        Some(StateMemory {
+            free: self.gpu.memory().ok()?.0,
+            per_state: Self::state_bytes(&self.config, self.max_seq),
+        })
     }
 
     fn forward(&self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {

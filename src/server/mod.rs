@@ -115,8 +115,30 @@ impl Shared {
 }
 
 /// Runs the model loop on the calling thread until the server's job queue closes.
-pub fn run_model<E: Engine>(engine: &E, shared: Arc<Shared>, rx: Receiver<Job>) {
-    worker::Scheduler::new(engine, shared).run(rx)
+///
+/// Where the engine's states live in device memory, `max_running` of them must fit in what
+/// the weights left free (else an error, before anything is served), and the prefix cache is
+/// limited to the rest (with a warning when that is less than `cache_mem`).
+pub fn run_model<E: Engine>(
+    engine: &E,
+    shared: Arc<Shared>,
+    rx: Receiver<Job>,
+) -> anyhow::Result<()> {
+    let mut cache_cap = shared.config.cache_mem;
+    if let Some(mem) = engine.state_memory() {
+        let cap = worker::device_cache_budget(mem, shared.config.max_running.max(1), cache_cap)?;
+        if cap < cache_cap {
+            tracing::warn!(
+                "the prefix cache gets {:.2} GiB of GPU memory, not the {:.2} GiB of --cache-mem: that is what {} running sequence states leave free",
+                cap as f64 / (1u64 << 30) as f64,
+                cache_cap as f64 / (1u64 << 30) as f64,
+                shared.config.max_running.max(1)
+            );
+        }
+        cache_cap = cap;
+    }
+    worker::Scheduler::new(engine, shared, cache_cap).run(rx);
+    Ok(())
 }
 
 /// The HTTP routes.

@@ -17,7 +17,7 @@ use crate::generate::{
     Channel, DecodeLoop, GenerationStats, ReplyDecoder, ReplySettings, StopReason,
     ends_inside_thinking,
 };
-use crate::model::{Engine, Logits};
+use crate::model::{Engine, Logits, StateMemory};
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs, logprobs};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -121,6 +121,8 @@ fn fail(job: &Job, e: anyhow::Error) {
     let msg = format!("{e:#}");
     let status = if msg.contains("context limit") {
         400
+    } else if msg.contains("GPU memory") {
+        503 // out of device memory for one more state: the server's limit, not the client's
     } else {
         500
     };
@@ -131,9 +133,35 @@ fn fail(job: &Job, e: anyhow::Error) {
     });
 }
 
+/// Device memory kept free beside the sequence states (cuBLAS workspaces, decode graphs).
+const DEVICE_HEADROOM: usize = 1 << 30;
+
+/// The prefix cache's byte budget where states live in device memory `mem`: the
+/// `max_running` running states must fit beside [`DEVICE_HEADROOM`] (else an error with the
+/// numbers); the cache gets what is left, at most `cache_mem`.
+pub fn device_cache_budget(
+    mem: StateMemory,
+    max_running: usize,
+    cache_mem: usize,
+) -> anyhow::Result<usize> {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let running = max_running * mem.per_state + DEVICE_HEADROOM;
+    if running > mem.free {
+        anyhow::bail!(
+            "not enough GPU memory for --max-running {max_running}: {max_running} sequence states of {:.2} GiB each (their size follows --max-seq) + {:.2} GiB headroom need {:.2} GiB, {:.2} GiB is free after the weights; lower --max-running or --max-seq",
+            gib(mem.per_state),
+            gib(DEVICE_HEADROOM),
+            gib(running),
+            gib(mem.free)
+        );
+    }
+    Ok(cache_mem.min(mem.free - running))
+}
+
 impl<'e, E: Engine> Scheduler<'e, E> {
-    pub fn new(engine: &'e E, shared: Arc<Shared>) -> Self {
-        let cap = shared.config.cache_mem;
+    /// A scheduler whose prefix cache holds at most `cache_cap` bytes of snapshots.
+    pub fn new(engine: &'e E, shared: Arc<Shared>, cache_cap: usize) -> Self {
+        let cap = cache_cap;
         let max_running = shared.config.max_running.max(1);
         Scheduler {
             engine,
@@ -509,4 +537,40 @@ fn advance<E: Engine>(
     }
     dl.logits = engine.forward(&mut r.state, &[id], Logits::Last)?;
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: usize = 1 << 30;
+
+    #[test]
+    fn device_cache_budget_fits_clamps_and_refuses() {
+        let mem = |free: usize| StateMemory {
+            free,
+            per_state: GIB,
+        };
+        // 4 states + 1 GiB headroom = 5 GiB of 20 free: the cache keeps its 4 GiB.
+        assert_eq!(
+            device_cache_budget(mem(20 * GIB), 4, 4 * GIB).unwrap(),
+            4 * GIB
+        );
+        // 8 GiB free: the cache gets the 3 GiB left, not the 4 asked.
+        assert_eq!(
+            device_cache_budget(mem(8 * GIB), 4, 4 * GIB).unwrap(),
+            3 * GIB
+        );
+        // Exactly the running states: no cache at all.
+        assert_eq!(device_cache_budget(mem(5 * GIB), 4, 4 * GIB).unwrap(), 0);
+        // Not even the running states: an error that says what to lower, with the numbers.
+        let e = device_cache_budget(mem(4 * GIB), 4, 4 * GIB)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--max-running 4"), "{e}");
+        assert!(
+            e.contains("need 5.00 GiB") && e.contains("4.00 GiB is free"),
+            "{e}"
+        );
+    }
 }
