@@ -141,6 +141,11 @@ pub fn run_model<E: Engine>(
     Ok(())
 }
 
+/// The error for a request whose model-thread channel closed without an answer.
+fn model_gone() -> ApiError {
+    ApiError::new(500, "server_error", "the model thread dropped the request")
+}
+
 /// The HTTP routes.
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
@@ -440,11 +445,7 @@ async fn submit(
             cached_tokens,
         }),
         Some(Event::Error { status, message }) => Err(event_error(status, message)),
-        _ => Err(ApiError::new(
-            500,
-            "server_error",
-            "the model thread dropped the request",
-        )),
+        _ => Err(model_gone()),
     }
 }
 
@@ -676,11 +677,7 @@ async fn chat_collect(
             Some(Event::Error { status, message }) => return Err(event_error(status, message)),
             Some(Event::Started { .. }) => {}
             None => {
-                return Err(ApiError::new(
-                    500,
-                    "server_error",
-                    "the model thread dropped the request",
-                ));
+                return Err(model_gone());
             }
         }
     }
@@ -976,11 +973,7 @@ async fn completion_inner(
             Some(Event::Error { status, message }) => return Err(event_error(status, message)),
             Some(Event::Started { .. }) => {}
             None => {
-                return Err(ApiError::new(
-                    500,
-                    "server_error",
-                    "the model thread dropped the request",
-                ));
+                return Err(model_gone());
             }
         }
     }
