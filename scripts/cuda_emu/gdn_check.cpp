@@ -87,8 +87,8 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     if (!ok) exit(1);
 }
 
-void run_conv(int t, int hk, int dk, int hv, int dv) {
-    const int c = 2 * hk * dk + hv * dv, kern = 4, hist = kern - 1;
+void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4) {
+    const int c = 2 * hk * dk + hv * dv, hist = kern - 1;
     Rng rng{std::mt19937_64(7 + t)};
     std::vector<float> p((size_t)t * c), w((size_t)c * kern), st((size_t)hist * c);
     for (auto& x : p) x = rng.uni(-2, 2);
@@ -98,14 +98,14 @@ void run_conv(int t, int hk, int dk, int hv, int dv) {
     float qs = 1.0f / std::sqrt((float)dk);
     emu_launch({(unsigned)((c + 127) / 128), 1, 1}, 128, 0, [&] { gdn_conv(p.data(), st_a.data(), w.data(), out_a.data(), t, c, kern); });
     emu_launch({(unsigned)t, (unsigned)(2 * hk), 1}, (dk + 31) / 32 * 32, 0, [&] { gdn_qk_l2norm(out_a.data(), c, hk, dk, qs); });
-    emu_launch({(unsigned)t, (unsigned)(2 * hk + (hv * dv + 127) / 128), 1}, 128, 0,
-               [&] { gdn_conv_prefill(p.data(), st_b.data(), w.data(), out_b.data(), c, kern, hk, dk, qs); });
+    emu_launch({(unsigned)((t + 31) / 32), (unsigned)(2 * hk + (hv * dv + 127) / 128), 1}, 128, 0,
+               [&] { gdn_conv_prefill(p.data(), st_b.data(), w.data(), out_b.data(), t, c, kern, hk, dk, qs); });
     emu_launch({(unsigned)((c + 255) / 256), 1, 1}, 256, 0, [&] { gdn_conv_advance(p.data(), st_b.data(), t, c, kern); });
     double eo = 0, es = 0;
     for (size_t i = 0; i < out_a.size(); i++) eo = std::max(eo, (double)std::fabs(out_a[i] - out_b[i]));
     for (size_t i = 0; i < st_a.size(); i++) es = std::max(es, (double)std::fabs(st_a[i] - st_b[i]));
     bool ok = eo < 1e-6 && es == 0;
-    printf("%s conv t=%d c=%d: out max diff %.1e, state max diff %.1e\n", ok ? "ok  " : "FAIL", t, c, eo, es);
+    printf("%s conv t=%d c=%d kern=%d: out max diff %.1e, state max diff %.1e\n", ok ? "ok  " : "FAIL", t, c, kern, eo, es);
     if (!ok) exit(1);
 }
 
@@ -113,6 +113,8 @@ int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
     for (int t : {1, 2, 5, 70}) run_conv(t, 2, 16, 4, 24);
     run_conv(9, 4, 32, 8, 32);
+    run_conv(33, 4, 128, 8, 128);
+    for (int t : {2, 40}) run_conv(t, 2, 16, 4, 24, 3);
     for (bool d : {true, false}) {
         run_delta<16>(37, 2, 4, 24, d, 1e-5);
         run_delta<16>(150, 2, 4, 24, d, 1e-5);

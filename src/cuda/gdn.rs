@@ -8,6 +8,8 @@ use anyhow::Result;
 
 /// Chunk length of the chunked delta rule (`GDN_C` in gdn.cu).
 pub const CHUNK: usize = 64;
+/// Tokens per block of `gdn_conv_prefill` (`GDN_CONV_TT` in gdn.cu).
+const CONV_TOKENS: usize = 32;
 /// Value columns per block of `gdn_chunk_state` (`GDN_DVS`).
 const STATE_COLS: usize = 32;
 /// Threads of the chunked kernels (their tilings are written for 256).
@@ -162,7 +164,11 @@ impl Gpu {
         let v_groups = (sh.hv * sh.dv).div_ceil(128);
         self.launch(
             "gdn_conv_prefill",
-            (sh.t as u32, (2 * sh.hk + v_groups) as u32, 1),
+            (
+                sh.t.div_ceil(CONV_TOKENS) as u32,
+                (2 * sh.hk + v_groups) as u32,
+                1,
+            ),
             128,
             0,
             &[
@@ -170,6 +176,7 @@ impl Gpu {
                 Arg::Ptr(conv_state),
                 Arg::Ptr(conv_w),
                 Arg::Ptr(out),
+                Arg::I(sh.t as i32),
                 Arg::I(c as i32),
                 Arg::I(kern as i32),
                 Arg::I(sh.hk as i32),

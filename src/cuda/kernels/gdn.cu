@@ -220,34 +220,88 @@ GDN_STEP_DEC(128)
 
 // ---- Prefill (t > 1): a token-parallel conv and the chunked delta rule.
 
-// Causal depthwise conv + SiLU over a prefill call, one thread per (token, channel), with the
-// q/k L2 norm (and q's dk^-1/2) fused. Block (token blockIdx.x, group blockIdx.y) of 128
-// threads: group y < 2*hk is q/k head y (dk <= 128 channels), the others 128 v channels each.
-// The first kern-1 tokens take their history from the conv state, which is only read here
+// Causal depthwise conv + SiLU over a prefill call with the q/k L2 norm (and q's dk^-1/2)
+// fused. Block (tile blockIdx.x of GDN_CONV_TT tokens, group blockIdx.y) of 128 threads, a
+// thread per channel: group y < 2*hk is q/k head y (dk <= 128 channels), the others 128 v
+// channels each. With the usual kernel width 4 a thread loads its tile's inputs at once and
+// slides the window in registers, so each input is read once and the loads overlap. The
+// first kern-1 tokens take their history from the conv state, which is only read here
 // (gdn_conv_advance moves it afterwards, so no block reads a row another block rewrites).
+#define GDN_CONV_TT 32
+
+template <int KERN>
+__device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, const float* __restrict__ state,
+                                                  const float* __restrict__ w, float* __restrict__ out, int t,
+                                                  int c, int ch, bool valid, bool qk, float scale) {
+    constexpr int H = KERN - 1;
+    const int s0 = blockIdx.x * GDN_CONV_TT, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float v[GDN_CONV_TT];
+    if (valid) {
+        float wt[KERN], win[H], x[GDN_CONV_TT];
+#pragma unroll
+        for (int j = 0; j < KERN; j++) wt[j] = w[(size_t)ch * KERN + j];
+#pragma unroll
+        for (int j = 0; j < H; j++) {  // inputs of tokens s0-H .. s0-1
+            int src = s0 - H + j;
+            win[j] = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(H + src) * c + ch];
+        }
+#pragma unroll
+        for (int i = 0; i < GDN_CONV_TT; i++) x[i] = s0 + i < t ? p[(size_t)(s0 + i) * c + ch] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < GDN_CONV_TT; i++) {
+            float acc = wt[H] * x[i];
+#pragma unroll
+            for (int j = 0; j < H; j++) acc += wt[j] * (i - H + j >= 0 ? x[i - H + j] : win[i + j]);
+            v[i] = silu_f(acc);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < GDN_CONV_TT; i++) v[i] = 0.0f;
+    }
+    if (qk) {  // block-uniform: one barrier for the tile's 32 norms
+        __shared__ float part[4][GDN_CONV_TT];
+#pragma unroll
+        for (int i = 0; i < GDN_CONV_TT; i++) {
+            float ss = warp_sum(v[i] * v[i]);
+            if (lane == 0) part[warp][i] = ss;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < GDN_CONV_TT; i++)
+            v[i] *= rsqrtf(part[0][i] + part[1][i] + part[2][i] + part[3][i] + 1e-6f) * scale;
+    }
+    if (valid)
+#pragma unroll
+        for (int i = 0; i < GDN_CONV_TT; i++)
+            if (s0 + i < t) out[(size_t)(s0 + i) * c + ch] = v[i];
+}
+
 extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
     const float* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
-    float* __restrict__ out, int c, int kern, int hk, int dk, float q_scale) {
-    const int s = blockIdx.x, y = blockIdx.y, hist = kern - 1;
+    float* __restrict__ out, int t, int c, int kern, int hk, int dk, float q_scale) {
+    const int y = blockIdx.y, hist = kern - 1;
     const bool qk = y < 2 * hk;
     const int ch = qk ? y * dk + threadIdx.x : 2 * hk * dk + (y - 2 * hk) * blockDim.x + threadIdx.x;
     const bool valid = qk ? (int)threadIdx.x < dk : ch < c;
-    float v = 0.0f;
-    if (valid) {
-        const float* wc = w + (size_t)ch * kern;
-        float acc = wc[hist] * p[(size_t)s * c + ch];
-        for (int j = 0; j < hist; j++) {
-            int src = s - hist + j;  // token of tap j; negative: conv state row hist + src
-            float x = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(hist + src) * c + ch];
-            acc += wc[j] * x;
+    const float scale = qk && y < hk ? q_scale : 1.0f;
+    if (kern == 4) return conv_prefill_tile<4>(p, state, w, out, t, c, ch, valid, qk, scale);
+    // Other widths: token by token (taps read from global memory, a block sum per q/k norm).
+    const int s_end = min(t, (int)(blockIdx.x + 1) * GDN_CONV_TT);
+    for (int s = blockIdx.x * GDN_CONV_TT; s < s_end; s++) {
+        float v = 0.0f;
+        if (valid) {
+            const float* wc = w + (size_t)ch * kern;
+            float acc = wc[hist] * p[(size_t)s * c + ch];
+            for (int j = 0; j < hist; j++) {
+                int src = s - hist + j;  // token of tap j; negative: conv state row hist + src
+                float x = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(hist + src) * c + ch];
+                acc += wc[j] * x;
+            }
+            v = silu_f(acc);
         }
-        v = silu_f(acc);
+        if (qk) v *= rsqrtf(block_sum(v * v) + 1e-6f) * scale;  // block-uniform
+        if (valid) out[(size_t)s * c + ch] = v;
     }
-    if (qk) {  // block-uniform
-        float inv = rsqrtf(block_sum(v * v) + 1e-6f);
-        v = v * inv * (y < hk ? q_scale : 1.0f);
-    }
-    if (valid) out[(size_t)s * c + ch] = v;
 }
 
 // After gdn_conv_prefill: the conv state becomes the last kern-1 rows of [state ; p]. One
