@@ -6,11 +6,12 @@
 
 pub mod attention;
 pub mod gdn;
+pub mod gemm;
 pub mod model;
 pub mod moe;
 
 use anyhow::{Context, Result, anyhow, bail};
-use cudarc::cublas::{CudaBlas, sys as cublas_sys};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -83,8 +84,8 @@ pub(crate) fn block_threads(n: usize) -> u32 {
 }
 
 /// A raw device allocation, freed on drop.
-/// Bytes of cuBLAS's workspace.
-pub const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+/// Bytes of cuBLASLt's workspace (NVIDIA's advice for Hopper).
+pub const GEMM_WORKSPACE_BYTES: usize = 32 << 20;
 
 pub struct DeviceBuf {
     pub ptr: u64,
@@ -117,8 +118,11 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
-    /// cuBLAS's workspace (declared after `blas`, so dropped after it).
-    _blas_workspace: Option<DeviceBuf>,
+    /// cuBLASLt with its plans (`gemm.rs`), and how `gemm` runs (`KESTREL_GEMM`).
+    lt: gemm::Lt,
+    gemm_path: gemm::GemmPath,
+    /// cuBLASLt's workspace (declared after `lt`, so dropped after it).
+    _gemm_workspace: DeviceBuf,
     functions: std::collections::HashMap<&'static str, CudaFunction>,
     pub name: String,
     pub compute_capability: (i32, i32),
@@ -282,7 +286,10 @@ impl Gpu {
         let blas = quiet_catch(|| CudaBlas::new(stream.clone()))
             .ok_or_else(|| anyhow!("cuBLAS could not be loaded (libcublas.so)"))?
             .map_err(|e| anyhow!("cuBLAS init failed: {e:?}"))?;
-        let blas_workspace = Self::blas_workspace(&ctx, &blas)?;
+        let gemm_path = gemm::GemmPath::from_env()?;
+        let gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
+            .context("allocating cuBLASLt's workspace")?;
+        let lt = gemm::Lt::new(gemm_workspace.ptr, gemm_workspace.bytes)?;
         let max_smem_per_block = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
@@ -300,7 +307,9 @@ impl Gpu {
             ctx,
             stream,
             blas,
-            _blas_workspace: blas_workspace,
+            lt,
+            gemm_path,
+            _gemm_workspace: gemm_workspace,
             functions,
             name,
             compute_capability: cc,
@@ -322,28 +331,6 @@ impl Gpu {
             gpu.set_max_dynamic_smem(k, bytes)?;
         }
         Ok(Arc::new(gpu))
-    }
-
-    /// Gives cuBLAS a 32 MiB workspace (what NVIDIA advises for Hopper; without one it
-    /// falls back to kernels that need less). `KESTREL_GEMM_WS=0` leaves cuBLAS's default.
-    fn blas_workspace(ctx: &Arc<CudaContext>, blas: &CudaBlas) -> Result<Option<DeviceBuf>> {
-        if std::env::var("KESTREL_GEMM_WS").is_ok_and(|v| v == "0") {
-            return Ok(None);
-        }
-        let bytes = BLAS_WORKSPACE_BYTES;
-        // SAFETY: plain device allocation, owned (and freed) by the DeviceBuf below.
-        let ptr = unsafe { result::malloc_sync(bytes) }
-            .map_err(|e| anyhow!("GPU out of memory allocating cuBLAS's workspace: {e:?}"))?;
-        let buf = DeviceBuf {
-            ptr,
-            bytes,
-            ctx: ctx.clone(),
-        };
-        // SAFETY: the buffer outlives the handle (field order in Gpu).
-        unsafe { cublas_sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, bytes) }
-            .result()
-            .map_err(|e| anyhow!("cublasSetWorkspace failed: {e:?}"))?;
-        Ok(Some(buf))
     }
 
     fn compile(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Arc<cudarc::driver::CudaModule>> {
@@ -372,6 +359,10 @@ impl Gpu {
 
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuf> {
         self.bind()?;
+        Self::alloc_in(&self.ctx, bytes)
+    }
+
+    fn alloc_in(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DeviceBuf> {
         let ptr = if bytes == 0 {
             0
         } else {
@@ -386,7 +377,7 @@ impl Gpu {
         Ok(DeviceBuf {
             ptr,
             bytes,
-            ctx: self.ctx.clone(),
+            ctx: ctx.clone(),
         })
     }
 
@@ -604,67 +595,6 @@ impl Gpu {
                 .with_context(|| format!("launching {name}"))
             },
         )
-    }
-
-    /// `y[t, n] = beta * y + x[t, k] · W[n, k]ᵀ`: W and x bf16 row-major, y f32 with row
-    /// stride `ldy`, f32 accumulation (cuBLAS).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        w: u64,
-        n: usize,
-        k: usize,
-        x: u64,
-        t: usize,
-        y: u64,
-        ldy: usize,
-        beta: f32,
-    ) -> Result<()> {
-        self.timed(
-            || format!("gemm {n}x{k} t={t}"),
-            || self.gemm_raw(w, n, k, x, t, y, ldy, beta),
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_raw(
-        &self,
-        w: u64,
-        n: usize,
-        k: usize,
-        x: u64,
-        t: usize,
-        y: u64,
-        ldy: usize,
-        beta: f32,
-    ) -> Result<()> {
-        let alpha = 1.0f32;
-        // Column-major view: y^T [n, t] = W [n, k] (stored as k x n, transposed) · x^T [k, t].
-        // SAFETY: pointers and leading dimensions describe our device buffers.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                t as i32,
-                k as i32,
-                &alpha as *const f32 as *const _,
-                w as *const _,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
-                x as *const _,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
-                &beta as *const f32 as *const _,
-                y as *mut _,
-                cublas_sys::cudaDataType::CUDA_R_32F,
-                ldy as i32,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| anyhow!("cuBLAS GEMM [{t}x{k}]·[{n}x{k}]ᵀ failed: {e:?}"))
     }
 
     /// Fills `n` values at `ptr` (bf16, or f32 when `f32` is set) with seeded

@@ -963,14 +963,15 @@ impl CudaModel {
                     }
                     g.launch(
                         "gdn_gated_norm",
-                        ((t * hv) as u32, 1, 1),
-                        block(dv),
+                        ((t * hv).div_ceil(8) as u32, 1, 1),
+                        256,
                         0,
                         &[
                             Arg::Ptr(ws.o.ptr),
                             Arg::Ptr(ws.z.ptr),
                             Arg::Ptr(w.norm.ptr),
                             Arg::Ptr(ws.ob.ptr),
+                            Arg::I((t * hv) as i32),
                             Arg::I(dv as i32),
                             Arg::F(eps),
                         ],

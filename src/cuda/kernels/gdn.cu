@@ -110,14 +110,18 @@ GDN_RECURRENT(32)
 GDN_RECURRENT(64)
 GDN_RECURRENT(128)
 
-// Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), bf16 out. grid t*hv, block >= dv.
+// Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), bf16 out. A warp per (token, head)
+// row of dv, so the norm is one shuffle reduction. grid ceil(rows / 8), block 256.
 extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const float* __restrict__ z,
-                                          const float* __restrict__ w, bf16* __restrict__ out, int dv, float eps) {
-    size_t base = (size_t)blockIdx.x * dv;
-    float v = threadIdx.x < dv ? o[base + threadIdx.x] : 0.0f;
-    float inv = rsqrtf(block_sum(v * v) / dv + eps);
-    if (threadIdx.x < dv)
-        out[base + threadIdx.x] = __float2bfloat16(v * inv * w[threadIdx.x] * silu_f(z[base + threadIdx.x]));
+                                          const float* __restrict__ w, bf16* __restrict__ out, int rows, int dv,
+                                          float eps) {
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;  // warp-uniform
+    const size_t base = (size_t)row * dv;
+    float ss = 0.0f;
+    for (int i = lane; i < dv; i += 32) ss += o[base + i] * o[base + i];
+    const float inv = rsqrtf(warp_sum(ss) / dv + eps);
+    for (int i = lane; i < dv; i += 32) out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(z[base + i]));
 }
 
 // ---- Decode (one token): two launches between the in- and out-projections ----
