@@ -58,6 +58,8 @@ inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __shared__ static
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcg(const T* p) { return *p; }

@@ -87,11 +87,10 @@ impl GdnShape {
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + kq)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, the state slice, V', γ twice.
+    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 copies), γ twice.
     fn state_smem_bytes(&self) -> usize {
-        let ldk = self.dk + 4;
-        let lds = STATE_COLS + 4;
-        4 * (4 * CHUNK * ldk + CHUNK * ldk + self.dk * lds + CHUNK * lds + 2 * CHUNK)
+        let ldv = STATE_COLS + 8;
+        4 * (4 * CHUNK * (self.dk + 4) + CHUNK * (self.dk + 8) + self.dk * ldv + CHUNK * ldv + 2 * CHUNK)
     }
 
     /// Whether the token-parallel conv and chunked delta rule take this shape, given `smem`

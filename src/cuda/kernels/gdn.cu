@@ -325,10 +325,14 @@ extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* 
 #define GDN_C 64             // chunk length of the chunked delta rule
 #define GDN_LDP (GDN_C + 4)  // row stride of 64x64 matrices in shared memory
 #define GDN_DVS 32           // value columns per block of gdn_chunk_state
-#define GDN_LDS (GDN_DVS + 4)
+#define GDN_LDV (GDN_DVS + 8)  // row stride of [*][32] tf32 B operands: lanes (k c, n g) hit c*LDV + g, 32 banks
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+// x rounded to tf32 (kept as a float: the bits of an mma operand).
+__device__ __forceinline__ float tf32r(float x) { return __uint_as_float(to_tf32(x)); }
 // acc += a · b, component by component in order.
 __device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
     acc = fmaf(a.x, b.x, acc);
@@ -537,25 +541,31 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
 }
 
 // Chunked delta rule, part 2: the chunks in order, for value head blockIdx.x and value
-// columns [32 * blockIdx.y, +32), 256 threads; the state slice S [DK, 32] stays in shared
-// memory (f32) from the first chunk to the last. Per chunk:
-//   R = [W; Q'] S (128 x 32),  V' = U − R_W,  O = O_intra + R_Q' (into o),
-//   S ← e^{γ_last} S + Kᵀ (e^{γ_last − γ} ⊙ V')
-// with the next chunk's W, Q' and γ (double-buffered) and K (single) fetched by cp.async
-// while the current chunk computes. Dynamic shared memory: GdnShape::state_smem_bytes.
+// columns [32 * blockIdx.y, +32), 256 threads (8 warps), on tensor cores (tf32 mma.sync, f32
+// accumulate). The state slice S [DK, 32] stays in registers (f32, mma accumulator layout)
+// from the first chunk to the last, with a tf32 copy in shared memory as the B operand. Per chunk:
+//   R = [W; Q'] S (128 x 32; warp w: rows 16w..16w+15, all 32 columns),
+//   V' = U − R_W, Vd = e^{γ_last − γ} ⊙ V' (into shared memory), O = O_intra + R_Q' (into o),
+//   S ← e^{γ_last} S + Kᵀ Vd (warp: 16 key rows x NPW column tiles of 8)
+// with the next chunk's W, Q' and γ (double-buffered) and K (single) fetched by cp.async while
+// the current chunk computes. Dynamic shared memory: GdnShape::state_smem_bytes.
 template <int DK>
 __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                      const float* __restrict__ qp_in, const float* __restrict__ u_in,
                                      const float* __restrict__ gamma_in, float* __restrict__ state,
                                      float* __restrict__ o, int t, int hk, int hv, int dv) {
     extern __shared__ __align__(16) float gdn_smem[];
-    constexpr int LDK = DK + 4;
-    float* wq = gdn_smem;                     // [2][128][LDK] W rows then Q' rows, two chunks
-    float* kt = wq + 2 * 2 * GDN_C * LDK;  // [64][LDK] k of the chunk (0 past t)
-    float* ss = kt + GDN_C * LDK;          // [DK][LDS] state slice
-    float* vd = ss + DK * GDN_LDS;         // [64][LDS] e^{γ_last − γ_r} V'_r
-    float* gm = vd + GDN_C * GDN_LDS;      // [2][64] γ, two chunks
-    const int tid = threadIdx.x, j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
+    constexpr int LDW = DK + 4;   // W, Q' rows: ldmatrix's 8 rows land 16 bytes apart mod 128
+    constexpr int LDKT = DK + 8;  // K rows, read as Kᵀ fragments (k c, row g): c*LDKT + g spans the banks
+    constexpr int RT = DK / 16;   // 16-row tiles of S
+    constexpr int NPW = RT >= 2 ? RT / 2 : 1;  // 8-column tiles of S per warp (8 warps, 4 tiles per row tile)
+    float* wq = gdn_smem;                  // [2][128][LDW] W rows then Q' rows, two chunks
+    float* kt = wq + 2 * 2 * GDN_C * LDW;  // [64][LDKT] k of the chunk (0 past t)
+    float* ss = kt + GDN_C * LDKT;         // [DK][LDV] S rounded to tf32
+    float* vd = ss + DK * GDN_LDV;         // [64][LDV] e^{γ_last − γ_r} V'_r rounded to tf32
+    float* gm = vd + GDN_C * GDN_LDV;      // [2][64] γ, two chunks
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
+    const int j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
     const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
     const size_t tp = (size_t)nchunks * GDN_C;
     const int dvs = min(GDN_DVS, dv - m0);
@@ -567,11 +577,11 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     auto load_wq = [&](int ch, int buf) {
         if (ch < nchunks) {
             const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
-            float* dst = wq + buf * 2 * GDN_C * LDK;
+            float* dst = wq + buf * 2 * GDN_C * LDW;
             for (int idx = tid; idx < 2 * GDN_C * DK / 4; idx += blockDim.x) {
                 int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
                 const float* src = r < GDN_C ? w_in + (row0 + r) * DK + i : qp_in + (row0 + r - GDN_C) * DK + i;
-                cp_async16(dst + r * LDK + i, src, true);
+                cp_async16(dst + r * LDW + i, src, true);
             }
             if (tid < GDN_C / 4) cp_async16(gm + buf * GDN_C + 4 * tid, gamma_in + row0 + 4 * tid, true);
         }
@@ -583,7 +593,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
                 int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
                 int s = ch * GDN_C + r;
                 bool in = s < t;
-                cp_async16(kt + r * LDK + i, in ? qkv + (size_t)s * c + koff + i : qkv, in);
+                cp_async16(kt + r * LDKT + i, in ? qkv + (size_t)s * c + koff + i : qkv, in);
             }
         }
         cp_async_commit();
@@ -591,100 +601,136 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
 
     load_wq(0, 0);
     load_k(0);
-    for (int idx = tid; idx < DK * GDN_DVS; idx += blockDim.x) {
-        int i = idx / GDN_DVS, m = idx % GDN_DVS;
-        ss[i * GDN_LDS + m] = m < dvs ? st[(size_t)i * dv + m] : 0.0f;  // padding columns stay 0
+    // S tiles of this warp: unit u = warp * NPW + p is row tile u / 4, column tile u % 4
+    // (NPW divides 4, so one row tile per warp); warps past 4 * RT units have none (DK = 16).
+    const bool has_s = warp * NPW < 4 * RT;
+    const int srow = 16 * (warp * NPW / 4) + gq;  // rows srow and srow + 8
+    float sr[NPW][4];
+#pragma unroll
+    for (int p = 0; p < NPW; p++) {
+        const int m = 8 * ((warp * NPW + p) % 4) + 2 * cq;  // columns m, m + 1 (dvs is even)
+        const bool ok = has_s && m < dvs;
+        sr[p][0] = ok ? st[(size_t)srow * dv + m] : 0.0f;  // padding columns stay 0
+        sr[p][1] = ok ? st[(size_t)srow * dv + m + 1] : 0.0f;
+        sr[p][2] = ok ? st[(size_t)(srow + 8) * dv + m] : 0.0f;
+        sr[p][3] = ok ? st[(size_t)(srow + 8) * dv + m + 1] : 0.0f;
+        if (has_s) {
+            st2(ss + srow * GDN_LDV + m, tf32r(sr[p][0]), tf32r(sr[p][1]));
+            st2(ss + (srow + 8) * GDN_LDV + m, tf32r(sr[p][2]), tf32r(sr[p][3]));
+        }
     }
-    const int cg = tid & 7;  // columns 4*cg..4*cg+3 of the slice, in both phases
-    const bool col_ok = 4 * cg < dvs;
     for (int ch = 0; ch < nchunks; ch++) {
         const int buf = ch & 1, c0 = ch * GDN_C;
         cp_async_wait_one();  // this chunk's W, Q', γ (its K may still be in flight)
         __syncthreads();
         load_wq(ch + 1, buf ^ 1);  // that buffer's last readers passed the barrier above
-        const float* wqb = wq + buf * 2 * GDN_C * LDK;
+        const float* wqb = wq + buf * 2 * GDN_C * LDW;
         const float* gc = gm + buf * GDN_C;
 
-        // R = [W; Q'] S: thread = rows 4*rg..4*rg+3 (rg < 16: W, else Q'; warp-uniform).
+        // R = [W; Q'] S: warp w < 4 rows 16w.. of W, else of Q' (row r and r + 8 per lane).
         {
-            const int rg = tid >> 3;
-            const bool is_w = rg < GDN_C / 4;
-            const int r0 = 4 * (rg % (GDN_C / 4));
-            float4 pre[4];  // U rows, or O_intra rows, fetched before the product
+            const bool is_w = warp < 4;
+            const int r = 16 * (warp & 3) + gq;
+            float pre[4][4];  // U rows, or O_intra rows, fetched before the product
 #pragma unroll
-            for (int a = 0; a < 4; a++) {
-                const int r = r0 + a;
-                pre[a] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (col_ok) {
-                    if (is_w) pre[a] = ld4(u_in + ((size_t)j * tp + c0 + r) * dv + m0 + 4 * cg);
-                    else if (c0 + r < t) pre[a] = ld4(o + ((size_t)(c0 + r) * hv + j) * dv + m0 + 4 * cg);
+            for (int nt = 0; nt < 4; nt++) {
+                const int m = 8 * nt + 2 * cq;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int rr = r + 8 * h;
+                    float2 v = make_float2(0.f, 0.f);
+                    if (m < dvs) {
+                        if (is_w) v = ld2(u_in + ((size_t)j * tp + c0 + rr) * dv + m0 + m);
+                        else if (c0 + rr < t) v = ld2(o + ((size_t)(c0 + rr) * hv + j) * dv + m0 + m);
+                    }
+                    pre[nt][2 * h] = v.x;
+                    pre[nt][2 * h + 1] = v.y;
                 }
             }
             float acc[4][4];
 #pragma unroll
-            for (int a = 0; a < 4; a++)
+            for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
+                for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+            const float* arow = wqb + (16 * warp + (lane & 15)) * LDW + (lane >> 4) * 4;
 #pragma unroll 4
-            for (int i = 0; i < DK; i += 4)
-                tile4x4_step(wqb + 4 * rg * LDK + i, LDK, ss + i * GDN_LDS + 4 * cg, GDN_LDS, acc);
+            for (int k0 = 0; k0 < DK; k0 += 8) {
+                unsigned a[4];
+                ldsm_x4(a, arow + k0);
+#pragma unroll
+                for (int e = 0; e < 4; e++) a[e] = to_tf32(__uint_as_float(a[e]));
+                const float* b = ss + (k0 + cq) * GDN_LDV + gq;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+                    mma_tf32_1688(acc[nt], a, __float_as_uint(b[8 * nt]), __float_as_uint(b[4 * GDN_LDV + 8 * nt]));
+            }
             if (is_w) {
                 const float last = gc[GDN_C - 1];
+                const float d0 = expf(last - gc[r]), d1 = expf(last - gc[r + 8]);
 #pragma unroll
-                for (int a = 0; a < 4; a++) {
-                    const int r = r0 + a;
-                    const float d = expf(last - gc[r]);
-                    st4(vd + r * GDN_LDS + 4 * cg, make_float4((pre[a].x - acc[a][0]) * d, (pre[a].y - acc[a][1]) * d,
-                                                              (pre[a].z - acc[a][2]) * d, (pre[a].w - acc[a][3]) * d));
+                for (int nt = 0; nt < 4; nt++) {
+                    const int m = 8 * nt + 2 * cq;
+                    st2(vd + r * GDN_LDV + m, tf32r((pre[nt][0] - acc[nt][0]) * d0), tf32r((pre[nt][1] - acc[nt][1]) * d0));
+                    st2(vd + (r + 8) * GDN_LDV + m, tf32r((pre[nt][2] - acc[nt][2]) * d1),
+                        tf32r((pre[nt][3] - acc[nt][3]) * d1));
                 }
             } else {
 #pragma unroll
-                for (int a = 0; a < 4; a++) {
-                    const int r = r0 + a;
-                    if (col_ok && c0 + r < t)
-                        st4(o + ((size_t)(c0 + r) * hv + j) * dv + m0 + 4 * cg,
-                            make_float4(pre[a].x + acc[a][0], pre[a].y + acc[a][1], pre[a].z + acc[a][2],
-                                        pre[a].w + acc[a][3]));
+                for (int nt = 0; nt < 4; nt++) {
+                    const int m = 8 * nt + 2 * cq;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int rr = r + 8 * h;
+                        if (m < dvs && c0 + rr < t)
+                            st2(o + ((size_t)(c0 + rr) * hv + j) * dv + m0 + m, pre[nt][2 * h] + acc[nt][2 * h],
+                                pre[nt][2 * h + 1] + acc[nt][2 * h + 1]);
+                    }
                 }
             }
         }
         cp_async_wait_one();  // this chunk's K (the next chunk's W, Q' may still be in flight)
-        __syncthreads();      // V' complete, K visible, every read of S for R done
+        __syncthreads();      // Vd complete, K visible, every read of the tf32 S done
 
-        // S ← e^{γ_last} S + Kᵀ Vd: thread = key rows 4*ig..4*ig+3, the same 4 columns.
-        {
-            const int ig = tid >> 3;
-            if (4 * ig < DK) {
-                float acc[4][4];
+        // S ← e^{γ_last} S + Kᵀ Vd: A = Kᵀ (rows = keys srow.., k = tokens) read transposed.
+        if (has_s) {
+            const float el = expf(gc[GDN_C - 1]);
 #pragma unroll
-                for (int a = 0; a < 4; a++)
+            for (int p = 0; p < NPW; p++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
-#pragma unroll 4
-                for (int r = 0; r < GDN_C; r++) {
-                    float4 k4 = ld4(kt + r * LDK + 4 * ig), v4 = ld4(vd + r * GDN_LDS + 4 * cg);
-                    axpy4(k4.x, v4, acc[0]);
-                    axpy4(k4.y, v4, acc[1]);
-                    axpy4(k4.z, v4, acc[2]);
-                    axpy4(k4.w, v4, acc[3]);
-                }
-                const float el = expf(gc[GDN_C - 1]);
+                for (int e = 0; e < 4; e++) sr[p][e] *= el;
+#pragma unroll 2
+            for (int r0 = 0; r0 < GDN_C; r0 += 8) {
+                const float* ka = kt + (r0 + cq) * LDKT + srow;
+                unsigned a[4] = {to_tf32(ka[0]), to_tf32(ka[8]), to_tf32(ka[4 * LDKT]), to_tf32(ka[4 * LDKT + 8])};
+                const float* b = vd + (r0 + cq) * GDN_LDV + gq;
 #pragma unroll
-                for (int a = 0; a < 4; a++) {
-                    float* sp = ss + (4 * ig + a) * GDN_LDS + 4 * cg;
-                    float4 s4 = ld4(sp);
-                    st4(sp, make_float4(fmaf(el, s4.x, acc[a][0]), fmaf(el, s4.y, acc[a][1]), fmaf(el, s4.z, acc[a][2]),
-                                        fmaf(el, s4.w, acc[a][3])));
+                for (int p = 0; p < NPW; p++) {
+                    const int n0 = 8 * ((warp * NPW + p) % 4);
+                    mma_tf32_1688(sr[p], a, __float_as_uint(b[n0]), __float_as_uint(b[4 * GDN_LDV + n0]));
                 }
             }
+#pragma unroll
+            for (int p = 0; p < NPW; p++) {
+                const int m = 8 * ((warp * NPW + p) % 4) + 2 * cq;
+                st2(ss + srow * GDN_LDV + m, tf32r(sr[p][0]), tf32r(sr[p][1]));
+                st2(ss + (srow + 8) * GDN_LDV + m, tf32r(sr[p][2]), tf32r(sr[p][3]));
+            }
         }
-        __syncthreads();  // S updated; K and Vd free
+        __syncthreads();  // K and Vd free
         load_k(ch + 1);
     }
     cp_async_wait_all();
-    for (int idx = tid; idx < DK * GDN_DVS; idx += blockDim.x) {
-        int i = idx / GDN_DVS, m = idx % GDN_DVS;
-        if (m < dvs) st[(size_t)i * dv + m] = ss[i * GDN_LDS + m];
+    if (has_s) {
+#pragma unroll
+        for (int p = 0; p < NPW; p++) {
+            const int m = 8 * ((warp * NPW + p) % 4) + 2 * cq;
+            if (m < dvs) {
+                st[(size_t)srow * dv + m] = sr[p][0];
+                st[(size_t)srow * dv + m + 1] = sr[p][1];
+                st[(size_t)(srow + 8) * dv + m] = sr[p][2];
+                st[(size_t)(srow + 8) * dv + m + 1] = sr[p][3];
+            }
+        }
     }
 }
 
