@@ -7,6 +7,7 @@
 //
 // emu-provides: griddep_launch griddep_wait cp_async16 cp_async_commit cp_async_wait_all
 // emu-provides: cp_async_wait_one cp_async_wait smem_addr ldsm_x4 ldsm_x4_t mma_bf16_16816
+// emu-provides: to_tf32 mma_tf32_1688
 // (build.py drops these from common.cuh; everything else there compiles as written.)
 #pragma once
 #include <algorithm>
@@ -57,6 +58,8 @@ inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __shared__ static
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcg(const T* p) { return *p; }
@@ -324,6 +327,42 @@ inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, u
         for (int k = 0; k < 16; k++) {
             float av = emu_bf16_half(w->ma[(row % 8) * 4 + (k % 8) / 2][row / 8 + 2 * (k / 8)], k % 2);
             float bv = emu_bf16_half(w->mb[col * 4 + (k % 8) / 2][k / 8], k % 2);
+            s += (double)av * bv;
+        }
+        out[e] = (float)s;
+    }
+    __syncwarp();
+    for (int e = 0; e < 4; e++) d[e] = out[e];
+}
+
+// cvt.rna.tf32.f32: keep 10 mantissa bits, round half away from zero (magnitude), NaN/inf kept.
+inline unsigned to_tf32(float x) {
+    uint32_t u; memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+    return u;
+}
+// The hardware reads a .tf32 operand's top 19 bits (the low 13 are ignored).
+inline float emu_tf32_val(uint32_t reg) { reg &= 0xffffe000u; float f; memcpy(&f, &reg, 4); return f; }
+// mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32, D = A B + C. g = lane/4, c = lane%4:
+// A 16x8: a[0] (g, c), a[1] (g+8, c), a[2] (g, c+4), a[3] (g+8, c+4); B 8x8 (k x n):
+// b0 (k c, n g), b1 (k c+4, n g); C/D 16x8: d[0..1] (g, 2c..2c+1), d[2..3] (g+8, 2c..2c+1).
+// Products exact, summed in double, rounded once (as the bf16 one).
+inline void mma_tf32_1688(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    Warp* w = t_warp;
+    int l = emu_lane();
+    for (int i = 0; i < 4; i++) w->ma[l][i] = a[i];
+    w->mb[l][0] = b0;
+    w->mb[l][1] = b1;
+    __syncwarp();
+    int g = l / 4, c = 2 * (l % 4);
+    float out[4];
+    for (int e = 0; e < 4; e++) {
+        int row = g + 8 * (e / 2), col = c + e % 2;
+        double s = d[e];
+        for (int k = 0; k < 8; k++) {
+            // A (row, k) sits in lane (row % 8) * 4 + k % 4, register row / 8 + 2 * (k / 4)
+            float av = emu_tf32_val(w->ma[(row % 8) * 4 + k % 4][row / 8 + 2 * (k / 4)]);
+            float bv = emu_tf32_val(w->mb[col * 4 + k % 4][k / 4]);
             s += (double)av * bv;
         }
         out[e] = (float)s;

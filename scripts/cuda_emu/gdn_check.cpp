@@ -68,8 +68,9 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     float* qp = w + (size_t)hv * tp * dk;
     float* u = qp + (size_t)hv * tp * dk;
     float* gam = u + (size_t)hv * tp * dv;
-    size_t prep = 4 * (2 * C * (C + 4) + 3 * C + std::max(2 * C * (dk + 4), C * (dk + dv + 4)));
-    size_t stsm = 4 * (4 * C * (dk + 4) + C * (dk + 4) + dk * 36 + C * 36 + 2 * C);
+    const int ldx = ((dk + dv + 7) / 8 * 8 + 31) / 32 * 32 + 8;
+    size_t prep = 4 * (2 * C * (C + 4) + 4 * 16 * 20 + 3 * C + std::max(2 * C * (dk + 4), C * ldx));
+    size_t stsm = 4 * (4 * C * (dk + 4) + C * (dk + 8) + dk * 40 + C * 40 + 2 * C);
     emu_launch({(unsigned)nch, (unsigned)hv, 1}, 256, prep, [&] {
         gdn_chunk_prep_impl<DK>(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_c.data(), t, hk, hv, dv);
     });
@@ -109,6 +110,8 @@ void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4) {
     if (!ok) exit(1);
 }
 
+static const double TOL = 2e-3;
+
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
     for (int t : {1, 2, 5, 70}) run_conv(t, 2, 16, 4, 24);
@@ -116,13 +119,16 @@ int main(int argc, char** argv) {
     run_conv(33, 4, 128, 8, 128);
     for (int t : {2, 40}) run_conv(t, 2, 16, 4, 24, 3);
     for (bool d : {true, false}) {
-        run_delta<16>(37, 2, 4, 24, d, 1e-5);
-        run_delta<16>(150, 2, 4, 24, d, 1e-5);
-        run_delta<32>(130, 4, 8, 32, d, 1e-5);
-        run_delta<32>(64, 2, 4, 48, d, 1e-5);
-        run_delta<64>(100, 2, 4, 64, d, 1e-5);
-        run_delta<128>(70, 1, 2, 128, d, 1e-5);
+        run_delta<16>(37, 2, 4, 24, d, TOL);
+        run_delta<16>(150, 2, 4, 24, d, TOL);
+        run_delta<32>(130, 4, 8, 32, d, TOL);
+        run_delta<32>(64, 2, 4, 48, d, TOL);
+        run_delta<64>(100, 2, 4, 64, d, TOL);
+        run_delta<128>(70, 1, 2, 128, d, TOL);
     }
-    if (full) run_delta<128>(300, 16, 32, 128, true, 1e-5);
+    if (full) {
+        run_delta<128>(300, 16, 32, 128, true, TOL);
+        run_delta<128>(4096, 1, 4, 128, true, TOL);  // 64 chunks: does the tf32 error build up in S?
+    }
     return 0;
 }

@@ -3,7 +3,8 @@
 // hand from the layouts documented in common.cuh; A from ldsm_x4 of a row-major tile, B from
 // ldsm_x4 of an [n][k] tile and from ldsm_x4_t of a [k][n] tile; the raw ldsm_x4 registers
 // with rows at scattered addresses; the accumulator of one mma repacked (pack_bf16x2) as the A
-// operand of the next (as flash attention does with P); smem_addr.
+// operand of the next (as flash attention does with P); smem_addr; the tf32 m16n8k8 mma and
+// to_tf32, with fragments by hand and through ldsm_x4 of f32 rows.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -167,6 +168,57 @@ int main() {
         if (a != 16 * threadIdx.x || emu_smem_ptr(a) != s + 16 * threadIdx.x) bad++;
     });
     report("smem_addr", bad, 0);
+    // 6. tf32 m16n8k8: to_tf32 rounding; fragments by hand from the documented layout; A from
+    // ldsm_x4 of f32 rows [16][8], B from ldsm_x4 of f32 [n][k] rows (two n8 tiles, k 0..7).
+    {
+        int badr = 0;
+        for (float x : {1.0f, -1.0f, 1.00048828125f /* 1 + 2^-11: tie, away */, 3.14159265f, -2.7182818f, 1e-30f}) {
+            float r; unsigned u = to_tf32(x); memcpy(&r, &u, 4);
+            double ulp = std::ldexp(1.0, std::ilogb(x) - 10);
+            if ((u & 0x1fffu) || std::fabs(r - x) > 0.5 * ulp || (x == 1.00048828125f && r != 1.0009765625f)) badr++;
+        }
+        report("to_tf32 rounding", badr, 0);
+        auto tf = [](float x) { unsigned u = to_tf32(x); float f; memcpy(&f, &u, 4); return f; };
+        std::uniform_real_distribution<float> U(-2, 2);
+        float TA[16][8], TB[8][16], TC[16][8], TD[16][16], TE[16][16];
+        for (auto& r : TA) for (auto& x : r) x = tf(U(rng));
+        for (auto& r : TB) for (auto& x : r) x = tf(U(rng));
+        for (auto& r : TC) for (auto& x : r) x = U(rng);
+        emu_launch({1, 1, 1}, 32, 2 * 16 * 12 * 4, [&] {
+            int l = threadIdx.x, g = l / 4, c = l % 4;
+            auto bitsf = [](float f) { unsigned u; memcpy(&u, &f, 4); return u; };
+            unsigned a[4] = {bitsf(TA[g][c]), bitsf(TA[g + 8][c]), bitsf(TA[g][c + 4]), bitsf(TA[g + 8][c + 4])};
+            float d[4] = {TC[g][2 * c], TC[g][2 * c + 1], TC[g + 8][2 * c], TC[g + 8][2 * c + 1]};
+            mma_tf32_1688(d, a, bitsf(TB[c][g]), bitsf(TB[c + 4][g]));
+            TD[g][2 * c] = d[0], TD[g][2 * c + 1] = d[1], TD[g + 8][2 * c] = d[2], TD[g + 8][2 * c + 1] = d[3];
+            // through ldmatrix: sa [16][12] rows of A, sb [16][12] rows n of B^T
+            float* sa = emu_dyn_smem();
+            float* sb = sa + 16 * 12;
+            for (int i = l; i < 128; i += 32) { sa[(i / 8) * 12 + i % 8] = TA[i / 8][i % 8]; }
+            for (int i = l; i < 128; i += 32) { sb[(i / 8) * 12 + i % 8] = TB[i % 8][i / 8]; }
+            __syncthreads();
+            unsigned fa[4], fb[4];
+            ldsm_x4(fa, sa + (l & 15) * 12 + (l >> 4) * 4);
+            // matrices: (n 0-7, k 0-3), (n 0-7, k 4-7), (n 8-15, k 0-3), (n 8-15, k 4-7)
+            ldsm_x4(fb, sb + ((l & 7) + ((l >> 4) << 3)) * 12 + ((l >> 3) & 1) * 4);
+            for (int j = 0; j < 2; j++) {
+                float e[4] = {0, 0, 0, 0};
+                mma_tf32_1688(e, fa, fb[2 * j], fb[2 * j + 1]);
+                TE[g][8 * j + 2 * c] = e[0], TE[g][8 * j + 2 * c + 1] = e[1];
+                TE[g + 8][8 * j + 2 * c] = e[2], TE[g + 8][8 * j + 2 * c + 1] = e[3];
+            }
+        });
+        double e1 = 0, e2 = 0;
+        for (int r = 0; r < 16; r++)
+            for (int n = 0; n < 16; n++) {
+                double s = 0;
+                for (int k = 0; k < 8; k++) s += (double)TA[r][k] * TB[k][n];
+                e2 = std::max(e2, std::fabs(s - TE[r][n]) / (1 + std::fabs(s)));
+                if (n < 8) e1 = std::max(e1, std::fabs(s + TC[r][n] - TD[r][n]) / (1 + std::fabs(s + TC[r][n])));
+            }
+        report("mma m16n8k8 tf32, fragments from the documented layout", e1, 1e-6);
+        report("ldsm_x4 f32 A + ldsm_x4 f32 B [n][k] -> mma tf32", e2, 1e-6);
+    }
     if (fails) printf("%d check(s) FAILED\n", fails);
     return fails ? 1 : 0;
 }

@@ -2,8 +2,8 @@
 # Runs Kestrel's kernels on the CPU (no GPU needed) through the small CUDA emulator in
 # cuda_emu.h and checks them against double-precision references:
 #   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
-#   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv (`gdn full`: the full model's
-#        head dims, 300 tokens; about a minute)
+#   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv (`gdn full`: also the full
+#        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
 #   moe  moe.cu: moe_plan + moe_scatter + moe_gemm3 (both tile sizes, SwiGLU-fused and plain)
 #        at the tiny fixtures' dims and a reduced real shape
 # Usage: run.sh [mma|gdn|moe|all] [full]   (default all). Needs g++ with C++20.

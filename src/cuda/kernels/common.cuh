@@ -311,3 +311,22 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 // N + 2 stages keeps N loads going while one stage is read).
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---- Tensor-core fragments (mma.sync m16n8k8, tf32 in, f32 accumulate) ----
+// Fragment layouts (PTX ISA "mma.m16n8k8" .tf32), g = lane / 4, c = lane % 4:
+//   A 16x8 row-major: a[0] (g, c), a[1] (g+8, c), a[2] (g, c+4), a[3] (g+8, c+4)
+//   B 8x8 (k x n):    b0 (k c, n g), b1 (k c+4, n g)
+//   C 16x8:           d[0..1] (g, 2c..2c+1), d[2..3] (g+8, 2c..2c+1)
+// ldsm_x4 of f32 rows reads tf32 A fragments (each 16-byte row = 4 floats): lanes 0-15 give
+// rows 0-15 at column k0, lanes 16-31 the same rows at k0 + 4; likewise B from [n][k] storage.
+// f32 -> tf32 (round to nearest, ties away), as the bits of a .b32 operand.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
