@@ -17,6 +17,7 @@
 use kestrel::cuda::Gpu;
 use kestrel::cuda::attention::{Flash, FlashCall};
 use kestrel::cuda::gdn::{DeltaBufs, GdnShape};
+use kestrel::cuda::gemm::GemmPath;
 use kestrel::cuda::model::CudaModel;
 use kestrel::cuda::moe::{self, Grouped, MoeGemm, MoePlan};
 use kestrel::model::{CpuModel, Engine, Logits};
@@ -1021,6 +1022,85 @@ fn gdn_prefill_kernel_timing_full_shape() {
     println!(
         "{sh:?}: delta rule chunked {chunked:.3} ms, recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
     );
+}
+
+/// `Gpu::gemm` through each path (cuBLASLt's heuristic, tuned, cublasGemmEx) against an f64
+/// product: y = x·Wᵀ, then y += x·Wᵀ, into rows wider than n; then the time per call of each
+/// path at the model's prefill projection shapes over 8,192 tokens (printed, not asserted).
+#[test]
+fn gemm_paths_match_reference_and_timing() {
+    let Some(gpu) = gpu() else { return };
+    let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
+    let (t, n, k, ldy) = (70, 96, 136, 100);
+    let mut rng = Lcg(3);
+    let (w, x, y0) = (
+        bf(rng.vec(n * k, 1.0)),
+        bf(rng.vec(t * k, 1.0)),
+        rng.vec(t * ldy, 1.0),
+    );
+    let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
+    let mut want = vec![0f32; t * ldy];
+    for (r, row) in want.chunks_mut(ldy).enumerate() {
+        for (c, out) in row.iter_mut().enumerate().take(n) {
+            let dot: f64 = (0..k)
+                .map(|i| f64::from(w[c * k + i].to_f32()) * f64::from(x[r * k + i].to_f32()))
+                .sum();
+            *out = dot as f32;
+        }
+    }
+    let paths = [GemmPath::Lt, GemmPath::Tune, GemmPath::Ex];
+    for path in paths {
+        gpu.set_gemm_path(path);
+        for beta in [0.0f32, 1.0] {
+            let yd = gpu.upload(&y0).unwrap();
+            gpu.gemm(wd.ptr, n, k, xd.ptr, t, yd.ptr, ldy, beta)
+                .unwrap();
+            let mut got = vec![0f32; t * ldy];
+            gpu.copy_to_host(yd.ptr, &mut got).unwrap();
+            for (r, (g, w)) in got.chunks(ldy).zip(want.chunks(ldy)).enumerate() {
+                let y0r = &y0[r * ldy..(r + 1) * ldy];
+                for c in 0..ldy {
+                    let expect = if c < n { w[c] + beta * y0r[c] } else { y0r[c] };
+                    assert!(
+                        (g[c] - expect).abs() <= 1e-3 * (1.0 + expect.abs()),
+                        "{path:?} beta {beta}: y[{r}, {c}] = {} vs {expect}",
+                        g[c]
+                    );
+                }
+            }
+        }
+    }
+    let t = 8192;
+    let x = gpu.alloc(t * 4096 * 2).unwrap();
+    gpu.fill_random(x.ptr, t * 4096, false, 1, 0.0, 1.0)
+        .unwrap();
+    for (n, k) in [
+        (8192, 2048),
+        (4096, 2048),
+        (2048, 4096),
+        (12352, 2048),
+        (1024, 2048),
+    ] {
+        let w = gpu.alloc(n * k * 2).unwrap();
+        gpu.fill_random(w.ptr, n * k, false, 2, 0.0, 0.02).unwrap();
+        let y = gpu.alloc(t * n * 4).unwrap();
+        let mut line = format!("gemm {n}x{k} t={t}:");
+        for path in paths {
+            gpu.set_gemm_path(path);
+            gpu.gemm(w.ptr, n, k, x.ptr, t, y.ptr, n, 0.0).unwrap();
+            gpu.sync().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..10 {
+                gpu.gemm(w.ptr, n, k, x.ptr, t, y.ptr, n, 0.0).unwrap();
+            }
+            gpu.sync().unwrap();
+            let us = t0.elapsed().as_secs_f64() * 1e5;
+            let tflops = 2.0 * (t * n * k) as f64 / us / 1e6;
+            line += &format!(" {path:?} {us:.0} us ({tflops:.0} TFLOP/s)");
+        }
+        println!("{line}");
+    }
+    gpu.set_gemm_path(GemmPath::from_env().unwrap());
 }
 
 /// One prefill attention call at the real attention shape (head dim 256, 16 query heads over 2

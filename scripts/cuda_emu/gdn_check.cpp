@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <random>
 
+static float G_SCALE = 5.0f;
 struct Rng { std::mt19937_64 g; float uni(float a, float b) { return std::uniform_real_distribution<float>(a, b)(g); } };
 
 static double max_rel(const std::vector<float>& a, const std::vector<double>& ref) {
@@ -30,7 +31,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         }
         for (int i = 2 * hk * dk; i < c; i++) qkv[(size_t)s * c + i] = rng.uni(-1, 1);
         for (int j = 0; j < hv; j++) {
-            float a = 5.0f * std::pow((j + 1.0f) / hv, 3.0f);  // decay scale per head: ~0 .. 5
+            float a = G_SCALE * std::pow((j + 1.0f) / hv, 3.0f);  // decay scale per head: ~0 .. 5
             g[s * hv + j] = -rng.uni(0, a);
             beta[s * hv + j] = rng.uni(0.01f, 0.99f);
         }
@@ -114,6 +115,7 @@ static const double TOL = 2e-3;
 
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
+    if (const char* gs = getenv("G_SCALE")) G_SCALE = atof(gs);
     for (int t : {1, 2, 5, 70}) run_conv(t, 2, 16, 4, 24);
     run_conv(9, 4, 32, 8, 32);
     run_conv(33, 4, 128, 8, 128);

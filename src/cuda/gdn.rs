@@ -92,7 +92,11 @@ impl GdnShape {
     /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 copies), γ twice.
     fn state_smem_bytes(&self) -> usize {
         let ldv = STATE_COLS + 8;
-        4 * (4 * CHUNK * (self.dk + 4) + CHUNK * (self.dk + 8) + self.dk * ldv + CHUNK * ldv + 2 * CHUNK)
+        4 * (4 * CHUNK * (self.dk + 4)
+            + CHUNK * (self.dk + 8)
+            + self.dk * ldv
+            + CHUNK * ldv
+            + 2 * CHUNK)
     }
 
     /// Whether the token-parallel conv and chunked delta rule take this shape, given `smem`

@@ -221,12 +221,22 @@ impl Gpu {
     ) -> Result<()> {
         self.timed(
             || format!("gemm {n}x{k} t={t}"),
-            || match self.gemm_path {
+            || match self.gemm_path() {
                 GemmPath::Ex => self.gemm_ex(w, n, k, x, t, y, ldy, beta),
                 path => self.gemm_lt(path, w, n, k, x, t, y, ldy, beta),
             },
         )
         .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
+    }
+
+    /// How [`Gpu::gemm`] runs its products now.
+    pub fn gemm_path(&self) -> GemmPath {
+        *self.gemm_path.lock().unwrap()
+    }
+
+    /// Switches how [`Gpu::gemm`] runs (tests and timings compare the paths in one process).
+    pub fn set_gemm_path(&self, path: GemmPath) {
+        *self.gemm_path.lock().unwrap() = path;
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -120,7 +120,7 @@ pub struct Gpu {
     blas: CudaBlas,
     /// cuBLASLt with its plans (`gemm.rs`), and how `gemm` runs (`KESTREL_GEMM`).
     lt: gemm::Lt,
-    gemm_path: gemm::GemmPath,
+    gemm_path: std::sync::Mutex<gemm::GemmPath>,
     /// cuBLASLt's workspace (declared after `lt`, so dropped after it).
     _gemm_workspace: DeviceBuf,
     functions: std::collections::HashMap<&'static str, CudaFunction>,
@@ -308,7 +308,7 @@ impl Gpu {
             stream,
             blas,
             lt,
-            gemm_path,
+            gemm_path: std::sync::Mutex::new(gemm_path),
             _gemm_workspace: gemm_workspace,
             functions,
             name,
