@@ -1358,16 +1358,20 @@ fn bench_cmd(
             }
             let prof = gpu.take_profile();
             if !prof.is_empty() {
-                let total: f64 = prof.iter().map(|p| p.2).sum();
+                let total: f64 = prof.iter().map(|p| p.seconds).sum();
                 eprintln!(
                     "profile (GPU time per op and grid, CUDA events; all contexts, all rounds):"
                 );
-                for (name, calls, secs) in prof.iter().take(45) {
+                for p in prof.iter().take(45) {
                     eprintln!(
-                        "  {name:<32} {calls:>8} calls {:>10.3} ms {:>6.1}%  {:>8.1} us/call",
-                        secs * 1e3,
-                        100.0 * secs / total,
-                        secs * 1e6 / *calls as f64
+                        "  {:<32} {:>8} calls {:>10.3} ms {:>6.1}%  {:>8.1} us/call (min {:.1}, max {:.1})",
+                        p.op,
+                        p.calls,
+                        p.seconds * 1e3,
+                        100.0 * p.seconds / total,
+                        p.seconds * 1e6 / p.calls as f64,
+                        p.min * 1e6,
+                        p.max * 1e6
                     );
                 }
             }

@@ -138,7 +138,17 @@ pub struct Gpu {
 #[derive(Default)]
 struct Profile {
     pending: Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
-    totals: std::collections::BTreeMap<String, (u64, f64)>,
+    totals: std::collections::BTreeMap<String, OpTime>,
+}
+
+/// One op's profile: calls, total seconds, and the fastest and slowest call.
+#[derive(Clone, Debug)]
+pub struct OpTime {
+    pub op: String,
+    pub calls: u64,
+    pub seconds: f64,
+    pub min: f64,
+    pub max: f64,
 }
 
 impl Profile {
@@ -148,9 +158,18 @@ impl Profile {
             let ms = start
                 .elapsed_ms(&end)
                 .map_err(|e| anyhow!("profile event: {e:?}"))?;
-            let e = self.totals.entry(name).or_insert((0, 0.0));
-            e.0 += 1;
-            e.1 += ms as f64 / 1e3;
+            let secs = ms as f64 / 1e3;
+            let e = self.totals.entry(name.clone()).or_insert(OpTime {
+                op: name,
+                calls: 0,
+                seconds: 0.0,
+                min: f64::INFINITY,
+                max: 0.0,
+            });
+            e.calls += 1;
+            e.seconds += secs;
+            e.min = e.min.min(secs);
+            e.max = e.max.max(secs);
         }
         Ok(())
     }
@@ -481,8 +500,8 @@ impl Gpu {
         Ok(r)
     }
 
-    /// The profile collected so far (op, calls, seconds), most expensive first; then reset.
-    pub fn take_profile(&self) -> Vec<(String, u64, f64)> {
+    /// The profile collected so far, most expensive op first; then reset.
+    pub fn take_profile(&self) -> Vec<OpTime> {
         let Some(p) = &self.profile else {
             return Vec::new();
         };
@@ -490,13 +509,8 @@ impl Gpu {
         if let Err(e) = m.resolve() {
             tracing::warn!("profile incomplete: {e:#}");
         }
-        let mut v: Vec<(String, u64, f64)> = m
-            .totals
-            .iter()
-            .map(|(k, (c, s))| (k.clone(), *c, *s))
-            .collect();
-        m.totals.clear();
-        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let mut v: Vec<OpTime> = std::mem::take(&mut m.totals).into_values().collect();
+        v.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
         v
     }
 
