@@ -1,11 +1,10 @@
 //! Dense projections `y[t, n] = x[t, k] · W[n, k]ᵀ (+ y)`: bf16 in, f32 out, f32 accumulation,
 //! through cuBLASLt with a plan (descriptors + algorithm) cached per shape.
 //!
-//! Why not plain `cublasGemmEx`: its built-in choice for the 8192 x 2048 projections at 8,192
-//! tokens ran at ~360 TFLOP/s on the H200 where the same product reaches ~700 through
-//! cuBLASLt. `KESTREL_GEMM` picks the path: `lt` (default: cuBLASLt's heuristic), `tune`
-//! (the fastest of cuBLASLt's top candidates, timed once per shape; products that overwrite
-//! their output only) or `ex` (`cublasGemmEx`).
+//! cuBLASLt rather than `cublasGemmEx` because it is where the epilogues (bias, bf16 out) and
+//! the block-scaled FP8 products of the coming checkpoints live; on the H200 both run the
+//! prefill projections at the same ~715 TFLOP/s (GPU test `gemm_paths_match_reference_and_timing`).
+//! `KESTREL_GEMM=ex` switches to `cublasGemmEx`.
 
 use super::Gpu;
 use anyhow::{Result, anyhow};
@@ -19,24 +18,20 @@ use std::sync::Mutex;
 pub enum GemmPath {
     Ex,
     Lt,
-    Tune,
 }
 
 impl GemmPath {
     pub fn from_env() -> Result<Self> {
         match std::env::var("KESTREL_GEMM").as_deref() {
             Err(_) | Ok("lt") => Ok(GemmPath::Lt),
-            Ok("tune") => Ok(GemmPath::Tune),
             Ok("ex") => Ok(GemmPath::Ex),
-            Ok(v) => Err(anyhow!("KESTREL_GEMM={v}: expected lt, tune or ex")),
+            Ok(v) => Err(anyhow!("KESTREL_GEMM={v}: expected lt or ex")),
         }
     }
 }
 
 /// Plans kept at most; past that the cache starts over (prompt lengths vary without bound).
 const MAX_PLANS: usize = 512;
-/// Candidates cuBLASLt proposes for a `tune` plan.
-const TUNE_CANDIDATES: usize = 8;
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
@@ -153,8 +148,9 @@ impl Plan {
         Ok(plan)
     }
 
-    /// cuBLASLt's candidates for this plan, best guess first.
-    fn candidates(&self, lt: &Lt, max: usize) -> Result<Vec<sys::cublasLtMatmulAlgo_t>> {
+    /// cuBLASLt's first choice of algorithm for this plan.
+    fn heuristic(&self, lt: &Lt) -> Result<sys::cublasLtMatmulAlgo_t> {
+        let max = 1;
         let pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
         let bytes = lt.workspace_bytes as u64;
         let mut found = vec![
@@ -192,15 +188,11 @@ impl Plan {
             let _ = lt::destroy_matmul_pref(pref);
         }
         r.map_err(lt_err("heuristic"))?;
-        let algos: Vec<_> = found[..count.max(0) as usize]
+        found[..count.max(0) as usize]
             .iter()
-            .filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .find(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
             .map(|h| h.algo)
-            .collect();
-        if algos.is_empty() {
-            return Err(anyhow!("cuBLASLt has no algorithm for this product"));
-        }
-        Ok(algos)
+            .ok_or_else(|| anyhow!("cuBLASLt has no algorithm for this product"))
     }
 }
 
@@ -223,7 +215,7 @@ impl Gpu {
             || format!("gemm {n}x{k} t={t}"),
             || match self.gemm_path() {
                 GemmPath::Ex => self.gemm_ex(w, n, k, x, t, y, ldy, beta),
-                path => self.gemm_lt(path, w, n, k, x, t, y, ldy, beta),
+                GemmPath::Lt => self.gemm_lt(w, n, k, x, t, y, ldy, beta),
             },
         )
         .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
@@ -242,7 +234,6 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     fn gemm_lt(
         &self,
-        path: GemmPath,
         w: u64,
         n: usize,
         k: usize,
@@ -266,51 +257,11 @@ impl Gpu {
                 plans.clear();
             }
             let mut plan = Plan::new(key)?;
-            let tune = path == GemmPath::Tune && !key.accumulate && !self.capturing()?;
-            let algos = plan.candidates(lt, if tune { TUNE_CANDIDATES } else { 1 })?;
-            plan.algo = if tune && algos.len() > 1 {
-                self.fastest(lt, &plan, &algos, w, x, y)?
-            } else {
-                algos[0]
-            };
+            plan.algo = plan.heuristic(lt)?;
             plans.insert(key, plan);
         }
         let plan = &plans[&key];
         self.lt_matmul(lt, plan, &plan.algo, w, x, y, beta)
-    }
-
-    /// Times each candidate (one warm-up, three runs; the product only overwrites `y`).
-    fn fastest(
-        &self,
-        lt: &Lt,
-        plan: &Plan,
-        algos: &[sys::cublasLtMatmulAlgo_t],
-        w: u64,
-        x: u64,
-        y: u64,
-    ) -> Result<sys::cublasLtMatmulAlgo_t> {
-        let event = || {
-            self.ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow!("event: {e:?}"))
-        };
-        let mut best = (f32::INFINITY, algos[0]);
-        for algo in algos {
-            if self.lt_matmul(lt, plan, algo, w, x, y, 0.0).is_err() {
-                continue;
-            }
-            let (a, b) = (event()?, event()?);
-            a.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
-            for _ in 0..3 {
-                self.lt_matmul(lt, plan, algo, w, x, y, 0.0)?;
-            }
-            b.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
-            let ms = a.elapsed_ms(&b).map_err(|e| anyhow!("{e:?}"))?;
-            if ms < best.0 {
-                best = (ms, *algo);
-            }
-        }
-        Ok(best.1)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -347,15 +298,6 @@ impl Gpu {
             )
         }
         .map_err(lt_err("matmul"))
-    }
-
-    fn capturing(&self) -> Result<bool> {
-        let mut status = cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a live stream of ours.
-        unsafe { cudarc::driver::sys::cuStreamIsCapturing(self.stream.cu_stream(), &mut status) }
-            .result()
-            .map_err(|e| anyhow!("cuStreamIsCapturing: {e:?}"))?;
-        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     #[allow(clippy::too_many_arguments)]
