@@ -1253,7 +1253,10 @@ impl CudaModel {
                 .launch_ex(name, grid, block, smem, args, self.decode_pdl)
         };
         let block = block_threads;
-        launch(
+        // Not an early (programmatic) launch: the step starts after the previous one is done,
+        // which lets later kernels read their own layer's recurrent state before
+        // griddep_wait (nothing in this step writes it before them).
+        self.gpu.launch_ex(
             "embed_gather",
             (1, 1, 1),
             256,
@@ -1264,6 +1267,7 @@ impl CudaModel {
                 Arg::Ptr(dw.h.ptr),
                 Arg::I(d as i32),
             ],
+            false,
         )?;
         // y = beta*y + W·x, x = the bf16 vector `x` or (x = 0) RMSNorm(h) with weight `norm`;
         // with `greedy = Some(limit)` also the argmax over rows < limit into `next` and the

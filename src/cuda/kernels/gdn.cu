@@ -133,20 +133,31 @@ extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __re
                                         const float* __restrict__ w, float* __restrict__ out, int c, int kern,
                                         int hk, int dk, int dv, float q_scale) {
     griddep_launch();
-    griddep_wait();
     int b = blockIdx.x, i = threadIdx.x;
     bool qk = b < 2 * hk;
     int width = qk ? dk : dv;
     int ch = qk ? b * dk + i : 2 * hk * dk + (b - 2 * hk) * dv + i;
     bool on = i < width;
+    const int hist = kern - 1;
+    // The conv state and weights are this layer's own (see gdn_step_dec): loaded before the
+    // wait, so only the projection output is read after it. kern <= 9.
+    float acc = 0.0f, hs[8];
+    if (on) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            hs[j] = j < hist ? state[(size_t)j * c + ch] : 0.0f;
+            if (j < hist) acc += w[(size_t)ch * kern + j] * hs[j];
+        }
+    }
+    const float wl = on ? w[(size_t)ch * kern + hist] : 0.0f;
+    griddep_wait();
     float y = 0.0f;
     if (on) {
-        int hist = kern - 1;
         float x = p[ch];
-        float acc = w[(size_t)ch * kern + hist] * x;
-        for (int j = 0; j < hist; j++) acc += w[(size_t)ch * kern + j] * state[(size_t)j * c + ch];
-        for (int j = 0; j + 1 < hist; j++) state[(size_t)j * c + ch] = state[(size_t)(j + 1) * c + ch];
-        if (hist > 0) state[(size_t)(hist - 1) * c + ch] = x;
+        acc += wl * x;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < hist) state[(size_t)j * c + ch] = j + 1 < hist ? hs[j < 7 ? j + 1 : 7] : x;
         y = silu_f(acc);
     }
     if (qk) y *= rsqrtf(block_sum(y * y) + 1e-6f) * (b < hk ? q_scale : 1.0f);
@@ -165,21 +176,24 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
                                   float eps) {
     constexpr int RQ = DK / 4;  // state rows per lane
     griddep_launch();
-    griddep_wait();
     int j = blockIdx.x, m = threadIdx.x >> 2, part = threadIdx.x & 3;
     int kh = j / (hv / hk);
+    bool active = m < dv;
+    // The state is this layer's own (last written by this kernel in the previous step, which
+    // finished before the step began), so its loads overlap the conv kernel still running.
+    float* st = state + (size_t)j * DK * dv + (size_t)part * RQ * dv + m;
+    float S[RQ];
+#pragma unroll
+    for (int i = 0; i < RQ; i++) S[i] = active ? st[(size_t)i * dv] : 0.0f;
+    const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
+    griddep_wait();
     __shared__ float qs[DK], ks[DK];
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
         qs[i] = qkv[(size_t)kh * DK + i];
         ks[i] = qkv[(size_t)(hk + kh) * DK + i];
     }
-    bool active = m < dv;
-    float* st = state + (size_t)j * DK * dv + (size_t)part * RQ * dv + m;
-    float S[RQ];
-#pragma unroll
-    for (int i = 0; i < RQ; i++) S[i] = active ? st[(size_t)i * dv] : 0.0f;
     float bt = sigmoid_f(ba[j]);
-    float decay = expf(-expf(a_log[j]) * softplus_f(ba[hv + j] + dt_bias[j]));
+    float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
     const float* kq = ks + part * RQ;
     const float* qq = qs + part * RQ;
@@ -208,7 +222,7 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     if (!active) o = 0.0f;
     float inv = rsqrtf(block_sum(part == 0 ? o * o : 0.0f) / dv + eps);
     if (active && part == 0)
-        out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nw[m] * silu_f(z[(size_t)j * dv + m]));
+        out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(z[(size_t)j * dv + m]));
 }
 
 #define GDN_STEP_DEC(DK)                                                                                   \
