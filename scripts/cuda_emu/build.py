@@ -108,7 +108,7 @@ for f in sys.argv[2:]:
             continue
         parts.append(it)
     src = "".join(parts)
-    src = re.sub(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];",
+    src = re.sub(r"extern __shared__ (?:__align__\(\d+\) )?((?:unsigned )?\w+) (\w+)\[\];",
                  r"\1* \2 = reinterpret_cast<\1*>(emu_dyn_smem());", src)
     assert "extern __shared__" not in src, f
     if f == "gdn.cu":

@@ -238,6 +238,18 @@ inline T __shfl_xor_sync(unsigned, T v, int o) {
     return r;
 }
 
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+    static_assert(sizeof(T) == 4);
+    Warp* w = t_warp;
+    memcpy(&w->xchg[emu_lane()], &v, 4);
+    __syncwarp();
+    T r;
+    memcpy(&r, &w->xchg[src & 31], 4);
+    __syncwarp();
+    return r;
+}
+
 // ---- cp.async ----
 inline void emu_do_copy(const PendingCopy& c) { if (c.valid) memcpy(c.dst, c.src, 16); else memset(c.dst, 0, 16); }
 inline void cp_async16(void* smem, const void* gmem, bool valid) {

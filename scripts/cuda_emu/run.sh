@@ -4,9 +4,10 @@
 #   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
 #   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv (`gdn full`: also the full
 #        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
+#   attn attention.cu: the tensor-core decode attention and its combine
 #   moe  moe.cu: moe_plan + moe_scatter + moe_gemm3 (both tile sizes, SwiGLU-fused and plain)
 #        at the tiny fixtures' dims and a reduced real shape
-# Usage: run.sh [mma|gdn|moe|all] [full]   (default all). Needs g++ with C++20.
+# Usage: run.sh [mma|gdn|attn|moe|all] [full]   (default all). Needs g++ with C++20.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 what=${1:-all}
@@ -20,11 +21,12 @@ build() {  # build NAME KERNEL_FILES...
   python3 "$here/build.py" "$tmp/kernels_emu.inc" "$@"
   g++ -std=c++20 -O2 -Wno-unknown-pragmas -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
 }
-for n in mma gdn moe; do
+for n in mma gdn attn moe; do
   [ "$what" = all ] || [ "$what" = "$n" ] || continue
   case $n in
     mma) build mma ;;
     gdn) build gdn gdn.cu ;;
+    attn) build attn attention.cu ;;
     moe) build moe moe.cu ;;
   esac
   echo "== $n"

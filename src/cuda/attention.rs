@@ -43,6 +43,32 @@ pub(super) const FLASH_KERNELS: [(&str, usize); 5] = [
     ("attn_flash2_hd256", mma_smem(256)),
 ];
 
+/// Dynamic shared memory of `attn_decode_mma_hd*`: Q (16 rows) and double-buffered K and V
+/// tiles of 32 keys, rows padded by 8.
+pub const fn decode_mma_smem(hd: usize) -> usize {
+    (16 + 4 * 32) * (hd + 8) * 2
+}
+
+/// The decode kernels on tensor cores with their dynamic shared memory (set at `Gpu::open`).
+pub(super) const DECODE_KERNELS: [(&str, usize); 4] = [
+    ("attn_decode_mma_hd32", decode_mma_smem(32)),
+    ("attn_decode_mma_hd64", decode_mma_smem(64)),
+    ("attn_decode_mma_hd128", decode_mma_smem(128)),
+    ("attn_decode_mma_hd256", decode_mma_smem(256)),
+];
+
+/// The tensor-core decode kernel for head dim `hd` and `group` query heads per KV head, if
+/// there is one (a group's heads are rows of one 16-row tile, of which the kernel writes 8).
+pub fn decode_mma_kernel(hd: usize, group: usize) -> Option<&'static str> {
+    if group > 8 {
+        return None;
+    }
+    DECODE_KERNELS
+        .iter()
+        .find(|(name, _)| name.ends_with(&format!("_hd{hd}")))
+        .map(|(name, _)| *name)
+}
+
 /// The mma.sync kernel for head dim `hd` with `group` query heads per KV head, if there is one
 /// (a block takes two heads of a group).
 fn mma_kernel(hd: usize, group: usize) -> Option<&'static str> {

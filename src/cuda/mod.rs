@@ -55,11 +55,16 @@ const KERNELS: &[&str] = &[
     "attn_prep",
     "attn_split",
     "attn_combine",
+    "attn_combine_dec",
     "attn_flash",
     "attn_flash2_hd32",
     "attn_flash2_hd64",
     "attn_flash2_hd128",
     "attn_flash2_hd256",
+    "attn_decode_mma_hd32",
+    "attn_decode_mma_hd64",
+    "attn_decode_mma_hd128",
+    "attn_decode_mma_hd256",
     "attn_decode",
     "moe_route",
     "moe_plan",
@@ -345,6 +350,7 @@ impl Gpu {
         }
         for (k, bytes) in attention::FLASH_KERNELS
             .into_iter()
+            .chain(attention::DECODE_KERNELS)
             .chain(moe::GEMM3_KERNELS)
         {
             gpu.set_max_dynamic_smem(k, bytes)?;

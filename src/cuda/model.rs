@@ -4,7 +4,7 @@
 //! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
-use super::attention::{Flash, FlashCall};
+use super::attention::{Flash, FlashCall, decode_mma_kernel, decode_mma_smem};
 use super::gdn::{DeltaBufs, GdnShape};
 use super::moe::{Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
@@ -287,6 +287,9 @@ pub struct CudaModel {
     /// The prefill attention kernel: mma.sync where the shape has one (default), or
     /// (`KESTREL_ATTN=wmma`) the WMMA kernel.
     pub flash: Flash,
+    /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
+    /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
+    pub decode_attn_mma: bool,
     /// The prefill MoE's grouped GEMM: `moe_gemm3` (default), or with `KESTREL_MOE_GEMM=v2`
     /// / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -767,6 +770,7 @@ impl CudaModel {
             } else {
                 Flash::Mma
             },
+            decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1430,41 +1434,81 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
-                    launch(
-                        "attn_decode",
-                        (nkv as u32, nsplit as u32, 1),
-                        (32 * (nq / nkv)) as u32,
-                        attn_decode_smem(c) as u32,
-                        &[
-                            Arg::Ptr(dw.q.ptr),
-                            Arg::Ptr(kc.ptr),
-                            Arg::Ptr(vc.ptr),
-                            Arg::Ptr(dw.part.ptr),
-                            Arg::Ptr(pos),
-                            Arg::I(nq as i32),
-                            Arg::I(nkv as i32),
-                            Arg::I(hd as i32),
-                            Arg::I(nsplit as i32),
-                            Arg::F(1.0 / (hd as f32).sqrt()),
-                        ],
-                    )?;
-                    launch(
-                        "attn_combine",
-                        (1, nq as u32, 1),
-                        block(hd),
-                        0,
-                        &[
-                            Arg::Ptr(dw.part.ptr),
-                            Arg::Ptr(dw.proj.ptr),
-                            Arg::Ptr(dw.ob.ptr),
-                            Arg::I(0),
-                            Arg::Ptr(pos),
-                            Arg::I(nq as i32),
-                            Arg::I(hd as i32),
-                            Arg::I(nsplit as i32),
-                            Arg::I(0),
-                        ],
-                    )?;
+                    let scale = 1.0 / (hd as f32).sqrt();
+                    let mma = decode_mma_kernel(hd, nq / nkv).filter(|_| self.decode_attn_mma);
+                    if let Some(kernel) = mma {
+                        launch(
+                            kernel,
+                            (nkv as u32, nsplit as u32, 1),
+                            32,
+                            decode_mma_smem(hd) as u32,
+                            &[
+                                Arg::Ptr(dw.q.ptr),
+                                Arg::Ptr(kc.ptr),
+                                Arg::Ptr(vc.ptr),
+                                Arg::Ptr(dw.part.ptr),
+                                Arg::Ptr(pos),
+                                Arg::I(nq as i32),
+                                Arg::I(nkv as i32),
+                                Arg::I(nsplit as i32),
+                                Arg::F(scale),
+                            ],
+                        )?;
+                    } else {
+                        launch(
+                            "attn_decode",
+                            (nkv as u32, nsplit as u32, 1),
+                            (32 * (nq / nkv)) as u32,
+                            attn_decode_smem(c) as u32,
+                            &[
+                                Arg::Ptr(dw.q.ptr),
+                                Arg::Ptr(kc.ptr),
+                                Arg::Ptr(vc.ptr),
+                                Arg::Ptr(dw.part.ptr),
+                                Arg::Ptr(pos),
+                                Arg::I(nq as i32),
+                                Arg::I(nkv as i32),
+                                Arg::I(hd as i32),
+                                Arg::I(nsplit as i32),
+                                Arg::F(scale),
+                            ],
+                        )?;
+                    }
+                    if self.decode_attn_mma && hd.is_multiple_of(32) {
+                        launch(
+                            "attn_combine_dec",
+                            (nq as u32, (hd / 32) as u32, 1),
+                            256,
+                            0,
+                            &[
+                                Arg::Ptr(dw.part.ptr),
+                                Arg::Ptr(dw.proj.ptr),
+                                Arg::Ptr(dw.ob.ptr),
+                                Arg::Ptr(pos),
+                                Arg::I(nq as i32),
+                                Arg::I(hd as i32),
+                                Arg::I(nsplit as i32),
+                            ],
+                        )?;
+                    } else {
+                        launch(
+                            "attn_combine",
+                            (1, nq as u32, 1),
+                            block(hd),
+                            0,
+                            &[
+                                Arg::Ptr(dw.part.ptr),
+                                Arg::Ptr(dw.proj.ptr),
+                                Arg::Ptr(dw.ob.ptr),
+                                Arg::I(0),
+                                Arg::Ptr(pos),
+                                Arg::I(nq as i32),
+                                Arg::I(hd as i32),
+                                Arg::I(nsplit as i32),
+                                Arg::I(0),
+                            ],
+                        )?;
+                    }
                     gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
             }

@@ -530,3 +530,204 @@ ATTN_FLASH2(32)
 ATTN_FLASH2(64)
 ATTN_FLASH2(128)
 ATTN_FLASH2(256)
+
+// ---- Decode on tensor cores ----
+
+// Decode attention, one warp per block = one KV head's GQA group over one split of the context:
+// the group's query heads are the rows of a 16-row mma tile (rows past the group are zero), so
+// every K/V element read from shared memory feeds a tensor-core product for the whole group
+// instead of 8 scalar FMAs per head. Per tile of AD_TK keys (cp.async, double-buffered):
+// S = Q Kᵀ (mma m16n8k16), online softmax in base 2 on the accumulators, O += P V with P packed
+// from S's registers. Writes attn_decode's partials (unnormalised O, natural-log max, sum) for
+// attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
+#define AD_TK 32
+
+template <int HD>
+__device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q, const bf16* __restrict__ kc,
+                                                     const bf16* __restrict__ vc, float* __restrict__ part,
+                                                     const int* __restrict__ past_dev, int nq, int nkv, int nsplit,
+                                                     float scale_log2) {
+    constexpr int LD = HD + 8;  // padded rows: an ldmatrix's 8 row addresses hit distinct banks
+    extern __shared__ __align__(128) unsigned char ad_smem[];
+    bf16* qs = reinterpret_cast<bf16*>(ad_smem);  // [16][LD]
+    bf16* kv = qs + 16 * LD;                      // [2 stages][K | V][AD_TK][LD]
+    griddep_launch();
+    griddep_wait();
+    const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
+    const int n = *past_dev + 1;
+    const int chunk = max(64, (n + nsplit - 1) / nsplit);
+    const int start = sp * chunk, end = min(start + chunk, n);
+    if (start >= end) return;  // beyond the context: attn_combine_dec ignores this split
+    auto load_tile = [&](int t0, int stage) {
+        bf16* ks = kv + stage * 2 * AD_TK * LD;
+        constexpr int VPR = HD / 8;
+        for (int v = lane; v < AD_TK * VPR; v += 32) {
+            int r = v / VPR, c = (v % VPR) * 8, kp = t0 + r;
+            bool ok = kp < end;
+            size_t off = ((size_t)(ok ? kp : start) * nkv + kvh) * HD + c;
+            cp_async16(ks + r * LD + c, kc + off, ok);
+            cp_async16(ks + (AD_TK + r) * LD + c, vc + off, ok);
+        }
+        cp_async_commit();
+    };
+    load_tile(start, 0);
+    for (int v = lane; v < 16 * (HD / 4); v += 32) {
+        int r = v / (HD / 4), c = (v % (HD / 4)) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < group) x = *reinterpret_cast<const float4*>(q + (size_t)(kvh * group + r) * HD + c);
+        unsigned* d = reinterpret_cast<unsigned*>(qs + r * LD + c);
+        d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
+        d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
+    }
+    const int g = lane >> 2, cq = 2 * (lane & 3);
+    float o[HD / 8][4];
+#pragma unroll
+    for (int nn = 0; nn < HD / 8; nn++) o[nn][0] = o[nn][1] = o[nn][2] = o[nn][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    int stage = 0;
+    for (int t0 = start; t0 < end; t0 += AD_TK, stage ^= 1) {
+        if (t0 + AD_TK < end) {
+            load_tile(t0 + AD_TK, stage ^ 1);
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();  // every lane's copies (and Q, the first time) visible to the warp
+        const bf16* kt = kv + stage * 2 * AD_TK * LD;
+        const bf16* vt = kt + AD_TK * LD;
+        float s[AD_TK / 8][4];
+#pragma unroll
+        for (int nn = 0; nn < AD_TK / 8; nn++) s[nn][0] = s[nn][1] = s[nn][2] = s[nn][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            unsigned a[4];
+            ldsm_x4(a, qs + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int nb = 0; nb < AD_TK / 16; nb++) {
+                unsigned b[4];
+                ldsm_x4(b, kt + (nb * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16_16816(s[2 * nb], a, b[0], b[1]);
+                mma_bf16_16816(s[2 * nb + 1], a, b[2], b[3]);
+            }
+        }
+        if (t0 + AD_TK > end) {  // the split's last, partial tile
+#pragma unroll
+            for (int nn = 0; nn < AD_TK / 8; nn++) {
+                int kp = t0 + nn * 8 + cq;
+                if (kp >= end) s[nn][0] = s[nn][2] = -INFINITY;
+                if (kp + 1 >= end) s[nn][1] = s[nn][3] = -INFINITY;
+            }
+        }
+        // Online softmax; a row lives in the 4 lanes of a quad.
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nn = 0; nn < AD_TK / 8; nn++) {
+            mx0 = fmaxf(mx0, fmaxf(s[nn][0], s[nn][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nn][2], s[nn][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);  // the first tile has a valid key
+        m0 = mx0;
+        m1 = mx1;
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int nn = 0; nn < AD_TK / 8; nn++) {
+            s[nn][0] = exp2f(s[nn][0] - mx0);
+            s[nn][1] = exp2f(s[nn][1] - mx0);
+            s[nn][2] = exp2f(s[nn][2] - mx1);
+            s[nn][3] = exp2f(s[nn][3] - mx1);
+            sum0 += s[nn][0] + s[nn][1];
+            sum1 += s[nn][2] + s[nn][3];
+        }
+        l0 = l0 * c0 + sum0;  // per-lane partial sums; the quad adds them up at the end
+        l1 = l1 * c1 + sum1;
+#pragma unroll
+        for (int nn = 0; nn < HD / 8; nn++) {
+            o[nn][0] *= c0;
+            o[nn][1] *= c0;
+            o[nn][2] *= c1;
+            o[nn][3] *= c1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < AD_TK / 16; kk++) {
+            unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int nb = 0; nb < HD / 16; nb++) {
+                unsigned b[4];
+                ldsm_x4_t(b, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + nb * 16 + (lane >> 4) * 8);
+                mma_bf16_16816(o[2 * nb], a, b[0], b[1]);
+                mma_bf16_16816(o[2 * nb + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // done with this stage before the next iteration refills it
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    if (g >= group) return;  // padding rows (8..15 are never a head: group <= 8 here)
+    float* out = part + ((size_t)(kvh * group + g) * nsplit + sp) * (HD + 2);
+#pragma unroll
+    for (int nn = 0; nn < HD / 8; nn++) *reinterpret_cast<float2*>(out + nn * 8 + cq) = make_float2(o[nn][0], o[nn][1]);
+    if ((lane & 3) == 0) {
+        out[HD] = m0 * 0.6931471805599453f;  // base-2 max back to natural log
+        out[HD + 1] = l0;
+    }
+}
+
+#define ATTN_DECODE_MMA(HD)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(32) attn_decode_mma_hd##HD(                                  \
+        const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,               \
+        float* __restrict__ part, const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale) { \
+        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f);    \
+    }
+ATTN_DECODE_MMA(32)
+ATTN_DECODE_MMA(64)
+ATTN_DECODE_MMA(128)
+ATTN_DECODE_MMA(256)
+
+// Decode combine: merges the splits of attn_decode(_mma), normalises, applies sigmoid(gate) and
+// writes bf16 [nq * hd]. grid (nq, hd / 32), block 256: warp w sums splits w, w + 8, ... for the
+// block's 32 dims (lane = dim), so each thread has many independent loads in flight.
+extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* __restrict__ part,
+                                                                   const float* __restrict__ qg, bf16* __restrict__ out,
+                                                                   const int* __restrict__ past_dev, int nq, int hd,
+                                                                   int nsplit) {
+    griddep_launch();
+    griddep_wait();
+    const int n = *past_dev + 1;
+    const int chunk = max(64, (n + nsplit - 1) / nsplit);
+    const int used = min(nsplit, (n + chunk - 1) / chunk);
+    const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, dim = blockIdx.y * 32 + lane;
+    const float* base = part + (size_t)h * nsplit * (hd + 2);
+    __shared__ float wsp[256];  // the splits' weights exp(m_sp - max m) (nsplit <= 256)
+    __shared__ float red[8][32];
+    float m = -INFINITY;
+    for (int sp = tid; sp < used; sp += 256) m = fmaxf(m, base[sp * (hd + 2) + hd]);
+    m = warp_max(m);
+    if (lane == 0) red[warp][0] = m;
+    __syncthreads();
+    m = red[0][0];
+    for (int w = 1; w < 8; w++) m = fmaxf(m, red[w][0]);
+    float lpart = 0.0f;
+    for (int sp = tid; sp < used; sp += 256) {
+        float w = expf(base[sp * (hd + 2) + hd] - m);
+        wsp[sp] = w;
+        lpart += base[sp * (hd + 2) + hd + 1] * w;
+    }
+    const float l = block_sum(lpart);  // (its barriers also publish wsp)
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int sp = warp; sp < used; sp += 8) acc += wsp[sp] * base[sp * (hd + 2) + dim];
+    red[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        float a = 0.0f;
+        for (int w = 0; w < 8; w++) a += red[w][lane];
+        float gate = qg[(size_t)h * 2 * hd + hd + dim];
+        out[(size_t)h * hd + dim] = __float2bfloat16(a / l * sigmoid_f(gate));
+    }
+}
