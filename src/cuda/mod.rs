@@ -70,9 +70,18 @@ const KERNELS: &[&str] = &[
     "moe_gemm3_m64",
     "moe_gemm3_swiglu_m128",
     "moe_gemm3_swiglu_m64",
+    "moe_gemm4_m128",
+    "moe_gemm4_m64",
+    "moe_gemm4_swiglu_m128",
+    "moe_gemm4_swiglu_m64",
+    "moe_gemm4w_m128",
+    "moe_gemm4w_swiglu_m128",
+    "moe_gemm4_m128_bf16",
+    "moe_gemm4_m64_bf16",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
+    "moe_combine_bf16",
     "moe_router_dec",
     "moe_gate_up_dec",
     "moe_down_dec",
@@ -327,6 +336,7 @@ impl Gpu {
         for (k, bytes) in attention::FLASH_KERNELS
             .into_iter()
             .chain(moe::GEMM3_KERNELS)
+            .chain(moe::GEMM4_KERNELS)
         {
             gpu.set_max_dynamic_smem(k, bytes)?;
         }
