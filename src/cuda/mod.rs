@@ -336,9 +336,14 @@ impl Gpu {
         for (k, bytes) in attention::FLASH_KERNELS
             .into_iter()
             .chain(moe::GEMM3_KERNELS)
-            .chain(moe::GEMM4_KERNELS)
         {
             gpu.set_max_dynamic_smem(k, bytes)?;
+        }
+        // The experimental moe_gemm4 (v4w: 192 KiB) only where it fits; elsewhere its launch fails.
+        for (k, bytes) in moe::GEMM4_KERNELS {
+            if bytes <= max_smem_per_block {
+                gpu.set_max_dynamic_smem(k, bytes)?;
+            }
         }
         Ok(Arc::new(gpu))
     }
