@@ -198,6 +198,31 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     }
 }
 
+// moe_combine with y bf16 [rows, d] (moe_gemm4's bf16 down; d even): each thread two adjacent
+// columns (4-byte loads), each summed exactly as moe_combine would sum y's values as f32.
+extern "C" __global__ void moe_combine_bf16(const bf16* __restrict__ y, const int* __restrict__ slot_row,
+                                            const float* __restrict__ topk_w, const float* __restrict__ ys,
+                                            const bf16* __restrict__ x, const float* __restrict__ w_sg,
+                                            float* __restrict__ h, int k, int d) {
+    int s = blockIdx.x;
+    float dot = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
+    float gate = sigmoid_f(block_sum(dot));
+    for (int i = 2 * threadIdx.x; i < d; i += 2 * blockDim.x) {
+        float acc0 = 0.0f, acc1 = 0.0f;
+        for (int kk = 0; kk < k; kk++) {
+            int row = slot_row ? slot_row[s * k + kk] : s * k + kk;
+            float wk = topk_w[s * k + kk];
+            float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(y + (size_t)row * d + i));
+            acc0 += wk * v.x;
+            acc1 += wk * v.y;
+        }
+        size_t o = (size_t)s * d + i;
+        h[o] += acc0 + gate * ys[o];
+        h[o + 1] += acc1 + gate * ys[o + 1];
+    }
+}
+
 // Grouped GEMM, second version (KESTREL_MOE_GEMM=v2; v1 selects moe_gemm):
 // 128x128 tiles, 8 warps of 64x32, K tiles of 32 double-buffered with cp.async (16-byte
 // copies, zero-filled out of range). Same contract as moe_gemm, with the plan's tile_m = 128.
@@ -440,6 +465,181 @@ MOE_GEMM3(moe_gemm3_m128, 128, 128, false)
 MOE_GEMM3(moe_gemm3_m64, 64, 256, false)
 MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true)
 MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
+
+// Grouped GEMM, fourth version (KESTREL_MOE_GEMM=v4, v4w, v4n, v4wn): moe_gemm3's contract and
+// numerics (the same k16 mma steps in the same order: bitwise equal), with K tiles of 64 (half
+// the barriers per K), rows unpadded and XOR-swizzled (16-byte chunk c of row r sits at chunk
+// c ^ (r & 7), so both the cp.async writes and each 8-row ldmatrix phase hit 32 distinct banks),
+// warp tiles of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the
+// next k16 step loaded while the current one's mma issue. `order` 0: grid (tiles, n blocks);
+// 1: grid (n blocks, tiles), a tile's n blocks adjacent (its gathered A rows shared in L2).
+// OUT_BF16: the plain product stored as bf16 [rows, ndim] instead of f32.
+#define G4_BK 64
+
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU, bool OUT_BF16>
+__device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                               const bf16* __restrict__ w, void* __restrict__ out,
+                                               const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                                               const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
+                                               int ndim, int kdim, int order) {
+    constexpr int T = 32 * WARPS_M * WARPS_N;
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NJ = WN / 8;
+    constexpr int RPP = T / 8;  // rows per pass of 16-byte copies (8 chunks per 64-wide row)
+    constexpr int AV = BM / RPP, BV = BN / RPP;
+    constexpr int STAGE = (BM + BN) * G4_BK;  // bf16 elements
+    static_assert(NJ % 2 == 0 && WM % 16 == 0 && RPP % 8 == 0 && BM % RPP == 0 && BN % RPP == 0, "tile shape");
+    extern __shared__ __align__(16) bf16 g4_smem[];
+    int tile = order ? blockIdx.y : blockIdx.x;
+    if (tile >= *num_tiles) return;
+    int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
+    const bf16* wx = w + (size_t)x * ndim * kdim;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int inter = ndim / 2;
+    int n0 = (order ? blockIdx.x : blockIdx.y) * (SWIGLU ? BN / 2 : BN);
+    // Each thread copies chunk tid % 8 of rows tid / 8 + RPP q of both operands; element offsets
+    // in registers (-1: outside the tile, zero-filled). The launcher keeps them below 2^31.
+    int kc = (tid & 7) * 8, lr = tid >> 3;
+    int aoff[AV], boff[BV];
+#pragma unroll
+    for (int q = 0; q < AV; q++) {
+        int r = lr + RPP * q;
+        aoff[q] = r < rows ? (gather ? gather[r0 + r] : r0 + r) * kdim + kc : -1;
+    }
+#pragma unroll
+    for (int q = 0; q < BV; q++) {
+        int r = lr + RPP * q, n;
+        bool ok;
+        if (SWIGLU) {  // warp column group r / WN: its WN / 2 gate rows, then the same up rows
+            int qq = r % WN, j = n0 + (r / WN) * (WN / 2) + qq % (WN / 2);
+            n = qq < WN / 2 ? j : inter + j;
+            ok = j < inter;
+        } else {
+            n = n0 + r;
+            ok = n < ndim;
+        }
+        boff[q] = ok ? n * kdim + kc : -1;
+    }
+    const int nk = (kdim + G4_BK - 1) / G4_BK;
+    const int dst = lr * G4_BK + ((kc >> 3) ^ (lr & 7)) * 8;  // RPP % 8 == 0: same swizzle every q
+    auto load = [&](int kt) {
+        if (kt < nk) {
+            bf16* sa = g4_smem + (kt % STAGES) * STAGE + dst;
+            bf16* sb = sa + BM * G4_BK;
+            int k0 = kt * G4_BK;
+            bool kin = k0 + kc < kdim;
+#pragma unroll
+            for (int q = 0; q < AV; q++) {
+                bool v = aoff[q] >= 0 && kin;
+                cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
+            }
+#pragma unroll
+            for (int q = 0; q < BV; q++) {
+                bool v = boff[q] >= 0 && kin;
+                cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
+            }
+        }
+        cp_async_commit();  // empty groups at the tail keep the wait count uniform
+    };
+    float acc[MI][NJ][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+    int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
+    // ldmatrix rows as moe_gemm3 (A: rows lane % 16, chunk lane / 16; B: n rows lane % 8 +
+    // 8 (lane / 16), chunk (lane / 8) % 2). Fragments start on multiples of 8 rows, so every
+    // lane's row swizzle is lane % 8.
+    const int a_row = (wm + (lane & 15)) * G4_BK, a_ch = lane >> 4;
+    const int b_row = (BM + wn + (lane & 7) + ((lane >> 4) << 3)) * G4_BK, b_ch = (lane >> 3) & 1;
+    const int sx = lane & 7;
+    unsigned af[2][MI][4], bfr[2][NJ / 2][4];
+    auto frag = [&](const bf16* st, int ks, int buf) {  // k16 step ks (0..3) of stage st
+        const bf16* pa = st + a_row + ((2 * ks + a_ch) ^ sx) * 8;
+        const bf16* pb = st + b_row + ((2 * ks + b_ch) ^ sx) * 8;
+#pragma unroll
+        for (int i = 0; i < MI; i++) ldsm_x4(af[buf][i], pa + i * 16 * G4_BK);
+#pragma unroll
+        for (int j = 0; j < NJ / 2; j++) ldsm_x4(bfr[buf][j], pb + j * 16 * G4_BK);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) load(s);
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage kt landed for all; stage kt - 1 is free to refill
+        load(kt + STAGES - 1);
+        const bf16* st = g4_smem + (kt % STAGES) * STAGE;
+        frag(st, 0, 0);
+#pragma unroll
+        for (int ks = 0; ks < G4_BK / 16; ks++) {
+            if (ks + 1 < G4_BK / 16) frag(st, ks + 1, (ks + 1) & 1);
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < NJ; j++)
+                    mma_bf16_16816(acc[i][j], af[ks & 1][i], bfr[ks & 1][j >> 1][(j & 1) * 2],
+                                   bfr[ks & 1][j >> 1][(j & 1) * 2 + 1]);
+        }
+    }
+    cp_async_wait_all();
+    int g = lane >> 2, c2 = (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < MI; i++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int rr = wm + i * 16 + g + h * 8;
+            if (rr >= rows) continue;
+            size_t row = (size_t)(r0 + rr);
+            if (SWIGLU) {
+                bf16* act = reinterpret_cast<bf16*>(out);
+#pragma unroll
+                for (int j = 0; j < NJ / 2; j++) {
+                    int col = n0 + (wn / 2) + j * 8 + c2;
+                    const float* gt = acc[i][j] + 2 * h;
+                    const float* up = acc[i][j + NJ / 2] + 2 * h;
+                    if (col < inter)
+                        *reinterpret_cast<unsigned*>(act + row * inter + col) =
+                            pack_bf16x2(silu_f(gt[0]) * up[0], silu_f(gt[1]) * up[1]);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    int col = n0 + wn + j * 8 + c2;
+                    if (col >= ndim) continue;
+                    const float* v = acc[i][j] + 2 * h;
+                    if (OUT_BF16)
+                        *reinterpret_cast<unsigned*>(reinterpret_cast<bf16*>(out) + row * ndim + col) = pack_bf16x2(v[0], v[1]);
+                    else
+                        *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + row * ndim + col) = make_float2(v[0], v[1]);
+                }
+            }
+        }
+    }
+}
+
+// Entry points: moe_gemm3's arguments plus `order`; block 32 * WARPS_M * WARPS_N; dynamic smem
+// STAGES * (BM + BN) * 128 bytes; plan tile_m = BM; grid (max tiles, n blocks), or swapped
+// with order 1, n blocks = ceil(out columns / (BN, or BN / 2 for _swiglu)).
+//   v4  m128: 128x128, 4 warps of 64x64, 3 stages, 96 KiB, 2 blocks/SM
+//   v4  m64:  64x128, 4 warps of 32x64, 3 stages, 72 KiB, 3 blocks/SM
+//   v4w m128: 128x256, 8 warps of 64x64, 4 stages, 192 KiB, 1 block/SM
+#define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU, OUT_BF16)                                        \
+    extern "C" __global__ void __launch_bounds__(32 * WMS * WNS, MINB) NAME(                                     \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
+        void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int order) { \
+        moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU, OUT_BF16>(a, gather, w, out, tile_expert, tile_row,     \
+                                                                   tile_rows, num_tiles, ndim, kdim, order);   \
+    }
+MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false, false)
+MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false, false)
+MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true, false)
+MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true, false)
+MOE_GEMM4(moe_gemm4w_m128, 128, 256, 2, 4, 4, 1, false, false)
+MOE_GEMM4(moe_gemm4w_swiglu_m128, 128, 256, 2, 4, 4, 1, true, false)
+MOE_GEMM4(moe_gemm4_m128_bf16, 128, 128, 2, 2, 3, 2, false, true)
+MOE_GEMM4(moe_gemm4_m64_bf16, 64, 128, 2, 2, 3, 3, false, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
