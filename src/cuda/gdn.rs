@@ -79,14 +79,12 @@ impl GdnShape {
         self.hv * self.chunks() * CHUNK * (2 * self.dk + self.dv + 1)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): L and P, the four 16x16
-    /// D_i, γ, e^γ, β, and K and Q, which X = [W | U] (columns padded to 8, stride to 32 + 8)
-    /// later replaces.
+    /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): L and P, γ, e^γ, β, and
+    /// K and Q, which X = [W | U] later replaces.
     fn prep_smem_bytes(&self) -> usize {
         let (dk, dv) = (self.dk, self.dv);
-        let ldx = (dk + dv).next_multiple_of(8).next_multiple_of(32) + 8;
-        let kq = (2 * CHUNK * (dk + 4)).max(CHUNK * ldx);
-        4 * (2 * CHUNK * (CHUNK + 4) + 4 * 16 * 20 + 3 * CHUNK + kq)
+        let kq = (2 * CHUNK * (dk + 4)).max(CHUNK * (dk + dv + 4));
+        4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + kq)
     }
 
     /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 copies), γ twice.
@@ -104,7 +102,6 @@ impl GdnShape {
     pub fn chunked_fits(&self, smem: usize) -> bool {
         KEY_DIMS.contains(&self.dk)
             && self.dv.is_multiple_of(4)
-            && self.dk + self.dv <= 256
             && self.channels().is_multiple_of(4)
             && self.prep_smem_bytes() <= smem
             && self.state_smem_bytes() <= smem
