@@ -87,13 +87,14 @@ impl GdnShape {
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + kq)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 copies), γ twice.
+    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 hi/lo
+    /// pairs), γ twice; 225,792 bytes at dk = 128.
     fn state_smem_bytes(&self) -> usize {
-        let ldv = STATE_COLS + 8;
+        let ldv2 = 2 * STATE_COLS + 8;
         4 * (4 * CHUNK * (self.dk + 4)
             + CHUNK * (self.dk + 8)
-            + self.dk * ldv
-            + CHUNK * ldv
+            + self.dk * ldv2
+            + CHUNK * ldv2
             + 2 * CHUNK)
     }
 

@@ -329,14 +329,26 @@ extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* 
 #define GDN_C 64             // chunk length of the chunked delta rule
 #define GDN_LDP (GDN_C + 4)  // row stride of 64x64 matrices in shared memory
 #define GDN_DVS 32           // value columns per block of gdn_chunk_state
-#define GDN_LDV (GDN_DVS + 8)  // row stride of [*][32] tf32 B operands: lanes (k c, n g) hit c*LDV + g, 32 banks
+// Row stride of [*][32] (hi, lo) pair-split B operands: a half-warp's 8-byte loads at
+// (k c, n g) hit 8c + 2g mod 32, all 32 banks.
+#define GDN_LDV2 (2 * GDN_DVS + 8)
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
-// x rounded to tf32 (kept as a float: the bits of an mma operand).
-__device__ __forceinline__ float tf32r(float x) { return __uint_as_float(to_tf32(x)); }
+// 3xTF32 split: x = hi + lo to ~2^-22 relative, both tf32 (the bits of mma operands).
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));  // x − hi is exact in f32
+}
+// Columns m, m + 1 of a pair-split row: (hi, lo) of x then of y, one 16-byte store.
+__device__ __forceinline__ void st_split2(float* p, float x, float y) {
+    unsigned xh, xl, yh, yl;
+    split_tf32(x, xh, xl);
+    split_tf32(y, yh, yl);
+    st4(p, make_float4(__uint_as_float(xh), __uint_as_float(xl), __uint_as_float(yh), __uint_as_float(yl)));
+}
 // acc += a · b, component by component in order.
 __device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
     acc = fmaf(a.x, b.x, acc);
@@ -545,14 +557,18 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
 }
 
 // Chunked delta rule, part 2: the chunks in order, for value head blockIdx.x and value
-// columns [32 * blockIdx.y, +32), 256 threads (8 warps), on tensor cores (tf32 mma.sync, f32
-// accumulate). The state slice S [DK, 32] stays in registers (f32, mma accumulator layout)
-// from the first chunk to the last, with a tf32 copy in shared memory as the B operand. Per chunk:
+// columns [32 * blockIdx.y, +32), 256 threads (8 warps), on tensor cores with f32 precision
+// by the 3xTF32 split: each operand x = hi + lo (hi = tf32(x), lo = tf32(x − hi)) and
+// A B ≈ A_hi B_hi + (A_hi B_lo + A_lo B_hi), three mma.sync m16n8k8, f32 accumulate (the
+// dropped A_lo B_lo is ~2^-22 of the product). The state slice S [DK, 32] stays in registers
+// (f32, mma accumulator layout) from the first chunk to the last, with its (hi, lo) split in
+// shared memory as the B operand. Per chunk:
 //   R = [W; Q'] S (128 x 32; warp w: rows 16w..16w+15, all 32 columns),
-//   V' = U − R_W, Vd = e^{γ_last − γ} ⊙ V' (into shared memory), O = O_intra + R_Q' (into o),
+//   V' = U − R_W, Vd = e^{γ_last − γ} ⊙ V' (split into shared memory), O = O_intra + R_Q' (into o),
 //   S ← e^{γ_last} S + Kᵀ Vd (warp: 16 key rows x NPW column tiles of 8)
 // with the next chunk's W, Q' and γ (double-buffered) and K (single) fetched by cp.async while
-// the current chunk computes. Dynamic shared memory: GdnShape::state_smem_bytes.
+// the current chunk computes; W, Q' and K stay f32 in shared memory and are split as their
+// fragments are loaded. Dynamic shared memory: GdnShape::state_smem_bytes.
 template <int DK>
 __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                      const float* __restrict__ qp_in, const float* __restrict__ u_in,
@@ -565,9 +581,9 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     constexpr int NPW = RT >= 2 ? RT / 2 : 1;  // 8-column tiles of S per warp (8 warps, 4 tiles per row tile)
     float* wq = gdn_smem;                  // [2][128][LDW] W rows then Q' rows, two chunks
     float* kt = wq + 2 * 2 * GDN_C * LDW;  // [64][LDKT] k of the chunk (0 past t)
-    float* ss = kt + GDN_C * LDKT;         // [DK][LDV] S rounded to tf32
-    float* vd = ss + DK * GDN_LDV;         // [64][LDV] e^{γ_last − γ_r} V'_r rounded to tf32
-    float* gm = vd + GDN_C * GDN_LDV;      // [2][64] γ, two chunks
+    float* ss = kt + GDN_C * LDKT;         // [DK][LDV2] S as (hi, lo) pairs
+    float* vd = ss + DK * GDN_LDV2;        // [64][LDV2] e^{γ_last − γ_r} V'_r as (hi, lo) pairs
+    float* gm = vd + GDN_C * GDN_LDV2;     // [2][64] γ, two chunks
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
     const int j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
     const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
@@ -602,6 +618,13 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         }
         cp_async_commit();
     };
+    // B fragment (hi and lo) of columns 8 nt.. at k0 from a pair-split [*][LDV2] matrix.
+    auto b_frag = [&](const float* mat, int k0, int nt, unsigned (&bh)[2], unsigned (&bl)[2]) {
+        const float* b = mat + (k0 + cq) * GDN_LDV2 + 2 * (8 * nt + gq);
+        const float2 x0 = ld2(b), x1 = ld2(b + 4 * GDN_LDV2);
+        bh[0] = __float_as_uint(x0.x), bl[0] = __float_as_uint(x0.y);
+        bh[1] = __float_as_uint(x1.x), bl[1] = __float_as_uint(x1.y);
+    };
 
     load_wq(0, 0);
     load_k(0);
@@ -619,8 +642,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         sr[p][2] = ok ? st[(size_t)(srow + 8) * dv + m] : 0.0f;
         sr[p][3] = ok ? st[(size_t)(srow + 8) * dv + m + 1] : 0.0f;
         if (has_s) {
-            st2(ss + srow * GDN_LDV + m, tf32r(sr[p][0]), tf32r(sr[p][1]));
-            st2(ss + (srow + 8) * GDN_LDV + m, tf32r(sr[p][2]), tf32r(sr[p][3]));
+            st_split2(ss + srow * GDN_LDV2 + 2 * m, sr[p][0], sr[p][1]);
+            st_split2(ss + (srow + 8) * GDN_LDV2 + 2 * m, sr[p][2], sr[p][3]);
         }
     }
     for (int ch = 0; ch < nchunks; ch++) {
@@ -651,32 +674,41 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
                     pre[nt][2 * h + 1] = v.y;
                 }
             }
-            float acc[4][4];
+            // acc: the hi·hi products; cor: the two cross terms (own chains, for ILP)
+            float acc[4][4], cor[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+                for (int e = 0; e < 4; e++) acc[nt][e] = cor[nt][e] = 0.0f;
             const float* arow = wqb + (16 * warp + (lane & 15)) * LDW + (lane >> 4) * 4;
-#pragma unroll 4
+#pragma unroll 2
             for (int k0 = 0; k0 < DK; k0 += 8) {
-                unsigned a[4];
+                unsigned a[4], ah[4], al[4];
                 ldsm_x4(a, arow + k0);
 #pragma unroll
-                for (int e = 0; e < 4; e++) a[e] = to_tf32(__uint_as_float(a[e]));
-                const float* b = ss + (k0 + cq) * GDN_LDV + gq;
+                for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(a[e]), ah[e], al[e]);
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-                    mma_tf32_1688(acc[nt], a, __float_as_uint(b[8 * nt]), __float_as_uint(b[4 * GDN_LDV + 8 * nt]));
+                for (int nt = 0; nt < 4; nt++) {
+                    unsigned bh[2], bl[2];
+                    b_frag(ss, k0, nt, bh, bl);
+                    mma_tf32_1688(cor[nt], al, bh[0], bh[1]);
+                    mma_tf32_1688(cor[nt], ah, bl[0], bl[1]);
+                    mma_tf32_1688(acc[nt], ah, bh[0], bh[1]);
+                }
             }
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[nt][e] += cor[nt][e];
             if (is_w) {
                 const float last = gc[GDN_C - 1];
                 const float d0 = expf(last - gc[r]), d1 = expf(last - gc[r + 8]);
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
                     const int m = 8 * nt + 2 * cq;
-                    st2(vd + r * GDN_LDV + m, tf32r((pre[nt][0] - acc[nt][0]) * d0), tf32r((pre[nt][1] - acc[nt][1]) * d0));
-                    st2(vd + (r + 8) * GDN_LDV + m, tf32r((pre[nt][2] - acc[nt][2]) * d1),
-                        tf32r((pre[nt][3] - acc[nt][3]) * d1));
+                    st_split2(vd + r * GDN_LDV2 + 2 * m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0);
+                    st_split2(vd + (r + 8) * GDN_LDV2 + 2 * m, (pre[nt][2] - acc[nt][2]) * d1,
+                              (pre[nt][3] - acc[nt][3]) * d1);
                 }
             } else {
 #pragma unroll
@@ -693,31 +725,39 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
             }
         }
         cp_async_wait_one();  // this chunk's K (the next chunk's W, Q' may still be in flight)
-        __syncthreads();      // Vd complete, K visible, every read of the tf32 S done
+        __syncthreads();      // Vd complete, K visible, every read of the split S done
 
         // S ← e^{γ_last} S + Kᵀ Vd: A = Kᵀ (rows = keys srow.., k = tokens) read transposed.
         if (has_s) {
             const float el = expf(gc[GDN_C - 1]);
+            float cor[NPW][4];
 #pragma unroll
             for (int p = 0; p < NPW; p++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) sr[p][e] *= el;
+                for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = 0.0f;
 #pragma unroll 2
             for (int r0 = 0; r0 < GDN_C; r0 += 8) {
                 const float* ka = kt + (r0 + cq) * LDKT + srow;
-                unsigned a[4] = {to_tf32(ka[0]), to_tf32(ka[8]), to_tf32(ka[4 * LDKT]), to_tf32(ka[4 * LDKT + 8])};
-                const float* b = vd + (r0 + cq) * GDN_LDV + gq;
+                const float kv[4] = {ka[0], ka[8], ka[4 * LDKT], ka[4 * LDKT + 8]};
+                unsigned ah[4], al[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) split_tf32(kv[e], ah[e], al[e]);
 #pragma unroll
                 for (int p = 0; p < NPW; p++) {
-                    const int n0 = 8 * ((warp * NPW + p) % 4);
-                    mma_tf32_1688(sr[p], a, __float_as_uint(b[n0]), __float_as_uint(b[4 * GDN_LDV + n0]));
+                    unsigned bh[2], bl[2];
+                    b_frag(vd, r0, (warp * NPW + p) % 4, bh, bl);
+                    mma_tf32_1688(cor[p], al, bh[0], bh[1]);
+                    mma_tf32_1688(cor[p], ah, bl[0], bl[1]);
+                    mma_tf32_1688(sr[p], ah, bh[0], bh[1]);
                 }
             }
 #pragma unroll
             for (int p = 0; p < NPW; p++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
                 const int m = 8 * ((warp * NPW + p) % 4) + 2 * cq;
-                st2(ss + srow * GDN_LDV + m, tf32r(sr[p][0]), tf32r(sr[p][1]));
-                st2(ss + (srow + 8) * GDN_LDV + m, tf32r(sr[p][2]), tf32r(sr[p][3]));
+                st_split2(ss + srow * GDN_LDV2 + 2 * m, sr[p][0], sr[p][1]);
+                st_split2(ss + (srow + 8) * GDN_LDV2 + 2 * m, sr[p][2], sr[p][3]);
             }
         }
         __syncthreads();  // K and Vd free
