@@ -330,3 +330,9 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const unsigned (&a)
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// 3xTF32 split: x = hi + lo to ~2^-22 relative, both tf32; A B ≈ A_hi B_hi + A_hi B_lo +
+// A_lo B_hi (three mma, f32 accumulate) is then f32-level where one tf32 mma is 2^-11.
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));  // x − hi is exact in f32
+}

@@ -337,11 +337,6 @@ __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
-// 3xTF32 split: x = hi + lo to ~2^-22 relative, both tf32 (the bits of mma operands).
-__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));  // x − hi is exact in f32
-}
 // Columns m, m + 1 of a pair-split row: (hi, lo) of x then of y, one 16-byte store.
 __device__ __forceinline__ void st_split2(float* p, float x, float y) {
     unsigned xh, xl, yh, yl;
