@@ -87,14 +87,14 @@ impl GdnShape {
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + kq)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 hi/lo
-    /// pairs), γ twice; 225,792 bytes at dk = 128.
+    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 hi and lo
+    /// in gdn.cu's quad layout, 4 * 32 + 8 floats per 2 rows), γ twice; 222,720 bytes at dk = 128.
     fn state_smem_bytes(&self) -> usize {
-        let ldv2 = 2 * STATE_COLS + 8;
+        let quad = (4 * STATE_COLS + 8) / 2;
         4 * (4 * CHUNK * (self.dk + 4)
             + CHUNK * (self.dk + 8)
-            + self.dk * ldv2
-            + CHUNK * ldv2
+            + self.dk * quad
+            + CHUNK * quad
             + 2 * CHUNK)
     }
 

@@ -329,21 +329,17 @@ extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* 
 #define GDN_C 64             // chunk length of the chunked delta rule
 #define GDN_LDP (GDN_C + 4)  // row stride of 64x64 matrices in shared memory
 #define GDN_DVS 32           // value columns per block of gdn_chunk_state
-// Row stride of [*][32] (hi, lo) pair-split B operands: a half-warp's 8-byte loads at
-// (k c, n g) hit 8c + 2g mod 32, all 32 banks.
-#define GDN_LDV2 (2 * GDN_DVS + 8)
+// gdn_chunk_state's B operands S [DK][32] and Vd [64][32], split 3xTF32, in a "quad" layout:
+// per 8-row k block kb and c < 4, column n holds {hi, lo} of rows 8kb+c and 8kb+c+4 as
+// {hi(c), hi(c+4), lo(c), lo(c+4)}, so a lane's b0, b1 of both parts are one 16-byte load into
+// registers the mma takes as they are; a quarter-warp's lanes (c, g) hit 8c + 4g mod 32, no conflict.
+#define GDN_LDQ (4 * GDN_DVS + 8)  // floats per c row of a k block
+#define GDN_KBQ (4 * GDN_LDQ)      // floats per 8-row k block
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
-// Columns m, m + 1 of a pair-split row: (hi, lo) of x then of y, one 16-byte store.
-__device__ __forceinline__ void st_split2(float* p, float x, float y) {
-    unsigned xh, xl, yh, yl;
-    split_tf32(x, xh, xl);
-    split_tf32(y, yh, yl);
-    st4(p, make_float4(__uint_as_float(xh), __uint_as_float(xl), __uint_as_float(yh), __uint_as_float(yl)));
-}
 // acc += a · b, component by component in order.
 __device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
     acc = fmaf(a.x, b.x, acc);
@@ -374,6 +370,21 @@ __device__ __forceinline__ void tile4x4_step(const float* a, int lda, const floa
         axpy4(av[r].z, bv[2], acc[r]);
         axpy4(av[r].w, bv[3], acc[r]);
     }
+}
+
+// A lane's accumulator pair (row `row` = 8kb + lane / 4, columns m, m + 1) into a quad-layout
+// matrix: lanes l and l ^ 16 hold rows k and k + 4 of the same columns; after one exchange
+// the lower lane writes column m's cell, the upper column m + 1's. All 32 lanes must call it.
+__device__ __forceinline__ void st_quad(float* mat, int row, int m, float x0, float x1, int lane) {
+    unsigned h0, l0, h1, l1;
+    split_tf32(x0, h0, l0);
+    split_tf32(x1, h1, l1);
+    const bool up = lane & 16;
+    const unsigned sh = __shfl_xor_sync(0xffffffffu, up ? h0 : h1, 16);
+    const unsigned sl = __shfl_xor_sync(0xffffffffu, up ? l0 : l1, 16);
+    float* cell = mat + (row >> 3) * GDN_KBQ + (row & 3) * GDN_LDQ + 4 * (m + (up ? 1 : 0));
+    st4(cell, up ? make_float4(__uint_as_float(sh), __uint_as_float(h1), __uint_as_float(sl), __uint_as_float(l1))
+                 : make_float4(__uint_as_float(h0), __uint_as_float(sh), __uint_as_float(l0), __uint_as_float(sl)));
 }
 
 // Chunked delta rule (prefill), part 1: all chunks in parallel. Block = chunk blockIdx.x of
@@ -557,7 +568,7 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
 // A B ≈ A_hi B_hi + (A_hi B_lo + A_lo B_hi), three mma.sync m16n8k8, f32 accumulate (the
 // dropped A_lo B_lo is ~2^-22 of the product). The state slice S [DK, 32] stays in registers
 // (f32, mma accumulator layout) from the first chunk to the last, with its (hi, lo) split in
-// shared memory as the B operand. Per chunk:
+// shared memory (quad layout, above) as the B operand. Per chunk:
 //   R = [W; Q'] S (128 x 32; warp w: rows 16w..16w+15, all 32 columns),
 //   V' = U − R_W, Vd = e^{γ_last − γ} ⊙ V' (split into shared memory), O = O_intra + R_Q' (into o),
 //   S ← e^{γ_last} S + Kᵀ Vd (warp: 16 key rows x NPW column tiles of 8)
@@ -576,9 +587,9 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     constexpr int NPW = RT >= 2 ? RT / 2 : 1;  // 8-column tiles of S per warp (8 warps, 4 tiles per row tile)
     float* wq = gdn_smem;                  // [2][128][LDW] W rows then Q' rows, two chunks
     float* kt = wq + 2 * 2 * GDN_C * LDW;  // [64][LDKT] k of the chunk (0 past t)
-    float* ss = kt + GDN_C * LDKT;         // [DK][LDV2] S as (hi, lo) pairs
-    float* vd = ss + DK * GDN_LDV2;        // [64][LDV2] e^{γ_last − γ_r} V'_r as (hi, lo) pairs
-    float* gm = vd + GDN_C * GDN_LDV2;     // [2][64] γ, two chunks
+    float* ss = kt + GDN_C * LDKT;         // [DK / 8][KBQ] S, quad layout
+    float* vd = ss + DK / 8 * GDN_KBQ;     // [8][KBQ] e^{γ_last − γ_r} V'_r, quad layout
+    float* gm = vd + GDN_C / 8 * GDN_KBQ;  // [2][64] γ, two chunks
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
     const int j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
     const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
@@ -588,15 +599,20 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     float* st = state + (size_t)j * DK * dv + m0;
 
     // Each loader commits one cp.async group (possibly empty), so that "all but the newest
-    // group done" always means what the waits below need.
+    // group done" always means what the waits below need. A thread copies 16 bytes at column
+    // lc of rows lr + RPI p (256 threads: RPI rows per pass), addresses stepped, not recomputed.
+    constexpr int RPI = 256 * 4 / DK;
+    const int lr = tid / (DK / 4), lc = (tid % (DK / 4)) * 4;
     auto load_wq = [&](int ch, int buf) {
         if (ch < nchunks) {
             const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
-            float* dst = wq + buf * 2 * GDN_C * LDW;
-            for (int idx = tid; idx < 2 * GDN_C * DK / 4; idx += blockDim.x) {
-                int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-                const float* src = r < GDN_C ? w_in + (row0 + r) * DK + i : qp_in + (row0 + r - GDN_C) * DK + i;
-                cp_async16(dst + r * LDW + i, src, true);
+            const float* sw = w_in + (row0 + lr) * DK + lc;
+            const float* sq = qp_in + (row0 + lr) * DK + lc;
+            float* dst = wq + buf * 2 * GDN_C * LDW + lr * LDW + lc;
+#pragma unroll
+            for (int p = 0; p < GDN_C / RPI; p++) {
+                cp_async16(dst + p * RPI * LDW, sw + p * RPI * DK, true);
+                cp_async16(dst + (GDN_C + p * RPI) * LDW, sq + p * RPI * DK, true);
             }
             if (tid < GDN_C / 4) cp_async16(gm + buf * GDN_C + 4 * tid, gamma_in + row0 + 4 * tid, true);
         }
@@ -604,28 +620,28 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     };
     auto load_k = [&](int ch) {
         if (ch < nchunks) {
-            for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
-                int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-                int s = ch * GDN_C + r;
-                bool in = s < t;
-                cp_async16(kt + r * LDKT + i, in ? qkv + (size_t)s * c + koff + i : qkv, in);
+            const int s0 = ch * GDN_C + lr;
+            const float* src = qkv + (size_t)s0 * c + koff + lc;
+#pragma unroll
+            for (int p = 0; p < GDN_C / RPI; p++) {
+                const bool in = s0 + p * RPI < t;
+                cp_async16(kt + (lr + p * RPI) * LDKT + lc, in ? src + (size_t)p * RPI * c : qkv, in);
             }
         }
         cp_async_commit();
     };
-    // B fragment (hi and lo) of columns 8 nt.. at k0 from a pair-split [*][LDV2] matrix.
+    // B fragment (hi and lo) of columns 8 nt.. at k0 (a multiple of 8) from a quad-layout matrix.
     auto b_frag = [&](const float* mat, int k0, int nt, unsigned (&bh)[2], unsigned (&bl)[2]) {
-        const float* b = mat + (k0 + cq) * GDN_LDV2 + 2 * (8 * nt + gq);
-        const float2 x0 = ld2(b), x1 = ld2(b + 4 * GDN_LDV2);
-        bh[0] = __float_as_uint(x0.x), bl[0] = __float_as_uint(x0.y);
-        bh[1] = __float_as_uint(x1.x), bl[1] = __float_as_uint(x1.y);
+        const float4 q = ld4(mat + (k0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * nt + gq));
+        bh[0] = __float_as_uint(q.x), bh[1] = __float_as_uint(q.y);
+        bl[0] = __float_as_uint(q.z), bl[1] = __float_as_uint(q.w);
     };
 
     load_wq(0, 0);
     load_k(0);
     // S tiles of this warp: unit u = warp * NPW + p is row tile u / 4, column tile u % 4
     // (NPW divides 4, so one row tile per warp); warps past 4 * RT units have none (DK = 16).
-    const bool has_s = warp * NPW < 4 * RT;
+    const bool has_s = 8 * NPW <= 4 * RT || warp * NPW < 4 * RT;  // constant true for DK >= 32
     const int srow = 16 * (warp * NPW / 4) + gq;  // rows srow and srow + 8
     float sr[NPW][4];
 #pragma unroll
@@ -637,8 +653,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         sr[p][2] = ok ? st[(size_t)(srow + 8) * dv + m] : 0.0f;
         sr[p][3] = ok ? st[(size_t)(srow + 8) * dv + m + 1] : 0.0f;
         if (has_s) {
-            st_split2(ss + srow * GDN_LDV2 + 2 * m, sr[p][0], sr[p][1]);
-            st_split2(ss + (srow + 8) * GDN_LDV2 + 2 * m, sr[p][2], sr[p][3]);
+            st_quad(ss, srow, m, sr[p][0], sr[p][1], lane);
+            st_quad(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
         }
     }
     for (int ch = 0; ch < nchunks; ch++) {
@@ -701,9 +717,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
                     const int m = 8 * nt + 2 * cq;
-                    st_split2(vd + r * GDN_LDV2 + 2 * m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0);
-                    st_split2(vd + (r + 8) * GDN_LDV2 + 2 * m, (pre[nt][2] - acc[nt][2]) * d1,
-                              (pre[nt][3] - acc[nt][3]) * d1);
+                    st_quad(vd, r, m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0, lane);
+                    st_quad(vd, r + 8, m, (pre[nt][2] - acc[nt][2]) * d1, (pre[nt][3] - acc[nt][3]) * d1, lane);
                 }
             } else {
 #pragma unroll
@@ -751,8 +766,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
 #pragma unroll
                 for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
                 const int m = 8 * ((warp * NPW + p) % 4) + 2 * cq;
-                st_split2(ss + srow * GDN_LDV2 + 2 * m, sr[p][0], sr[p][1]);
-                st_split2(ss + (srow + 8) * GDN_LDV2 + 2 * m, sr[p][2], sr[p][3]);
+                st_quad(ss, srow, m, sr[p][0], sr[p][1], lane);
+                st_quad(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
             }
         }
         __syncthreads();  // K and Vd free
