@@ -69,9 +69,8 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     float* qp = w + (size_t)hv * tp * dk;
     float* u = qp + (size_t)hv * tp * dk;
     float* gam = u + (size_t)hv * tp * dv;
-    const int ldx = ((dk + dv + 7) / 8 * 8 + 31) / 32 * 32 + 8;
-    size_t prep = 4 * (2 * C * (C + 4) + 4 * 16 * 20 + 3 * C + std::max(2 * C * (dk + 4), C * ldx));
-    size_t stsm = 4 * (4 * C * (dk + 4) + C * (dk + 8) + dk * 40 + C * 40 + 2 * C);
+    size_t prep = 4 * (2 * C * (C + 4) + 3 * C + std::max(2 * C * (dk + 4), C * (dk + dv + 4)));
+    size_t stsm = 4 * (4 * C * (dk + 4) + C * (dk + 8) + dk * 68 + C * 68 + 2 * C);
     emu_launch({(unsigned)nch, (unsigned)hv, 1}, 256, prep, [&] {
         gdn_chunk_prep_impl<DK>(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_c.data(), t, hk, hv, dv);
     });
@@ -111,7 +110,7 @@ void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4) {
     if (!ok) exit(1);
 }
 
-static const double TOL = 2e-3;
+static const double TOL = 1e-5;
 
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
@@ -130,7 +129,7 @@ int main(int argc, char** argv) {
     }
     if (full) {
         run_delta<128>(300, 16, 32, 128, true, TOL);
-        run_delta<128>(4096, 1, 4, 128, true, TOL);  // 64 chunks: does the tf32 error build up in S?
+        run_delta<128>(4096, 1, 4, 128, true, TOL);  // 64 chunks: does the error build up in S?
     }
     return 0;
 }

@@ -4,7 +4,7 @@
 // ldsm_x4 of an [n][k] tile and from ldsm_x4_t of a [k][n] tile; the raw ldsm_x4 registers
 // with rows at scattered addresses; the accumulator of one mma repacked (pack_bf16x2) as the A
 // operand of the next (as flash attention does with P); smem_addr; the tf32 m16n8k8 mma and
-// to_tf32, with fragments by hand and through ldsm_x4 of f32 rows.
+// to_tf32, with fragments by hand and through ldsm_x4 of f32 rows; the 3xTF32 split.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -218,6 +218,36 @@ int main() {
             }
         report("mma m16n8k8 tf32, fragments from the documented layout", e1, 1e-6);
         report("ldsm_x4 f32 A + ldsm_x4 f32 B [n][k] -> mma tf32", e2, 1e-6);
+        // 3xTF32 (split_tf32, three mma) on f32 values that tf32 does not hold: f32-level,
+        // where a single tf32 mma of the same values is off by ~2^-11.
+        float FA[16][8], FB[8][8], F1[16][8], F3[16][8];
+        for (auto& r : FA) for (auto& x : r) x = U(rng);
+        for (auto& r : FB) for (auto& x : r) x = U(rng);
+        emu_launch({1, 1, 1}, 32, 0, [&] {
+            int l = threadIdx.x, g = l / 4, c = l % 4;
+            const float av[4] = {FA[g][c], FA[g + 8][c], FA[g][c + 4], FA[g + 8][c + 4]};
+            const float bv[2] = {FB[c][g], FB[c + 4][g]};
+            unsigned ah[4], al[4], bh[2], bl[2];
+            for (int e = 0; e < 4; e++) split_tf32(av[e], ah[e], al[e]);
+            for (int e = 0; e < 2; e++) split_tf32(bv[e], bh[e], bl[e]);
+            float d1[4] = {0, 0, 0, 0}, d3[4] = {0, 0, 0, 0};
+            mma_tf32_1688(d1, ah, bh[0], bh[1]);
+            mma_tf32_1688(d3, al, bh[0], bh[1]);
+            mma_tf32_1688(d3, ah, bl[0], bl[1]);
+            mma_tf32_1688(d3, ah, bh[0], bh[1]);
+            F1[g][2 * c] = d1[0], F1[g][2 * c + 1] = d1[1], F1[g + 8][2 * c] = d1[2], F1[g + 8][2 * c + 1] = d1[3];
+            F3[g][2 * c] = d3[0], F3[g][2 * c + 1] = d3[1], F3[g + 8][2 * c] = d3[2], F3[g + 8][2 * c + 1] = d3[3];
+        });
+        double e3 = 0, e1x = 0;
+        for (int r = 0; r < 16; r++)
+            for (int n = 0; n < 8; n++) {
+                double s = 0, a = 0;
+                for (int k = 0; k < 8; k++) s += (double)FA[r][k] * FB[k][n], a += std::fabs((double)FA[r][k] * FB[k][n]);
+                e3 = std::max(e3, std::fabs(s - F3[r][n]) / a);
+                e1x = std::max(e1x, std::fabs(s - F1[r][n]) / a);
+            }
+        report("3xTF32 (split_tf32) mma vs f64, relative to sum |a b|", e3, 1e-6);
+        report("(1xTF32 on the same values is coarse: error > 1e-5)", e1x > 1e-5 ? 0 : 1, 0);
     }
     if (fails) printf("%d check(s) FAILED\n", fails);
     return fails ? 1 : 0;

@@ -330,3 +330,12 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const unsigned (&a)
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// 3xTF32 split: x = hi + lo to ~2^-22 relative, both tf32; A B ≈ A_hi B_hi + A_hi B_lo +
+// A_lo B_hi (three mma, f32 accumulate) is then f32-level where one tf32 mma is 2^-11.
+// Both round half away from zero as to_tf32 does, in integer ops: + half an ulp of tf32 on the
+// magnitude bits, then hi drops the low 13 bits and lo leaves them to the mma, which ignores
+// them (what ptxas itself emits for cvt.rna feeding an mma); NaN payloads may become inf.
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;  // x − hi is exact in f32
+}

@@ -341,35 +341,78 @@ extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* 
 }
 
 #define GDN_C 64             // chunk length of the chunked delta rule
-#define GDN_LDP (GDN_C + 4)  // row stride of 64x64 matrices in shared memory (ldmatrix: 16 bytes apart mod 128)
-#define GDN_LDD 20           // row stride of the 16x16 blocks D_i (80 bytes: ldmatrix conflict-free)
+#define GDN_LDP (GDN_C + 4)  // row stride of 64x64 matrices in shared memory
 #define GDN_DVS 32           // value columns per block of gdn_chunk_state
-#define GDN_LDV (GDN_DVS + 8)  // row stride of [*][32] tf32 B operands: lanes (k c, n g) hit c*LDV + g, 32 banks
+// gdn_chunk_state's B operands S [DK][32] and Vd [64][32], split 3xTF32, in a "quad" layout:
+// per 8-row k block kb and c < 4, column n holds {hi, lo} of rows 8kb+c and 8kb+c+4 as
+// {hi(c), hi(c+4), lo(c), lo(c+4)}, so a lane's b0, b1 of both parts are one 16-byte load into
+// registers the mma takes as they are; a quarter-warp's lanes (c, g) hit 8c + 4g mod 32, no conflict.
+#define GDN_LDQ (4 * GDN_DVS + 8)  // floats per c row of a k block
+#define GDN_KBQ (4 * GDN_LDQ)      // floats per 8-row k block
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
-// x rounded to tf32 (kept as a float: the bits of an mma operand).
-__device__ __forceinline__ float tf32r(float x) { return __uint_as_float(to_tf32(x)); }
+// acc += a · b, component by component in order.
+__device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+    acc = fmaf(a.z, b.z, acc);
+    return fmaf(a.w, b.w, acc);
+}
+// acc[0..3] += x * (y.x, y.y, y.z, y.w)
+__device__ __forceinline__ void axpy4(float x, float4 y, float* acc) {
+    acc[0] = fmaf(x, y.x, acc[0]);
+    acc[1] = fmaf(x, y.y, acc[1]);
+    acc[2] = fmaf(x, y.z, acc[2]);
+    acc[3] = fmaf(x, y.w, acc[3]);
+}
+
+// One k-step of four of a 4x4 register tile: acc[a][e] += sum_j A[a][j] * B[j][e], with row a of
+// A at `a + a*lda` and row j of B at `b + j*ldb` (four consecutive floats each).
+__device__ __forceinline__ void tile4x4_step(const float* a, int lda, const float* b, int ldb, float (&acc)[4][4]) {
+    float4 av[4], bv[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) av[r] = ld4(a + r * lda);
+#pragma unroll
+    for (int j = 0; j < 4; j++) bv[j] = ld4(b + j * ldb);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        axpy4(av[r].x, bv[0], acc[r]);
+        axpy4(av[r].y, bv[1], acc[r]);
+        axpy4(av[r].z, bv[2], acc[r]);
+        axpy4(av[r].w, bv[3], acc[r]);
+    }
+}
+
+// A lane's accumulator pair (row `row` = 8kb + lane / 4, columns m, m + 1) into a quad-layout
+// matrix: lanes l and l ^ 16 hold rows k and k + 4 of the same columns; after one exchange
+// the lower lane writes column m's cell, the upper column m + 1's. All 32 lanes must call it.
+__device__ __forceinline__ void st_quad(float* mat, int row, int m, float x0, float x1, int lane) {
+    unsigned h0, l0, h1, l1;
+    split_tf32(x0, h0, l0);
+    split_tf32(x1, h1, l1);
+    const bool up = lane & 16;
+    const unsigned sh = __shfl_xor_sync(0xffffffffu, up ? h0 : h1, 16);
+    const unsigned sl = __shfl_xor_sync(0xffffffffu, up ? l0 : l1, 16);
+    float* cell = mat + (row >> 3) * GDN_KBQ + (row & 3) * GDN_LDQ + 4 * (m + (up ? 1 : 0));
+    st4(cell, up ? make_float4(__uint_as_float(sh), __uint_as_float(h1), __uint_as_float(sl), __uint_as_float(l1))
+                 : make_float4(__uint_as_float(h0), __uint_as_float(sh), __uint_as_float(l0), __uint_as_float(sl)));
+}
+
 // Chunked delta rule (prefill), part 1: all chunks in parallel. Block = chunk blockIdx.x of
-// value head blockIdx.y, 256 threads (8 warps), on tensor cores (tf32 mma.sync, f32
-// accumulate). With γ the inclusive cumulative log-decay inside the chunk and
-// Γ_rs = exp(γ_r − γ_s) (s <= r, so never exp of a positive number):
+// value head blockIdx.y, 256 threads. With γ the inclusive cumulative log-decay inside the
+// chunk and Γ_rs = exp(γ_r − γ_s) (s <= r, so never exp of a positive number):
 //   L = strictly lower (β_r k_r·k_s Γ_rs),   P = lower incl. diagonal (q_r·k_s Γ_rs),
-//   [W | U] = (I + L)^-1 [β e^γ K | β V],
+//   [W | U] = (I + L)^-1 [β e^γ K | β V]     (forward substitution, a column per thread),
 //   Q' = e^γ Q − P W,   O_intra = P U,
 // so that part 2 (sequential over chunks) needs only V' = U − W S, O = O_intra + Q' S and the
 // state update: equal to the CPU reference's chunk (O = e^γ Q S + P V', V' = U − W S).
-// L and P: warp w computes 16 rows (w & 3) of K Kᵀ (w < 4) or Q Kᵀ, tiles right of the
-// diagonal skipped. The solve runs by 16-row blocks i: X_i = D_i (B_i − Σ_{k<i} L_ik X_k) with
-// D_i = (I + L_ii)^-1 from a 16-row forward substitution (64 threads, f32); every column of X
-// is independent, so warp w owns the 8-column tiles w, w + 8, .. of X and also computes their
-// P X, with no block barrier after the L, P, D one.
 // Out: w, qp [hv, tp, DK], u [hv, tp, dv], gamma [hv, tp] (tp = chunks * 64; the tail of a
 // partial last chunk is padded as g = β = 0, q = k = v = 0, so its rows of W, Q', U are 0 and
-// its γ is the last token's); O_intra into o [t, hv, dv]. Needs dv % 4 == 0, c % 4 == 0 and
-// DK + dv <= 256. Dynamic shared memory: see GdnShape::prep_smem_bytes on the host.
+// its γ is the last token's); O_intra into o [t, hv, dv]. Needs dv % 4 == 0 and c % 4 == 0.
+// Dynamic shared memory: see GdnShape::prep_smem_bytes on the host.
 template <int DK>
 __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const float* __restrict__ g,
                                     const float* __restrict__ beta, float* __restrict__ w_out,
@@ -377,19 +420,17 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                                     float* __restrict__ gamma_out, float* __restrict__ o, int t, int hk,
                                     int hv, int dv) {
     extern __shared__ __align__(16) float gdn_smem[];
-    constexpr int LDK = DK + 4;        // K, Q rows: ldmatrix's 8 rows land 16 bytes apart mod 128
-    const int nc8 = (DK + dv + 7) & ~7;  // X columns, padded to whole 8-column tiles (pad = 0)
-    const int ldx = ((nc8 + 31) & ~31) + 8;  // B fragments (k c, n g) hit c*ldx + g: 32 banks
+    constexpr int LDK = DK + 4;
+    const int ldx = DK + dv + 4;
     float* ls = gdn_smem;                 // [64][LDP] L
-    float* ps = ls + GDN_C * GDN_LDP;     // [64][LDP] P
-    float* dinv = ps + GDN_C * GDN_LDP;   // [4][16][GDN_LDD] D_i, tf32
-    float* gam = dinv + 4 * 16 * GDN_LDD; // [64] γ
-    float* eg = gam + GDN_C;              // [64] e^γ
-    float* bet = eg + GDN_C;              // [64] β
-    float* ks = bet + GDN_C;              // [64][LDK] K; X [64][ldx] later reuses K and Q
-    float* qs = ks + GDN_C * LDK;         // [64][LDK] Q
+    float* ps = ls + GDN_C * GDN_LDP;  // [64][LDP] P
+    float* gam = ps + GDN_C * GDN_LDP; // [64] γ
+    float* eg = gam + GDN_C;           // [64] e^γ
+    float* bet = eg + GDN_C;           // [64] β
+    float* ks = bet + GDN_C;           // [64][LDK] K; X = [W | U] [64][ldx] reuses K and Q
+    float* qs = ks + GDN_C * LDK;      // [64][LDK] Q
     float* xs = ks;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
+    const int tid = threadIdx.x;
     const int c0 = blockIdx.x * GDN_C, j = blockIdx.y, kh = j / (hv / hk);
     const int n = min(GDN_C, t - c0);
     const size_t tp = (size_t)gridDim.x * GDN_C;
@@ -423,233 +464,131 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
     __syncthreads();
     if (tid < GDN_C) eg[tid] = expf(gam[tid]);
 
-    // L (warps 0-3) and P (warps 4-7), rows 16 rt.. of the warp; column tiles 8 nt.. for
-    // nt < 2 rt + 2 (the rest is right of the diagonal and never read).
+    // L and P. Thread: rows 4*tr..4*tr+3 and columns ts + 16*b, b < 4 (consecutive threads
+    // read consecutive K rows: no bank conflicts); column groups wholly right of the
+    // diagonal are skipped (nb is the same for a whole warp).
     {
-        const int rt = warp & 3;
-        const bool is_l = warp < 4;
-        float acc[8][4];
+        const int tr = tid >> 4, ts = tid & 15;
+        const int nb = (4 * tr + 3) / 16 + 1;
+        float kk[4][4], qk[4][4];
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+        for (int a = 0; a < 4; a++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
-        const float* arow = (is_l ? ks : qs) + (16 * rt + (lane & 15)) * LDK + (lane >> 4) * 4;
-        // B = Kᵀ from K rows ([n][k]): matrices (n 0-7, k 0-3), (n 0-7, k 4-7), (n 8-15, k 0-3), (n 8-15, k 4-7)
-        const float* brow = ks + ((lane & 7) + ((lane >> 4) << 3)) * LDK + ((lane >> 3) & 1) * 4;
-#pragma unroll 2
-        for (int k0 = 0; k0 < DK; k0 += 8) {
-            unsigned a[4];
-            ldsm_x4(a, arow + k0);
+            for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.0f;
+        for (int i = 0; i < DK; i += 4) {
+            float4 kr[4], qr[4], kc[4];
 #pragma unroll
-            for (int e = 0; e < 4; e++) a[e] = to_tf32(__uint_as_float(a[e]));
-#pragma unroll
-            for (int np = 0; np < 4; np++) {
-                if (np <= rt) {
-                    unsigned b[4];
-                    ldsm_x4(b, brow + 16 * np * LDK + k0);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) b[e] = to_tf32(__uint_as_float(b[e]));
-                    mma_tf32_1688(acc[2 * np], a, b[0], b[1]);
-                    mma_tf32_1688(acc[2 * np + 1], a, b[2], b[3]);
-                }
+            for (int a = 0; a < 4; a++) {
+                kr[a] = ld4(ks + (4 * tr + a) * LDK + i);
+                qr[a] = ld4(qs + (4 * tr + a) * LDK + i);
             }
-        }
-        float* dst = is_l ? ls : ps;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            if (nt < 2 * rt + 2) {
+            for (int b = 0; b < 4; b++) kc[b] = b < nb ? ld4(ks + (ts + 16 * b) * LDK + i) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * rt + gq + 8 * h, s = 8 * nt + 2 * cq;
-                    float v[2];
+            for (int a = 0; a < 4; a++)
 #pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int se = s + e;
-                        const float d = se <= r ? expf(gam[r] - gam[se]) : 0.0f;
-                        v[e] = is_l ? (se < r ? bet[r] * acc[nt][2 * h + e] * d : 0.0f) : acc[nt][2 * h + e] * d;
+                for (int b = 0; b < 4; b++) {
+                    if (b < nb) {
+                        kk[a][b] = fma4(kr[a], kc[b], kk[a][b]);
+                        qk[a][b] = fma4(qr[a], kc[b], qk[a][b]);
                     }
-                    st2(dst + r * GDN_LDP + s, v[0], v[1]);
                 }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            const int r = 4 * tr + a;
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                const int s = ts + 16 * b;
+                float d = s <= r ? expf(gam[r] - gam[s]) : 0.0f;
+                ls[r * GDN_LDP + s] = s < r ? bet[r] * kk[a][b] * d : 0.0f;
+                ps[r * GDN_LDP + s] = qk[a][b] * d;
             }
         }
     }
-    __syncthreads();  // L, P done; K and Q dead (X takes their place)
+    __syncthreads();
 
-    // D_i = (I + L_ii)^-1: thread = column jj of block bi, forward substitution in f32 (x_r = 0
-    // for r < jj falls out of the sums). Meanwhile the others stage B = [β e^γ K | β V | 0].
-    if (tid < 64) {
-        const int bi = tid >> 4, jj = tid & 15;
-        const float* lb = ls + 16 * bi * GDN_LDP + 16 * bi;
-        float x[16];
+    // Forward substitution (I + L) X = B, B = [β e^γ K | β V] read from global memory (K and Q
+    // in shared memory are dead: X takes their place). One column per thread, its 64 rows in
+    // registers; rows run over whole groups of 4 since L's upper triangle and x start at 0.
+    const int ncol = DK + dv;
+    for (int col = tid; col < ncol; col += blockDim.x) {
+        const bool is_k = col < DK;
+        const float* src = qkv + (size_t)c0 * c + (is_k ? koff + col : voff + (col - DK));
+        // The column of B goes through shared memory first: loaded straight into registers,
+        // the compiler hoists all 64 loads and runs out of registers.
+        for (int r = 0; r < GDN_C; r++) {
+            float b = r < n ? src[(size_t)r * c] : 0.0f;
+            xs[r * ldx + col] = is_k ? bet[r] * eg[r] * b : bet[r] * b;
+        }
+        float xr[GDN_C];
 #pragma unroll
-        for (int r = 0; r < 16; r++) {
-            float a0 = r == jj ? 1.0f : 0.0f, a1 = 0.0f;
+        for (int r = 0; r < GDN_C; r++) xr[r] = 0.0f;
 #pragma unroll
-            for (int s = 0; s < r; s += 2) {
-                a0 -= lb[r * GDN_LDP + s] * x[s];
-                if (s + 1 < r) a1 -= lb[r * GDN_LDP + s + 1] * x[s + 1];
+        for (int r = 0; r < GDN_C; r++) {
+            // Four partial sums: one chain of r dependent FMAs would leave the SM idle.
+            float a0 = xs[r * ldx + col], a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll
+            for (int s = 0; s < r; s += 4) {
+                float4 l = ld4(ls + r * GDN_LDP + s);
+                a0 -= l.x * xr[s];
+                a1 -= l.y * xr[s + 1];
+                a2 -= l.z * xr[s + 2];
+                a3 -= l.w * xr[s + 3];
             }
-            x[r] = a0 + a1;
+            xr[r] = (a0 + a1) + (a2 + a3);
         }
+        float* dst = is_k ? w_out + ((size_t)j * tp + c0) * DK + col : u_out + ((size_t)j * tp + c0) * dv + (col - DK);
+        const int ld = is_k ? DK : dv;
 #pragma unroll
-        for (int r = 0; r < 16; r++) dinv[(bi * 16 + r) * GDN_LDD + jj] = tf32r(x[r]);
-    }
-    for (int idx = tid - 64; idx >= 0 && idx < GDN_C * (nc8 / 4); idx += blockDim.x - 64) {
-        const int r = idx / (nc8 / 4), col = (idx % (nc8 / 4)) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (r < n && col < DK + dv) {
-            const float* row = qkv + (size_t)(c0 + r) * c;
-            const float sc = col < DK ? bet[r] * eg[r] : bet[r];
-            v = ld4(col < DK ? row + koff + col : row + voff + (col - DK));
-            v = make_float4(sc * v.x, sc * v.y, sc * v.z, sc * v.w);
+        for (int r = 0; r < GDN_C; r++) {
+            dst[(size_t)r * ld] = xr[r];
+            xs[r * ldx + col] = xr[r];
         }
-        st4(xs + r * ldx + col, v);
     }
     if (tid < GDN_C) gamma_out[(size_t)j * tp + c0 + tid] = gam[tid];
     __syncthreads();
 
-    // The warp's column tiles: nt = warp + 8 q, q < 4 (warp-uniform validity).
-    const int ntiles = nc8 / 8;
-    auto b_frag = [&](int k0, int nt, unsigned& b0, unsigned& b1) {
-        const float* b = xs + (k0 + cq) * ldx + 8 * nt + gq;
-        b0 = to_tf32(b[0]);
-        b1 = to_tf32(b[4 * ldx]);
-    };
-    // Block forward substitution, 16 rows at a time.
-#pragma unroll 1
-    for (int i = 0; i < 4; i++) {
+    // Y = P X (P lower-triangular), 4x4 tiles: Q' = e^γ Q − Y[:, :DK], O_intra = Y[:, DK:].
+    const int ncg = ncol / 4;
+    for (int tile = tid; tile < (GDN_C / 4) * ncg; tile += blockDim.x) {
+        const int rg = tile / ncg, cg = tile % ncg;
         float acc[4][4];
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int nt = warp + 8 * q;
-            if (nt < ntiles) {
-                const float* x = xs + (16 * i + gq) * ldx + 8 * nt + 2 * cq;
-                float2 lo = ld2(x), hi = ld2(x + 8 * ldx);
-                acc[q][0] = lo.x, acc[q][1] = lo.y, acc[q][2] = hi.x, acc[q][3] = hi.y;
-            }
-        }
-        // R_i = B_i − Σ_{k<i} L_ik X_k (A = −L, exact sign flip of the tf32 value)
-        const float* arow = ls + (16 * i + (lane & 15)) * GDN_LDP + (lane >> 4) * 4;
-        for (int k0 = 0; k0 < 16 * i; k0 += 8) {
-            unsigned a[4];
-            ldsm_x4(a, arow + k0);
+        for (int a = 0; a < 4; a++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) a[e] = to_tf32(__uint_as_float(a[e])) ^ 0x80000000u;
+            for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
+        for (int s = 0; s <= 4 * rg; s += 4)
+            tile4x4_step(ps + 4 * rg * GDN_LDP + s, GDN_LDP, xs + s * ldx + 4 * cg, ldx, acc);
+        const int col = 4 * cg;
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int nt = warp + 8 * q;
-                if (nt < ntiles) {
-                    unsigned b0, b1;
-                    b_frag(k0, nt, b0, b1);
-                    mma_tf32_1688(acc[q], a, b0, b1);
-                }
-            }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int nt = warp + 8 * q;
-            if (nt < ntiles) {
-                float* x = xs + (16 * i + gq) * ldx + 8 * nt + 2 * cq;
-                st2(x, acc[q][0], acc[q][1]);
-                st2(x + 8 * ldx, acc[q][2], acc[q][3]);
-            }
-        }
-        __syncwarp();
-        // X_i = D_i R_i
-        float xi[4][4];
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) xi[q][e] = 0.0f;
-        const float* drow = dinv + (16 * i + (lane & 15)) * GDN_LDD + (lane >> 4) * 4;
-#pragma unroll
-        for (int k0 = 0; k0 < 16; k0 += 8) {
-            unsigned a[4];
-            ldsm_x4(a, drow + k0);  // stored as tf32 already
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int nt = warp + 8 * q;
-                if (nt < ntiles) {
-                    unsigned b0, b1;
-                    b_frag(16 * i + k0, nt, b0, b1);
-                    mma_tf32_1688(xi[q], a, b0, b1);
-                }
-            }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int nt = warp + 8 * q;
-            if (nt < ntiles) {
-                const int col = 8 * nt + 2 * cq;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * i + gq + 8 * h;
-                    st2(xs + r * ldx + col, xi[q][2 * h], xi[q][2 * h + 1]);
-                    if (col < DK) st2(w_out + ((size_t)j * tp + c0 + r) * DK + col, xi[q][2 * h], xi[q][2 * h + 1]);
-                    else if (col - DK < dv)
-                        st2(u_out + ((size_t)j * tp + c0 + r) * dv + (col - DK), xi[q][2 * h], xi[q][2 * h + 1]);
-                }
-            }
-        }
-        __syncwarp();
-    }
-
-    // Y = P X (P lower-triangular: k < 16 (rt + 1)): Q' = e^γ Q − Y[:, :DK], O_intra = Y[:, DK:].
-#pragma unroll 1
-    for (int rt = 0; rt < 4; rt++) {
-        float acc[4][4];
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[q][e] = 0.0f;
-        const float* arow = ps + (16 * rt + (lane & 15)) * GDN_LDP + (lane >> 4) * 4;
-        for (int k0 = 0; k0 < 16 * (rt + 1); k0 += 8) {
-            unsigned a[4];
-            ldsm_x4(a, arow + k0);
-#pragma unroll
-            for (int e = 0; e < 4; e++) a[e] = to_tf32(__uint_as_float(a[e]));
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int nt = warp + 8 * q;
-                if (nt < ntiles) {
-                    unsigned b0, b1;
-                    b_frag(k0, nt, b0, b1);
-                    mma_tf32_1688(acc[q], a, b0, b1);
-                }
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int nt = warp + 8 * q;
-            if (nt < ntiles) {
-                const int col = 8 * nt + 2 * cq;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * rt + gq + 8 * h;
-                    if (col < DK) {
-                        const float2 qv = r < n ? ld2(qkv + (size_t)(c0 + r) * c + qoff + col) : make_float2(0.f, 0.f);
-                        const float e = eg[r];
-                        st2(qp_out + ((size_t)j * tp + c0 + r) * DK + col, e * qv.x - acc[q][2 * h], e * qv.y - acc[q][2 * h + 1]);
-                    } else if (col - DK < dv && r < n) {
-                        st2(o + ((size_t)(c0 + r) * hv + j) * dv + (col - DK), acc[q][2 * h], acc[q][2 * h + 1]);
-                    }
-                }
+        for (int a = 0; a < 4; a++) {
+            const int r = 4 * rg + a;
+            if (col < DK) {
+                float4 q = r < n ? ld4(qkv + (size_t)(c0 + r) * c + qoff + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+                float e = eg[r];
+                st4(qp_out + ((size_t)j * tp + c0 + r) * DK + col,
+                    make_float4(e * q.x - acc[a][0], e * q.y - acc[a][1], e * q.z - acc[a][2], e * q.w - acc[a][3]));
+            } else if (r < n) {
+                st4(o + ((size_t)(c0 + r) * hv + j) * dv + (col - DK), make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]));
             }
         }
     }
 }
 
 // Chunked delta rule, part 2: the chunks in order, for value head blockIdx.x and value
-// columns [32 * blockIdx.y, +32), 256 threads (8 warps), on tensor cores (tf32 mma.sync, f32
-// accumulate). The state slice S [DK, 32] stays in registers (f32, mma accumulator layout)
-// from the first chunk to the last, with a tf32 copy in shared memory as the B operand. Per chunk:
+// columns [32 * blockIdx.y, +32), 256 threads (8 warps), on tensor cores with f32 precision
+// by the 3xTF32 split: each operand x = hi + lo (hi = tf32(x), lo = tf32(x − hi)) and
+// A B ≈ A_hi B_hi + (A_hi B_lo + A_lo B_hi), three mma.sync m16n8k8, f32 accumulate (the
+// dropped A_lo B_lo is ~2^-22 of the product). The state slice S [DK, 32] stays in registers
+// (f32, mma accumulator layout) from the first chunk to the last, with its (hi, lo) split in
+// shared memory (quad layout, above) as the B operand. Per chunk:
 //   R = [W; Q'] S (128 x 32; warp w: rows 16w..16w+15, all 32 columns),
-//   V' = U − R_W, Vd = e^{γ_last − γ} ⊙ V' (into shared memory), O = O_intra + R_Q' (into o),
+//   V' = U − R_W, Vd = e^{γ_last − γ} ⊙ V' (split into shared memory), O = O_intra + R_Q' (into o),
 //   S ← e^{γ_last} S + Kᵀ Vd (warp: 16 key rows x NPW column tiles of 8)
 // with the next chunk's W, Q' and γ (double-buffered) and K (single) fetched by cp.async while
-// the current chunk computes. Dynamic shared memory: GdnShape::state_smem_bytes.
+// the current chunk computes; W, Q' and K stay f32 in shared memory and are split as their
+// fragments are loaded. Dynamic shared memory: GdnShape::state_smem_bytes.
 template <int DK>
 __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                      const float* __restrict__ qp_in, const float* __restrict__ u_in,
@@ -662,9 +601,9 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     constexpr int NPW = RT >= 2 ? RT / 2 : 1;  // 8-column tiles of S per warp (8 warps, 4 tiles per row tile)
     float* wq = gdn_smem;                  // [2][128][LDW] W rows then Q' rows, two chunks
     float* kt = wq + 2 * 2 * GDN_C * LDW;  // [64][LDKT] k of the chunk (0 past t)
-    float* ss = kt + GDN_C * LDKT;         // [DK][LDV] S rounded to tf32
-    float* vd = ss + DK * GDN_LDV;         // [64][LDV] e^{γ_last − γ_r} V'_r rounded to tf32
-    float* gm = vd + GDN_C * GDN_LDV;      // [2][64] γ, two chunks
+    float* ss = kt + GDN_C * LDKT;         // [DK / 8][KBQ] S, quad layout
+    float* vd = ss + DK / 8 * GDN_KBQ;     // [8][KBQ] e^{γ_last − γ_r} V'_r, quad layout
+    float* gm = vd + GDN_C / 8 * GDN_KBQ;  // [2][64] γ, two chunks
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
     const int j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
     const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
@@ -674,15 +613,20 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     float* st = state + (size_t)j * DK * dv + m0;
 
     // Each loader commits one cp.async group (possibly empty), so that "all but the newest
-    // group done" always means what the waits below need.
+    // group done" always means what the waits below need. A thread copies 16 bytes at column
+    // lc of rows lr + RPI p (256 threads: RPI rows per pass), addresses stepped, not recomputed.
+    constexpr int RPI = 256 * 4 / DK;
+    const int lr = tid / (DK / 4), lc = (tid % (DK / 4)) * 4;
     auto load_wq = [&](int ch, int buf) {
         if (ch < nchunks) {
             const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
-            float* dst = wq + buf * 2 * GDN_C * LDW;
-            for (int idx = tid; idx < 2 * GDN_C * DK / 4; idx += blockDim.x) {
-                int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-                const float* src = r < GDN_C ? w_in + (row0 + r) * DK + i : qp_in + (row0 + r - GDN_C) * DK + i;
-                cp_async16(dst + r * LDW + i, src, true);
+            const float* sw = w_in + (row0 + lr) * DK + lc;
+            const float* sq = qp_in + (row0 + lr) * DK + lc;
+            float* dst = wq + buf * 2 * GDN_C * LDW + lr * LDW + lc;
+#pragma unroll
+            for (int p = 0; p < GDN_C / RPI; p++) {
+                cp_async16(dst + p * RPI * LDW, sw + p * RPI * DK, true);
+                cp_async16(dst + (GDN_C + p * RPI) * LDW, sq + p * RPI * DK, true);
             }
             if (tid < GDN_C / 4) cp_async16(gm + buf * GDN_C + 4 * tid, gamma_in + row0 + 4 * tid, true);
         }
@@ -690,21 +634,28 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     };
     auto load_k = [&](int ch) {
         if (ch < nchunks) {
-            for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
-                int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-                int s = ch * GDN_C + r;
-                bool in = s < t;
-                cp_async16(kt + r * LDKT + i, in ? qkv + (size_t)s * c + koff + i : qkv, in);
+            const int s0 = ch * GDN_C + lr;
+            const float* src = qkv + (size_t)s0 * c + koff + lc;
+#pragma unroll
+            for (int p = 0; p < GDN_C / RPI; p++) {
+                const bool in = s0 + p * RPI < t;
+                cp_async16(kt + (lr + p * RPI) * LDKT + lc, in ? src + (size_t)p * RPI * c : qkv, in);
             }
         }
         cp_async_commit();
+    };
+    // B fragment (hi and lo) of columns 8 nt.. at k0 (a multiple of 8) from a quad-layout matrix.
+    auto b_frag = [&](const float* mat, int k0, int nt, unsigned (&bh)[2], unsigned (&bl)[2]) {
+        const float4 q = ld4(mat + (k0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * nt + gq));
+        bh[0] = __float_as_uint(q.x), bh[1] = __float_as_uint(q.y);
+        bl[0] = __float_as_uint(q.z), bl[1] = __float_as_uint(q.w);
     };
 
     load_wq(0, 0);
     load_k(0);
     // S tiles of this warp: unit u = warp * NPW + p is row tile u / 4, column tile u % 4
     // (NPW divides 4, so one row tile per warp); warps past 4 * RT units have none (DK = 16).
-    const bool has_s = warp * NPW < 4 * RT;
+    const bool has_s = 8 * NPW <= 4 * RT || warp * NPW < 4 * RT;  // constant true for DK >= 32
     const int srow = 16 * (warp * NPW / 4) + gq;  // rows srow and srow + 8
     float sr[NPW][4];
 #pragma unroll
@@ -716,8 +667,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         sr[p][2] = ok ? st[(size_t)(srow + 8) * dv + m] : 0.0f;
         sr[p][3] = ok ? st[(size_t)(srow + 8) * dv + m + 1] : 0.0f;
         if (has_s) {
-            st2(ss + srow * GDN_LDV + m, tf32r(sr[p][0]), tf32r(sr[p][1]));
-            st2(ss + (srow + 8) * GDN_LDV + m, tf32r(sr[p][2]), tf32r(sr[p][3]));
+            st_quad(ss, srow, m, sr[p][0], sr[p][1], lane);
+            st_quad(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
         }
     }
     for (int ch = 0; ch < nchunks; ch++) {
@@ -748,32 +699,40 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
                     pre[nt][2 * h + 1] = v.y;
                 }
             }
-            float acc[4][4];
+            // acc: the hi·hi products; cor: the two cross terms (own chains, for ILP)
+            float acc[4][4], cor[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+                for (int e = 0; e < 4; e++) acc[nt][e] = cor[nt][e] = 0.0f;
             const float* arow = wqb + (16 * warp + (lane & 15)) * LDW + (lane >> 4) * 4;
-#pragma unroll 4
+#pragma unroll 2
             for (int k0 = 0; k0 < DK; k0 += 8) {
-                unsigned a[4];
+                unsigned a[4], ah[4], al[4];
                 ldsm_x4(a, arow + k0);
 #pragma unroll
-                for (int e = 0; e < 4; e++) a[e] = to_tf32(__uint_as_float(a[e]));
-                const float* b = ss + (k0 + cq) * GDN_LDV + gq;
+                for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(a[e]), ah[e], al[e]);
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-                    mma_tf32_1688(acc[nt], a, __float_as_uint(b[8 * nt]), __float_as_uint(b[4 * GDN_LDV + 8 * nt]));
+                for (int nt = 0; nt < 4; nt++) {
+                    unsigned bh[2], bl[2];
+                    b_frag(ss, k0, nt, bh, bl);
+                    mma_tf32_1688(cor[nt], al, bh[0], bh[1]);
+                    mma_tf32_1688(cor[nt], ah, bl[0], bl[1]);
+                    mma_tf32_1688(acc[nt], ah, bh[0], bh[1]);
+                }
             }
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[nt][e] += cor[nt][e];
             if (is_w) {
                 const float last = gc[GDN_C - 1];
                 const float d0 = expf(last - gc[r]), d1 = expf(last - gc[r + 8]);
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
                     const int m = 8 * nt + 2 * cq;
-                    st2(vd + r * GDN_LDV + m, tf32r((pre[nt][0] - acc[nt][0]) * d0), tf32r((pre[nt][1] - acc[nt][1]) * d0));
-                    st2(vd + (r + 8) * GDN_LDV + m, tf32r((pre[nt][2] - acc[nt][2]) * d1),
-                        tf32r((pre[nt][3] - acc[nt][3]) * d1));
+                    st_quad(vd, r, m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0, lane);
+                    st_quad(vd, r + 8, m, (pre[nt][2] - acc[nt][2]) * d1, (pre[nt][3] - acc[nt][3]) * d1, lane);
                 }
             } else {
 #pragma unroll
@@ -790,31 +749,39 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
             }
         }
         cp_async_wait_one();  // this chunk's K (the next chunk's W, Q' may still be in flight)
-        __syncthreads();      // Vd complete, K visible, every read of the tf32 S done
+        __syncthreads();      // Vd complete, K visible, every read of the split S done
 
         // S ← e^{γ_last} S + Kᵀ Vd: A = Kᵀ (rows = keys srow.., k = tokens) read transposed.
         if (has_s) {
             const float el = expf(gc[GDN_C - 1]);
+            float cor[NPW][4];
 #pragma unroll
             for (int p = 0; p < NPW; p++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) sr[p][e] *= el;
+                for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = 0.0f;
 #pragma unroll 2
             for (int r0 = 0; r0 < GDN_C; r0 += 8) {
                 const float* ka = kt + (r0 + cq) * LDKT + srow;
-                unsigned a[4] = {to_tf32(ka[0]), to_tf32(ka[8]), to_tf32(ka[4 * LDKT]), to_tf32(ka[4 * LDKT + 8])};
-                const float* b = vd + (r0 + cq) * GDN_LDV + gq;
+                const float kv[4] = {ka[0], ka[8], ka[4 * LDKT], ka[4 * LDKT + 8]};
+                unsigned ah[4], al[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) split_tf32(kv[e], ah[e], al[e]);
 #pragma unroll
                 for (int p = 0; p < NPW; p++) {
-                    const int n0 = 8 * ((warp * NPW + p) % 4);
-                    mma_tf32_1688(sr[p], a, __float_as_uint(b[n0]), __float_as_uint(b[4 * GDN_LDV + n0]));
+                    unsigned bh[2], bl[2];
+                    b_frag(vd, r0, (warp * NPW + p) % 4, bh, bl);
+                    mma_tf32_1688(cor[p], al, bh[0], bh[1]);
+                    mma_tf32_1688(cor[p], ah, bl[0], bl[1]);
+                    mma_tf32_1688(sr[p], ah, bh[0], bh[1]);
                 }
             }
 #pragma unroll
             for (int p = 0; p < NPW; p++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
                 const int m = 8 * ((warp * NPW + p) % 4) + 2 * cq;
-                st2(ss + srow * GDN_LDV + m, tf32r(sr[p][0]), tf32r(sr[p][1]));
-                st2(ss + (srow + 8) * GDN_LDV + m, tf32r(sr[p][2]), tf32r(sr[p][3]));
+                st_quad(ss, srow, m, sr[p][0], sr[p][1], lane);
+                st_quad(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
             }
         }
         __syncthreads();  // K and Vd free
