@@ -179,7 +179,7 @@ struct DecodeWs {
     topk_ids: DeviceBuf,
     topk_w: DeviceBuf,
     sgate: DeviceBuf,
-    /// Last-block counter of the lm_head argmax (zero between launches).
+    /// Last-block counters of the router top-k and the lm_head argmax (zero between launches).
     done: DeviceBuf,
     /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
@@ -218,7 +218,7 @@ impl DecodeWs {
             ("topk_ids", c.experts_per_token * 4),
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
-            ("done", 4),
+            ("done", 8),
             ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
@@ -508,13 +508,9 @@ impl CudaModel {
         {
             bail!("the CUDA MoE kernels need hidden and expert sizes that are multiples of 8");
         }
-        if cfg.conv_kernel > 9
-            || cfg.experts_per_token > 16
-            || cfg.num_experts > 256
-            || cfg.gdn_value_dim > 1024
-        {
+        if cfg.conv_kernel > 9 || cfg.experts_per_token > 16 || cfg.gdn_value_dim > 1024 {
             bail!(
-                "config exceeds the CUDA kernels' limits (conv kernel <= 9, top-k <= 16, experts <= 256, value dim <= 1024)"
+                "config exceeds the CUDA kernels' limits (conv kernel <= 9, top-k <= 16, value dim <= 1024)"
             );
         }
         Ok(())
@@ -1302,7 +1298,7 @@ impl CudaModel {
                 Some(limit) => (
                     dw.arg_val.ptr,
                     dw.arg_idx.ptr,
-                    dw.done.ptr,
+                    dw.done.ptr + 4,
                     limit.min(n) as i32,
                     dw.next.ptr,
                     dw.step_in.ptr,
@@ -1562,7 +1558,7 @@ impl CudaModel {
             "moe_router_dec",
             (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
             256,
-            (d * 4) as u32,
+            ((d + e) * 4) as u32,
             &[
                 Arg::Ptr(dw.h.ptr),
                 Arg::Ptr(layer.post_norm.ptr),
@@ -1574,6 +1570,10 @@ impl CudaModel {
                 Arg::Ptr(dw.xb.ptr),
                 Arg::Ptr(dw.router.ptr),
                 Arg::Ptr(dw.sgate.ptr),
+                Arg::I(k as i32),
+                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::Ptr(dw.topk_w.ptr),
+                Arg::Ptr(dw.done.ptr),
             ],
         )?;
         launch(
@@ -1584,11 +1584,8 @@ impl CudaModel {
             &[
                 Arg::Ptr(dw.xb.ptr),
                 Arg::I(d as i32),
-                Arg::Ptr(dw.router.ptr),
-                Arg::I(e as i32),
-                Arg::I(k as i32),
                 Arg::Ptr(dw.topk_ids.ptr),
-                Arg::Ptr(dw.topk_w.ptr),
+                Arg::I(k as i32),
                 Arg::Ptr(layer.gate_up.ptr),
                 Arg::I(i as i32),
                 Arg::Ptr(layer.shared_gate_up.ptr),

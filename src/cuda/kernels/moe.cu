@@ -643,17 +643,16 @@ MOE_GEMM4(moe_gemm4_m64_bf16, 64, 128, 2, 2, 3, 3, false, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
-// Router logits + the shared expert's gate for one token, with the post-attention RMSNorm
-// fused: each block stages the normalised input (block 0 also stores it as bf16 for the
-// experts) and scores ROUTER_ROWS experts; the extra last block computes sigmoid(w_sg . x).
-// The top-k is not picked here but by every warp of moe_gate_up_dec that needs it, so no block
-// waits for the others (the router is only 1 MB: its time is its dependency chain).
-// grid ceil(e / ROUTER_ROWS) + 1, block 256, smem d floats.
+// Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
+// the experts). The router is only 1 MB, so its time is latency: ROUTER_ROWS rows per block with
+// the 256 threads splitting k spreads it over ~e/2 blocks, all loads issued before the input is
+// staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg); the last block
+// to finish picks the top-k. grid ceil(e / ROUTER_ROWS) + 1, block 256, smem (d + e) floats.
 #define ROUTER_ROWS 2
-
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
-    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate) {
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
+    int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
     griddep_launch();
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
@@ -692,81 +691,27 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
         dot = block_sum(dot);
         if (tid == 0) *sgate = sigmoid_f(dot);
     }
-}
-
-// Softmax top-k of e <= 256 router logits by one warp, the logits in registers (8 per lane);
-// the same choices and weights as route_topk_warp (ties to the lower index, weights
-// renormalised over the k). Lane kk < k gets the kk-th choice in my_id / my_w.
-__device__ __forceinline__ void topk_warp_regs(const float* __restrict__ logits, int e, int k, int& my_id,
-                                               float& my_w) {
-    const int lane = threadIdx.x & 31;
-    float v[8];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        v[j] = lane + 32 * j < e ? __ldcg(logits + lane + 32 * j) : -INFINITY;
-        mx = fmaxf(mx, v[j]);
-    }
-    mx = warp_max(mx);
-    float total = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-        if (lane + 32 * j < e) total += expf(v[j] - mx);
-    total = warp_sum(total);
-    float sum_p = 0.0f, my_p = 0.0f;
-    my_id = 0;
-    for (int kk = 0; kk < k; kk++) {
-        float best = -INFINITY;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int i = lane + 32 * j;
-            if (i < e && (v[j] > best || (v[j] == best && i < bi))) {
-                best = v[j];
-                bi = i;
-            }
-        }
-        warp_argmax(best, bi);
-        float p = expf(best - mx) / total;
-        sum_p += p;
-        if (lane == kk) {
-            my_p = p;
-            my_id = bi;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (lane + 32 * j == bi) v[j] = -INFINITY;
-    }
-    my_w = my_p / sum_p;
+    if (!last_block_done(done)) return;
+    float* rl = xs + d;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) rl[i] = __ldcg(logits + i);
+    __syncthreads();
+    if (threadIdx.x < 32) route_topk_warp(rl, e, k, topk_ids, topk_w);
 }
 
 // Gate/up half of the k chosen experts and the shared expert (slot k): act[s, j] =
-// bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j picks the
-// top-k from the router's logits (e <= 256), then loads its gate and up rows before x is staged;
-// block (0, 0) also stores the choices and weights for moe_down_dec.
-// grid (ceil(max(inter, s_inter) / 8), k + 1), block 256, smem d floats.
+// bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j (its gate
+// and up rows loaded before x is staged). grid (ceil(max(inter, s_inter) / 8), k + 1), block 256,
+// smem d floats.
 template <int VPL>
-__device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const float* __restrict__ logits,
-                                                     int e, int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
-                                                     const bf16* __restrict__ gate_up, int inter,
+__device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const int* __restrict__ topk_ids,
+                                                     int k, const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
                                                      float* __restrict__ act, int act_ld, float* xs) {
     griddep_launch();
-    griddep_wait();  // the logits and x come from the router
+    griddep_wait();  // the expert ids come from the router
     int slot = blockIdx.y, lane = threadIdx.x & 31;
-    int expert = 0;
-    if (slot < k) {  // every warp picks the top-k itself: no barrier before its loads
-        int my_id;
-        float my_w;
-        topk_warp_regs(logits, e, k, my_id, my_w);
-        expert = __shfl_sync(0xffffffffu, my_id, slot);
-        if (blockIdx.x == 0 && slot == 0 && threadIdx.x < k) {  // for moe_down_dec
-            topk_ids[threadIdx.x] = my_id;
-            topk_w[threadIdx.x] = my_w;
-        }
-    }
     int n = slot == k ? s_inter : inter;
-    const bf16* w = slot == k ? shared_gate_up : gate_up + (size_t)expert * 2 * inter * d;
+    const bf16* w = slot == k ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
     int j = blockIdx.x * 8 + (threadIdx.x >> 5);
     const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
     constexpr int NV = VPL > 0 ? VPL : 1;
@@ -781,16 +726,11 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
-    const bf16* __restrict__ xb, int d, const float* __restrict__ logits, int e, int k, int* __restrict__ topk_ids,
-    float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
-    int s_inter, float* __restrict__ act, int act_ld) {
+    const bf16* __restrict__ xb, int d, const int* __restrict__ topk_ids, int k, const bf16* __restrict__ gate_up,
+    int inter, const bf16* __restrict__ shared_gate_up, int s_inter, float* __restrict__ act, int act_ld) {
     extern __shared__ float xs[];
-    if (d == 2048)
-        moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs);
-    else
-        moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs);
+    if (d == 2048) moe_gate_up_dec_impl<8>(xb, d, topk_ids, k, gate_up, inter, shared_gate_up, s_inter, act, act_ld, xs);
+    else moe_gate_up_dec_impl<0>(xb, d, topk_ids, k, gate_up, inter, shared_gate_up, s_inter, act, act_ld, xs);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
