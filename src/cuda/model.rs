@@ -1198,10 +1198,6 @@ impl CudaModel {
                 ndim: d,
                 kdim: i,
             };
-            if self.moe_gemm.bf16_down() && d % 2 != 0 {
-                // bf16 pairs in the kernel's stores and moe_combine_bf16's loads
-                bail!("bf16 MoE down output needs an even hidden size, not {d}");
-            }
             g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
         }
         // Shared expert (dense).
@@ -1226,14 +1222,8 @@ impl CudaModel {
             d,
             0.0,
         )?;
-        // The grouped path's y is bf16 when the down kernel stores it so.
-        let y_bf16 = !gemv_path && self.moe_gemm.bf16_down();
         g.launch(
-            if y_bf16 {
-                "moe_combine_bf16"
-            } else {
-                "moe_combine"
-            },
+            "moe_combine",
             (t as u32, 1, 1),
             256,
             0,

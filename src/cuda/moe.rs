@@ -15,17 +15,12 @@ pub enum MoeGemm {
     /// fused with the SwiGLU (the default).
     V3,
     /// `moe_gemm4*`: V3's numerics (bitwise) with K tiles of 64, swizzled shared memory and
-    /// 64x64 warp tiles (`KESTREL_MOE_GEMM=v4` plus any of the letters `w`, `n`, `b`, e.g.
-    /// `v4wn`). `wide` (`w`): 128x256 blocks of 8 warps, 1 per SM, for 128-row plans (64-row
-    /// plans keep `v4`'s 64x128); else 128x128 of 4 warps, 2 per SM. `n_inner` (`n`): a tile's
-    /// column blocks launched together (grid y = tiles) instead of every tile's first column
-    /// block first. `bf16_down` (`b`): the down product stored as bf16 (y then read by
-    /// `moe_combine_bf16`): half its bytes, at a bf16 rounding of each expert's output.
-    V4 {
-        wide: bool,
-        n_inner: bool,
-        bf16_down: bool,
-    },
+    /// 64x64 warp tiles (`KESTREL_MOE_GEMM=v4` plus any of the letters `w`, `n`, e.g. `v4wn`).
+    /// `wide` (`w`): 128x256 blocks of 8 warps, 1 per SM, for 128-row plans (64-row plans keep
+    /// `v4`'s 64x128); else 128x128 of 4 warps, 2 per SM. `n_inner` (`n`): a tile's column
+    /// blocks launched together (grid y = tiles) instead of every tile's first column block
+    /// first.
+    V4 { wide: bool, n_inner: bool },
 }
 
 /// The smallest plan tile of any grouped GEMM: the workspace's tile list is sized for it.
@@ -40,15 +35,13 @@ pub(super) const GEMM3_KERNELS: [(&str, usize); 4] = [
 ];
 
 /// The `moe_gemm4` kernels, with their dynamic shared memory (set at `Gpu::open`).
-pub(super) const GEMM4_KERNELS: [(&str, usize); 8] = [
+pub(super) const GEMM4_KERNELS: [(&str, usize); 6] = [
     ("moe_gemm4_m128", gemm4_smem(128, 128, 3)),
     ("moe_gemm4_m64", gemm4_smem(64, 128, 3)),
     ("moe_gemm4_swiglu_m128", gemm4_smem(128, 128, 3)),
     ("moe_gemm4_swiglu_m64", gemm4_smem(64, 128, 3)),
     ("moe_gemm4w_m128", gemm4_smem(128, 256, 4)),
     ("moe_gemm4w_swiglu_m128", gemm4_smem(128, 256, 4)),
-    ("moe_gemm4_m128_bf16", gemm4_smem(128, 128, 3)),
-    ("moe_gemm4_m64_bf16", gemm4_smem(64, 128, 3)),
 ];
 
 /// Dynamic shared memory of `moe_gemm4`: `stages` of (BM + BN) rows of 64 bf16, unpadded.
@@ -85,7 +78,7 @@ pub fn max_tiles(rows: usize, experts: usize, tile_m: usize) -> usize {
 }
 
 impl MoeGemm {
-    /// From `KESTREL_MOE_GEMM`: `v1`, `v2`, `v4[w][n][b]` (see [`MoeGemm::V4`]), else (unset
+    /// From `KESTREL_MOE_GEMM`: `v1`, `v2`, `v4[w][n]` (see [`MoeGemm::V4`]), else (unset
     /// too) `V3`.
     pub fn from_env() -> Self {
         Self::parse(std::env::var("KESTREL_MOE_GEMM").as_deref().unwrap_or(""))
@@ -97,10 +90,9 @@ impl MoeGemm {
             "v1" => MoeGemm::V1,
             "v2" => MoeGemm::V2,
             _ => match s.strip_prefix("v4") {
-                Some(f) if f.chars().all(|c| "wnb".contains(c)) => MoeGemm::V4 {
+                Some(f) if f.chars().all(|c| "wn".contains(c)) => MoeGemm::V4 {
                     wide: f.contains('w'),
                     n_inner: f.contains('n'),
-                    bf16_down: f.contains('b'),
                 },
                 _ => MoeGemm::V3,
             },
@@ -110,17 +102,6 @@ impl MoeGemm {
     /// Whether the gate/up kernel applies the SwiGLU itself (bf16 act out, no f32 gu).
     pub fn fused_swiglu(self) -> bool {
         matches!(self, MoeGemm::V3 | MoeGemm::V4 { .. })
-    }
-
-    /// Whether the down product is stored as bf16 (`moe_combine_bf16` reads it).
-    pub fn bf16_down(self) -> bool {
-        matches!(
-            self,
-            MoeGemm::V4 {
-                bf16_down: true,
-                ..
-            }
-        )
     }
 
     /// The plan's tile height: fixed by the WMMA kernels; for V3 `force` or
@@ -213,7 +194,7 @@ impl Gpu {
         )
     }
 
-    /// The grouped GEMM `g` into f32 `out [rows, ndim]` (bf16 for `kind.bf16_down()`) with
+    /// The grouped GEMM `g` into f32 `out [rows, ndim]` with
     /// kernel `kind` over the plan's tiles, which must have been built with `tile_m`
     /// (`kind.tile_m`); `rows` and `experts` bound the tile count.
     pub fn moe_grouped(
@@ -225,18 +206,11 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        if let MoeGemm::V4 {
-            wide,
-            n_inner,
-            bf16_down,
-        } = kind
-        {
-            let (name, tile_n, block, smem) = match (wide, bf16_down, tile_m) {
-                (true, false, 128) => ("moe_gemm4w_m128", 256, 256, gemm4_smem(128, 256, 4)),
-                (_, false, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128, 128, 3)),
-                (_, true, 128) => ("moe_gemm4_m128_bf16", 128, 128, gemm4_smem(128, 128, 3)),
-                (_, false, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64, 128, 3)),
-                (_, true, 64) => ("moe_gemm4_m64_bf16", 128, 128, gemm4_smem(64, 128, 3)),
+        if let MoeGemm::V4 { wide, n_inner } = kind {
+            let (name, tile_n, block, smem) = match (wide, tile_m) {
+                (true, 128) => ("moe_gemm4w_m128", 256, 256, gemm4_smem(128, 256, 4)),
+                (_, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128, 128, 3)),
+                (_, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64, 128, 3)),
                 _ => bail!("moe_gemm4 has tiles of 64 or 128 rows, not {tile_m}"),
             };
             let geometry = (tile_m, tile_n, block, smem);
@@ -283,7 +257,7 @@ impl Gpu {
                 let geometry = (tile_m, gemm3_tile_n(tile_m) / 2, 256, gemm3_smem(tile_m));
                 (name, geometry, None)
             }
-            (MoeGemm::V4 { wide, n_inner, .. }, 128 | 64) => {
+            (MoeGemm::V4 { wide, n_inner }, 128 | 64) => {
                 let (name, geometry) = match (wide, tile_m) {
                     (true, 128) => (
                         "moe_gemm4w_swiglu_m128",

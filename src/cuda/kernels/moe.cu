@@ -198,31 +198,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     }
 }
 
-// moe_combine with y bf16 [rows, d] (moe_gemm4's bf16 down; d even): each thread two adjacent
-// columns (4-byte loads), each summed exactly as moe_combine would sum y's values as f32.
-extern "C" __global__ void moe_combine_bf16(const bf16* __restrict__ y, const int* __restrict__ slot_row,
-                                            const float* __restrict__ topk_w, const float* __restrict__ ys,
-                                            const bf16* __restrict__ x, const float* __restrict__ w_sg,
-                                            float* __restrict__ h, int k, int d) {
-    int s = blockIdx.x;
-    float dot = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
-    float gate = sigmoid_f(block_sum(dot));
-    for (int i = 2 * threadIdx.x; i < d; i += 2 * blockDim.x) {
-        float acc0 = 0.0f, acc1 = 0.0f;
-        for (int kk = 0; kk < k; kk++) {
-            int row = slot_row ? slot_row[s * k + kk] : s * k + kk;
-            float wk = topk_w[s * k + kk];
-            float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(y + (size_t)row * d + i));
-            acc0 += wk * v.x;
-            acc1 += wk * v.y;
-        }
-        size_t o = (size_t)s * d + i;
-        h[o] += acc0 + gate * ys[o];
-        h[o + 1] += acc1 + gate * ys[o + 1];
-    }
-}
-
 // Grouped GEMM, second version (KESTREL_MOE_GEMM=v2; v1 selects moe_gemm):
 // 128x128 tiles, 8 warps of 64x32, K tiles of 32 double-buffered with cp.async (16-byte
 // copies, zero-filled out of range). Same contract as moe_gemm, with the plan's tile_m = 128.
@@ -473,10 +448,9 @@ MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 // warp tiles of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the
 // next k16 step loaded while the current one's mma issue. `order` 0: grid (tiles, n blocks);
 // 1: grid (n blocks, tiles), a tile's n blocks adjacent (its gathered A rows shared in L2).
-// OUT_BF16: the plain product stored as bf16 [rows, ndim] instead of f32.
 #define G4_BK 64
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU, bool OUT_BF16>
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU>
 __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -608,10 +582,7 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
                     int col = n0 + wn + j * 8 + c2;
                     if (col >= ndim) continue;
                     const float* v = acc[i][j] + 2 * h;
-                    if (OUT_BF16)
-                        *reinterpret_cast<unsigned*>(reinterpret_cast<bf16*>(out) + row * ndim + col) = pack_bf16x2(v[0], v[1]);
-                    else
-                        *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + row * ndim + col) = make_float2(v[0], v[1]);
+                    *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + row * ndim + col) = make_float2(v[0], v[1]);
                 }
             }
         }
@@ -624,22 +595,20 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
 //   v4  m128: 128x128, 4 warps of 64x64, 3 stages, 96 KiB, 2 blocks/SM
 //   v4  m64:  64x128, 4 warps of 32x64, 3 stages, 72 KiB, 3 blocks/SM
 //   v4w m128: 128x256, 8 warps of 64x64, 4 stages, 192 KiB, 1 block/SM
-#define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU, OUT_BF16)                                        \
+#define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU)                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WMS * WNS, MINB) NAME(                                     \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int order) { \
-        moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU, OUT_BF16>(a, gather, w, out, tile_expert, tile_row,     \
-                                                                   tile_rows, num_tiles, ndim, kdim, order);   \
+        moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows,  \
+                                                         num_tiles, ndim, kdim, order);                        \
     }
-MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false, false)
-MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false, false)
-MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true, false)
-MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true, false)
-MOE_GEMM4(moe_gemm4w_m128, 128, 256, 2, 4, 4, 1, false, false)
-MOE_GEMM4(moe_gemm4w_swiglu_m128, 128, 256, 2, 4, 4, 1, true, false)
-MOE_GEMM4(moe_gemm4_m128_bf16, 128, 128, 2, 2, 3, 2, false, true)
-MOE_GEMM4(moe_gemm4_m64_bf16, 64, 128, 2, 2, 3, 3, false, true)
+MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false)
+MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false)
+MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true)
+MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
+MOE_GEMM4(moe_gemm4w_m128, 128, 256, 2, 4, 4, 1, false)
+MOE_GEMM4(moe_gemm4w_swiglu_m128, 128, 256, 2, 4, 4, 1, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
