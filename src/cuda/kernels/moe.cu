@@ -441,13 +441,13 @@ MOE_GEMM3(moe_gemm3_m64, 64, 256, false)
 MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true)
 MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 
-// Grouped GEMM, fourth version (KESTREL_MOE_GEMM=v4, v4w, v4n, v4wn): moe_gemm3's contract and
-// numerics (the same k16 mma steps in the same order: bitwise equal), with K tiles of 64 (half
-// the barriers per K), rows unpadded and XOR-swizzled (16-byte chunk c of row r sits at chunk
-// c ^ (r & 7), so both the cp.async writes and each 8-row ldmatrix phase hit 32 distinct banks),
-// warp tiles of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the
-// next k16 step loaded while the current one's mma issue. `order` 0: grid (tiles, n blocks);
-// 1: grid (n blocks, tiles), a tile's n blocks adjacent (its gathered A rows shared in L2).
+// Grouped GEMM, fourth version (KESTREL_MOE_GEMM=v4): moe_gemm3's contract and numerics (the
+// same k16 mma steps in the same order: bitwise equal), with K tiles of 64 (half the barriers
+// per K), rows unpadded and XOR-swizzled (16-byte chunk c of row r sits at chunk c ^ (r & 7),
+// so both the cp.async writes and each 8-row ldmatrix phase hit 32 distinct banks), warp tiles
+// of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the next k16
+// step loaded while the current one's mma issue. Grid (n blocks, tiles): a tile's n blocks are
+// adjacent in launch order, so its gathered A rows are shared in L2.
 #define G4_BK 64
 
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU>
@@ -455,7 +455,7 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                                                const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
-                                               int ndim, int kdim, int order) {
+                                               int ndim, int kdim) {
     constexpr int T = 32 * WARPS_M * WARPS_N;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NJ = WN / 8;
     constexpr int RPP = T / 8;  // rows per pass of 16-byte copies (8 chunks per 64-wide row)
@@ -463,13 +463,13 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
     constexpr int STAGE = (BM + BN) * G4_BK;  // bf16 elements
     static_assert(NJ % 2 == 0 && WM % 16 == 0 && RPP % 8 == 0 && BM % RPP == 0 && BN % RPP == 0, "tile shape");
     extern __shared__ __align__(16) bf16 g4_smem[];
-    int tile = order ? blockIdx.y : blockIdx.x;
+    int tile = blockIdx.y;
     if (tile >= *num_tiles) return;
     int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
     const bf16* wx = w + (size_t)x * ndim * kdim;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int inter = ndim / 2;
-    int n0 = (order ? blockIdx.x : blockIdx.y) * (SWIGLU ? BN / 2 : BN);
+    int n0 = blockIdx.x * (SWIGLU ? BN / 2 : BN);
     // Each thread copies chunk tid % 8 of rows tid / 8 + RPP q of both operands; element offsets
     // in registers (-1: outside the tile, zero-filled). The launcher keeps them below 2^31.
     int kc = (tid & 7) * 8, lr = tid >> 3;
@@ -589,26 +589,23 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
     }
 }
 
-// Entry points: moe_gemm3's arguments plus `order`; block 32 * WARPS_M * WARPS_N; dynamic smem
-// STAGES * (BM + BN) * 128 bytes; plan tile_m = BM; grid (max tiles, n blocks), or swapped
-// with order 1, n blocks = ceil(out columns / (BN, or BN / 2 for _swiglu)).
-//   v4  m128: 128x128, 4 warps of 64x64, 3 stages, 96 KiB, 2 blocks/SM
-//   v4  m64:  64x128, 4 warps of 32x64, 3 stages, 72 KiB, 3 blocks/SM
-//   v4w m128: 128x256, 8 warps of 64x64, 4 stages, 192 KiB, 1 block/SM
+// Entry points: moe_gemm3's arguments; block 32 * WARPS_M * WARPS_N; dynamic smem
+// STAGES * (BM + BN) * 128 bytes; plan tile_m = BM; grid (n blocks, max tiles), n blocks =
+// ceil(out columns / (BN, or BN / 2 for _swiglu)).
+//   m128: 128x128, 4 warps of 64x64, 3 stages, 96 KiB, 2 blocks/SM
+//   m64:  64x128, 4 warps of 32x64, 3 stages, 72 KiB, 3 blocks/SM
 #define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU)                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WMS * WNS, MINB) NAME(                                     \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
-        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int order) { \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
         moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows,  \
-                                                         num_tiles, ndim, kdim, order);                        \
+                                                         num_tiles, ndim, kdim);                               \
     }
 MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false)
 MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false)
 MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true)
 MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
-MOE_GEMM4(moe_gemm4w_m128, 128, 256, 2, 4, 4, 1, false)
-MOE_GEMM4(moe_gemm4w_swiglu_m128, 128, 256, 2, 4, 4, 1, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
