@@ -340,8 +340,8 @@ fn fullwidth_checkpoint_matches_hf() {
 }
 
 /// The grouped MoE GEMMs against the first (`moe_gemm`, v1) through the whole model, on
-/// prompts long enough to take the grouped path: v2, and v3 (mma.sync, SwiGLU fused into the
-/// gate/up kernel) with its tile height chosen by the rows and forced to each size. The same
+/// prompts long enough to take the grouped path: v2, and v3 and v4 (mma.sync, SwiGLU fused into
+/// the gate/up kernel) with their tile height chosen by the rows and forced to each size. The same
 /// bf16 products summed in f32, so what differs is f32 summation order inside the tensor-core
 /// k steps (~1e-7 relative), which can at most flip a rare bf16 rounding of the SwiGLU output
 /// (2^-8 of one element); through these small models that stays far below 1e-3 of the logits,
@@ -393,7 +393,8 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
 /// (f32 gate/up and down) and SwiGLU-fused (bf16 act), against moe_gemm (v1) on the same
 /// expert-sorted rows: f32 outputs within 1e-5 of the output scale (the same products summed
 /// in f32 in the same k steps), act within one bf16 rounding (max 1e-2 of the scale, norm
-/// 1e-3); outputs start as NaN so that a missed row or column fails. Prints each kernel's
+/// 1e-3); moe_gemm4 (v4) at both tile heights bitwise equal to moe_gemm3's outputs; outputs
+/// start as NaN so that a missed row or column fails. Prints each kernel's
 /// time per launch (mean of 20 after a warm-up) and TFLOP/s over the useful rows, v1 and v2
 /// included; timing is not asserted.
 #[test]

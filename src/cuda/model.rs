@@ -290,11 +290,11 @@ pub struct CudaModel {
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
     pub decode_attn_mma: bool,
-    /// The prefill MoE's grouped GEMM: `moe_gemm3` (default), or with `KESTREL_MOE_GEMM=v2`
-    /// / `v1` the WMMA kernels.
+    /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
+    /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
-    /// `moe_gemm3`'s tile height, 64 or 128 (`KESTREL_MOE_TILE_M`); None: by the rows per
-    /// expert (`moe::gemm3_tile_m`).
+    /// `moe_gemm4`'s or `moe_gemm3`'s tile height, 64 or 128 (`KESTREL_MOE_TILE_M`); None: by
+    /// the rows per expert (`moe::gemm3_tile_m`).
     pub moe_tile_m: Option<usize>,
     dws: DecodeWs,
     /// One-token steps through the fused decode kernels (off: the general path, for

@@ -288,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
         }
 }
 
-// Grouped GEMM, third version (the default; KESTREL_MOE_GEMM=v2/v1 select the WMMA kernels):
+// Grouped GEMM, third version (KESTREL_MOE_GEMM=v3; v2/v1 select the WMMA kernels):
 // mma.sync m16n8k16 fed by ldmatrix, K tiles of 32 in a 4-stage cp.async pipeline (dynamic
 // shared memory, rows padded to 80 bytes so the 8 rows of an ldmatrix hit distinct bank
 // groups), 8 warps as 2 (M) x 4 (N), each a (BM/2) x (BN/4) sub-tile in registers.
@@ -441,13 +441,13 @@ MOE_GEMM3(moe_gemm3_m64, 64, 256, false)
 MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true)
 MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 
-// Grouped GEMM, fourth version (KESTREL_MOE_GEMM=v4): moe_gemm3's contract and numerics (the
-// same k16 mma steps in the same order: bitwise equal), with K tiles of 64 (half the barriers
-// per K), rows unpadded and XOR-swizzled (16-byte chunk c of row r sits at chunk c ^ (r & 7),
-// so both the cp.async writes and each 8-row ldmatrix phase hit 32 distinct banks), warp tiles
-// of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the next k16
-// step loaded while the current one's mma issue. Grid (n blocks, tiles): a tile's n blocks are
-// adjacent in launch order, so its gathered A rows are shared in L2.
+// Grouped GEMM, fourth version (the default; KESTREL_MOE_GEMM=v4): moe_gemm3's contract and
+// numerics (the same k16 mma steps in the same order: bitwise equal), with K tiles of 64 (half
+// the barriers per K), rows unpadded and XOR-swizzled (16-byte chunk c of row r sits at chunk
+// c ^ (r & 7), so both the cp.async writes and each 8-row ldmatrix phase hit 32 distinct banks),
+// warp tiles of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the
+// next k16 step loaded while the current one's mma issue. Grid (n blocks, tiles): a tile's n
+// blocks are adjacent in launch order, so its gathered A rows are shared in L2.
 #define G4_BK 64
 
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU>
