@@ -7,7 +7,7 @@
 #   attn attention.cu: the tensor-core decode attention and its combine
 #   moe  moe.cu: moe_plan + moe_scatter + moe_gemm3 (both tile sizes, SwiGLU-fused and plain)
 #        at the tiny fixtures' dims and a reduced real shape; moe_gemm4 bitwise against
-#        moe_gemm3, moe_combine_bf16 against moe_combine
+#        moe_gemm3
 # Usage: run.sh [mma|gdn|attn|moe|all] [full]   (default all). Needs g++ with C++20.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

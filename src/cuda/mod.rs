@@ -79,14 +79,9 @@ const KERNELS: &[&str] = &[
     "moe_gemm4_m64",
     "moe_gemm4_swiglu_m128",
     "moe_gemm4_swiglu_m64",
-    "moe_gemm4w_m128",
-    "moe_gemm4w_swiglu_m128",
-    "moe_gemm4_m128_bf16",
-    "moe_gemm4_m64_bf16",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
-    "moe_combine_bf16",
     "moe_router_dec",
     "moe_gate_up_dec",
     "moe_down_dec",
@@ -361,14 +356,9 @@ impl Gpu {
             .into_iter()
             .chain(attention::DECODE_KERNELS)
             .chain(moe::GEMM3_KERNELS)
+            .chain(moe::GEMM4_KERNELS)
         {
             gpu.set_max_dynamic_smem(k, bytes)?;
-        }
-        // The experimental moe_gemm4 (v4w: 192 KiB) only where it fits; elsewhere its launch fails.
-        for (k, bytes) in moe::GEMM4_KERNELS {
-            if bytes <= max_smem_per_block {
-                gpu.set_max_dynamic_smem(k, bytes)?;
-            }
         }
         Ok(Arc::new(gpu))
     }

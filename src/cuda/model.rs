@@ -290,11 +290,11 @@ pub struct CudaModel {
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
     pub decode_attn_mma: bool,
-    /// The prefill MoE's grouped GEMM: `moe_gemm3` (default), or with `KESTREL_MOE_GEMM=v2`
-    /// / `v1` the WMMA kernels.
+    /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
+    /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
-    /// `moe_gemm3`'s tile height, 64 or 128 (`KESTREL_MOE_TILE_M`); None: by the rows per
-    /// expert (`moe::gemm3_tile_m`).
+    /// `moe_gemm4`'s or `moe_gemm3`'s tile height, 64 or 128 (`KESTREL_MOE_TILE_M`); None: by
+    /// the rows per expert (`moe::gemm3_tile_m`).
     pub moe_tile_m: Option<usize>,
     dws: DecodeWs,
     /// One-token steps through the fused decode kernels (off: the general path, for
@@ -1198,10 +1198,6 @@ impl CudaModel {
                 ndim: d,
                 kdim: i,
             };
-            if self.moe_gemm.bf16_down() && d % 2 != 0 {
-                // bf16 pairs in the kernel's stores and moe_combine_bf16's loads
-                bail!("bf16 MoE down output needs an even hidden size, not {d}");
-            }
             g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
         }
         // Shared expert (dense).
@@ -1226,14 +1222,8 @@ impl CudaModel {
             d,
             0.0,
         )?;
-        // The grouped path's y is bf16 when the down kernel stores it so.
-        let y_bf16 = !gemv_path && self.moe_gemm.bf16_down();
         g.launch(
-            if y_bf16 {
-                "moe_combine_bf16"
-            } else {
-                "moe_combine"
-            },
+            "moe_combine",
             (t as u32, 1, 1),
             256,
             0,

@@ -12,20 +12,14 @@ pub enum MoeGemm {
     /// `moe_gemm2`: WMMA, 128x128 tiles, cp.async double buffering (`KESTREL_MOE_GEMM=v2`).
     V2,
     /// `moe_gemm3_*`: mma.sync + ldmatrix, 4-stage cp.async, 128- or 64-row tiles; gate/up
-    /// fused with the SwiGLU (the default).
+    /// fused with the SwiGLU (`KESTREL_MOE_GEMM=v3`).
     V3,
-    /// `moe_gemm4*`: V3's numerics (bitwise) with K tiles of 64, swizzled shared memory and
-    /// 64x64 warp tiles (`KESTREL_MOE_GEMM=v4` plus any of the letters `w`, `n`, `b`, e.g.
-    /// `v4wn`). `wide` (`w`): 128x256 blocks of 8 warps, 1 per SM, for 128-row plans (64-row
-    /// plans keep `v4`'s 64x128); else 128x128 of 4 warps, 2 per SM. `n_inner` (`n`): a tile's
-    /// column blocks launched together (grid y = tiles) instead of every tile's first column
-    /// block first. `bf16_down` (`b`): the down product stored as bf16 (y then read by
-    /// `moe_combine_bf16`): half its bytes, at a bf16 rounding of each expert's output.
-    V4 {
-        wide: bool,
-        n_inner: bool,
-        bf16_down: bool,
-    },
+    /// `moe_gemm4_*` (the default, `KESTREL_MOE_GEMM=v4`): V3's numerics (bitwise) with K
+    /// tiles of 64, swizzled shared memory and 64x64 warp tiles; 128x128 (or 64x128) blocks of
+    /// 4 warps, a tile's column blocks launched together (grid y = tiles). On the H200 at
+    /// commit 5d4c1c9: prefill 38.0k / 43.9k tok/s at 2,048 / 8,192 tokens against V3's
+    /// 29.9k / 38.9k.
+    V4,
 }
 
 /// The smallest plan tile of any grouped GEMM: the workspace's tile list is sized for it.
@@ -40,20 +34,17 @@ pub(super) const GEMM3_KERNELS: [(&str, usize); 4] = [
 ];
 
 /// The `moe_gemm4` kernels, with their dynamic shared memory (set at `Gpu::open`).
-pub(super) const GEMM4_KERNELS: [(&str, usize); 8] = [
-    ("moe_gemm4_m128", gemm4_smem(128, 128, 3)),
-    ("moe_gemm4_m64", gemm4_smem(64, 128, 3)),
-    ("moe_gemm4_swiglu_m128", gemm4_smem(128, 128, 3)),
-    ("moe_gemm4_swiglu_m64", gemm4_smem(64, 128, 3)),
-    ("moe_gemm4w_m128", gemm4_smem(128, 256, 4)),
-    ("moe_gemm4w_swiglu_m128", gemm4_smem(128, 256, 4)),
-    ("moe_gemm4_m128_bf16", gemm4_smem(128, 128, 3)),
-    ("moe_gemm4_m64_bf16", gemm4_smem(64, 128, 3)),
+pub(super) const GEMM4_KERNELS: [(&str, usize); 4] = [
+    ("moe_gemm4_m128", gemm4_smem(128)),
+    ("moe_gemm4_m64", gemm4_smem(64)),
+    ("moe_gemm4_swiglu_m128", gemm4_smem(128)),
+    ("moe_gemm4_swiglu_m64", gemm4_smem(64)),
 ];
 
-/// Dynamic shared memory of `moe_gemm4`: `stages` of (BM + BN) rows of 64 bf16, unpadded.
-const fn gemm4_smem(tile_m: usize, tile_n: usize, stages: usize) -> usize {
-    stages * (tile_m + tile_n) * 64 * 2
+/// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
+/// of 64 bf16, unpadded.
+const fn gemm4_smem(tile_m: usize) -> usize {
+    3 * (tile_m + 128) * 64 * 2
 }
 
 /// Output columns per block of `moe_gemm3` with `tile_m`-row tiles (moe.cu's BN).
@@ -66,11 +57,11 @@ const fn gemm3_smem(tile_m: usize) -> usize {
     4 * (tile_m + gemm3_tile_n(tile_m)) * 40 * 2
 }
 
-/// `moe_gemm3`'s tile height for `rows` (token, expert) rows over `experts` experts: 64 unless
-/// the experts average 256 rows or more. A tile is wasted on each expert's last, partial tile
-/// (half a tile on average), which at the real model's ~128 rows per expert (4,096-token
-/// chunks) is a third of the 128-row tiles' work; once experts carry 256+ rows that waste is
-/// small and the larger tile's better operand reuse wins.
+/// The mma.sync kernels' (V3, V4) tile height for `rows` (token, expert) rows over `experts`
+/// experts: 64 unless the experts average 256 rows or more. A tile is wasted on each expert's
+/// last, partial tile (half a tile on average), which at the real model's ~128 rows per expert
+/// (4,096-token chunks) is a third of the 128-row tiles' work; once experts carry 256+ rows
+/// that waste is small and the larger tile's better operand reuse wins (measured on V3).
 pub fn gemm3_tile_m(rows: usize, experts: usize) -> usize {
     if rows >= 256 * experts.max(1) {
         128
@@ -85,8 +76,7 @@ pub fn max_tiles(rows: usize, experts: usize, tile_m: usize) -> usize {
 }
 
 impl MoeGemm {
-    /// From `KESTREL_MOE_GEMM`: `v1`, `v2`, `v4[w][n][b]` (see [`MoeGemm::V4`]), else (unset
-    /// too) `V3`.
+    /// From `KESTREL_MOE_GEMM`: `v1`, `v2`, `v3`, else (unset too) `V4`.
     pub fn from_env() -> Self {
         Self::parse(std::env::var("KESTREL_MOE_GEMM").as_deref().unwrap_or(""))
     }
@@ -96,42 +86,23 @@ impl MoeGemm {
         match s {
             "v1" => MoeGemm::V1,
             "v2" => MoeGemm::V2,
-            _ => match s.strip_prefix("v4") {
-                Some(f) if f.chars().all(|c| "wnb".contains(c)) => MoeGemm::V4 {
-                    wide: f.contains('w'),
-                    n_inner: f.contains('n'),
-                    bf16_down: f.contains('b'),
-                },
-                _ => MoeGemm::V3,
-            },
+            "v3" => MoeGemm::V3,
+            _ => MoeGemm::V4,
         }
     }
 
     /// Whether the gate/up kernel applies the SwiGLU itself (bf16 act out, no f32 gu).
     pub fn fused_swiglu(self) -> bool {
-        matches!(self, MoeGemm::V3 | MoeGemm::V4 { .. })
+        matches!(self, MoeGemm::V3 | MoeGemm::V4)
     }
 
-    /// Whether the down product is stored as bf16 (`moe_combine_bf16` reads it).
-    pub fn bf16_down(self) -> bool {
-        matches!(
-            self,
-            MoeGemm::V4 {
-                bf16_down: true,
-                ..
-            }
-        )
-    }
-
-    /// The plan's tile height: fixed by the WMMA kernels; for V3 `force` or
+    /// The plan's tile height: fixed by the WMMA kernels; for V3 and V4 `force` or
     /// [`gemm3_tile_m`].
     pub fn tile_m(self, rows: usize, experts: usize, force: Option<usize>) -> usize {
         match self {
             MoeGemm::V1 => 64,
             MoeGemm::V2 => 128,
-            MoeGemm::V3 | MoeGemm::V4 { .. } => {
-                force.unwrap_or_else(|| gemm3_tile_m(rows, experts))
-            }
+            MoeGemm::V3 | MoeGemm::V4 => force.unwrap_or_else(|| gemm3_tile_m(rows, experts)),
         }
     }
 }
@@ -213,7 +184,7 @@ impl Gpu {
         )
     }
 
-    /// The grouped GEMM `g` into f32 `out [rows, ndim]` (bf16 for `kind.bf16_down()`) with
+    /// The grouped GEMM `g` into f32 `out [rows, ndim]` with
     /// kernel `kind` over the plan's tiles, which must have been built with `tile_m`
     /// (`kind.tile_m`); `rows` and `experts` bound the tile count.
     pub fn moe_grouped(
@@ -225,28 +196,13 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        if let MoeGemm::V4 {
-            wide,
-            n_inner,
-            bf16_down,
-        } = kind
-        {
-            let (name, tile_n, block, smem) = match (wide, bf16_down, tile_m) {
-                (true, false, 128) => ("moe_gemm4w_m128", 256, 256, gemm4_smem(128, 256, 4)),
-                (_, false, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128, 128, 3)),
-                (_, true, 128) => ("moe_gemm4_m128_bf16", 128, 128, gemm4_smem(128, 128, 3)),
-                (_, false, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64, 128, 3)),
-                (_, true, 64) => ("moe_gemm4_m64_bf16", 128, 128, gemm4_smem(64, 128, 3)),
-                _ => bail!("moe_gemm4 has tiles of 64 or 128 rows, not {tile_m}"),
-            };
-            let geometry = (tile_m, tile_n, block, smem);
-            return self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim, Some(n_inner));
-        }
         let (name, tile_n, block, smem) = match (kind, tile_m) {
             (MoeGemm::V1, 64) => ("moe_gemm", 64, 128, 0),
             (MoeGemm::V2, 128) => ("moe_gemm2", 128, 256, 0),
             (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
             (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
+            (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
+            (MoeGemm::V4, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
             _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         self.grouped_launch(
@@ -257,7 +213,7 @@ impl Gpu {
             experts,
             g,
             g.ndim,
-            None,
+            kind == MoeGemm::V4,
         )
     }
 
@@ -273,41 +229,20 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        let (name, geometry, order) = match (kind, tile_m) {
-            (MoeGemm::V3, 128 | 64) => {
-                let name = if tile_m == 128 {
-                    "moe_gemm3_swiglu_m128"
-                } else {
-                    "moe_gemm3_swiglu_m64"
-                };
-                let geometry = (tile_m, gemm3_tile_n(tile_m) / 2, 256, gemm3_smem(tile_m));
-                (name, geometry, None)
-            }
-            (MoeGemm::V4 { wide, n_inner, .. }, 128 | 64) => {
-                let (name, geometry) = match (wide, tile_m) {
-                    (true, 128) => (
-                        "moe_gemm4w_swiglu_m128",
-                        (128, 128, 256, gemm4_smem(128, 256, 4)),
-                    ),
-                    (_, 128) => (
-                        "moe_gemm4_swiglu_m128",
-                        (128, 64, 128, gemm4_smem(128, 128, 3)),
-                    ),
-                    _ => (
-                        "moe_gemm4_swiglu_m64",
-                        (64, 64, 128, gemm4_smem(64, 128, 3)),
-                    ),
-                };
-                (name, geometry, Some(n_inner))
-            }
+        let (name, geometry) = match (kind, tile_m) {
+            (MoeGemm::V3, 128) => ("moe_gemm3_swiglu_m128", (128, 64, 256, gemm3_smem(128))),
+            (MoeGemm::V3, 64) => ("moe_gemm3_swiglu_m64", (64, 128, 256, gemm3_smem(64))),
+            (MoeGemm::V4, 128) => ("moe_gemm4_swiglu_m128", (128, 64, 128, gemm4_smem(128))),
+            (MoeGemm::V4, 64) => ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64))),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
-        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, order)
+        let v4 = kind == MoeGemm::V4;
+        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, v4)
     }
 
     /// Launches a grouped kernel: (tile_m, output columns per block, threads, smem bytes).
-    /// `order` (moe_gemm4 only, which takes it as a last argument): whether the grid is
-    /// (column blocks, tiles) rather than (tiles, column blocks).
+    /// `v4` (moe_gemm4): the grid is (column blocks, tiles) rather than (tiles, column
+    /// blocks), and the kernel's 32-bit row offsets bound the shape.
     #[allow(clippy::too_many_arguments)]
     fn grouped_launch(
         &self,
@@ -318,13 +253,13 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
         out_cols: usize,
-        order: Option<bool>,
+        v4: bool,
     ) -> Result<()> {
         let (tiles, blocks_n) = (
             max_tiles(rows, experts, tile_m) as u32,
             out_cols.div_ceil(tile_n) as u32,
         );
-        if order.is_some() && (rows.max(g.ndim) as u64) * (g.kdim as u64) >= 1 << 31 {
+        if v4 && (rows.max(g.ndim) as u64) * (g.kdim as u64) >= 1 << 31 {
             // moe_gemm4 keeps its row offsets in 32-bit registers
             bail!(
                 "moe_gemm4: {rows} or {} rows of {} exceed 2^31 elements",
@@ -332,12 +267,15 @@ impl Gpu {
                 g.kdim
             );
         }
-        let grid = if order == Some(true) {
+        if v4 && tiles > 65_535 {
+            bail!("moe_gemm4: {tiles} tiles exceed the grid's y extent (65,535)");
+        }
+        let grid = if v4 {
             (blocks_n, tiles, 1)
         } else {
             (tiles, blocks_n, 1)
         };
-        let mut args = vec![
+        let args = [
             Arg::Ptr(g.a),
             Arg::Ptr(g.gather),
             Arg::Ptr(g.w),
@@ -349,9 +287,6 @@ impl Gpu {
             Arg::I(g.ndim as i32),
             Arg::I(g.kdim as i32),
         ];
-        if let Some(n_inner) = order {
-            args.push(Arg::I(n_inner as i32));
-        }
         self.launch(name, grid, block, smem as u32, &args)
     }
 

@@ -198,31 +198,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     }
 }
 
-// moe_combine with y bf16 [rows, d] (moe_gemm4's bf16 down; d even): each thread two adjacent
-// columns (4-byte loads), each summed exactly as moe_combine would sum y's values as f32.
-extern "C" __global__ void moe_combine_bf16(const bf16* __restrict__ y, const int* __restrict__ slot_row,
-                                            const float* __restrict__ topk_w, const float* __restrict__ ys,
-                                            const bf16* __restrict__ x, const float* __restrict__ w_sg,
-                                            float* __restrict__ h, int k, int d) {
-    int s = blockIdx.x;
-    float dot = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
-    float gate = sigmoid_f(block_sum(dot));
-    for (int i = 2 * threadIdx.x; i < d; i += 2 * blockDim.x) {
-        float acc0 = 0.0f, acc1 = 0.0f;
-        for (int kk = 0; kk < k; kk++) {
-            int row = slot_row ? slot_row[s * k + kk] : s * k + kk;
-            float wk = topk_w[s * k + kk];
-            float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(y + (size_t)row * d + i));
-            acc0 += wk * v.x;
-            acc1 += wk * v.y;
-        }
-        size_t o = (size_t)s * d + i;
-        h[o] += acc0 + gate * ys[o];
-        h[o + 1] += acc1 + gate * ys[o + 1];
-    }
-}
-
 // Grouped GEMM, second version (KESTREL_MOE_GEMM=v2; v1 selects moe_gemm):
 // 128x128 tiles, 8 warps of 64x32, K tiles of 32 double-buffered with cp.async (16-byte
 // copies, zero-filled out of range). Same contract as moe_gemm, with the plan's tile_m = 128.
@@ -313,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
         }
 }
 
-// Grouped GEMM, third version (the default; KESTREL_MOE_GEMM=v2/v1 select the WMMA kernels):
+// Grouped GEMM, third version (KESTREL_MOE_GEMM=v3; v2/v1 select the WMMA kernels):
 // mma.sync m16n8k16 fed by ldmatrix, K tiles of 32 in a 4-stage cp.async pipeline (dynamic
 // shared memory, rows padded to 80 bytes so the 8 rows of an ldmatrix hit distinct bank
 // groups), 8 warps as 2 (M) x 4 (N), each a (BM/2) x (BN/4) sub-tile in registers.
@@ -466,22 +441,21 @@ MOE_GEMM3(moe_gemm3_m64, 64, 256, false)
 MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true)
 MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 
-// Grouped GEMM, fourth version (KESTREL_MOE_GEMM=v4, v4w, v4n, v4wn): moe_gemm3's contract and
+// Grouped GEMM, fourth version (the default; KESTREL_MOE_GEMM=v4): moe_gemm3's contract and
 // numerics (the same k16 mma steps in the same order: bitwise equal), with K tiles of 64 (half
 // the barriers per K), rows unpadded and XOR-swizzled (16-byte chunk c of row r sits at chunk
 // c ^ (r & 7), so both the cp.async writes and each 8-row ldmatrix phase hit 32 distinct banks),
 // warp tiles of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the
-// next k16 step loaded while the current one's mma issue. `order` 0: grid (tiles, n blocks);
-// 1: grid (n blocks, tiles), a tile's n blocks adjacent (its gathered A rows shared in L2).
-// OUT_BF16: the plain product stored as bf16 [rows, ndim] instead of f32.
+// next k16 step loaded while the current one's mma issue. Grid (n blocks, tiles): a tile's n
+// blocks are adjacent in launch order, so its gathered A rows are shared in L2.
 #define G4_BK 64
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU, bool OUT_BF16>
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU>
 __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                                                const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
-                                               int ndim, int kdim, int order) {
+                                               int ndim, int kdim) {
     constexpr int T = 32 * WARPS_M * WARPS_N;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NJ = WN / 8;
     constexpr int RPP = T / 8;  // rows per pass of 16-byte copies (8 chunks per 64-wide row)
@@ -489,13 +463,13 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
     constexpr int STAGE = (BM + BN) * G4_BK;  // bf16 elements
     static_assert(NJ % 2 == 0 && WM % 16 == 0 && RPP % 8 == 0 && BM % RPP == 0 && BN % RPP == 0, "tile shape");
     extern __shared__ __align__(16) bf16 g4_smem[];
-    int tile = order ? blockIdx.y : blockIdx.x;
+    int tile = blockIdx.y;
     if (tile >= *num_tiles) return;
     int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
     const bf16* wx = w + (size_t)x * ndim * kdim;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int inter = ndim / 2;
-    int n0 = (order ? blockIdx.x : blockIdx.y) * (SWIGLU ? BN / 2 : BN);
+    int n0 = blockIdx.x * (SWIGLU ? BN / 2 : BN);
     // Each thread copies chunk tid % 8 of rows tid / 8 + RPP q of both operands; element offsets
     // in registers (-1: outside the tile, zero-filled). The launcher keeps them below 2^31.
     int kc = (tid & 7) * 8, lr = tid >> 3;
@@ -608,38 +582,30 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
                     int col = n0 + wn + j * 8 + c2;
                     if (col >= ndim) continue;
                     const float* v = acc[i][j] + 2 * h;
-                    if (OUT_BF16)
-                        *reinterpret_cast<unsigned*>(reinterpret_cast<bf16*>(out) + row * ndim + col) = pack_bf16x2(v[0], v[1]);
-                    else
-                        *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + row * ndim + col) = make_float2(v[0], v[1]);
+                    *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + row * ndim + col) = make_float2(v[0], v[1]);
                 }
             }
         }
     }
 }
 
-// Entry points: moe_gemm3's arguments plus `order`; block 32 * WARPS_M * WARPS_N; dynamic smem
-// STAGES * (BM + BN) * 128 bytes; plan tile_m = BM; grid (max tiles, n blocks), or swapped
-// with order 1, n blocks = ceil(out columns / (BN, or BN / 2 for _swiglu)).
-//   v4  m128: 128x128, 4 warps of 64x64, 3 stages, 96 KiB, 2 blocks/SM
-//   v4  m64:  64x128, 4 warps of 32x64, 3 stages, 72 KiB, 3 blocks/SM
-//   v4w m128: 128x256, 8 warps of 64x64, 4 stages, 192 KiB, 1 block/SM
-#define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU, OUT_BF16)                                        \
+// Entry points: moe_gemm3's arguments; block 32 * WARPS_M * WARPS_N; dynamic smem
+// STAGES * (BM + BN) * 128 bytes; plan tile_m = BM; grid (n blocks, max tiles), n blocks =
+// ceil(out columns / (BN, or BN / 2 for _swiglu)).
+//   m128: 128x128, 4 warps of 64x64, 3 stages, 96 KiB, 2 blocks/SM
+//   m64:  64x128, 4 warps of 32x64, 3 stages, 72 KiB, 3 blocks/SM
+#define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU)                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WMS * WNS, MINB) NAME(                                     \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
-        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int order) { \
-        moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU, OUT_BF16>(a, gather, w, out, tile_expert, tile_row,     \
-                                                                   tile_rows, num_tiles, ndim, kdim, order);   \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
+        moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows,  \
+                                                         num_tiles, ndim, kdim);                               \
     }
-MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false, false)
-MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false, false)
-MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true, false)
-MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true, false)
-MOE_GEMM4(moe_gemm4w_m128, 128, 256, 2, 4, 4, 1, false, false)
-MOE_GEMM4(moe_gemm4w_swiglu_m128, 128, 256, 2, 4, 4, 1, true, false)
-MOE_GEMM4(moe_gemm4_m128_bf16, 128, 128, 2, 2, 3, 2, false, true)
-MOE_GEMM4(moe_gemm4_m64_bf16, 64, 128, 2, 2, 3, 3, false, true)
+MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false)
+MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false)
+MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true)
+MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
