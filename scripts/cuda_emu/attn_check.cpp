@@ -115,6 +115,7 @@ static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, 
 }
 
 static size_t flash2_smem(int hd) { return (size_t)(2 * 64 + 4 * 64) * (hd + 8) * 2; }
+static size_t flash3_smem(int hd) { return flash2_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16; }
 
 int main(int argc, char** argv) {
     bool flash = argc < 2 || std::string(argv[1]) != "decode", decode = argc < 2 || std::string(argv[1]) != "flash";
@@ -125,6 +126,13 @@ int main(int argc, char** argv) {
         run_flash<256>("attn_flash2_hd256", attn_flash2_hd256, flash2_smem(256), 64, 0, 4, 2);    // one block, no past
         run_flash<32>("attn_flash2_hd32", attn_flash2_hd32, flash2_smem(32), 200, 37, 4, 2);
         run_flash<32>("attn_flash2_hd32", attn_flash2_hd32, flash2_smem(32), 5, 190, 8, 2);      // short chunk, 4 per group
+        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 130, 70, 4, 2);
+        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 64, 0, 4, 2);
+        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 100, 29, 4, 2);   // unaligned past
+        run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 200, 37, 4, 2);
+        run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 5, 190, 8, 2);
+        run_flash<64>("attn_flash3_hd64", attn_flash3_hd64, flash3_smem(64), 70, 0, 2, 1);
+        run_flash<128>("attn_flash3_hd128", attn_flash3_hd128, flash3_smem(128), 33, 100, 4, 1);
     }
     for (bool d : {false, true}) {
         g_cp_deferred = d;
