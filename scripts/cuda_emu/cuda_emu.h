@@ -7,7 +7,7 @@
 //
 // emu-provides: griddep_launch griddep_wait cp_async16 cp_async_commit cp_async_wait_all
 // emu-provides: cp_async_wait_one cp_async_wait smem_addr ldsm_x4 ldsm_x4_t mma_bf16_16816
-// emu-provides: to_tf32 mma_tf32_1688 bar_sync_named
+// emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps.
 #pragma once
@@ -256,6 +256,11 @@ inline void bar_sync_named(int id, int threads) {
     emu_to_scheduler(LANE_AT_NAMED_BAR);
 }
 inline int emu_lane() { return threadIdx.x & 31; }
+// ex2.approx.ftz.f32: 2^x with the denormal results flushed to zero (its ~2 ulp error not modelled).
+inline float ex2_approx(float x) {
+    float y = std::exp2(x);
+    return std::fabs(y) < 1.17549435e-38f ? 0.0f : y;
+}
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
