@@ -1249,11 +1249,12 @@ impl AttnCase {
     }
 }
 
-/// The mma.sync flash kernel at the real head shape against an f64 reference, from an empty
+/// The mma.sync flash kernels (`Flash::Mma`: attn_flash3, unless `KESTREL_ATTN=mma2`; and
+/// `Flash::Mma2`: attn_flash2) at the real head shape against an f64 reference, from an empty
 /// cache and continuing after cached positions (chunked prefill), ragged lengths included;
 /// bound 1e-2 (q and the probabilities enter the tensor cores as bf16, the output is bf16).
 /// Then the time of one 4,096-token chunk at positions 0 and 4,096 (the two calls of an 8k
-/// prompt), new kernel against the WMMA one, printed with TFLOP/s.
+/// prompt), both against the WMMA one, printed with TFLOP/s.
 #[test]
 fn attn_flash2_matches_reference_full_shape() {
     let Some(gpu) = gpu() else { return };
@@ -1261,10 +1262,15 @@ fn attn_flash2_matches_reference_full_shape() {
         let case = AttnCase::new(t, past, 11 + t as u64);
         let want = case.reference();
         let (new, _) = case.run(&gpu, Flash::Mma, 0);
+        let (v2, _) = case.run(&gpu, Flash::Mma2, 0);
         let (old, _) = case.run(&gpu, Flash::Wmma, 0);
-        let (e_new, e_old) = (norm_rel_err(&new, &want), norm_rel_err(&old, &want));
-        println!("t {t} past {past}: flash2 vs f64 {e_new:.2e} (wmma kernel {e_old:.2e})");
+        let (e_new, e_v2) = (norm_rel_err(&new, &want), norm_rel_err(&v2, &want));
+        let e_old = norm_rel_err(&old, &want);
+        println!(
+            "t {t} past {past}: flash3 vs f64 {e_new:.2e}, flash2 {e_v2:.2e} (wmma kernel {e_old:.2e})"
+        );
         assert!(e_new <= 1e-2, "t {t} past {past}: {e_new}");
+        assert!(e_v2 <= 1e-2, "t {t} past {past}: flash2 {e_v2}");
     }
     for past in [0, 4096] {
         let t = 4096;
@@ -1272,13 +1278,16 @@ fn attn_flash2_matches_reference_full_shape() {
         let pairs: usize = (0..t).map(|s| past + s + 1).sum();
         let flop = (4 * ATT_HD * ATT_NQ * pairs) as f64;
         let (a, ms_new) = case.run(&gpu, Flash::Mma, 5);
+        let (c, ms_v2) = case.run(&gpu, Flash::Mma2, 5);
         let (b, ms_old) = case.run(&gpu, Flash::Wmma, 3);
-        let diff = norm_rel_err(&a, &b);
+        let (diff, diff_v2) = (norm_rel_err(&a, &b), norm_rel_err(&c, &b));
         println!(
-            "t {t} past {past}: flash2 {ms_new:.3} ms ({:.0} TFLOP/s), wmma {ms_old:.3} ms ({:.0} TFLOP/s); outputs differ by {diff:.2e}",
+            "t {t} past {past}: flash3 {ms_new:.3} ms ({:.0} TFLOP/s), flash2 {ms_v2:.3} ms ({:.0} TFLOP/s), wmma {ms_old:.3} ms ({:.0} TFLOP/s); outputs differ by {diff:.2e} / {diff_v2:.2e}",
             flop / ms_new / 1e9,
+            flop / ms_v2 / 1e9,
             flop / ms_old / 1e9
         );
         assert!(diff <= 1e-2, "past {past}: {diff}");
+        assert!(diff_v2 <= 1e-2, "past {past}: flash2 {diff_v2}");
     }
 }

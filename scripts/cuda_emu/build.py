@@ -1,7 +1,7 @@
 # Turns src/cuda/kernels/common.cuh + kernel files into C++ for the CPU emulator (cuda_emu.h):
 # splits the sources into top-level items, drops from common.cuh the helpers the emulator
 # provides (its "emu-provides:" list; every inline-asm helper must be among them), drops the
-# kernel files' WMMA kernels (not emulated), maps `extern __shared__` arrays to the emulator's
+# kernel files' WMMA kernels (not emulated) and the helpers it provides, maps `extern __shared__` arrays to the emulator's
 # dynamic shared memory and adds alignment checks to gdn.cu's float4 accessors.
 # Usage: python3 build.py OUT.inc gdn.cu [moe.cu ...]
 import os, re, sys
@@ -103,6 +103,8 @@ for f in sys.argv[2:]:
     src = open(os.path.join(kdir, f)).read()
     parts = []
     for it in items(src):
+        if name(it) in provided:  # an inline-asm helper the emulator provides
+            continue
         if "wmma" in code(it):
             print(f"build.py: {f}: {name(it)} uses WMMA (not emulated), left out", file=sys.stderr)
             continue

@@ -7,8 +7,9 @@
 //
 // emu-provides: griddep_launch griddep_wait cp_async16 cp_async_commit cp_async_wait_all
 // emu-provides: cp_async_wait_one cp_async_wait smem_addr ldsm_x4 ldsm_x4_t mma_bf16_16816
-// emu-provides: to_tf32 mma_tf32_1688
-// (build.py drops these from common.cuh; everything else there compiles as written.)
+// emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx
+// (build.py drops these from common.cuh and the kernel files; everything else there compiles
+// as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -19,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 #if !defined(__x86_64__)
@@ -104,13 +106,14 @@ emu_switch:
 )");
 #endif
 
-enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_DONE };
+enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_DONE };
 struct Lane {
     void* sp = nullptr;
 #if !defined(__x86_64__)
     ucontext_t uc;
 #endif
     LaneState state = LANE_READY;
+    int bar_id = 0, bar_threads = 0;  // at a named barrier
 };
 struct Warp {
     int id = 0, lanes = 0, cur = 0;
@@ -127,6 +130,21 @@ struct Warp {
     uint32_t ma[32][4], mb[32][2];
 };
 inline thread_local Warp* t_warp;
+// Named barriers (bar.sync id, threads) of the current block: made on first use, counting warps.
+inline std::unique_ptr<std::barrier<>> g_named[16];
+inline int g_named_threads[16];
+inline std::mutex g_named_mu;
+inline std::barrier<>* emu_named_bar(int id, int threads) {
+    std::lock_guard<std::mutex> lk(g_named_mu);
+    if (id <= 0 || id >= 16 || threads <= 0 || threads % 32) emu_fail("bad named barrier");
+    if (!g_named[id]) {
+        g_named[id].reset(new std::barrier<>(threads / 32));
+        g_named_threads[id] = threads;
+    } else if (g_named_threads[id] != threads) {
+        emu_fail("named barrier used with two thread counts");
+    }
+    return g_named[id].get();
+}
 constexpr size_t EMU_STACK = 256 * 1024;
 inline std::unique_ptr<char[]> g_stacks[1024];
 
@@ -204,15 +222,23 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
     for (;;) {
         for (int l = 0; l < lanes; l++)
             if (w.lane[l].state == LANE_READY) emu_resume(&w, l);
-        int done = 0, at_warp = 0, at_block = 0;
+        int done = 0, at_warp = 0, at_block = 0, at_named = 0;
         for (int l = 0; l < lanes; l++) {
             LaneState s = w.lane[l].state;
             done += s == LANE_DONE;
             at_warp += s == LANE_AT_WARP_BAR;
             at_block += s == LANE_AT_BLOCK_BAR;
+            at_named += s == LANE_AT_NAMED_BAR;
         }
         if (done == lanes) break;
-        if (at_warp && (at_block || done)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
+        if (at_warp && (at_block || done || at_named)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
+        if (at_named) {
+            if (at_named != lanes) emu_fail("a named barrier without all lanes of the warp");
+            for (int l = 1; l < lanes; l++)
+                if (w.lane[l].bar_id != w.lane[0].bar_id || w.lane[l].bar_threads != w.lane[0].bar_threads)
+                    emu_fail("lanes of a warp at different named barriers");
+            emu_named_bar(w.lane[0].bar_id, w.lane[0].bar_threads)->arrive_and_wait();
+        }
         if (at_block) block_bar->arrive_and_wait();
         for (int l = 0; l < lanes; l++)
             if (w.lane[l].state != LANE_DONE) w.lane[l].state = LANE_READY;
@@ -223,7 +249,18 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
 
 inline void __syncthreads() { emu_to_scheduler(LANE_AT_BLOCK_BAR); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_to_scheduler(LANE_AT_WARP_BAR); }
+inline void bar_sync_named(int id, int threads) {
+    Lane& l = t_warp->lane[t_warp->cur];
+    l.bar_id = id;
+    l.bar_threads = threads;
+    emu_to_scheduler(LANE_AT_NAMED_BAR);
+}
 inline int emu_lane() { return threadIdx.x & 31; }
+// ex2.approx.ftz.f32: 2^x with the denormal results flushed to zero (its ~2 ulp error not modelled).
+inline float ex2_approx(float x) {
+    float y = std::exp2(x);
+    return std::fabs(y) < 1.17549435e-38f ? 0.0f : y;
+}
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
@@ -397,6 +434,7 @@ void emu_launch(uint3_ grid, unsigned block, size_t smem, F kernel) {
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
                 std::fill(g_dyn_smem.begin(), g_dyn_smem.end(), 0xff);
+                for (auto& b : g_named) b.reset();
                 std::barrier<> bar(nw);
                 std::vector<std::thread> th;
                 for (unsigned w = 0; w < nw; w++)

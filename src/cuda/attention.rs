@@ -8,9 +8,18 @@ use anyhow::Result;
 pub enum Flash {
     /// `attn_flash`: WMMA, 64 queries of one head per block (`KESTREL_ATTN=wmma`).
     Wmma,
-    /// `attn_flash2_hd*`: mma.sync, 64 queries of two heads of one KV group per block (the
-    /// default; shapes without such a kernel fall back to `Wmma`).
+    /// mma.sync, 64 queries of two heads of one KV group per block (the default; shapes without
+    /// such a kernel fall back to `Wmma`): `attn_flash3_hd*` (warp pairs exchanging P), or
+    /// `attn_flash2_hd*` when `KESTREL_ATTN=mma2`.
     Mma,
+    /// `attn_flash2_hd*` whatever `KESTREL_ATTN` says (16 rows of one head per warp).
+    Mma2,
+}
+
+/// Whether `Flash::Mma` runs the older `attn_flash2_hd*` (`KESTREL_ATTN=mma2`), read once.
+fn mma2_selected() -> bool {
+    static MMA2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MMA2.get_or_init(|| std::env::var("KESTREL_ATTN").is_ok_and(|v| v == "mma2"))
 }
 
 /// Query positions per block of both kernels (attention.cu's FQ and FA_BQ).
@@ -33,14 +42,25 @@ const fn mma_smem(hd: usize) -> usize {
     (2 * 64 + 4 * 64) * (hd + 8) * 2
 }
 
+/// Dynamic shared memory of `attn_flash3_hd*`: `attn_flash2`'s, then the warps' P fragments
+/// (8 warps x 4 x 32 lanes x 16 bytes) and row maxima / sums (8 warps x 32 lanes x 16 bytes)
+/// exchanged within warp pairs (223,232 bytes at hd 256).
+const fn mma3_smem(hd: usize) -> usize {
+    mma_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16
+}
+
 /// The flash kernels with the dynamic shared memory each may use (set at `Gpu::open`; the
 /// WMMA kernel at the largest head dim it takes).
-pub(super) const FLASH_KERNELS: [(&str, usize); 5] = [
+pub(super) const FLASH_KERNELS: [(&str, usize); 9] = [
     ("attn_flash", wmma_smem(256)),
     ("attn_flash2_hd32", mma_smem(32)),
     ("attn_flash2_hd64", mma_smem(64)),
     ("attn_flash2_hd128", mma_smem(128)),
     ("attn_flash2_hd256", mma_smem(256)),
+    ("attn_flash3_hd32", mma3_smem(32)),
+    ("attn_flash3_hd64", mma3_smem(64)),
+    ("attn_flash3_hd128", mma3_smem(128)),
+    ("attn_flash3_hd256", mma3_smem(256)),
 ];
 
 /// Dynamic shared memory of `attn_decode_mma_hd*`: Q (16 rows) and double-buffered K and V
@@ -69,19 +89,22 @@ pub fn decode_mma_kernel(hd: usize, group: usize) -> Option<&'static str> {
         .map(|(name, _)| *name)
 }
 
-/// The mma.sync kernel for head dim `hd` with `group` query heads per KV head, if there is one
-/// (a block takes two heads of a group).
-fn mma_kernel(hd: usize, group: usize) -> Option<&'static str> {
-    if !group.is_multiple_of(2) {
+/// The mma.sync kernel (`attn_flash3_hd*`, or `attn_flash2_hd*` with `v2`) for head dim `hd`
+/// with `group` query heads per KV head, if there is one (a block takes two heads of a group),
+/// with its dynamic shared memory.
+fn mma_kernel(hd: usize, group: usize, v2: bool) -> Option<(&'static str, usize)> {
+    if !group.is_multiple_of(2) || !matches!(hd, 32 | 64 | 128 | 256) {
         return None;
     }
-    match hd {
-        32 => Some("attn_flash2_hd32"),
-        64 => Some("attn_flash2_hd64"),
-        128 => Some("attn_flash2_hd128"),
-        256 => Some("attn_flash2_hd256"),
-        _ => None,
-    }
+    let prefix = if v2 {
+        "attn_flash2_hd"
+    } else {
+        "attn_flash3_hd"
+    };
+    FLASH_KERNELS
+        .iter()
+        .find(|(name, _)| name.strip_prefix(prefix) == Some(&hd.to_string()))
+        .copied()
 }
 
 /// One prefill attention call: `q` f32 `[t, nq, hd]`, the bf16 caches `[positions, nkv, hd]`
@@ -106,11 +129,12 @@ impl Gpu {
     /// through `kind` (head dim a multiple of 32 up to 256).
     pub fn attn_flash(&self, kind: Flash, a: &FlashCall) -> Result<()> {
         let mma = match kind {
-            Flash::Mma => mma_kernel(a.hd, a.nq / a.nkv),
+            Flash::Mma => mma_kernel(a.hd, a.nq / a.nkv, mma2_selected()),
+            Flash::Mma2 => mma_kernel(a.hd, a.nq / a.nkv, true),
             Flash::Wmma => None,
         };
         let (name, heads_per_block, threads, smem) = match mma {
-            Some(k) => (k, 2, 256, mma_smem(a.hd)),
+            Some((k, smem)) => (k, 2, 256, smem),
             None => ("attn_flash", 1, 128, wmma_smem(a.hd)),
         };
         self.launch(
