@@ -36,6 +36,7 @@ const KERNELS: &[&str] = &[
     "fill_random_f32",
     "copy_probe",
     "gemv_dec",
+    "gemv_dec_w",
     "rmsnorm_zc_bf16",
     "gdn_conv",
     "gdn_qk_l2norm",

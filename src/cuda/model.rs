@@ -27,11 +27,11 @@ const MOE_GEMV_MAX_ROWS: usize = 64;
 const PREFILL_SPLITS: usize = 8;
 const DECODE_SPLITS: usize = 256;
 /// Output rows per block of the decode GEMVs with inner dimension `k` (as
-/// `gemv_rows_per_block` in common.cuh).
-fn gemv_rows_per_block(k: usize) -> usize {
+/// `gemv_rows_per_block` in common.cuh; `whole_rows`: `gemv_dec_w`).
+fn gemv_rows_per_block(k: usize, whole_rows: bool) -> usize {
     match k {
         0..=2048 => 16,
-        4096 => 4,
+        4096 if !whole_rows => 4,
         _ => 8,
     }
 }
@@ -290,6 +290,9 @@ pub struct CudaModel {
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
     pub decode_attn_mma: bool,
+    /// Decode GEMVs with k = 4096 (the out-projections) a warp per whole row, 8 rows a block
+    /// (`gemv_dec_w`, `KESTREL_GEMV=whole`), instead of two warps per row, 4 rows a block.
+    pub gemv_whole_rows: bool,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -771,6 +774,7 @@ impl CudaModel {
                 Flash::Mma
             },
             decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
+            gemv_whole_rows: std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "whole"),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1126,7 +1130,7 @@ impl CudaModel {
                 "moe_gemv",
                 (
                     rows as u32,
-                    ndim.div_ceil(gemv_rows_per_block(kdim)) as u32,
+                    ndim.div_ceil(gemv_rows_per_block(kdim, false)) as u32,
                     1,
                 ),
                 256,
@@ -1296,9 +1300,14 @@ impl CudaModel {
                 None => (0, 0, 0, 0, 0, 0),
             };
             launch(
-                "gemv_dec",
+                if self.gemv_whole_rows {
+                    "gemv_dec_w"
+                } else {
+                    "gemv_dec"
+                },
                 (
-                    n.div_ceil(gemv_rows_per_block(k)).min(GEMV_MAX_BLOCKS) as u32,
+                    n.div_ceil(gemv_rows_per_block(k, self.gemv_whole_rows))
+                        .min(GEMV_MAX_BLOCKS) as u32,
                     1,
                     1,
                 ),

@@ -92,7 +92,10 @@ __device__ __forceinline__ float dot8(uint4 v, const float* x) {
 
 // Output rows per 256-thread block of the decode GEMVs (the host uses the same rule): two rows
 // per warp up to k = 2048, a warp pair per row (each half of k) at k = 4096, else a row per warp.
-__host__ __device__ __forceinline__ int gemv_rows_per_block(int k) { return k <= 2048 ? 16 : k == 4096 ? 4 : 8; }
+// whole_rows: k = 4096 as a warp per whole row (8 rows a block) instead of two warps per row.
+__host__ __device__ __forceinline__ int gemv_rows_per_block(int k, bool whole_rows = false) {
+    return k <= 2048 ? 16 : k == 4096 ? (whole_rows ? 8 : 4) : 8;
+}
 
 template <int R, int VPL>
 __device__ __forceinline__ void load_rows(uint4 (&v)[R][VPL], const bf16* const* row) {
@@ -240,9 +243,11 @@ __device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, in
 // Unless `staged` (xs already holds it), the input is staged by `stage_input` into xs (k floats
 // of shared memory) after this block's weight rows are in flight and the previous kernel is
 // done (griddep_wait). All threads must call it.
+template <bool WHOLE_ROWS = false>
 __device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
                                            const bf16* x, const float* h, const float* nw, float eps, bf16* xb_out,
                                            float* xs, float* __restrict__ y, float beta) {
+    if (WHOLE_ROWS && k == 4096) return block_gemv_fixed<1, 16>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
     switch (k) {
         case 512: block_gemv_fixed<2, 2>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
         case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
