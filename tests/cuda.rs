@@ -14,12 +14,12 @@
 //! greedy choices wherever the reference's top-2 margin exceeds 5% of the logit scale. Against transformers at full width (healthy
 //! scale) see `fullwidth_checkpoint_matches_hf`.
 
-use kestrel::cuda::Gpu;
 use kestrel::cuda::attention::{Flash, FlashCall};
 use kestrel::cuda::gdn::{DeltaBufs, GdnShape};
 use kestrel::cuda::gemm::GemmPath;
 use kestrel::cuda::model::CudaModel;
 use kestrel::cuda::moe::{self, Grouped, MoeGemm, MoePlan};
+use kestrel::cuda::{Arg, Gpu};
 use kestrel::model::{CpuModel, Engine, Logits};
 use kestrel::ops::argmax;
 mod common;
@@ -1146,6 +1146,64 @@ fn gemm_paths_match_reference_and_timing() {
         println!("{line}");
     }
     gpu.set_gemm_path(GemmPath::from_env().unwrap());
+}
+
+/// The decode GEMV kernels (`gemv_dec`; `gemv_dec_w`, k = 4096 a warp per whole row) against
+/// an f64 product with bf16 inputs, y = y0 + W·x, at the model's inner dimensions (512 experts'
+/// down, 2,048 in-projections, 4,096 out-projections) and ragged row counts.
+#[test]
+fn decode_gemv_kernels_match_reference() {
+    let Some(gpu) = gpu() else { return };
+    let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
+    for (n, k) in [(300, 4096), (2048, 4096), (100, 2048), (70, 512)] {
+        let mut rng = Lcg(n as u64 * 7 + k as u64);
+        let (w, x, y0) = (
+            bf(rng.vec(n * k, 1.0)),
+            bf(rng.vec(k, 1.0)),
+            rng.vec(n, 1.0),
+        );
+        let want: Vec<f64> = (0..n)
+            .map(|r| {
+                let dot: f64 = (0..k)
+                    .map(|i| f64::from(w[r * k + i].to_f32()) * f64::from(x[i].to_f32()))
+                    .sum();
+                dot + f64::from(y0[r])
+            })
+            .collect();
+        let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
+        for (kernel, rows) in [
+            ("gemv_dec", if k == 4096 { 4 } else { 16 }),
+            ("gemv_dec_w", if k == 4096 { 8 } else { 16 }),
+        ] {
+            let yd = gpu.upload(&y0).unwrap();
+            let mut args = vec![
+                Arg::Ptr(wd.ptr),
+                Arg::I(n as i32),
+                Arg::I(k as i32),
+                Arg::Ptr(xd.ptr),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::F(0.0),
+                Arg::Ptr(0),
+                Arg::Ptr(yd.ptr),
+                Arg::F(1.0),
+            ];
+            args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I(0)]);
+            args.extend([Arg::Ptr(0), Arg::Ptr(0)]);
+            let grid = (n.div_ceil(rows) as u32, 1, 1);
+            gpu.launch(kernel, grid, 256, (k * 4) as u32, &args)
+                .unwrap();
+            let mut got = vec![0f32; n];
+            gpu.copy_to_host(yd.ptr, &mut got).unwrap();
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (f64::from(*g) - w).abs() / (1.0 + w.abs()))
+                .fold(0.0, f64::max);
+            println!("{kernel} n {n} k {k}: max err {err:.2e}");
+            assert!(err <= 1e-4, "{kernel} n {n} k {k}: {err}");
+        }
+    }
 }
 
 /// One prefill attention call at the real attention shape (head dim 256, 16 query heads over 2
