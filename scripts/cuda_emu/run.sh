@@ -4,11 +4,12 @@
 #   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
 #   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv (`gdn full`: also the full
 #        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
-#   attn attention.cu: the tensor-core decode attention and its combine
+#   attn attention.cu: the prefill flash kernels, the tensor-core decode attention and its combine
+#   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
 #   moe  moe.cu: moe_plan + moe_scatter + moe_gemm3 (both tile sizes, SwiGLU-fused and plain)
 #        at the tiny fixtures' dims and a reduced real shape; moe_gemm4 bitwise against
 #        moe_gemm3
-# Usage: run.sh [mma|gdn|attn|moe|all] [full]   (default all). Needs g++ with C++20.
+# Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 what=${1:-all}
@@ -16,18 +17,21 @@ shift || true
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cp "$here/cuda_emu.h" "$tmp/"
+# -fno-strict-aliasing: the kernels type-pun (bf16 arrays read as uint4, floats as float4), which
+# CUDA allows; without it g++ -O2 may drop such accesses (gemv.cu's checks failed that way).
 build() {  # build NAME KERNEL_FILES...
   local n=$1
   shift
   python3 "$here/build.py" "$tmp/kernels_emu.inc" "$@"
-  g++ -std=c++20 -O2 -Wno-unknown-pragmas -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
+  g++ -std=c++20 -O2 -fno-strict-aliasing -Wno-unknown-pragmas -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
 }
-for n in mma gdn attn moe; do
+for n in mma gdn attn gemv moe; do
   [ "$what" = all ] || [ "$what" = "$n" ] || continue
   case $n in
     mma) build mma ;;
     gdn) build gdn gdn.cu ;;
     attn) build attn attention.cu ;;
+    gemv) build gemv gemv.cu ;;
     moe) build moe moe.cu ;;
   esac
   echo "== $n"

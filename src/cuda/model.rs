@@ -290,9 +290,10 @@ pub struct CudaModel {
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
     pub decode_attn_mma: bool,
-    /// Decode GEMVs with k = 4096 (the out-projections) a warp per whole row, 8 rows a block
-    /// (`gemv_dec_w`; H200 at f830035: decode 316 -> 332 tok/s at 256), or with
-    /// `KESTREL_GEMV=split` two warps per row, 4 rows a block (`gemv_dec`).
+    /// Decode GEMVs with k = 4096 (the out-projections): two warps per row, 4 rows a block
+    /// (`gemv_dec`, the default), or with `KESTREL_GEMV=whole` a warp per whole row, 8 rows a
+    /// block (`gemv_dec_w`: H200 A/B at f830035, decode 316 -> 332 tok/s at 256; the default
+    /// once the GPU tests and the full-width check have run with it).
     pub gemv_whole_rows: bool,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
@@ -775,7 +776,7 @@ impl CudaModel {
                 Flash::Mma
             },
             decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
-            gemv_whole_rows: !std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "split"),
+            gemv_whole_rows: std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "whole"),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
