@@ -97,10 +97,10 @@ pub(crate) fn block_threads(n: usize) -> u32 {
     n.div_ceil(32).clamp(1, 32) as u32 * 32
 }
 
-/// A raw device allocation, freed on drop.
 /// Bytes of cuBLASLt's workspace (NVIDIA's advice for Hopper).
 pub const GEMM_WORKSPACE_BYTES: usize = 32 << 20;
 
+/// A raw device allocation, freed on drop.
 pub struct DeviceBuf {
     pub ptr: u64,
     pub bytes: usize,

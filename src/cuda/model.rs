@@ -284,8 +284,8 @@ pub struct CudaModel {
     pub max_chunk: usize,
     pub max_seq: usize,
     pub weight_bytes: usize,
-    /// The prefill attention kernel: mma.sync where the shape has one (default), or
-    /// (`KESTREL_ATTN=wmma`) the WMMA kernel.
+    /// The prefill attention kernel: mma.sync where the shape has one (default `attn_flash3`,
+    /// `KESTREL_ATTN=mma2` the previous `attn_flash2`), or (`KESTREL_ATTN=wmma`) the WMMA kernel.
     pub flash: Flash,
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
