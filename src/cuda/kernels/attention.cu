@@ -353,6 +353,85 @@ extern "C" __global__ void __launch_bounds__(128) attn_flash(
     }
 }
 
+// ---- Warp-level pieces of the mma.sync attention kernels (a warp = 16 query rows) ----
+// S (16 rows x NK keys) = Q Kᵀ: Q rows at qw, K rows at kt, both bf16 with row stride LD.
+template <int HD, int NK, int LD>
+__device__ __forceinline__ void warp_qk(float (&s)[NK / 8][4], const bf16* qw, const bf16* kt, int lane) {
+#pragma unroll
+    for (int n = 0; n < NK / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        unsigned a[4];
+        ldsm_x4(a, qw + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int nb = 0; nb < NK / 16; nb++) {
+            unsigned b[4];
+            ldsm_x4(b, kt + (nb * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+            mma_bf16_16816(s[2 * nb], a, b[0], b[1]);
+            mma_bf16_16816(s[2 * nb + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Online softmax (base 2) of one tile's scores, rows g (m0, l0) and g + 8 (m1, l1); a row lives
+// in the 4 lanes of a quad, l stays a per-lane partial sum. Rescales o; leaves P in s.
+template <int HD, int NK>
+__device__ __forceinline__ void warp_softmax(float (&s)[NK / 8][4], float (&o)[HD / 8][4], float& m0, float& m1,
+                                             float& l0, float& l1) {
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int n = 0; n < NK / 8; n++) {
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;  // fully masked rows
+    const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+    m0 = mx0;
+    m1 = mx1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NK / 8; n++) {
+        s[n][0] = exp2f(s[n][0] - b0);
+        s[n][1] = exp2f(s[n][1] - b0);
+        s[n][2] = exp2f(s[n][2] - b1);
+        s[n][3] = exp2f(s[n][3] - b1);
+        sum0 += s[n][0] + s[n][1];
+        sum1 += s[n][2] + s[n][3];
+    }
+    l0 = l0 * c0 + sum0;
+    l1 = l1 * c1 + sum1;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        o[n][0] *= c0;
+        o[n][1] *= c0;
+        o[n][2] *= c1;
+        o[n][3] *= c1;
+    }
+}
+
+// O += P V: the S accumulators of key blocks 2kk, 2kk+1 are the A fragment of keys 16kk.. (V
+// rows at vt, bf16, row stride LD, read transposed).
+template <int HD, int NK, int LD>
+__device__ __forceinline__ void warp_pv(float (&o)[HD / 8][4], const float (&s)[NK / 8][4], const bf16* vt, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; kk++) {
+        unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                         pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                         pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int nb = 0; nb < HD / 16; nb++) {
+            unsigned b[4];
+            ldsm_x4_t(b, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + nb * 16 + (lane >> 4) * 8);
+            mma_bf16_16816(o[2 * nb], a, b[0], b[1]);
+            mma_bf16_16816(o[2 * nb + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 // Prefill attention on mma.sync tensor cores (flash-attention 2 style). A block = 64 query
 // positions x FA_HPB query heads of one KV group (warps 0-3 the first head, 4-7 the second, 16
 // rows each), so every K/V tile staged in shared memory serves both heads. K/V tiles of 64 keys
@@ -433,20 +512,7 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
         const int k0 = j * FA_BK;
         // S = Q K^T: 16 rows x 64 keys per warp.
         float s[FA_BK / 8][4];
-#pragma unroll
-        for (int n = 0; n < FA_BK / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            unsigned a[4];
-            ldsm_x4(a, qw + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int nb = 0; nb < FA_BK / 16; nb++) {
-                unsigned b[4];
-                ldsm_x4(b, kt + (nb * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16_16816(s[2 * nb], a, b[0], b[1]);
-                mma_bf16_16816(s[2 * nb + 1], a, b[2], b[3]);
-            }
-        }
+        warp_qk<HD, FA_BK, LD>(s, qw, kt, lane);
         // Causal / cache-end mask, only on tiles that reach past this warp's first row.
         if (k0 + FA_BK - 1 > past + q0 + wr || k0 + FA_BK > n_valid) {
 #pragma unroll
@@ -458,54 +524,8 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
                 if (kp + 1 > qpos1 || kp + 1 >= n_valid) s[n][3] = -INFINITY;
             }
         }
-        // Online softmax; a row lives in the 4 lanes of a quad.
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int n = 0; n < FA_BK / 8; n++) {
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;
-        const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
-        m0 = mx0;
-        m1 = mx1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int n = 0; n < FA_BK / 8; n++) {
-            s[n][0] = exp2f(s[n][0] - b0);
-            s[n][1] = exp2f(s[n][1] - b0);
-            s[n][2] = exp2f(s[n][2] - b1);
-            s[n][3] = exp2f(s[n][3] - b1);
-            sum0 += s[n][0] + s[n][1];
-            sum1 += s[n][2] + s[n][3];
-        }
-        l0 = l0 * c0 + sum0;  // per-lane partial sums; the quad adds them up at the end
-        l1 = l1 * c1 + sum1;
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            o[n][0] *= c0;
-            o[n][1] *= c0;
-            o[n][2] *= c1;
-            o[n][3] *= c1;
-        }
-        // O += P V: the S accumulators of key blocks 2kk, 2kk+1 are the A fragment of keys 16kk..
-#pragma unroll
-        for (int kk = 0; kk < FA_BK / 16; kk++) {
-            unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-            for (int nb = 0; nb < HD / 16; nb++) {
-                unsigned b[4];
-                ldsm_x4_t(b, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + nb * 16 + (lane >> 4) * 8);
-                mma_bf16_16816(o[2 * nb], a, b[0], b[1]);
-                mma_bf16_16816(o[2 * nb + 1], a, b[2], b[3]);
-            }
-        }
+        warp_softmax<HD, FA_BK>(s, o, m0, m1, l0, l1);
+        warp_pv<HD, FA_BK, LD>(o, s, vt, lane);
         __syncthreads();  // the next iteration's prefetch overwrites this buffer
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -856,20 +876,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
         const bf16* kt = kv + stage * 2 * AD_TK * LD;
         const bf16* vt = kt + AD_TK * LD;
         float s[AD_TK / 8][4];
-#pragma unroll
-        for (int nn = 0; nn < AD_TK / 8; nn++) s[nn][0] = s[nn][1] = s[nn][2] = s[nn][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            unsigned a[4];
-            ldsm_x4(a, qs + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int nb = 0; nb < AD_TK / 16; nb++) {
-                unsigned b[4];
-                ldsm_x4(b, kt + (nb * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16_16816(s[2 * nb], a, b[0], b[1]);
-                mma_bf16_16816(s[2 * nb + 1], a, b[2], b[3]);
-            }
-        }
+        warp_qk<HD, AD_TK, LD>(s, qs, kt, lane);
         if (t0 + AD_TK > end) {  // the split's last, partial tile
 #pragma unroll
             for (int nn = 0; nn < AD_TK / 8; nn++) {
@@ -878,52 +885,8 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
                 if (kp + 1 >= end) s[nn][1] = s[nn][3] = -INFINITY;
             }
         }
-        // Online softmax; a row lives in the 4 lanes of a quad.
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int nn = 0; nn < AD_TK / 8; nn++) {
-            mx0 = fmaxf(mx0, fmaxf(s[nn][0], s[nn][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[nn][2], s[nn][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);  // the first tile has a valid key
-        m0 = mx0;
-        m1 = mx1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int nn = 0; nn < AD_TK / 8; nn++) {
-            s[nn][0] = exp2f(s[nn][0] - mx0);
-            s[nn][1] = exp2f(s[nn][1] - mx0);
-            s[nn][2] = exp2f(s[nn][2] - mx1);
-            s[nn][3] = exp2f(s[nn][3] - mx1);
-            sum0 += s[nn][0] + s[nn][1];
-            sum1 += s[nn][2] + s[nn][3];
-        }
-        l0 = l0 * c0 + sum0;  // per-lane partial sums; the quad adds them up at the end
-        l1 = l1 * c1 + sum1;
-#pragma unroll
-        for (int nn = 0; nn < HD / 8; nn++) {
-            o[nn][0] *= c0;
-            o[nn][1] *= c0;
-            o[nn][2] *= c1;
-            o[nn][3] *= c1;
-        }
-#pragma unroll
-        for (int kk = 0; kk < AD_TK / 16; kk++) {
-            unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-            for (int nb = 0; nb < HD / 16; nb++) {
-                unsigned b[4];
-                ldsm_x4_t(b, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + nb * 16 + (lane >> 4) * 8);
-                mma_bf16_16816(o[2 * nb], a, b[0], b[1]);
-                mma_bf16_16816(o[2 * nb + 1], a, b[2], b[3]);
-            }
-        }
+        warp_softmax<HD, AD_TK>(s, o, m0, m1, l0, l1);
+        warp_pv<HD, AD_TK, LD>(o, s, vt, lane);
         __syncthreads();  // done with this stage before the next iteration refills it
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
