@@ -802,6 +802,254 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     }
 }
 
+// ---- gdn_chunk_state2 (KESTREL_GDN_STATE=v2): the same contract as gdn_chunk_state, 512
+// threads in two teams of 8 warps, so that O = O_intra + Q' S (not on the state's critical
+// path) runs beside the state update instead of before it. Team A (warps 0-7) owns S:
+//   R = W S (64 x 32; warp: 16 rows x 16 columns), Vd = e^{γ_last − γ} (U − R) (quad layout),
+//   S ← e^{γ_last} S + Kᵀ Vd (as gdn_chunk_state), its split into the other S buffer;
+// team B (warps 8-15) computes Q' S of the same chunk from the S buffer team A is not writing.
+// One block barrier per chunk (hand-off: S, tiles, buffers), one team-A barrier (Vd, K).
+// W and K are single-buffered (refilled once dead, with an L2 prefetch a chunk ahead), Q' and
+// S double-buffered. Dynamic shared memory: GdnShape::state2_smem_bytes (223,744 at dk 128).
+#define GDN_S2_THREADS 512
+// bar.sync on barrier `id` for `threads` threads (whole warps); attention.cu's bar_sync_named
+// comes later in the module, so gdn.cu has its own.
+__device__ __forceinline__ void gdn_bar(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void gdn_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+// acc (16 rows x 2 column tiles of 8) = A S with A 16 f32 rows at `a` (row stride LDA) and S's
+// split (quad layout) at `s`, column tiles 2 * half and 2 * half + 1, 3xTF32; whole warp.
+template <int DK, int LDA>
+__device__ __forceinline__ void gdn_rows_times_s(const float* a, const float* s, int half, int lane,
+                                                 float (&acc)[2][4]) {
+    const int gq = lane >> 2, cq = lane & 3;
+    float cor[2][4];  // the cross terms, their own chains for ILP
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = cor[nt][e] = 0.0f;
+    const float* arow = a + (lane & 15) * LDA + (lane >> 4) * 4;
+#pragma unroll 4
+    for (int k0 = 0; k0 < DK; k0 += 8) {
+        unsigned af[4], ah[4], al[4];
+        ldsm_x4(af, arow + k0);
+#pragma unroll
+        for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(af[e]), ah[e], al[e]);
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            const float4 q = ld4(s + (k0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * (2 * half + nt) + gq));
+            const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
+            const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
+            mma_tf32_1688(cor[nt], al, bh0, bh1);
+            mma_tf32_1688(cor[nt], ah, bl0, bl1);
+            mma_tf32_1688(acc[nt], ah, bh0, bh1);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] += cor[nt][e];
+}
+
+template <int DK>
+__device__ void gdn_chunk_state2_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+                                      const float* __restrict__ qp_in, const float* __restrict__ u_in,
+                                      const float* __restrict__ gamma_in, float* __restrict__ state,
+                                      float* __restrict__ o, int t, int hk, int hv, int dv) {
+    extern __shared__ __align__(16) float gdn_smem[];
+    constexpr int LDW = DK + 4, LDKT = DK + 8, RT = DK / 16;
+    constexpr int NPW = RT >= 2 ? RT / 2 : 1;
+    constexpr int TILE = GDN_C * LDW;            // floats of a W or Q' tile
+    constexpr int SBUF = DK / 8 * GDN_KBQ;       // floats of one split S
+    float* ws = gdn_smem;                        // [64][LDW] W (team A)
+    float* qs = ws + TILE;                       // [2][64][LDW] Q', by chunk parity (team B)
+    float* kt = qs + 2 * TILE;                   // [64][LDKT] K (0 past t)
+    float* ss = kt + GDN_C * LDKT;               // [2][DK / 8][KBQ] S_ch split in buffer ch & 1
+    float* vd = ss + 2 * SBUF;                   // [8][KBQ] Vd, quad layout
+    float* gm = vd + GDN_C / 8 * GDN_KBQ;        // [2][64] γ, by chunk parity
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
+    const bool team_a = warp < 8;
+    const int wt = warp & 7, tt = tid & 255;  // warp and thread within the team
+    const int j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
+    const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
+    const size_t tp = (size_t)nchunks * GDN_C;
+    const int dvs = min(GDN_DVS, dv - m0);
+    const size_t koff = (size_t)(hk + kh) * DK;
+    float* st = state + (size_t)j * DK * dv + m0;
+
+    // Loaders of one team (256 threads, RPI rows per pass); each commits one group, possibly
+    // empty, and every wait below is a wait for all.
+    constexpr int RPI = 256 * 4 / DK;
+    const int lr = tt / (DK / 4), lc = (tt % (DK / 4)) * 4;
+    auto load_tile = [&](const float* src, int ch, float* dst, float* gdst) {
+        if (ch < nchunks) {
+            const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
+            const float* s = src + (row0 + lr) * DK + lc;
+            float* d = dst + lr * LDW + lc;
+#pragma unroll
+            for (int p = 0; p < GDN_C / RPI; p++) cp_async16(d + p * RPI * LDW, s + p * RPI * DK, true);
+            if (gdst && tt < GDN_C / 4) cp_async16(gdst + 4 * tt, gamma_in + row0 + 4 * tt, true);
+        }
+        cp_async_commit();
+    };
+    auto load_k = [&](int ch) {
+        const int s0 = ch * GDN_C + lr;
+        const float* src = qkv + (size_t)s0 * c + koff + lc;
+#pragma unroll
+        for (int p = 0; p < GDN_C / RPI; p++) {
+            const bool in = s0 + p * RPI < t;
+            cp_async16(kt + (lr + p * RPI) * LDKT + lc, in ? src + (size_t)p * RPI * c : qkv, in);
+        }
+        cp_async_commit();
+    };
+
+    const bool has_s = team_a && (8 * NPW <= 4 * RT || wt * NPW < 4 * RT);  // DK = 16: warps 0-3
+    const int srow = 16 * (wt * NPW / 4) + gq;  // S rows srow and srow + 8 of this warp
+    float sr[NPW][4];
+    if (team_a) {
+        load_tile(w_in, 0, ws, gm);
+#pragma unroll
+        for (int p = 0; p < NPW; p++) {
+            const int m = 8 * ((wt * NPW + p) % 4) + 2 * cq;
+            const bool ok = has_s && m < dvs;
+            sr[p][0] = ok ? st[(size_t)srow * dv + m] : 0.0f;  // padding columns stay 0
+            sr[p][1] = ok ? st[(size_t)srow * dv + m + 1] : 0.0f;
+            sr[p][2] = ok ? st[(size_t)(srow + 8) * dv + m] : 0.0f;
+            sr[p][3] = ok ? st[(size_t)(srow + 8) * dv + m + 1] : 0.0f;
+            if (has_s) {
+                st_quad(ss, srow, m, sr[p][0], sr[p][1], lane);
+                st_quad(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
+            }
+        }
+    } else {
+        load_tile(qp_in, 0, qs, nullptr);
+    }
+    cp_async_wait_all();
+
+    // Both teams: 16 rows 16 * (wt >> 1).. of the chunk, column tiles 2 * (wt & 1), +1.
+    const int r = 16 * (wt >> 1) + gq, half = wt & 1;
+    for (int ch = 0; ch < nchunks; ch++) {
+        const int par = ch & 1, c0 = ch * GDN_C;
+        // S_ch in ss[par]; this chunk's W, γ and Q' landed; the last chunk's readers of ws,
+        // qs[par ^ 1], ss[par ^ 1], kt, vd and gm[par ^ 1] are done.
+        __syncthreads();
+        const float* sc = ss + par * SBUF;
+        if (team_a) {
+            load_k(ch);
+            if (ch + 1 < nchunks) {  // next W and U rows into L2: their copies start mid-chunk
+                const size_t row1 = (size_t)j * tp + (size_t)(ch + 1) * GDN_C;
+                for (int i = tt; i < 2 * DK; i += 256) gdn_prefetch_l2(w_in + row1 * DK + 32 * i);
+                if (tt < GDN_C) gdn_prefetch_l2(u_in + (row1 + tt) * dv + m0);
+            }
+            const float* gc = gm + par * GDN_C;
+            float pre[2][4];  // U rows r, r + 8, fetched before the product
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const int m = 8 * (2 * half + nt) + 2 * cq;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float2 v = make_float2(0.f, 0.f);
+                    if (m < dvs) v = ld2(u_in + ((size_t)j * tp + c0 + r + 8 * h) * dv + m0 + m);
+                    pre[nt][2 * h] = v.x;
+                    pre[nt][2 * h + 1] = v.y;
+                }
+            }
+            float acc[2][4];
+            gdn_rows_times_s<DK, LDW>(ws + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
+            const float last = gc[GDN_C - 1];
+            const float d0 = expf(last - gc[r]), d1 = expf(last - gc[r + 8]);
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const int m = 8 * (2 * half + nt) + 2 * cq;
+                st_quad(vd, r, m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0, lane);
+                st_quad(vd, r + 8, m, (pre[nt][2] - acc[nt][2]) * d1, (pre[nt][3] - acc[nt][3]) * d1, lane);
+            }
+            cp_async_wait_all();  // this chunk's K
+            gdn_bar(1, 256);      // team A: Vd complete, K visible, every read of W done
+            load_tile(w_in, ch + 1, ws, gm + (par ^ 1) * GDN_C);
+
+            // S ← e^{γ_last} S + Kᵀ Vd (A = Kᵀ read transposed), split into ss[par ^ 1].
+            if (has_s) {
+                const float el = expf(last);
+                float cor[NPW][4];
+#pragma unroll
+                for (int p = 0; p < NPW; p++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = 0.0f;
+#pragma unroll 2
+                for (int r0 = 0; r0 < GDN_C; r0 += 8) {
+                    const float* ka = kt + (r0 + cq) * LDKT + srow;
+                    const float kv[4] = {ka[0], ka[8], ka[4 * LDKT], ka[4 * LDKT + 8]};
+                    unsigned ah[4], al[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) split_tf32(kv[e], ah[e], al[e]);
+#pragma unroll
+                    for (int p = 0; p < NPW; p++) {
+                        const float4 q = ld4(vd + (r0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * ((wt * NPW + p) % 4) + gq));
+                        const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
+                        const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
+                        mma_tf32_1688(cor[p], al, bh0, bh1);
+                        mma_tf32_1688(cor[p], ah, bl0, bl1);
+                        mma_tf32_1688(sr[p], ah, bh0, bh1);
+                    }
+                }
+                float* sn = ss + (par ^ 1) * SBUF;
+#pragma unroll
+                for (int p = 0; p < NPW; p++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
+                    const int m = 8 * ((wt * NPW + p) % 4) + 2 * cq;
+                    st_quad(sn, srow, m, sr[p][0], sr[p][1], lane);
+                    st_quad(sn, srow + 8, m, sr[p][2], sr[p][3], lane);
+                }
+            }
+        } else {
+            load_tile(qp_in, ch + 1, qs + (par ^ 1) * TILE, nullptr);
+            float pre[2][4];  // O_intra rows r, r + 8
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const int m = 8 * (2 * half + nt) + 2 * cq;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int rr = r + 8 * h;
+                    float2 v = make_float2(0.f, 0.f);
+                    if (m < dvs && c0 + rr < t) v = ld2(o + ((size_t)(c0 + rr) * hv + j) * dv + m0 + m);
+                    pre[nt][2 * h] = v.x;
+                    pre[nt][2 * h + 1] = v.y;
+                }
+            }
+            float acc[2][4];
+            gdn_rows_times_s<DK, LDW>(qs + par * TILE + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const int m = 8 * (2 * half + nt) + 2 * cq;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int rr = r + 8 * h;
+                    if (m < dvs && c0 + rr < t)
+                        st2(o + ((size_t)(c0 + rr) * hv + j) * dv + m0 + m, pre[nt][2 * h] + acc[nt][2 * h],
+                            pre[nt][2 * h + 1] + acc[nt][2 * h + 1]);
+                }
+            }
+        }
+        cp_async_wait_all();  // the next chunk's W and γ (team A) or Q' (team B)
+    }
+    if (has_s) {
+#pragma unroll
+        for (int p = 0; p < NPW; p++) {
+            const int m = 8 * ((wt * NPW + p) % 4) + 2 * cq;
+            if (m < dvs) {
+                st[(size_t)srow * dv + m] = sr[p][0];
+                st[(size_t)srow * dv + m + 1] = sr[p][1];
+                st[(size_t)(srow + 8) * dv + m] = sr[p][2];
+                st[(size_t)(srow + 8) * dv + m + 1] = sr[p][3];
+            }
+        }
+    }
+}
+
 #define GDN_CHUNKED(DK)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_##DK(                             \
         const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out,           \
@@ -812,6 +1060,11 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in,                 \
         const float* gamma_in, float* state, float* o, int t, int hk, int hv, int dv) {                    \
         gdn_chunk_state_impl<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);           \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GDN_S2_THREADS, 1) gdn_chunk_state2_##DK(                \
+        const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in,                 \
+        const float* gamma_in, float* state, float* o, int t, int hk, int hv, int dv) {                    \
+        gdn_chunk_state2_impl<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);          \
     }
 GDN_CHUNKED(16)
 GDN_CHUNKED(32)
