@@ -3,7 +3,7 @@
 // (through run.sh), over a few decode steps with the states carried: the step's bf16 output,
 // the recurrent and conv states, and the raw z|b|a rows. At the model's and the tiny fixtures'
 // dims and a k = 4,096 case (the warp-per-whole-row GEMV), each fused GEMV also run on a capped
-// grid (blocks walking several row groups).
+// grid (blocks walking several row groups), and once with a large eps in the output norm.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -43,7 +43,7 @@ static int ulps(const std::vector<bf16>& a, const std::vector<bf16>& b) {
 }
 
 template <int DK>
-static int run(int d, int hk, int hv, int dv, int kern, unsigned cap_blocks, int steps) {
+static int run(int d, int hk, int hv, int dv, int kern, unsigned cap_blocks, int steps, float out_eps = 1e-6f) {
     const int dk = DK, c = 2 * hk * dk + hv * dv, vw = hv * dv, n = c + vw + 2 * hv;
     const float eps = 1e-6f, q_scale = 1.0f / std::sqrt((float)dk);
     std::vector<bf16> w((size_t)n * d);
@@ -74,7 +74,7 @@ static int run(int d, int hk, int hv, int dv, int kern, unsigned cap_blocks, int
         emu_launch({(unsigned)hv, 1, 1}, step_block, 0, [&] {
             gdn_step_dec_impl<DK>(sep.qkv.data(), sep.proj.data() + c + vw, a_log.data(), dt_bias.data(),
                                   sep.proj.data() + c, norm_w.data(), sep.rec_state.data(), sep.out.data(), hk, hv,
-                                  dv, eps);
+                                  dv, out_eps);
         });
         // fused: gemv_dec_conv (rows_per_block(k, true)) + gdn_step_dec_l2
         rows = gemv_rows_per_block(d, true);
@@ -86,7 +86,7 @@ static int run(int d, int hk, int hv, int dv, int kern, unsigned cap_blocks, int
         emu_launch({(unsigned)hv, 1, 1}, step_block, 0, [&] {
             gdn_step_dec_impl<DK, true>(fus.qkv.data(), fus.proj.data() + c + vw, a_log.data(), dt_bias.data(),
                                         fus.proj.data() + c, norm_w.data(), fus.rec_state.data(), fus.out.data(), hk,
-                                        hv, dv, eps, q_scale);
+                                        hv, dv, out_eps, q_scale);
         });
         int u = ulps(fus.out, sep.out);
         double e_rec = rel(fus.rec_state, sep.rec_state), e_conv = rel(fus.conv_state, sep.conv_state);
@@ -96,9 +96,9 @@ static int run(int d, int hk, int hv, int dv, int kern, unsigned cap_blocks, int
         for (int i = c; i < n; i++) nan |= !std::isfinite(fus.proj[i]);
         for (float x : fus.qkv) nan |= !std::isfinite(x);
         bool ok = !nan && u <= 1 && e_rec <= 1e-5 && e_conv <= 1e-5 && e_zba <= 1e-5 && e_v <= 1e-5;
-        printf("%s d=%d hk=%d hv=%d dk=%d dv=%d kern=%d grid=%u step %d: out %d ulp, rec state %.1e, conv state "
+        printf("%s d=%d hk=%d hv=%d dk=%d dv=%d kern=%d grid=%u eps=%g step %d: out %d ulp, rec state %.1e, conv state "
                "%.1e, v %.1e, z|b|a %.1e\n",
-               ok ? "ok  " : "FAIL", d, hk, hv, dk, dv, kern, grid, s, u, e_rec, e_conv, e_v, e_zba);
+               ok ? "ok  " : "FAIL", d, hk, hv, dk, dv, kern, grid, out_eps, s, u, e_rec, e_conv, e_v, e_zba);
         fails += !ok;
     }
     return fails;
@@ -110,6 +110,9 @@ int main() {
         fails += run<16>(64, 2, 4, 24, 4, cap, 3);    // tiny fixtures
         fails += run<32>(4096, 1, 2, 32, 4, cap, 2);  // k = 4096: a warp per whole row
     }
+    // The gated RMSNorm hides any per-head scale of q (o is linear in q) but for its eps: a
+    // large eps makes the output see q's norm and dk^-1/2.
+    fails += run<16>(64, 2, 4, 24, 4, 100000u, 2, 0.5f);
     fails += run<128>(2048, 16, 32, 128, 4, 100000u, 2);  // the model
     fails += run<128>(2048, 16, 32, 128, 4, 132u, 1);     // the model, 132 blocks walking row groups
     return fails ? 1 : 0;
