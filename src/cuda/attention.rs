@@ -162,3 +162,44 @@ impl Gpu {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel whose shared memory is set at `Gpu::open` is one the module loads, and the
+    /// selection rules pick the kernel of the right head dim or none.
+    #[test]
+    fn kernel_tables_and_choices_agree() {
+        for (name, smem) in FLASH_KERNELS.iter().chain(&DECODE_KERNELS) {
+            assert!(super::super::KERNELS.contains(name), "{name} not loaded");
+            assert!(
+                *smem <= 227 * 1024,
+                "{name}: {smem} bytes is over Hopper's opt-in limit"
+            );
+        }
+        assert_eq!(decode_mma_kernel(256, 8), Some("attn_decode_mma_hd256"));
+        assert_eq!(decode_mma_kernel(32, 2), Some("attn_decode_mma_hd32"));
+        assert_eq!(
+            decode_mma_kernel(256, 16),
+            None,
+            "16 heads per KV head: 8 rows written"
+        );
+        assert_eq!(decode_mma_kernel(96, 2), None);
+        assert_eq!(
+            mma_kernel(256, 8, false).map(|k| k.0),
+            Some("attn_flash3_hd256")
+        );
+        assert_eq!(
+            mma_kernel(256, 8, true).map(|k| k.0),
+            Some("attn_flash2_hd256")
+        );
+        assert_eq!(
+            mma_kernel(128, 3, false),
+            None,
+            "a block takes two heads of a group"
+        );
+        assert_eq!(mma_kernel(80, 2, false), None);
+        assert_eq!(mma_kernel(64, 2, false).map(|k| k.1), Some(mma3_smem(64)));
+    }
+}

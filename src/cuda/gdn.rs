@@ -347,3 +347,35 @@ impl Gpu {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The model's GDN shape takes the chunked kernels on an H200 (227 KiB of shared memory a
+    /// block) with both state kernels; a GPU with less falls back.
+    #[test]
+    fn model_shape_fits_the_chunked_kernels() {
+        let h200 = 232_448;
+        let sh = GdnShape {
+            t: 8192,
+            hk: 16,
+            hv: 32,
+            dk: 128,
+            dv: 128,
+        };
+        assert!(sh.chunked_fits(h200));
+        assert_eq!(sh.state_smem_bytes(), 222_720);
+        assert_eq!(sh.state2_smem_bytes(), 223_744);
+        assert!(sh.state2_smem_bytes() <= h200);
+        assert!(
+            !sh.chunked_fits(100 * 1024),
+            "a smaller GPU falls back to the recurrent path"
+        );
+        assert_eq!(
+            sh.chunk_scratch_floats(),
+            32 * 8192 * (2 * 128 + 128 + 1),
+            "W, Q', U and γ for every token of every head"
+        );
+    }
+}

@@ -306,3 +306,26 @@ impl Gpu {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `KESTREL_MOE_GEMM`'s values, and the tile height rule: 64-row tiles until the experts
+    /// average 256 rows.
+    #[test]
+    fn variant_names_and_tile_rule() {
+        assert_eq!(MoeGemm::parse("v1"), MoeGemm::V1);
+        assert_eq!(MoeGemm::parse("v3"), MoeGemm::V3);
+        assert_eq!(MoeGemm::parse(""), MoeGemm::V4, "the default");
+        assert!(MoeGemm::V4.fused_swiglu() && !MoeGemm::V2.fused_swiglu());
+        assert_eq!(gemm3_tile_m(8192 * 8, 256), 128);
+        assert_eq!(gemm3_tile_m(4096 * 8, 256), 64);
+        assert_eq!(MoeGemm::V4.tile_m(4096 * 8, 256, Some(128)), 128);
+        assert_eq!(MoeGemm::V2.tile_m(8192 * 8, 256, None), 128);
+        for (name, smem) in GEMM3_KERNELS.iter().chain(&GEMM4_KERNELS) {
+            assert!(super::super::KERNELS.contains(name), "{name} not loaded");
+            assert!(*smem <= 227 * 1024, "{name}");
+        }
+    }
+}
