@@ -4,7 +4,10 @@
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
-#          [kernels CONTEXT]   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
+#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS]
+#   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
+#   ab: the bench without and with one environment setting, alternating, two rounds each, rows
+#   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -49,6 +52,15 @@ while [ $# -gt 0 ]; do
         .device/bin/kestrel bench --synthetic full --contexts "$1" > "$OUT/ncu.csv" 2> "$OUT/ncu.log" || status=1
       python3 scripts/kernel_table.py "$OUT/ncu.csv" > "$OUT/decode-kernels.md" || status=1
       cat "$OUT/decode-kernels.md" ;;
+    ab)
+      setting=$2 contexts=$3
+      shift 2
+      for round in 1 2; do
+        for s in "" "$setting"; do
+          env $s .device/bin/kestrel bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
+            | grep -E '^ +[0-9]+ ' | sed "s|^|${s:-default} round $round |" | tee -a "$OUT/ab.log" || status=1
+        done
+      done ;;
     peer)
       python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;
     *) echo "unknown step $1"; status=1 ;;
