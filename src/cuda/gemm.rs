@@ -150,16 +150,12 @@ impl Plan {
 
     /// cuBLASLt's first choice of algorithm for this plan.
     fn heuristic(&self, lt: &Lt) -> Result<sys::cublasLtMatmulAlgo_t> {
-        let max = 1;
         let pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
         let bytes = lt.workspace_bytes as u64;
-        let mut found = vec![
-            // SAFETY: plain-old-data result slots, filled by the call below.
-            unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() };
-            max
-        ];
+        // SAFETY: a plain-old-data result slot, filled by the call below.
+        let mut found: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
         let mut count = 0;
-        // SAFETY: descriptors are live; `found` has room for `max` results.
+        // SAFETY: the descriptors are live; `found` has room for the one result asked for.
         let r = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -169,15 +165,7 @@ impl Plan {
             )
             .and_then(|_| {
                 sys::cublasLtMatmulAlgoGetHeuristic(
-                    lt.handle,
-                    self.desc,
-                    self.w,
-                    self.x,
-                    self.y,
-                    self.y,
-                    pref,
-                    max as i32,
-                    found.as_mut_ptr(),
+                    lt.handle, self.desc, self.w, self.x, self.y, self.y, pref, 1, &mut found,
                     &mut count,
                 )
                 .result()
@@ -188,11 +176,10 @@ impl Plan {
             let _ = lt::destroy_matmul_pref(pref);
         }
         r.map_err(lt_err("heuristic"))?;
-        found[..count.max(0) as usize]
-            .iter()
-            .find(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-            .map(|h| h.algo)
-            .ok_or_else(|| anyhow!("cuBLASLt has no algorithm for this product"))
+        if count < 1 || found.state != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(anyhow!("cuBLASLt has no algorithm for this product"));
+        }
+        Ok(found.algo)
     }
 }
 
@@ -211,11 +198,18 @@ impl Gpu {
         ldy: usize,
         beta: f32,
     ) -> Result<()> {
+        let key = Key {
+            n,
+            k,
+            t,
+            ldy,
+            accumulate: beta != 0.0,
+        };
         self.timed(
             || format!("gemm {n}x{k} t={t}"),
             || match self.gemm_path() {
-                GemmPath::Ex => self.gemm_ex(w, n, k, x, t, y, ldy, beta),
-                GemmPath::Lt => self.gemm_lt(w, n, k, x, t, y, ldy, beta),
+                GemmPath::Ex => self.gemm_ex(key, w, x, y, beta),
+                GemmPath::Lt => self.gemm_lt(key, w, x, y, beta),
             },
         )
         .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
@@ -231,26 +225,8 @@ impl Gpu {
         *self.gemm_path.lock().unwrap() = path;
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_lt(
-        &self,
-        w: u64,
-        n: usize,
-        k: usize,
-        x: u64,
-        t: usize,
-        y: u64,
-        ldy: usize,
-        beta: f32,
-    ) -> Result<()> {
+    fn gemm_lt(&self, key: Key, w: u64, x: u64, y: u64, beta: f32) -> Result<()> {
         let lt = &self.lt;
-        let key = Key {
-            n,
-            k,
-            t,
-            ldy,
-            accumulate: beta != 0.0,
-        };
         let mut plans = lt.plans.lock().unwrap();
         if !plans.contains_key(&key) {
             if plans.len() >= MAX_PLANS {
@@ -261,20 +237,6 @@ impl Gpu {
             plans.insert(key, plan);
         }
         let plan = &plans[&key];
-        self.lt_matmul(lt, plan, &plan.algo, w, x, y, beta)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn lt_matmul(
-        &self,
-        lt: &Lt,
-        plan: &Plan,
-        algo: &sys::cublasLtMatmulAlgo_t,
-        w: u64,
-        x: u64,
-        y: u64,
-        beta: f32,
-    ) -> Result<()> {
         let alpha = 1.0f32;
         // SAFETY: the plan's layouts describe these device buffers; the workspace is ours.
         unsafe {
@@ -291,7 +253,7 @@ impl Gpu {
                 plan.y,
                 y as *mut _,
                 plan.y,
-                algo,
+                &plan.algo,
                 lt.workspace as *mut _,
                 lt.workspace_bytes,
                 self.stream.cu_stream() as sys::cudaStream_t,
@@ -300,40 +262,30 @@ impl Gpu {
         .map_err(lt_err("matmul"))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_ex(
-        &self,
-        w: u64,
-        n: usize,
-        k: usize,
-        x: u64,
-        t: usize,
-        y: u64,
-        ldy: usize,
-        beta: f32,
-    ) -> Result<()> {
+    fn gemm_ex(&self, key: Key, w: u64, x: u64, y: u64, beta: f32) -> Result<()> {
+        let (n, k, t) = (key.n as i32, key.k as i32, key.t as i32);
         let alpha = 1.0f32;
-        // Column-major view, as in gemm_lt.
+        // Column-major view, as in Plan::new.
         // SAFETY: pointers and leading dimensions describe our device buffers.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
                 cublas_sys::cublasOperation_t::CUBLAS_OP_T,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                t as i32,
-                k as i32,
+                n,
+                t,
+                k,
                 &alpha as *const f32 as *const _,
                 w as *const _,
                 cublas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
+                k,
                 x as *const _,
                 cublas_sys::cudaDataType::CUDA_R_16BF,
-                k as i32,
+                k,
                 &beta as *const f32 as *const _,
                 y as *mut _,
                 cublas_sys::cudaDataType::CUDA_R_32F,
-                ldy as i32,
+                key.ldy as i32,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
