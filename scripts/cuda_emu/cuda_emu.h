@@ -265,30 +265,23 @@ inline float ex2_approx(float x) {
     return std::fabs(y) < 1.17549435e-38f ? 0.0f : y;
 }
 
-template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int o) {
+// A warp shuffle: every lane publishes v, then reads lane src_of(its lane)'s value.
+template <class T, class F>
+inline T emu_shfl(T v, F src_of) {
     static_assert(sizeof(T) == 4);
     Warp* w = t_warp;
     int l = emu_lane();
     memcpy(&w->xchg[l], &v, 4);
     __syncwarp();
     T r;
-    memcpy(&r, &w->xchg[l ^ o], 4);
+    memcpy(&r, &w->xchg[src_of(l) & 31], 4);
     __syncwarp();
     return r;
 }
-
 template <class T>
-inline T __shfl_sync(unsigned, T v, int src) {
-    static_assert(sizeof(T) == 4);
-    Warp* w = t_warp;
-    memcpy(&w->xchg[emu_lane()], &v, 4);
-    __syncwarp();
-    T r;
-    memcpy(&r, &w->xchg[src & 31], 4);
-    __syncwarp();
-    return r;
-}
+inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_shfl(v, [o](int l) { return l ^ o; }); }
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, [src](int) { return src; }); }
 
 // ---- cp.async ----
 inline void emu_do_copy(const PendingCopy& c) { if (c.valid) memcpy(c.dst, c.src, 16); else memset(c.dst, 0, 16); }

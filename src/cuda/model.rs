@@ -1484,80 +1484,62 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
-                    let scale = 1.0 / (hd as f32).sqrt();
+                    // Split-K attention into dw.part: on tensor cores where the shape has a
+                    // kernel (its head dim is compiled in), else the scalar kernel.
                     let mma = decode_mma_kernel(hd, nq / nkv).filter(|_| self.decode_attn_mma);
-                    if let Some(kernel) = mma {
-                        launch(
-                            kernel,
-                            (nkv as u32, nsplit as u32, 1),
-                            32,
-                            decode_mma_smem(hd) as u32,
-                            &[
-                                Arg::Ptr(dw.q.ptr),
-                                Arg::Ptr(kc.ptr),
-                                Arg::Ptr(vc.ptr),
-                                Arg::Ptr(dw.part.ptr),
-                                Arg::Ptr(pos),
-                                Arg::I(nq as i32),
-                                Arg::I(nkv as i32),
-                                Arg::I(nsplit as i32),
-                                Arg::F(scale),
-                            ],
-                        )?;
-                    } else {
-                        launch(
-                            "attn_decode",
-                            (nkv as u32, nsplit as u32, 1),
-                            (32 * (nq / nkv)) as u32,
-                            attn_decode_smem(c) as u32,
-                            &[
-                                Arg::Ptr(dw.q.ptr),
-                                Arg::Ptr(kc.ptr),
-                                Arg::Ptr(vc.ptr),
-                                Arg::Ptr(dw.part.ptr),
-                                Arg::Ptr(pos),
-                                Arg::I(nq as i32),
-                                Arg::I(nkv as i32),
-                                Arg::I(hd as i32),
-                                Arg::I(nsplit as i32),
-                                Arg::F(scale),
-                            ],
-                        )?;
+                    let (kernel, threads, smem) = match mma {
+                        Some(k) => (k, 32, decode_mma_smem(hd)),
+                        None => ("attn_decode", 32 * (nq / nkv) as u32, attn_decode_smem(c)),
+                    };
+                    let mut args = vec![
+                        Arg::Ptr(dw.q.ptr),
+                        Arg::Ptr(kc.ptr),
+                        Arg::Ptr(vc.ptr),
+                        Arg::Ptr(dw.part.ptr),
+                        Arg::Ptr(pos),
+                        Arg::I(nq as i32),
+                        Arg::I(nkv as i32),
+                    ];
+                    if mma.is_none() {
+                        args.push(Arg::I(hd as i32));
                     }
+                    args.extend([Arg::I(nsplit as i32), Arg::F(1.0 / (hd as f32).sqrt())]);
+                    launch(
+                        kernel,
+                        (nkv as u32, nsplit as u32, 1),
+                        threads,
+                        smem as u32,
+                        &args,
+                    )?;
+                    // Merge the splits, normalise, gate: a block per head and 32 dims, or
+                    // (scalar path, other head dims) a block per head.
+                    let head = [
+                        Arg::Ptr(dw.part.ptr),
+                        Arg::Ptr(dw.proj.ptr),
+                        Arg::Ptr(dw.ob.ptr),
+                    ];
+                    let tail = [Arg::I(nq as i32), Arg::I(hd as i32), Arg::I(nsplit as i32)];
                     if self.decode_attn_mma && hd.is_multiple_of(32) {
+                        let args: Vec<Arg> = head
+                            .into_iter()
+                            .chain([Arg::Ptr(pos)])
+                            .chain(tail)
+                            .collect();
                         launch(
                             "attn_combine_dec",
                             (nq as u32, (hd / 32) as u32, 1),
                             256,
                             0,
-                            &[
-                                Arg::Ptr(dw.part.ptr),
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(dw.ob.ptr),
-                                Arg::Ptr(pos),
-                                Arg::I(nq as i32),
-                                Arg::I(hd as i32),
-                                Arg::I(nsplit as i32),
-                            ],
+                            &args,
                         )?;
                     } else {
-                        launch(
-                            "attn_combine",
-                            (1, nq as u32, 1),
-                            block(hd),
-                            0,
-                            &[
-                                Arg::Ptr(dw.part.ptr),
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(dw.ob.ptr),
-                                Arg::I(0),
-                                Arg::Ptr(pos),
-                                Arg::I(nq as i32),
-                                Arg::I(hd as i32),
-                                Arg::I(nsplit as i32),
-                                Arg::I(0),
-                            ],
-                        )?;
+                        let args: Vec<Arg> = head
+                            .into_iter()
+                            .chain([Arg::I(0), Arg::Ptr(pos)])
+                            .chain(tail)
+                            .chain([Arg::I(0)])
+                            .collect();
+                        launch("attn_combine", (1, nq as u32, 1), block(hd), 0, &args)?;
                     }
                     gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
