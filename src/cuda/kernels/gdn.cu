@@ -607,6 +607,47 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
     }
 }
 
+// S ← e^{γ_last} S + Kᵀ Vd for one warp's S tiles (column tiles tile0 + p, rows srow and
+// srow + 8, f32 in sr), on 3xTF32 mma with the cross terms in their own accumulators; A = Kᵀ
+// read transposed from K rows at kt, B = Vd in the quad layout; the new S is then stored split
+// into `dst` (quad layout) for the next chunk's products.
+template <int DK, int NPW>
+__device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, const float* kt, const float* vd,
+                                                 float* dst, int srow, int tile0, int lane) {
+    constexpr int LDKT = DK + 8;
+    const int gq = lane >> 2, cq = lane & 3;
+    float cor[NPW][4];
+#pragma unroll
+    for (int p = 0; p < NPW; p++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = 0.0f;
+#pragma unroll 2
+    for (int r0 = 0; r0 < GDN_C; r0 += 8) {
+        const float* ka = kt + (r0 + cq) * LDKT + srow;
+        const float kv[4] = {ka[0], ka[8], ka[4 * LDKT], ka[4 * LDKT + 8]};
+        unsigned ah[4], al[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) split_tf32(kv[e], ah[e], al[e]);
+#pragma unroll
+        for (int p = 0; p < NPW; p++) {
+            const float4 q = ld4(vd + (r0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * ((tile0 + p) % 4) + gq));
+            const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
+            const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
+            mma_tf32_1688(cor[p], al, bh0, bh1);
+            mma_tf32_1688(cor[p], ah, bl0, bl1);
+            mma_tf32_1688(sr[p], ah, bh0, bh1);
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < NPW; p++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
+        const int m = 8 * ((tile0 + p) % 4) + 2 * cq;
+        st_quad(dst, srow, m, sr[p][0], sr[p][1], lane);
+        st_quad(dst, srow + 8, m, sr[p][2], sr[p][3], lane);
+    }
+}
+
 // Chunked delta rule, part 2: the chunks in order, for value head blockIdx.x and value
 // columns [32 * blockIdx.y, +32), 256 threads (8 warps), on tensor cores with f32 precision
 // by the 3xTF32 split: each operand x = hi + lo (hi = tf32(x), lo = tf32(x − hi)) and
@@ -783,38 +824,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         __syncthreads();      // Vd complete, K visible, every read of the split S done
 
         // S ← e^{γ_last} S + Kᵀ Vd: A = Kᵀ (rows = keys srow.., k = tokens) read transposed.
-        if (has_s) {
-            const float el = expf(gc[GDN_C - 1]);
-            float cor[NPW][4];
-#pragma unroll
-            for (int p = 0; p < NPW; p++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = 0.0f;
-#pragma unroll 2
-            for (int r0 = 0; r0 < GDN_C; r0 += 8) {
-                const float* ka = kt + (r0 + cq) * LDKT + srow;
-                const float kv[4] = {ka[0], ka[8], ka[4 * LDKT], ka[4 * LDKT + 8]};
-                unsigned ah[4], al[4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) split_tf32(kv[e], ah[e], al[e]);
-#pragma unroll
-                for (int p = 0; p < NPW; p++) {
-                    unsigned bh[2], bl[2];
-                    b_frag(vd, r0, (warp * NPW + p) % 4, bh, bl);
-                    mma_tf32_1688(cor[p], al, bh[0], bh[1]);
-                    mma_tf32_1688(cor[p], ah, bl[0], bl[1]);
-                    mma_tf32_1688(sr[p], ah, bh[0], bh[1]);
-                }
-            }
-#pragma unroll
-            for (int p = 0; p < NPW; p++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
-                const int m = 8 * ((warp * NPW + p) % 4) + 2 * cq;
-                st_quad(ss, srow, m, sr[p][0], sr[p][1], lane);
-                st_quad(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
-            }
-        }
+        if (has_s) gdn_state_update<DK, NPW>(sr, expf(gc[GDN_C - 1]), kt, vd, ss, srow, warp * NPW, lane);
         __syncthreads();  // K and Vd free
         load_k(ch + 1);
     }
@@ -1002,40 +1012,7 @@ __device__ void gdn_chunk_state2_impl(const float* __restrict__ qkv, int c, cons
             load_tile(w_in, ch + 1, ws, gm + (par ^ 1) * GDN_C);
 
             // S ← e^{γ_last} S + Kᵀ Vd (A = Kᵀ read transposed), split into ss[par ^ 1].
-            if (has_s) {
-                const float el = expf(last);
-                float cor[NPW][4];
-#pragma unroll
-                for (int p = 0; p < NPW; p++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = 0.0f;
-#pragma unroll 2
-                for (int r0 = 0; r0 < GDN_C; r0 += 8) {
-                    const float* ka = kt + (r0 + cq) * LDKT + srow;
-                    const float kv[4] = {ka[0], ka[8], ka[4 * LDKT], ka[4 * LDKT + 8]};
-                    unsigned ah[4], al[4];
-#pragma unroll
-                    for (int e = 0; e < 4; e++) split_tf32(kv[e], ah[e], al[e]);
-#pragma unroll
-                    for (int p = 0; p < NPW; p++) {
-                        const float4 q = ld4(vd + (r0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * ((wt * NPW + p) % 4) + gq));
-                        const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
-                        const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
-                        mma_tf32_1688(cor[p], al, bh0, bh1);
-                        mma_tf32_1688(cor[p], ah, bl0, bl1);
-                        mma_tf32_1688(sr[p], ah, bh0, bh1);
-                    }
-                }
-                float* sn = ss + (par ^ 1) * SBUF;
-#pragma unroll
-                for (int p = 0; p < NPW; p++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
-                    const int m = 8 * ((wt * NPW + p) % 4) + 2 * cq;
-                    st_quad(sn, srow, m, sr[p][0], sr[p][1], lane);
-                    st_quad(sn, srow + 8, m, sr[p][2], sr[p][3], lane);
-                }
-            }
+            if (has_s) gdn_state_update<DK, NPW>(sr, expf(last), kt, vd, ss + (par ^ 1) * SBUF, srow, wt * NPW, lane);
         } else {
             load_tile(qp_in, ch + 1, qs + (par ^ 1) * TILE, nullptr);
             float pre[2][4];  // O_intra rows r, r + 8
