@@ -288,6 +288,45 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
         }
 }
 
+// The grouped GEMMs' epilogue: a warp's MI x NJ accumulator tiles (rows wm.., columns wn..
+// of the block tile at output column n0) stored for the tile's `rows` sorted rows from r0:
+// SWIGLU: bf16 act = SiLU(gate) * up [rows, ndim / 2] (the first NJ / 2 column tiles hold the
+// gate half, the rest the same up columns); else f32 C [rows, ndim].
+template <int MI, int NJ, bool SWIGLU>
+__device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], void* __restrict__ out, int wm, int wn,
+                                               int n0, int r0, int rows, int ndim, int lane) {
+    const int g = lane >> 2, c2 = (lane & 3) * 2, inter = ndim / 2;
+#pragma unroll
+    for (int i = 0; i < MI; i++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int rr = wm + i * 16 + g + h * 8;
+            if (rr >= rows) continue;
+            size_t row = (size_t)(r0 + rr);
+            if (SWIGLU) {
+                bf16* act = reinterpret_cast<bf16*>(out);
+#pragma unroll
+                for (int j = 0; j < NJ / 2; j++) {
+                    int col = n0 + (wn / 2) + j * 8 + c2;
+                    const float* gt = acc[i][j] + 2 * h;
+                    const float* up = acc[i][j + NJ / 2] + 2 * h;
+                    if (col < inter)
+                        *reinterpret_cast<unsigned*>(act + row * inter + col) =
+                            pack_bf16x2(silu_f(gt[0]) * up[0], silu_f(gt[1]) * up[1]);
+                }
+            } else {
+                float* c = reinterpret_cast<float*>(out);
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    int col = n0 + wn + j * 8 + c2;
+                    if (col < ndim)
+                        *reinterpret_cast<float2*>(c + row * ndim + col) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
 // Grouped GEMM, third version (KESTREL_MOE_GEMM=v3; v2/v1 select the WMMA kernels):
 // mma.sync m16n8k16 fed by ldmatrix, K tiles of 32 in a 4-stage cp.async pipeline (dynamic
 // shared memory, rows padded to 80 bytes so the 8 rows of an ldmatrix hit distinct bank
@@ -393,36 +432,7 @@ __device__ __forceinline__ void moe_gemm3_impl(const bf16* __restrict__ a, const
         }
     }
     cp_async_wait_all();
-    int g = lane >> 2, c2 = (lane & 3) * 2;
-#pragma unroll
-    for (int i = 0; i < MI; i++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int rr = wm + i * 16 + g + h * 8;
-            if (rr >= rows) continue;
-            size_t row = (size_t)(r0 + rr);
-            if (SWIGLU) {
-                bf16* act = reinterpret_cast<bf16*>(out);
-#pragma unroll
-                for (int j = 0; j < NJ / 2; j++) {
-                    int col = n0 + (wn / 2) + j * 8 + c2;
-                    const float* gt = acc[i][j] + 2 * h;
-                    const float* up = acc[i][j + NJ / 2] + 2 * h;
-                    if (col < inter)
-                        *reinterpret_cast<unsigned*>(act + row * inter + col) =
-                            pack_bf16x2(silu_f(gt[0]) * up[0], silu_f(gt[1]) * up[1]);
-                }
-            } else {
-                float* c = reinterpret_cast<float*>(out);
-#pragma unroll
-                for (int j = 0; j < NJ; j++) {
-                    int col = n0 + wn + j * 8 + c2;
-                    if (col < ndim)
-                        *reinterpret_cast<float2*>(c + row * ndim + col) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-                }
-            }
-        }
-    }
+    moe_tile_store<MI, NJ, SWIGLU>(acc, out, wm, wn, n0, r0, rows, ndim, lane);
 }
 
 // The four entry points: same arguments as moe_gemm2 (out: f32 C [rows, ndim], or for _swiglu
@@ -557,36 +567,7 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
         }
     }
     cp_async_wait_all();
-    int g = lane >> 2, c2 = (lane & 3) * 2;
-#pragma unroll
-    for (int i = 0; i < MI; i++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int rr = wm + i * 16 + g + h * 8;
-            if (rr >= rows) continue;
-            size_t row = (size_t)(r0 + rr);
-            if (SWIGLU) {
-                bf16* act = reinterpret_cast<bf16*>(out);
-#pragma unroll
-                for (int j = 0; j < NJ / 2; j++) {
-                    int col = n0 + (wn / 2) + j * 8 + c2;
-                    const float* gt = acc[i][j] + 2 * h;
-                    const float* up = acc[i][j + NJ / 2] + 2 * h;
-                    if (col < inter)
-                        *reinterpret_cast<unsigned*>(act + row * inter + col) =
-                            pack_bf16x2(silu_f(gt[0]) * up[0], silu_f(gt[1]) * up[1]);
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < NJ; j++) {
-                    int col = n0 + wn + j * 8 + c2;
-                    if (col >= ndim) continue;
-                    const float* v = acc[i][j] + 2 * h;
-                    *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + row * ndim + col) = make_float2(v[0], v[1]);
-                }
-            }
-        }
-    }
+    moe_tile_store<MI, NJ, SWIGLU>(acc, out, wm, wn, n0, r0, rows, ndim, lane);
 }
 
 // Entry points: moe_gemm3's arguments; block 32 * WARPS_M * WARPS_N; dynamic smem
