@@ -444,6 +444,38 @@ __device__ __forceinline__ void warp_pv(float (&o)[HD / 8][4], const float (&s)[
 #define FA_BQ 64
 #define FA_BK 64
 #define FA_HPB 2
+
+// The flash kernels' copies (block of 256 threads): K and V rows k0.. (FA_BK of them) of KV
+// head kvh into ks / vs (row stride LD), zero past n_valid, as one cp.async group.
+template <int HD, int LD>
+__device__ __forceinline__ void flash_load_kv(bf16* ks, bf16* vs, const bf16* __restrict__ kc,
+                                              const bf16* __restrict__ vc, int k0, int n_valid, int nkv, int kvh) {
+    constexpr int VPR = HD / 8;
+    for (int v = threadIdx.x; v < FA_BK * VPR; v += 256) {
+        int r = v / VPR, c = (v % VPR) * 8, kp = k0 + r;
+        bool ok = kp < n_valid;
+        size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * HD + c;
+        cp_async16(ks + r * LD + c, kc + off, ok);
+        cp_async16(vs + r * LD + c, vc + off, ok);
+    }
+    cp_async_commit();
+}
+
+// Queries q0.. (FA_BQ of them, zero past t) of the FA_HPB heads from h0, times scale·log2 e, as
+// bf16 rows of qs (head-major, row stride LD).
+template <int HD, int LD>
+__device__ __forceinline__ void flash_stage_q(bf16* qs, const float* __restrict__ q, int t, int q0, int nq, int h0,
+                                              float scale_log2) {
+    for (int v = threadIdx.x; v < FA_HPB * FA_BQ * (HD / 4); v += 256) {
+        int rr = v / (HD / 4), c = (v % (HD / 4)) * 4, hh = rr / FA_BQ, r = rr % FA_BQ;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (q0 + r < t) x = *reinterpret_cast<const float4*>(q + ((size_t)(q0 + r) * nq + h0 + hh) * HD + c);
+        unsigned* d = reinterpret_cast<unsigned*>(qs + rr * LD + c);
+        d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
+        d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
+    }
+}
+
 // `bar.sync id, threads`: a barrier of some whole warps of the block (id 0 is __syncthreads').
 __device__ __forceinline__ void bar_sync_named(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -472,25 +504,10 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
     const int n_end = min(n_valid, past + q0 + FA_BQ);
     const int ntiles = (n_end + FA_BK - 1) / FA_BK;
     auto load_kv = [&](int buf, int k0) {
-        constexpr int VPR = HD / 8;
-        for (int v = tid; v < FA_BK * VPR; v += 256) {
-            int r = v / VPR, c = (v % VPR) * 8, kp = k0 + r;
-            bool ok = kp < n_valid;
-            size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * HD + c;
-            cp_async16(ks + (buf * FA_BK + r) * LD + c, kc + off, ok);
-            cp_async16(vs + (buf * FA_BK + r) * LD + c, vc + off, ok);
-        }
-        cp_async_commit();
+        flash_load_kv<HD, LD>(ks + buf * FA_BK * LD, vs + buf * FA_BK * LD, kc, vc, k0, n_valid, nkv, kvh);
     };
     load_kv(0, 0);
-    for (int v = tid; v < FA_HPB * FA_BQ * (HD / 4); v += 256) {
-        int rr = v / (HD / 4), c = (v % (HD / 4)) * 4, hh = rr / FA_BQ, r = rr % FA_BQ;
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q0 + r < t) x = *reinterpret_cast<const float4*>(q + ((size_t)(q0 + r) * nq + h0 + hh) * HD + c);
-        unsigned* d = reinterpret_cast<unsigned*>(qs + rr * LD + c);
-        d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
-        d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
-    }
+    flash_stage_q<HD, LD>(qs, q, t, q0, nq, h0, scale_log2);
     const int hh = warp / 4, wr = (warp % 4) * 16;
     const int g = lane >> 2, cq = 2 * (lane & 3);
     const int qpos0 = past + q0 + wr + g, qpos1 = qpos0 + 8;
@@ -601,25 +618,10 @@ __device__ __forceinline__ void attn_flash3_body(const float* __restrict__ q, co
     const int n_end = min(n_valid, past + q0 + FA_BQ);
     const int ntiles = (n_end + FA_BK - 1) / FA_BK;
     auto load_kv = [&](int buf, int k0) {
-        constexpr int VPR = HD / 8;
-        for (int v = tid; v < FA_BK * VPR; v += 256) {
-            int r = v / VPR, c = (v % VPR) * 8, kp = k0 + r;
-            bool ok = kp < n_valid;
-            size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * HD + c;
-            cp_async16(ks + (buf * FA_BK + r) * LD + c, kc + off, ok);
-            cp_async16(vs + (buf * FA_BK + r) * LD + c, vc + off, ok);
-        }
-        cp_async_commit();
+        flash_load_kv<HD, LD>(ks + buf * FA_BK * LD, vs + buf * FA_BK * LD, kc, vc, k0, n_valid, nkv, kvh);
     };
     load_kv(0, 0);
-    for (int v = tid; v < 2 * FA_BQ * (HD / 4); v += 256) {
-        int rr = v / (HD / 4), c = (v % (HD / 4)) * 4, hh = rr / FA_BQ, r = rr % FA_BQ;
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q0 + r < t) x = *reinterpret_cast<const float4*>(q + ((size_t)(q0 + r) * nq + h0 + hh) * HD + c);
-        unsigned* d = reinterpret_cast<unsigned*>(qs + rr * LD + c);
-        d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
-        d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
-    }
+    flash_stage_q<HD, LD>(qs, q, t, q0, nq, h0, scale_log2);
     const int pair = warp >> 1, hf = warp & 1;
     const int hh = pair >> 1, pr0 = (pair & 1) * 32;  // the pair's head and first position
     const int g = lane >> 2, cq = 2 * (lane & 3);
