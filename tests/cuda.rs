@@ -622,84 +622,62 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
     });
     report("v2 moe_gemm2 (128x128)", nt, t_gu, t_sw, t_dn);
 
-    // v3 at both tile heights: plain gate_up, fused gate_up + SwiGLU, plain down.
-    let v3 = MoeGemm::V3;
-    let mut v3_out = Vec::new();
-    for tile_m in [128, 64] {
-        let nt = tiles(tile_m);
+    // A kernel family at one tile height: plain gate_up, fused gate_up + SwiGLU, plain down
+    // into NaN-filled outputs (so a missed row shows), then their times.
+    let run = |kind: MoeGemm, tile_m: usize| {
         nan_f32(&gu, rows * 2 * i);
         nan_bf16(&act, rows * i);
         nan_f32(&y, rows * d);
-        gpu.moe_grouped(v3, tile_m, &plan, rows, e, &gate_up(gu.ptr))
+        gpu.moe_grouped(kind, tile_m, &plan, rows, e, &gate_up(gu.ptr))
             .unwrap();
-        gpu.moe_grouped_swiglu(v3, tile_m, &plan, rows, e, &gate_up(act.ptr))
+        gpu.moe_grouped_swiglu(kind, tile_m, &plan, rows, e, &gate_up(act.ptr))
             .unwrap();
-        gpu.moe_grouped(v3, tile_m, &plan, rows, e, &down(y.ptr))
+        gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y.ptr))
             .unwrap();
-        let name = format!("v3 moe_gemm3 m{tile_m}");
-        let outs = (
+        (
             f32s(&gu, rows * 2 * i),
             bf16s(&act, rows * i),
             f32s(&y, rows * d),
-        );
-        check(&name, Some(&outs.0), Some(&outs.1), &outs.2);
-        v3_out.push((tile_m, outs));
+        )
+    };
+    let timings = |kind: MoeGemm, tile_m: usize, name: &str| {
         let t_gu = time_ms(&|| {
-            gpu.moe_grouped(v3, tile_m, &plan, rows, e, &gate_up(gu.ptr))
+            gpu.moe_grouped(kind, tile_m, &plan, rows, e, &gate_up(gu.ptr))
                 .unwrap()
         });
         let t_fused = time_ms(&|| {
-            gpu.moe_grouped_swiglu(v3, tile_m, &plan, rows, e, &gate_up(act.ptr))
+            gpu.moe_grouped_swiglu(kind, tile_m, &plan, rows, e, &gate_up(act.ptr))
                 .unwrap()
         });
         let t_dn = time_ms(&|| {
-            gpu.moe_grouped(v3, tile_m, &plan, rows, e, &down(y.ptr))
+            gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y.ptr))
                 .unwrap()
         });
+        let nt = tiles(tile_m);
         report(&format!("{name} plain"), nt, t_gu, t_sw, t_dn);
         report(&format!("{name} fused SwiGLU"), nt, t_fused, 0.0, t_dn);
+    };
+
+    // v3 at both tile heights, against the reference.
+    let mut v3_out = Vec::new();
+    for tile_m in [128, 64] {
+        let name = format!("v3 moe_gemm3 m{tile_m}");
+        let outs = run(MoeGemm::V3, tile_m);
+        check(&name, Some(&outs.0), Some(&outs.1), &outs.2);
+        v3_out.push((tile_m, outs));
+        timings(MoeGemm::V3, tile_m, &name);
     }
 
     // v4 (the same k16 mma steps in the same order): bitwise equal to v3 at each tile height.
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    let v4 = MoeGemm::V4;
     for (tile_m, (gu3, act3, y3)) in &v3_out {
-        let tile_m = *tile_m;
-        let nt = tiles(tile_m);
-        nan_f32(&gu, rows * 2 * i);
-        nan_bf16(&act, rows * i);
-        nan_f32(&y, rows * d);
-        gpu.moe_grouped(v4, tile_m, &plan, rows, e, &gate_up(gu.ptr))
-            .unwrap();
-        gpu.moe_grouped_swiglu(v4, tile_m, &plan, rows, e, &gate_up(act.ptr))
-            .unwrap();
-        gpu.moe_grouped(v4, tile_m, &plan, rows, e, &down(y.ptr))
-            .unwrap();
         let name = format!("v4 moe_gemm4 m{tile_m}");
-        assert!(
-            bits(&f32s(&gu, rows * 2 * i)) == bits(gu3),
-            "{name} gate_up != v3"
-        );
-        assert!(
-            bits(&bf16s(&act, rows * i)) == bits(act3),
-            "{name} act != v3"
-        );
-        assert!(bits(&f32s(&y, rows * d)) == bits(y3), "{name} down != v3");
+        let (gu4, act4, y4) = run(MoeGemm::V4, *tile_m);
+        assert!(bits(&gu4) == bits(gu3), "{name} gate_up != v3");
+        assert!(bits(&act4) == bits(act3), "{name} act != v3");
+        assert!(bits(&y4) == bits(y3), "{name} down != v3");
         println!("{name}: bitwise equal to v3");
-        let t_gu = time_ms(&|| {
-            gpu.moe_grouped(v4, tile_m, &plan, rows, e, &gate_up(gu.ptr))
-                .unwrap()
-        });
-        let t_fused = time_ms(&|| {
-            gpu.moe_grouped_swiglu(v4, tile_m, &plan, rows, e, &gate_up(act.ptr))
-                .unwrap()
-        });
-        let t_dn = time_ms(&|| {
-            gpu.moe_grouped(v4, tile_m, &plan, rows, e, &down(y.ptr))
-                .unwrap()
-        });
-        report(&format!("{name} plain"), nt, t_gu, t_sw, t_dn);
-        report(&format!("{name} fused SwiGLU"), nt, t_fused, 0.0, t_dn);
+        timings(MoeGemm::V4, *tile_m, &name);
     }
     println!(
         "default tile height at {rows} rows over {e} experts: {}",
