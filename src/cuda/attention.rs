@@ -80,31 +80,29 @@ pub(super) const DECODE_KERNELS: [(&str, usize); 4] = [
 /// The tensor-core decode kernel for head dim `hd` and `group` query heads per KV head, if
 /// there is one (a group's heads are rows of one 16-row tile, of which the kernel writes 8).
 pub fn decode_mma_kernel(hd: usize, group: usize) -> Option<&'static str> {
-    if group > 8 {
-        return None;
+    match (group <= 8).then_some(hd)? {
+        32 => Some(DECODE_KERNELS[0].0),
+        64 => Some(DECODE_KERNELS[1].0),
+        128 => Some(DECODE_KERNELS[2].0),
+        256 => Some(DECODE_KERNELS[3].0),
+        _ => None,
     }
-    DECODE_KERNELS
-        .iter()
-        .find(|(name, _)| name.ends_with(&format!("_hd{hd}")))
-        .map(|(name, _)| *name)
 }
 
 /// The mma.sync kernel (`attn_flash3_hd*`, or `attn_flash2_hd*` with `v2`) for head dim `hd`
 /// with `group` query heads per KV head, if there is one (a block takes two heads of a group),
 /// with its dynamic shared memory.
 fn mma_kernel(hd: usize, group: usize, v2: bool) -> Option<(&'static str, usize)> {
-    if !group.is_multiple_of(2) || !matches!(hd, 32 | 64 | 128 | 256) {
-        return None;
-    }
-    let prefix = if v2 {
-        "attn_flash2_hd"
-    } else {
-        "attn_flash3_hd"
+    let i = match hd {
+        32 => 0,
+        64 => 1,
+        128 => 2,
+        256 => 3,
+        _ => return None,
     };
-    FLASH_KERNELS
-        .iter()
-        .find(|(name, _)| name.strip_prefix(prefix) == Some(&hd.to_string()))
-        .copied()
+    // FLASH_KERNELS: attn_flash, then attn_flash2_hd{32..256}, then attn_flash3_hd{32..256}.
+    let table = if v2 { 1 } else { 5 };
+    group.is_multiple_of(2).then_some(FLASH_KERNELS[table + i])
 }
 
 /// One prefill attention call: `q` f32 `[t, nq, hd]`, the bf16 caches `[positions, nkv, hd]`
