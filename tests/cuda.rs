@@ -625,6 +625,8 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
     // A kernel family at one tile height: plain gate_up, fused gate_up + SwiGLU, plain down
     // into NaN-filled outputs (so a missed row shows), then their times.
     let run = |kind: MoeGemm, tile_m: usize| {
+        // The plan's tiles depend on the tile height: rebuild it for this one.
+        tiles(tile_m);
         nan_f32(&gu, rows * 2 * i);
         nan_bf16(&act, rows * i);
         nan_f32(&y, rows * d);

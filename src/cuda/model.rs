@@ -290,10 +290,10 @@ pub struct CudaModel {
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
     pub decode_attn_mma: bool,
-    /// Decode GEMVs with k = 4096 (the out-projections): two warps per row, 4 rows a block
-    /// (`gemv_dec`, the default), or with `KESTREL_GEMV=whole` a warp per whole row, 8 rows a
-    /// block (`gemv_dec_w`: H200 A/B at f830035, decode 316 -> 332 tok/s at 256; the default
-    /// once the GPU tests and the full-width check have run with it).
+    /// Decode GEMVs with k = 4096 (the out-projections): a warp per whole row, 8 rows a block
+    /// (`gemv_dec_w`, the default: H200 A/B at f667003, decode 316.5 -> 334.5 tok/s at 256,
+    /// 287.5 -> 297.8 at 32,768), or with `KESTREL_GEMV=split` two warps per row, 4 rows a
+    /// block (`gemv_dec`).
     pub gemv_whole_rows: bool,
     /// GDN decode with the conv step in the in-projection's epilogue (`gemv_dec_conv`) and the
     /// q/k L2 norms in the step (`gdn_step_dec_l2_*`): one launch fewer per GDN layer
@@ -780,7 +780,7 @@ impl CudaModel {
                 Flash::Mma
             },
             decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
-            gemv_whole_rows: std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "whole"),
+            gemv_whole_rows: !std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "split"),
             decode_conv_fused: std::env::var("KESTREL_DECODE_CONV").is_ok_and(|v| v == "fused"),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
