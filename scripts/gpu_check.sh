@@ -4,10 +4,13 @@
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
-#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS]
+#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [ablate CONTEXT 'SET;SET;...']
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   ab: the bench without and with one environment setting, alternating, two rounds each, rows
 #   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
+#   ablate: decode tok/s with each SET of kernels not launched (KESTREL_SKIP=name[:grid_x],...;
+#   outputs are wrong, timing only), the baseline first and last, into $OUT/ablate.log: a
+#   kernel's cost on the critical path of the graph-launched step.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -60,6 +63,14 @@ while [ $# -gt 0 ]; do
           env $s .device/bin/kestrel bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
             | grep -E '^ +[0-9]+ ' | sed "s|^|${s:-default} round $round |" | tee -a "$OUT/ab.log" || status=1
         done
+      done ;;
+    ablate)
+      ctx=$2 sets=$3
+      shift 2
+      IFS=';' read -ra list <<< ";$sets;"
+      for s in "${list[@]}" ""; do
+        r=$(KESTREL_SKIP=$s .device/bin/kestrel bench --synthetic full --contexts "$ctx" 2>&1 | grep -E '^ +[0-9]+ ' | awk '{print $4, $5}')
+        echo "context $ctx skip [${s:-none}] decode tok/s, ms/step: ${r:-failed}" | tee -a "$OUT/ablate.log"
       done ;;
     peer)
       python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;

@@ -574,6 +574,9 @@ impl Gpu {
         pdl: bool,
     ) -> Result<()> {
         use cudarc::driver::sys;
+        if skip_launch(name, grid.0) {
+            return Ok(());
+        }
         let f = self
             .functions
             .get(name)
@@ -707,4 +710,35 @@ mod tests {
             Err(e) => panic!("{e:#}"),
         }
     }
+}
+
+/// `KESTREL_SKIP=name[:grid_x],...`: kernels that are not launched, a measuring aid (Nsight
+/// Systems does not run on the H200 machine): a decode step's time with and without one kernel
+/// is its cost on the step's critical path, with the overlap that graphs and programmatic
+/// dependent launch give. The outputs are wrong while it is set, and a line on stderr says so.
+fn skip_launch(name: &str, grid_x: u32) -> bool {
+    static SKIP: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let skip = SKIP.get_or_init(|| {
+        let list: Vec<String> = std::env::var("KESTREL_SKIP")
+            .map(|v| {
+                v.split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !list.is_empty() {
+            eprintln!(
+                "KESTREL_SKIP={}: these kernels are not launched; outputs are wrong (timing only)",
+                list.join(",")
+            );
+        }
+        list
+    });
+    !skip.is_empty()
+        && skip.iter().any(|s| {
+            s == name
+                || s.strip_prefix(name).and_then(|g| g.strip_prefix(':'))
+                    == Some(&grid_x.to_string())
+        })
 }
