@@ -4,10 +4,12 @@
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
-#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [ablate CONTEXT 'SET;SET;...']
+#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [abbin BINARY CONTEXTS] [ablate CONTEXT 'SET;SET;...']
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   ab: the bench without and with one environment setting, alternating, two rounds each, rows
 #   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
+#   abbin: the same alternation between another build of kestrel (e.g. the previous commit's,
+#   carried under .device/) and this one, rows tagged by binary into $OUT/ab.log.
 #   ablate: decode tok/s with each SET of kernels not launched (KESTREL_SKIP=name[:grid_x],...;
 #   outputs are wrong, timing only), the baseline first and last, into $OUT/ablate.log: a
 #   kernel's cost on the critical path of the graph-launched step.
@@ -62,6 +64,15 @@ while [ $# -gt 0 ]; do
         for s in "" "$setting"; do
           env $s .device/bin/kestrel bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
             | grep -E '^ +[0-9]+ ' | sed "s|^|${s:-default} round $round |" | tee -a "$OUT/ab.log" || status=1
+        done
+      done ;;
+    abbin)
+      other=$2 contexts=$3
+      shift 2
+      for round in 1 2; do
+        for b in "$other" .device/bin/kestrel; do
+          "$b" bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
+            | grep -E '^ +[0-9]+ ' | sed "s|^|$b round $round |" | tee -a "$OUT/ab.log" || status=1
         done
       done ;;
     ablate)

@@ -282,6 +282,24 @@ template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_shfl(v, [o](int l) { return l ^ o; }); }
 template <class T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, [src](int) { return src; }); }
+// Warp-wide integer reductions (redux.sync): every lane publishes v, then all read all 32.
+template <class F>
+inline unsigned emu_reduce(unsigned v, F op) {
+    Warp* w = t_warp;
+    memcpy(&w->xchg[emu_lane()], &v, 4);
+    __syncwarp();
+    unsigned r;
+    memcpy(&r, &w->xchg[0], 4);
+    for (int l = 1; l < 32; l++) {
+        unsigned o;
+        memcpy(&o, &w->xchg[l], 4);
+        r = op(r, o);
+    }
+    __syncwarp();
+    return r;
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) { return emu_reduce(v, [](unsigned a, unsigned b) { return a > b ? a : b; }); }
+inline unsigned __reduce_min_sync(unsigned, unsigned v) { return emu_reduce(v, [](unsigned a, unsigned b) { return a < b ? a : b; }); }
 
 // ---- cp.async ----
 inline void emu_do_copy(const PendingCopy& c) { if (c.valid) memcpy(c.dst, c.src, 16); else memset(c.dst, 0, 16); }

@@ -5,6 +5,8 @@
 // NaN so that a missed row or column shows. moe_gemm4 must equal moe_gemm3's outputs bitwise at
 // both tile sizes.
 #include "kernels_emu.inc"
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -167,7 +169,44 @@ static void run(const Shape& s, bool deferred) {
     }
 }
 
+// moe_route (route_topk_warp, a warp per token) against a plain top-k: the k largest logits,
+// first index on ties (rows with repeated values), weights exp(l - max) renormalised over the
+// k; widths below, at and above the 256 the sorted-lanes path handles.
+static void route_check(int t, int e, int k) {
+    std::vector<float> logits((size_t)t * e);
+    for (int tok = 0; tok < t; tok++)
+        for (int i = 0; i < e; i++)  // every fourth row heavy with ties
+            logits[(size_t)tok * e + i] = tok % 4 == 0 ? (float)(int)uni(-3, 3) : uni(-4, 4);
+    std::vector<int> ids((size_t)t * k, -1), counts(e, 0);
+    std::vector<float> w((size_t)t * k, NAN);
+    emu_launch({(unsigned)t, 1, 1}, 32, (size_t)e * 4, [&] {
+        moe_route(logits.data(), e, k, ids.data(), w.data(), counts.data());
+    });
+    double worst = 0;
+    bool ok = true;
+    for (int tok = 0; tok < t && ok; tok++) {
+        const float* l = &logits[(size_t)tok * e];
+        std::vector<int> order(e);
+        for (int i = 0; i < e; i++) order[i] = i;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+        double sum = 0;
+        for (int j = 0; j < k; j++) sum += std::exp((double)l[order[j]] - l[order[0]]);
+        for (int j = 0; j < k; j++) {
+            ok &= ids[(size_t)tok * k + j] == order[j];
+            double ref = std::exp((double)l[order[j]] - l[order[0]]) / sum;
+            worst = std::max(worst, std::fabs(w[(size_t)tok * k + j] - ref));
+        }
+    }
+    ok &= worst < 1e-6;
+    printf("moe_route t %d e %d k %d: ids %s, weights max err %.1e %s\n", t, e, k, ok ? "equal" : "DIFFER", worst,
+           ok ? "ok" : "FAILED");
+    fails += !ok;
+}
+
 int main(int argc, char** argv) {
+    for (int e : {5, 8, 16, 64, 256, 300})
+        for (int k : {1, 2, 4, 8})
+            if (k <= e) route_check(12, e, k);
     bool quick = argc > 1 && std::string(argv[1]) == "quick";
     const Shape tiny[] = {{"tiny-flat-f32", 37, 64, 32, 8, 2}, {"tiny-official-bf16", 150, 96, 32, 16, 4}, {"ragged", 50, 40, 24, 5, 2}};
     for (bool deferred : {true, false})

@@ -241,7 +241,13 @@ pub fn kernel_ptx(arch: &'static str, use_cache: bool) -> Result<cudarc::nvrtc::
         src.push('\n');
     }
     let src = src.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "");
-    let src = format!("#include <cuda_bf16.h>\n#include <mma.h>\n{src}");
+    // KESTREL_KERNEL_DEFINES="A B=1": preprocessor defines for kernel A/B runs (part of the hash).
+    let defines: String = std::env::var("KESTREL_KERNEL_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
+        .collect();
+    let src = format!("#include <cuda_bf16.h>\n#include <mma.h>\n{defines}{src}");
     let hash = fnv1a64(&[src.as_bytes(), arch.as_bytes(), b"v1 -O3 std=c++17"]);
     let cache = kernel_cache_dir().join(format!("{hash:016x}-{arch}.ptx"));
     let cached = if use_cache {

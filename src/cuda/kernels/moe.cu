@@ -2,36 +2,76 @@
 // sort of (token, slot) pairs by expert, a grouped bf16 tensor-core GEMM over the selected
 // experts only, SwiGLU, and the combine with the sigmoid-gated shared expert.
 
-// Softmax top-k of one router row `r` [e] (in shared memory; chosen entries are overwritten)
-// by one warp: k rounds of a warp arg-max over the logits, which orders like the probabilities
-// (first index on ties); lane 0 writes the ids and the probabilities renormalised over the k.
+// Order-preserving key of a float (larger float, larger unsigned) and back.
+__device__ __forceinline__ unsigned float_key(float f) {
+    unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(unsigned key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Softmax top-k of one router row `r` [e] (in shared memory) by one warp: the k largest logits
+// (first index on ties; they order like the probabilities), their probabilities renormalised
+// over the k, exp(r_i - max) / sum, summed in rank order. For e <= 256 each lane sorts its own
+// 8 values (i = lane + 32 m), then each round takes the best lane head with two integer warp
+// reductions (the key, then the lowest index holding it) and the winner pops its head: no
+// serial scan of the row per round. Wider rows take k rounds of a warp arg-max over the row.
+// k <= 32. Entries past e never win (key 0 is below every float's key).
 __device__ void route_topk_warp(float* r, int e, int k, int* __restrict__ ids, float* __restrict__ wts) {
-    int lane = threadIdx.x & 31;
-    float mx = -INFINITY;
-    for (int i = lane; i < e; i += 32) mx = fmaxf(mx, r[i]);
-    mx = warp_max(mx);
-    float total = 0.0f;
-    for (int i = lane; i < e; i += 32) total += expf(r[i] - mx);
-    total = warp_sum(total);
-    float sum_p = 0.0f, my_p = 0.0f;  // lane kk keeps the kk-th choice
+    const int lane = threadIdx.x & 31;
+    float my_v = -INFINITY;  // lane kk keeps the kk-th choice
     int my_id = 0;
-    for (int kk = 0; kk < k; kk++) {
-        float best = -INFINITY;
-        int bi = 0x7fffffff;
-        for (int i = lane; i < e; i += 32) {
-            float v = r[i];
-            if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+    if (e <= 256) {
+        unsigned key[8], idx[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            int i = lane + 32 * m;
+            key[m] = i < e ? float_key(r[i]) : 0u;
+            idx[m] = i;
         }
-        warp_argmax(best, bi);
-        float p = expf(best - mx) / total;
-        sum_p += p;
-        if (lane == kk) { my_p = p; my_id = bi; }
-        if (lane == 0) r[bi] = -INFINITY;
-        __syncwarp();
+        // Sort descending by key (ascending index on equal keys: odd-even transposition keeps
+        // equal keys in their original, increasing-index order).
+#pragma unroll
+        for (int pass = 0; pass < 8; pass++)
+#pragma unroll
+            for (int m = pass & 1; m + 1 < 8; m += 2)
+                if (key[m + 1] > key[m]) {
+                    unsigned tk = key[m], ti = idx[m];
+                    key[m] = key[m + 1]; idx[m] = idx[m + 1];
+                    key[m + 1] = tk; idx[m + 1] = ti;
+                }
+        for (int kk = 0; kk < k; kk++) {
+            unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
+            unsigned win = __reduce_min_sync(0xffffffffu, key[0] == best ? idx[0] : 0xffffffffu);
+            if (lane == kk) { my_v = key_float(best); my_id = (int)win; }
+            if (idx[0] == win) {
+#pragma unroll
+                for (int m = 0; m < 7; m++) { key[m] = key[m + 1]; idx[m] = idx[m + 1]; }
+                key[7] = 0u;
+            }
+        }
+    } else {
+        for (int kk = 0; kk < k; kk++) {
+            float best = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int i = lane; i < e; i += 32) {
+                float v = r[i];
+                if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+            }
+            warp_argmax(best, bi);
+            if (lane == kk) { my_v = best; my_id = bi; }
+            if (lane == 0) r[bi] = -INFINITY;
+            __syncwarp();
+        }
     }
+    const float mx = __shfl_sync(0xffffffffu, my_v, 0);
+    const float p = lane < k ? expf(my_v - mx) : 0.0f;
+    float sum_p = 0.0f;
+    for (int kk = 0; kk < k; kk++) sum_p += __shfl_sync(0xffffffffu, p, kk);
     if (lane < k) {
         ids[lane] = my_id;
-        wts[lane] = my_p / sum_p;
+        wts[lane] = p / sum_p;
     }
 }
 
@@ -650,20 +690,26 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
 // and up rows loaded before x is staged). grid (ceil(max(inter, s_inter) / 8), k + 1), block 256,
 // smem d floats.
 template <int VPL>
-__device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const int* __restrict__ topk_ids,
+// topk_ids is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
+// griddep_wait (seen in the SASS), and the router writes it in the same step.
+__device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const int* topk_ids,
                                                      int k, const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
                                                      float* __restrict__ act, int act_ld, float* xs) {
     griddep_launch();
-    griddep_wait();  // the expert ids come from the router
-    int slot = blockIdx.y, lane = threadIdx.x & 31;
-    int n = slot == k ? s_inter : inter;
-    const bf16* w = slot == k ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
+    // blockIdx.y 0 is the shared expert (slot k), scheduled first: its rows are known before
+    // the router finishes, so those blocks load them before waiting.
+    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31;
+    const bool shared = slot == k;
+    if (!shared) griddep_wait();  // the expert ids come from the router
+    int n = shared ? s_inter : inter;
+    const bf16* w = shared ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
     int j = blockIdx.x * 8 + (threadIdx.x >> 5);
     const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
     constexpr int NV = VPL > 0 ? VPL : 1;
     uint4 v[2][NV];
     if (VPL > 0) load_rows<2, NV>(v, rows);
+    if (shared) griddep_wait();  // xb, the normalised input, comes from the router too
     stage_bf16(xs, xb, d);
     float acc[2];
     if (VPL > 0) dot_rows<2, NV>(v, xs, acc);
@@ -673,7 +719,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
-    const bf16* __restrict__ xb, int d, const int* __restrict__ topk_ids, int k, const bf16* __restrict__ gate_up,
+    const bf16* __restrict__ xb, int d, const int* topk_ids, int k, const bf16* __restrict__ gate_up,
     int inter, const bf16* __restrict__ shared_gate_up, int s_inter, float* __restrict__ act, int act_ld) {
     extern __shared__ float xs[];
     if (d == 2048) moe_gate_up_dec_impl<8>(xb, d, topk_ids, k, gate_up, inter, shared_gate_up, s_inter, act, act_ld, xs);
@@ -694,7 +740,10 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* __restrict__ act,
     constexpr int NV = VPL > 0 ? VPL : 1;
     __shared__ float red[17][4];
     griddep_launch();
-    griddep_wait();  // expert ids, weights and activations come from the previous kernels
+    // Expert ids, weights and activations come from the previous kernels. Reading the router's
+    // ids before this wait (moe_gate_up_dec having waited for the router) raced on the H200:
+    // only the wait orders this grid after the router's writes.
+    griddep_wait();
     int s = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * 4;
     int kk = s == k ? s_inter : inter;
     const bf16* base = s == k ? shared_down : down + (size_t)topk_ids[s] * d * inter;
