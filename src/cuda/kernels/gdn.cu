@@ -168,14 +168,12 @@ extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __re
 // value column m, each keeping a quarter of S[:, m] in registers (read and written once), and
 // combine their partial dot products with two shuffles. ba: [b (hv) | a (hv)]; z: [hv, dv];
 // out bf16. grid hv, block 4 * dv rounded up to 32 (<= 1024).
-// L2 (gdn_step_dec_l2_*, after gemv_dec_conv): qkv is the raw conv output; the block
-// L2-normalises its key head's q (and scales it by q_scale) and k itself, as gdn_conv_dec does.
-template <int DK, bool L2 = false>
+template <int DK>
 __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __restrict__ ba,
                                   const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                   const float* __restrict__ z, const float* __restrict__ nw,
                                   float* __restrict__ state, bf16* __restrict__ out, int hk, int hv, int dv,
-                                  float eps, float q_scale = 1.0f) {
+                                  float eps) {
     constexpr int RQ = DK / 4;  // state rows per lane
     griddep_launch();
     int j = blockIdx.x, m = threadIdx.x >> 2, part = threadIdx.x & 3;
@@ -190,36 +188,20 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
     griddep_wait();
     __shared__ float qs[DK], ks[DK];
-    __shared__ float red[2][32];  // L2: per-warp sums of q^2 and k^2
-    float sq = 0.0f, sk = 0.0f;
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
         qs[i] = qkv[(size_t)kh * DK + i];
         ks[i] = qkv[(size_t)(hk + kh) * DK + i];
-        if (L2) { sq += qs[i] * qs[i]; sk += ks[i] * ks[i]; }
-    }
-    if (L2) {
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
-        if ((threadIdx.x & 31) == 0) { red[0][threadIdx.x >> 5] = sq; red[1][threadIdx.x >> 5] = sk; }
     }
     float bt = sigmoid_f(ba[j]);
     float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
-    // L2: every warp sums the warp partials itself (no second barrier); with DK <= blockDim
-    // (thread i holds element i) this is block_sum's order, so the norms equal gdn_conv_dec's.
-    float fq = 1.0f, fk = 1.0f;
-    if (L2) {
-        int lane = threadIdx.x & 31, nwarp = (int)(blockDim.x >> 5);
-        fq = rsqrtf(warp_sum(lane < nwarp ? red[0][lane] : 0.0f) + 1e-6f) * q_scale;
-        fk = rsqrtf(warp_sum(lane < nwarp ? red[1][lane] : 0.0f) + 1e-6f) * 1.0f;
-    }
     const float* kq = ks + part * RQ;
     const float* qq = qs + part * RQ;
     float r = 0.0f;
 #pragma unroll
     for (int i = 0; i < RQ; i++) {
         S[i] *= decay;
-        r += S[i] * (L2 ? kq[i] * fk : kq[i]);
+        r += S[i] * kq[i];
     }
     r += __shfl_xor_sync(0xffffffffu, r, 1);
     r += __shfl_xor_sync(0xffffffffu, r, 2);
@@ -228,8 +210,8 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     float o = 0.0f;
 #pragma unroll
     for (int i = 0; i < RQ; i++) {
-        S[i] += (L2 ? kq[i] * fk : kq[i]) * u;
-        o += S[i] * (L2 ? qq[i] * fq : qq[i]);
+        S[i] += kq[i] * u;
+        o += S[i] * qq[i];
     }
     o += __shfl_xor_sync(0xffffffffu, o, 1);
     o += __shfl_xor_sync(0xffffffffu, o, 2);
@@ -253,19 +235,6 @@ GDN_STEP_DEC(16)
 GDN_STEP_DEC(32)
 GDN_STEP_DEC(64)
 GDN_STEP_DEC(128)
-
-// The step after gemv_dec_conv (KESTREL_DECODE_CONV=fused): q/k L2 norms and q's scale here.
-#define GDN_STEP_DEC_L2(DK)                                                                                  \
-    extern "C" __global__ void gdn_step_dec_l2_##DK(const float* qkv, const float* ba, const float* a_log,     \
-                                                   const float* dt_bias, const float* z, const float* nw,      \
-                                                   float* state, bf16* out, int hk, int hv, int dv, float eps, \
-                                                   float q_scale) {                                            \
-        gdn_step_dec_impl<DK, true>(qkv, ba, a_log, dt_bias, z, nw, state, out, hk, hv, dv, eps, q_scale);     \
-    }
-GDN_STEP_DEC_L2(16)
-GDN_STEP_DEC_L2(32)
-GDN_STEP_DEC_L2(64)
-GDN_STEP_DEC_L2(128)
 
 // ---- Prefill (t > 1): a token-parallel conv and the chunked delta rule.
 
