@@ -15,7 +15,7 @@
 //! scale) see `fullwidth_checkpoint_matches_hf`.
 
 use kestrel::cuda::attention::{Flash, FlashCall};
-use kestrel::cuda::gdn::{DeltaBufs, GdnShape, StateKernel};
+use kestrel::cuda::gdn::{DeltaBufs, GdnShape};
 use kestrel::cuda::gemm::GemmPath;
 use kestrel::cuda::model::CudaModel;
 use kestrel::cuda::moe::{self, Grouped, MoeGemm, MoePlan};
@@ -866,13 +866,13 @@ fn delta_inputs(sh: &GdnShape, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<
     (qkv, g, beta, state)
 }
 
-/// (o, final state) of one delta-rule call on the GPU, chunked with the given state kernel or
-/// (None) token by token; o starts as NaN so that a row the kernels miss shows.
+/// (o, final state) of one delta-rule call on the GPU, chunked or token by token; o starts as
+/// NaN so that a row the kernels miss shows.
 fn run_delta(
     gpu: &Gpu,
     sh: &GdnShape,
     inputs: &(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>),
-    chunked: Option<StateKernel>,
+    chunked: bool,
 ) -> (Vec<f32>, Vec<f32>) {
     let (qkv, g, beta, state) = inputs;
     let (qkv, g, beta, state) = (
@@ -890,9 +890,8 @@ fn run_delta(
         state: state.ptr,
         o: o.ptr,
     };
-    if let Some(k) = chunked {
-        gpu.gdn_delta_chunked_with(sh, &bufs, scratch.ptr, k)
-            .unwrap();
+    if chunked {
+        gpu.gdn_delta_chunked(sh, &bufs, scratch.ptr).unwrap();
     } else {
         gpu.gdn_delta_recurrent(sh, &bufs).unwrap();
     }
@@ -906,8 +905,7 @@ fn run_delta(
 /// The chunked delta-rule kernels against the token-by-token kernel on the same inputs, both
 /// f32 (`gdn_chunk_state`'s tensor-core products are split 3xTF32, f32-level): at the full
 /// model's head dims (dk = dv = 128, 16 key and 32 value heads) over 300 tokens (a partial
-/// last chunk) and 2 tokens, and at the fixtures' and other small dims; both state kernels
-/// (`gdn_chunk_state`, and `gdn_chunk_state2` of `KESTREL_GDN_STATE=v2`).
+/// last chunk) and 2 tokens, and at the fixtures' and other small dims.
 #[test]
 fn gdn_chunked_kernel_matches_recurrent() {
     let Some(gpu) = gpu() else { return };
@@ -922,21 +920,16 @@ fn gdn_chunked_kernel_matches_recurrent() {
     ] {
         assert!(sh.chunked_fits(gpu.max_smem_per_block), "{sh:?}");
         let inputs = delta_inputs(&sh, 42 + sh.t as u64);
-        let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, None);
-        for k in [StateKernel::V1, StateKernel::V2] {
-            let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, Some(k));
-            let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
-            println!(
-                "{sh:?} {k:?}: chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
-                norm_rel_err(&o_c, &o_r),
-                norm_rel_err(&s_c, &s_r)
-            );
-            assert!(
-                o_c.iter().chain(&s_c).all(|x| x.is_finite()),
-                "{sh:?} {k:?}"
-            );
-            assert!(eo <= 1e-4 && es <= 1e-4, "{sh:?} {k:?}: o {eo} state {es}");
-        }
+        let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, false);
+        let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, true);
+        let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
+        println!(
+            "{sh:?}: chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
+            norm_rel_err(&o_c, &o_r),
+            norm_rel_err(&s_c, &s_r)
+        );
+        assert!(o_c.iter().chain(&s_c).all(|x| x.is_finite()), "{sh:?}");
+        assert!(eo <= 1e-4 && es <= 1e-4, "{sh:?}: o {eo} state {es}");
         assert!(
             rel_err(&s_r, &inputs.3) > 1e-2,
             "{sh:?}: the state did not move"
@@ -1032,12 +1025,7 @@ fn gdn_prefill_kernel_timing_full_shape() {
         t0.elapsed().as_secs_f64() * 1e3 / reps as f64
     };
     let chunked = time_ms(10, &|| {
-        gpu.gdn_delta_chunked_with(&sh, &bufs, scratch.ptr, StateKernel::V1)
-            .unwrap()
-    });
-    let chunked2 = time_ms(10, &|| {
-        gpu.gdn_delta_chunked_with(&sh, &bufs, scratch.ptr, StateKernel::V2)
-            .unwrap()
+        gpu.gdn_delta_chunked(&sh, &bufs, scratch.ptr).unwrap()
     });
     let recurrent = time_ms(2, &|| gpu.gdn_delta_recurrent(&sh, &bufs).unwrap());
     // The conv reads the normalised qkv as its input: any finite numbers do for timing.
@@ -1057,7 +1045,7 @@ fn gdn_prefill_kernel_timing_full_shape() {
     };
     let (conv_new, conv_old) = (conv(Gpu::gdn_conv_prefill), conv(Gpu::gdn_conv_sequential));
     println!(
-        "{sh:?}: delta rule chunked {chunked:.3} ms (state2 {chunked2:.3} ms), recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
+        "{sh:?}: delta rule chunked {chunked:.3} ms, recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
     );
 }
 
