@@ -15,7 +15,7 @@
 //! scale) see `fullwidth_checkpoint_matches_hf`.
 
 use kestrel::cuda::attention::{Flash, FlashCall};
-use kestrel::cuda::gdn::{DeltaBufs, GdnShape, StateKernel};
+use kestrel::cuda::gdn::{DeltaBufs, GdnShape};
 use kestrel::cuda::gemm::GemmPath;
 use kestrel::cuda::model::CudaModel;
 use kestrel::cuda::moe::{self, Grouped, MoeGemm, MoePlan};
@@ -763,73 +763,6 @@ fn fused_decode_and_graph_match_general_path() {
     }
 }
 
-/// `KESTREL_DECODE_CONV=fused` (the GDN conv step in the in-projection's epilogue, the q/k L2
-/// norms in the step kernel) against the default decode kernels on every fixture: the prompt,
-/// then every teacher-forced step of the reference, graph + PDL. The same math in the same
-/// summation order (the CPU emulator's `decode` check finds them bitwise equal), so the logits
-/// should agree to f32 rounding; the bar is the fused-vs-general one. With the flag, direct
-/// launches without PDL equal the graph replay exactly (a read before `griddep_wait` of
-/// something the previous kernel writes would differ).
-#[test]
-fn decode_conv_fused_matches_default() {
-    let Some(gpu) = gpu() else { return };
-    for dir in fixtures() {
-        let r = read_reference(&dir);
-        let (_cpu, mut cuda) = load(&gpu, &dir, 256);
-        if !cuda.fused_decode {
-            println!("{}: SKIPPED: no fused decode path", dir.display());
-            continue;
-        }
-        let mut run = |conv_fused: bool, graph: bool| {
-            cuda.decode_conv_fused = conv_fused;
-            cuda.decode_graph = graph;
-            cuda.decode_pdl = graph;
-            let mut st = cuda.new_state();
-            cuda.forward(&mut st, &r.prompt_ids, Logits::Last).unwrap();
-            let out: Vec<Vec<f32>> = r
-                .decode_ids
-                .iter()
-                .map(|&tok| cuda.forward(&mut st, &[tok], Logits::Last).unwrap())
-                .collect();
-            (out, cuda.decode_graphs(&st))
-        };
-        let (base, _) = run(false, true);
-        let (fused, captured) = run(true, true);
-        let (direct, _) = run(true, false);
-        cuda.decode_conv_fused = false;
-        assert!(captured >= 1, "{}: no decode graph captured", dir.display());
-        assert!(
-            fused == direct,
-            "{}: KESTREL_DECODE_CONV=fused: graph replay differs from direct launches",
-            dir.display()
-        );
-        let scale = base.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
-        let (n, m) = (
-            norm_rel_err(&fused.concat(), &base.concat()),
-            rel_err(&fused.concat(), &base.concat()),
-        );
-        let mut compared = 0;
-        let mut differ = Vec::new();
-        for (step, (f, b)) in fused.iter().zip(&base).enumerate() {
-            if margin(b) > 0.02 * scale {
-                compared += 1;
-                if argmax(f) != argmax(b) {
-                    differ.push((step, margin(b) / scale, rel_err(f, b)));
-                }
-            }
-        }
-        println!(
-            "{}: conv-fused decode vs default norm {n:.2e} max {m:.2e} over {} steps (bitwise equal: {}), greedy equal on {compared} confident steps (differ: {differ:?})",
-            dir.display(),
-            fused.len(),
-            fused == base
-        );
-        assert!(differ.is_empty(), "{}: greedy differs", dir.display());
-        assert!(n <= NORM_TOL, "{}: {n}", dir.display());
-        assert!(m <= REL_TOL, "{}: {m}", dir.display());
-    }
-}
-
 /// Prompt and greedy continuation in pieces of the given sizes, then the rest, all logits;
 /// prefill GDN chunked or sequential.
 fn logits_in_pieces(
@@ -933,13 +866,13 @@ fn delta_inputs(sh: &GdnShape, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<
     (qkv, g, beta, state)
 }
 
-/// (o, final state) of one delta-rule call on the GPU, chunked with the given state kernel or
-/// (None) token by token; o starts as NaN so that a row the kernels miss shows.
+/// (o, final state) of one delta-rule call on the GPU, chunked or token by token; o starts as
+/// NaN so that a row the kernels miss shows.
 fn run_delta(
     gpu: &Gpu,
     sh: &GdnShape,
     inputs: &(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>),
-    chunked: Option<StateKernel>,
+    chunked: bool,
 ) -> (Vec<f32>, Vec<f32>) {
     let (qkv, g, beta, state) = inputs;
     let (qkv, g, beta, state) = (
@@ -957,9 +890,8 @@ fn run_delta(
         state: state.ptr,
         o: o.ptr,
     };
-    if let Some(k) = chunked {
-        gpu.gdn_delta_chunked_with(sh, &bufs, scratch.ptr, k)
-            .unwrap();
+    if chunked {
+        gpu.gdn_delta_chunked(sh, &bufs, scratch.ptr).unwrap();
     } else {
         gpu.gdn_delta_recurrent(sh, &bufs).unwrap();
     }
@@ -973,8 +905,7 @@ fn run_delta(
 /// The chunked delta-rule kernels against the token-by-token kernel on the same inputs, both
 /// f32 (`gdn_chunk_state`'s tensor-core products are split 3xTF32, f32-level): at the full
 /// model's head dims (dk = dv = 128, 16 key and 32 value heads) over 300 tokens (a partial
-/// last chunk) and 2 tokens, and at the fixtures' and other small dims; both state kernels
-/// (`gdn_chunk_state`, and `gdn_chunk_state2` of `KESTREL_GDN_STATE=v2`).
+/// last chunk) and 2 tokens, and at the fixtures' and other small dims.
 #[test]
 fn gdn_chunked_kernel_matches_recurrent() {
     let Some(gpu) = gpu() else { return };
@@ -989,21 +920,16 @@ fn gdn_chunked_kernel_matches_recurrent() {
     ] {
         assert!(sh.chunked_fits(gpu.max_smem_per_block), "{sh:?}");
         let inputs = delta_inputs(&sh, 42 + sh.t as u64);
-        let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, None);
-        for k in [StateKernel::V1, StateKernel::V2] {
-            let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, Some(k));
-            let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
-            println!(
-                "{sh:?} {k:?}: chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
-                norm_rel_err(&o_c, &o_r),
-                norm_rel_err(&s_c, &s_r)
-            );
-            assert!(
-                o_c.iter().chain(&s_c).all(|x| x.is_finite()),
-                "{sh:?} {k:?}"
-            );
-            assert!(eo <= 1e-4 && es <= 1e-4, "{sh:?} {k:?}: o {eo} state {es}");
-        }
+        let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, false);
+        let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, true);
+        let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
+        println!(
+            "{sh:?}: chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
+            norm_rel_err(&o_c, &o_r),
+            norm_rel_err(&s_c, &s_r)
+        );
+        assert!(o_c.iter().chain(&s_c).all(|x| x.is_finite()), "{sh:?}");
+        assert!(eo <= 1e-4 && es <= 1e-4, "{sh:?}: o {eo} state {es}");
         assert!(
             rel_err(&s_r, &inputs.3) > 1e-2,
             "{sh:?}: the state did not move"
@@ -1099,12 +1025,7 @@ fn gdn_prefill_kernel_timing_full_shape() {
         t0.elapsed().as_secs_f64() * 1e3 / reps as f64
     };
     let chunked = time_ms(10, &|| {
-        gpu.gdn_delta_chunked_with(&sh, &bufs, scratch.ptr, StateKernel::V1)
-            .unwrap()
-    });
-    let chunked2 = time_ms(10, &|| {
-        gpu.gdn_delta_chunked_with(&sh, &bufs, scratch.ptr, StateKernel::V2)
-            .unwrap()
+        gpu.gdn_delta_chunked(&sh, &bufs, scratch.ptr).unwrap()
     });
     let recurrent = time_ms(2, &|| gpu.gdn_delta_recurrent(&sh, &bufs).unwrap());
     // The conv reads the normalised qkv as its input: any finite numbers do for timing.
@@ -1124,7 +1045,7 @@ fn gdn_prefill_kernel_timing_full_shape() {
     };
     let (conv_new, conv_old) = (conv(Gpu::gdn_conv_prefill), conv(Gpu::gdn_conv_sequential));
     println!(
-        "{sh:?}: delta rule chunked {chunked:.3} ms (state2 {chunked2:.3} ms), recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
+        "{sh:?}: delta rule chunked {chunked:.3} ms, recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
     );
 }
 
@@ -1261,171 +1182,6 @@ fn decode_gemv_kernels_match_reference() {
                 .fold(0.0, f64::max);
             println!("{kernel} n {n} k {k}: max err {err:.2e}");
             assert!(err <= 1e-4, "{kernel} n {n} k {k}: {err}");
-        }
-    }
-}
-
-/// The fused GDN decode pair (`gemv_dec_conv` + `gdn_step_dec_l2_*`) against `gemv_dec` +
-/// `gdn_conv_dec` + `gdn_step_dec_*` on random inputs, three steps with the states carried, at
-/// the model's dims (d 2,048, 16 key / 32 value heads of 128, kernel 4) and the tiny fixtures'
-/// (d 64, 2 / 4 heads, dk 16, dv 24): the step's bf16 output within 1 ulp, the recurrent and
-/// conv states and the raw z|b|a rows within 1e-5 of their scale (the CPU emulator finds them
-/// bitwise equal; on the GPU the compiler may contract differently).
-#[test]
-fn decode_conv_fused_kernels_match_separate() {
-    let Some(gpu) = gpu() else { return };
-    for (d, hk, hv, dk, dv) in [(2048, 16, 32, 128, 128), (64, 2, 4, 16, 24)] {
-        let kern = 4;
-        let (c, vw) = (2 * hk * dk + hv * dv, hv * dv);
-        let n = c + vw + 2 * hv;
-        let mut rng = Lcg(d as u64 * 31 + dk as u64);
-        let w: Vec<half::bf16> = rng
-            .vec(n * d, 2.0 / (d as f32).sqrt())
-            .into_iter()
-            .map(half::bf16::from_f32)
-            .collect();
-        let nw = rng.vec(d, 0.2);
-        let conv_w = rng.vec(c * kern, 0.6);
-        let (a_log, dt_bias) = (rng.vec(hv, 1.0), rng.vec(hv, 1.0));
-        let norm_w: Vec<f32> = rng.vec(dv, 0.5).iter().map(|x| 1.0 + x).collect();
-        let (conv0, rec0) = (rng.vec((kern - 1) * c, 1.0), rng.vec(hv * dk * dv, 0.5));
-        let up = |v: &[f32]| gpu.upload(v).unwrap();
-        let (wd, nwd, cwd, ald, dtd, nmd) = (
-            gpu.upload(&w).unwrap(),
-            up(&nw),
-            up(&conv_w),
-            up(&a_log),
-            up(&dt_bias),
-            up(&norm_w),
-        );
-        // Per path: proj [n], qkv [c], conv state, recurrent state, bf16 out [vw].
-        let bufs = || {
-            (
-                gpu.alloc_zeroed(n * 4).unwrap(),
-                gpu.alloc_zeroed(c * 4).unwrap(),
-                up(&conv0),
-                up(&rec0),
-                gpu.alloc_zeroed(vw * 2).unwrap(),
-            )
-        };
-        let (sep, fus) = (bufs(), bufs());
-        let q_scale = 1.0 / (dk as f32).sqrt();
-        let step_name = |l2: bool| format!("gdn_step_dec_{}{dk}", if l2 { "l2_" } else { "" });
-        let step_block = (4 * dv).div_ceil(32) as u32 * 32;
-        for step in 0..3 {
-            let hd = up(&rng.vec(d, 2.0));
-            let grid = (n.div_ceil(16) as u32, 1, 1);
-            let (proj, qkv, conv, rec, out) = &sep;
-            let mut args = vec![
-                Arg::Ptr(wd.ptr),
-                Arg::I(n as i32),
-                Arg::I(d as i32),
-                Arg::Ptr(0),
-                Arg::Ptr(hd.ptr),
-                Arg::Ptr(nwd.ptr),
-                Arg::F(1e-6),
-                Arg::Ptr(0),
-                Arg::Ptr(proj.ptr),
-                Arg::F(0.0),
-            ];
-            args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I(0)]);
-            args.extend([Arg::Ptr(0), Arg::Ptr(0)]);
-            gpu.launch("gemv_dec", grid, 256, (d * 4) as u32, &args)
-                .unwrap();
-            let conv_args = [
-                Arg::Ptr(proj.ptr),
-                Arg::Ptr(conv.ptr),
-                Arg::Ptr(cwd.ptr),
-                Arg::Ptr(qkv.ptr),
-                Arg::I(c as i32),
-                Arg::I(kern as i32),
-                Arg::I(hk as i32),
-                Arg::I(dk as i32),
-                Arg::I(dv as i32),
-                Arg::F(q_scale),
-            ];
-            let conv_block = dk.max(dv).div_ceil(32) as u32 * 32;
-            gpu.launch(
-                "gdn_conv_dec",
-                ((2 * hk + hv) as u32, 1, 1),
-                conv_block,
-                0,
-                &conv_args,
-            )
-            .unwrap();
-            let step_args = |proj: u64, qkv: u64, rec: u64, out: u64| {
-                vec![
-                    Arg::Ptr(qkv),
-                    Arg::Ptr(proj + ((c + vw) * 4) as u64),
-                    Arg::Ptr(ald.ptr),
-                    Arg::Ptr(dtd.ptr),
-                    Arg::Ptr(proj + (c * 4) as u64),
-                    Arg::Ptr(nmd.ptr),
-                    Arg::Ptr(rec),
-                    Arg::Ptr(out),
-                    Arg::I(hk as i32),
-                    Arg::I(hv as i32),
-                    Arg::I(dv as i32),
-                    Arg::F(1e-6),
-                ]
-            };
-            let grid_h = (hv as u32, 1, 1);
-            let a = step_args(proj.ptr, qkv.ptr, rec.ptr, out.ptr);
-            gpu.launch(&step_name(false), grid_h, step_block, 0, &a)
-                .unwrap();
-            let (proj, qkv, conv, rec, out) = &fus;
-            let fused_args = [
-                Arg::Ptr(wd.ptr),
-                Arg::I(n as i32),
-                Arg::I(d as i32),
-                Arg::Ptr(hd.ptr),
-                Arg::Ptr(nwd.ptr),
-                Arg::F(1e-6),
-                Arg::Ptr(proj.ptr),
-                Arg::Ptr(conv.ptr),
-                Arg::Ptr(cwd.ptr),
-                Arg::Ptr(qkv.ptr),
-                Arg::I(c as i32),
-                Arg::I(kern as i32),
-            ];
-            gpu.launch("gemv_dec_conv", grid, 256, (d * 4) as u32, &fused_args)
-                .unwrap();
-            let mut a = step_args(proj.ptr, qkv.ptr, rec.ptr, out.ptr);
-            a.push(Arg::F(q_scale));
-            gpu.launch(&step_name(true), grid_h, step_block, 0, &a)
-                .unwrap();
-            let get = |b: &kestrel::cuda::DeviceBuf, len: usize| {
-                let mut v = vec![0f32; len];
-                gpu.copy_to_host(b.ptr, &mut v).unwrap();
-                v
-            };
-            let get_bf = |b: &kestrel::cuda::DeviceBuf| {
-                let mut v = vec![half::bf16::ZERO; vw];
-                gpu.copy_to_host(b.ptr, &mut v).unwrap();
-                v
-            };
-            // Largest difference in bf16 ulps (same-sign values are neighbouring integers).
-            let key = |x: half::bf16| {
-                let b = x.to_bits() as i32;
-                if b & 0x8000 != 0 { -(b & 0x7fff) } else { b }
-            };
-            let ulps = get_bf(&sep.4)
-                .iter()
-                .zip(get_bf(&fus.4))
-                .map(|(a, b)| (key(*a) - key(b)).abs())
-                .max()
-                .unwrap();
-            let e_rec = rel_err(&get(&fus.3, hv * dk * dv), &get(&sep.3, hv * dk * dv));
-            let e_conv = rel_err(&get(&fus.2, (kern - 1) * c), &get(&sep.2, (kern - 1) * c));
-            let e_zba = rel_err(&get(&fus.0, n)[c..], &get(&sep.0, n)[c..]);
-            println!(
-                "d {d} hk {hk} hv {hv} dk {dk} dv {dv} step {step}: out {ulps} ulp, rec state {e_rec:.1e}, conv state {e_conv:.1e}, z|b|a {e_zba:.1e}"
-            );
-            assert!(ulps <= 1, "d {d} step {step}: out differs by {ulps} ulp");
-            assert!(
-                e_rec <= 1e-5 && e_conv <= 1e-5 && e_zba <= 1e-5,
-                "d {d} step {step}"
-            );
         }
     }
 }

@@ -6,12 +6,10 @@
 #        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
 #   attn attention.cu: the prefill flash kernels, the tensor-core decode attention and its combine
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
-#   decode gemv.cu + gdn.cu: the fused GDN decode pair (gemv_dec_conv + gdn_step_dec_l2,
-#        KESTREL_DECODE_CONV=fused) against gemv_dec + gdn_conv_dec + gdn_step_dec
 #   moe  moe.cu: moe_plan + moe_scatter + moe_gemm3 (both tile sizes, SwiGLU-fused and plain)
 #        at the tiny fixtures' dims and a reduced real shape; moe_gemm4 bitwise against
 #        moe_gemm3
-# Usage: run.sh [mma|gdn|attn|gemv|decode|moe|all] [full]   (default all). Needs g++ with C++20.
+# Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 what=${1:-all}
@@ -27,14 +25,13 @@ build() {  # build NAME KERNEL_FILES...
   python3 "$here/build.py" "$tmp/kernels_emu.inc" "$@"
   g++ -std=c++20 -O2 -fno-strict-aliasing -Wno-unknown-pragmas -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
 }
-for n in mma gdn attn gemv decode moe; do
+for n in mma gdn attn gemv moe; do
   [ "$what" = all ] || [ "$what" = "$n" ] || continue
   case $n in
     mma) build mma ;;
     gdn) build gdn gdn.cu ;;
     attn) build attn attention.cu ;;
     gemv) build gemv gemv.cu ;;
-    decode) build decode gemv.cu gdn.cu ;;
     moe) build moe moe.cu ;;
   esac
   echo "== $n"

@@ -12,14 +12,14 @@ pub const CHUNK: usize = 64;
 const CONV_TOKENS: usize = 32;
 /// Value columns per block of `gdn_chunk_state` (`GDN_DVS`).
 const STATE_COLS: usize = 32;
-/// Threads of the chunked kernels (their tilings are written for 256, 8 warps).
-const CHUNK_THREADS: u32 = 256;
-/// Threads of `gdn_chunk_state2` (two teams of 8 warps, `GDN_S2_THREADS`).
-const STATE2_THREADS: u32 = 512;
+/// Threads of `gdn_chunk_prep` (its tiling is written for 256, 8 warps).
+const PREP_THREADS: u32 = 256;
+/// Threads of `gdn_chunk_state` (two teams of 8 warps, `GDN_STATE_THREADS`).
+const STATE_THREADS: u32 = 512;
 /// Key head dims the delta-rule kernels are compiled for.
 pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 12] = [
+pub(super) const CHUNK_KERNELS: [&str; 8] = [
     "gdn_chunk_prep_16",
     "gdn_chunk_prep_32",
     "gdn_chunk_prep_64",
@@ -28,33 +28,7 @@ pub(super) const CHUNK_KERNELS: [&str; 12] = [
     "gdn_chunk_state_32",
     "gdn_chunk_state_64",
     "gdn_chunk_state_128",
-    "gdn_chunk_state2_16",
-    "gdn_chunk_state2_32",
-    "gdn_chunk_state2_64",
-    "gdn_chunk_state2_128",
 ];
-
-/// Which kernel carries the state through the chunks in [`Gpu::gdn_delta_chunked`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StateKernel {
-    /// `gdn_chunk_state`: 8 warps, [W; Q'] S, then the state update (the default).
-    V1,
-    /// `gdn_chunk_state2`: 16 warps, Q' S by a second team beside the state update
-    /// (`KESTREL_GDN_STATE=v2`).
-    V2,
-}
-
-impl StateKernel {
-    /// The kernel `KESTREL_GDN_STATE` asks for (`v2`, else the default), read once.
-    pub fn from_env() -> Self {
-        static V2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if *V2.get_or_init(|| std::env::var("KESTREL_GDN_STATE").is_ok_and(|v| v == "v2")) {
-            StateKernel::V2
-        } else {
-            StateKernel::V1
-        }
-    }
-}
 
 /// One GDN call: `t` tokens; `hk` key heads of dim `dk`, `hv` value heads of dim `dv`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,20 +89,10 @@ impl GdnShape {
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + kq)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_state`: [W; Q'] twice, K, S and V' (tf32 hi and lo
-    /// in gdn.cu's quad layout, 4 * 32 + 8 floats per 2 rows), γ twice; 222,720 bytes at dk = 128.
+    /// Dynamic shared memory of `gdn_chunk_state`: W, Q' twice, K, S twice and V' (tf32 hi and
+    /// lo in gdn.cu's quad layout, 4 * 32 + 8 floats per 2 rows), γ twice; 223,744 bytes at
+    /// dk = 128.
     fn state_smem_bytes(&self) -> usize {
-        let quad = (4 * STATE_COLS + 8) / 2;
-        4 * (4 * CHUNK * (self.dk + 4)
-            + CHUNK * (self.dk + 8)
-            + self.dk * quad
-            + CHUNK * quad
-            + 2 * CHUNK)
-    }
-
-    /// Dynamic shared memory of `gdn_chunk_state2`: W, Q' twice, K, S twice and V' (quad
-    /// layout), γ twice; 223,744 bytes at dk = 128.
-    fn state2_smem_bytes(&self) -> usize {
         let quad = (4 * STATE_COLS + 8) / 2;
         4 * (3 * CHUNK * (self.dk + 4)
             + CHUNK * (self.dk + 8)
@@ -270,21 +234,7 @@ impl Gpu {
     /// (hv, dv / 32), carries the state through the chunks (3xTF32 tensor-core products).
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
     /// [`GdnShape::chunked_fits`].
-    /// `KESTREL_GDN_STATE=v2` picks `gdn_chunk_state2` for the second kernel (where its shared
-    /// memory fits), see [`Gpu::gdn_delta_chunked_with`].
     pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
-        self.gdn_delta_chunked_with(sh, b, scratch, StateKernel::from_env())
-    }
-
-    /// [`Gpu::gdn_delta_chunked`] with the state kernel given; `V2` falls back to `V1` when
-    /// its shared memory does not fit.
-    pub fn gdn_delta_chunked_with(
-        &self,
-        sh: &GdnShape,
-        b: &DeltaBufs,
-        scratch: u64,
-        state_kernel: StateKernel,
-    ) -> Result<()> {
         let tp = sh.chunks() * CHUNK;
         let w = scratch;
         let qp = w + (sh.hv * tp * sh.dk * 4) as u64;
@@ -312,7 +262,7 @@ impl Gpu {
         self.launch(
             &format!("gdn_chunk_prep_{}", sh.dk),
             (sh.chunks() as u32, sh.hv as u32, 1),
-            CHUNK_THREADS,
+            PREP_THREADS,
             sh.prep_smem_bytes() as u32,
             &args,
         )?;
@@ -327,24 +277,13 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        let grid = (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1);
-        if state_kernel == StateKernel::V2 && sh.state2_smem_bytes() <= self.max_smem_per_block {
-            self.launch(
-                &format!("gdn_chunk_state2_{}", sh.dk),
-                grid,
-                STATE2_THREADS,
-                sh.state2_smem_bytes() as u32,
-                &args,
-            )
-        } else {
-            self.launch(
-                &format!("gdn_chunk_state_{}", sh.dk),
-                grid,
-                CHUNK_THREADS,
-                sh.state_smem_bytes() as u32,
-                &args,
-            )
-        }
+        self.launch(
+            &format!("gdn_chunk_state_{}", sh.dk),
+            (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
+            STATE_THREADS,
+            sh.state_smem_bytes() as u32,
+            &args,
+        )
     }
 }
 
@@ -353,7 +292,7 @@ mod tests {
     use super::*;
 
     /// The model's GDN shape takes the chunked kernels on an H200 (227 KiB of shared memory a
-    /// block) with both state kernels; a GPU with less falls back.
+    /// block); a GPU with less falls back.
     #[test]
     fn model_shape_fits_the_chunked_kernels() {
         let h200 = 232_448;
@@ -365,9 +304,7 @@ mod tests {
             dv: 128,
         };
         assert!(sh.chunked_fits(h200));
-        assert_eq!(sh.state_smem_bytes(), 222_720);
-        assert_eq!(sh.state2_smem_bytes(), 223_744);
-        assert!(sh.state2_smem_bytes() <= h200);
+        assert_eq!(sh.state_smem_bytes(), 223_744);
         assert!(
             !sh.chunked_fits(100 * 1024),
             "a smaller GPU falls back to the recurrent path"

@@ -295,10 +295,6 @@ pub struct CudaModel {
     /// 287.5 -> 297.8 at 32,768), or with `KESTREL_GEMV=split` two warps per row, 4 rows a
     /// block (`gemv_dec`).
     pub gemv_whole_rows: bool,
-    /// GDN decode with the conv step in the in-projection's epilogue (`gemv_dec_conv`) and the
-    /// q/k L2 norms in the step (`gdn_step_dec_l2_*`): one launch fewer per GDN layer
-    /// (`KESTREL_DECODE_CONV=fused`; off: `gemv_dec` + `gdn_conv_dec` + `gdn_step_dec_*`).
-    pub decode_conv_fused: bool,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -781,7 +777,6 @@ impl CudaModel {
             },
             decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
             gemv_whole_rows: !std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "split"),
-            decode_conv_fused: std::env::var("KESTREL_DECODE_CONV").is_ok_and(|v| v == "fused"),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1257,8 +1252,7 @@ impl CudaModel {
     /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
     /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
     /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
-    /// experts' gate/up, experts' down with the combine), eight per attention layer; six per
-    /// GDN layer with `decode_conv_fused` (the conv in the in-projection's epilogue).
+    /// experts' gate/up, experts' down with the combine), eight per attention layer.
     fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
@@ -1355,93 +1349,60 @@ impl CudaModel {
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
-                    let q_scale = 1.0 / (dk as f32).sqrt();
-                    if self.decode_conv_fused {
-                        // Rows < ch go through the conv step into dw.qkv (before the L2 norms),
-                        // the z|b|a rows into dw.proj as gemv_dec would store them.
-                        launch(
-                            "gemv_dec_conv",
-                            (
-                                rows.div_ceil(gemv_rows_per_block(d, true))
-                                    .min(GEMV_MAX_BLOCKS) as u32,
-                                1,
-                                1,
-                            ),
-                            256,
-                            (d * 4) as u32,
-                            &[
-                                Arg::Ptr(w.in_proj.ptr),
-                                Arg::I(rows as i32),
-                                Arg::I(d as i32),
-                                Arg::Ptr(dw.h.ptr),
-                                Arg::Ptr(layer.input_norm.ptr),
-                                Arg::F(eps),
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(st_conv.ptr),
-                                Arg::Ptr(w.conv.ptr),
-                                Arg::Ptr(dw.qkv.ptr),
-                                Arg::I(ch as i32),
-                                Arg::I(c.conv_kernel as i32),
-                            ],
-                        )?;
-                    } else {
-                        gemv(
-                            w.in_proj.ptr,
-                            rows,
-                            d,
-                            0,
-                            layer.input_norm.ptr,
-                            dw.proj.ptr,
-                            0.0,
-                            None,
-                        )?;
-                        launch(
-                            "gdn_conv_dec",
-                            ((2 * hk + hv) as u32, 1, 1),
-                            block(dk.max(dv)),
-                            0,
-                            &[
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(st_conv.ptr),
-                                Arg::Ptr(w.conv.ptr),
-                                Arg::Ptr(dw.qkv.ptr),
-                                Arg::I(ch as i32),
-                                Arg::I(c.conv_kernel as i32),
-                                Arg::I(hk as i32),
-                                Arg::I(dk as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(q_scale),
-                            ],
-                        )?;
-                    }
-                    let step = match (dk, self.decode_conv_fused) {
-                        (16, false) => "gdn_step_dec_16",
-                        (32, false) => "gdn_step_dec_32",
-                        (64, false) => "gdn_step_dec_64",
-                        (_, false) => "gdn_step_dec_128",
-                        (16, true) => "gdn_step_dec_l2_16",
-                        (32, true) => "gdn_step_dec_l2_32",
-                        (64, true) => "gdn_step_dec_l2_64",
-                        (_, true) => "gdn_step_dec_l2_128",
+                    gemv(
+                        w.in_proj.ptr,
+                        rows,
+                        d,
+                        0,
+                        layer.input_norm.ptr,
+                        dw.proj.ptr,
+                        0.0,
+                        None,
+                    )?;
+                    launch(
+                        "gdn_conv_dec",
+                        ((2 * hk + hv) as u32, 1, 1),
+                        block(dk.max(dv)),
+                        0,
+                        &[
+                            Arg::Ptr(dw.proj.ptr),
+                            Arg::Ptr(st_conv.ptr),
+                            Arg::Ptr(w.conv.ptr),
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::I(ch as i32),
+                            Arg::I(c.conv_kernel as i32),
+                            Arg::I(hk as i32),
+                            Arg::I(dk as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(1.0 / (dk as f32).sqrt()),
+                        ],
+                    )?;
+                    let step = match dk {
+                        16 => "gdn_step_dec_16",
+                        32 => "gdn_step_dec_32",
+                        64 => "gdn_step_dec_64",
+                        _ => "gdn_step_dec_128",
                     };
-                    let mut args = vec![
-                        Arg::Ptr(dw.qkv.ptr),
-                        Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
-                        Arg::Ptr(w.a_log.ptr),
-                        Arg::Ptr(w.dt_bias.ptr),
-                        Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
-                        Arg::Ptr(w.norm.ptr),
-                        Arg::Ptr(st_rec.ptr),
-                        Arg::Ptr(dw.ob.ptr),
-                        Arg::I(hk as i32),
-                        Arg::I(hv as i32),
-                        Arg::I(dv as i32),
-                        Arg::F(eps),
-                    ];
-                    if self.decode_conv_fused {
-                        args.push(Arg::F(q_scale));
-                    }
-                    launch(step, (hv as u32, 1, 1), block(4 * dv), 0, &args)?;
+                    launch(
+                        step,
+                        (hv as u32, 1, 1),
+                        block(4 * dv),
+                        0,
+                        &[
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
+                            Arg::Ptr(w.a_log.ptr),
+                            Arg::Ptr(w.dt_bias.ptr),
+                            Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
+                            Arg::Ptr(w.norm.ptr),
+                            Arg::Ptr(st_rec.ptr),
+                            Arg::Ptr(dw.ob.ptr),
+                            Arg::I(hk as i32),
+                            Arg::I(hv as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
                     gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
                 MixerW::Attn(w) => {

@@ -187,21 +187,10 @@ __device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ 
     else stage_rmsnorm(xs, h, nw, k, eps, xb_out);
 }
 
-// The GDN conv step applied to a decode GEMV's first c output rows (gemv_dec_conv): row ch
-// is conv channel ch; out[ch] = SiLU(sum_j w[ch, j] * state[j, ch] + w[ch, kern-1] * y_ch),
-// the state [kern-1, c] (oldest first) shifted in place. kern <= 9.
-struct GemvConv {
-    float* state;
-    const float* w;
-    float* out;
-    int c, kern;
-};
-
-template <int R, int VPL, bool CONV = false>
+template <int R, int VPL>
 __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
                                                  const bf16* x, const float* h, const float* nw, float eps,
-                                                 bf16* xb_out, float* xs, float* __restrict__ y, float beta,
-                                                 GemvConv cv = GemvConv()) {
+                                                 bf16* xb_out, float* xs, float* __restrict__ y, float beta) {
     int lane = threadIdx.x & 31, r0 = row0 + (threadIdx.x >> 5) * R;
     const bf16* rows[R];
 #pragma unroll
@@ -209,23 +198,6 @@ __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int
     constexpr int NV = VPL > 0 ? VPL : 1;  // VPL 0: runtime-length fallback, nothing preloaded
     uint4 v[R][NV];
     if (VPL > 0) load_rows<R, NV>(v, rows);
-    // CONV: lane q owns conv channel r0 + q. The state is the layer's own (written by this
-    // kernel in the previous step, before the step's full barrier), so it is read before the wait.
-    const int ch = r0 + lane, hist = cv.kern - 1;
-    const bool conv_lane = CONV && lane < R && ch < n && ch < cv.c;
-    float hs[8], cacc = 0.0f, cwl = 0.0f;
-    if (CONV) {
-#pragma unroll
-        for (int j = 0; j < 8; j++) hs[j] = 0.0f;
-        if (conv_lane) {
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                hs[j] = j < hist ? cv.state[(size_t)j * cv.c + ch] : 0.0f;
-                if (j < hist) cacc += cv.w[(size_t)ch * cv.kern + j] * hs[j];  // gdn_conv_dec's order
-            }
-            cwl = cv.w[(size_t)ch * cv.kern + hist];
-        }
-    }
     if (!staged) {
         griddep_wait();
         stage_input(xs, x, h, nw, k, eps, xb_out);
@@ -236,15 +208,7 @@ __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int
 #pragma unroll
     for (int q = 0; q < R; q++) {
         float a = warp_sum(acc[q]);
-        if (CONV && lane == q && conv_lane) {
-            cacc += cwl * a;
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                if (j < hist) cv.state[(size_t)j * cv.c + ch] = j + 1 < hist ? hs[j < 7 ? j + 1 : 7] : a;
-            cv.out[ch] = silu_f(cacc);
-        } else if (lane == q && r0 + q < n) {
-            y[r0 + q] = beta == 0.0f ? a : beta * y[r0 + q] + a;
-        }
+        if (lane == q && r0 + q < n) y[r0 + q] = beta == 0.0f ? a : beta * y[r0 + q] + a;
     }
 }
 
@@ -279,22 +243,19 @@ __device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, in
 // Unless `staged` (xs already holds it), the input is staged by `stage_input` into xs (k floats
 // of shared memory) after this block's weight rows are in flight and the previous kernel is
 // done (griddep_wait). All threads must call it.
-// CONV (needs WHOLE_ROWS, so every row is one warp's): the conv step on rows < cv.c, see GemvConv.
-template <bool WHOLE_ROWS = false, bool CONV = false>
+template <bool WHOLE_ROWS = false>
 __device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
                                            const bf16* x, const float* h, const float* nw, float eps, bf16* xb_out,
-                                           float* xs, float* __restrict__ y, float beta, GemvConv cv = GemvConv()) {
-    static_assert(!CONV || WHOLE_ROWS, "the conv epilogue needs a warp per row");
-    if (WHOLE_ROWS && k == 4096)
-        return block_gemv_fixed<1, 16, CONV>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta, cv);
+                                           float* xs, float* __restrict__ y, float beta) {
+    if (WHOLE_ROWS && k == 4096) return block_gemv_fixed<1, 16>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
     switch (k) {
-        case 512: block_gemv_fixed<2, 2, CONV>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta, cv); break;
-        case 1024: block_gemv_fixed<2, 4, CONV>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta, cv); break;
-        case 2048: block_gemv_fixed<2, 8, CONV>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta, cv); break;
+        case 512: block_gemv_fixed<2, 2>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 2048: block_gemv_fixed<2, 8>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
         case 4096: block_gemv_split2(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
         default:
-            if (k <= 2048) block_gemv_fixed<2, 0, CONV>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta, cv);
-            else block_gemv_fixed<1, 0, CONV>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta, cv);
+            if (k <= 2048) block_gemv_fixed<2, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
+            else block_gemv_fixed<1, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
     }
 }
 

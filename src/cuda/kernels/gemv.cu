@@ -9,12 +9,12 @@
 // partials, reduced by the last block into arg_out[0] (and arg_out2[0] if given).
 // grid <= ceil(n / (gemv_rows_per_block(k))), block 256, dynamic smem k floats.
 // gemv_dec_w: the same with k = 4096 read a warp per whole row (gemv_rows_per_block(k, true)).
-template <bool WHOLE_ROWS, bool CONV = false>
+template <bool WHOLE_ROWS>
 __device__ __forceinline__ void gemv_dec_impl(
     const bf16* __restrict__ w, int n, int k, const bf16* __restrict__ x, const float* __restrict__ h,
     const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta,
     float* __restrict__ arg_val, int* __restrict__ arg_idx, unsigned* __restrict__ arg_done, int arg_limit,
-    int* __restrict__ arg_out, int* __restrict__ arg_out2, GemvConv cv = GemvConv()) {
+    int* __restrict__ arg_out, int* __restrict__ arg_out2) {
     griddep_launch();
     extern __shared__ float xs[];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -23,8 +23,7 @@ __device__ __forceinline__ void gemv_dec_impl(
     int best_id = 0x7fffffff;
     for (int row0 = blockIdx.x * rows; row0 < n; row0 += gridDim.x * rows) {
         bool staged = row0 != blockIdx.x * rows;
-        block_gemv<WHOLE_ROWS, CONV>(w, n, k, row0, staged, x, h, nw, eps, blockIdx.x == 0 ? xb_out : nullptr, xs, y,
-                                     beta, cv);
+        block_gemv<WHOLE_ROWS>(w, n, k, row0, staged, x, h, nw, eps, blockIdx.x == 0 ? xb_out : nullptr, xs, y, beta);
         if (arg_val) {
             __syncthreads();  // this group's y visible to warp 0
             int r = row0 + lane;
@@ -65,16 +64,3 @@ __device__ __forceinline__ void gemv_dec_impl(
     }
 GEMV_DEC(gemv_dec, false)
 GEMV_DEC(gemv_dec_w, true)
-
-// The GDN in-projection with the conv step fused (KESTREL_DECODE_CONV=fused; replaces
-// gemv_dec + gdn_conv_dec): rows < c (the q, k, v conv channels) go through the conv step + SiLU
-// into conv_out [c] (not L2-normalised: gdn_step_dec_l2 does that), the conv state advances in
-// place; rows >= c (z, b, a) are stored raw into y. Input RMSNorm(h) as gemv_dec with x null.
-// grid <= ceil(n / gemv_rows_per_block(k, true)), block 256, dynamic smem k floats.
-extern "C" __global__ void __launch_bounds__(256) gemv_dec_conv(
-    const bf16* __restrict__ w, int n, int k, const float* __restrict__ h, const float* __restrict__ nw, float eps,
-    float* __restrict__ y, float* __restrict__ conv_state, const float* __restrict__ conv_w,
-    float* __restrict__ conv_out, int c, int kern) {
-    gemv_dec_impl<true, true>(w, n, k, nullptr, h, nw, eps, nullptr, y, 0.0f, nullptr, nullptr, nullptr, 0, nullptr,
-                              nullptr, GemvConv{conv_state, conv_w, conv_out, c, kern});
-}
