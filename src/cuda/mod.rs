@@ -689,30 +689,6 @@ impl Gpu {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    /// Compiles every kernel with NVRTC when it is available (no GPU needed); skips otherwise.
-    #[test]
-    fn kernels_compile_with_nvrtc() {
-        if super::cuda_include_dir().is_none() {
-            println!("SKIPPED: no CUDA headers (set CUDA_HOME) to compile the kernels");
-            return;
-        }
-        match super::kernel_ptx("compute_90a", false) {
-            Ok(ptx) => {
-                let src = ptx.to_src();
-                for k in super::KERNELS.iter().chain(&super::gdn::CHUNK_KERNELS) {
-                    assert!(src.contains(&format!(".entry {k}(")), "{k} missing");
-                }
-            }
-            Err(e) if e.to_string().contains("could not be loaded") => {
-                println!("SKIPPED: {e}")
-            }
-            Err(e) => panic!("{e:#}"),
-        }
-    }
-}
-
 /// `KESTREL_SKIP=name[:grid_x],...`: kernels that are not launched, a measuring aid (Nsight
 /// Systems does not run on the H200 machine): a decode step's time with and without one kernel
 /// is its cost on the step's critical path, with the overlap that graphs and programmatic
@@ -742,4 +718,28 @@ fn skip_launch(name: &str, grid_x: u32) -> bool {
                 || s.strip_prefix(name).and_then(|g| g.strip_prefix(':'))
                     == Some(&grid_x.to_string())
         })
+}
+
+#[cfg(test)]
+mod tests {
+    /// Compiles every kernel with NVRTC when it is available (no GPU needed); skips otherwise.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        if super::cuda_include_dir().is_none() {
+            println!("SKIPPED: no CUDA headers (set CUDA_HOME) to compile the kernels");
+            return;
+        }
+        match super::kernel_ptx("compute_90a", false) {
+            Ok(ptx) => {
+                let src = ptx.to_src();
+                for k in super::KERNELS.iter().chain(&super::gdn::CHUNK_KERNELS) {
+                    assert!(src.contains(&format!(".entry {k}(")), "{k} missing");
+                }
+            }
+            Err(e) if e.to_string().contains("could not be loaded") => {
+                println!("SKIPPED: {e}")
+            }
+            Err(e) => panic!("{e:#}"),
+        }
+    }
 }
