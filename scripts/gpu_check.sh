@@ -26,6 +26,20 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site
 fi
 status=0
+# ab_rounds CONTEXTS RUNNER_A RUNNER_B: the bench by each runner (a kestrel binary, or `env
+# [VAR=VALUE]` before the staged one), alternating, two rounds, rows tagged into $OUT/ab.log.
+ab_rounds() {
+  local contexts=$1 round r
+  shift
+  for round in 1 2; do
+    for r in "$@"; do
+      local cmd=($r)
+      [ "${cmd[0]}" = env ] && cmd+=(.device/bin/kestrel)
+      "${cmd[@]}" bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
+        | grep -E '^ +[0-9]+ ' | sed "s|^|$r round $round |" | tee -a "$OUT/ab.log" || status=1
+    done
+  done
+}
 while [ $# -gt 0 ]; do
   case "$1" in
     tests)
@@ -58,23 +72,12 @@ while [ $# -gt 0 ]; do
       python3 scripts/kernel_table.py "$OUT/ncu.csv" > "$OUT/decode-kernels.md" || status=1
       cat "$OUT/decode-kernels.md" ;;
     ab)
-      setting=$2 contexts=$3
-      shift 2
-      for round in 1 2; do
-        for s in "" "$setting"; do
-          env $s .device/bin/kestrel bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
-            | grep -E '^ +[0-9]+ ' | sed "s|^|${s:-default} round $round |" | tee -a "$OUT/ab.log" || status=1
-        done
-      done ;;
+      # "" runs without the setting; `env` takes the setting as its first word.
+      ab_rounds "$3" "env" "env $2"
+      shift 2 ;;
     abbin)
-      other=$2 contexts=$3
-      shift 2
-      for round in 1 2; do
-        for b in "$other" .device/bin/kestrel; do
-          "$b" bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
-            | grep -E '^ +[0-9]+ ' | sed "s|^|$b round $round |" | tee -a "$OUT/ab.log" || status=1
-        done
-      done ;;
+      ab_rounds "$3" "$2" .device/bin/kestrel
+      shift 2 ;;
     ablate)
       ctx=$2 sets=$3
       shift 2
