@@ -208,6 +208,65 @@ fn cuda_rejects_bad_tokens_and_overflow() {
     assert!(e.to_string().contains("--max-seq"), "{e}");
 }
 
+/// The model's full width (hidden 2,048, 256 experts top-8, head dim 256, the real vocabulary)
+/// at 4 layers (3 GDN, 1 attention), seeded weights made on the device: the decode kernels'
+/// full-shape paths (which the tiny fixtures do not reach) are deterministic and race-free.
+/// Two graph + PDL runs of a 200-token prompt and 64 greedy steps give bitwise-equal logits,
+/// and so do direct launches without PDL. A kernel reading data before its griddep_wait that
+/// an earlier kernel of the step writes makes these differ (the bench's round check caught
+/// such a race in moe_down_dec; the tiny fixtures did not).
+#[test]
+fn full_width_decode_is_deterministic_with_graph_and_pdl() {
+    let Some(gpu) = gpu() else { return };
+    let mut cfg = kestrel::config::TextConfig::qwen36_35b_a3b();
+    cfg.num_layers = 4;
+    cfg.layer_kinds.truncate(4);
+    assert_eq!(cfg.num_attention_layers(), 1, "{:?}", cfg.layer_kinds);
+    let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
+    let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
+    let mut run = |graph: bool, ids: Option<&[u32]>| {
+        cuda.decode_graph = graph;
+        cuda.decode_pdl = graph;
+        let mut st = cuda.new_state();
+        let first = cuda.forward(&mut st, &prompt, Logits::Last).unwrap();
+        let mut tok = argmax(&first).unwrap() as u32;
+        let (mut logits, mut chosen) = (Vec::new(), Vec::new());
+        for step in 0..64 {
+            if let Some(ids) = ids {
+                tok = ids[step];
+            }
+            chosen.push(tok);
+            let l = cuda.forward(&mut st, &[tok], Logits::Last).unwrap();
+            assert!(
+                l.iter().all(|x| x.is_finite()),
+                "step {step}: non-finite logits"
+            );
+            tok = argmax(&l).unwrap() as u32;
+            logits.push(l);
+        }
+        (logits, chosen)
+    };
+    let (a, ids) = run(true, None);
+    let (b, _) = run(true, Some(&ids));
+    let (direct, _) = run(false, Some(&ids));
+    let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
+    println!(
+        "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}",
+        first_diff(&b),
+        first_diff(&direct)
+    );
+    assert_eq!(
+        first_diff(&b),
+        None,
+        "graph + PDL decode differs between two runs"
+    );
+    assert_eq!(
+        first_diff(&direct),
+        None,
+        "graph + PDL decode differs from direct launches"
+    );
+}
+
 /// Needs no fixtures: seeded random weights (demo shape, real vocabulary; and a shape with
 /// dk=32, 8 value heads, 16 experts top-4), GPU against CPU in prefill and decode.
 #[test]
