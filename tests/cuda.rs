@@ -208,6 +208,41 @@ fn cuda_rejects_bad_tokens_and_overflow() {
     assert!(e.to_string().contains("--max-seq"), "{e}");
 }
 
+/// Decode GEMVs with few blocks (`gemv_max_blocks`, each block walking many row groups and
+/// reusing its staged input) give bitwise the same logits as one row group per block: every
+/// row's dot product is the same sum wherever it runs.
+#[test]
+fn decode_gemv_row_walking_matches() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        let (_cpu, mut cuda) = load(&gpu, &dir, 256);
+        let mut run = |max_blocks: usize| {
+            cuda.gemv_max_blocks = max_blocks;
+            let mut st = cuda.new_state();
+            cuda.forward(&mut st, &r.prompt_ids, Logits::Last).unwrap();
+            let out: Vec<Vec<f32>> = r
+                .decode_ids
+                .iter()
+                .map(|&tok| cuda.forward(&mut st, &[tok], Logits::Last).unwrap())
+                .collect();
+            out
+        };
+        let wide = run(1 << 20);
+        let walking = run(3);
+        println!(
+            "{}: 3-block GEMVs vs one row group per block: equal {}",
+            dir.display(),
+            wide == walking
+        );
+        assert!(
+            wide == walking,
+            "{}: row-walking GEMVs differ",
+            dir.display()
+        );
+    }
+}
+
 /// The model's full width (hidden 2,048, 256 experts top-8, head dim 256, the real vocabulary)
 /// at 4 layers (3 GDN, 1 attention), seeded weights made on the device: the decode kernels'
 /// full-shape paths (which the tiny fixtures do not reach) are deterministic and race-free.

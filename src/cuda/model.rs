@@ -295,6 +295,11 @@ pub struct CudaModel {
     /// 287.5 -> 297.8 at 32,768), or with `KESTREL_GEMV=split` two warps per row, 4 rows a
     /// block (`gemv_dec`).
     pub gemv_whole_rows: bool,
+    /// At most this many blocks per decode GEMV (`KESTREL_GEMV_MAX_BLOCKS`, default
+    /// `GEMV_MAX_BLOCKS`); fewer blocks walk more row groups each. An A/B knob: at 264 (one
+    /// wave of two 128-register blocks per SM) the in-projection runs in one wave instead of
+    /// three, at 132 the next kernel's blocks fit beside one GEMV block per SM. Not yet timed.
+    pub gemv_max_blocks: usize,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -777,6 +782,11 @@ impl CudaModel {
             },
             decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
             gemv_whole_rows: !std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "split"),
+            gemv_max_blocks: std::env::var("KESTREL_GEMV_MAX_BLOCKS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&b: &usize| b >= 1)
+                .unwrap_or(GEMV_MAX_BLOCKS),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1309,7 +1319,7 @@ impl CudaModel {
                 },
                 (
                     n.div_ceil(gemv_rows_per_block(k, self.gemv_whole_rows))
-                        .min(GEMV_MAX_BLOCKS) as u32,
+                        .min(self.gemv_max_blocks) as u32,
                     1,
                     1,
                 ),
