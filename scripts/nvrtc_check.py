@@ -2,9 +2,11 @@
 """Compiles src/cuda/kernels/* with NVRTC exactly as src/cuda/mod.rs does (same order, same
 options, compute_90a) without building the crate: a quick syntax/type check of kernel edits.
 Needs `eval "$(scripts/setup_nvrtc.sh)"` first (CUDA_HOME with libnvrtc and the headers).
-Prints the NVRTC log and exits nonzero on error; `--ptx FILE` writes the PTX; `--regs [FILTER]`
-(and `--cubin FILE`, the machine code for nvdisasm) compiles to sm_90a machine code instead and prints each kernel's registers per thread (and
-spill stores), read from the cubin's ELF sections (ptxas as the driver would run it)."""
+Prints the NVRTC log and exits nonzero on error; `--ptx FILE` writes the PTX. `--regs [FILTER]`
+compiles to sm_90a machine code instead (ptxas, as the driver would run it) and prints the
+registers per thread of each kernel whose name contains FILTER; with `--cubin FILE` it also
+writes that machine code, for `nvdisasm` (pip package nvidia-cuda-nvdisasm) to show spills
+(LDL/STL) or where loads sit against griddepcontrol.wait (ACQBULK)."""
 import ctypes, os, re, sys, time
 
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -50,7 +52,7 @@ if rc == 0 and regs:
     lib.nvrtcGetCUBIN(prog, buf)
     elf = buf.raw
     # ELF64 section headers; .nv.info holds EIATTR_REGCOUNT (0x2f) records (symbol index,
-    # registers) and EIATTR_... spill counts are not needed here; .symtab names the symbols.
+    # registers), .symtab names the symbols.
     shoff, = struct.unpack_from("<Q", elf, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
     secs = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]

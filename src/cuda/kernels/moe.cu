@@ -689,16 +689,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
 // bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j (its gate
 // and up rows loaded before x is staged). grid (ceil(max(inter, s_inter) / 8), k + 1), block 256,
 // smem d floats.
-template <int VPL>
 // topk_ids is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
 // griddep_wait (seen in the SASS), and the router writes it in the same step.
+template <int VPL>
 __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const int* topk_ids,
                                                      int k, const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
                                                      float* __restrict__ act, int act_ld, float* xs) {
     griddep_launch();
-    // blockIdx.y 0 is the shared expert (slot k), scheduled first: its rows are known before
-    // the router finishes, so those blocks load them before waiting.
+    // blockIdx.y 0 is the shared expert (slot k), whose blocks are dispatched first: its rows
+    // are known before the router finishes, so those blocks load them before waiting.
     const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31;
     const bool shared = slot == k;
     if (!shared) griddep_wait();  // the expert ids come from the router
