@@ -567,17 +567,19 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
     }
 }
 
-#define ATTN_FLASH2(HD)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_flash2_hd##HD(                                 \
+// The prefill flash kernels' entry points, one per head dim: attn_flash<V>_hd<HD> runs
+// attn_flash<V>_body<HD> with the scale in log2 units (the softmax uses exp2).
+#define ATTN_FLASH_ENTRY(V, HD)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_flash##V##_hd##HD(                             \
         const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,              \
         const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,         \
         float scale) {                                                                                       \
-        attn_flash2_body<HD>(q, kc, vc, qg, out, t, past, nq, nkv, scale * 1.4426950408889634f);            \
+        attn_flash##V##_body<HD>(q, kc, vc, qg, out, t, past, nq, nkv, scale * 1.4426950408889634f);        \
     }
-ATTN_FLASH2(32)
-ATTN_FLASH2(64)
-ATTN_FLASH2(128)
-ATTN_FLASH2(256)
+ATTN_FLASH_ENTRY(2, 32)
+ATTN_FLASH_ENTRY(2, 64)
+ATTN_FLASH_ENTRY(2, 128)
+ATTN_FLASH_ENTRY(2, 256)
 
 // Prefill attention, version 3: attn_flash2's block (64 query positions x 2 heads of one KV
 // group, 8 warps, K/V tiles of 64 keys from the bf16 cache, double-buffered cp.async, base-2
@@ -801,17 +803,10 @@ __device__ __forceinline__ void attn_flash3_body(const float* __restrict__ q, co
     }
 }
 
-#define ATTN_FLASH3(HD)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_flash3_hd##HD(                                 \
-        const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,              \
-        const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,         \
-        float scale) {                                                                                       \
-        attn_flash3_body<HD>(q, kc, vc, qg, out, t, past, nq, nkv, scale * 1.4426950408889634f);            \
-    }
-ATTN_FLASH3(32)
-ATTN_FLASH3(64)
-ATTN_FLASH3(128)
-ATTN_FLASH3(256)
+ATTN_FLASH_ENTRY(3, 32)
+ATTN_FLASH_ENTRY(3, 64)
+ATTN_FLASH_ENTRY(3, 128)
+ATTN_FLASH_ENTRY(3, 256)
 
 // ---- Decode on tensor cores ----
 
