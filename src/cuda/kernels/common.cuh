@@ -153,20 +153,21 @@ __device__ __forceinline__ void stage_bf16(float* xs, const bf16* __restrict__ x
 }
 
 // Stage the zero-centred RMSNorm (1 + w) of the f32 residual h, rounded to bf16 like every GEMM
-// input; `xb_out` (may be null) also receives it as bf16. 16-byte loads when k % 4 == 0. Ends
-// with a block barrier.
-__device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
+// input; `xb_out` (may be null) also receives it as bf16. 16-byte loads when k % 4 == 0, through
+// L2 (ld.cg): in moe_out_router_dec other blocks of the same grid write h. Ends with a block
+// barrier.
+__device__ __forceinline__ void stage_rmsnorm(float* xs, const float* h, const float* __restrict__ w,
                                               int k, float eps, bf16* __restrict__ xb_out) {
     float ss = 0.0f;
     if ((k & 3) == 0) {
         for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
-            float4 v = reinterpret_cast<const float4*>(h)[c];
+            float4 v = __ldcg(reinterpret_cast<const float4*>(h) + c);
             reinterpret_cast<float4*>(xs)[c] = v;
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
     } else {
         for (int i = threadIdx.x; i < k; i += blockDim.x) {
-            float v = h[i];
+            float v = __ldcg(h + i);
             xs[i] = v;
             ss += v * v;
         }
@@ -261,19 +262,31 @@ __device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, in
 
 // Block-wide "am I the last block to finish" ticket (threadfence reduction pattern); the last
 // block also resets the counter for the next launch. All threads must call it.
-__device__ __forceinline__ bool last_block_done(unsigned* counter) {
+// `nblocks` (0: the whole grid) is how many blocks take a ticket.
+__device__ __forceinline__ bool last_block_done(unsigned* counter, unsigned nblocks = 0) {
     __shared__ bool last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned ticket = atomicAdd(counter, 1u);
-        last = ticket == gridDim.x * gridDim.y - 1;
+        last = ticket == (nblocks ? nblocks : gridDim.x * gridDim.y) - 1;
         if (last) *counter = 0;
     }
     __syncthreads();
     if (last) __threadfence();
     return last;
 }
+
+// One thread spins until *p >= target; the load is an acquire at GPU scope, the other side of
+// blocks of the same grid counting with __threadfence + atomicAdd. Only safe when every block
+// being waited for has already started (see moe_out_router_dec).
+__device__ __forceinline__ void spin_until_at_least(const unsigned* p, unsigned target) {
+    unsigned v;
+    do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    } while (v < target);
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // 16-byte asynchronous global-to-shared copy (zero-fills the destination when !valid), and
 // its group fences: wait_one leaves the most recent committed group in flight.
