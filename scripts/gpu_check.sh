@@ -4,10 +4,12 @@
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
-#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [abbin BINARY CONTEXTS] [ablate CONTEXT 'SET;SET;...']
+#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [variants CONTEXTS 'SET;SET;...']
+#          [abbin BINARY CONTEXTS] [ablate CONTEXT 'SET;SET;...']
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   ab: the bench without and with one environment setting, alternating, two rounds each, rows
 #   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
+#   variants: the same alternation over several settings ("VAR=VALUE ..." each, "-" for none).
 #   abbin: the same alternation between another build of kestrel (e.g. the previous commit's,
 #   carried under .device/) and this one, rows tagged by binary into $OUT/ab.log.
 #   ablate: decode tok/s with each SET of kernels not launched (KESTREL_SKIP=name[:grid_x],...;
@@ -74,6 +76,17 @@ while [ $# -gt 0 ]; do
     ab)
       # "" runs without the setting; `env` takes the setting as its first word.
       ab_rounds "$3" "env" "env $2"
+      shift 2 ;;
+    variants)
+      # the bench under several settings, alternating, two rounds: CONTEXTS 'SET;SET;...', each
+      # SET "VAR=VALUE ..." or "-" for none (rows into ab.log, labelled by the setting)
+      IFS=';' read -ra sets <<< "$3"
+      runners=()
+      for v in "${sets[@]}"; do
+        [ "$v" = - ] && v=""
+        runners+=("env $v")
+      done
+      ab_rounds "$2" "${runners[@]}"
       shift 2 ;;
     abbin)
       ab_rounds "$3" "$2" .device/bin/kestrel

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the release binary and test executables here (no GPU needed) and copies them into
-# .device/ (git-ignored), which the device tool carries to the GPU machine.
+# .device/ (git-ignored), which the device tool carries to the GPU machine. Honours
+# CARGO_TARGET_DIR (e.g. staging a clean worktree of one commit with the main target dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release
@@ -11,7 +12,7 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
         print(m["target"]["name"], m["executable"])' > /tmp/kestrel-test-exes
 rm -rf .device && mkdir -p .device/bin
-cp target/release/kestrel .device/bin/
+cp "${CARGO_TARGET_DIR:-target}/release/kestrel" .device/bin/
 while read -r name exe; do
   case "$name" in cuda) cp "$exe" ".device/bin/test-$name" ;; esac
 done < /tmp/kestrel-test-exes

@@ -18,8 +18,9 @@ use std::sync::Arc;
 
 /// Rows of logits computed per lm_head call in `Logits::All` mode.
 const LOGITS_ROWS: usize = 64;
-/// Router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
-const ROUTER_ROWS: usize = 16;
+/// Router rows per block of the decode router kernels (`moe_router_dec_r*`,
+/// `moe_out_router_dec_r*`: 2, 4, 8 or 16).
+const ROUTER_ROWS: [usize; 4] = [2, 4, 8, 16];
 /// Counters per layer of `moe_out_router_dec` (3 used).
 const ROUTER_SYNC: usize = 4;
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
@@ -311,6 +312,8 @@ pub struct CudaModel {
     /// (`moe_out_router_dec`), or with `KESTREL_ROUTER=separate` as two (`gemv_dec_w` or
     /// `gemv_dec`, then `moe_router_dec`).
     pub fused_router: bool,
+    /// Router rows per block of the decode router (`KESTREL_ROUTER_ROWS`: 2, 4, 8 or 16).
+    pub router_rows: usize,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -799,6 +802,11 @@ impl CudaModel {
                 .filter(|&b: &usize| b >= 1)
                 .unwrap_or(GEMV_MAX_BLOCKS),
             fused_router: !std::env::var("KESTREL_ROUTER").is_ok_and(|v| v == "separate"),
+            router_rows: std::env::var("KESTREL_ROUTER_ROWS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|r| ROUTER_ROWS.contains(r))
+                .unwrap_or(2),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1579,8 +1587,8 @@ impl CudaModel {
             .chain([Arg::Ptr(dw.done.ptr)])
             .collect();
         self.gpu.launch_ex(
-            "moe_router_dec",
-            (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
+            &format!("moe_router_dec_r{}", self.router_rows),
+            (e.div_ceil(self.router_rows) as u32 + 1, 1, 1),
             256,
             ((d + e) * 4) as u32,
             &args,
@@ -1594,7 +1602,7 @@ impl CudaModel {
     fn moe_out_router_decode(&self, layer: &LayerW, li: usize, wo: u64, kin: usize) -> Result<()> {
         let (c, dw) = (&self.config, &self.dws);
         let (d, e) = (c.hidden_size, c.num_experts);
-        let blocks = d.div_ceil(gemv_rows_per_block(kin, true)) + e.div_ceil(ROUTER_ROWS) + 1;
+        let blocks = d.div_ceil(gemv_rows_per_block(kin, true)) + e.div_ceil(self.router_rows) + 1;
         let args: Vec<Arg> = [
             Arg::Ptr(wo),
             Arg::I(kin as i32),
@@ -1606,7 +1614,7 @@ impl CudaModel {
         .chain([Arg::Ptr(dw.router_sync.ptr + (li * ROUTER_SYNC * 4) as u64)])
         .collect();
         self.gpu.launch_ex(
-            "moe_out_router_dec",
+            &format!("moe_out_router_dec_r{}", self.router_rows),
             (blocks as u32, 1, 1),
             256,
             (kin.max(d + e) * 4) as u32,

@@ -3,9 +3,16 @@
 
 use std::path::{Path, PathBuf};
 
-/// The HF fixture directories (those with a `reference.safetensors`).
+/// The HF fixture directories (those with a `reference.safetensors`): under the crate the test
+/// was built in, or, where that path does not exist (a test executable carried to the GPU
+/// machine from another checkout), under the working directory.
 pub fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let root = if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("tests/fixtures")
+    };
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap()
         .filter_map(|e| e.ok().map(|e| e.path()))

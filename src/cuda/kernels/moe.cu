@@ -632,32 +632,31 @@ MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (the first row group also
 // stores x as bf16 for the experts), the shared-expert gate sigmoid(x . w_sg), and the top-k.
-// The router is only 1 MB, so its time is latency: a block takes ROUTER_ROWS rows with the 256
-// threads splitting k, every weight load issued before it waits for h (`wait_h`); the block
-// after the row groups computes the shared gate; the last of the `nblocks` blocks to finish
-// picks the top-k (returns true in that block only). smem (d + e) floats.
-#define ROUTER_ROWS 16
-template <class WaitH>
+// The router is only 1 MB, so its time is latency: a block takes RR rows with the 256 threads
+// splitting k, every weight load issued before it waits for h (`wait_h`); the block after the
+// row groups computes the shared gate; the last of the `nblocks` blocks to finish picks the
+// top-k (returns true in that block only). smem (d + e) floats.
+template <int RR, class WaitH>
 __device__ __forceinline__ bool router_block(int rb, int nblocks, WaitH wait_h, const float* h,
                                              const float* __restrict__ nw, float eps, int d,
                                              const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg,
                                              bf16* __restrict__ xb, float* __restrict__ logits,
                                              float* __restrict__ sgate, int k, int* __restrict__ topk_ids,
                                              float* __restrict__ topk_w, unsigned* __restrict__ done, float* xs) {
-    __shared__ float part[8][ROUTER_ROWS];
+    __shared__ float part[8][RR];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int r0 = rb * ROUTER_ROWS;
+    const int r0 = rb * RR;
     if (r0 < e) {
         const int nv = d >> 3;
         const uint4* rows = reinterpret_cast<const uint4*>(wr + (size_t)r0 * d);  // row q at rows + q * nv
-        uint4 w[ROUTER_ROWS];
+        uint4 w[RR];
 #pragma unroll
-        for (int q = 0; q < ROUTER_ROWS; q++)
+        for (int q = 0; q < RR; q++)
             w[q] = r0 + q < e && tid < nv ? __ldg(rows + q * nv + tid) : make_uint4(0, 0, 0, 0);
         wait_h();
         stage_rmsnorm(xs, h, nw, d, eps, rb == 0 ? xb : nullptr);
 #pragma unroll
-        for (int q = 0; q < ROUTER_ROWS; q++) {
+        for (int q = 0; q < RR; q++) {
             float acc = tid < nv ? dot8(w[q], xs + tid * 8) : 0.0f;
             for (int c = tid + 256; c < nv; c += 256)  // d > 2048 only
                 if (r0 + q < e) acc += dot8(__ldg(rows + q * nv + c), xs + c * 8);
@@ -665,7 +664,7 @@ __device__ __forceinline__ bool router_block(int rb, int nblocks, WaitH wait_h, 
             if (lane == 0) part[warp][q] = a;
         }
         __syncthreads();
-        if (tid < ROUTER_ROWS && r0 + tid < e) {
+        if (tid < RR && r0 + tid < e) {
             float t = 0.0f;
             for (int i = 0; i < 8; i++) t += part[i][tid];
             logits[r0 + tid] = t;
@@ -686,29 +685,33 @@ __device__ __forceinline__ bool router_block(int rb, int nblocks, WaitH wait_h, 
     return true;
 }
 
-// The router as its own launch: grid ceil(e / ROUTER_ROWS) + 1, block 256, smem (d + e) floats.
-extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
-    const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
-    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
-    int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
+// The router as its own launch, RR rows a block (moe_router_dec_rRR): grid ceil(e / RR) + 1,
+// block 256, smem (d + e) floats.
+template <int RR>
+__device__ __forceinline__ void moe_router_dec_impl(const float* h, const float* __restrict__ nw, float eps, int d,
+                                                    const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg,
+                                                    bf16* __restrict__ xb, float* __restrict__ logits,
+                                                    float* __restrict__ sgate, int k, int* __restrict__ topk_ids,
+                                                    float* __restrict__ topk_w, unsigned* __restrict__ done) {
     griddep_launch();
     extern __shared__ float xs[];
-    router_block(blockIdx.x, gridDim.x, [] { griddep_wait(); }, h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k,
-                 topk_ids, topk_w, done, xs);
+    router_block<RR>(blockIdx.x, gridDim.x, [] { griddep_wait(); }, h, nw, eps, d, wr, e, w_sg, xb, logits, sgate,
+                     k, topk_ids, topk_w, done, xs);
 }
 
 // The out-projection with the residual (h += W_o . x, W_o [d, kin] bf16, as gemv_dec_w) and the
 // router in one launch, so the router no longer waits for a kernel boundary and its weights load
 // while the out-projection runs. Blocks take roles by a start ticket, not by blockIdx: the first
 // ceil(d / rows) are GEMV blocks (each counts itself in sync[1] once its rows of h are written),
-// the next ceil(e / ROUTER_ROWS) + 1 router blocks, which load their rows, then spin until
+// the next ceil(e / RR) + 1 router blocks, which load their rows, then spin until
 // sync[1] says all of h is written. A router block exists only after every GEMV block has
 // started, so the spin ends whatever the dispatch order and however few blocks fit the GPU.
 // GEMV blocks also pull the router's weights into L2 for router blocks that start late.
 // sync: 3 counters, zero at launch and reset by the last router block (one set per layer: a
-// block takes its start ticket before griddep_wait). grid ceil(d / rows) + ceil(e / ROUTER_ROWS)
-// + 1, block 256, smem max(kin, d + e) floats.
-extern "C" __global__ void __launch_bounds__(256) moe_out_router_dec(
+// block takes its start ticket before griddep_wait). grid ceil(d / rows) + ceil(e / RR)
+// + 1, block 256, smem max(kin, d + e) floats. Entry points moe_out_router_dec_rRR.
+template <int RR>
+__device__ __forceinline__ void moe_out_router_dec_impl(
     const bf16* __restrict__ wo, int kin, const bf16* __restrict__ x, float* h, const float* __restrict__ nw,
     float eps, int d, const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg, bf16* __restrict__ xb,
     float* __restrict__ logits, float* __restrict__ sgate, int k, int* __restrict__ topk_ids,
@@ -719,7 +722,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_out_router_dec(
     if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1u);
     __syncthreads();
     const int rows = gemv_rows_per_block(kin, true);
-    const unsigned ngemv = (d + rows - 1) / rows, nrouter = (e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1;
+    const unsigned ngemv = (d + rows - 1) / rows, nrouter = (e + RR - 1) / RR + 1;
     if (role < ngemv) {
         // this block's share of the router rows into L2 (128-byte lines)
         const size_t lines = ((size_t)e * d * 2 + 127) / 128, per = (lines + ngemv - 1) / ngemv;
@@ -731,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_out_router_dec(
         if (threadIdx.x == 0) atomicAdd(&sync[1], 1u);
         return;
     }
-    const bool last = router_block(
+    const bool last = router_block<RR>(
         role - ngemv, nrouter,
         [&] {
             if (threadIdx.x == 0) spin_until_at_least(&sync[1], ngemv);
@@ -740,6 +743,27 @@ extern "C" __global__ void __launch_bounds__(256) moe_out_router_dec(
         h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, &sync[2], xs);
     if (last && threadIdx.x == 0) sync[0] = sync[1] = 0;  // every block has its ticket and is past its spin
 }
+
+#define ROUTER_DEC(RR)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) moe_router_dec_r##RR(                                     \
+        const float* h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,     \
+        const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits,                     \
+        float* __restrict__ sgate, int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,              \
+        unsigned* __restrict__ done) {                                                                         \
+        moe_router_dec_impl<RR>(h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, done);     \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) moe_out_router_dec_r##RR(                                 \
+        const bf16* __restrict__ wo, int kin, const bf16* __restrict__ x, float* h, const float* __restrict__ nw, \
+        float eps, int d, const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg,                   \
+        bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate, int k,                   \
+        int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* sync) {                              \
+        moe_out_router_dec_impl<RR>(wo, kin, x, h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, \
+                                    sync);                                                                     \
+    }
+ROUTER_DEC(2)
+ROUTER_DEC(4)
+ROUTER_DEC(8)
+ROUTER_DEC(16)
 
 // Gate/up half of the k chosen experts and the shared expert (slot k): act[s, j] =
 // bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j (its gate
