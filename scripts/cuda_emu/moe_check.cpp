@@ -329,7 +329,7 @@ static void out_router_check(int d, int kin, int e, int k) {
         moe_router_dec_r2(a.h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), a.xb.data(), a.logits.data(),
                        a.sgate.data(), k, a.ids.data(), a.topk_w.data(), done.data());
     });
-    std::vector<unsigned> sync(3, 0);
+    std::vector<unsigned> sync(96, 0);
     bool ok = true;
     for (int rep = 0; rep < 2; rep++) {
         Out b = fresh();
@@ -341,7 +341,7 @@ static void out_router_check(int d, int kin, int e, int k) {
         });
         auto same = [](const auto& p, const auto& q) { return memcmp(p.data(), q.data(), p.size() * sizeof(p[0])) == 0; };
         const bool eq[] = {same(a.h, b.h), same(a.logits, b.logits), same(a.sgate, b.sgate), same(a.topk_w, b.topk_w),
-                           same(a.xb, b.xb), same(a.ids, b.ids), sync[0] == 0 && sync[1] == 0 && sync[2] == 0};
+                           same(a.xb, b.xb), same(a.ids, b.ids), std::all_of(sync.begin(), sync.end(), [](unsigned v) { return v == 0; })};
         const char* what[] = {"h", "logits", "shared gate", "top-k weights", "xb", "top-k ids", "counters"};
         for (int i = 0; i < 7; i++)
             if (!eq[i]) printf("run %d: %s differ\n", rep, what[i]), ok = false;

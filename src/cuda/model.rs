@@ -21,8 +21,8 @@ const LOGITS_ROWS: usize = 64;
 /// Router rows per block of the decode router kernels (`moe_router_dec_r*`,
 /// `moe_out_router_dec_r*`: 2, 4, 8 or 16).
 const ROUTER_ROWS: [usize; 4] = [2, 4, 8, 16];
-/// Counters per layer of `moe_out_router_dec` (3 used).
-const ROUTER_SYNC: usize = 4;
+/// u32s per layer of `moe_out_router_dec`'s counters (three, 128 bytes apart).
+const ROUTER_SYNC: usize = 96;
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
 const MOE_GEMV_MAX_ROWS: usize = 64;

@@ -635,8 +635,9 @@ MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 // The router is only 1 MB, so its time is latency: a block takes RR rows with the 256 threads
 // splitting k, every weight load issued before it waits for h (`wait_h`); the block after the
 // row groups computes the shared gate; the last of the `nblocks` blocks to finish picks the
-// top-k (returns true in that block only). smem (d + e) floats.
-template <int RR, class WaitH>
+// top-k (returns true in that block only). L2: h is read through L2 (other blocks of the same
+// grid write it). smem (d + e) floats.
+template <int RR, bool L2, class WaitH>
 __device__ __forceinline__ bool router_block(int rb, int nblocks, WaitH wait_h, const float* h,
                                              const float* __restrict__ nw, float eps, int d,
                                              const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg,
@@ -654,7 +655,7 @@ __device__ __forceinline__ bool router_block(int rb, int nblocks, WaitH wait_h, 
         for (int q = 0; q < RR; q++)
             w[q] = r0 + q < e && tid < nv ? __ldg(rows + q * nv + tid) : make_uint4(0, 0, 0, 0);
         wait_h();
-        stage_rmsnorm(xs, h, nw, d, eps, rb == 0 ? xb : nullptr);
+        stage_rmsnorm<L2>(xs, h, nw, d, eps, rb == 0 ? xb : nullptr);
 #pragma unroll
         for (int q = 0; q < RR; q++) {
             float acc = tid < nv ? dot8(w[q], xs + tid * 8) : 0.0f;
@@ -671,7 +672,7 @@ __device__ __forceinline__ bool router_block(int rb, int nblocks, WaitH wait_h, 
         }
     } else {
         wait_h();
-        stage_rmsnorm(xs, h, nw, d, eps, nullptr);
+        stage_rmsnorm<L2>(xs, h, nw, d, eps, nullptr);
         float dot = 0.0f;
         for (int i = tid; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
         dot = block_sum(dot);
@@ -695,21 +696,21 @@ __device__ __forceinline__ void moe_router_dec_impl(const float* h, const float*
                                                     float* __restrict__ topk_w, unsigned* __restrict__ done) {
     griddep_launch();
     extern __shared__ float xs[];
-    router_block<RR>(blockIdx.x, gridDim.x, [] { griddep_wait(); }, h, nw, eps, d, wr, e, w_sg, xb, logits, sgate,
+    router_block<RR, false>(blockIdx.x, gridDim.x, [] { griddep_wait(); }, h, nw, eps, d, wr, e, w_sg, xb, logits, sgate,
                      k, topk_ids, topk_w, done, xs);
 }
 
 // The out-projection with the residual (h += W_o . x, W_o [d, kin] bf16, as gemv_dec_w) and the
 // router in one launch, so the router no longer waits for a kernel boundary and its weights load
 // while the out-projection runs. Blocks take roles by a start ticket, not by blockIdx: the first
-// ceil(d / rows) are GEMV blocks (each counts itself in sync[1] once its rows of h are written),
+// ceil(d / rows) are GEMV blocks (each counts itself in sync[32] once its rows of h are written),
 // the next ceil(e / RR) + 1 router blocks, which load their rows, then spin until
-// sync[1] says all of h is written. A router block exists only after every GEMV block has
+// sync[32] says all of h is written. A router block exists only after every GEMV block has
 // started, so the spin ends whatever the dispatch order and however few blocks fit the GPU.
 // GEMV blocks also pull the router's weights into L2 for router blocks that start late.
-// sync: 3 counters, zero at launch and reset by the last router block (one set per layer: a
-// block takes its start ticket before griddep_wait). grid ceil(d / rows) + ceil(e / RR)
-// + 1, block 256, smem max(kin, d + e) floats. Entry points moe_out_router_dec_rRR.
+// sync: counters at 0, 32 and 64, zero at launch and reset by the last router block (a set per
+// layer: a block takes its start ticket before griddep_wait). grid ceil(d / rows) +
+// ceil(e / RR) + 1, block 256, smem max(kin, d + e) floats. Entry points moe_out_router_dec_rRR.
 template <int RR>
 __device__ __forceinline__ void moe_out_router_dec_impl(
     const bf16* __restrict__ wo, int kin, const bf16* __restrict__ x, float* h, const float* __restrict__ nw,
@@ -719,7 +720,7 @@ __device__ __forceinline__ void moe_out_router_dec_impl(
     griddep_launch();
     extern __shared__ float xs[];
     __shared__ unsigned role;
-    if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1u);
+    if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1u);  // counters 128 bytes apart: no false sharing
     __syncthreads();
     const int rows = gemv_rows_per_block(kin, true);
     const unsigned ngemv = (d + rows - 1) / rows, nrouter = (e + RR - 1) / RR + 1;
@@ -731,17 +732,17 @@ __device__ __forceinline__ void moe_out_router_dec_impl(
         block_gemv<true>(wo, d, kin, role * rows, false, x, nullptr, nullptr, eps, nullptr, xs, h, 1.0f);
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(&sync[1], 1u);
+        if (threadIdx.x == 0) atomicAdd(&sync[32], 1u);
         return;
     }
-    const bool last = router_block<RR>(
+    const bool last = router_block<RR, true>(
         role - ngemv, nrouter,
         [&] {
-            if (threadIdx.x == 0) spin_until_at_least(&sync[1], ngemv);
+            if (threadIdx.x == 0) spin_until_at_least(&sync[32], ngemv);
             __syncthreads();
         },
-        h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, &sync[2], xs);
-    if (last && threadIdx.x == 0) sync[0] = sync[1] = 0;  // every block has its ticket and is past its spin
+        h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, &sync[64], xs);
+    if (last && threadIdx.x == 0) sync[0] = sync[32] = 0;  // every block has its ticket and is past its spin
 }
 
 #define ROUTER_DEC(RR)                                                                                          \
