@@ -81,12 +81,15 @@ impl GdnShape {
         self.hv * self.chunks() * CHUNK * (2 * self.dk + self.dv + 1)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): L and P, γ, e^γ, β, and
-    /// K and Q, which X = [W | U] later replaces.
+    /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): −L and −P, γ, e^γ, β, the
+    /// four 16x16 T_d (rows of 20), and K and Q, which X = [W | U | zero padding to 8 columns]
+    /// (rows of ≡ 8 mod 32 floats) later replaces; 108,288 bytes at dk = dv = 128.
     fn prep_smem_bytes(&self) -> usize {
         let (dk, dv) = (self.dk, self.dv);
-        let kq = (2 * CHUNK * (dk + 4)).max(CHUNK * (dk + dv + 4));
-        4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + kq)
+        let nx = dk + dv.div_ceil(8) * 8;
+        let ldx = nx + (40 - nx % 32) % 32;
+        let kq = (2 * CHUNK * (dk + 4)).max(CHUNK * ldx);
+        4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + 4 * 16 * 20 + kq)
     }
 
     /// Dynamic shared memory of `gdn_chunk_state`: W, Q' twice, K, S twice and V' (tf32 hi and

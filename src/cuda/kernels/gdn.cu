@@ -354,37 +354,6 @@ __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
-// acc += a · b, component by component in order.
-__device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
-    acc = fmaf(a.x, b.x, acc);
-    acc = fmaf(a.y, b.y, acc);
-    acc = fmaf(a.z, b.z, acc);
-    return fmaf(a.w, b.w, acc);
-}
-// acc[0..3] += x * (y.x, y.y, y.z, y.w)
-__device__ __forceinline__ void axpy4(float x, float4 y, float* acc) {
-    acc[0] = fmaf(x, y.x, acc[0]);
-    acc[1] = fmaf(x, y.y, acc[1]);
-    acc[2] = fmaf(x, y.z, acc[2]);
-    acc[3] = fmaf(x, y.w, acc[3]);
-}
-
-// One k-step of four of a 4x4 register tile: acc[a][e] += sum_j A[a][j] * B[j][e], with row a of
-// A at `a + a*lda` and row j of B at `b + j*ldb` (four consecutive floats each).
-__device__ __forceinline__ void tile4x4_step(const float* a, int lda, const float* b, int ldb, float (&acc)[4][4]) {
-    float4 av[4], bv[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++) av[r] = ld4(a + r * lda);
-#pragma unroll
-    for (int j = 0; j < 4; j++) bv[j] = ld4(b + j * ldb);
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        axpy4(av[r].x, bv[0], acc[r]);
-        axpy4(av[r].y, bv[1], acc[r]);
-        axpy4(av[r].z, bv[2], acc[r]);
-        axpy4(av[r].w, bv[3], acc[r]);
-    }
-}
 
 // A lane's accumulator pair (row `row` = 8kb + lane / 4, columns m, m + 1) into a quad-layout
 // matrix: lanes l and l ^ 16 hold rows k and k + 4 of the same columns; after one exchange
@@ -401,18 +370,48 @@ __device__ __forceinline__ void st_quad(float* mat, int row, int m, float x0, fl
                  : make_float4(__uint_as_float(h0), __uint_as_float(sh), __uint_as_float(l0), __uint_as_float(sl)));
 }
 
+__device__ __forceinline__ void gdn_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+// 3xTF32 pieces of gdn_chunk_prep. The A fragment (16 rows x 8) of f32 rows at `a`, stride
+// lda ≡ 4 mod 32 (ldmatrix conflict free), split into hi and lo.
+__device__ __forceinline__ void gdn_frag_a(const float* a, int lda, int lane, unsigned (&hi)[4], unsigned (&lo)[4]) {
+    unsigned f[4];
+    ldsm_x4(f, a + (lane & 15) * lda + (lane >> 4) * 4);
+#pragma unroll
+    for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(f[e]), hi[e], lo[e]);
+}
+// A B fragment's b0, b1 split as {hi(b0), hi(b1), lo(b0), lo(b1)}.
+__device__ __forceinline__ void gdn_frag_b(float b0, float b1, unsigned (&b)[4]) {
+    split_tf32(b0, b[0], b[2]);
+    split_tf32(b1, b[1], b[3]);
+}
+// acc += A_hi B_hi, cor += A_hi B_lo + A_lo B_hi (the cross terms in their own chain).
+__device__ __forceinline__ void gdn_mma3(float (&acc)[4], float (&cor)[4], const unsigned (&ah)[4],
+                                         const unsigned (&al)[4], const unsigned (&b)[4]) {
+    mma_tf32_1688(cor, al, b[0], b[1]);
+    mma_tf32_1688(cor, ah, b[2], b[3]);
+    mma_tf32_1688(acc, ah, b[0], b[1]);
+}
+
 // Chunked delta rule (prefill), part 1: all chunks in parallel. Block = chunk blockIdx.x of
 // value head blockIdx.y, 256 threads. With γ the inclusive cumulative log-decay inside the
 // chunk and Γ_rs = exp(γ_r − γ_s) (s <= r, so never exp of a positive number):
 //   L = strictly lower (β_r k_r·k_s Γ_rs),   P = lower incl. diagonal (q_r·k_s Γ_rs),
-//   [W | U] = (I + L)^-1 [β e^γ K | β V]     (forward substitution, a column per thread),
-//   Q' = e^γ Q − P W,   O_intra = P U,
+//   X = [W | U] = (I + L)^-1 [β e^γ K | β V],   Q' = e^γ Q − P W,   O_intra = P U,
 // so that part 2 (sequential over chunks) needs only V' = U − W S, O = O_intra + Q' S and the
 // state update: equal to the CPU reference's chunk (O = e^γ Q S + P V', V' = U − W S).
+// Every product runs on tensor cores, 3xTF32 as in gdn_chunk_state (the f32 SIMT version was
+// latency-bound: 884 µs per layer at 8,192 tokens). The solve is blocked so that it is
+// products too: T_d = (I + L_dd)^-1 of the four 16x16 diagonal blocks by a short serial
+// solve, then X_d = T_d (B_d − L_{d,<d} X_{<d}) block row by block row. Columns of X are
+// independent, so a warp owns its 8-column tiles of X for all rows and the solve needs no
+// block barrier; Y_d = P_{d,≤d} X_{≤d} shares the split fragments of X_{≤d} with the products
+// of R_{d+1}. L and P are kept negated, so the products accumulate onto B and onto e^γ Q.
 // Out: w, qp [hv, tp, DK], u [hv, tp, dv], gamma [hv, tp] (tp = chunks * 64; the tail of a
 // partial last chunk is padded as g = β = 0, q = k = v = 0, so its rows of W, Q', U are 0 and
 // its γ is the last token's); O_intra into o [t, hv, dv]. Needs dv % 4 == 0 and c % 4 == 0.
-// Dynamic shared memory: see GdnShape::prep_smem_bytes on the host.
+// Dynamic shared memory: see GdnShape::prep_smem_bytes on the host (108,288 bytes at
+// dk = dv = 128: two blocks per SM).
 template <int DK>
 __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const float* __restrict__ g,
                                     const float* __restrict__ beta, float* __restrict__ w_out,
@@ -420,157 +419,273 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                                     float* __restrict__ gamma_out, float* __restrict__ o, int t, int hk,
                                     int hv, int dv) {
     extern __shared__ __align__(16) float gdn_smem[];
-    constexpr int LDK = DK + 4;
-    const int ldx = DK + dv + 4;
-    float* ls = gdn_smem;                 // [64][LDP] L
-    float* ps = ls + GDN_C * GDN_LDP;  // [64][LDP] P
-    float* gam = ps + GDN_C * GDN_LDP; // [64] γ
-    float* eg = gam + GDN_C;           // [64] e^γ
-    float* bet = eg + GDN_C;           // [64] β
-    float* ks = bet + GDN_C;           // [64][LDK] K; X = [W | U] [64][ldx] reuses K and Q
-    float* qs = ks + GDN_C * LDK;      // [64][LDK] Q
-    float* xs = ks;
-    const int tid = threadIdx.x;
+    constexpr int LDK = DK + 4;  // K and Q rows, ≡ 4 mod 32 like GDN_LDP: A and B loads conflict free
+    constexpr int LDT = 20;      // T_d rows, the same
+    const int nx = DK + (dv + 7) / 8 * 8;      // X columns: W, U, zeros up to whole 8-column tiles
+    const int ldx = nx + (40 - nx % 32) % 32;  // ≡ 8 mod 32: B fragment loads X[k][n] conflict free
+    float* nl = gdn_smem;               // [64][LDP] −L
+    float* np = nl + GDN_C * GDN_LDP;   // [64][LDP] −P
+    float* gam = np + GDN_C * GDN_LDP;  // [64] γ
+    float* eg = gam + GDN_C;            // [64] e^γ
+    float* bet = eg + GDN_C;            // [64] β
+    float* tinv = bet + GDN_C;          // [4 * 16][LDT] T_d, row 16 d + i
+    float* ks = tinv + 4 * 16 * LDT;    // [64][LDK] K
+    float* qs = ks + GDN_C * LDK;       // [64][LDK] Q
+    float* xs = ks;                     // [64][ldx] B = [K | V | 0], turned into X; replaces K and Q
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
     const int c0 = blockIdx.x * GDN_C, j = blockIdx.y, kh = j / (hv / hk);
     const int n = min(GDN_C, t - c0);
     const size_t tp = (size_t)gridDim.x * GDN_C;
     const size_t qoff = (size_t)kh * DK, koff = (size_t)(hk + kh) * DK;
     const size_t voff = (size_t)2 * hk * DK + (size_t)j * dv;
+    const float* rows = qkv + (size_t)c0 * c;  // the chunk's conv rows
+    float* wrows = w_out + ((size_t)j * tp + c0) * DK;
+    float* qprows = qp_out + ((size_t)j * tp + c0) * DK;
+    float* urows = u_out + ((size_t)j * tp + c0) * dv;
 
     for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
-        int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-        float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
-        if (r < n) {
-            const float* row = qkv + (size_t)(c0 + r) * c;
-            kv = ld4(row + koff + i);
-            qv = ld4(row + qoff + i);
-        }
-        st4(ks + r * LDK + i, kv);
-        st4(qs + r * LDK + i, qv);
+        const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+        const bool in = r < n;
+        cp_async16(ks + r * LDK + i, in ? rows + (size_t)r * c + koff + i : qkv, in);
+        cp_async16(qs + r * LDK + i, in ? rows + (size_t)r * c + qoff + i : qkv, in);
+    }
+    cp_async_commit();
+    {  // the V rows are read after L and P: into L2 meanwhile
+        const int lines = (dv + 31) / 32;
+        for (int idx = tid; idx < n * lines; idx += blockDim.x)
+            gdn_prefetch_l2(rows + (size_t)(idx / lines) * c + voff + 32 * (idx % lines));
     }
     if (tid < GDN_C) {
-        bool in = tid < n;
+        const bool in = tid < n;
         gam[tid] = in ? g[(size_t)(c0 + tid) * hv + j] : 0.0f;
         bet[tid] = in ? beta[(size_t)(c0 + tid) * hv + j] : 0.0f;
     }
+    cp_async_wait_all();
     __syncthreads();
-    if (tid == 0) {  // serial, in the CPU reference's order
+    if (tid == 0) {  // serial, in the CPU reference's order; read after the next barrier
         float acc = 0.0f;
+#pragma unroll 8
         for (int r = 0; r < GDN_C; r++) {
             acc += gam[r];
             gam[r] = acc;
         }
     }
-    __syncthreads();
-    if (tid < GDN_C) eg[tid] = expf(gam[tid]);
 
-    // L and P. Thread: rows 4*tr..4*tr+3 and columns ts + 16*b, b < 4 (consecutive threads
-    // read consecutive K rows: no bank conflicts); column groups wholly right of the
-    // diagonal are skipped (nb is the same for a whole warp).
+    // K Kᵀ and Q Kᵀ on the 20 (16-row tile, 8-column tile) pairs on or below the diagonal. Warp:
+    // row tile ti, column tiles tn0 .. tn0 + tcnt − 1 (warps 0-7: 0/0-1, 1/0-1, 1/2-3, 2/0-2,
+    // 2/3-5, 3/0-2, 3/3-5, 3/6-7), so a k step splits 2 A fragments for 2-3 tiles and each B
+    // fragment once for both products; the warps ending on column tile 2 ti + 1 own a diagonal block.
+    const int ti = (0x33322110 >> 4 * warp) & 15, tn0 = (0x63030200 >> 4 * warp) & 15,
+              tcnt = (0x23333222 >> 4 * warp) & 15;
+    float lacc[3][4], lcor[3][4], pacc[3][4], pcor[3][4];
+#pragma unroll
+    for (int p = 0; p < 3; p++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) lacc[p][e] = lcor[p][e] = pacc[p][e] = pcor[p][e] = 0.0f;
     {
-        const int tr = tid >> 4, ts = tid & 15;
-        const int nb = (4 * tr + 3) / 16 + 1;
-        float kk[4][4], qk[4][4];
+        const float* ka = ks + 16 * ti * LDK;
+        const float* qa = qs + 16 * ti * LDK;
+        // B = Kᵀ from K rows: one ldmatrix gives b0, b1 of k steps k0 and k0 + 8
+        const float* kb = ks + (8 * tn0 + (lane & 7)) * LDK + (lane >> 3) * 4;
+#pragma unroll 2
+        for (int k0 = 0; k0 < DK; k0 += 16) {
+            unsigned bf[3][4];
 #pragma unroll
-        for (int a = 0; a < 4; a++)
+            for (int p = 0; p < 3; p++)
+                if (p < tcnt) ldsm_x4(bf[p], kb + 8 * p * LDK + k0);
 #pragma unroll
-            for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.0f;
-        for (int i = 0; i < DK; i += 4) {
-            float4 kr[4], qr[4], kc[4];
+            for (int h = 0; h < 2; h++) {
+                unsigned kah[4], kal[4], qah[4], qal[4];
+                gdn_frag_a(ka + k0 + 8 * h, LDK, lane, kah, kal);
+                gdn_frag_a(qa + k0 + 8 * h, LDK, lane, qah, qal);
 #pragma unroll
-            for (int a = 0; a < 4; a++) {
-                kr[a] = ld4(ks + (4 * tr + a) * LDK + i);
-                qr[a] = ld4(qs + (4 * tr + a) * LDK + i);
-            }
-#pragma unroll
-            for (int b = 0; b < 4; b++) kc[b] = b < nb ? ld4(ks + (ts + 16 * b) * LDK + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int a = 0; a < 4; a++)
-#pragma unroll
-                for (int b = 0; b < 4; b++) {
-                    if (b < nb) {
-                        kk[a][b] = fma4(kr[a], kc[b], kk[a][b]);
-                        qk[a][b] = fma4(qr[a], kc[b], qk[a][b]);
+                for (int p = 0; p < 3; p++) {
+                    if (p < tcnt) {
+                        unsigned b[4];
+                        gdn_frag_b(__uint_as_float(bf[p][2 * h]), __uint_as_float(bf[p][2 * h + 1]), b);
+                        gdn_mma3(lacc[p], lcor[p], kah, kal, b);
+                        gdn_mma3(pacc[p], pcor[p], qah, qal, b);
                     }
                 }
-        }
-#pragma unroll
-        for (int a = 0; a < 4; a++) {
-            const int r = 4 * tr + a;
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                const int s = ts + 16 * b;
-                float d = s <= r ? expf(gam[r] - gam[s]) : 0.0f;
-                ls[r * GDN_LDP + s] = s < r ? bet[r] * kk[a][b] * d : 0.0f;
-                ps[r * GDN_LDP + s] = qk[a][b] * d;
             }
         }
     }
-    __syncthreads();
+    __syncthreads();  // K and Q read (their space is free), γ summed
 
-    // Forward substitution (I + L) X = B, B = [β e^γ K | β V] read from global memory (K and Q
-    // in shared memory are dead: X takes their place). One column per thread, its 64 rows in
-    // registers; rows run over whole groups of 4 since L's upper triangle and x start at 0.
-    const int ncol = DK + dv;
-    for (int col = tid; col < ncol; col += blockDim.x) {
-        const bool is_k = col < DK;
-        const float* src = qkv + (size_t)c0 * c + (is_k ? koff + col : voff + (col - DK));
-        // The column of B goes through shared memory first: loaded straight into registers,
-        // the compiler hoists all 64 loads and runs out of registers.
-        for (int r = 0; r < GDN_C; r++) {
-            float b = r < n ? src[(size_t)r * c] : 0.0f;
-            xs[r * ldx + col] = is_k ? bet[r] * eg[r] * b : bet[r] * b;
+    // B's rows into X's place (the β, e^γ scaling is applied where R starts from them); zeros
+    // past t and in the padding columns.
+    {
+        const int nx4 = nx / 4;
+        for (int idx = tid; idx < GDN_C * nx4; idx += blockDim.x) {
+            const int r = idx / nx4, col = (idx % nx4) * 4;
+            const bool in = r < n && col < DK + dv;
+            cp_async16(xs + r * ldx + col, in ? rows + (size_t)r * c + (col < DK ? koff + col : voff + (col - DK)) : qkv, in);
         }
-        float xr[GDN_C];
+        cp_async_commit();
+    }
+    if (tid < GDN_C) {
+        eg[tid] = expf(gam[tid]);
+        gamma_out[(size_t)j * tp + c0 + tid] = gam[tid];
+    }
+    // −L and −P with the decay and the masks; tiles right of the diagonal are never read.
 #pragma unroll
-        for (int r = 0; r < GDN_C; r++) xr[r] = 0.0f;
+    for (int p = 0; p < 3; p++) {
+        if (p < tcnt) {
 #pragma unroll
-        for (int r = 0; r < GDN_C; r++) {
-            // Four partial sums: one chain of r dependent FMAs would leave the SM idle.
-            float a0 = xs[r * ldx + col], a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * ti + gq + 8 * h, s = 8 * (tn0 + p) + 2 * cq;
+                float lv[2], pv[2];
 #pragma unroll
-            for (int s = 0; s < r; s += 4) {
-                float4 l = ld4(ls + r * GDN_LDP + s);
-                a0 -= l.x * xr[s];
-                a1 -= l.y * xr[s + 1];
-                a2 -= l.z * xr[s + 2];
-                a3 -= l.w * xr[s + 3];
+                for (int e = 0; e < 2; e++) {
+                    const float kk = lacc[p][2 * h + e] + lcor[p][2 * h + e];
+                    const float qk = pacc[p][2 * h + e] + pcor[p][2 * h + e];
+                    const float d = s + e <= r ? expf(gam[r] - gam[s + e]) : 0.0f;
+                    lv[e] = s + e < r ? -(bet[r] * kk * d) : 0.0f;
+                    pv[e] = s + e <= r ? -(qk * d) : 0.0f;
+                }
+                st2(nl + r * GDN_LDP + s, lv[0], lv[1]);
+                st2(np + r * GDN_LDP + s, pv[0], pv[1]);
             }
-            xr[r] = (a0 + a1) + (a2 + a3);
-        }
-        float* dst = is_k ? w_out + ((size_t)j * tp + c0) * DK + col : u_out + ((size_t)j * tp + c0) * dv + (col - DK);
-        const int ld = is_k ? DK : dv;
-#pragma unroll
-        for (int r = 0; r < GDN_C; r++) {
-            dst[(size_t)r * ld] = xr[r];
-            xs[r * ldx + col] = xr[r];
         }
     }
-    if (tid < GDN_C) gamma_out[(size_t)j * tp + c0 + tid] = gam[tid];
-    __syncthreads();
+    // T_d = (I + L_dd)^-1 (unit lower triangular) for d = ti, by the warp that wrote that
+    // diagonal block: lane m < 16 solves (I + L_dd) x = e_m by substitution, column m of T_d.
+    if (tn0 + tcnt == 2 * ti + 2) {
+        __syncwarp();
+        if (lane < 16) {
+            const float* ld = nl + 16 * ti * (GDN_LDP + 1);
+            float tcol[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int s = 0; s < i; s++) a = fmaf(ld[i * GDN_LDP + s], tcol[s], a);
+                tcol[i] = i < lane ? 0.0f : i == lane ? 1.0f : a;
+            }
+#pragma unroll
+            for (int i = 0; i < 16; i++) tinv[(16 * ti + i) * LDT + lane] = tcol[i];
+        }
+    }
+    cp_async_wait_all();
+    __syncthreads();  // −L, −P, T_d, e^γ and B in place
 
-    // Y = P X (P lower-triangular), 4x4 tiles: Q' = e^γ Q − Y[:, :DK], O_intra = Y[:, DK:].
-    const int ncg = ncol / 4;
-    for (int tile = tid; tile < (GDN_C / 4) * ncg; tile += blockDim.x) {
-        const int rg = tile / ncg, cg = tile % ncg;
-        float acc[4][4];
+    // Block forward substitution and Y = P X. Warp: column tiles tb + 8p (p < 4) of X, all 64
+    // rows, so only __syncwarp orders its reads and writes of X. Row block d: R_d (accumulated
+    // in step d − 1) replaces B_d, X_d = T_d R_d replaces R_d and goes out as W or U; then the
+    // split fragments of X_{≤d} feed both R_{d+1} = B_{d+1} − L_{d+1,≤d} X_{≤d} and
+    // e^γ Q − P_{d,≤d} X_{≤d}, which is Q' on W columns and −O_intra on U columns (Q is 0 there).
+    const int ntile = nx / 8;
+    for (int tb = warp; tb < ntile; tb += 32) {
+        // tile p: columns 8 tb + 64 p .., the lane's accumulator columns col + 64 p, + 1
+        const int col = 8 * tb + 2 * cq;
+        const float* xb = xs + cq * ldx + 8 * tb + gq;  // the lane's B fragment element, row 0
+        bool has[4];
 #pragma unroll
-        for (int a = 0; a < 4; a++)
+        for (int p = 0; p < 4; p++) has[p] = tb + 8 * p < ntile;
+        float racc[4][4], rcor[4][4];
+        auto start_r = [&](int d) {  // R_d starts as the B rows of block d, scaled
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[a][e] = 0.0f;
-        for (int s = 0; s <= 4 * rg; s += 4)
-            tile4x4_step(ps + 4 * rg * GDN_LDP + s, GDN_LDP, xs + s * ldx + 4 * cg, ldx, acc);
-        const int col = 4 * cg;
+            for (int p = 0; p < 4; p++)
 #pragma unroll
-        for (int a = 0; a < 4; a++) {
-            const int r = 4 * rg + a;
-            if (col < DK) {
-                float4 q = r < n ? ld4(qkv + (size_t)(c0 + r) * c + qoff + col) : make_float4(0.f, 0.f, 0.f, 0.f);
-                float e = eg[r];
-                st4(qp_out + ((size_t)j * tp + c0 + r) * DK + col,
-                    make_float4(e * q.x - acc[a][0], e * q.y - acc[a][1], e * q.z - acc[a][2], e * q.w - acc[a][3]));
-            } else if (r < n) {
-                st4(o + ((size_t)(c0 + r) * hv + j) * dv + (col - DK), make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]));
+                for (int h = 0; h < 2; h++) {
+                    const int r = 16 * d + gq + 8 * h, m = col + 64 * p;
+                    const float2 v = has[p] ? ld2(xs + r * ldx + m) : make_float2(0.0f, 0.0f);
+                    const float sc = m < DK ? bet[r] * eg[r] : bet[r];
+                    racc[p][2 * h] = sc * v.x;
+                    racc[p][2 * h + 1] = sc * v.y;
+                    rcor[p][2 * h] = rcor[p][2 * h + 1] = 0.0f;
+                }
+        };
+        start_r(0);
+        for (int d = 0; d < 4; d++) {
+            const int r0 = 16 * d;
+            float2 qv[4][2];  // Q rows of the block (0 off the W columns), fetched early
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = r0 + gq + 8 * h, m = col + 64 * p;
+                    qv[p][h] = has[p] && m < DK && r < n ? ld2(rows + (size_t)r * c + qoff + m) : make_float2(0.0f, 0.0f);
+                }
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                if (has[p])
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        st2(xs + (r0 + gq + 8 * h) * ldx + col + 64 * p, racc[p][2 * h] + rcor[p][2 * h],
+                            racc[p][2 * h + 1] + rcor[p][2 * h + 1]);
+            __syncwarp();
+            float xacc[4][4], xcor[4][4];
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) xacc[p][e] = xcor[p][e] = 0.0f;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                unsigned th[4], tl[4];
+                gdn_frag_a(tinv + r0 * LDT + 8 * h, LDT, lane, th, tl);
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    if (has[p]) {
+                        const float* x = xb + (r0 + 8 * h) * ldx + 64 * p;
+                        unsigned b[4];
+                        gdn_frag_b(x[0], x[4 * ldx], b);
+                        gdn_mma3(xacc[p], xcor[p], th, tl, b);
+                    }
+                }
+            }
+            __syncwarp();  // every lane has read R_d
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                if (has[p]) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int r = r0 + gq + 8 * h, m = col + 64 * p;
+                        const float x0 = xacc[p][2 * h] + xcor[p][2 * h], x1 = xacc[p][2 * h + 1] + xcor[p][2 * h + 1];
+                        st2(xs + r * ldx + m, x0, x1);
+                        if (m < DK) st2(wrows + (size_t)r * DK + m, x0, x1);
+                        else if (m < DK + dv) st2(urows + (size_t)r * dv + (m - DK), x0, x1);
+                    }
+                }
+            }
+            __syncwarp();  // X_d visible to every lane
+            if (d < 3) start_r(d + 1);
+            float yacc[4][4], ycor[4][4];
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float e = eg[r0 + gq + 8 * h];
+                    yacc[p][2 * h] = e * qv[p][h].x;
+                    yacc[p][2 * h + 1] = e * qv[p][h].y;
+                    ycor[p][2 * h] = ycor[p][2 * h + 1] = 0.0f;
+                }
+            for (int k = 0; k < 2 * (d + 1); k++) {
+                unsigned ph[4], pl[4], lh[4], ll[4];
+                gdn_frag_a(np + r0 * GDN_LDP + 8 * k, GDN_LDP, lane, ph, pl);
+                if (d < 3) gdn_frag_a(nl + (r0 + 16) * GDN_LDP + 8 * k, GDN_LDP, lane, lh, ll);
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    if (has[p]) {
+                        const float* x = xb + 8 * k * ldx + 64 * p;
+                        unsigned b[4];
+                        gdn_frag_b(x[0], x[4 * ldx], b);
+                        gdn_mma3(yacc[p], ycor[p], ph, pl, b);
+                        if (d < 3) gdn_mma3(racc[p], rcor[p], lh, ll, b);
+                    }
+                }
+            }
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                if (has[p]) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int r = r0 + gq + 8 * h, m = col + 64 * p;
+                        const float y0 = yacc[p][2 * h] + ycor[p][2 * h], y1 = yacc[p][2 * h + 1] + ycor[p][2 * h + 1];
+                        if (m < DK) st2(qprows + (size_t)r * DK + m, y0, y1);
+                        else if (m < DK + dv && r < n) st2(o + ((size_t)(c0 + r) * hv + j) * dv + (m - DK), -y0, -y1);
+                    }
+                }
             }
         }
     }
@@ -641,7 +756,6 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
 __device__ __forceinline__ void gdn_bar(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-__device__ __forceinline__ void gdn_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // acc (16 rows x 2 column tiles of 8) = A S with A 16 f32 rows at `a` (row stride LDA) and S's
 // split (quad layout) at `s`, column tiles 2 * half and 2 * half + 1, 3xTF32; whole warp.
