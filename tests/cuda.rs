@@ -247,9 +247,9 @@ fn decode_gemv_row_walking_matches() {
 /// at 4 layers (3 GDN, 1 attention), seeded weights made on the device: the decode kernels'
 /// full-shape paths (which the tiny fixtures do not reach) are deterministic and race-free.
 /// Two graph + PDL runs of a 200-token prompt and 64 greedy steps give bitwise-equal logits,
-/// and so do direct launches without PDL and the router as its own launch. A kernel reading
-/// data before its griddep_wait that an earlier kernel of the step writes makes these differ
-/// (the bench's round check caught such a race in moe_down_dec; the tiny fixtures did not).
+/// and so do direct launches without PDL. A kernel reading data before its griddep_wait that
+/// an earlier kernel of the step writes makes these differ (the bench's round check caught
+/// such a race in moe_down_dec; the tiny fixtures did not).
 #[test]
 fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let Some(gpu) = gpu() else { return };
@@ -259,10 +259,9 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     assert_eq!(cfg.num_attention_layers(), 1, "{:?}", cfg.layer_kinds);
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
-    let mut run = |graph: bool, fused_router: bool, ids: Option<&[u32]>| {
+    let mut run = |graph: bool, ids: Option<&[u32]>| {
         cuda.decode_graph = graph;
         cuda.decode_pdl = graph;
-        cuda.fused_router = fused_router;
         let mut st = cuda.new_state();
         let first = cuda.forward(&mut st, &prompt, Logits::Last).unwrap();
         let mut tok = argmax(&first).unwrap() as u32;
@@ -282,17 +281,14 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
         }
         (logits, chosen)
     };
-    let (a, ids) = run(true, true, None);
-    let (b, _) = run(true, true, Some(&ids));
-    let (direct, _) = run(false, true, Some(&ids));
-    let (separate, _) = run(true, false, Some(&ids));
+    let (a, ids) = run(true, None);
+    let (b, _) = run(true, Some(&ids));
+    let (direct, _) = run(false, Some(&ids));
     let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
     println!(
-        "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}, \
-         router as its own launch {:?}",
+        "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}",
         first_diff(&b),
-        first_diff(&direct),
-        first_diff(&separate)
+        first_diff(&direct)
     );
     assert_eq!(
         first_diff(&b),
@@ -303,13 +299,6 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
         first_diff(&direct),
         None,
         "graph + PDL decode differs from direct launches"
-    );
-    // moe_out_router_dec does the out-projection's and the router's arithmetic exactly as the
-    // two launches it replaces.
-    assert_eq!(
-        first_diff(&separate),
-        None,
-        "the fused out-projection + router differs from the separate launches"
     );
 }
 

@@ -6,9 +6,8 @@
 #        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
 #   attn attention.cu: the prefill flash kernels, the tensor-core decode attention and its combine
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
-#   moe  moe.cu: the routing top-k (ties included); the out-projection + router launch
-#        (moe_out_router_dec) bitwise against gemv_dec_w + moe_router_dec; the decode MoE block
-#        (router, gate/up, down) at small and reduced real shapes; moe_plan + moe_scatter + moe_gemm3 (both tile
+#   moe  moe.cu: the routing top-k (ties included); the decode MoE block (router, gate/up,
+#        down) at small and reduced real shapes; moe_plan + moe_scatter + moe_gemm3 (both tile
 #        sizes, SwiGLU-fused and plain) at the tiny fixtures' dims and a reduced real shape;
 #        moe_gemm4 bitwise against moe_gemm3
 # Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
@@ -34,7 +33,7 @@ for n in mma gdn attn gemv moe; do
     gdn) build gdn gdn.cu ;;
     attn) build attn attention.cu ;;
     gemv) build gemv gemv.cu ;;
-    moe) build moe gemv.cu moe.cu ;;
+    moe) build moe moe.cu ;;
   esac
   echo "== $n"
   "$tmp/${n}_check" "$@"

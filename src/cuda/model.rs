@@ -18,11 +18,8 @@ use std::sync::Arc;
 
 /// Rows of logits computed per lm_head call in `Logits::All` mode.
 const LOGITS_ROWS: usize = 64;
-/// Router rows per block of the decode router kernels (`moe_router_dec_r*`,
-/// `moe_out_router_dec_r*`: 2, 4, 8 or 16).
-const ROUTER_ROWS: [usize; 4] = [2, 4, 8, 16];
-/// u32s per layer of `moe_out_router_dec`'s counters (three, 128 bytes apart).
-const ROUTER_SYNC: usize = 96;
+/// Router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
+const ROUTER_ROWS: usize = 2;
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
 const MOE_GEMV_MAX_ROWS: usize = 64;
@@ -184,8 +181,6 @@ struct DecodeWs {
     sgate: DeviceBuf,
     /// Last-block counters of the router top-k and the lm_head argmax (zero between launches).
     done: DeviceBuf,
-    /// `moe_out_router_dec`'s counters, ROUTER_SYNC per layer (zero between launches).
-    router_sync: DeviceBuf,
     /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
     part: DeviceBuf,
@@ -224,7 +219,6 @@ impl DecodeWs {
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
             ("done", 8),
-            ("router_sync", c.num_layers * ROUTER_SYNC * 4),
             ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
@@ -253,7 +247,6 @@ impl DecodeWs {
             topk_w: take("topk_w")?,
             sgate: take("sgate")?,
             done: take("done")?,
-            router_sync: take("router_sync")?,
             act: take("act")?,
             part: take("part")?,
             logits: take("logits")?,
@@ -308,12 +301,6 @@ pub struct CudaModel {
     /// three, at 132 the next kernel's blocks fit beside one GEMV block per SM. H200 A/B at
     /// f27aa6c: 132 slower (348 -> 320 tok/s at 256), 264 the same (348 -> 345); default kept.
     pub gemv_max_blocks: usize,
-    /// The decode out-projection (with the residual) and the MoE router in one launch
-    /// (`moe_out_router_dec`), or with `KESTREL_ROUTER=separate` as two (`gemv_dec_w` or
-    /// `gemv_dec`, then `moe_router_dec`).
-    pub fused_router: bool,
-    /// Router rows per block of the decode router (`KESTREL_ROUTER_ROWS`: 2, 4, 8 or 16).
-    pub router_rows: usize,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -801,12 +788,6 @@ impl CudaModel {
                 .and_then(|v| v.parse().ok())
                 .filter(|&b: &usize| b >= 1)
                 .unwrap_or(GEMV_MAX_BLOCKS),
-            fused_router: !std::env::var("KESTREL_ROUTER").is_ok_and(|v| v == "separate"),
-            router_rows: std::env::var("KESTREL_ROUTER_ROWS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|r| ROUTER_ROWS.contains(r))
-                .unwrap_or(2),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1366,8 +1347,8 @@ impl CudaModel {
             )
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
-        for (li, layer) in self.layers.iter().enumerate() {
-            let (wo, kin) = match &layer.mixer {
+        for layer in &self.layers {
+            match &layer.mixer {
                 MixerW::Gdn(w) => {
                     let (st_conv, st_rec) = &state.gdn[gdn_i];
                     gdn_i += 1;
@@ -1433,7 +1414,7 @@ impl CudaModel {
                             Arg::F(eps),
                         ],
                     )?;
-                    (w.out.ptr, vw)
+                    gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
                 MixerW::Attn(w) => {
                     let (kc, vc) = &state.kv[attn_i];
@@ -1532,17 +1513,10 @@ impl CudaModel {
                             .collect();
                         launch("attn_combine", (1, nq as u32, 1), block(hd), 0, &args)?;
                     }
-                    (w.o.ptr, nq * hd)
+                    gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
-            };
-            // The out-projection with the residual, then the MoE block.
-            if self.fused_router {
-                self.moe_out_router_decode(layer, li, wo, kin)?;
-            } else {
-                gemv(wo, d, kin, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
-                self.moe_router_decode(layer)?;
             }
-            self.moe_experts_decode(layer)?;
+            self.moe_decode(layer)?;
         }
         // Final norm + lm_head with the greedy argmax fused.
         gemv(
@@ -1557,87 +1531,45 @@ impl CudaModel {
         )
     }
 
-    /// The router's arguments after `h` (its RMSNorm, the router, the shared expert's gate,
-    /// the top-k), as `moe_router_dec` and `moe_out_router_dec` take them.
-    fn router_args(&self, layer: &LayerW) -> [Arg; 12] {
-        let (c, dw) = (&self.config, &self.dws);
-        [
-            Arg::Ptr(layer.post_norm.ptr),
-            Arg::F(c.rms_norm_eps),
-            Arg::I(c.hidden_size as i32),
-            Arg::Ptr(layer.router.ptr),
-            Arg::I(c.num_experts as i32),
-            Arg::Ptr(layer.shared_gate.ptr),
-            Arg::Ptr(dw.xb.ptr),
-            Arg::Ptr(dw.router.ptr),
-            Arg::Ptr(dw.sgate.ptr),
-            Arg::I(c.experts_per_token as i32),
-            Arg::Ptr(dw.topk_ids.ptr),
-            Arg::Ptr(dw.topk_w.ptr),
-        ]
-    }
-
-    /// The router on its own (`KESTREL_ROUTER=separate`): RMSNorm, router, shared gate, top-k.
-    fn moe_router_decode(&self, layer: &LayerW) -> Result<()> {
-        let (c, dw) = (&self.config, &self.dws);
-        let (d, e) = (c.hidden_size, c.num_experts);
-        let args: Vec<Arg> = [Arg::Ptr(dw.h.ptr)]
-            .into_iter()
-            .chain(self.router_args(layer))
-            .chain([Arg::Ptr(dw.done.ptr)])
-            .collect();
-        self.gpu.launch_ex(
-            &format!("moe_router_dec_r{}", self.router_rows),
-            (e.div_ceil(self.router_rows) as u32 + 1, 1, 1),
-            256,
-            ((d + e) * 4) as u32,
-            &args,
-            self.decode_pdl,
-        )
-    }
-
-    /// The out-projection `wo` `[d, kin]` with the residual (h += wo · ob) and the router in
-    /// one launch (`moe_out_router_dec`: its first blocks are the GEMV, the rest the router,
-    /// which starts as soon as every row of h is written); layer `li`'s own counters.
-    fn moe_out_router_decode(&self, layer: &LayerW, li: usize, wo: u64, kin: usize) -> Result<()> {
-        let (c, dw) = (&self.config, &self.dws);
-        let (d, e) = (c.hidden_size, c.num_experts);
-        let blocks = d.div_ceil(gemv_rows_per_block(kin, true)) + e.div_ceil(self.router_rows) + 1;
-        let args: Vec<Arg> = [
-            Arg::Ptr(wo),
-            Arg::I(kin as i32),
-            Arg::Ptr(dw.ob.ptr),
-            Arg::Ptr(dw.h.ptr),
-        ]
-        .into_iter()
-        .chain(self.router_args(layer))
-        .chain([Arg::Ptr(dw.router_sync.ptr + (li * ROUTER_SYNC * 4) as u64)])
-        .collect();
-        self.gpu.launch_ex(
-            &format!("moe_out_router_dec_r{}", self.router_rows),
-            (blocks as u32, 1, 1),
-            256,
-            (kin.max(d + e) * 4) as u32,
-            &args,
-            self.decode_pdl,
-        )
-    }
-
-    /// The experts of one token after the router: the chosen and shared experts' gate/up
-    /// with SwiGLU, then their down projections combined into the residual.
-    fn moe_experts_decode(&self, layer: &LayerW) -> Result<()> {
+    /// The MoE block of one token in three launches: router (+ its RMSNorm, the shared
+    /// expert's gate and the top-k), the chosen and shared experts' gate/up with SwiGLU, and
+    /// their down projections combined into the residual.
+    fn moe_decode(&self, layer: &LayerW) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
         let launch = |name: &str, grid, block, smem, args: &[Arg]| {
             self.gpu
                 .launch_ex(name, grid, block, smem, args, self.decode_pdl)
         };
-        let (d, k, i, is) = (
+        let (d, e, k, i, is) = (
             c.hidden_size,
+            c.num_experts,
             c.experts_per_token,
             c.moe_intermediate,
             c.shared_intermediate,
         );
+        launch(
+            "moe_router_dec",
+            (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
+            256,
+            ((d + e) * 4) as u32,
+            &[
+                Arg::Ptr(dw.h.ptr),
+                Arg::Ptr(layer.post_norm.ptr),
+                Arg::F(c.rms_norm_eps),
+                Arg::I(d as i32),
+                Arg::Ptr(layer.router.ptr),
+                Arg::I(e as i32),
+                Arg::Ptr(layer.shared_gate.ptr),
+                Arg::Ptr(dw.xb.ptr),
+                Arg::Ptr(dw.router.ptr),
+                Arg::Ptr(dw.sgate.ptr),
+                Arg::I(k as i32),
+                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::Ptr(dw.topk_w.ptr),
+                Arg::Ptr(dw.done.ptr),
+            ],
+        )?;
         launch(
             "moe_gate_up_dec",
             (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),

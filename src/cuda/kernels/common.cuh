@@ -154,22 +154,19 @@ __device__ __forceinline__ void stage_bf16(float* xs, const bf16* __restrict__ x
 
 // Stage the zero-centred RMSNorm (1 + w) of the f32 residual h, rounded to bf16 like every GEMM
 // input; `xb_out` (may be null) also receives it as bf16. 16-byte loads when k % 4 == 0. Ends
-// with a block barrier. L2: read h through L2 (ld.cg), for moe_out_router_dec, where other
-// blocks of the same grid write it; the decode GEMVs keep plain loads (with ld.cg everywhere
-// decode measured ~7% slower on the H200 at dc28976).
-template <bool L2 = false>
-__device__ __forceinline__ void stage_rmsnorm(float* xs, const float* h, const float* __restrict__ w, int k,
-                                              float eps, bf16* __restrict__ xb_out) {
+// with a block barrier.
+__device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
+                                              int k, float eps, bf16* __restrict__ xb_out) {
     float ss = 0.0f;
     if ((k & 3) == 0) {
         for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
-            float4 v = L2 ? __ldcg(reinterpret_cast<const float4*>(h) + c) : reinterpret_cast<const float4*>(h)[c];
+            float4 v = reinterpret_cast<const float4*>(h)[c];
             reinterpret_cast<float4*>(xs)[c] = v;
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
     } else {
         for (int i = threadIdx.x; i < k; i += blockDim.x) {
-            float v = L2 ? __ldcg(h + i) : h[i];
+            float v = h[i];
             xs[i] = v;
             ss += v * v;
         }
@@ -264,31 +261,19 @@ __device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, in
 
 // Block-wide "am I the last block to finish" ticket (threadfence reduction pattern); the last
 // block also resets the counter for the next launch. All threads must call it.
-// `nblocks` (0: the whole grid) is how many blocks take a ticket.
-__device__ __forceinline__ bool last_block_done(unsigned* counter, unsigned nblocks = 0) {
+__device__ __forceinline__ bool last_block_done(unsigned* counter) {
     __shared__ bool last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned ticket = atomicAdd(counter, 1u);
-        last = ticket == (nblocks ? nblocks : gridDim.x * gridDim.y) - 1;
+        last = ticket == gridDim.x * gridDim.y - 1;
         if (last) *counter = 0;
     }
     __syncthreads();
     if (last) __threadfence();
     return last;
 }
-
-// One thread spins until *p >= target; the load is an acquire at GPU scope, the other side of
-// blocks of the same grid counting with __threadfence + atomicAdd. Only safe when every block
-// being waited for has already started (see moe_out_router_dec).
-__device__ __forceinline__ void spin_until_at_least(const unsigned* p, unsigned target) {
-    unsigned v;
-    do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    } while (v < target);
-}
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // 16-byte asynchronous global-to-shared copy (zero-fills the destination when !valid), and
 // its group fences: wait_one leaves the most recent committed group in flight.

@@ -630,141 +630,60 @@ MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
-// Router: logits = W_r . x with x the post-attention RMSNorm of h (the first row group also
-// stores x as bf16 for the experts), the shared-expert gate sigmoid(x . w_sg), and the top-k.
-// The router is only 1 MB, so its time is latency: a block takes RR rows with the 256 threads
-// splitting k, every weight load issued before it waits for h (`wait_h`); the block after the
-// row groups computes the shared gate; the last of the `nblocks` blocks to finish picks the
-// top-k (returns true in that block only). L2: h is read through L2 (other blocks of the same
-// grid write it). smem (d + e) floats.
-template <int RR, bool L2, class WaitH>
-__device__ __forceinline__ bool router_block(int rb, int nblocks, WaitH wait_h, const float* h,
-                                             const float* __restrict__ nw, float eps, int d,
-                                             const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg,
-                                             bf16* __restrict__ xb, float* __restrict__ logits,
-                                             float* __restrict__ sgate, int k, int* __restrict__ topk_ids,
-                                             float* __restrict__ topk_w, unsigned* __restrict__ done, float* xs) {
-    __shared__ float part[8][RR];
+// Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
+// the experts). The router is only 1 MB, so its time is latency: ROUTER_ROWS rows per block with
+// the 256 threads splitting k spreads it over ~e/2 blocks, all loads issued before the input is
+// staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg); the last block
+// to finish picks the top-k. grid ceil(e / ROUTER_ROWS) + 1, block 256, smem (d + e) floats.
+#define ROUTER_ROWS 2
+extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
+    const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
+    int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
+    griddep_launch();
+    extern __shared__ float xs[];
+    __shared__ float part[8][ROUTER_ROWS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int r0 = rb * RR;
-    if (r0 < e) {
-        const int nv = d >> 3;
-        const uint4* rows = reinterpret_cast<const uint4*>(wr + (size_t)r0 * d);  // row q at rows + q * nv
-        uint4 w[RR];
+    if (blockIdx.x + 1 < gridDim.x) {
+        const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
+        const uint4* rows[ROUTER_ROWS];
+        uint4 w[ROUTER_ROWS];
 #pragma unroll
-        for (int q = 0; q < RR; q++)
-            w[q] = r0 + q < e && tid < nv ? __ldg(rows + q * nv + tid) : make_uint4(0, 0, 0, 0);
-        wait_h();
-        stage_rmsnorm<L2>(xs, h, nw, d, eps, rb == 0 ? xb : nullptr);
+        for (int q = 0; q < ROUTER_ROWS; q++) {
+            rows[q] = r0 + q < e ? reinterpret_cast<const uint4*>(wr + (size_t)(r0 + q) * d) : nullptr;
+            w[q] = rows[q] && tid < nv ? __ldg(rows[q] + tid) : make_uint4(0, 0, 0, 0);
+        }
+        griddep_wait();
+        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr);
+        float acc[ROUTER_ROWS];
 #pragma unroll
-        for (int q = 0; q < RR; q++) {
-            float acc = tid < nv ? dot8(w[q], xs + tid * 8) : 0.0f;
+        for (int q = 0; q < ROUTER_ROWS; q++) {
+            acc[q] = tid < nv ? dot8(w[q], xs + tid * 8) : 0.0f;
             for (int c = tid + 256; c < nv; c += 256)  // d > 2048 only
-                if (r0 + q < e) acc += dot8(__ldg(rows + q * nv + c), xs + c * 8);
-            float a = warp_sum(acc);
+                if (rows[q]) acc[q] += dot8(__ldg(rows[q] + c), xs + c * 8);
+            float a = warp_sum(acc[q]);
             if (lane == 0) part[warp][q] = a;
         }
         __syncthreads();
-        if (tid < RR && r0 + tid < e) {
+        if (tid < ROUTER_ROWS && r0 + tid < e) {
             float t = 0.0f;
             for (int i = 0; i < 8; i++) t += part[i][tid];
             logits[r0 + tid] = t;
         }
     } else {
-        wait_h();
-        stage_rmsnorm<L2>(xs, h, nw, d, eps, nullptr);
+        griddep_wait();
+        stage_rmsnorm(xs, h, nw, d, eps, nullptr);
         float dot = 0.0f;
         for (int i = tid; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
         dot = block_sum(dot);
         if (tid == 0) *sgate = sigmoid_f(dot);
     }
-    if (!last_block_done(done, nblocks)) return false;
+    if (!last_block_done(done)) return;
     float* rl = xs + d;
     for (int i = threadIdx.x; i < e; i += blockDim.x) rl[i] = __ldcg(logits + i);
     __syncthreads();
     if (threadIdx.x < 32) route_topk_warp(rl, e, k, topk_ids, topk_w);
-    return true;
 }
-
-// The router as its own launch, RR rows a block (moe_router_dec_rRR): grid ceil(e / RR) + 1,
-// block 256, smem (d + e) floats.
-template <int RR>
-__device__ __forceinline__ void moe_router_dec_impl(const float* h, const float* __restrict__ nw, float eps, int d,
-                                                    const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg,
-                                                    bf16* __restrict__ xb, float* __restrict__ logits,
-                                                    float* __restrict__ sgate, int k, int* __restrict__ topk_ids,
-                                                    float* __restrict__ topk_w, unsigned* __restrict__ done) {
-    griddep_launch();
-    extern __shared__ float xs[];
-    router_block<RR, false>(blockIdx.x, gridDim.x, [] { griddep_wait(); }, h, nw, eps, d, wr, e, w_sg, xb, logits, sgate,
-                     k, topk_ids, topk_w, done, xs);
-}
-
-// The out-projection with the residual (h += W_o . x, W_o [d, kin] bf16, as gemv_dec_w) and the
-// router in one launch, so the router no longer waits for a kernel boundary and its weights load
-// while the out-projection runs. Blocks take roles by a start ticket, not by blockIdx: the first
-// ceil(d / rows) are GEMV blocks (each counts itself in sync[32] once its rows of h are written),
-// the next ceil(e / RR) + 1 router blocks, which load their rows, then spin until
-// sync[32] says all of h is written. A router block exists only after every GEMV block has
-// started, so the spin ends whatever the dispatch order and however few blocks fit the GPU.
-// GEMV blocks also pull the router's weights into L2 for router blocks that start late.
-// sync: counters at 0, 32 and 64, zero at launch and reset by the last router block (a set per
-// layer: a block takes its start ticket before griddep_wait). grid ceil(d / rows) +
-// ceil(e / RR) + 1, block 256, smem max(kin, d + e) floats. Entry points moe_out_router_dec_rRR.
-template <int RR>
-__device__ __forceinline__ void moe_out_router_dec_impl(
-    const bf16* __restrict__ wo, int kin, const bf16* __restrict__ x, float* h, const float* __restrict__ nw,
-    float eps, int d, const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg, bf16* __restrict__ xb,
-    float* __restrict__ logits, float* __restrict__ sgate, int k, int* __restrict__ topk_ids,
-    float* __restrict__ topk_w, unsigned* sync) {
-    griddep_launch();
-    extern __shared__ float xs[];
-    __shared__ unsigned role;
-    if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1u);  // counters 128 bytes apart: no false sharing
-    __syncthreads();
-    const int rows = gemv_rows_per_block(kin, true);
-    const unsigned ngemv = (d + rows - 1) / rows, nrouter = (e + RR - 1) / RR + 1;
-    if (role < ngemv) {
-        // this block's share of the router rows into L2 (128-byte lines)
-        const size_t lines = ((size_t)e * d * 2 + 127) / 128, per = (lines + ngemv - 1) / ngemv;
-        for (size_t l = role * per + threadIdx.x; l < min(lines, (role + 1) * per); l += blockDim.x)
-            prefetch_l2(reinterpret_cast<const char*>(wr) + l * 128);
-        block_gemv<true>(wo, d, kin, role * rows, false, x, nullptr, nullptr, eps, nullptr, xs, h, 1.0f);
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(&sync[32], 1u);
-        return;
-    }
-    const bool last = router_block<RR, true>(
-        role - ngemv, nrouter,
-        [&] {
-            if (threadIdx.x == 0) spin_until_at_least(&sync[32], ngemv);
-            __syncthreads();
-        },
-        h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, &sync[64], xs);
-    if (last && threadIdx.x == 0) sync[0] = sync[32] = 0;  // every block has its ticket and is past its spin
-}
-
-#define ROUTER_DEC(RR)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) moe_router_dec_r##RR(                                     \
-        const float* h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,     \
-        const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits,                     \
-        float* __restrict__ sgate, int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,              \
-        unsigned* __restrict__ done) {                                                                         \
-        moe_router_dec_impl<RR>(h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, done);     \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) moe_out_router_dec_r##RR(                                 \
-        const bf16* __restrict__ wo, int kin, const bf16* __restrict__ x, float* h, const float* __restrict__ nw, \
-        float eps, int d, const bf16* __restrict__ wr, int e, const float* __restrict__ w_sg,                   \
-        bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate, int k,                   \
-        int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* sync) {                              \
-        moe_out_router_dec_impl<RR>(wo, kin, x, h, nw, eps, d, wr, e, w_sg, xb, logits, sgate, k, topk_ids, topk_w, \
-                                    sync);                                                                     \
-    }
-ROUTER_DEC(2)
-ROUTER_DEC(4)
-ROUTER_DEC(8)
-ROUTER_DEC(16)
 
 // Gate/up half of the k chosen experts and the shared expert (slot k): act[s, j] =
 // bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j (its gate
