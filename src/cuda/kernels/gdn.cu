@@ -370,14 +370,6 @@ __device__ __forceinline__ void st_quad(float* mat, int row, int m, float x0, fl
                  : make_float4(__uint_as_float(h0), __uint_as_float(sh), __uint_as_float(l0), __uint_as_float(sl)));
 }
 
-// gdn_chunk_state's 3xTF32 products: with GDN_COR2 defined the two cross terms accumulate in
-// chains of their own (half as long), else in one (A/B knob: KESTREL_KERNEL_DEFINES=GDN_COR2).
-#ifdef GDN_COR2
-#define GDN_COR2_OR(two, one) two
-#else
-#define GDN_COR2_OR(two, one) one
-#endif
-
 __device__ __forceinline__ void gdn_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // 3xTF32 pieces of gdn_chunk_prep. The A fragment (16 rows x 8) of f32 rows at `a`, stride
@@ -708,11 +700,11 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
                                                  float* dst, int srow, int tile0, int lane) {
     constexpr int LDKT = DK + 8;
     const int gq = lane >> 2, cq = lane & 3;
-    float cor[NPW][4], cor2[NPW][4];  // the two cross terms in chains of their own
+    float cor[NPW][4];
 #pragma unroll
     for (int p = 0; p < NPW; p++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = cor2[p][e] = 0.0f;
+        for (int e = 0; e < 4; e++) sr[p][e] *= el, cor[p][e] = 0.0f;
 #pragma unroll 2
     for (int r0 = 0; r0 < GDN_C; r0 += 8) {
         const float* ka = kt + (r0 + cq) * LDKT + srow;
@@ -726,14 +718,14 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
             const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
             const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
             mma_tf32_1688(cor[p], al, bh0, bh1);
-            mma_tf32_1688(GDN_COR2_OR(cor2, cor)[p], ah, bl0, bl1);
+            mma_tf32_1688(cor[p], ah, bl0, bl1);
             mma_tf32_1688(sr[p], ah, bh0, bh1);
         }
     }
 #pragma unroll
     for (int p = 0; p < NPW; p++) {
 #pragma unroll
-        for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e] + cor2[p][e];
+        for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
         const int m = 8 * ((tile0 + p) % 4) + 2 * cq;
         st_quad(dst, srow, m, sr[p][0], sr[p][1], lane);
         st_quad(dst, srow + 8, m, sr[p][2], sr[p][3], lane);
@@ -771,11 +763,11 @@ template <int DK, int LDA>
 __device__ __forceinline__ void gdn_rows_times_s(const float* a, const float* s, int half, int lane,
                                                  float (&acc)[2][4]) {
     const int gq = lane >> 2, cq = lane & 3;
-    float cor[2][4], cor2[2][4];  // the cross terms, their own chains for ILP
+    float cor[2][4];  // the cross terms, their own chains for ILP
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[nt][e] = cor[nt][e] = cor2[nt][e] = 0.0f;
+        for (int e = 0; e < 4; e++) acc[nt][e] = cor[nt][e] = 0.0f;
     const float* arow = a + (lane & 15) * LDA + (lane >> 4) * 4;
 #pragma unroll 4
     for (int k0 = 0; k0 < DK; k0 += 8) {
@@ -789,14 +781,14 @@ __device__ __forceinline__ void gdn_rows_times_s(const float* a, const float* s,
             const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
             const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
             mma_tf32_1688(cor[nt], al, bh0, bh1);
-            mma_tf32_1688(GDN_COR2_OR(cor2, cor)[nt], ah, bl0, bl1);
+            mma_tf32_1688(cor[nt], ah, bl0, bl1);
             mma_tf32_1688(acc[nt], ah, bh0, bh1);
         }
     }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[nt][e] += cor[nt][e] + cor2[nt][e];
+        for (int e = 0; e < 4; e++) acc[nt][e] += cor[nt][e];
 }
 
 template <int DK>
