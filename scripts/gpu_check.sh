@@ -59,7 +59,11 @@ while [ $# -gt 0 ]; do
         --out "$OUT/cli" 2>&1 | tee "$OUT/cli.log" || status=1 ;;
     bench)
       shift
-      .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+      # bench.json / bench.log, or with the contexts in the name when a bench step ran before
+      tag=""
+      [ -e "$OUT/bench.json" ] && tag="-${1//,/_}"
+      .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench$tag.json" 2>&1 \
+        | tee "$OUT/bench$tag.log" || status=1 ;;
     profile)
       shift
       # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.

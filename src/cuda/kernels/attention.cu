@@ -12,33 +12,34 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
                                      bf16* __restrict__ v_cache, int past, const int* __restrict__ past_dev,
                                      int nq, int nkv, int hd, int rot_half, float eps) {
     griddep_launch();
-    griddep_wait();
+    // Weights and the host-written position before the wait, the rotation angle with them;
+    // after it, every input at once.
     if (past_dev) past = *past_dev;
     int s = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
     bool is_q = head < nq;
     int kvh = head - nq;
     const float* src = is_q ? qg + ((size_t)s * nq + head) * 2 * hd : k + ((size_t)s * nkv + kvh) * hd;
-    const float* w = is_q ? q_norm : k_norm;
+    const float wi = i < hd ? (is_q ? q_norm : k_norm)[i] : 0.0f;
+    int pos = past + s;
+    float sn = 0.0f, cs = 1.0f;
+    if (i < 2 * rot_half) sincosf((float)pos * inv_freq[i < rot_half ? i : i - rot_half], &sn, &cs);
+    griddep_wait();
     extern __shared__ float buf[];
     float x = i < hd ? src[i] : 0.0f;
+    const float vi = !is_q && i < hd ? v[((size_t)s * nkv + kvh) * hd + i] : 0.0f;
     float inv = rsqrtf(block_sum(x * x) / hd + eps);
-    if (i < hd) buf[i] = x * inv * (1.0f + w[i]);
+    if (i < hd) buf[i] = x * inv * (1.0f + wi);
     __syncthreads();
     if (i >= hd) return;
     float y = buf[i];
-    int pos = past + s;
-    if (i < 2 * rot_half) {
-        int f = i < rot_half ? i : i - rot_half;
-        float sn, cs;
-        sincosf((float)pos * inv_freq[f], &sn, &cs);
+    if (i < 2 * rot_half)
         y = i < rot_half ? buf[i] * cs - buf[i + rot_half] * sn : buf[i] * cs + buf[i - rot_half] * sn;
-    }
     if (is_q) {
         q_out[((size_t)s * nq + head) * hd + i] = y;
     } else {
         size_t off = ((size_t)pos * nkv + kvh) * hd + i;
         k_cache[off] = __float2bfloat16(y);
-        v_cache[off] = __float2bfloat16(v[((size_t)s * nkv + kvh) * hd + i]);
+        v_cache[off] = __float2bfloat16(vi);
     }
 }
 

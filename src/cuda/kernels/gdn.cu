@@ -187,11 +187,14 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     for (int i = 0; i < RQ; i++) S[i] = active ? st[(size_t)i * dv] : 0.0f;
     const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
     griddep_wait();
+    // Every input of the step is loaded at once, before the first barrier: one round trip.
     __shared__ float qs[DK], ks[DK];
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
         qs[i] = qkv[(size_t)kh * DK + i];
         ks[i] = qkv[(size_t)(hk + kh) * DK + i];
     }
+    const float v = active ? qkv[(size_t)2 * hk * DK + (size_t)j * dv + m] : 0.0f;
+    const float zm = active && part == 0 ? z[(size_t)j * dv + m] : 0.0f;
     float bt = sigmoid_f(ba[j]);
     float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
@@ -205,7 +208,6 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     }
     r += __shfl_xor_sync(0xffffffffu, r, 1);
     r += __shfl_xor_sync(0xffffffffu, r, 2);
-    float v = active ? qkv[(size_t)2 * hk * DK + (size_t)j * dv + m] : 0.0f;
     float u = bt * (v - r);
     float o = 0.0f;
 #pragma unroll
@@ -222,7 +224,7 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     if (!active) o = 0.0f;
     float inv = rsqrtf(block_sum(part == 0 ? o * o : 0.0f) / dv + eps);
     if (active && part == 0)
-        out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(z[(size_t)j * dv + m]));
+        out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(zm));
 }
 
 #define GDN_STEP_DEC(DK)                                                                                   \
