@@ -211,7 +211,7 @@ static void route_check(int t, int e, int k) {
 // logits = W_r x, the top-k renormalised, sgate = sigmoid(w_sg . x), act = bf16(SiLU(g) u) for
 // the k chosen and the shared expert, h += sum_s w_s down_s act_s + sgate shared_down act.
 // d 2048 / inter 512 take the kernels' register-preloaded paths, the small shape the generic ones.
-static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int rr = ROUTER_ROWS) {
+static void decode_moe_check(int d, int e, int k, int inter, int s_inter) {
     const float eps = 1e-6f;
     std::vector<float> h(d), nw(d), w_sg(d);
     for (auto& v : h) v = uni(-2, 2);
@@ -227,7 +227,7 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int rr
     std::vector<float> logits(e), sgate(1), topk_w(k), act((size_t)(k + 1) * act_ld, NAN), h_out = h;
     std::vector<int> topk_ids(k, -1);
     std::vector<unsigned> done(1, 0);
-    emu_launch({(unsigned)((e + rr - 1) / rr + 1), 1, 1}, 256, (size_t)(d + e) * 4, [&] {
+    emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)(d + e) * 4, [&] {
         moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb.data(), logits.data(),
                        sgate.data(), k, topk_ids.data(), topk_w.data(), done.data());
     });
@@ -290,8 +290,8 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int rr
         scale = std::max(scale, std::fabs(y));
     }
     const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
-    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d router rows %d: ids %s, h max err %.1e (scale %.2f)\n",
-           ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, rr, ids_ok ? "equal" : "DIFFER", err, scale);
+    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d: ids %s, h max err %.1e (scale %.2f)\n", ok ? "ok  " : "FAIL",
+           d, e, k, inter, s_inter, ids_ok ? "equal" : "DIFFER", err, scale);
     fails += !ok;
 }
 
@@ -299,9 +299,6 @@ int main(int argc, char** argv) {
     decode_moe_check(64, 8, 2, 32, 32);
     decode_moe_check(96, 16, 4, 40, 24);
     decode_moe_check(2048, 16, 8, 512, 512);
-    decode_moe_check(96, 15, 4, 40, 24, 1);
-    decode_moe_check(2048, 16, 8, 512, 512, 1);
-    decode_moe_check(2048, 16, 8, 512, 512, 2);
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(12, e, k);

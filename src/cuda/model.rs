@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 /// Rows of logits computed per lm_head call in `Logits::All` mode.
 const LOGITS_ROWS: usize = 64;
-/// Most router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
+/// Router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
 const ROUTER_ROWS: usize = 2;
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
@@ -301,8 +301,6 @@ pub struct CudaModel {
     /// three, at 132 the next kernel's blocks fit beside one GEMV block per SM. H200 A/B at
     /// f27aa6c: 132 slower (348 -> 320 tok/s at 256), 264 the same (348 -> 345); default kept.
     pub gemv_max_blocks: usize,
-    /// Router rows per block of `moe_router_dec`, 1 or `ROUTER_ROWS` (`KESTREL_ROUTER_ROWS`).
-    pub router_rows: usize,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -790,11 +788,6 @@ impl CudaModel {
                 .and_then(|v| v.parse().ok())
                 .filter(|&b: &usize| b >= 1)
                 .unwrap_or(GEMV_MAX_BLOCKS),
-            router_rows: std::env::var("KESTREL_ROUTER_ROWS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|r| (1..=ROUTER_ROWS).contains(r))
-                .unwrap_or(ROUTER_ROWS),
             moe_gemm: MoeGemm::from_env(),
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1557,7 +1550,7 @@ impl CudaModel {
         );
         launch(
             "moe_router_dec",
-            (e.div_ceil(self.router_rows) as u32 + 1, 1, 1),
+            (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
             256,
             ((d + e) * 4) as u32,
             &[

@@ -374,29 +374,18 @@ __device__ __forceinline__ void st_quad(float* mat, int row, int m, float x0, fl
 
 __device__ __forceinline__ void gdn_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
-// 3xTF32 pieces of gdn_chunk_prep. With GDN_SPLIT_TRUNC (an A/B knob) the split truncates:
-// hi = x with the low 13 bits cleared, lo = x − hi, which the mma truncates in turn (two
-// instructions instead of four; ~2^-20 instead of ~2^-22 of x).
-__device__ __forceinline__ void gdn_split(float x, unsigned& hi, unsigned& lo) {
-#ifdef GDN_SPLIT_TRUNC
-    hi = __float_as_uint(x) & 0xffffe000u;
-    lo = __float_as_uint(x - __uint_as_float(hi));
-#else
-    split_tf32(x, hi, lo);
-#endif
-}
-// The A fragment (16 rows x 8) of f32 rows at `a`, stride lda ≡ 4 mod 32 (ldmatrix conflict
-// free), split into hi and lo.
+// 3xTF32 pieces of gdn_chunk_prep. The A fragment (16 rows x 8) of f32 rows at `a`, stride
+// lda ≡ 4 mod 32 (ldmatrix conflict free), split into hi and lo.
 __device__ __forceinline__ void gdn_frag_a(const float* a, int lda, int lane, unsigned (&hi)[4], unsigned (&lo)[4]) {
     unsigned f[4];
     ldsm_x4(f, a + (lane & 15) * lda + (lane >> 4) * 4);
 #pragma unroll
-    for (int e = 0; e < 4; e++) gdn_split(__uint_as_float(f[e]), hi[e], lo[e]);
+    for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(f[e]), hi[e], lo[e]);
 }
 // A B fragment's b0, b1 split as {hi(b0), hi(b1), lo(b0), lo(b1)}.
 __device__ __forceinline__ void gdn_frag_b(float b0, float b1, unsigned (&b)[4]) {
-    gdn_split(b0, b[0], b[2]);
-    gdn_split(b1, b[1], b[3]);
+    split_tf32(b0, b[0], b[2]);
+    split_tf32(b1, b[1], b[3]);
 }
 // acc += A_hi B_hi, cor += A_hi B_lo + A_lo B_hi (the cross terms in their own chain).
 __device__ __forceinline__ void gdn_mma3(float (&acc)[4], float (&cor)[4], const unsigned (&ah)[4],

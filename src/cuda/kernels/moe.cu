@@ -631,11 +631,10 @@ MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 // ---- Decode (one token): three launches for the whole MoE block ----
 
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
-// the experts). The router is only 1 MB, so its time is latency: rr = ceil(e / (grid - 1)) <=
-// ROUTER_ROWS rows per block (the host picks the grid) with the 256 threads splitting k, all loads
-// issued before the input is staged. The extra last block computes the shared-expert gate
-// sigmoid(x . w_sg); the last block to finish picks the top-k. grid ceil(e / rr) + 1, block 256,
-// smem (d + e) floats.
+// the experts). The router is only 1 MB, so its time is latency: ROUTER_ROWS rows per block with
+// the 256 threads splitting k spreads it over ~e/2 blocks, all loads issued before the input is
+// staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg); the last block
+// to finish picks the top-k. grid ceil(e / ROUTER_ROWS) + 1, block 256, smem (d + e) floats.
 #define ROUTER_ROWS 2
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
@@ -646,12 +645,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     __shared__ float part[8][ROUTER_ROWS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (blockIdx.x + 1 < gridDim.x) {
-        const int rr = (e + gridDim.x - 2) / (gridDim.x - 1), r0 = blockIdx.x * rr, nv = d >> 3;
+        const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
         const uint4* rows[ROUTER_ROWS];
         uint4 w[ROUTER_ROWS];
 #pragma unroll
         for (int q = 0; q < ROUTER_ROWS; q++) {
-            rows[q] = q < rr && r0 + q < e ? reinterpret_cast<const uint4*>(wr + (size_t)(r0 + q) * d) : nullptr;
+            rows[q] = r0 + q < e ? reinterpret_cast<const uint4*>(wr + (size_t)(r0 + q) * d) : nullptr;
             w[q] = rows[q] && tid < nv ? __ldg(rows[q] + tid) : make_uint4(0, 0, 0, 0);
         }
         griddep_wait();
@@ -666,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
             if (lane == 0) part[warp][q] = a;
         }
         __syncthreads();
-        if (tid < rr && r0 + tid < e) {
+        if (tid < ROUTER_ROWS && r0 + tid < e) {
             float t = 0.0f;
             for (int i = 0; i < 8; i++) t += part[i][tid];
             logits[r0 + tid] = t;
