@@ -5,7 +5,7 @@
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [variants CONTEXTS 'SET;SET;...']
-#          [abbin BINARY CONTEXTS] [ablate CONTEXT 'SET;SET;...']
+#          [abbin BINARY CONTEXTS] [ablate CONTEXT 'SET;SET;...'] [timeline CONTEXTS]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   ab: the bench without and with one environment setting, alternating, two rounds each, rows
 #   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
@@ -15,6 +15,8 @@
 #   ablate: decode tok/s with each SET of kernels not launched (KESTREL_SKIP=name[:grid_x],...;
 #   outputs are wrong, timing only), the baseline first and last, into $OUT/ablate.log: a
 #   kernel's cost on the critical path of the graph-launched step.
+#   timeline: one decode step's per-kernel cost on the critical path from a %globaltimer trace
+#   (KESTREL_TRACE), tables into $OUT/timeline-CONTEXT.txt.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -92,6 +94,16 @@ while [ $# -gt 0 ]; do
       done
       ab_rounds "$2" "${runners[@]}"
       shift 2 ;;
+    timeline)
+      # one decode step's timeline per context (every 8th and the last block of each decode
+      # kernel, %globaltimer), summarised per kernel by scripts/decode_timeline.py
+      KESTREL_KERNEL_DEFINES=KESTREL_TRACE KESTREL_TRACE_OUT="$OUT/timeline" .device/bin/kestrel bench --synthetic full \
+        --contexts "$2" ${KESTREL_BENCH_ARGS:-} 2>&1 | tail -3 | tee -a "$OUT/timeline.log" || status=1
+      for f in "$OUT"/timeline-*.csv; do
+        python3 scripts/decode_timeline.py "$f" --launches > "${f%.csv}.txt" 2>&1 || status=1
+        head -24 "${f%.csv}.txt" | tee -a "$OUT/timeline.log"
+      done
+      shift ;;
     abbin)
       ab_rounds "$3" "$2" .device/bin/kestrel
       shift 2 ;;

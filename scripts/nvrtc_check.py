@@ -6,7 +6,8 @@ Prints the NVRTC log and exits nonzero on error; `--ptx FILE` writes the PTX. `-
 compiles to sm_90a machine code instead (ptxas, as the driver would run it) and prints the
 registers per thread of each kernel whose name contains FILTER; with `--cubin FILE` it also
 writes that machine code, for `nvdisasm` (pip package nvidia-cuda-nvdisasm) to show spills
-(LDL/STL) or where loads sit against griddepcontrol.wait (ACQBULK)."""
+(LDL/STL) or where loads sit against griddepcontrol.wait (ACQBULK). Honours
+KESTREL_KERNEL_DEFINES as the crate does."""
 import ctypes, os, re, sys, time
 
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -16,7 +17,9 @@ src = ""
 for n in names:
     src += f"// ---- {n}\n" + open(os.path.join(root, "src/cuda/kernels", n)).read() + "\n"
 hdr = "#include <cuda_bf16.h>\n#include <mma.h>\n"
-src = hdr + src.replace(hdr, "")
+# KESTREL_KERNEL_DEFINES="A B=1" as the crate applies it
+defines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get("KESTREL_KERNEL_DEFINES", "").split())
+src = hdr + defines + src.replace(hdr, "")
 home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
 lib = None
 for cand in ["lib/libnvrtc.so.13", "lib64/libnvrtc.so", "lib/libnvrtc.so"]:

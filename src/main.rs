@@ -1227,6 +1227,55 @@ impl kestrel::bench::GreedyRunner for CudaRunner<'_> {
     }
 }
 
+/// The decode timeline of one step at `context` (after the prompt and 8 warm steps) into
+/// `{prefix}-{context}.csv` (`KESTREL_TRACE_OUT`; needs the kernels compiled with
+/// `KESTREL_KERNEL_DEFINES=KESTREL_TRACE`); scripts/decode_timeline.py reads it.
+fn trace_decode(
+    m: &kestrel::cuda::model::CudaModel,
+    cfg: &TextConfig,
+    context: usize,
+    vocab_limit: usize,
+    prefix: &str,
+) -> Result<()> {
+    let mut st = m.new_state_checked()?;
+    let mut next = m.forward_greedy(
+        &mut st,
+        &kestrel::bench::prompt(context, vocab_limit),
+        vocab_limit,
+    )?;
+    for _ in 0..8 {
+        next = m.forward_greedy(&mut st, &[next], vocab_limit)?;
+    }
+    let recs = m.trace_decode_step(&mut st, next, vocab_limit)?;
+    if recs.is_empty() {
+        anyhow::bail!(
+            "KESTREL_TRACE_OUT: no timeline records; compile the kernels with KESTREL_KERNEL_DEFINES=KESTREL_TRACE"
+        );
+    }
+    let path = format!("{prefix}-{context}.csv");
+    let mut out = String::from("tag,grid,block,y,sm,start_ns,wait_ns,end_ns\n");
+    for r in &recs {
+        out += &format!(
+            "{},{},{},{},{},{},{},{}\n",
+            r[0] >> 48,
+            (r[0] >> 24) & 0xff_ffff,
+            r[0] & 0xff_ffff,
+            r[1] >> 32,
+            r[1] & 0xffff_ffff,
+            r[2],
+            r[3],
+            r[4]
+        );
+    }
+    std::fs::write(&path, out).map_err(|e| anyhow::anyhow!("writing {path}: {e}"))?;
+    eprintln!(
+        "decode timeline at context {context}: {} block records ({} layers) -> {path}",
+        recs.len(),
+        cfg.num_layers
+    );
+    Ok(())
+}
+
 struct CpuRunner<'a>(&'a CpuModel, usize);
 
 impl kestrel::bench::GreedyRunner for CpuRunner<'_> {
@@ -1355,6 +1404,9 @@ fn bench_cmd(
                 )?);
                 // Written after every context, so a run cut short keeps what it measured.
                 write_bench_json(json.as_deref(), &rows, &gpu.name, &weights_label, copy_bw)?;
+                if let Ok(prefix) = std::env::var("KESTREL_TRACE_OUT") {
+                    trace_decode(&m, &cfg, c, vocab_limit, &prefix)?;
+                }
             }
             let prof = gpu.take_profile();
             if !prof.is_empty() {

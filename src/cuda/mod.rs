@@ -90,6 +90,7 @@ const KERNELS: &[&str] = &[
     "moe_router_dec",
     "moe_gate_up_dec",
     "moe_down_dec",
+    "trace_set",
 ];
 
 /// Threads for `n` lanes of work: whole warps, at most 1024.

@@ -1645,6 +1645,42 @@ impl CudaModel {
         Ok(())
     }
 
+    /// One fused decode step of `token` with the decode timeline on: the records of every
+    /// 8th and the last block of each decode kernel, `[tag << 48 | grid << 24 | block,
+    /// y << 32 | SM, start, wait released (0: none), end]`, times in ns of %globaltimer (see
+    /// common.cuh). Empty unless the kernels were compiled with
+    /// `KESTREL_KERNEL_DEFINES=KESTREL_TRACE`.
+    pub fn trace_decode_step(
+        &self,
+        state: &mut CudaState,
+        token: u32,
+        vocab_limit: usize,
+    ) -> Result<Vec<[u64; 5]>> {
+        const CAP: usize = 1 << 16;
+        self.gpu.bind()?;
+        self.check_tokens(state, &[token])?;
+        let buf = self.gpu.alloc_zeroed(CAP * 40)?;
+        let set = |ptr: u64, cap: usize| {
+            self.gpu.launch(
+                "trace_set",
+                (1, 1, 1),
+                32,
+                0,
+                &[Arg::Ptr(ptr), Arg::I(cap as i32)],
+            )
+        };
+        set(buf.ptr, CAP)?;
+        self.decode_step(state, token, vocab_limit)?;
+        set(0, 0)?;
+        let mut raw = vec![0u64; CAP * 5];
+        self.gpu.copy_to_host(buf.ptr, &mut raw)?;
+        Ok(raw
+            .chunks_exact(5)
+            .filter(|r| r[2] != 0)
+            .map(|r| [r[0], r[1], r[2], r[3], r[4]])
+            .collect())
+    }
+
     /// Final norm + lm_head for `n` rows of `ws.h` starting at row `r0`, into `ws.logits`.
     fn logits_rows(&self, ws: &Workspace, r0: usize, n: usize) -> Result<()> {
         let c = &self.config;

@@ -11,7 +11,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
                                      float* __restrict__ q_out, bf16* __restrict__ k_cache,
                                      bf16* __restrict__ v_cache, int past, const int* __restrict__ past_dev,
                                      int nq, int nkv, int hd, int rot_half, float eps) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_ATTN_PREP);
     // Weights and the host-written position before the wait, the rotation angle with them;
     // after it, every input at once.
     if (past_dev) past = *past_dev;
@@ -89,7 +89,7 @@ extern "C" __global__ void attn_split(const float* __restrict__ q, const bf16* _
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ qg,
                                         bf16* __restrict__ out, int past, const int* __restrict__ past_dev, int nq,
                                         int hd, int nsplit, int chunk) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_ATTN_COMBINE);
     griddep_wait();
     if (past_dev) {
         past = *past_dev;
@@ -135,7 +135,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* 
                                        const bf16* __restrict__ v_cache, float* __restrict__ part,
                                        const int* __restrict__ past_dev, int nq, int nkv, int hd, int nsplit,
                                        float scale) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_ATTN_DECODE);
     griddep_wait();
     extern __shared__ __align__(16) unsigned char smem[];
     const int ldk = hd + 8;  // bf16 row stride: 16-byte skew between rows, no bank conflicts
@@ -829,7 +829,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
     extern __shared__ __align__(128) unsigned char ad_smem[];
     bf16* qs = reinterpret_cast<bf16*>(ad_smem);  // [16][LD]
     bf16* kv = qs + 16 * LD;                      // [2 stages][K | V][AD_TK][LD]
-    griddep_launch();
+    DECODE_KERNEL(TAG_ATTN_DECODE);
     griddep_wait();
     const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
     const int n = *past_dev + 1;
@@ -917,7 +917,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* 
                                                                    const float* __restrict__ qg, bf16* __restrict__ out,
                                                                    const int* __restrict__ past_dev, int nq, int hd,
                                                                    int nsplit) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_ATTN_COMBINE);
     griddep_wait();
     const int n = *past_dev + 1;
     const int chunk = max(64, (n + nsplit - 1) / nsplit);

@@ -47,7 +47,70 @@ __device__ float block_sum(float v) {
 // the previous kernel has finished and its writes are visible. Before the wait a kernel may read
 // only immutable data (weights). Both are no-ops for a normal launch.
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// ---- Decode timeline (compiled in with KESTREL_KERNEL_DEFINES=KESTREL_TRACE; see
+// CudaModel::trace_decode_step and scripts/decode_timeline.py): thread 0 of every 8th block and
+// of the last block of each decode kernel appends one record of five u64 to the buffer trace_set
+// gave: tag << 48 | grid << 24 | block, SM, then %globaltimer (ns) at the block's start, when its
+// griddep_wait returned (0: never waited) and at its end. Without the define the hooks are empty.
+__device__ u64* g_trace;
+__device__ unsigned g_trace_n, g_trace_cap;
+extern "C" __global__ void trace_set(u64* buf, unsigned cap) {
+    g_trace = buf;
+    g_trace_n = 0;
+    g_trace_cap = cap;
+}
+#ifdef KESTREL_TRACE
+__shared__ u64 g_trace_t0, g_trace_t1;  // this block's start and wait release
+__device__ __forceinline__ u64 trace_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned trace_sm() {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    return sm;
+}
+struct TraceBlock {
+    unsigned tag;
+    __device__ explicit TraceBlock(unsigned t) : tag(t) {
+        if (threadIdx.x == 0) g_trace_t0 = trace_now(), g_trace_t1 = 0;
+    }
+    __device__ ~TraceBlock() {
+        if (threadIdx.x != 0 || !g_trace || ((blockIdx.x & 7) && blockIdx.x + 1 != gridDim.x)) return;
+        const unsigned i = atomicAdd(&g_trace_n, 1u);
+        if (i >= g_trace_cap) return;
+        u64* r = g_trace + 5 * (size_t)i;
+        r[0] = (u64)tag << 48 | (u64)gridDim.x << 24 | blockIdx.x;
+        r[1] = (u64)blockIdx.y << 32 | trace_sm();
+        r[2] = g_trace_t0;
+        r[3] = g_trace_t1;
+        r[4] = trace_now();
+    }
+};
+__device__ __forceinline__ void griddep_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (threadIdx.x == 0) g_trace_t1 = trace_now();
+}
+#define DECODE_KERNEL(tag) \
+    griddep_launch();      \
+    TraceBlock trace_block_(tag)
+#else
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+#define DECODE_KERNEL(tag) griddep_launch()
+#endif
+// Tags of the decode kernels in the timeline (decode_timeline.py has the names).
+#define TAG_EMBED 1
+#define TAG_GEMV 2
+#define TAG_GDN_CONV 3
+#define TAG_GDN_STEP 4
+#define TAG_ATTN_PREP 5
+#define TAG_ATTN_DECODE 6
+#define TAG_ATTN_COMBINE 7
+#define TAG_ROUTER 8
+#define TAG_GATE_UP 9
+#define TAG_DOWN 10
 
 // Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
 // Every lane gets the result.

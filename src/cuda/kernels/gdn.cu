@@ -132,7 +132,7 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const flo
 extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __restrict__ state,
                                         const float* __restrict__ w, float* __restrict__ out, int c, int kern,
                                         int hk, int dk, int dv, float q_scale) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_GDN_CONV);
     int b = blockIdx.x, i = threadIdx.x;
     bool qk = b < 2 * hk;
     int width = qk ? dk : dv;
@@ -175,7 +175,7 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
                                   float* __restrict__ state, bf16* __restrict__ out, int hk, int hv, int dv,
                                   float eps) {
     constexpr int RQ = DK / 4;  // state rows per lane
-    griddep_launch();
+    DECODE_KERNEL(TAG_GDN_STEP);
     int j = blockIdx.x, m = threadIdx.x >> 2, part = threadIdx.x & 3;
     int kh = j / (hv / hk);
     bool active = m < dv;

@@ -15,7 +15,7 @@ __device__ __forceinline__ void gemv_dec_impl(
     const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta,
     float* __restrict__ arg_val, int* __restrict__ arg_idx, unsigned* __restrict__ arg_done, int arg_limit,
     int* __restrict__ arg_out, int* __restrict__ arg_out2) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_GEMV);
     extern __shared__ float xs[];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int rows = gemv_rows_per_block(k, WHOLE_ROWS);

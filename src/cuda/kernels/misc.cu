@@ -2,7 +2,7 @@
 
 extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const int* __restrict__ ids,
                                         float* __restrict__ out, int d) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_EMBED);
     griddep_wait();
     int t = blockIdx.x;
     const bf16* row = table + (size_t)ids[t] * d;

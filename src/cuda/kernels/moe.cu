@@ -640,7 +640,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
     const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
     int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_ROUTER);
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -696,7 +696,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
                                                      int k, const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
                                                      float* __restrict__ act, int act_ld, float* xs) {
-    griddep_launch();
+    DECODE_KERNEL(TAG_GATE_UP);
     // blockIdx.y 0 is the shared expert (slot k), whose blocks are dispatched first: its rows
     // are known before the router finishes, so those blocks load them before waiting.
     const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31;
@@ -739,7 +739,7 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* __restrict__ act,
                                                   float* __restrict__ h, int d) {
     constexpr int NV = VPL > 0 ? VPL : 1;
     __shared__ float red[17][4];
-    griddep_launch();
+    DECODE_KERNEL(TAG_DOWN);
     // Expert ids, weights and activations come from the previous kernels. Reading the router's
     // ids before this wait (moe_gate_up_dec having waited for the router) raced on the H200:
     // only the wait orders this grid after the router's writes.
