@@ -1,6 +1,6 @@
 // Runs gemv.cu's decode GEMVs on the CPU emulator (through run.sh): gemv_dec and gemv_dec_w
 // (k = 4096 a warp per whole row) against a double-precision y = y0 + W·x with bf16 inputs, at
-// the model's inner dimensions and ragged row counts.
+// the model's inner dimensions and ragged row counts; and the RMSNorm input path.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -37,6 +37,40 @@ int main() {
             printf("%s %s n=%d k=%d: max err %.2e\n", ok ? "ok  " : "FAIL", whole ? "gemv_dec_w" : "gemv_dec  ", n, k, err);
             fails += !ok;
         }
+    }
+    // The RMSNorm input path (x null: x = bf16(RMSNorm(h) (1 + nw)), its weight preloaded into
+    // shared memory before the wait), block 0's bf16 copy of it, and row walking (grid 2).
+    for (auto [n, k] : {std::pair{37, 2048}, {21, 64}}) {
+        std::vector<bf16> w((size_t)n * k), xb(k);
+        std::vector<float> h(k), nw(k), y(n, NAN);
+        for (auto& v : w) v = __float2bfloat16(uni(-1, 1));
+        for (auto& v : h) v = uni(-2, 2);
+        for (auto& v : nw) v = uni(-0.3f, 0.3f);
+        const float eps = 1e-6f;
+        emu_launch({2, 1, 1}, 256, (size_t)k * 8, [&] {
+            gemv_dec(w.data(), n, k, nullptr, h.data(), nw.data(), eps, xb.data(), y.data(), 0.0f, nullptr, nullptr,
+                     nullptr, 0, nullptr, nullptr);
+        });
+        double ss = 0;
+        for (float v : h) ss += (double)v * v;
+        const float inv = 1.0f / std::sqrt((float)(ss / k) + eps);
+        double err = 0;
+        bool xb_ok = true;
+        std::vector<double> x(k);
+        for (int i = 0; i < k; i++) {
+            x[i] = __bfloat162float(__float2bfloat16(h[i] * inv * (1.0f + nw[i])));
+            xb_ok &= std::fabs(__bfloat162float(xb[i]) - x[i]) <= 1e-2 * std::fabs(x[i]) + 1e-6;
+        }
+        for (int r = 0; r < n; r++) {
+            double ref = 0;
+            for (int i = 0; i < k; i++) ref += (double)__bfloat162float(w[(size_t)r * k + i]) * x[i];
+            const double e = std::fabs(y[r] - ref) / (1.0 + std::fabs(ref));
+            if (!(e <= err)) err = e;  // NaN sticks
+        }
+        bool ok = err <= 1e-4 && xb_ok;
+        printf("%s gemv_dec   n=%d k=%d RMSNorm input, 2 blocks walking rows: max err %.2e, bf16 input %s\n",
+               ok ? "ok  " : "FAIL", n, k, err, xb_ok ? "stored" : "WRONG");
+        fails += !ok;
     }
     return fails ? 1 : 0;
 }

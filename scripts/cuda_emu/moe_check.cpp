@@ -227,7 +227,7 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter) {
     std::vector<float> logits(e), sgate(1), topk_w(k), act((size_t)(k + 1) * act_ld, NAN), h_out = h;
     std::vector<int> topk_ids(k, -1);
     std::vector<unsigned> done(1, 0);
-    emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)(d + e) * 4, [&] {
+    emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)router_smem(d, e) * 4, [&] {
         moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb.data(), logits.data(),
                        sgate.data(), k, topk_ids.data(), topk_w.data(), done.data());
     });

@@ -20,6 +20,12 @@ use std::sync::Arc;
 const LOGITS_ROWS: usize = 64;
 /// Router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
 const ROUTER_ROWS: usize = 2;
+
+/// Shared memory of `moe_router_dec` in floats (moe.cu's router_smem): the staged input, the
+/// logits (rounded up to 16 bytes), the RMSNorm weight and the shared gate's row.
+fn router_smem(d: usize, e: usize) -> usize {
+    (d + e).next_multiple_of(4) + 2 * d
+}
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
 const MOE_GEMV_MAX_ROWS: usize = 64;
@@ -261,12 +267,9 @@ impl DecodeWs {
 /// memory); otherwise one-token steps take the general path.
 fn fused_decode_fits(c: &TextConfig) -> bool {
     let smem = 48 * 1024;
-    c.hidden_size
-        .max(c.gdn_v_width())
-        .max(c.num_attention_heads * c.head_dim)
-        * 4
-        <= smem
-        && (c.hidden_size + c.num_experts) * 4 <= smem
+    c.gdn_v_width().max(c.num_attention_heads * c.head_dim) * 4 <= smem
+        && 2 * c.hidden_size * 4 <= smem // the RMSNorm GEMVs: input and preloaded weight
+        && router_smem(c.hidden_size, c.num_experts) * 4 <= smem
         && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
         && c.gdn_value_dim <= 256
@@ -1325,7 +1328,8 @@ impl CudaModel {
                     1,
                 ),
                 256,
-                (k * 4) as u32,
+                // k floats of staged input, and with the RMSNorm (x = 0) its weight after them
+                (k * 4 * if x == 0 { 2 } else { 1 }) as u32,
                 &[
                     Arg::Ptr(w),
                     Arg::I(n as i32),
@@ -1552,7 +1556,7 @@ impl CudaModel {
             "moe_router_dec",
             (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
             256,
-            ((d + e) * 4) as u32,
+            (router_smem(d, e) * 4) as u32,
             &[
                 Arg::Ptr(dw.h.ptr),
                 Arg::Ptr(layer.post_norm.ptr),

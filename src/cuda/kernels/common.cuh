@@ -215,11 +215,37 @@ __device__ __forceinline__ void stage_bf16(float* xs, const bf16* __restrict__ x
     __syncthreads();
 }
 
+// 16-byte asynchronous global-to-shared copy (zero-fills the destination when !valid), and
+// its group fences: wait_one leaves the most recent committed group in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// Copies the RMSNorm weight w [k] into shared memory `ws` with cp.async, to be issued before
+// griddep_wait (weights are immutable), so that the weight's trip to DRAM is not on the critical
+// path after the wait (the decode timeline showed it there). Returns ws, or null when k % 4 != 0
+// (stage_rmsnorm then reads w itself).
+__device__ __forceinline__ float* preload_norm(float* ws, const float* __restrict__ w, int k) {
+    if (k & 3) return nullptr;
+    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) cp_async16(ws + 4 * c, w + 4 * c, true);
+    cp_async_commit();
+    return ws;
+}
+
 // Stage the zero-centred RMSNorm (1 + w) of the f32 residual h, rounded to bf16 like every GEMM
-// input; `xb_out` (may be null) also receives it as bf16. 16-byte loads when k % 4 == 0. Ends
-// with a block barrier.
+// input; `xb_out` (may be null) also receives it as bf16. 16-byte loads when k % 4 == 0. The
+// weight comes from `ws` when preload_norm put it there (this thread's copies are waited for
+// here; the block barrier in block_sum makes all of them visible), else from w. Ends with a
+// block barrier.
 __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
-                                              int k, float eps, bf16* __restrict__ xb_out) {
+                                              int k, float eps, bf16* __restrict__ xb_out,
+                                              const float* ws = nullptr) {
+    if (ws) cp_async_wait_all();
     float ss = 0.0f;
     if ((k & 3) == 0) {
         for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
@@ -236,18 +262,20 @@ __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict
     }
     float inv = rsqrtf(block_sum(ss) / k + eps);
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        bf16 b = __float2bfloat16(xs[i] * inv * (1.0f + w[i]));
+        bf16 b = __float2bfloat16(xs[i] * inv * (1.0f + (ws ? ws[i] : w[i])));
         xs[i] = __bfloat162float(b);
         if (xb_out) xb_out[i] = b;
     }
     __syncthreads();
 }
 
-// Stage the decode GEMV input: the bf16 vector x, or (x null) RMSNorm(h) with weight nw.
+// Stage the decode GEMV input: the bf16 vector x, or (x null) RMSNorm(h) with weight nw,
+// preloaded into xs + k (the GEMVs' smem is 2k floats then).
 __device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ x, const float* __restrict__ h,
-                                            const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out) {
+                                            const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out,
+                                            const float* ws) {
     if (x) stage_bf16(xs, x, k);
-    else stage_rmsnorm(xs, h, nw, k, eps, xb_out);
+    else stage_rmsnorm(xs, h, nw, k, eps, xb_out, ws);
 }
 
 template <int R, int VPL>
@@ -262,8 +290,9 @@ __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int
     uint4 v[R][NV];
     if (VPL > 0) load_rows<R, NV>(v, rows);
     if (!staged) {
+        const float* ws = x ? nullptr : preload_norm(xs + k, nw, k);
         griddep_wait();
-        stage_input(xs, x, h, nw, k, eps, xb_out);
+        stage_input(xs, x, h, nw, k, eps, xb_out, ws);
     }
     float acc[R];
     if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
@@ -287,8 +316,9 @@ __device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, in
     uint4 v[1][8];
     load_rows<1, 8>(v, rows);
     if (!staged) {
+        const float* ws = x ? nullptr : preload_norm(xs + k, nw, k);
         griddep_wait();
-        stage_input(xs, x, h, nw, k, eps, xb_out);
+        stage_input(xs, x, h, nw, k, eps, xb_out, ws);
     }
     float acc[1];
     dot_rows<1, 8>(v, xs + half * (k / 2), acc);
@@ -304,8 +334,9 @@ __device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, in
 
 // y[r] = beta * y[r] + W[r, :] . input for the block's gemv_rows_per_block(k) rows from row0.
 // Unless `staged` (xs already holds it), the input is staged by `stage_input` into xs (k floats
-// of shared memory) after this block's weight rows are in flight and the previous kernel is
-// done (griddep_wait). All threads must call it.
+// of shared memory; 2k with the RMSNorm, whose weight is preloaded into xs + k) after this
+// block's weight rows are in flight and the previous kernel is done (griddep_wait). All
+// threads must call it.
 template <bool WHOLE_ROWS = false>
 __device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
                                            const bf16* x, const float* h, const float* nw, float eps, bf16* xb_out,
@@ -338,16 +369,6 @@ __device__ __forceinline__ bool last_block_done(unsigned* counter) {
     return last;
 }
 
-// 16-byte asynchronous global-to-shared copy (zero-fills the destination when !valid), and
-// its group fences: wait_one leaves the most recent committed group in flight.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
 // ---- Tensor-core fragments (mma.sync m16n8k16, bf16 in, f32 accumulate) ----
 // Fragment layouts (PTX ISA "mma.m16n8k16"), g = lane / 4, c = 2 * (lane % 4):

@@ -634,8 +634,12 @@ MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 // the experts). The router is only 1 MB, so its time is latency: ROUTER_ROWS rows per block with
 // the 256 threads splitting k spreads it over ~e/2 blocks, all loads issued before the input is
 // staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg); the last block
-// to finish picks the top-k. grid ceil(e / ROUTER_ROWS) + 1, block 256, smem (d + e) floats.
+// to finish picks the top-k. The RMSNorm weight and the shared gate's row are copied into shared
+// memory before the wait. grid ceil(e / ROUTER_ROWS) + 1, block 256, smem router_smem floats.
 #define ROUTER_ROWS 2
+// Shared memory of moe_router_dec in floats: the input (d), the logits (e, rounded up to 16
+// bytes), the RMSNorm weight and the shared gate's row (d each). The host computes the same.
+__host__ __device__ __forceinline__ int router_smem(int d, int e) { return ((d + e + 3) & ~3) + 2 * d; }
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
     const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
@@ -653,8 +657,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
             rows[q] = r0 + q < e ? reinterpret_cast<const uint4*>(wr + (size_t)(r0 + q) * d) : nullptr;
             w[q] = rows[q] && tid < nv ? __ldg(rows[q] + tid) : make_uint4(0, 0, 0, 0);
         }
+        const float* ws = preload_norm(xs + ((d + e + 3) & ~3), nw, d);
         griddep_wait();
-        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr);
+        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, ws);
         float acc[ROUTER_ROWS];
 #pragma unroll
         for (int q = 0; q < ROUTER_ROWS; q++) {
@@ -671,10 +676,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
             logits[r0 + tid] = t;
         }
     } else {
+        float* ws = xs + ((d + e + 3) & ~3);
+        const float* wn = preload_norm(ws, nw, d);
+        const float* wg = preload_norm(ws + d, w_sg, d);
         griddep_wait();
-        stage_rmsnorm(xs, h, nw, d, eps, nullptr);
+        stage_rmsnorm(xs, h, nw, d, eps, nullptr, wn);  // waits for both copies
         float dot = 0.0f;
-        for (int i = tid; i < d; i += blockDim.x) dot += xs[i] * w_sg[i];
+        for (int i = tid; i < d; i += blockDim.x) dot += xs[i] * (wg ? wg[i] : w_sg[i]);
         dot = block_sum(dot);
         if (tid == 0) *sgate = sigmoid_f(dot);
     }
