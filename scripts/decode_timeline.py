@@ -10,8 +10,9 @@ launch's cost on the step's critical path is how far it moves the completion fro
 block's end minus the previous launch's. That splits into the boundary (previous launch's end
 to this launch's first wait release: what programmatic dependent launch leaves exposed) and
 the body (first release to last end). Printed per kernel kind, in µs per step and per launch.
-Usage: decode_timeline.py PREFIX-CONTEXT.csv [--launches]"""
+Usage: decode_timeline.py PREFIX-CONTEXT.csv[.gz] [--launches]"""
 import csv
+import gzip
 import sys
 from collections import defaultdict
 
@@ -28,7 +29,8 @@ def kind(tag, grid):
 
 
 def main():
-    rows = list(csv.DictReader(open(sys.argv[1])))
+    path = sys.argv[1]
+    rows = list(csv.DictReader(gzip.open(path, "rt") if path.endswith(".gz") else open(path)))
     by_kernel = defaultdict(list)
     for r in rows:
         rec = {k: int(v) for k, v in r.items()}
