@@ -599,8 +599,19 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                 }
         };
         start_r(0);
+        int r0 = 0;  // the row block's first row
+        // f(row, column, v, v + 1) for the lane's accumulator pairs of its tiles in block r0
+        auto each_pair = [&](const float(&acc)[4][4], const float(&cor)[4][4], auto&& f) {
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                if (has[p])
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        f(r0 + gq + 8 * h, col + 64 * p, acc[p][2 * h] + cor[p][2 * h],
+                          acc[p][2 * h + 1] + cor[p][2 * h + 1]);
+        };
         for (int d = 0; d < 4; d++) {
-            const int r0 = 16 * d;
+            r0 = 16 * d;
             float2 qv[4][2];  // Q rows of the block (0 off the W columns), fetched early
 #pragma unroll
             for (int p = 0; p < 4; p++)
@@ -637,19 +648,11 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                 }
             }
             __syncwarp();  // every lane has read R_d
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                if (has[p]) {
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int r = r0 + gq + 8 * h, m = col + 64 * p;
-                        const float x0 = xacc[p][2 * h] + xcor[p][2 * h], x1 = xacc[p][2 * h + 1] + xcor[p][2 * h + 1];
-                        st2(xs + r * ldx + m, x0, x1);
-                        if (m < DK) st2(wrows + (size_t)r * DK + m, x0, x1);
-                        else if (m < DK + dv) st2(urows + (size_t)r * dv + (m - DK), x0, x1);
-                    }
-                }
-            }
+            each_pair(xacc, xcor, [&](int r, int m, float x0, float x1) {
+                st2(xs + r * ldx + m, x0, x1);
+                if (m < DK) st2(wrows + (size_t)r * DK + m, x0, x1);
+                else if (m < DK + dv) st2(urows + (size_t)r * dv + (m - DK), x0, x1);
+            });
             __syncwarp();  // X_d visible to every lane
             if (d < 3) start_r(d + 1);
             float yacc[4][4], ycor[4][4];
@@ -677,18 +680,10 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                     }
                 }
             }
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                if (has[p]) {
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int r = r0 + gq + 8 * h, m = col + 64 * p;
-                        const float y0 = yacc[p][2 * h] + ycor[p][2 * h], y1 = yacc[p][2 * h + 1] + ycor[p][2 * h + 1];
-                        if (m < DK) st2(qprows + (size_t)r * DK + m, y0, y1);
-                        else if (m < DK + dv && r < n) st2(o + ((size_t)(c0 + r) * hv + j) * dv + (m - DK), -y0, -y1);
-                    }
-                }
-            }
+            each_pair(yacc, ycor, [&](int r, int m, float y0, float y1) {
+                if (m < DK) st2(qprows + (size_t)r * DK + m, y0, y1);
+                else if (m < DK + dv && r < n) st2(o + ((size_t)(c0 + r) * hv + j) * dv + (m - DK), -y0, -y1);
+            });
         }
     }
 }
