@@ -140,6 +140,8 @@ int main(int argc, char** argv) {
         run_delta<32>(64, 2, 4, 48, d, TOL);
         run_delta<64>(100, 2, 4, 64, d, TOL);
         run_delta<128>(70, 1, 2, 128, d, TOL);
+        run_delta<16>(45, 2, 4, 20, d, TOL);    // dv % 8 == 4: the prep's zero padding columns
+        run_delta<128>(70, 1, 2, 132, d, TOL);  // 33 column tiles: a warp takes a second group
     }
     if (full) {
         run_delta<128>(300, 16, 32, 128, true, TOL);
