@@ -1232,7 +1232,6 @@ impl kestrel::bench::GreedyRunner for CudaRunner<'_> {
 /// `KESTREL_KERNEL_DEFINES=KESTREL_TRACE`); scripts/decode_timeline.py reads it.
 fn trace_decode(
     m: &kestrel::cuda::model::CudaModel,
-    cfg: &TextConfig,
     context: usize,
     vocab_limit: usize,
     prefix: &str,
@@ -1269,9 +1268,8 @@ fn trace_decode(
     }
     std::fs::write(&path, out).map_err(|e| anyhow::anyhow!("writing {path}: {e}"))?;
     eprintln!(
-        "decode timeline at context {context}: {} block records ({} layers) -> {path}",
-        recs.len(),
-        cfg.num_layers
+        "decode timeline at context {context}: {} block records -> {path}",
+        recs.len()
     );
     Ok(())
 }
@@ -1405,7 +1403,7 @@ fn bench_cmd(
                 // Written after every context, so a run cut short keeps what it measured.
                 write_bench_json(json.as_deref(), &rows, &gpu.name, &weights_label, copy_bw)?;
                 if let Ok(prefix) = std::env::var("KESTREL_TRACE_OUT") {
-                    trace_decode(&m, &cfg, c, vocab_limit, &prefix)?;
+                    trace_decode(&m, c, vocab_limit, &prefix)?;
                 }
             }
             let prof = gpu.take_profile();

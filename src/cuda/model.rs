@@ -1352,6 +1352,11 @@ impl CudaModel {
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
         for layer in &self.layers {
+            // The mixer's fused input projection (GDN: qkv|z|b|a; attention: q+gate|k|v) of
+            // RMSNorm(h) into dw.proj.
+            let in_proj = |w: u64, rows: usize| {
+                gemv(w, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0, None)
+            };
             match &layer.mixer {
                 MixerW::Gdn(w) => {
                     let (st_conv, st_rec) = &state.gdn[gdn_i];
@@ -1364,16 +1369,7 @@ impl CudaModel {
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
-                    gemv(
-                        w.in_proj.ptr,
-                        rows,
-                        d,
-                        0,
-                        layer.input_norm.ptr,
-                        dw.proj.ptr,
-                        0.0,
-                        None,
-                    )?;
+                    in_proj(w.in_proj.ptr, rows)?;
                     launch(
                         "gdn_conv_dec",
                         ((2 * hk + hv) as u32, 1, 1),
@@ -1425,16 +1421,7 @@ impl CudaModel {
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     let rows = nq * 2 * hd + 2 * nkv * hd;
-                    gemv(
-                        w.qkv.ptr,
-                        rows,
-                        d,
-                        0,
-                        layer.input_norm.ptr,
-                        dw.proj.ptr,
-                        0.0,
-                        None,
-                    )?;
+                    in_proj(w.qkv.ptr, rows)?;
                     let kp = dw.proj.ptr + (nq * 2 * hd * 4) as u64;
                     launch(
                         "attn_prep",

@@ -243,8 +243,7 @@ __device__ __forceinline__ float* preload_norm(float* ws, const float* __restric
 // here; the block barrier in block_sum makes all of them visible), else from w. Ends with a
 // block barrier.
 __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
-                                              int k, float eps, bf16* __restrict__ xb_out,
-                                              const float* ws = nullptr) {
+                                              int k, float eps, bf16* __restrict__ xb_out, const float* ws) {
     if (ws) cp_async_wait_all();
     float ss = 0.0f;
     if ((k & 3) == 0) {

@@ -648,6 +648,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float* ws = xs + ((d + e + 3) & ~3);  // the RMSNorm weight, then the shared gate's row
     if (blockIdx.x + 1 < gridDim.x) {
         const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
         const uint4* rows[ROUTER_ROWS];
@@ -657,9 +658,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
             rows[q] = r0 + q < e ? reinterpret_cast<const uint4*>(wr + (size_t)(r0 + q) * d) : nullptr;
             w[q] = rows[q] && tid < nv ? __ldg(rows[q] + tid) : make_uint4(0, 0, 0, 0);
         }
-        const float* ws = preload_norm(xs + ((d + e + 3) & ~3), nw, d);
+        const float* wn = preload_norm(ws, nw, d);
         griddep_wait();
-        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, ws);
+        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, wn);
         float acc[ROUTER_ROWS];
 #pragma unroll
         for (int q = 0; q < ROUTER_ROWS; q++) {
@@ -676,7 +677,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
             logits[r0 + tid] = t;
         }
     } else {
-        float* ws = xs + ((d + e + 3) & ~3);
         const float* wn = preload_norm(ws, nw, d);
         const float* wg = preload_norm(ws + d, w_sg, d);
         griddep_wait();
