@@ -286,6 +286,8 @@ template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_shfl(v, [o](int l) { return l ^ o; }); }
 template <class T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, [src](int) { return src; }); }
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, int o) { return emu_shfl(v, [o](int l) { return l >= o ? l - o : l; }); }
 // Warp-wide integer reductions (redux.sync): every lane publishes v, then all read all 32.
 template <class F>
 inline unsigned emu_reduce(unsigned v, F op) {

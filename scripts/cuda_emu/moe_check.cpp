@@ -62,7 +62,7 @@ static void run(const Shape& s, bool deferred) {
     std::vector<int> offsets(E + 1), cursor(E), te(max_tiles), tr(max_tiles), tn(max_tiles), nt(1);
     std::vector<int> sorted_token(rows, -1), slot_row(rows, -1);
     auto plan = [&](int tile_m) {
-        emu_launch({1, 1, 1}, 32, 0, [&] {
+        emu_launch({1, 1, 1}, (unsigned)((E + 31) / 32 * 32), 0, [&] {
             moe_plan(counts.data(), E, tile_m, offsets.data(), cursor.data(), te.data(), tr.data(), tn.data(), nt.data());
         });
         bool ok = plan_ok(counts, tile_m, te, tr, tn, nt[0]) && nt[0] <= (rows + tile_m - 1) / tile_m + E;
@@ -295,7 +295,25 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter) {
     fails += !ok;
 }
 
+// moe_plan alone over several warps of experts (the model's 256, and ragged counts), offsets
+// and cursor included, against plan_ok's sequential table.
+static void plan_check(int e, int tile_m) {
+    std::vector<int> counts(e);
+    for (int x = 0; x < e; x++) counts[x] = x % 7 == 3 ? 0 : (int)(rng() % (3 * tile_m));
+    const int max_tiles = 4 * e;
+    std::vector<int> offsets(e + 1, -1), cursor(e, -1), te(max_tiles), tr(max_tiles), tn(max_tiles), nt(1, -1);
+    emu_launch({1, 1, 1}, (unsigned)((e + 31) / 32 * 32), 0, [&] {
+        moe_plan(counts.data(), e, tile_m, offsets.data(), cursor.data(), te.data(), tr.data(), tn.data(), nt.data());
+    });
+    bool ok = plan_ok(counts, tile_m, te, tr, tn, nt[0]);
+    for (int x = 0, off = 0; x <= e; off += x < e ? counts[x] : 0, x++)
+        ok &= offsets[x] == off && (x == e || cursor[x] == off);
+    printf("%s moe_plan e=%d tile_m=%d: %d tiles\n", ok ? "ok  " : "FAIL", e, tile_m, nt[0]);
+    fails += !ok;
+}
+
 int main(int argc, char** argv) {
+    for (int e : {5, 40, 256, 1000}) plan_check(e, e == 40 ? 64 : 128);
     decode_moe_check(64, 8, 2, 32, 32);
     decode_moe_check(96, 16, 4, 40, 24);
     decode_moe_check(2048, 16, 8, 512, 512);

@@ -522,9 +522,13 @@ impl CudaModel {
         {
             bail!("the CUDA MoE kernels need hidden and expert sizes that are multiples of 8");
         }
-        if cfg.conv_kernel > 9 || cfg.experts_per_token > 16 || cfg.gdn_value_dim > 1024 {
+        if cfg.conv_kernel > 9
+            || cfg.experts_per_token > 16
+            || cfg.gdn_value_dim > 1024
+            || cfg.num_experts > 1024
+        {
             bail!(
-                "config exceeds the CUDA kernels' limits (conv kernel <= 9, top-k <= 16, value dim <= 1024)"
+                "config exceeds the CUDA kernels' limits (conv kernel <= 9, top-k <= 16, value dim <= 1024, experts <= 1024)"
             );
         }
         Ok(())

@@ -140,7 +140,7 @@ impl Gpu {
         self.launch(
             "moe_plan",
             (1, 1, 1),
-            32,
+            experts.next_multiple_of(32) as u32,
             0,
             &[
                 Arg::Ptr(p.counts),

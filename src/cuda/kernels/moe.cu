@@ -90,28 +90,49 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, in
         for (int kk = 0; kk < k; kk++) atomicAdd(&counts[topk_ids[s * k + kk]], 1);
 }
 
-// Single thread block: exclusive scan of counts and the tile table for the grouped GEMM.
-// tiles: (expert, first row in sorted order, rows) for every tile_m rows of every expert.
+// One block, a thread per expert (e <= 1024, block e rounded up to 32): exclusive scans of the
+// counts and of the tiles per expert, then each expert writes its own tiles. tiles: (expert,
+// first row in sorted order, rows) for every tile_m rows of every expert.
 extern "C" __global__ void moe_plan(const int* __restrict__ counts, int e, int tile_m,
                                     int* __restrict__ offsets, int* __restrict__ cursor,
                                     int* __restrict__ tile_expert, int* __restrict__ tile_row,
                                     int* __restrict__ tile_rows, int* __restrict__ num_tiles) {
-    if (threadIdx.x != 0) return;
-    int off = 0, nt = 0;
-    for (int x = 0; x < e; x++) {
-        offsets[x] = off;
-        cursor[x] = off;
-        int c = counts[x];
-        for (int r = 0; r < c; r += tile_m) {
-            tile_expert[nt] = x;
-            tile_row[nt] = off + r;
-            tile_rows[nt] = min(tile_m, c - r);
-            nt++;
-        }
-        off += c;
+    __shared__ int warp_rows[32], warp_tiles[32];
+    const int x = threadIdx.x, lane = x & 31, warp = x >> 5;
+    const int c = x < e ? counts[x] : 0, nt = (c + tile_m - 1) / tile_m;
+    int rows = c, tiles = nt;  // inclusive scans within the warp, then over the warps
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int r = __shfl_up_sync(0xffffffffu, rows, o), t = __shfl_up_sync(0xffffffffu, tiles, o);
+        if (lane >= o) rows += r, tiles += t;
     }
-    offsets[e] = off;
-    *num_tiles = nt;
+    if (lane == 31) warp_rows[warp] = rows, warp_tiles[warp] = tiles;
+    __syncthreads();
+    if (warp == 0) {
+        const bool in = lane < (int)(blockDim.x >> 5);
+        int wr = in ? warp_rows[lane] : 0, wt = in ? warp_tiles[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int r = __shfl_up_sync(0xffffffffu, wr, o), t = __shfl_up_sync(0xffffffffu, wt, o);
+            if (lane >= o) wr += r, wt += t;
+        }
+        warp_rows[lane] = wr, warp_tiles[lane] = wt;
+    }
+    __syncthreads();
+    const int off = (warp ? warp_rows[warp - 1] : 0) + rows - c;
+    const int t0 = (warp ? warp_tiles[warp - 1] : 0) + tiles - nt;
+    if (x >= e) return;
+    offsets[x] = off;
+    cursor[x] = off;
+    for (int j = 0; j < nt; j++) {
+        tile_expert[t0 + j] = x;
+        tile_row[t0 + j] = off + j * tile_m;
+        tile_rows[t0 + j] = min(tile_m, c - j * tile_m);
+    }
+    if (x == e - 1) {
+        offsets[e] = off + c;
+        *num_tiles = t0 + nt;
+    }
 }
 
 // Thread per (token, slot): its row in expert-sorted order.
@@ -219,22 +240,43 @@ extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __res
     }
 }
 
-// Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sigmoid(x[t] . w_sg) * ys[t].
-extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ slot_row,
-                                       const float* __restrict__ topk_w, const float* __restrict__ ys,
-                                       const bf16* __restrict__ x, const float* __restrict__ w_sg,
-                                       float* __restrict__ h, int k, int d) {
-    int s = blockIdx.x;
+// Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sigmoid(x[t] . w_sg) * ys[t]. A
+// thread takes 4 features at a time (16-byte loads, d % 4 == 0) with its k rows' loads issued
+// together: the kernel streams y once and is bound by that, not by round trips. k <= 16.
+extern "C" __global__ void __launch_bounds__(256) moe_combine(
+    const float* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,
+    const float* __restrict__ ys, const bf16* __restrict__ x, const float* __restrict__ w_sg,
+    float* __restrict__ h, int k, int d) {
+    __shared__ int rows[16];
+    __shared__ float wts[16];
+    const int s = blockIdx.x, tid = threadIdx.x;
+    if (tid < k) {
+        rows[tid] = slot_row ? slot_row[s * k + tid] : s * k + tid;  // null: rows unsorted
+        wts[tid] = topk_w[s * k + tid];
+    }
     float dot = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
-    float gate = sigmoid_f(block_sum(dot));
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int kk = 0; kk < k; kk++) {
-            int row = slot_row ? slot_row[s * k + kk] : s * k + kk;  // null: rows unsorted
-            acc += topk_w[s * k + kk] * y[(size_t)row * d + i];
-        }
-        h[(size_t)s * d + i] += acc + gate * ys[(size_t)s * d + i];
+    for (int i = tid; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
+    const float gate = sigmoid_f(block_sum(dot));  // its barriers publish rows and wts
+    const int d4 = d >> 2;
+    const float4* y4 = reinterpret_cast<const float4*>(y);
+    const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * d4;
+    float4* h4 = reinterpret_cast<float4*>(h) + (size_t)s * d4;
+    for (int c = tid; c < d4; c += blockDim.x) {
+        float4 v[16];
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++)
+            if (kk < k) v[kk] = __ldg(y4 + (size_t)rows[kk] * d4 + c);
+        const float4 sh = ys4[c];
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hv = h4[c];
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++)
+            if (kk < k) {
+                const float w = wts[kk];
+                acc.x += w * v[kk].x, acc.y += w * v[kk].y, acc.z += w * v[kk].z, acc.w += w * v[kk].w;
+            }
+        hv.x += acc.x + gate * sh.x, hv.y += acc.y + gate * sh.y;
+        hv.z += acc.z + gate * sh.z, hv.w += acc.w + gate * sh.w;
+        h4[c] = hv;
     }
 }
 
