@@ -775,6 +775,18 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         println!("{name}: bitwise equal to v3");
         timings(MoeGemm::V4, *tile_m, &name);
     }
+    // v5 (wgmma, 128-row tiles; sm_90a only): against the reference like v3, and its times.
+    if gpu.compute_capability == (9, 0) {
+        let name = "v5 moe_gemm5 m128";
+        let outs = run(MoeGemm::V5, 128);
+        check(name, Some(&outs.0), Some(&outs.1), &outs.2);
+        timings(MoeGemm::V5, 128, name);
+    } else {
+        println!(
+            "v5 moe_gemm5: SKIPPED (compute capability {:?}, not 9.0)",
+            gpu.compute_capability
+        );
+    }
     println!(
         "default tile height at {rows} rows over {e} experts: {}",
         moe::gemm3_tile_m(rows, e)

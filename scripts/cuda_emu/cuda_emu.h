@@ -9,6 +9,8 @@
 // emu-provides: cp_async_wait_one cp_async_wait smem_addr ldsm_x4 ldsm_x4_t mma_bf16_16816
 // emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_bar gdn_prefetch_l2
 // emu-provides: trace_now trace_sm
+// emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
+// emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -168,6 +170,10 @@ struct PendingCopy { void* dst; const void* src; bool valid; };
 inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[1024];
 inline std::vector<PendingCopy> g_cp_open[1024];
+// wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
+struct PendingWgmma { float* d; unsigned long long da, db; int scale_d; };
+inline std::vector<std::vector<PendingWgmma>> g_wg_groups[1024];
+inline std::vector<PendingWgmma> g_wg_open[1024];
 
 inline void emu_fiber_main() {
     Warp* w = t_warp;
@@ -175,6 +181,7 @@ inline void emu_fiber_main() {
     unsigned t = threadIdx.x;
     // a real kernel may exit with copies in flight, but ours should not
     if (!g_cp_groups[t].empty() || !g_cp_open[t].empty()) emu_fail("cp.async groups left at exit");
+    if (!g_wg_groups[t].empty() || !g_wg_open[t].empty()) emu_fail("wgmma groups left at exit");
     emu_to_scheduler(LANE_DONE);
     abort();  // a finished lane is never resumed
 }
@@ -204,6 +211,8 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
         char* top = g_stacks[t].get() + EMU_STACK;
         g_cp_groups[t].clear();
         g_cp_open[t].clear();
+        g_wg_groups[t].clear();
+        g_wg_open[t].clear();
 #if defined(__x86_64__)
         // emu_switch pops 6 registers, then returns into emu_fiber_main with the stack as
         // after a call (rsp = 8 mod 16).
@@ -346,6 +355,53 @@ inline unsigned smem_addr(const void* p) {
     return (unsigned)(q - g_dyn_smem.data());
 }
 inline void* emu_smem_ptr(unsigned a) { return g_dyn_smem.data() + a; }
+
+// ---- wgmma (m64n256k16, bf16, f32 accumulators, K-major operands in the 128-byte swizzle) ----
+// Each thread computes its own accumulator elements from shared memory through the
+// descriptors, as the hardware's address swizzle defines them (16-byte unit bits 4-6 XOR row
+// bits 7-9 of the shared address). The products run at the wait that retires their group, so a
+// stage overwritten before that wait is read overwritten (as a race on the GPU could).
+inline unsigned long long wgmma_desc_sw128(const void* p) {
+    unsigned a = smem_addr(p);
+    if (a % 1024) emu_fail("wgmma operand tile not 1024-byte aligned");
+    return ((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// Element (row, k) of a K-major 128-byte-swizzled bf16 operand.
+inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
+    if ((desc >> 62) != 1) emu_fail("wgmma descriptor: not the 128-byte swizzle");
+    unsigned start = (unsigned)(desc & 0x3FFF) << 4, sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    unsigned addr = start + (row / 8) * sbo + (row % 8) * 128 + k * 2;
+    addr ^= ((addr >> 7) & 7) << 4;
+    if (addr + 2 > g_dyn_smem.size()) emu_fail("wgmma operand outside shared memory");
+    bf16 v;
+    memcpy(&v, g_dyn_smem.data() + addr, 2);
+    return __bfloat162float(v);
+}
+inline void emu_wgmma_run(const PendingWgmma& op) {
+    int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    for (int j = 0; j < 32; j++)
+        for (int e = 0; e < 4; e++) {
+            int row = 16 * warp + lane / 4 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * (lane % 4) + (e & 1);
+            float acc = op.scale_d ? op.d[4 * j + e] : 0.0f;
+            for (int k = 0; k < 16; k++) acc += emu_wgmma_elem(op.da, row, k) * emu_wgmma_elem(op.db, col, k);
+            op.d[4 * j + e] = acc;
+        }
+}
+inline void wgmma_fence() {}
+inline void fence_proxy_async() {}
+inline void wgmma_fence_operand(float&) {}
+inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
+    g_wg_open[threadIdx.x].push_back({d, da, db, scale_d});
+}
+inline void wgmma_commit() {
+    unsigned t = threadIdx.x;
+    g_wg_groups[t].push_back(g_wg_open[t]);
+    g_wg_open[t].clear();
+}
+template <int N> inline void wgmma_wait() {
+    auto& g = g_wg_groups[threadIdx.x];
+    while (g.size() > (size_t)N) { for (auto& op : g.front()) emu_wgmma_run(op); g.erase(g.begin()); }
+}
 
 // ---- Tensor cores (PTX ISA layouts) ----
 // ldmatrix .m8n8.x4.b16: lanes 8i..8i+7 give the addresses of rows 0..7 of matrix i; lane l

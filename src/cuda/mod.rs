@@ -84,6 +84,8 @@ const KERNELS: &[&str] = &[
     "moe_gemm4_m64",
     "moe_gemm4_swiglu_m128",
     "moe_gemm4_swiglu_m64",
+    "moe_gemm5_m128",
+    "moe_gemm5_swiglu_m128",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
@@ -369,6 +371,7 @@ impl Gpu {
             .chain(attention::DECODE_KERNELS)
             .chain(moe::GEMM3_KERNELS)
             .chain(moe::GEMM4_KERNELS)
+            .chain(moe::GEMM5_KERNELS)
         {
             gpu.set_max_dynamic_smem(k, bytes)?;
         }

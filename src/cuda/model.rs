@@ -771,6 +771,7 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
+        let moe_gemm = MoeGemm::from_env().on(gpu.compute_capability);
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -795,7 +796,7 @@ impl CudaModel {
                 .and_then(|v| v.parse().ok())
                 .filter(|&b: &usize| b >= 1)
                 .unwrap_or(GEMV_MAX_BLOCKS),
-            moe_gemm: MoeGemm::from_env(),
+            moe_gemm,
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
                 .and_then(|v| v.parse().ok()),

@@ -20,6 +20,10 @@ pub enum MoeGemm {
     /// commit 5d4c1c9: prefill 38.0k / 43.9k tok/s at 2,048 / 8,192 tokens against V3's
     /// 29.9k / 38.9k.
     V4,
+    /// `moe_gemm5_*` (`KESTREL_MOE_GEMM=v5`): the Hopper tensor-core path (sm_90a wgmma) for
+    /// 128-row tiles, 128x256 blocks of two warpgroups; 64-row tiles (few rows per expert,
+    /// where the product is bound by reading the weights) stay on `moe_gemm4`.
+    V5,
 }
 
 /// The smallest plan tile of any grouped GEMM: the workspace's tile list is sized for it.
@@ -40,6 +44,14 @@ pub(super) const GEMM4_KERNELS: [(&str, usize); 4] = [
     ("moe_gemm4_swiglu_m128", gemm4_smem(128)),
     ("moe_gemm4_swiglu_m64", gemm4_smem(64)),
 ];
+
+/// The `moe_gemm5` kernels (128-row tiles), with their dynamic shared memory: 4 stages of
+/// (128 + 256) rows of 64 bf16.
+pub(super) const GEMM5_KERNELS: [(&str, usize); 2] = [
+    ("moe_gemm5_m128", GEMM5_SMEM),
+    ("moe_gemm5_swiglu_m128", GEMM5_SMEM),
+];
+const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
 /// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
 /// of 64 bf16, unpadded.
@@ -87,13 +99,24 @@ impl MoeGemm {
             "v1" => MoeGemm::V1,
             "v2" => MoeGemm::V2,
             "v3" => MoeGemm::V3,
+            "v5" => MoeGemm::V5,
             _ => MoeGemm::V4,
+        }
+    }
+
+    /// The variant that runs on a GPU of compute capability `cc`: the wgmma kernels (V5) need
+    /// sm_90a (the kernels are built for compute_90a only there), elsewhere V4.
+    pub fn on(self, cc: (i32, i32)) -> Self {
+        if self == MoeGemm::V5 && cc != (9, 0) {
+            MoeGemm::V4
+        } else {
+            self
         }
     }
 
     /// Whether the gate/up kernel applies the SwiGLU itself (bf16 act out, no f32 gu).
     pub fn fused_swiglu(self) -> bool {
-        matches!(self, MoeGemm::V3 | MoeGemm::V4)
+        matches!(self, MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5)
     }
 
     /// The plan's tile height: fixed by the WMMA kernels; for V3 and V4 `force` or
@@ -102,7 +125,9 @@ impl MoeGemm {
         match self {
             MoeGemm::V1 => 64,
             MoeGemm::V2 => 128,
-            MoeGemm::V3 | MoeGemm::V4 => force.unwrap_or_else(|| gemm3_tile_m(rows, experts)),
+            MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5 => {
+                force.unwrap_or_else(|| gemm3_tile_m(rows, experts))
+            }
         }
     }
 }
@@ -202,7 +227,8 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
             (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
             (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
+            (MoeGemm::V4 | MoeGemm::V5, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
+            (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
             _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         self.grouped_launch(
@@ -213,7 +239,7 @@ impl Gpu {
             experts,
             g,
             g.ndim,
-            kind == MoeGemm::V4,
+            matches!(kind, MoeGemm::V4 | MoeGemm::V5),
         )
     }
 
@@ -233,10 +259,13 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_swiglu_m128", (128, 64, 256, gemm3_smem(128))),
             (MoeGemm::V3, 64) => ("moe_gemm3_swiglu_m64", (64, 128, 256, gemm3_smem(64))),
             (MoeGemm::V4, 128) => ("moe_gemm4_swiglu_m128", (128, 64, 128, gemm4_smem(128))),
-            (MoeGemm::V4, 64) => ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64))),
+            (MoeGemm::V4 | MoeGemm::V5, 64) => {
+                ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64)))
+            }
+            (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, GEMM5_SMEM)),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
-        let v4 = kind == MoeGemm::V4;
+        let v4 = matches!(kind, MoeGemm::V4 | MoeGemm::V5);
         self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, v4)
     }
 
@@ -323,7 +352,11 @@ mod tests {
         assert_eq!(gemm3_tile_m(4096 * 8, 256), 64);
         assert_eq!(MoeGemm::V4.tile_m(4096 * 8, 256, Some(128)), 128);
         assert_eq!(MoeGemm::V2.tile_m(8192 * 8, 256, None), 128);
-        for (name, smem) in GEMM3_KERNELS.iter().chain(&GEMM4_KERNELS) {
+        for (name, smem) in GEMM3_KERNELS
+            .iter()
+            .chain(&GEMM4_KERNELS)
+            .chain(&GEMM5_KERNELS)
+        {
             assert!(super::super::KERNELS.contains(name), "{name} not loaded");
             assert!(*smem <= 227 * 1024, "{name}");
         }

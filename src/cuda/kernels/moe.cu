@@ -670,6 +670,121 @@ MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false)
 MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true)
 MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 
+// Grouped GEMM, fifth version (sm_90a; KESTREL_MOE_GEMM=v5): moe_gemm4's 128-row contract on
+// the Hopper tensor-core path. A block of two warpgroups computes a 128 x 256 tile, each
+// warpgroup its 64 rows with wgmma m64n256k16 straight from shared memory (no ldmatrix, no
+// fragment registers; the accumulators are the only per-thread state). Operands arrive through
+// moe_gemm4's cp.async copies, whose swizzled 128-byte rows are wgmma's 128-byte swizzle layout,
+// in G5_STAGES stages of 64-wide K: two stages in flight while one is multiplied and one is
+// released. SWIGLU: the block's 256 B rows are 128 gate rows, then the same 128 up rows, so a
+// thread holds each gate/up pair and writes act = bf16(SiLU(gate) * up) for 128 columns.
+// Grid (ceil(out columns / (256, or 128 for SWIGLU)), max tiles), block 256, dynamic smem
+// G5_STAGES * 48 KiB (1024-byte aligned: the swizzle is a function of the address).
+#define G5_BM 128
+#define G5_BN 256
+#define G5_STAGES 4
+template <bool SWIGLU>
+__device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                               const bf16* __restrict__ w, void* __restrict__ out,
+                                               const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                                               const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
+                                               int ndim, int kdim) {
+    constexpr int RPP = 32, AV = G5_BM / RPP, BV = G5_BN / RPP;  // 256 threads, 8 chunks a row
+    constexpr int STAGE = (G5_BM + G5_BN) * G4_BK;                 // bf16 elements (48 KiB)
+    extern __shared__ __align__(1024) bf16 g5_smem[];
+    const int tile = blockIdx.y;
+    if (tile >= *num_tiles) return;
+    const int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
+    const bf16* wx = w + (size_t)x * ndim * kdim;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    const int inter = ndim / 2;
+    const int n0 = blockIdx.x * (SWIGLU ? G5_BN / 2 : G5_BN);
+    // As moe_gemm4: chunk tid % 8 of rows tid / 8 + RPP q, element offsets (-1: zero-filled).
+    const int kc = (tid & 7) * 8, lr = tid >> 3;
+    int aoff[AV], boff[BV];
+#pragma unroll
+    for (int q = 0; q < AV; q++) {
+        const int r = lr + RPP * q;
+        aoff[q] = r < rows ? (gather ? gather[r0 + r] : r0 + r) * kdim + kc : -1;
+    }
+#pragma unroll
+    for (int q = 0; q < BV; q++) {
+        const int r = lr + RPP * q;
+        int n;
+        bool ok;
+        if (SWIGLU) {
+            const int j = n0 + r % (G5_BN / 2);
+            n = r < G5_BN / 2 ? j : inter + j;
+            ok = j < inter;
+        } else {
+            n = n0 + r;
+            ok = n < ndim;
+        }
+        boff[q] = ok ? n * kdim + kc : -1;
+    }
+    const int nk = (kdim + G4_BK - 1) / G4_BK;
+    const int dst = lr * G4_BK + ((kc >> 3) ^ (lr & 7)) * 8;
+    auto load = [&](int kt) {
+        if (kt < nk) {
+            bf16* sa = g5_smem + (kt % G5_STAGES) * STAGE + dst;
+            bf16* sb = sa + G5_BM * G4_BK;
+            const int k0 = kt * G4_BK;
+            const bool kin = k0 + kc < kdim;
+#pragma unroll
+            for (int q = 0; q < AV; q++) {
+                const bool v = aoff[q] >= 0 && kin;
+                cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
+            }
+#pragma unroll
+            for (int q = 0; q < BV; q++) {
+                const bool v = boff[q] >= 0 && kin;
+                cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
+            }
+        }
+        cp_async_commit();  // empty groups at the tail keep the wait count uniform
+    };
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < G5_STAGES - 2; s++) load(s);
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait<G5_STAGES - 3>();  // this thread's copies of stage kt landed
+        fence_proxy_async();             // ... and are visible to wgmma's (async proxy) reads
+        __syncthreads();  // everyone's; and both warpgroups retired stage kt - 2's wgmma
+        load(kt + G5_STAGES - 2);        // into stage kt - 2's buffer
+        const bf16* st = g5_smem + (kt % G5_STAGES) * STAGE;
+        const unsigned long long da = wgmma_desc_sw128(st + wg * 64 * G4_BK);
+        const unsigned long long db = wgmma_desc_sw128(st + G5_BM * G4_BK);
+#pragma unroll
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < G4_BK / 16; ks++)  // k16 step: 32 bytes along the swizzled rows
+            wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // stage kt - 1's group retired; kt's runs on
+#pragma unroll
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+    cp_async_wait_all();
+    moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16, 0, n0,
+                                  r0, rows, ndim, lane);
+}
+
+#define MOE_GEMM5(NAME, SWIGLU)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
+        void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
+        moe_gemm5_impl<SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);    \
+    }
+MOE_GEMM5(moe_gemm5_m128, false)
+MOE_GEMM5(moe_gemm5_swiglu_m128, true)
+
 // ---- Decode (one token): three launches for the whole MoE block ----
 
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
