@@ -10,7 +10,7 @@
 // emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_bar gdn_prefetch_l2
 // emu-provides: trace_now trace_sm
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
-// emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM
+// emu-provides: wgmma_fence_operand wgmma_m64n256k16 wgmma_m64n128k16 WGMMA_ASM
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -171,7 +171,7 @@ inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[1024];
 inline std::vector<PendingCopy> g_cp_open[1024];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
-struct PendingWgmma { float* d; unsigned long long da, db; int scale_d; };
+struct PendingWgmma { float* d; int n; unsigned long long da, db; int scale_d; };
 inline std::vector<std::vector<PendingWgmma>> g_wg_groups[1024];
 inline std::vector<PendingWgmma> g_wg_open[1024];
 
@@ -356,7 +356,7 @@ inline unsigned smem_addr(const void* p) {
 }
 inline void* emu_smem_ptr(unsigned a) { return g_dyn_smem.data() + a; }
 
-// ---- wgmma (m64n256k16, bf16, f32 accumulators, K-major operands in the 128-byte swizzle) ----
+// ---- wgmma (m64n256k16 / m64n128k16, bf16, f32 accumulators, K-major operands in the 128-byte swizzle) ----
 // Each thread computes its own accumulator elements from shared memory through the
 // descriptors, as the hardware's address swizzle defines them (16-byte unit bits 4-6 XOR row
 // bits 7-9 of the shared address). The products run at the wait that retires their group, so a
@@ -379,19 +379,24 @@ inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
 }
 inline void emu_wgmma_run(const PendingWgmma& op) {
     int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-    for (int j = 0; j < 32; j++)
+    for (int j = 0; j < op.n / 8; j++)
         for (int e = 0; e < 4; e++) {
             int row = 16 * warp + lane / 4 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * (lane % 4) + (e & 1);
-            float acc = op.scale_d ? op.d[4 * j + e] : 0.0f;
-            for (int k = 0; k < 16; k++) acc += emu_wgmma_elem(op.da, row, k) * emu_wgmma_elem(op.db, col, k);
-            op.d[4 * j + e] = acc;
+            // the k16 dot product exactly (bf16 products are exact in double), then one f32 add,
+            // close to the tensor core's wide internal sum
+            double dot = 0;
+            for (int k = 0; k < 16; k++) dot += (double)emu_wgmma_elem(op.da, row, k) * emu_wgmma_elem(op.db, col, k);
+            op.d[4 * j + e] = (float)((op.scale_d ? op.d[4 * j + e] : 0.0f) + dot);
         }
 }
 inline void wgmma_fence() {}
 inline void fence_proxy_async() {}
 inline void wgmma_fence_operand(float&) {}
 inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
-    g_wg_open[threadIdx.x].push_back({d, da, db, scale_d});
+    g_wg_open[threadIdx.x].push_back({d, 256, da, db, scale_d});
+}
+inline void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db, int scale_d) {
+    g_wg_open[threadIdx.x].push_back({d, 128, da, db, scale_d});
 }
 inline void wgmma_commit() {
     unsigned t = threadIdx.x;

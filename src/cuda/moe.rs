@@ -20,9 +20,8 @@ pub enum MoeGemm {
     /// commit 5d4c1c9: prefill 38.0k / 43.9k tok/s at 2,048 / 8,192 tokens against V3's
     /// 29.9k / 38.9k.
     V4,
-    /// `moe_gemm5_*` (`KESTREL_MOE_GEMM=v5`): the Hopper tensor-core path (sm_90a wgmma) for
-    /// 128-row tiles, 128x256 blocks of two warpgroups; 64-row tiles (few rows per expert,
-    /// where the product is bound by reading the weights) stay on `moe_gemm4`.
+    /// `moe_gemm5_*` (`KESTREL_MOE_GEMM=v5`): the Hopper tensor-core path (sm_90a wgmma),
+    /// 128x256 or 64x256 blocks of two warpgroups.
     V5,
 }
 
@@ -45,13 +44,19 @@ pub(super) const GEMM4_KERNELS: [(&str, usize); 4] = [
     ("moe_gemm4_swiglu_m64", gemm4_smem(64)),
 ];
 
-/// The `moe_gemm5` kernels (128-row tiles), with their dynamic shared memory: 4 stages of
-/// (128 + 256) rows of 64 bf16.
-pub(super) const GEMM5_KERNELS: [(&str, usize); 2] = [
-    ("moe_gemm5_m128", GEMM5_SMEM),
-    ("moe_gemm5_swiglu_m128", GEMM5_SMEM),
+/// The `moe_gemm5` kernels, with their dynamic shared memory.
+pub(super) const GEMM5_KERNELS: [(&str, usize); 4] = [
+    ("moe_gemm5_m128", gemm5_smem(128)),
+    ("moe_gemm5_swiglu_m128", gemm5_smem(128)),
+    ("moe_gemm5_m64", gemm5_smem(64)),
+    ("moe_gemm5_swiglu_m64", gemm5_smem(64)),
 ];
-const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
+
+/// Dynamic shared memory of `moe_gemm5` with `tile_m`-row tiles: 4 stages of (BM + 256) rows
+/// of 64 bf16.
+const fn gemm5_smem(tile_m: usize) -> usize {
+    4 * (tile_m + 256) * 64 * 2
+}
 
 /// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
 /// of 64 bf16, unpadded.
@@ -227,8 +232,9 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
             (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
             (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4 | MoeGemm::V5, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
-            (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
+            (MoeGemm::V4, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
+            (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, gemm5_smem(128)),
+            (MoeGemm::V5, 64) => ("moe_gemm5_m64", 256, 256, gemm5_smem(64)),
             _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         self.grouped_launch(
@@ -259,10 +265,9 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_swiglu_m128", (128, 64, 256, gemm3_smem(128))),
             (MoeGemm::V3, 64) => ("moe_gemm3_swiglu_m64", (64, 128, 256, gemm3_smem(64))),
             (MoeGemm::V4, 128) => ("moe_gemm4_swiglu_m128", (128, 64, 128, gemm4_smem(128))),
-            (MoeGemm::V4 | MoeGemm::V5, 64) => {
-                ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64)))
-            }
-            (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, GEMM5_SMEM)),
+            (MoeGemm::V4, 64) => ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64))),
+            (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, gemm5_smem(128))),
+            (MoeGemm::V5, 64) => ("moe_gemm5_swiglu_m64", (64, 128, 256, gemm5_smem(64))),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         let v4 = matches!(kind, MoeGemm::V4 | MoeGemm::V5);
