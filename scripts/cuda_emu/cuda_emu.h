@@ -10,7 +10,7 @@
 // emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_bar gdn_prefetch_l2
 // emu-provides: trace_now trace_sm
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
-// emu-provides: wgmma_fence_operand wgmma_m64n256k16 wgmma_m64n128k16 WGMMA_ASM
+// emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -356,7 +356,7 @@ inline unsigned smem_addr(const void* p) {
 }
 inline void* emu_smem_ptr(unsigned a) { return g_dyn_smem.data() + a; }
 
-// ---- wgmma (m64n256k16 / m64n128k16, bf16, f32 accumulators, K-major operands in the 128-byte swizzle) ----
+// ---- wgmma (m64n256k16, bf16, f32 accumulators, K-major operands in the 128-byte swizzle) ----
 // Each thread computes its own accumulator elements from shared memory through the
 // descriptors, as the hardware's address swizzle defines them (16-byte unit bits 4-6 XOR row
 // bits 7-9 of the shared address). The products run at the wait that retires their group, so a
@@ -394,9 +394,6 @@ inline void fence_proxy_async() {}
 inline void wgmma_fence_operand(float&) {}
 inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
     g_wg_open[threadIdx.x].push_back({d, 256, da, db, scale_d});
-}
-inline void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db, int scale_d) {
-    g_wg_open[threadIdx.x].push_back({d, 128, da, db, scale_d});
 }
 inline void wgmma_commit() {
     unsigned t = threadIdx.x;

@@ -86,8 +86,6 @@ const KERNELS: &[&str] = &[
     "moe_gemm4_swiglu_m64",
     "moe_gemm5_m128",
     "moe_gemm5_swiglu_m128",
-    "moe_gemm5_m64",
-    "moe_gemm5_swiglu_m64",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",

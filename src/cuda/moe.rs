@@ -14,14 +14,17 @@ pub enum MoeGemm {
     /// `moe_gemm3_*`: mma.sync + ldmatrix, 4-stage cp.async, 128- or 64-row tiles; gate/up
     /// fused with the SwiGLU (`KESTREL_MOE_GEMM=v3`).
     V3,
-    /// `moe_gemm4_*` (the default, `KESTREL_MOE_GEMM=v4`): V3's numerics (bitwise) with K
+    /// `moe_gemm4_*` (the default off compute capability 9.0, `KESTREL_MOE_GEMM=v4`): V3's numerics (bitwise) with K
     /// tiles of 64, swizzled shared memory and 64x64 warp tiles; 128x128 (or 64x128) blocks of
     /// 4 warps, a tile's column blocks launched together (grid y = tiles). On the H200 at
     /// commit 5d4c1c9: prefill 38.0k / 43.9k tok/s at 2,048 / 8,192 tokens against V3's
     /// 29.9k / 38.9k.
     V4,
-    /// `moe_gemm5_*` (`KESTREL_MOE_GEMM=v5`): the Hopper tensor-core path (sm_90a wgmma),
-    /// 128x256 or 64x256 blocks of two warpgroups.
+    /// `moe_gemm5_*` (the default on compute capability 9.0, `KESTREL_MOE_GEMM=v5`): the
+    /// Hopper tensor-core path (sm_90a wgmma), 128x256 blocks of two warpgroups, for 128-row
+    /// tiles ([`gemm5_tile_m`]); 64-row tiles (few rows per expert, where reading the weights
+    /// bounds the product) run `moe_gemm4`. On the H200 at afdf9c6: prefill 40.3k / 47.8k /
+    /// 49.3k tok/s at 2,048 / 4,096 / 8,192 tokens against V4's 39.6k / 43.9k / 45.2k.
     V5,
 }
 
@@ -44,19 +47,13 @@ pub(super) const GEMM4_KERNELS: [(&str, usize); 4] = [
     ("moe_gemm4_swiglu_m64", gemm4_smem(64)),
 ];
 
-/// The `moe_gemm5` kernels, with their dynamic shared memory.
-pub(super) const GEMM5_KERNELS: [(&str, usize); 4] = [
-    ("moe_gemm5_m128", gemm5_smem(128)),
-    ("moe_gemm5_swiglu_m128", gemm5_smem(128)),
-    ("moe_gemm5_m64", gemm5_smem(64)),
-    ("moe_gemm5_swiglu_m64", gemm5_smem(64)),
+/// The `moe_gemm5` kernels (128-row tiles), with their dynamic shared memory: 4 stages of
+/// (128 + 256) rows of 64 bf16.
+pub(super) const GEMM5_KERNELS: [(&str, usize); 2] = [
+    ("moe_gemm5_m128", GEMM5_SMEM),
+    ("moe_gemm5_swiglu_m128", GEMM5_SMEM),
 ];
-
-/// Dynamic shared memory of `moe_gemm5` with `tile_m`-row tiles: 4 stages of (BM + 256) rows
-/// of 64 bf16.
-const fn gemm5_smem(tile_m: usize) -> usize {
-    4 * (tile_m + 256) * 64 * 2
-}
+const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
 /// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
 /// of 64 bf16, unpadded.
@@ -87,6 +84,14 @@ pub fn gemm3_tile_m(rows: usize, experts: usize) -> usize {
     }
 }
 
+/// V5's tile height: 128 (the wgmma kernel) once the experts average 64 rows, else 64
+/// (`moe_gemm4`). Half-empty 128-row wgmma tiles still beat full 64-row mma.sync ones there
+/// (H200 at afdf9c6, 2,048 tokens, ~64 rows an expert: 40.3k vs 39.6k tok/s prefill); at ~16
+/// rows an expert (512 tokens) reading the weights bounds both and 64 is ahead (18.6k vs 17.8k).
+pub fn gemm5_tile_m(rows: usize, experts: usize) -> usize {
+    if rows >= 64 * experts.max(1) { 128 } else { 64 }
+}
+
 /// Tiles the plan can produce for `rows` rows over `experts` experts (the grid's x extent).
 pub fn max_tiles(rows: usize, experts: usize, tile_m: usize) -> usize {
     rows.div_ceil(tile_m) + experts
@@ -104,8 +109,8 @@ impl MoeGemm {
             "v1" => MoeGemm::V1,
             "v2" => MoeGemm::V2,
             "v3" => MoeGemm::V3,
-            "v5" => MoeGemm::V5,
-            _ => MoeGemm::V4,
+            "v4" => MoeGemm::V4,
+            _ => MoeGemm::V5,
         }
     }
 
@@ -130,9 +135,8 @@ impl MoeGemm {
         match self {
             MoeGemm::V1 => 64,
             MoeGemm::V2 => 128,
-            MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5 => {
-                force.unwrap_or_else(|| gemm3_tile_m(rows, experts))
-            }
+            MoeGemm::V3 | MoeGemm::V4 => force.unwrap_or_else(|| gemm3_tile_m(rows, experts)),
+            MoeGemm::V5 => force.unwrap_or_else(|| gemm5_tile_m(rows, experts)),
         }
     }
 }
@@ -232,9 +236,8 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
             (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
             (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
-            (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, gemm5_smem(128)),
-            (MoeGemm::V5, 64) => ("moe_gemm5_m64", 256, 256, gemm5_smem(64)),
+            (MoeGemm::V4 | MoeGemm::V5, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
+            (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
             _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         self.grouped_launch(
@@ -265,9 +268,10 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_swiglu_m128", (128, 64, 256, gemm3_smem(128))),
             (MoeGemm::V3, 64) => ("moe_gemm3_swiglu_m64", (64, 128, 256, gemm3_smem(64))),
             (MoeGemm::V4, 128) => ("moe_gemm4_swiglu_m128", (128, 64, 128, gemm4_smem(128))),
-            (MoeGemm::V4, 64) => ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64))),
-            (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, gemm5_smem(128))),
-            (MoeGemm::V5, 64) => ("moe_gemm5_swiglu_m64", (64, 128, 256, gemm5_smem(64))),
+            (MoeGemm::V4 | MoeGemm::V5, 64) => {
+                ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64)))
+            }
+            (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, GEMM5_SMEM)),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         let v4 = matches!(kind, MoeGemm::V4 | MoeGemm::V5);
@@ -345,16 +349,26 @@ impl Gpu {
 mod tests {
     use super::*;
 
-    /// `KESTREL_MOE_GEMM`'s values, and the tile height rule: 64-row tiles until the experts
-    /// average 256 rows.
+    /// `KESTREL_MOE_GEMM`'s values, the wgmma kernels only on compute capability 9.0, and the
+    /// tile height rules: V3/V4 64-row tiles until the experts average 256 rows, V5 until 64.
     #[test]
     fn variant_names_and_tile_rule() {
         assert_eq!(MoeGemm::parse("v1"), MoeGemm::V1);
         assert_eq!(MoeGemm::parse("v3"), MoeGemm::V3);
-        assert_eq!(MoeGemm::parse(""), MoeGemm::V4, "the default");
-        assert!(MoeGemm::V4.fused_swiglu() && !MoeGemm::V2.fused_swiglu());
+        assert_eq!(MoeGemm::parse("v4"), MoeGemm::V4);
+        assert_eq!(MoeGemm::parse(""), MoeGemm::V5, "the default");
+        assert_eq!(MoeGemm::V5.on((9, 0)), MoeGemm::V5);
+        assert_eq!(MoeGemm::V5.on((8, 9)), MoeGemm::V4);
+        assert_eq!(MoeGemm::V5.on((10, 0)), MoeGemm::V4);
+        assert_eq!(MoeGemm::V3.on((8, 0)), MoeGemm::V3);
+        assert!(
+            MoeGemm::V4.fused_swiglu() && MoeGemm::V5.fused_swiglu() && !MoeGemm::V2.fused_swiglu()
+        );
         assert_eq!(gemm3_tile_m(8192 * 8, 256), 128);
         assert_eq!(gemm3_tile_m(4096 * 8, 256), 64);
+        assert_eq!(MoeGemm::V5.tile_m(2048 * 8, 256, None), 128);
+        assert_eq!(MoeGemm::V5.tile_m(1024 * 8, 256, None), 64);
+        assert_eq!(MoeGemm::V5.tile_m(2048 * 8, 256, Some(64)), 64);
         assert_eq!(MoeGemm::V4.tile_m(4096 * 8, 256, Some(128)), 128);
         assert_eq!(MoeGemm::V2.tile_m(8192 * 8, 256, None), 128);
         for (name, smem) in GEMM3_KERNELS

@@ -670,30 +670,27 @@ MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false)
 MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true)
 MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 
-// Grouped GEMM, fifth version (sm_90a; KESTREL_MOE_GEMM=v5): moe_gemm4's contract on the
-// Hopper tensor-core path. A block of two warpgroups computes a BM x 256 tile with wgmma
-// straight from shared memory (no ldmatrix, no fragment registers; the accumulators are the
-// only per-thread state): at BM 128 each warpgroup takes 64 rows x 256 (m64n256k16), at BM 64
-// both take the 64 rows and one 128-column half each (m64n128k16). Operands arrive through
+// Grouped GEMM, fifth version (sm_90a; KESTREL_MOE_GEMM=v5): moe_gemm4's 128-row contract on
+// the Hopper tensor-core path. A block of two warpgroups computes a 128 x 256 tile, each
+// warpgroup its 64 rows with wgmma m64n256k16 straight from shared memory (no ldmatrix, no
+// fragment registers; the accumulators are the only per-thread state). Operands arrive through
 // moe_gemm4's cp.async copies, whose swizzled 128-byte rows are wgmma's 128-byte swizzle layout,
-// in G5_STAGES stages of 64-wide K: two in flight while one is multiplied and one released.
-// SWIGLU: each warpgroup's WN B rows are WN / 2 gate rows, then the same up rows, so a thread
-// holds each gate/up pair and writes act = bf16(SiLU(gate) * up) (128 act columns a block).
+// in G5_STAGES stages of 64-wide K: two stages in flight while one is multiplied and one is
+// released. SWIGLU: the block's 256 B rows are 128 gate rows, then the same 128 up rows, so a
+// thread holds each gate/up pair and writes act = bf16(SiLU(gate) * up) for 128 columns.
 // Grid (ceil(out columns / (256, or 128 for SWIGLU)), max tiles), block 256, dynamic smem
-// gemm5_smem(BM) (1024-byte aligned: the swizzle is a function of the address).
+// G5_STAGES * 48 KiB (1024-byte aligned: the swizzle is a function of the address).
+#define G5_BM 128
 #define G5_BN 256
 #define G5_STAGES 4
-template <int BM, bool SWIGLU>
+template <bool SWIGLU>
 __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                                                const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
                                                int ndim, int kdim) {
-    constexpr int WN = BM == 128 ? G5_BN : G5_BN / 2;         // columns a warpgroup
-    constexpr int NACC = WN / 2;                               // accumulators a thread
-    constexpr int RPP = 32, AV = BM / RPP, BV = G5_BN / RPP;  // 256 threads, 8 chunks a row
-    constexpr int STAGE = (BM + G5_BN) * G4_BK;               // bf16 elements
-    static_assert(BM == 128 || BM == 64, "tile height");
+    constexpr int RPP = 32, AV = G5_BM / RPP, BV = G5_BN / RPP;  // 256 threads, 8 chunks a row
+    constexpr int STAGE = (G5_BM + G5_BN) * G4_BK;                 // bf16 elements (48 KiB)
     extern __shared__ __align__(1024) bf16 g5_smem[];
     const int tile = blockIdx.y;
     if (tile >= *num_tiles) return;
@@ -715,9 +712,9 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
         const int r = lr + RPP * q;
         int n;
         bool ok;
-        if (SWIGLU) {  // warpgroup column group r / WN: its WN / 2 gate rows, then the same up rows
-            const int qq = r % WN, j = n0 + (r / WN) * (WN / 2) + qq % (WN / 2);
-            n = qq < WN / 2 ? j : inter + j;
+        if (SWIGLU) {
+            const int j = n0 + r % (G5_BN / 2);
+            n = r < G5_BN / 2 ? j : inter + j;
             ok = j < inter;
         } else {
             n = n0 + r;
@@ -730,7 +727,7 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
     auto load = [&](int kt) {
         if (kt < nk) {
             bf16* sa = g5_smem + (kt % G5_STAGES) * STAGE + dst;
-            bf16* sb = sa + BM * G4_BK;
+            bf16* sb = sa + G5_BM * G4_BK;
             const int k0 = kt * G4_BK;
             const bool kin = k0 + kc < kdim;
 #pragma unroll
@@ -746,11 +743,9 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
         }
         cp_async_commit();  // empty groups at the tail keep the wait count uniform
     };
-    // This warpgroup's operands within a stage: its 64 A rows and its WN B rows.
-    const int a_off = (BM == 128 ? wg * 64 : 0) * G4_BK, b_off = (BM + (BM == 128 ? 0 : wg * WN)) * G4_BK;
-    float acc[NACC];
+    float acc[128];
 #pragma unroll
-    for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
 #pragma unroll
     for (int s = 0; s < G5_STAGES - 2; s++) load(s);
     for (int kt = 0; kt < nk; kt++) {
@@ -759,40 +754,36 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
         __syncthreads();  // everyone's; and both warpgroups retired stage kt - 2's wgmma
         load(kt + G5_STAGES - 2);        // into stage kt - 2's buffer
         const bf16* st = g5_smem + (kt % G5_STAGES) * STAGE;
-        const unsigned long long da = wgmma_desc_sw128(st + a_off), db = wgmma_desc_sw128(st + b_off);
+        const unsigned long long da = wgmma_desc_sw128(st + wg * 64 * G4_BK);
+        const unsigned long long db = wgmma_desc_sw128(st + G5_BM * G4_BK);
 #pragma unroll
-        for (int i = 0; i < NACC; i++) wgmma_fence_operand(acc[i]);
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < G4_BK / 16; ks++) {  // k16 step: 32 bytes along the swizzled rows
-            if constexpr (BM == 128) wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, 1);
-            else wgmma_m64n128k16(acc, da + 2 * ks, db + 2 * ks, 1);
-        }
+        for (int ks = 0; ks < G4_BK / 16; ks++)  // k16 step: 32 bytes along the swizzled rows
+            wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, 1);
         wgmma_commit();
         wgmma_wait<1>();  // stage kt - 1's group retired; kt's runs on
 #pragma unroll
-        for (int i = 0; i < NACC; i++) wgmma_fence_operand(acc[i]);
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < NACC; i++) wgmma_fence_operand(acc[i]);
+    for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
     cp_async_wait_all();
-    moe_tile_store<1, NACC / 4, SWIGLU>(reinterpret_cast<const float(&)[1][NACC / 4][4]>(acc), out,
-                                        (BM == 128 ? wg * 64 : 0) + (warp & 3) * 16, BM == 128 ? 0 : wg * WN, n0,
-                                        r0, rows, ndim, lane);
+    moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16, 0, n0,
+                                  r0, rows, ndim, lane);
 }
 
-#define MOE_GEMM5(NAME, BM, SWIGLU)                                                                             \
+#define MOE_GEMM5(NAME, SWIGLU)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
-        moe_gemm5_impl<BM, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim); \
+        moe_gemm5_impl<SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);    \
     }
-MOE_GEMM5(moe_gemm5_m128, 128, false)
-MOE_GEMM5(moe_gemm5_swiglu_m128, 128, true)
-MOE_GEMM5(moe_gemm5_m64, 64, false)
-MOE_GEMM5(moe_gemm5_swiglu_m64, 64, true)
+MOE_GEMM5(moe_gemm5_m128, false)
+MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
