@@ -247,13 +247,14 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter) {
     std::vector<bf16> xb(d);
     std::vector<float> logits(e), sgate(1), topk_w(k), act((size_t)(k + 1) * act_ld, NAN), h_out = h;
     std::vector<int> topk_ids(k, -1);
-    std::vector<unsigned> done(1, 0);
-    emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)router_smem(d, e) * 4, [&] {
+    emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)router_smem(d) * 4, [&] {
         moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb.data(), logits.data(),
-                       sgate.data(), k, topk_ids.data(), topk_w.data(), done.data());
+                       sgate.data());
     });
-    emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256, (size_t)d * 4, [&] {
-        moe_gate_up_dec(xb.data(), d, topk_ids.data(), k, gu.data(), inter, sgu.data(), s_inter, act.data(), act_ld);
+    emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256,
+               (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
+        moe_gate_up_dec(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu.data(), inter,
+                        sgu.data(), s_inter, act.data(), act_ld);
     });
     emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), 0, [&] {
         moe_down_dec(act.data(), act_ld, topk_ids.data(), topk_w.data(), k, sgate.data(), dn.data(), inter,

@@ -22,9 +22,14 @@ const LOGITS_ROWS: usize = 64;
 const ROUTER_ROWS: usize = 2;
 
 /// Shared memory of `moe_router_dec` in floats (moe.cu's router_smem): the staged input, the
-/// logits (rounded up to 16 bytes), the RMSNorm weight and the shared gate's row.
-fn router_smem(d: usize, e: usize) -> usize {
-    (d + e).next_multiple_of(4) + 2 * d
+/// RMSNorm weight and the shared gate's row.
+fn router_smem(d: usize) -> usize {
+    3 * d
+}
+/// Shared memory of `moe_gate_up_dec` in floats (moe.cu's gate_up_dec_smem): the staged input,
+/// then for each of the 8 warps the logits, the top-k ids and weights (rounded up to 16 bytes).
+fn gate_up_dec_smem(d: usize, e: usize, k: usize) -> usize {
+    d + 8 * (e + 2 * k).next_multiple_of(4)
 }
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
@@ -185,7 +190,7 @@ struct DecodeWs {
     topk_ids: DeviceBuf,
     topk_w: DeviceBuf,
     sgate: DeviceBuf,
-    /// Last-block counters of the router top-k and the lm_head argmax (zero between launches).
+    /// The lm_head argmax's last-block counter (zero between launches).
     done: DeviceBuf,
     /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
@@ -224,7 +229,7 @@ impl DecodeWs {
             ("topk_ids", c.experts_per_token * 4),
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
-            ("done", 8),
+            ("done", 4),
             ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
@@ -269,7 +274,8 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
     let smem = 48 * 1024;
     c.gdn_v_width().max(c.num_attention_heads * c.head_dim) * 4 <= smem
         && 2 * c.hidden_size * 4 <= smem // the RMSNorm GEMVs: input and preloaded weight
-        && router_smem(c.hidden_size, c.num_experts) * 4 <= smem
+        && router_smem(c.hidden_size) * 4 <= smem
+        && gate_up_dec_smem(c.hidden_size, c.num_experts, c.experts_per_token) * 4 <= smem
         && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
         && c.gdn_value_dim <= 256
@@ -1313,7 +1319,7 @@ impl CudaModel {
                 Some(limit) => (
                     dw.arg_val.ptr,
                     dw.arg_idx.ptr,
-                    dw.done.ptr + 4,
+                    dw.done.ptr,
                     limit.min(n) as i32,
                     dw.next.ptr,
                     dw.step_in.ptr,
@@ -1527,9 +1533,10 @@ impl CudaModel {
         )
     }
 
-    /// The MoE block of one token in three launches: router (+ its RMSNorm, the shared
-    /// expert's gate and the top-k), the chosen and shared experts' gate/up with SwiGLU, and
-    /// their down projections combined into the residual.
+    /// The MoE block of one token in three launches: router (+ its RMSNorm and the shared
+    /// expert's gate), the top-k (picked by every gate/up warp from the logits) with the chosen
+    /// and shared experts' gate/up and SwiGLU, and their down projections combined into the
+    /// residual.
     fn moe_decode(&self, layer: &LayerW) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
@@ -1548,7 +1555,7 @@ impl CudaModel {
             "moe_router_dec",
             (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
             256,
-            (router_smem(d, e) * 4) as u32,
+            (router_smem(d) * 4) as u32,
             &[
                 Arg::Ptr(dw.h.ptr),
                 Arg::Ptr(layer.post_norm.ptr),
@@ -1560,22 +1567,21 @@ impl CudaModel {
                 Arg::Ptr(dw.xb.ptr),
                 Arg::Ptr(dw.router.ptr),
                 Arg::Ptr(dw.sgate.ptr),
-                Arg::I(k as i32),
-                Arg::Ptr(dw.topk_ids.ptr),
-                Arg::Ptr(dw.topk_w.ptr),
-                Arg::Ptr(dw.done.ptr),
             ],
         )?;
         launch(
             "moe_gate_up_dec",
             (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
             256,
-            (d * 4) as u32,
+            (gate_up_dec_smem(d, e, k) * 4) as u32,
             &[
                 Arg::Ptr(dw.xb.ptr),
                 Arg::I(d as i32),
-                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::Ptr(dw.router.ptr),
+                Arg::I(e as i32),
                 Arg::I(k as i32),
+                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::Ptr(dw.topk_w.ptr),
                 Arg::Ptr(layer.gate_up.ptr),
                 Arg::I(i as i32),
                 Arg::Ptr(layer.shared_gate_up.ptr),

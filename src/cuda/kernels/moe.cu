@@ -790,22 +790,22 @@ MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 // Router: logits = W_r . x with x the post-attention RMSNorm of h (block 0 stores x as bf16 for
 // the experts). The router is only 1 MB, so its time is latency: ROUTER_ROWS rows per block with
 // the 256 threads splitting k spreads it over ~e/2 blocks, all loads issued before the input is
-// staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg); the last block
-// to finish picks the top-k. The RMSNorm weight and the shared gate's row are copied into shared
-// memory before the wait. grid ceil(e / ROUTER_ROWS) + 1, block 256, smem router_smem floats.
+// staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg). The top-k is
+// left to moe_gate_up_dec's warps (each picks it from the logits: no last-block ticket here).
+// The RMSNorm weight and the shared gate's row are copied into shared memory before the wait.
+// grid ceil(e / ROUTER_ROWS) + 1, block 256, smem router_smem floats.
 #define ROUTER_ROWS 2
-// Shared memory of moe_router_dec in floats: the input (d), the logits (e, rounded up to 16
-// bytes), the RMSNorm weight and the shared gate's row (d each). The host computes the same.
-__host__ __device__ __forceinline__ int router_smem(int d, int e) { return ((d + e + 3) & ~3) + 2 * d; }
+// Shared memory of moe_router_dec in floats: the input, the RMSNorm weight and the shared
+// gate's row (d each). The host computes the same.
+__host__ __device__ __forceinline__ int router_smem(int d) { return 3 * d; }
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
-    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
-    int k, int* __restrict__ topk_ids, float* __restrict__ topk_w, unsigned* __restrict__ done) {
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate) {
     DECODE_KERNEL(TAG_ROUTER);
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float* ws = xs + ((d + e + 3) & ~3);  // the RMSNorm weight, then the shared gate's row
+    float* ws = xs + d;  // the RMSNorm weight, then the shared gate's row
     if (blockIdx.x + 1 < gridDim.x) {
         const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
         const uint4* rows[ROUTER_ROWS];
@@ -843,33 +843,48 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
         dot = block_sum(dot);
         if (tid == 0) *sgate = sigmoid_f(dot);
     }
-    if (!last_block_done(done)) return;
-    float* rl = xs + d;
-    for (int i = threadIdx.x; i < e; i += blockDim.x) rl[i] = __ldcg(logits + i);
-    __syncthreads();
-    if (threadIdx.x < 32) route_topk_warp(rl, e, k, topk_ids, topk_w);
 }
 
 // Gate/up half of the k chosen experts and the shared expert (slot k): act[s, j] =
 // bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j (its gate
-// and up rows loaded before x is staged). grid (ceil(max(inter, s_inter) / 8), k + 1), block 256,
-// smem d floats.
-// topk_ids is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
-// griddep_wait (seen in the SASS), and the router writes it in the same step.
+// and up rows loaded before x is staged). Each warp of a routed block picks the top-k itself
+// from the router's logits (route_topk_warp on its own copy in shared memory: no block barrier,
+// and no last-block ticket in the router); block (0, 1) also stores the ids and weights for
+// moe_down_dec. grid (ceil(max(inter, s_inter) / 8), k + 1), block 256, smem
+// gate_up_dec_smem(d, e, k) floats: x, then per warp e logits, k ids and k weights.
+// logits is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
+// griddep_wait, and the router writes it in the same step.
+__host__ __device__ __forceinline__ int gate_up_dec_smem(int d, int e, int k) { return d + 8 * ((e + 2 * k + 3) & ~3); }
 template <int VPL>
-__device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const int* topk_ids,
-                                                     int k, const bf16* __restrict__ gate_up, int inter,
+__device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const float* logits, int e,
+                                                     int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                                                     const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
                                                      float* __restrict__ act, int act_ld, float* xs) {
     DECODE_KERNEL(TAG_GATE_UP);
     // blockIdx.y 0 is the shared expert (slot k), whose blocks are dispatched first: its rows
     // are known before the router finishes, so those blocks load them before waiting.
-    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31;
+    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool shared = slot == k;
-    if (!shared) griddep_wait();  // the expert ids come from the router
+    int expert = 0;
+    if (!shared) {
+        griddep_wait();  // the logits come from the router
+        float* rl = xs + d + warp * ((e + 2 * k + 3) & ~3);
+        int* ids = reinterpret_cast<int*>(rl + e);
+        float* wts = rl + e + k;
+        for (int i = lane; i < e; i += 32) rl[i] = logits[i];
+        __syncwarp();
+        route_topk_warp(rl, e, k, ids, wts);
+        __syncwarp();  // lanes < k wrote the choices
+        expert = ids[slot];
+        if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
+            topk_ids[lane] = ids[lane];
+            topk_w[lane] = wts[lane];
+        }
+    }
     int n = shared ? s_inter : inter;
-    const bf16* w = shared ? shared_gate_up : gate_up + (size_t)topk_ids[slot] * 2 * inter * d;
-    int j = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const bf16* w = shared ? shared_gate_up : gate_up + (size_t)expert * 2 * inter * d;
+    int j = blockIdx.x * 8 + warp;
     const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
     constexpr int NV = VPL > 0 ? VPL : 1;
     uint4 v[2][NV];
@@ -884,11 +899,16 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
-    const bf16* __restrict__ xb, int d, const int* topk_ids, int k, const bf16* __restrict__ gate_up,
-    int inter, const bf16* __restrict__ shared_gate_up, int s_inter, float* __restrict__ act, int act_ld) {
+    const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
+    float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
+    int s_inter, float* __restrict__ act, int act_ld) {
     extern __shared__ float xs[];
-    if (d == 2048) moe_gate_up_dec_impl<8>(xb, d, topk_ids, k, gate_up, inter, shared_gate_up, s_inter, act, act_ld, xs);
-    else moe_gate_up_dec_impl<0>(xb, d, topk_ids, k, gate_up, inter, shared_gate_up, s_inter, act, act_ld, xs);
+    if (d == 2048)
+        moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
+                                act_ld, xs);
+    else
+        moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
+                                act_ld, xs);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
