@@ -542,6 +542,62 @@ MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 // blocks are adjacent in launch order, so its gathered A rows are shared in L2.
 #define G4_BK 64
 
+// The operand copier of moe_gemm4 and moe_gemm5: T threads copy a tile's BM gathered A rows and
+// BN B rows, 64 bf16 of K a stage, with 16-byte cp.async. Thread t copies chunk t % 8 of rows
+// t / 8 + (T / 8) q; element offsets in registers (-1: outside the tile, zero-filled; the
+// launcher keeps them below 2^31), stored XOR-swizzled (16-byte chunk c of row r at chunk
+// c ^ (r & 7)). SWIGLU: B row group r / WN holds WN / 2 gate rows, then the same up rows.
+template <int BM, int BN, int T, int WN, bool SWIGLU>
+struct MoeStageCopier {
+    static constexpr int RPP = T / 8, AV = BM / RPP, BV = BN / RPP;  // rows a pass, passes
+    static_assert(RPP % 8 == 0 && BM % RPP == 0 && BN % RPP == 0, "copier shape");
+    int aoff[AV], boff[BV], kc, dst;
+    __device__ __forceinline__ MoeStageCopier(const int* __restrict__ gather, int r0, int rows, int n0, int ndim,
+                                              int kdim) {
+        const int tid = threadIdx.x, lr = tid >> 3, inter = ndim / 2;
+        kc = (tid & 7) * 8;
+        dst = lr * G4_BK + ((kc >> 3) ^ (lr & 7)) * 8;  // RPP % 8 == 0: same swizzle every q
+#pragma unroll
+        for (int q = 0; q < AV; q++) {
+            const int r = lr + RPP * q;
+            aoff[q] = r < rows ? (gather ? gather[r0 + r] : r0 + r) * kdim + kc : -1;
+        }
+#pragma unroll
+        for (int q = 0; q < BV; q++) {
+            const int r = lr + RPP * q;
+            int n;
+            bool ok;
+            if (SWIGLU) {
+                const int qq = r % WN, j = n0 + (r / WN) * (WN / 2) + qq % (WN / 2);
+                n = qq < WN / 2 ? j : inter + j;
+                ok = j < inter;
+            } else {
+                n = n0 + r;
+                ok = n < ndim;
+            }
+            boff[q] = ok ? n * kdim + kc : -1;
+        }
+    }
+    // K tile kt into `stage` (A rows, then B rows); the caller commits.
+    __device__ __forceinline__ void load(bf16* stage, int kt, const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                         const bf16* __restrict__ wx, int kdim) const {
+        bf16* sa = stage + dst;
+        bf16* sb = sa + BM * G4_BK;
+        const int k0 = kt * G4_BK;
+        const bool kin = k0 + kc < kdim;
+#pragma unroll
+        for (int q = 0; q < AV; q++) {
+            const bool v = aoff[q] >= 0 && kin;
+            cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
+        }
+#pragma unroll
+        for (int q = 0; q < BV; q++) {
+            const bool v = boff[q] >= 0 && kin;
+            cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
+        }
+    }
+};
+
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU>
 __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
@@ -550,60 +606,19 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
                                                int ndim, int kdim) {
     constexpr int T = 32 * WARPS_M * WARPS_N;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NJ = WN / 8;
-    constexpr int RPP = T / 8;  // rows per pass of 16-byte copies (8 chunks per 64-wide row)
-    constexpr int AV = BM / RPP, BV = BN / RPP;
     constexpr int STAGE = (BM + BN) * G4_BK;  // bf16 elements
-    static_assert(NJ % 2 == 0 && WM % 16 == 0 && RPP % 8 == 0 && BM % RPP == 0 && BN % RPP == 0, "tile shape");
+    static_assert(NJ % 2 == 0 && WM % 16 == 0, "tile shape");
     extern __shared__ __align__(16) bf16 g4_smem[];
     int tile = blockIdx.y;
     if (tile >= *num_tiles) return;
     int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
     const bf16* wx = w + (size_t)x * ndim * kdim;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    int inter = ndim / 2;
     int n0 = blockIdx.x * (SWIGLU ? BN / 2 : BN);
-    // Each thread copies chunk tid % 8 of rows tid / 8 + RPP q of both operands; element offsets
-    // in registers (-1: outside the tile, zero-filled). The launcher keeps them below 2^31.
-    int kc = (tid & 7) * 8, lr = tid >> 3;
-    int aoff[AV], boff[BV];
-#pragma unroll
-    for (int q = 0; q < AV; q++) {
-        int r = lr + RPP * q;
-        aoff[q] = r < rows ? (gather ? gather[r0 + r] : r0 + r) * kdim + kc : -1;
-    }
-#pragma unroll
-    for (int q = 0; q < BV; q++) {
-        int r = lr + RPP * q, n;
-        bool ok;
-        if (SWIGLU) {  // warp column group r / WN: its WN / 2 gate rows, then the same up rows
-            int qq = r % WN, j = n0 + (r / WN) * (WN / 2) + qq % (WN / 2);
-            n = qq < WN / 2 ? j : inter + j;
-            ok = j < inter;
-        } else {
-            n = n0 + r;
-            ok = n < ndim;
-        }
-        boff[q] = ok ? n * kdim + kc : -1;
-    }
+    const MoeStageCopier<BM, BN, T, WN, SWIGLU> copier(gather, r0, rows, n0, ndim, kdim);
     const int nk = (kdim + G4_BK - 1) / G4_BK;
-    const int dst = lr * G4_BK + ((kc >> 3) ^ (lr & 7)) * 8;  // RPP % 8 == 0: same swizzle every q
     auto load = [&](int kt) {
-        if (kt < nk) {
-            bf16* sa = g4_smem + (kt % STAGES) * STAGE + dst;
-            bf16* sb = sa + BM * G4_BK;
-            int k0 = kt * G4_BK;
-            bool kin = k0 + kc < kdim;
-#pragma unroll
-            for (int q = 0; q < AV; q++) {
-                bool v = aoff[q] >= 0 && kin;
-                cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
-            }
-#pragma unroll
-            for (int q = 0; q < BV; q++) {
-                bool v = boff[q] >= 0 && kin;
-                cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
-            }
-        }
+        if (kt < nk) copier.load(g4_smem + (kt % STAGES) * STAGE, kt, a, w, wx, kdim);
         cp_async_commit();  // empty groups at the tail keep the wait count uniform
     };
     float acc[MI][NJ][4];
@@ -689,58 +704,19 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                                                const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
                                                int ndim, int kdim) {
-    constexpr int RPP = 32, AV = G5_BM / RPP, BV = G5_BN / RPP;  // 256 threads, 8 chunks a row
-    constexpr int STAGE = (G5_BM + G5_BN) * G4_BK;                 // bf16 elements (48 KiB)
+    constexpr int STAGE = (G5_BM + G5_BN) * G4_BK;  // bf16 elements (48 KiB)
     extern __shared__ __align__(1024) bf16 g5_smem[];
     const int tile = blockIdx.y;
     if (tile >= *num_tiles) return;
     const int x = tile_expert[tile], r0 = tile_row[tile], rows = tile_rows[tile];
     const bf16* wx = w + (size_t)x * ndim * kdim;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-    const int inter = ndim / 2;
     const int n0 = blockIdx.x * (SWIGLU ? G5_BN / 2 : G5_BN);
-    // As moe_gemm4: chunk tid % 8 of rows tid / 8 + RPP q, element offsets (-1: zero-filled).
-    const int kc = (tid & 7) * 8, lr = tid >> 3;
-    int aoff[AV], boff[BV];
-#pragma unroll
-    for (int q = 0; q < AV; q++) {
-        const int r = lr + RPP * q;
-        aoff[q] = r < rows ? (gather ? gather[r0 + r] : r0 + r) * kdim + kc : -1;
-    }
-#pragma unroll
-    for (int q = 0; q < BV; q++) {
-        const int r = lr + RPP * q;
-        int n;
-        bool ok;
-        if (SWIGLU) {
-            const int j = n0 + r % (G5_BN / 2);
-            n = r < G5_BN / 2 ? j : inter + j;
-            ok = j < inter;
-        } else {
-            n = n0 + r;
-            ok = n < ndim;
-        }
-        boff[q] = ok ? n * kdim + kc : -1;
-    }
+    // moe_gemm4's copies; with SWIGLU the block's 256 B rows are one gate/up group.
+    const MoeStageCopier<G5_BM, G5_BN, 256, G5_BN, SWIGLU> copier(gather, r0, rows, n0, ndim, kdim);
     const int nk = (kdim + G4_BK - 1) / G4_BK;
-    const int dst = lr * G4_BK + ((kc >> 3) ^ (lr & 7)) * 8;
     auto load = [&](int kt) {
-        if (kt < nk) {
-            bf16* sa = g5_smem + (kt % G5_STAGES) * STAGE + dst;
-            bf16* sb = sa + G5_BM * G4_BK;
-            const int k0 = kt * G4_BK;
-            const bool kin = k0 + kc < kdim;
-#pragma unroll
-            for (int q = 0; q < AV; q++) {
-                const bool v = aoff[q] >= 0 && kin;
-                cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
-            }
-#pragma unroll
-            for (int q = 0; q < BV; q++) {
-                const bool v = boff[q] >= 0 && kin;
-                cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
-            }
-        }
+        if (kt < nk) copier.load(g5_smem + (kt % G5_STAGES) * STAGE, kt, a, w, wx, kdim);
         cp_async_commit();  // empty groups at the tail keep the wait count uniform
     };
     float acc[128];
