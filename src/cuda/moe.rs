@@ -14,8 +14,8 @@ pub enum MoeGemm {
     /// `moe_gemm3_*`: mma.sync + ldmatrix, 4-stage cp.async, 128- or 64-row tiles; gate/up
     /// fused with the SwiGLU (`KESTREL_MOE_GEMM=v3`).
     V3,
-    /// `moe_gemm4_*` (the default off compute capability 9.0, `KESTREL_MOE_GEMM=v4`): V3's numerics (bitwise) with K
-    /// tiles of 64, swizzled shared memory and 64x64 warp tiles; 128x128 (or 64x128) blocks of
+    /// `moe_gemm4_*` (`KESTREL_MOE_GEMM=v4`, the default off compute capability 9.0, and
+    /// V5's 64-row tiles): V3's numerics (bitwise) with K tiles of 64, swizzled shared memory and 64x64 warp tiles; 128x128 (or 64x128) blocks of
     /// 4 warps, a tile's column blocks launched together (grid y = tiles). On the H200 at
     /// commit 5d4c1c9: prefill 38.0k / 43.9k tok/s at 2,048 / 8,192 tokens against V3's
     /// 29.9k / 38.9k.
@@ -130,7 +130,7 @@ impl MoeGemm {
     }
 
     /// The plan's tile height: fixed by the WMMA kernels; for V3 and V4 `force` or
-    /// [`gemm3_tile_m`].
+    /// [`gemm3_tile_m`], for V5 `force` or [`gemm5_tile_m`].
     pub fn tile_m(self, rows: usize, experts: usize, force: Option<usize>) -> usize {
         match self {
             MoeGemm::V1 => 64,
@@ -279,8 +279,8 @@ impl Gpu {
     }
 
     /// Launches a grouped kernel: (tile_m, output columns per block, threads, smem bytes).
-    /// `v4` (moe_gemm4): the grid is (column blocks, tiles) rather than (tiles, column
-    /// blocks), and the kernel's 32-bit row offsets bound the shape.
+    /// `v4` (moe_gemm4 and moe_gemm5): the grid is (column blocks, tiles) rather than (tiles,
+    /// column blocks), and the kernel's 32-bit row offsets bound the shape.
     #[allow(clippy::too_many_arguments)]
     fn grouped_launch(
         &self,

@@ -533,13 +533,14 @@ MOE_GEMM3(moe_gemm3_m64, 64, 256, false)
 MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true)
 MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 
-// Grouped GEMM, fourth version (the default; KESTREL_MOE_GEMM=v4): moe_gemm3's contract and
-// numerics (the same k16 mma steps in the same order: bitwise equal), with K tiles of 64 (half
-// the barriers per K), rows unpadded and XOR-swizzled (16-byte chunk c of row r sits at chunk
-// c ^ (r & 7), so both the cp.async writes and each 8-row ldmatrix phase hit 32 distinct banks),
-// warp tiles of up to 64x64 (8 ldmatrix.x4 per 32 mma instead of 6 per 16) and fragments of the
-// next k16 step loaded while the current one's mma issue. Grid (n blocks, tiles): a tile's n
-// blocks are adjacent in launch order, so its gathered A rows are shared in L2.
+// Grouped GEMM, fourth version (KESTREL_MOE_GEMM=v4; the default off sm_90a, and v5's 64-row
+// tiles): moe_gemm3's contract and numerics (the same k16 mma steps in the same order: bitwise
+// equal), with K tiles of 64 (half the barriers per K), rows unpadded and XOR-swizzled (16-byte
+// chunk c of row r sits at chunk c ^ (r & 7), so both the cp.async writes and each 8-row
+// ldmatrix phase hit 32 distinct banks), warp tiles of up to 64x64 (8 ldmatrix.x4 per 32 mma
+// instead of 6 per 16) and fragments of the next k16 step loaded while the current one's mma
+// issue. Grid (n blocks, tiles): a tile's n blocks are adjacent in launch order, so its gathered
+// A rows are shared in L2.
 #define G4_BK 64
 
 // The operand copier of moe_gemm4 and moe_gemm5: T threads copy a tile's BM gathered A rows and
