@@ -8,8 +8,9 @@
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
 #   moe  moe.cu: the routing top-k (ties included); the decode MoE block (router, gate/up,
 #        down) at small and reduced real shapes; moe_plan + moe_scatter + moe_gemm3 (both tile
-#        sizes, SwiGLU-fused and plain) at the tiny fixtures' dims and a reduced real shape;
-#        moe_gemm4 bitwise against moe_gemm3
+#        sizes, SwiGLU-fused and plain) at the tiny fixtures' dims, a deep-K shape and a reduced
+#        real shape; moe_gemm4 bitwise against moe_gemm3; moe_gemm5 (wgmma, emulated through its
+#        descriptors) against the references; moe_plan over several warps of experts
 # Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
