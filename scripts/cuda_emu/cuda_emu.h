@@ -171,7 +171,7 @@ inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[1024];
 inline std::vector<PendingCopy> g_cp_open[1024];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
-struct PendingWgmma { float* d; int n; unsigned long long da, db; int scale_d; };
+struct PendingWgmma { float* d; unsigned long long da, db; int scale_d; };
 inline std::vector<std::vector<PendingWgmma>> g_wg_groups[1024];
 inline std::vector<PendingWgmma> g_wg_open[1024];
 
@@ -379,7 +379,7 @@ inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
 }
 inline void emu_wgmma_run(const PendingWgmma& op) {
     int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-    for (int j = 0; j < op.n / 8; j++)
+    for (int j = 0; j < 32; j++)  // n8 blocks of the 256 columns
         for (int e = 0; e < 4; e++) {
             int row = 16 * warp + lane / 4 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * (lane % 4) + (e & 1);
             // the k16 dot product exactly (bf16 products are exact in double), then one f32 add,
@@ -393,7 +393,7 @@ inline void wgmma_fence() {}
 inline void fence_proxy_async() {}
 inline void wgmma_fence_operand(float&) {}
 inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
-    g_wg_open[threadIdx.x].push_back({d, 256, da, db, scale_d});
+    g_wg_open[threadIdx.x].push_back({d, da, db, scale_d});
 }
 inline void wgmma_commit() {
     unsigned t = threadIdx.x;

@@ -15,10 +15,10 @@ pub enum MoeGemm {
     /// fused with the SwiGLU (`KESTREL_MOE_GEMM=v3`).
     V3,
     /// `moe_gemm4_*` (`KESTREL_MOE_GEMM=v4`, the default off compute capability 9.0, and
-    /// V5's 64-row tiles): V3's numerics (bitwise) with K tiles of 64, swizzled shared memory and 64x64 warp tiles; 128x128 (or 64x128) blocks of
-    /// 4 warps, a tile's column blocks launched together (grid y = tiles). On the H200 at
-    /// commit 5d4c1c9: prefill 38.0k / 43.9k tok/s at 2,048 / 8,192 tokens against V3's
-    /// 29.9k / 38.9k.
+    /// V5's 64-row tiles): V3's numerics (bitwise) with K tiles of 64, swizzled shared memory
+    /// and 64x64 warp tiles; 128x128 (or 64x128) blocks of 4 warps, a tile's column blocks
+    /// launched together (grid y = tiles). On the H200 at commit 5d4c1c9: prefill 38.0k /
+    /// 43.9k tok/s at 2,048 / 8,192 tokens against V3's 29.9k / 38.9k.
     V4,
     /// `moe_gemm5_*` (the default on compute capability 9.0, `KESTREL_MOE_GEMM=v5`): the
     /// Hopper tensor-core path (sm_90a wgmma), 128x256 blocks of two warpgroups, for 128-row
