@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <tuple>
 #include <string>
 
 static std::mt19937_64 rng(11);
@@ -145,44 +146,39 @@ static void run(const Shape& s, bool deferred) {
         printf("%s %-22s d=%d i=%d E=%d rows=%d tiles=%d tile_m=%d cp.async %-8s: swiglu act %.2f of its bound, gate_up %.1e, down %.1e\n",
                ok ? "ok  " : "FAIL", s.name, d, I, E, rows, nt[0], bm, deferred ? "deferred" : "eager", ea, eg, ey);
 
-        // moe_gemm4 (grid: n blocks, tiles): the same k16 mma steps in the same order, so
-        // bitwise equal to moe_gemm3.
-        {
-            using K4 = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*, const int*, int, int);
-            K4 k4_swiglu = bm == 128 ? moe_gemm4_swiglu_m128 : moe_gemm4_swiglu_m64, k4_plain = bm == 128 ? moe_gemm4_m128 : moe_gemm4_m64;
-            unsigned smem4 = 3 * (bm + 128) * 128;
-            auto gemm4 = [&](K4 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim, int kdim) {
-                int cols = swiglu ? ndim / 2 : ndim, bcols = swiglu ? 64 : 128;
-                emu_launch({(unsigned)((cols + bcols - 1) / bcols), grid_x, 1}, 128, smem4, [&] {
+        // A later kernel family's three products (gate/up + SwiGLU, plain gate/up, down) into
+        // fresh NaN-filled outputs; grid (column blocks of bcols, bcols / 2 act columns with
+        // the SwiGLU, tiles).
+        using KG = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*, const int*, int, int);
+        auto products = [&](KG k_swiglu, KG k_plain, unsigned threads, unsigned smem_bytes, int bcols) {
+            auto launch = [&](KG k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim, int kdim) {
+                int cols = swiglu ? ndim / 2 : ndim, bc = swiglu ? bcols / 2 : bcols;
+                emu_launch({(unsigned)((cols + bc - 1) / bc), grid_x, 1}, threads, smem_bytes, [&] {
                     k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim);
                 });
             };
-            std::vector<bf16> act4((size_t)rows * I, bf16{0x7fff});
-            std::vector<float> gu4((size_t)rows * 2 * I, NAN), y4((size_t)rows * d, NAN);
-            gemm4(k4_swiglu, true, xb.data(), sorted_token.data(), wgu.data(), act4.data(), 2 * I, d);
-            gemm4(k4_plain, false, xb.data(), sorted_token.data(), wgu.data(), gu4.data(), 2 * I, d);
-            gemm4(k4_plain, false, act_in.data(), nullptr, wdn.data(), y4.data(), d, I);
+            std::vector<bf16> act_o((size_t)rows * I, bf16{0x7fff});
+            std::vector<float> gu_o((size_t)rows * 2 * I, NAN), y_o((size_t)rows * d, NAN);
+            launch(k_swiglu, true, xb.data(), sorted_token.data(), wgu.data(), act_o.data(), 2 * I, d);
+            launch(k_plain, false, xb.data(), sorted_token.data(), wgu.data(), gu_o.data(), 2 * I, d);
+            launch(k_plain, false, act_in.data(), nullptr, wdn.data(), y_o.data(), d, I);
+            return std::tuple{act_o, gu_o, y_o};
+        };
+        // moe_gemm4 (grid: n blocks, tiles): the same k16 mma steps in the same order, so
+        // bitwise equal to moe_gemm3.
+        {
+            auto [act4, gu4, y4] = products(bm == 128 ? moe_gemm4_swiglu_m128 : moe_gemm4_swiglu_m64,
+                                            bm == 128 ? moe_gemm4_m128 : moe_gemm4_m64, 128, 3 * (bm + 128) * 128, 128);
             bool same = memcmp(act4.data(), act.data(), act.size() * 2) == 0 && memcmp(gu4.data(), gu.data(), gu.size() * 4) == 0 &&
                         memcmp(y4.data(), y.data(), y.size() * 4) == 0;
             fails += !same;
             printf("%s %-22s v4 m%-3d: act, gate_up, down %s moe_gemm3's\n", same ? "ok  " : "FAIL", s.name, bm,
                    same ? "bitwise equal to" : "DIFFER from");
         }
-        // moe_gemm5 (wgmma, 128-row tiles; grid: n blocks of 256 (128 act columns), tiles)
-        // against the double references. Products in another order: the references' bounds.
+        // moe_gemm5 (wgmma, 128-row tiles, 256 columns a block) against the double references.
+        // Products in another order: the references' bounds.
         if (bm == 128) {
-            using K5 = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*, const int*, int, int);
-            auto gemm5 = [&](K5 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim, int kdim) {
-                int cols = swiglu ? ndim / 2 : ndim, bcols = swiglu ? 128 : 256;
-                emu_launch({(unsigned)((cols + bcols - 1) / bcols), grid_x, 1}, 256, 4 * 384 * 128, [&] {
-                    k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim);
-                });
-            };
-            std::vector<bf16> act5((size_t)rows * I, bf16{0x7fff});
-            std::vector<float> gu5((size_t)rows * 2 * I, NAN), y5((size_t)rows * d, NAN);
-            gemm5(moe_gemm5_swiglu_m128, true, xb.data(), sorted_token.data(), wgu.data(), act5.data(), 2 * I, d);
-            gemm5(moe_gemm5_m128, false, xb.data(), sorted_token.data(), wgu.data(), gu5.data(), 2 * I, d);
-            gemm5(moe_gemm5_m128, false, act_in.data(), nullptr, wdn.data(), y5.data(), d, I);
+            auto [act5, gu5, y5] = products(moe_gemm5_swiglu_m128, moe_gemm5_m128, 256, 4 * 384 * 128, 256);
             double ea5 = act_err(act5, act_ref), eg5 = f32_err(gu5, gu_ref), ey5 = f32_err(y5, y_ref);
             bool ok5 = ea5 <= 1.0 && eg5 <= 1e-6 && ey5 <= 1e-6;
             fails += !ok5;
