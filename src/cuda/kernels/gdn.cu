@@ -188,18 +188,22 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
     griddep_wait();
     // Every input of the step is loaded at once, before the first barrier: one round trip.
-    __shared__ float qs[DK], ks[DK];
+    // q and k as four quarters of RQ + 4 floats: the four lanes of a column read quarter `part`
+    // at the same i (16-byte loads), which the padding puts in four different bank groups
+    // (unpadded, every read of the two loops below was a 4-way bank conflict).
+    __shared__ __align__(16) float qs[4 * (RQ + 4)], ks[4 * (RQ + 4)];
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-        qs[i] = qkv[(size_t)kh * DK + i];
-        ks[i] = qkv[(size_t)(hk + kh) * DK + i];
+        const int at = (i / RQ) * (RQ + 4) + i % RQ;
+        qs[at] = qkv[(size_t)kh * DK + i];
+        ks[at] = qkv[(size_t)(hk + kh) * DK + i];
     }
     const float v = active ? qkv[(size_t)2 * hk * DK + (size_t)j * dv + m] : 0.0f;
     const float zm = active && part == 0 ? z[(size_t)j * dv + m] : 0.0f;
     float bt = sigmoid_f(ba[j]);
     float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
-    const float* kq = ks + part * RQ;
-    const float* qq = qs + part * RQ;
+    const float* kq = ks + part * (RQ + 4);
+    const float* qq = qs + part * (RQ + 4);
     float r = 0.0f;
 #pragma unroll
     for (int i = 0; i < RQ; i++) {
