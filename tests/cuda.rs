@@ -1393,8 +1393,9 @@ impl AttnCase {
     }
 }
 
-/// The mma.sync flash kernels (`Flash::Mma`: attn_flash3, unless `KESTREL_ATTN=mma2`; and
-/// `Flash::Mma2`: attn_flash2) at the real head shape against an f64 reference, from an empty
+/// The wgmma flash kernel (`Flash::Wgmma`: attn_flash4 on sm_90a) and the mma.sync ones
+/// (`Flash::Mma`: attn_flash3, unless `KESTREL_ATTN=mma2`; and `Flash::Mma2`: attn_flash2) at
+/// the real head shape against an f64 reference, from an empty
 /// cache and continuing after cached positions (chunked prefill), ragged lengths included;
 /// bound 1e-2 (q and the probabilities enter the tensor cores as bf16, the output is bf16).
 /// Then the time of one 4,096-token chunk at positions 0 and 4,096 (the two calls of an 8k
@@ -1405,14 +1406,16 @@ fn attn_flash2_matches_reference_full_shape() {
     for (t, past) in [(100, 0), (77, 190), (129, 64)] {
         let case = AttnCase::new(t, past, 11 + t as u64);
         let want = case.reference();
+        let (wg, _) = case.run(&gpu, Flash::Wgmma, 0);
         let (new, _) = case.run(&gpu, Flash::Mma, 0);
         let (v2, _) = case.run(&gpu, Flash::Mma2, 0);
         let (old, _) = case.run(&gpu, Flash::Wmma, 0);
         let (e_new, e_v2) = (norm_rel_err(&new, &want), norm_rel_err(&v2, &want));
-        let e_old = norm_rel_err(&old, &want);
+        let (e_old, e_wg) = (norm_rel_err(&old, &want), norm_rel_err(&wg, &want));
         println!(
-            "t {t} past {past}: flash3 vs f64 {e_new:.2e}, flash2 {e_v2:.2e} (wmma kernel {e_old:.2e})"
+            "t {t} past {past}: flash4 vs f64 {e_wg:.2e}, flash3 {e_new:.2e}, flash2 {e_v2:.2e} (wmma kernel {e_old:.2e})"
         );
+        assert!(e_wg <= 1e-2, "t {t} past {past}: flash4 {e_wg}");
         assert!(e_new <= 1e-2, "t {t} past {past}: {e_new}");
         assert!(e_v2 <= 1e-2, "t {t} past {past}: flash2 {e_v2}");
     }
@@ -1421,16 +1424,20 @@ fn attn_flash2_matches_reference_full_shape() {
         let case = AttnCase::new(t, past, 3);
         let pairs: usize = (0..t).map(|s| past + s + 1).sum();
         let flop = (4 * ATT_HD * ATT_NQ * pairs) as f64;
+        let (w, ms_wg) = case.run(&gpu, Flash::Wgmma, 5);
         let (a, ms_new) = case.run(&gpu, Flash::Mma, 5);
         let (c, ms_v2) = case.run(&gpu, Flash::Mma2, 5);
         let (b, ms_old) = case.run(&gpu, Flash::Wmma, 3);
         let (diff, diff_v2) = (norm_rel_err(&a, &b), norm_rel_err(&c, &b));
+        let diff_wg = norm_rel_err(&w, &b);
         println!(
-            "t {t} past {past}: flash3 {ms_new:.3} ms ({:.0} TFLOP/s), flash2 {ms_v2:.3} ms ({:.0} TFLOP/s), wmma {ms_old:.3} ms ({:.0} TFLOP/s); outputs differ by {diff:.2e} / {diff_v2:.2e}",
+            "t {t} past {past}: flash4 {ms_wg:.3} ms ({:.0} TFLOP/s), flash3 {ms_new:.3} ms ({:.0} TFLOP/s), flash2 {ms_v2:.3} ms ({:.0} TFLOP/s), wmma {ms_old:.3} ms ({:.0} TFLOP/s); outputs differ by {diff_wg:.2e} / {diff:.2e} / {diff_v2:.2e}",
+            flop / ms_wg / 1e9,
             flop / ms_new / 1e9,
             flop / ms_v2 / 1e9,
             flop / ms_old / 1e9
         );
+        assert!(diff_wg <= 1e-2, "past {past}: flash4 {diff_wg}");
         assert!(diff <= 1e-2, "past {past}: {diff}");
         assert!(diff_v2 <= 1e-2, "past {past}: flash2 {diff_v2}");
     }

@@ -133,6 +133,11 @@ int main(int argc, char** argv) {
         run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 5, 190, 8, 2);
         run_flash<64>("attn_flash3_hd64", attn_flash3_hd64, flash3_smem(64), 70, 0, 2, 1);
         run_flash<128>("attn_flash3_hd128", attn_flash3_hd128, flash3_smem(128), 33, 100, 4, 1);
+        // wgmma (emulated through its descriptors: Q/K K-major, V N-major, P from registers)
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 130, 70, 4, 2);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 64, 0, 4, 2);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 100, 29, 4, 2);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 5, 190, 16, 2);
     }
     for (bool d : {false, true}) {
         g_cp_deferred = d;

@@ -10,7 +10,8 @@
 // emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_bar gdn_prefetch_l2
 // emu-provides: trace_now trace_sm
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
-// emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM
+// emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
+// emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -171,7 +172,15 @@ inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[1024];
 inline std::vector<PendingCopy> g_cp_open[1024];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
-struct PendingWgmma { float* d; unsigned long long da, db; int scale_d; };
+// n: columns (64 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
+// (16 k each) gathered from its quad at issue.
+struct PendingWgmma {
+    float* d;
+    unsigned long long da, db;
+    int scale_d, n = 256;
+    bool trans_b = false, a_reg = false;
+    float a[2][16] = {};
+};
 inline std::vector<std::vector<PendingWgmma>> g_wg_groups[1024];
 inline std::vector<PendingWgmma> g_wg_open[1024];
 
@@ -377,15 +386,32 @@ inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
     memcpy(&v, g_dyn_smem.data() + addr, 2);
     return __bfloat162float(v);
 }
+// Element (n, k) of an N-major 128-byte-swizzled bf16 operand (imm-trans-b): 64-wide N blocks
+// at the leading offset, K rows of 128 bytes, 8-row groups at the stride offset.
+inline float emu_wgmma_elem_mn(unsigned long long desc, int n, int k) {
+    if ((desc >> 62) != 1) emu_fail("wgmma descriptor: not the 128-byte swizzle");
+    unsigned start = (unsigned)(desc & 0x3FFF) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4;
+    unsigned sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    unsigned addr = start + (n / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + (n % 64) * 2;
+    addr ^= ((addr >> 7) & 7) << 4;
+    if (addr + 2 > g_dyn_smem.size()) emu_fail("wgmma operand outside shared memory");
+    bf16 v;
+    memcpy(&v, g_dyn_smem.data() + addr, 2);
+    return __bfloat162float(v);
+}
 inline void emu_wgmma_run(const PendingWgmma& op) {
     int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-    for (int j = 0; j < 32; j++)  // n8 blocks of the 256 columns
+    for (int j = 0; j < op.n / 8; j++)  // n8 blocks of the columns
         for (int e = 0; e < 4; e++) {
             int row = 16 * warp + lane / 4 + (e >= 2 ? 8 : 0), col = 8 * j + 2 * (lane % 4) + (e & 1);
             // the k16 dot product exactly (bf16 products are exact in double), then one f32 add,
             // close to the tensor core's wide internal sum
             double dot = 0;
-            for (int k = 0; k < 16; k++) dot += (double)emu_wgmma_elem(op.da, row, k) * emu_wgmma_elem(op.db, col, k);
+            for (int k = 0; k < 16; k++) {
+                float a = op.a_reg ? op.a[e >= 2][k] : emu_wgmma_elem(op.da, row, k);
+                float b = op.trans_b ? emu_wgmma_elem_mn(op.db, col, k) : emu_wgmma_elem(op.db, col, k);
+                dot += (double)a * b;
+            }
             op.d[4 * j + e] = (float)((op.scale_d ? op.d[4 * j + e] : 0.0f) + dot);
         }
 }
@@ -394,6 +420,35 @@ inline void fence_proxy_async() {}
 inline void wgmma_fence_operand(float&) {}
 inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
     g_wg_open[threadIdx.x].push_back({d, da, db, scale_d});
+}
+inline unsigned long long wgmma_desc_sw128_mn(const void* p, unsigned lbo) {
+    unsigned a = smem_addr(p);
+    if (a % 1024) emu_fail("wgmma operand tile not 1024-byte aligned");
+    return ((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) | (64ull << 32) | (1ull << 62);
+}
+inline void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
+    PendingWgmma op{d, da, db, scale_d};
+    op.n = 64;
+    g_wg_open[threadIdx.x].push_back(op);
+}
+// A from registers: the quad's four lanes hold a row pair's 16 k (a[0], a[2]: row g, k 2q.. and
+// 8 + 2q..; a[1], a[3]: row g + 8), gathered here as the hardware reads them at issue.
+inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
+    PendingWgmma op{d, 0, db, 1};
+    op.trans_b = op.a_reg = true;
+    int quad = emu_lane() & ~3;
+    for (int q = 0; q < 4; q++)
+        for (int r = 0; r < 4; r++) {
+            unsigned v = __shfl_sync(0xffffffffu, a[r], quad + q);
+            bf16 lo, hi;
+            uint16_t l16 = v & 0xffff, h16 = v >> 16;
+            memcpy(&lo, &l16, 2);
+            memcpy(&hi, &h16, 2);
+            int row = r & 1, k = 2 * q + (r >= 2 ? 8 : 0);
+            op.a[row][k] = __bfloat162float(lo);
+            op.a[row][k + 1] = __bfloat162float(hi);
+        }
+    g_wg_open[threadIdx.x].push_back(op);
 }
 inline void wgmma_commit() {
     unsigned t = threadIdx.x;

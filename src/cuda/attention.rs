@@ -14,6 +14,9 @@ pub enum Flash {
     Mma,
     /// `attn_flash2_hd*` whatever `KESTREL_ATTN` says (16 rows of one head per warp).
     Mma2,
+    /// `attn_flash4_hd256`: wgmma, a warpgroup per head of `attn_flash3`'s block (the default;
+    /// on sm_90a at head dim 256, else it runs as `Mma`).
+    Wgmma,
 }
 
 /// Whether `Flash::Mma` runs the older `attn_flash2_hd*` (`KESTREL_ATTN=mma2`), read once.
@@ -22,7 +25,7 @@ fn mma2_selected() -> bool {
     *MMA2.get_or_init(|| std::env::var("KESTREL_ATTN").is_ok_and(|v| v == "mma2"))
 }
 
-/// Query positions per block of both kernels (attention.cu's FQ and FA_BQ).
+/// Query positions per block of every kernel (attention.cu's FQ, FA_BQ and attn_flash4's 64).
 const BLOCK_Q: usize = 64;
 
 /// Dynamic shared memory of `attn_flash`: Q, K and V tiles, the f32 running output, the
@@ -49,9 +52,13 @@ const fn mma3_smem(hd: usize) -> usize {
     mma_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16
 }
 
+/// Dynamic shared memory of `attn_flash4_hd256` (F4_SMEM): Q of two heads and two stages of K
+/// and V, each a 64-row tile of 256 bf16 in the 128-byte swizzle (192 KiB).
+const WGMMA_SMEM: usize = 6 * 64 * 256 * 2;
+
 /// The flash kernels with the dynamic shared memory each may use (set at `Gpu::open`; the
 /// WMMA kernel at the largest head dim it takes).
-pub(super) const FLASH_KERNELS: [(&str, usize); 9] = [
+pub(super) const FLASH_KERNELS: [(&str, usize); 10] = [
     ("attn_flash", wmma_smem(256)),
     ("attn_flash2_hd32", mma_smem(32)),
     ("attn_flash2_hd64", mma_smem(64)),
@@ -61,6 +68,7 @@ pub(super) const FLASH_KERNELS: [(&str, usize); 9] = [
     ("attn_flash3_hd64", mma3_smem(64)),
     ("attn_flash3_hd128", mma3_smem(128)),
     ("attn_flash3_hd256", mma3_smem(256)),
+    ("attn_flash4_hd256", WGMMA_SMEM),
 ];
 
 /// Dynamic shared memory of `attn_decode_mma_hd*`: Q (16 rows) and double-buffered K and V
@@ -126,9 +134,12 @@ impl Gpu {
     /// Causal attention of the `t` new positions over the cache, sigmoid output gate fused,
     /// through `kind` (head dim a multiple of 32 up to 256).
     pub fn attn_flash(&self, kind: Flash, a: &FlashCall) -> Result<()> {
+        let group = a.nq / a.nkv;
+        let wgmma = self.compute_capability == (9, 0) && a.hd == 256 && group.is_multiple_of(2);
         let mma = match kind {
-            Flash::Mma => mma_kernel(a.hd, a.nq / a.nkv, mma2_selected()),
-            Flash::Mma2 => mma_kernel(a.hd, a.nq / a.nkv, true),
+            Flash::Wgmma if wgmma => Some(FLASH_KERNELS[9]),
+            Flash::Mma | Flash::Wgmma => mma_kernel(a.hd, group, mma2_selected()),
+            Flash::Mma2 => mma_kernel(a.hd, group, true),
             Flash::Wmma => None,
         };
         let (name, heads_per_block, threads, smem) = match mma {

@@ -66,6 +66,7 @@ const KERNELS: &[&str] = &[
     "attn_flash3_hd64",
     "attn_flash3_hd128",
     "attn_flash3_hd256",
+    "attn_flash4_hd256",
     "attn_decode_mma_hd32",
     "attn_decode_mma_hd64",
     "attn_decode_mma_hd128",

@@ -293,8 +293,9 @@ pub struct CudaModel {
     pub max_chunk: usize,
     pub max_seq: usize,
     pub weight_bytes: usize,
-    /// The prefill attention kernel: mma.sync where the shape has one (default `attn_flash3`,
-    /// `KESTREL_ATTN=mma2` the previous `attn_flash2`), or (`KESTREL_ATTN=wmma`) the WMMA kernel.
+    /// The prefill attention kernel: wgmma on sm_90a at head dim 256 (`attn_flash4`), else
+    /// mma.sync where the shape has one (`attn_flash3`; `KESTREL_ATTN=mma` keeps it on sm_90a,
+    /// `mma2` the previous `attn_flash2`), or (`KESTREL_ATTN=wmma`) the WMMA kernel.
     pub flash: Flash,
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
@@ -790,10 +791,10 @@ impl CudaModel {
             max_chunk,
             max_seq,
             weight_bytes: plan.weights,
-            flash: if std::env::var("KESTREL_ATTN").is_ok_and(|v| v == "wmma") {
-                Flash::Wmma
-            } else {
-                Flash::Mma
+            flash: match std::env::var("KESTREL_ATTN").as_deref() {
+                Ok("wmma") => Flash::Wmma,
+                Ok("mma" | "mma2") => Flash::Mma,
+                _ => Flash::Wgmma,
             },
             decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
             gemv_whole_rows: !std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "split"),

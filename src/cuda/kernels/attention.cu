@@ -809,6 +809,171 @@ ATTN_FLASH_ENTRY(3, 64)
 ATTN_FLASH_ENTRY(3, 128)
 ATTN_FLASH_ENTRY(3, 256)
 
+// Prefill attention, version 4 (sm_90a, head dim 256): attn_flash3's grid and block (64 query
+// positions x 2 heads of one KV group, 256 threads, heaviest blocks first) on wgmma. Warpgroup
+// w owns head h0 + w, its 64 rows a warpgroup tile. Per K/V tile of 64 keys:
+//   S = Q Kᵀ: 16 wgmma m64n64k16 straight from shared memory (Q and K in the 128-byte swizzle,
+//      four 64-dim column blocks each);
+//   the online softmax (base 2) on the accumulators, rows in the lanes of a quad as in the
+//      mma.sync kernels; O is rescaled only when a row's max moved;
+//   O += P V: 4 wgmma m64n256k16 with P from registers (S's accumulators packed to bf16 are the
+//      A fragments) and V read N-major from its swizzled tile (no transposing copy).
+// K/V tiles stream through two cp.async stages; one block barrier per tile. Registers: O 128,
+// S 32 floats a thread. Dynamic smem F4_SMEM (1024-byte aligned: the swizzle is a function of
+// the address): Q 2 x 32 KiB, then 2 stages of K 32 KiB + V 32 KiB.
+#define F4_HD 256
+#define F4_BK 64
+#define F4_TILE (64 * F4_HD * 2)  // bytes of a 64-row tile: 4 column blocks of 64 rows x 128 B
+#define F4_SMEM (6 * F4_TILE)
+
+// Byte offset of (row r, 16-byte chunk c of the HD / 8) in a swizzled 64-row tile.
+__device__ __forceinline__ int f4_off(int r, int c) { return (c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    attn_flash4_hd256(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                      const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,
+                      float scale) {
+    extern __shared__ __align__(1024) unsigned char f4_smem[];
+    unsigned char* qs = f4_smem;                 // [2 heads] tiles
+    unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
+    const float scale_log2 = scale * 1.4426950408889634f;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * 64;
+    const int h0 = blockIdx.y * 2, kvh = h0 / (nq / nkv);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wi = warp & 3;
+    const int n_valid = past + t;
+    const int n_end = min(n_valid, past + q0 + 64);
+    const int ntiles = (n_end + F4_BK - 1) / F4_BK;
+    auto load_kv = [&](int buf, int k0) {  // 64 keys x 32 chunks, K and V: 16 copies a thread
+        unsigned char* ks = kvs + buf * 2 * F4_TILE;
+        for (int v = tid; v < F4_BK * (F4_HD / 8); v += 256) {
+            const int r = v >> 5, c = v & 31, kp = k0 + r;
+            const bool ok = kp < n_valid;
+            const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + c * 8;
+            cp_async16(ks + f4_off(r, c), kc + off, ok);
+            cp_async16(ks + F4_TILE + f4_off(r, c), vc + off, ok);
+        }
+        cp_async_commit();
+    };
+    load_kv(0, 0);
+    // Q of both heads, times scale·log2 e, as bf16 (rows past t zero).
+    for (int v = tid; v < 2 * 64 * (F4_HD / 8); v += 256) {
+        const int hh = v >> 11, r = (v >> 5) & 63, c = v & 31;
+        float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+        if (q0 + r < t) {
+            const float* src = q + ((size_t)(q0 + r) * nq + h0 + hh) * F4_HD + c * 8;
+            x0 = *reinterpret_cast<const float4*>(src);
+            x1 = *reinterpret_cast<const float4*>(src + 4);
+        }
+        *reinterpret_cast<uint4*>(qs + hh * F4_TILE + f4_off(r, c)) =
+            make_uint4(pack_bf16x2(x0.x * scale_log2, x0.y * scale_log2), pack_bf16x2(x0.z * scale_log2, x0.w * scale_log2),
+                       pack_bf16x2(x1.x * scale_log2, x1.y * scale_log2), pack_bf16x2(x1.z * scale_log2, x1.w * scale_log2));
+    }
+    const int g = lane >> 2, cq = 2 * (lane & 3);
+    const int qpos0 = past + q0 + wi * 16 + g, qpos1 = qpos0 + 8;  // this thread's two rows
+    const unsigned long long dq = wgmma_desc_sw128(qs + wg * F4_TILE);
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int j = 0; j < ntiles; j++) {
+        cp_async_wait_all();  // this thread's copies of tile j
+        fence_proxy_async();  // ... (and its Q stores) visible to wgmma
+        __syncthreads();      // everyone's; both warpgroups are done with tile j - 1's buffer
+        if (j + 1 < ntiles) load_kv((j + 1) & 1, (j + 1) * F4_BK);
+        const unsigned char* kt = kvs + (j & 1) * 2 * F4_TILE;
+        const unsigned long long dk = wgmma_desc_sw128(kt);
+        const unsigned long long dv = wgmma_desc_sw128_mn(kt + F4_TILE, 64 * 128);
+        const int k0 = j * F4_BK;
+        float s[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < F4_HD / 16; kk++)  // column block kk / 4, 32 bytes a k16 step inside it
+            wgmma_m64n64k16(s, dq + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3), dk + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3),
+                            kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
+        // Causal / cache-end mask, only on tiles that reach past this warp's first row.
+        if (k0 + F4_BK - 1 > qpos0 - g || k0 + F4_BK > n_valid) {
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int kp = k0 + n * 8 + cq + (e & 1), qp = e < 2 ? qpos0 : qpos1;
+                    if (kp > qp || kp >= n_valid) s[4 * n + e] = -INFINITY;
+                }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;
+        const float c0 = ex2_approx(m0 - b0), c1 = ex2_approx(m1 - b1);
+        const bool rescale = mx0 != m0 || mx1 != m1;
+        m0 = mx0;
+        m1 = mx1;
+        float sum0 = 0.0f, sum1 = 0.0f;
+        unsigned p[4][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const float e0 = ex2_approx(s[4 * n] - b0), e1 = ex2_approx(s[4 * n + 1] - b0);
+            const float e2 = ex2_approx(s[4 * n + 2] - b1), e3 = ex2_approx(s[4 * n + 3] - b1);
+            sum0 += e0 + e1;
+            sum1 += e2 + e3;
+            p[n >> 1][(n & 1) * 2] = pack_bf16x2(e0, e1);  // keys 16 (n / 2).. : rows g, g + 8
+            p[n >> 1][(n & 1) * 2 + 1] = pack_bf16x2(e2, e3);
+        }
+        l0 = l0 * c0 + sum0;
+        l1 = l1 * c1 + sum1;
+        if (rescale) {  // (thread-local: one of this thread's two rows got a new max)
+#pragma unroll
+            for (int n = 0; n < 32; n++) {
+                o[4 * n] *= c0;
+                o[4 * n + 1] *= c0;
+                o[4 * n + 2] *= c1;
+                o[4 * n + 3] *= c1;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < F4_BK / 16; kk++)  // keys 16 kk..: 16 rows of 128 B down the V tile
+            wgmma_m64n256k16_rs_tb(o, p[kk], dv + kk * (2048 >> 4));
+        wgmma_commit();
+        wgmma_wait<0>();  // before the next tile's barrier releases this buffer (and rescales o)
+#pragma unroll
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int h = h0 + wg;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int srow = q0 + wi * 16 + g + half * 8;
+        if (srow >= t) continue;
+        const float inv = 1.0f / (half ? l1 : l0);
+        const float* gate = qg + ((size_t)srow * nq + h) * 2 * F4_HD + F4_HD;
+        bf16* dst = out + ((size_t)srow * nq + h) * F4_HD;
+#pragma unroll
+        for (int n = 0; n < 32; n++) {
+            const int c = n * 8 + cq;
+            const float2 gt = *reinterpret_cast<const float2*>(gate + c);
+            *reinterpret_cast<unsigned*>(dst + c) = pack_bf16x2(o[4 * n + 2 * half] * inv * sigmoid_f(gt.x),
+                                                                o[4 * n + 2 * half + 1] * inv * sigmoid_f(gt.y));
+        }
+    }
+}
+
 // ---- Decode on tensor cores ----
 
 // Decode attention, one warp per block = one KV head's GQA group over one split of the context:
