@@ -418,6 +418,7 @@ inline void emu_wgmma_run(const PendingWgmma& op) {
 inline void wgmma_fence() {}
 inline void fence_proxy_async() {}
 inline void wgmma_fence_operand(float&) {}
+inline void wgmma_fence_operand(unsigned&) {}
 inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
     g_wg_open[threadIdx.x].push_back({d, da, db, scale_d});
 }

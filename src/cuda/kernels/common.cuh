@@ -461,6 +461,8 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128_mn(const void* sm
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving accumulator reads/writes across in-flight wgmma.
 __device__ __forceinline__ void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// (and register A fragments, which an in-flight wgmma still reads)
+__device__ __forceinline__ void wgmma_fence_operand(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
 // D[64 x 256] (f32, 128 registers a thread) = (scale_d ? D : 0) + A[64 x 16] * B[256 x 16]^T,
 // A and B bf16 K-major from descriptors. Thread t of the warpgroup holds, for n8 block j,
 // d[4j..4j+1] at row 16 (t / 32) + (t % 32) / 4, columns 8j + 2 (t % 4) + {0, 1}, and
