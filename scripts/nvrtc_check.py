@@ -34,6 +34,8 @@ assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kestrel.cu", 0
 regs = "--regs" in sys.argv
 arch = b"--gpu-architecture=sm_90a" if regs else b"--gpu-architecture=compute_90a"
 opts = [arch, f"-I{home}/include".encode(), b"--std=c++17", b"-default-device"]
+if "--ptxas-v" in sys.argv:  # ptxas's per-kernel report (spills; wgmma serialization, C7513)
+    opts.append(b"--ptxas-options=-v")
 arr = (ctypes.c_char_p * len(opts))(*opts)
 t = time.time()
 rc = lib.nvrtcCompileProgram(prog, len(opts), arr)

@@ -419,6 +419,7 @@ inline void wgmma_fence() {}
 inline void fence_proxy_async() {}
 inline void wgmma_fence_operand(float&) {}
 inline void wgmma_fence_operand(unsigned&) {}
+inline void wgmma_fence_operand(unsigned long long&) {}
 inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
     g_wg_open[threadIdx.x].push_back({d, da, db, scale_d});
 }
@@ -434,8 +435,8 @@ inline void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long
 }
 // A from registers: the quad's four lanes hold a row pair's 16 k (a[0], a[2]: row g, k 2q.. and
 // 8 + 2q..; a[1], a[3]: row g + 8), gathered here as the hardware reads them at issue.
-inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
-    PendingWgmma op{d, 0, db, 1};
+inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    PendingWgmma op{d, 0, db, scale_d};
     op.trans_b = op.a_reg = true;
     int quad = emu_lane() & ~3;
     for (int q = 0; q < 4; q++)

@@ -843,7 +843,11 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const float scale_log2 = scale * 1.4426950408889634f;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * 64;
     const int h0 = blockIdx.y * 2, kvh = h0 / (nq / nkv);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wi = warp & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wi = warp & 3;
+    // The warpgroup through a shuffle from lane 0: ptxas then knows it is warp-uniform and keeps
+    // the Q descriptor in uniform registers (else its arithmetic, sunk between wgmma_fence and
+    // the wgmma, serializes every wgmma of the kernel: ptxas C7513).
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int n_valid = past + t;
     const int n_end = min(n_valid, past + q0 + 64);
     const int ntiles = (n_end + F4_BK - 1) / F4_BK;
@@ -873,16 +877,16 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
     const int g = lane >> 2, cq = 2 * (lane & 3);
     const int qpos0 = past + q0 + wi * 16 + g, qpos1 = qpos0 + 8;  // this thread's two rows
-    const unsigned long long dq = wgmma_desc_sw128(qs + wg * F4_TILE);
+    const unsigned long long dq_wg = wgmma_desc_sw128(qs + wg * F4_TILE);
+    // o is never zeroed: the first P V product overwrites it (scale_d 0), and a zeroing loop
+    // is one ptxas may schedule inside a wgmma stage (C7513: every wgmma serialized).
     float o[128], s[32];
     unsigned pa[4][4], pb[4][4];
-#pragma unroll
-    for (int i = 0; i < 128; i++) o[i] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; i++) pa[i >> 2][i & 3] = pb[i >> 2][i & 3] = 0u;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    auto issue_qk = [&](const unsigned char* kt) {  // column block kk / 4, 32 bytes a k16 step inside it
-        const unsigned long long dk = wgmma_desc_sw128(kt);
+    // Column block kk / 4, 32 bytes a k16 step inside it. The descriptors come pinned (an empty
+    // asm) right before the stage: else ptxas hoists all 32 out of the loop, runs out of
+    // uniform registers, and the copies back inside the stage serialize every wgmma (C7513).
+    auto issue_qk = [&](unsigned long long dq, unsigned long long dk) {
 #pragma unroll
         for (int kk = 0; kk < F4_HD / 16; kk++)
             wgmma_m64n64k16(s, dq + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3), dk + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3),
@@ -896,13 +900,18 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();
+    unsigned long long dq = dq_wg, dk = wgmma_desc_sw128(ks);
+    wgmma_fence_operand(dq);
+    wgmma_fence_operand(dk);
     wgmma_fence();
-    issue_qk(ks);
+    issue_qk(dq, dk);
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
     // Tile j: S_j is in s. P_j goes to p; p_prev is P_{j-1}, still read by the in-flight P V.
-    auto step = [&](int j, unsigned (&p)[4][4], unsigned (&p_prev)[4][4]) {
+    // has_next: a literal at each call, so the stage holds no branch (ptxas serializes a stage
+    // with a conditional wgmma in it).
+    auto step = [&](int j, unsigned (&p)[4][4], unsigned (&p_prev)[4][4], bool has_next) {
         const int k0 = j * F4_BK;
         // Causal / cache-end mask, only on tiles that reach past this warp's first row.
         if (k0 + F4_BK - 1 > qpos0 - g || k0 + F4_BK > n_valid) {
@@ -945,7 +954,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
         fence_p(p_prev);
-        if (rescale) {  // (thread-local: one of this thread's two rows got a new max)
+        if (rescale && j > 0) {  // (thread-local: one of this thread's two rows got a new max)
 #pragma unroll
             for (int n = 0; n < 32; n++) {
                 o[4 * n] *= c0;
@@ -960,24 +969,37 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         if (j + 2 < ntiles) load_tile(ks + (j & 1) * F4_TILE, kc, (j + 2) * F4_BK);
         if (j + 1 < ntiles) load_tile(vs + ((j + 1) & 1) * F4_TILE, vc, (j + 1) * F4_BK);
         cp_async_commit();
+        unsigned long long dq = dq_wg, dk = wgmma_desc_sw128(ks + ((j + 1) & 1) * F4_TILE);
+        unsigned long long dv = wgmma_desc_sw128_mn(vs + (j & 1) * F4_TILE, 64 * 128);
+        unsigned accumulate = j > 0;  // the first product overwrites o
+        wgmma_fence_operand(dq);
+        wgmma_fence_operand(dk);
+        wgmma_fence_operand(dv);
+        wgmma_fence_operand(accumulate);
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
         wgmma_fence();
-        if (j + 1 < ntiles) issue_qk(ks + ((j + 1) & 1) * F4_TILE);
-        const unsigned long long dv = wgmma_desc_sw128_mn(vs + (j & 1) * F4_TILE, 64 * 128);
+        if (has_next) issue_qk(dq, dk);
 #pragma unroll
         for (int kk = 0; kk < F4_BK / 16; kk++)  // keys 16 kk..: 16 rows of 128 B down the V tile
-            wgmma_m64n256k16_rs_tb(o, p[kk], dv + kk * (2048 >> 4));
+            wgmma_m64n256k16_rs_tb(o, p[kk], dv + kk * (2048 >> 4), kk > 0 ? 1 : accumulate);
         wgmma_commit();
-        if (j + 1 < ntiles) {
+        if (has_next) {
             wgmma_wait<1>();  // S_{j+1} retired; P_j V_j runs on
 #pragma unroll
             for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
         }
     };
-    for (int j = 0; j < ntiles; j += 2) {
-        step(j, pa, pb);
-        if (j + 1 < ntiles) step(j + 1, pb, pa);
+    int j = 0;
+    for (; j + 2 < ntiles; j += 2) {
+        step(j, pa, pb, true);
+        step(j + 1, pb, pa, true);
+    }
+    if (j + 1 < ntiles) {
+        step(j, pa, pb, true);
+        step(j + 1, pb, pa, false);
+    } else {
+        step(j, pa, pb, false);
     }
     wgmma_wait<0>();
     cp_async_wait_all();  // (the last step's empty group)

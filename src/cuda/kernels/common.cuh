@@ -463,6 +463,9 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 // (and register A fragments, which an in-flight wgmma still reads)
 __device__ __forceinline__ void wgmma_fence_operand(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
+// (and descriptors: computed before wgmma_fence, not sunk into the stage, where a non-wgmma
+// instruction defining a wgmma input makes ptxas serialize every wgmma of the kernel: C7513)
+__device__ __forceinline__ void wgmma_fence_operand(unsigned long long& r) { asm volatile("" : "+l"(r)::"memory"); }
 // D[64 x 256] (f32, 128 registers a thread) = (scale_d ? D : 0) + A[64 x 16] * B[256 x 16]^T,
 // A and B bf16 K-major from descriptors. Thread t of the warpgroup holds, for n8 block j,
 // d[4j..4j+1] at row 16 (t / 32) + (t % 32) / 4, columns 8j + 2 (t % 4) + {0, 1}, and
@@ -522,12 +525,12 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long lo
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(da), "l"(db), "r"(scale_d));
 }
-// D[64 x 256] += A[64 x 16] * B, A from registers (thread t: a[0] = row 16 (t / 32) + (t % 32) / 4,
+// D[64 x 256] = (scale_d ? D : 0) + A[64 x 16] * B, A from registers (thread t: a[0] = row 16 (t / 32) + (t % 32) / 4,
 // columns 2 (t % 4) + {0, 1}; a[1] the row 8 below; a[2], a[3] the same 8 columns on: the
 // accumulator layout of two n8 blocks, packed to bf16x2), B[16 x 256] N-major from a descriptor
 // (wgmma_desc_sw128_mn).
 __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4],
-                                                       unsigned long long db) {
+                                                       unsigned long long db, int scale_d) {
     WGMMA_ASM(
         "{\n"
         ".reg .pred p;\n"
@@ -560,5 +563,5 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], const un
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
