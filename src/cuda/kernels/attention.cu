@@ -811,19 +811,16 @@ ATTN_FLASH_ENTRY(3, 256)
 
 // Prefill attention, version 4 (sm_90a, head dim 256): attn_flash3's grid and block (64 query
 // positions x 2 heads of one KV group, 256 threads, heaviest blocks first) on wgmma. Warpgroup
-// w owns head h0 + w, its 64 rows a warpgroup tile. Per K/V tile j of 64 keys:
+// w owns head h0 + w, its 64 rows a warpgroup tile. Per K/V tile of 64 keys:
 //   S = Q Kᵀ: 16 wgmma m64n64k16 straight from shared memory (Q and K in the 128-byte swizzle,
 //      four 64-dim column blocks each);
 //   the online softmax (base 2) on the accumulators, rows in the lanes of a quad as in the
 //      mma.sync kernels; O is rescaled only when a row's max moved;
 //   O += P V: 4 wgmma m64n256k16 with P from registers (S's accumulators packed to bf16 are the
 //      A fragments) and V read N-major from its swizzled tile (no transposing copy).
-// Pipelined in the warpgroup: S_{j+1} = Q K_{j+1}ᵀ is issued before O += P_j V_j and retired
-// first, so tile j + 1's softmax runs while the tensor cores do P_j V_j. K and V have two stages
-// each: the barrier of tile j needs K_{j+1} and V_j, then K_{j+2} and V_{j+1} load. P alternates
-// between two register sets (the in-flight P_j V_j still reads its set while P_{j+1} is formed).
-// Registers: O 128, S 32, P 2 x 16 a thread. Dynamic smem F4_SMEM (1024-byte aligned: the
-// swizzle is a function of the address): Q 2 x 32 KiB, K 2 x 32 KiB, V 2 x 32 KiB.
+// K/V tiles stream through two cp.async stages; one block barrier per tile. Registers: O 128,
+// S 32 floats a thread. Dynamic smem F4_SMEM (1024-byte aligned: the swizzle is a function of
+// the address): Q 2 x 32 KiB, then 2 stages of K 32 KiB + V 32 KiB.
 #define F4_HD 256
 #define F4_BK 64
 #define F4_TILE (64 * F4_HD * 2)  // bytes of a 64-row tile: 4 column blocks of 64 rows x 128 B
@@ -837,31 +834,30 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                       const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,
                       float scale) {
     extern __shared__ __align__(1024) unsigned char f4_smem[];
-    unsigned char* qs = f4_smem;                // [2 heads]
-    unsigned char* ks = f4_smem + 2 * F4_TILE;  // [2 stages]
-    unsigned char* vs = f4_smem + 4 * F4_TILE;  // [2 stages]
+    unsigned char* qs = f4_smem;                 // [2 heads] tiles
+    unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
     const float scale_log2 = scale * 1.4426950408889634f;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * 64;
     const int h0 = blockIdx.y * 2, kvh = h0 / (nq / nkv);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wi = warp & 3;
     // The warpgroup through a shuffle from lane 0: ptxas then knows it is warp-uniform and keeps
-    // the Q descriptor in uniform registers (else its arithmetic, sunk between wgmma_fence and
-    // the wgmma, serializes every wgmma of the kernel: ptxas C7513).
+    // the Q descriptor in uniform registers.
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int n_valid = past + t;
     const int n_end = min(n_valid, past + q0 + 64);
     const int ntiles = (n_end + F4_BK - 1) / F4_BK;
-    auto load_tile = [&](unsigned char* dst, const bf16* __restrict__ src, int k0) {  // 8 copies a thread
+    auto load_kv = [&](int buf, int k0) {  // 64 keys x 32 chunks, K and V: 16 copies a thread
+        unsigned char* ks = kvs + buf * 2 * F4_TILE;
         for (int v = tid; v < F4_BK * (F4_HD / 8); v += 256) {
             const int r = v >> 5, c = v & 31, kp = k0 + r;
             const bool ok = kp < n_valid;
-            cp_async16(dst + f4_off(r, c), src + ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + c * 8, ok);
+            const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + c * 8;
+            cp_async16(ks + f4_off(r, c), kc + off, ok);
+            cp_async16(ks + F4_TILE + f4_off(r, c), vc + off, ok);
         }
+        cp_async_commit();
     };
-    load_tile(ks, kc, 0);
-    load_tile(vs, vc, 0);
-    if (ntiles > 1) load_tile(ks + F4_TILE, kc, F4_BK);
-    cp_async_commit();
+    load_kv(0, 0);
     // Q of both heads, times scale·log2 e, as bf16 (rows past t zero).
     for (int v = tid; v < 2 * 64 * (F4_HD / 8); v += 256) {
         const int hh = v >> 11, r = (v >> 5) & 63, c = v & 31;
@@ -878,41 +874,36 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int g = lane >> 2, cq = 2 * (lane & 3);
     const int qpos0 = past + q0 + wi * 16 + g, qpos1 = qpos0 + 8;  // this thread's two rows
     const unsigned long long dq_wg = wgmma_desc_sw128(qs + wg * F4_TILE);
-    // o is never zeroed: the first P V product overwrites it (scale_d 0), and a zeroing loop
-    // is one ptxas may schedule inside a wgmma stage (C7513: every wgmma serialized).
-    float o[128], s[32];
-    unsigned pa[4][4], pb[4][4];
+    // o is never zeroed: the first P V product overwrites it (scale_d 0); ptxas may schedule a
+    // zeroing loop inside a wgmma stage, which serializes every wgmma of the kernel (C7513).
+    float o[128];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    // Column block kk / 4, 32 bytes a k16 step inside it. The descriptors come pinned (an empty
-    // asm) right before the stage: else ptxas hoists all 32 out of the loop, runs out of
-    // uniform registers, and the copies back inside the stage serialize every wgmma (C7513).
-    auto issue_qk = [&](unsigned long long dq, unsigned long long dk) {
+    for (int j = 0; j < ntiles; j++) {
+        cp_async_wait_all();  // this thread's copies of tile j
+        fence_proxy_async();  // ... (and its Q stores) visible to wgmma
+        __syncthreads();      // everyone's; both warpgroups are done with tile j - 1's buffer
+        if (j + 1 < ntiles) load_kv((j + 1) & 1, (j + 1) * F4_BK);
+        const unsigned char* kt = kvs + (j & 1) * 2 * F4_TILE;
+        // Descriptors pinned (an empty asm) before each stage, so their arithmetic is not sunk
+        // into it nor all 16 hoisted out of the loop (out of uniform registers, the copies back
+        // inside the stage serialize every wgmma: C7513).
+        unsigned long long dq = dq_wg, dk = wgmma_desc_sw128(kt), dv = wgmma_desc_sw128_mn(kt + F4_TILE, 64 * 128);
+        unsigned accumulate = j > 0;  // the first P V product overwrites o
+        wgmma_fence_operand(dq);
+        wgmma_fence_operand(dk);
+        wgmma_fence_operand(dv);
+        wgmma_fence_operand(accumulate);
+        const int k0 = j * F4_BK;
+        float s[32];
+        wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < F4_HD / 16; kk++)
+        for (int kk = 0; kk < F4_HD / 16; kk++)  // column block kk / 4, 32 bytes a k16 step inside it
             wgmma_m64n64k16(s, dq + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3), dk + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3),
                             kk > 0);
         wgmma_commit();
-    };
-    auto fence_p = [&](unsigned (&p)[4][4]) {
+        wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 16; i++) wgmma_fence_operand(p[i >> 2][i & 3]);
-    };
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();
-    unsigned long long dq = dq_wg, dk = wgmma_desc_sw128(ks);
-    wgmma_fence_operand(dq);
-    wgmma_fence_operand(dk);
-    wgmma_fence();
-    issue_qk(dq, dk);
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
-    // Tile j: S_j is in s. P_j goes to p; p_prev is P_{j-1}, still read by the in-flight P V.
-    // has_next: a literal at each call, so the stage holds no branch (ptxas serializes a stage
-    // with a conditional wgmma in it).
-    auto step = [&](int j, unsigned (&p)[4][4], unsigned (&p_prev)[4][4], bool has_next) {
-        const int k0 = j * F4_BK;
+        for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
         // Causal / cache-end mask, only on tiles that reach past this warp's first row.
         if (k0 + F4_BK - 1 > qpos0 - g || k0 + F4_BK > n_valid) {
 #pragma unroll
@@ -939,6 +930,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         m0 = mx0;
         m1 = mx1;
         float sum0 = 0.0f, sum1 = 0.0f;
+        unsigned p[4][4];
 #pragma unroll
         for (int n = 0; n < 8; n++) {
             const float e0 = ex2_approx(s[4 * n] - b0), e1 = ex2_approx(s[4 * n + 1] - b0);
@@ -950,10 +942,6 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         }
         l0 = l0 * c0 + sum0;
         l1 = l1 * c1 + sum1;
-        wgmma_wait<0>();  // P_{j-1} V_{j-1} retired
-#pragma unroll
-        for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
-        fence_p(p_prev);
         if (rescale && j > 0) {  // (thread-local: one of this thread's two rows got a new max)
 #pragma unroll
             for (int n = 0; n < 32; n++) {
@@ -963,50 +951,17 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                 o[4 * n + 3] *= c1;
             }
         }
-        cp_async_wait_all();  // this thread's copies of K_{j+1} and V_j
-        fence_proxy_async();  // ... visible to wgmma
-        __syncthreads();      // everyone's; both warpgroups are done with K_j's and V_{j-1}'s buffers
-        if (j + 2 < ntiles) load_tile(ks + (j & 1) * F4_TILE, kc, (j + 2) * F4_BK);
-        if (j + 1 < ntiles) load_tile(vs + ((j + 1) & 1) * F4_TILE, vc, (j + 1) * F4_BK);
-        cp_async_commit();
-        unsigned long long dq = dq_wg, dk = wgmma_desc_sw128(ks + ((j + 1) & 1) * F4_TILE);
-        unsigned long long dv = wgmma_desc_sw128_mn(vs + (j & 1) * F4_TILE, 64 * 128);
-        unsigned accumulate = j > 0;  // the first product overwrites o
-        wgmma_fence_operand(dq);
-        wgmma_fence_operand(dk);
-        wgmma_fence_operand(dv);
-        wgmma_fence_operand(accumulate);
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
         wgmma_fence();
-        if (has_next) issue_qk(dq, dk);
 #pragma unroll
         for (int kk = 0; kk < F4_BK / 16; kk++)  // keys 16 kk..: 16 rows of 128 B down the V tile
             wgmma_m64n256k16_rs_tb(o, p[kk], dv + kk * (2048 >> 4), kk > 0 ? 1 : accumulate);
         wgmma_commit();
-        if (has_next) {
-            wgmma_wait<1>();  // S_{j+1} retired; P_j V_j runs on
+        wgmma_wait<0>();  // before the next tile's barrier releases this buffer (and rescales o)
 #pragma unroll
-            for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
-        }
-    };
-    int j = 0;
-    for (; j + 2 < ntiles; j += 2) {
-        step(j, pa, pb, true);
-        step(j + 1, pb, pa, true);
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
     }
-    if (j + 1 < ntiles) {
-        step(j, pa, pb, true);
-        step(j + 1, pb, pa, false);
-    } else {
-        step(j, pa, pb, false);
-    }
-    wgmma_wait<0>();
-    cp_async_wait_all();  // (the last step's empty group)
-#pragma unroll
-    for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
-    fence_p(pa);
-    fence_p(pb);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
