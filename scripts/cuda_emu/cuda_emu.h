@@ -63,7 +63,7 @@ inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))  // GNU: may stand after `static` (__shared__)
 #define __shared__ static
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
