@@ -65,7 +65,8 @@ static void run(int nq, int nkv, int n, int nsplit, void (*kernel)(const float*,
 // the kernel's bf16 K/V (q and gate in f32). grid (ceil(t / 64), nq / 2), block 256.
 using FlashKernel = void (*)(const float*, const bf16*, const bf16*, const float*, bf16*, int, int, int, int, int, float);
 template <int HD>
-static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, int past, int nq, int nkv) {
+static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, int past, int nq, int nkv,
+                      unsigned threads = 256) {
     const int n = past + t;
     std::vector<float> q((size_t)t * nq * HD), qg((size_t)t * nq * 2 * HD);
     std::vector<bf16> kc((size_t)n * nkv * HD), vc((size_t)n * nkv * HD);
@@ -75,7 +76,7 @@ static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, 
     for (auto& x : vc) x = __float2bfloat16(uni(-1, 1));
     const float scale = 1.0f / std::sqrt((float)HD);
     std::vector<bf16> out((size_t)t * nq * HD, __float2bfloat16(std::nanf("")));
-    emu_launch({(unsigned)((t + 63) / 64), (unsigned)(nq / 2), 1}, 256, smem, [&] {
+    emu_launch({(unsigned)((t + 63) / 64), (unsigned)(nq / 2), 1}, threads, smem, [&] {
         kernel(q.data(), kc.data(), vc.data(), qg.data(), out.data(), t, past, nq, nkv, HD, scale);
     });
     const int group = nq / nkv;
@@ -133,11 +134,12 @@ int main(int argc, char** argv) {
         run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 5, 190, 8, 2);
         run_flash<64>("attn_flash3_hd64", attn_flash3_hd64, flash3_smem(64), 70, 0, 2, 1);
         run_flash<128>("attn_flash3_hd128", attn_flash3_hd128, flash3_smem(128), 33, 100, 4, 1);
-        // wgmma (emulated through its descriptors: Q/K K-major, V N-major, P from registers)
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 130, 70, 4, 2);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 64, 0, 4, 2);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 100, 29, 4, 2);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768, 5, 190, 16, 2);
+        // wgmma (emulated through its descriptors: Q/K K-major, V N-major, P from registers), a producer
+        // warpgroup and mbarriers: block 384
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 130, 70, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 64, 0, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 100, 29, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 5, 190, 16, 2, 384);
     }
     for (bool d : {false, true}) {
         g_cp_deferred = d;

@@ -11,7 +11,8 @@
 // emu-provides: trace_now trace_sm
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
-// emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb
+// emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
+// emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -27,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 #if !defined(__x86_64__)
 #include <ucontext.h>
@@ -364,6 +366,48 @@ inline unsigned smem_addr(const void* p) {
     return (unsigned)(q - g_dyn_smem.data());
 }
 inline void* emu_smem_ptr(unsigned a) { return g_dyn_smem.data() + a; }
+
+template <int N> inline void setmaxnreg_dec() {}
+template <int N> inline void setmaxnreg_inc() {}
+// ---- mbarrier: a host-side record per shared-memory word (by offset), under one lock ----
+struct EmuMbar { int count = 0, pending = 0; unsigned phase = 0; };
+inline std::mutex g_mbar_mu;
+inline std::unordered_map<unsigned, EmuMbar> g_mbars;
+inline void mbar_init(unsigned long long* bar, int count) {
+    std::lock_guard<std::mutex> g(g_mbar_mu);
+    g_mbars[smem_addr(bar)] = {count, count, 0};
+}
+inline void mbar_arrive(unsigned long long* bar) {
+    std::lock_guard<std::mutex> g(g_mbar_mu);
+    auto it = g_mbars.find(smem_addr(bar));
+    if (it == g_mbars.end()) emu_fail("mbarrier arrive before init");
+    if (--it->second.pending == 0) it->second.pending = it->second.count, it->second.phase ^= 1;
+}
+// The thread's copies land now (deferred ones included), then it arrives.
+inline void cp_async_mbar_arrive(unsigned long long* bar) {
+    unsigned t = threadIdx.x;
+    for (auto& grp : g_cp_groups[t])
+        for (auto& c : grp) emu_do_copy(c);
+    for (auto& c : g_cp_open[t]) emu_do_copy(c);
+    g_cp_groups[t].clear();
+    g_cp_open[t].clear();
+    mbar_arrive(bar);
+}
+// Whole warps wait together: lane 0 looks, a shuffle tells the others (a warp-collective step,
+// so no lane spins while another lane of its warp still has to arrive somewhere).
+inline void mbar_wait(unsigned long long* bar, unsigned parity) {
+    for (;;) {
+        int done = 0;
+        if (emu_lane() == 0) {
+            std::lock_guard<std::mutex> g(g_mbar_mu);
+            auto it = g_mbars.find(smem_addr(bar));
+            if (it == g_mbars.end()) emu_fail("mbarrier wait before init");
+            done = it->second.phase != parity;
+        }
+        if (__shfl_sync(0xffffffffu, done, 0)) return;
+        std::this_thread::yield();
+    }
+}
 
 // ---- wgmma (m64n256k16, bf16, f32 accumulators, K-major operands in the 128-byte swizzle) ----
 // Each thread computes its own accumulator elements from shared memory through the

@@ -53,8 +53,11 @@ const fn mma3_smem(hd: usize) -> usize {
 }
 
 /// Dynamic shared memory of `attn_flash4_hd256` (F4_SMEM): Q of two heads and two stages of K
-/// and V, each a 64-row tile of 256 bf16 in the 128-byte swizzle (192 KiB).
-const WGMMA_SMEM: usize = 6 * 64 * 256 * 2;
+/// and V, each a 64-row tile of 256 bf16 in the 128-byte swizzle (192 KiB), then 4 mbarriers.
+const WGMMA_SMEM: usize = 6 * 64 * 256 * 2 + 32;
+
+/// `attn_flash4_hd256`'s block: two consumer warpgroups and a producer warpgroup.
+const WGMMA_THREADS: u32 = 384;
 
 /// The flash kernels with the dynamic shared memory each may use (set at `Gpu::open`; the
 /// WMMA kernel at the largest head dim it takes).
@@ -143,6 +146,7 @@ impl Gpu {
             Flash::Wmma => None,
         };
         let (name, heads_per_block, threads, smem) = match mma {
+            Some((k, smem)) if k == FLASH_KERNELS[9].0 => (k, 2, WGMMA_THREADS, smem),
             Some((k, smem)) => (k, 2, 256, smem),
             None => ("attn_flash", 1, 128, wmma_smem(a.hd)),
         };

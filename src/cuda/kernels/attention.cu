@@ -809,67 +809,95 @@ ATTN_FLASH_ENTRY(3, 64)
 ATTN_FLASH_ENTRY(3, 128)
 ATTN_FLASH_ENTRY(3, 256)
 
-// Prefill attention, version 4 (sm_90a, head dim 256): attn_flash3's grid and block (64 query
-// positions x 2 heads of one KV group, 256 threads, heaviest blocks first) on wgmma. Warpgroup
-// w owns head h0 + w, its 64 rows a warpgroup tile. Per K/V tile of 64 keys:
+// Prefill attention, version 4 (sm_90a, head dim 256): attn_flash3's grid (64 query positions
+// x 2 heads of one KV group a block, heaviest blocks first) on wgmma, warp-specialised.
+// Warpgroups 0 and 1 are consumers, warpgroup w owning head h0 + w (its 64 rows a wgmma tile);
+// warpgroup 2 is the producer, alone issuing the K/V copies (cp.async) into two stages, each
+// with a `full` mbarrier (the producer's 128 threads arrive as their copies land) and an
+// `empty` one (the 256 consumer threads arrive when done with it). So the consumers never wait
+// for each other and drift apart: one's softmax runs while the other's products use the tensor
+// cores. The producer gives registers back (setmaxnreg) so the consumers can hold O. A
+// consumer warpgroup, per K/V tile j of 64 keys:
 //   S = Q Kᵀ: 16 wgmma m64n64k16 straight from shared memory (Q and K in the 128-byte swizzle,
 //      four 64-dim column blocks each);
 //   the online softmax (base 2) on the accumulators, rows in the lanes of a quad as in the
 //      mma.sync kernels; O is rescaled only when a row's max moved;
 //   O += P V: 4 wgmma m64n256k16 with P from registers (S's accumulators packed to bf16 are the
 //      A fragments) and V read N-major from its swizzled tile (no transposing copy).
-// K/V tiles stream through two cp.async stages; one block barrier per tile. Registers: O 128,
-// S 32 floats a thread. Dynamic smem F4_SMEM (1024-byte aligned: the swizzle is a function of
-// the address): Q 2 x 32 KiB, then 2 stages of K 32 KiB + V 32 KiB.
+// Registers: O 128, S 32 floats a consumer thread. Block 384. Dynamic smem F4_SMEM (1024-byte
+// aligned: the swizzle is a function of the address): Q 2 x 32 KiB, 2 stages of K 32 KiB +
+// V 32 KiB, then the four mbarriers.
 #define F4_HD 256
 #define F4_BK 64
 #define F4_TILE (64 * F4_HD * 2)  // bytes of a 64-row tile: 4 column blocks of 64 rows x 128 B
-#define F4_SMEM (6 * F4_TILE)
+#define F4_SMEM (6 * F4_TILE + 32)
 
 // Byte offset of (row r, 16-byte chunk c of the HD / 8) in a swizzled 64-row tile.
 __device__ __forceinline__ int f4_off(int r, int c) { return (c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
+extern "C" __global__ void __launch_bounds__(384, 1)
     attn_flash4_hd256(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
                       const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,
                       float scale) {
     extern __shared__ __align__(1024) unsigned char f4_smem[];
-    unsigned char* qs = f4_smem;                 // [2 heads] tiles
+    unsigned char* qs = f4_smem;                 // [2 heads]
     unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
-    const float scale_log2 = scale * 1.4426950408889634f;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(f4_smem + 6 * F4_TILE);  // [2]
+    unsigned long long* empty = full + 2;                                                      // [2]
     const int q0 = (gridDim.x - 1 - blockIdx.x) * 64;
     const int h0 = blockIdx.y * 2, kvh = h0 / (nq / nkv);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wi = warp & 3;
-    // The warpgroup through a shuffle from lane 0: ptxas then knows it is warp-uniform and keeps
-    // the Q descriptor in uniform registers.
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int n_valid = past + t;
     const int n_end = min(n_valid, past + q0 + 64);
     const int ntiles = (n_end + F4_BK - 1) / F4_BK;
-    auto load_kv = [&](int buf, int k0) {  // 64 keys x 32 chunks, K and V: 16 copies a thread
-        unsigned char* ks = kvs + buf * 2 * F4_TILE;
-        for (int v = tid; v < F4_BK * (F4_HD / 8); v += 256) {
-            const int r = v >> 5, c = v & 31, kp = k0 + r;
-            const bool ok = kp < n_valid;
-            const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + c * 8;
-            cp_async16(ks + f4_off(r, c), kc + off, ok);
-            cp_async16(ks + F4_TILE + f4_off(r, c), vc + off, ok);
+    if (tid == 0) {
+        mbar_init(&full[0], 128);
+        mbar_init(&full[1], 128);
+        mbar_init(&empty[0], 256);
+        mbar_init(&empty[1], 256);
+    }
+    __syncthreads();
+    if (warp >= 8) {  // the producer: tile j into stage j % 2 once the consumers released it
+        setmaxnreg_dec<40>();
+        const int r0 = (tid >> 5) & 3;  // rows r0, r0 + 4, ..; the lane is the 16-byte chunk
+        for (int j = 0; j < ntiles; j++) {
+            const int st = j & 1;
+            if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
+            unsigned char* ks = kvs + st * 2 * F4_TILE;
+#pragma unroll 4
+            for (int r = r0; r < F4_BK; r += 4) {
+                const int kp = j * F4_BK + r;
+                const bool ok = kp < n_valid;
+                const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + lane * 8;
+                cp_async16(ks + f4_off(r, lane), kc + off, ok);
+                cp_async16(ks + F4_TILE + f4_off(r, lane), vc + off, ok);
+            }
+            cp_async_mbar_arrive(&full[st]);
         }
-        cp_async_commit();
-    };
-    load_kv(0, 0);
-    // Q of both heads, times scale·log2 e, as bf16 (rows past t zero).
-    for (int v = tid; v < 2 * 64 * (F4_HD / 8); v += 256) {
-        const int hh = v >> 11, r = (v >> 5) & 63, c = v & 31;
-        float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
-        if (q0 + r < t) {
-            const float* src = q + ((size_t)(q0 + r) * nq + h0 + hh) * F4_HD + c * 8;
-            x0 = *reinterpret_cast<const float4*>(src);
-            x1 = *reinterpret_cast<const float4*>(src + 4);
+        return;
+    }
+    setmaxnreg_inc<232>();
+    // Consumers. The warpgroup through a shuffle from lane 0: ptxas then knows it is
+    // warp-uniform and keeps the Q descriptor in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const float scale_log2 = scale * 1.4426950408889634f;
+    {  // this warpgroup's Q, times scale·log2 e, as bf16 (rows past t zero)
+        const int wt = tid & 127;
+        unsigned char* qw = qs + wg * F4_TILE;
+        for (int v = wt; v < 64 * (F4_HD / 8); v += 128) {
+            const int r = v >> 5, c = v & 31;
+            float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+            if (q0 + r < t) {
+                const float* src = q + ((size_t)(q0 + r) * nq + h0 + wg) * F4_HD + c * 8;
+                x0 = *reinterpret_cast<const float4*>(src);
+                x1 = *reinterpret_cast<const float4*>(src + 4);
+            }
+            *reinterpret_cast<uint4*>(qw + f4_off(r, c)) = make_uint4(
+                pack_bf16x2(x0.x * scale_log2, x0.y * scale_log2), pack_bf16x2(x0.z * scale_log2, x0.w * scale_log2),
+                pack_bf16x2(x1.x * scale_log2, x1.y * scale_log2), pack_bf16x2(x1.z * scale_log2, x1.w * scale_log2));
         }
-        *reinterpret_cast<uint4*>(qs + hh * F4_TILE + f4_off(r, c)) =
-            make_uint4(pack_bf16x2(x0.x * scale_log2, x0.y * scale_log2), pack_bf16x2(x0.z * scale_log2, x0.w * scale_log2),
-                       pack_bf16x2(x1.x * scale_log2, x1.y * scale_log2), pack_bf16x2(x1.z * scale_log2, x1.w * scale_log2));
+        fence_proxy_async();  // the stores visible to wgmma
+        bar_sync_named(1 + wg, 128);
     }
     const int g = lane >> 2, cq = 2 * (lane & 3);
     const int qpos0 = past + q0 + wi * 16 + g, qpos1 = qpos0 + 8;  // this thread's two rows
@@ -879,11 +907,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     float o[128];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     for (int j = 0; j < ntiles; j++) {
-        cp_async_wait_all();  // this thread's copies of tile j
-        fence_proxy_async();  // ... (and its Q stores) visible to wgmma
-        __syncthreads();      // everyone's; both warpgroups are done with tile j - 1's buffer
-        if (j + 1 < ntiles) load_kv((j + 1) & 1, (j + 1) * F4_BK);
-        const unsigned char* kt = kvs + (j & 1) * 2 * F4_TILE;
+        const int st = j & 1;
+        mbar_wait(&full[st], (j >> 1) & 1);  // the producer's copies of tile j landed
+        fence_proxy_async();                 // ... and are visible to wgmma
+        const unsigned char* kt = kvs + st * 2 * F4_TILE;
         // Descriptors pinned (an empty asm) before each stage, so their arithmetic is not sunk
         // into it nor all 16 hoisted out of the loop (out of uniform registers, the copies back
         // inside the stage serialize every wgmma: C7513).
@@ -958,9 +985,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         for (int kk = 0; kk < F4_BK / 16; kk++)  // keys 16 kk..: 16 rows of 128 B down the V tile
             wgmma_m64n256k16_rs_tb(o, p[kk], dv + kk * (2048 >> 4), kk > 0 ? 1 : accumulate);
         wgmma_commit();
-        wgmma_wait<0>();  // before the next tile's barrier releases this buffer (and rescales o)
+        wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
+        mbar_arrive(&empty[st]);  // this thread is done with stage st
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);

@@ -428,6 +428,32 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
     lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;  // x − hi is exact in f32
 }
 
+// ---- mbarrier (sm_80+): a 64-bit arrival counter in shared memory with a phase bit ----
+// Initialised by one thread before a block barrier. A phase completes when `count` arrivals
+// have happened; waiters name the parity of the phase they wait for (0 first, then 1, ...).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// One arrival once every cp.async this thread issued before has landed (noinc: the init count
+// already counts it).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "MBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra MBAR_WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
 // ---- wgmma (sm_90a): warpgroup matrix multiply-accumulate from shared-memory descriptors ----
 // Only the compute_90a build has these instructions (the host picks the wgmma kernels only on
 // compute capability 9.0); elsewhere they trap.
@@ -436,6 +462,12 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
 #else
 #define WGMMA_ASM(...) __trap()
 #endif
+// Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives registers back,
+// consumer warpgroups take them (per SM sub-partition, every warpgroup has one warp there).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { WGMMA_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { WGMMA_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // Shared-memory matrix descriptor of a K-major operand tile in the 128-byte swizzle layout
 // (rows of 64 bf16 = 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), 8-row groups
 // 1024 bytes apart, the tile 1024-byte aligned): start address >> 4 (bits 0-13), stride between
