@@ -12,7 +12,7 @@
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
 // emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
-// emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc
+// emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -121,6 +121,7 @@ struct Lane {
 #endif
     LaneState state = LANE_READY;
     int bar_id = 0, bar_threads = 0;  // at a named barrier
+    bool bar_arrive = false;          // ... only arriving (bar.arrive)
 };
 struct Warp {
     int id = 0, lanes = 0, cur = 0;
@@ -257,9 +258,12 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
         if (at_named) {
             if (at_named != lanes) emu_fail("a named barrier without all lanes of the warp");
             for (int l = 1; l < lanes; l++)
-                if (w.lane[l].bar_id != w.lane[0].bar_id || w.lane[l].bar_threads != w.lane[0].bar_threads)
+                if (w.lane[l].bar_id != w.lane[0].bar_id || w.lane[l].bar_threads != w.lane[0].bar_threads ||
+                    w.lane[l].bar_arrive != w.lane[0].bar_arrive)
                     emu_fail("lanes of a warp at different named barriers");
-            emu_named_bar(w.lane[0].bar_id, w.lane[0].bar_threads)->arrive_and_wait();
+            std::barrier<>* b = emu_named_bar(w.lane[0].bar_id, w.lane[0].bar_threads);
+            if (w.lane[0].bar_arrive) (void)b->arrive();
+            else b->arrive_and_wait();
         }
         if (at_block) block_bar->arrive_and_wait();
         for (int l = 0; l < lanes; l++)
@@ -275,6 +279,14 @@ inline void bar_sync_named(int id, int threads) {
     Lane& l = t_warp->lane[t_warp->cur];
     l.bar_id = id;
     l.bar_threads = threads;
+    l.bar_arrive = false;
+    emu_to_scheduler(LANE_AT_NAMED_BAR);
+}
+inline void bar_arrive_named(int id, int threads) {
+    Lane& l = t_warp->lane[t_warp->cur];
+    l.bar_id = id;
+    l.bar_threads = threads;
+    l.bar_arrive = true;
     emu_to_scheduler(LANE_AT_NAMED_BAR);
 }
 inline void gdn_bar(int id, int threads) { bar_sync_named(id, threads); }

@@ -481,6 +481,10 @@ __device__ __forceinline__ void flash_stage_q(bf16* qs, const float* __restrict_
 __device__ __forceinline__ void bar_sync_named(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// `bar.arrive id, threads`: counts toward that barrier without waiting for it.
+__device__ __forceinline__ void bar_arrive_named(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // 2^x on the special-function unit alone (ex2.approx.ftz: ~2 ulp, results below 2^-126
 // flushed to 0, 2^-inf = 0); exp2f adds a range fix-up of 3 instructions around it.
 __device__ __forceinline__ float ex2_approx(float x) {
@@ -906,6 +910,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     // zeroing loop inside a wgmma stage, which serializes every wgmma of the kernel (C7513).
     float o[128];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    // The warpgroups take turns issuing S = Q Kᵀ (named barriers 3 + w, 256 threads: the other
+    // warpgroup arrives when it has issued its own), so one's softmax runs under the other's
+    // products. Warpgroup 0 goes first; the arrivals balance (warpgroup 1 skips its last).
+    if (wg == 1) bar_arrive_named(3, 256);
     for (int j = 0; j < ntiles; j++) {
         const int st = j & 1;
         mbar_wait(&full[st], (j >> 1) & 1);  // the producer's copies of tile j landed
@@ -922,12 +930,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         wgmma_fence_operand(accumulate);
         const int k0 = j * F4_BK;
         float s[32];
+        bar_sync_named(3 + wg, 256);  // this warpgroup's turn
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < F4_HD / 16; kk++)  // column block kk / 4, 32 bytes a k16 step inside it
             wgmma_m64n64k16(s, dq + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3), dk + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3),
                             kk > 0);
         wgmma_commit();
+        if (wg == 0 || j + 1 < ntiles) bar_arrive_named(4 - wg, 256);  // the other's turn
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
