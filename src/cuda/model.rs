@@ -510,6 +510,25 @@ impl CudaModel {
         }
     }
 
+    /// The first of `chunks` (prefill chunk sizes, most preferred first) whose memory plan
+    /// fits the GPU's free memory with the load's 1 GiB headroom; the last one when none does
+    /// (the load then reports the shortfall with the numbers).
+    pub fn pick_chunk(
+        gpu: &Gpu,
+        cfg: &TextConfig,
+        max_seq: usize,
+        chunks: &[usize],
+    ) -> Result<usize> {
+        let (free, _) = gpu.memory()?;
+        let fits = |&c: &usize| Self::plan(cfg, max_seq, c).total() + (1 << 30) <= free;
+        Ok(chunks
+            .iter()
+            .copied()
+            .find(fits)
+            .or(chunks.last().copied())
+            .unwrap_or(1))
+    }
+
     fn check_supported(cfg: &TextConfig) -> Result<()> {
         if ![16, 32, 64, 128].contains(&cfg.gdn_key_dim) {
             bail!(
