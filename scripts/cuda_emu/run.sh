@@ -4,7 +4,8 @@
 #   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
 #   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv (`gdn full`: also the full
 #        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
-#   attn attention.cu: the prefill flash kernels, the tensor-core decode attention and its combine
+#   attn attention.cu: the prefill flash kernels (attn_flash4 on emulated wgmma, mbarriers and
+#        a producer warpgroup), the tensor-core decode attention and its combine
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
 #   moe  moe.cu: the routing top-k (ties included); the decode MoE block (router, gate/up,
 #        down) at small and reduced real shapes; moe_plan + moe_scatter + moe_gemm3 (both tile
