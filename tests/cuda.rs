@@ -571,7 +571,6 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         gpu.alloc(rows * i * 2).unwrap(),
         gpu.alloc(rows * d * 4).unwrap(),
     );
-    let y16 = gpu.alloc(rows * d * 2).unwrap(); // the bf16 down output (moe_combine_bf16's y)
     let (gu_ref, act_ref, y_ref) = (
         gpu.alloc(rows * 2 * i * 4).unwrap(),
         gpu.alloc(rows * i * 2).unwrap(),
@@ -631,10 +630,10 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
     // v1: the reference outputs.
     let nt = tiles(64);
     let v1 = MoeGemm::V1;
-    gpu.moe_grouped(v1, 64, &plan, rows, e, &gate_up(gu_ref.ptr), false)
+    gpu.moe_grouped(v1, 64, &plan, rows, e, &gate_up(gu_ref.ptr))
         .unwrap();
     gpu.swiglu_bf16(gu_ref.ptr, act_ref.ptr, rows, i).unwrap();
-    gpu.moe_grouped(v1, 64, &plan, rows, e, &down(y_ref.ptr), false)
+    gpu.moe_grouped(v1, 64, &plan, rows, e, &down(y_ref.ptr))
         .unwrap();
     let (gu_r, act_r, y_r) = (
         f32s(&gu_ref, rows * 2 * i),
@@ -643,12 +642,12 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
     );
     assert!(gu_r.iter().chain(&act_r).chain(&y_r).all(|x| x.is_finite()));
     let t_gu = time_ms(&|| {
-        gpu.moe_grouped(v1, 64, &plan, rows, e, &gate_up(gu.ptr), false)
+        gpu.moe_grouped(v1, 64, &plan, rows, e, &gate_up(gu.ptr))
             .unwrap()
     });
     let t_sw = time_ms(&|| gpu.swiglu_bf16(gu.ptr, act.ptr, rows, i).unwrap());
     let t_dn = time_ms(&|| {
-        gpu.moe_grouped(v1, 64, &plan, rows, e, &down(y.ptr), false)
+        gpu.moe_grouped(v1, 64, &plan, rows, e, &down(y.ptr))
             .unwrap()
     });
     let report = |name: &str, tiles: usize, t_gu: f64, t_sw: f64, t_dn: f64| {
@@ -697,9 +696,9 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
     let v2 = MoeGemm::V2;
     nan_f32(&gu, rows * 2 * i);
     nan_f32(&y, rows * d);
-    gpu.moe_grouped(v2, 128, &plan, rows, e, &gate_up(gu.ptr), false)
+    gpu.moe_grouped(v2, 128, &plan, rows, e, &gate_up(gu.ptr))
         .unwrap();
-    gpu.moe_grouped(v2, 128, &plan, rows, e, &down(y.ptr), false)
+    gpu.moe_grouped(v2, 128, &plan, rows, e, &down(y.ptr))
         .unwrap();
     check(
         "v2",
@@ -708,11 +707,11 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         &f32s(&y, rows * d),
     );
     let t_gu = time_ms(&|| {
-        gpu.moe_grouped(v2, 128, &plan, rows, e, &gate_up(gu.ptr), false)
+        gpu.moe_grouped(v2, 128, &plan, rows, e, &gate_up(gu.ptr))
             .unwrap()
     });
     let t_dn = time_ms(&|| {
-        gpu.moe_grouped(v2, 128, &plan, rows, e, &down(y.ptr), false)
+        gpu.moe_grouped(v2, 128, &plan, rows, e, &down(y.ptr))
             .unwrap()
     });
     report("v2 moe_gemm2 (128x128)", nt, t_gu, t_sw, t_dn);
@@ -725,33 +724,21 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         nan_f32(&gu, rows * 2 * i);
         nan_bf16(&act, rows * i);
         nan_f32(&y, rows * d);
-        gpu.moe_grouped(kind, tile_m, &plan, rows, e, &gate_up(gu.ptr), false)
+        gpu.moe_grouped(kind, tile_m, &plan, rows, e, &gate_up(gu.ptr))
             .unwrap();
         gpu.moe_grouped_swiglu(kind, tile_m, &plan, rows, e, &gate_up(act.ptr))
             .unwrap();
-        gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y.ptr), false)
+        gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y.ptr))
             .unwrap();
-        nan_bf16(&y16, rows * d);
-        gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y16.ptr), true)
-            .unwrap();
-        // The bf16 store is the same accumulators rounded (to nearest even).
-        let (y32, y_bf16) = (f32s(&y, rows * d), bf16s(&y16, rows * d));
-        let rounded: Vec<f32> = y32
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_f32())
-            .collect();
-        assert!(
-            y_bf16
-                .iter()
-                .zip(&rounded)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{kind:?} m{tile_m}: the bf16 down output is not the f32 one rounded"
-        );
-        (f32s(&gu, rows * 2 * i), bf16s(&act, rows * i), y32)
+        (
+            f32s(&gu, rows * 2 * i),
+            bf16s(&act, rows * i),
+            f32s(&y, rows * d),
+        )
     };
     let timings = |kind: MoeGemm, tile_m: usize, name: &str| {
         let t_gu = time_ms(&|| {
-            gpu.moe_grouped(kind, tile_m, &plan, rows, e, &gate_up(gu.ptr), false)
+            gpu.moe_grouped(kind, tile_m, &plan, rows, e, &gate_up(gu.ptr))
                 .unwrap()
         });
         let t_fused = time_ms(&|| {
@@ -759,23 +746,12 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
                 .unwrap()
         });
         let t_dn = time_ms(&|| {
-            gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y.ptr), false)
-                .unwrap()
-        });
-        let t_dn16 = time_ms(&|| {
-            gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y16.ptr), true)
+            gpu.moe_grouped(kind, tile_m, &plan, rows, e, &down(y.ptr))
                 .unwrap()
         });
         let nt = tiles(tile_m);
         report(&format!("{name} plain"), nt, t_gu, t_sw, t_dn);
         report(&format!("{name} fused SwiGLU"), nt, t_fused, 0.0, t_dn);
-        report(
-            &format!("{name} fused, bf16 down"),
-            nt,
-            t_fused,
-            0.0,
-            t_dn16,
-        );
     };
 
     // v3 at both tile heights, against the reference.

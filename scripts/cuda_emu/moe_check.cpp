@@ -148,10 +148,9 @@ static void run(const Shape& s, bool deferred) {
 
         // A later kernel family's three products (gate/up + SwiGLU, plain gate/up, down) into
         // fresh NaN-filled outputs; grid (column blocks of bcols, bcols / 2 act columns with
-        // the SwiGLU, tiles). The down product again through the bf16-output entry point, which
-        // must store exactly the f32 one rounded.
+        // the SwiGLU, tiles).
         using KG = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*, const int*, int, int);
-        auto products = [&](KG k_swiglu, KG k_plain, KG k_bf16, unsigned threads, unsigned smem_bytes, int bcols) {
+        auto products = [&](KG k_swiglu, KG k_plain, unsigned threads, unsigned smem_bytes, int bcols) {
             auto launch = [&](KG k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim, int kdim) {
                 int cols = swiglu ? ndim / 2 : ndim, bc = swiglu ? bcols / 2 : bcols;
                 emu_launch({(unsigned)((cols + bc - 1) / bc), grid_x, 1}, threads, smem_bytes, [&] {
@@ -163,21 +162,13 @@ static void run(const Shape& s, bool deferred) {
             launch(k_swiglu, true, xb.data(), sorted_token.data(), wgu.data(), act_o.data(), 2 * I, d);
             launch(k_plain, false, xb.data(), sorted_token.data(), wgu.data(), gu_o.data(), 2 * I, d);
             launch(k_plain, false, act_in.data(), nullptr, wdn.data(), y_o.data(), d, I);
-            std::vector<bf16> yb_o((size_t)rows * d, bf16{0x7fff});
-            launch(k_bf16, false, act_in.data(), nullptr, wdn.data(), yb_o.data(), d, I);
-            bool rounded = true;
-            for (size_t j = 0; j < y_o.size(); j++) rounded &= yb_o[j].v == __float2bfloat16(y_o[j]).v;
-            fails += !rounded;
-            printf("%s %-22s bf16 down: %s\n", rounded ? "ok  " : "FAIL", s.name,
-                   rounded ? "the f32 down rounded" : "DIFFERS from the f32 down rounded");
             return std::tuple{act_o, gu_o, y_o};
         };
         // moe_gemm4 (grid: n blocks, tiles): the same k16 mma steps in the same order, so
         // bitwise equal to moe_gemm3.
         {
             auto [act4, gu4, y4] = products(bm == 128 ? moe_gemm4_swiglu_m128 : moe_gemm4_swiglu_m64,
-                                            bm == 128 ? moe_gemm4_m128 : moe_gemm4_m64,
-                                            bm == 128 ? moe_gemm4_bf16_m128 : moe_gemm4_bf16_m64, 128, 3 * (bm + 128) * 128, 128);
+                                            bm == 128 ? moe_gemm4_m128 : moe_gemm4_m64, 128, 3 * (bm + 128) * 128, 128);
             bool same = memcmp(act4.data(), act.data(), act.size() * 2) == 0 && memcmp(gu4.data(), gu.data(), gu.size() * 4) == 0 &&
                         memcmp(y4.data(), y.data(), y.size() * 4) == 0;
             fails += !same;
@@ -187,7 +178,7 @@ static void run(const Shape& s, bool deferred) {
         // moe_gemm5 (wgmma, 128-row tiles, 256 columns a block) against the double references.
         // Products in another order: the references' bounds.
         if (bm == 128) {
-            auto [act5, gu5, y5] = products(moe_gemm5_swiglu_m128, moe_gemm5_m128, moe_gemm5_bf16_m128, 256, 4 * 384 * 128, 256);
+            auto [act5, gu5, y5] = products(moe_gemm5_swiglu_m128, moe_gemm5_m128, 256, 4 * 384 * 128, 256);
             double ea5 = act_err(act5, act_ref), eg5 = f32_err(gu5, gu_ref), ey5 = f32_err(y5, y_ref);
             bool ok5 = ea5 <= 1.0 && eg5 <= 1e-6 && ey5 <= 1e-6;
             fails += !ok5;

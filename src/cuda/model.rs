@@ -1172,9 +1172,6 @@ impl CudaModel {
             ],
         )?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
-        // The grouped down product stored as bf16 where the kernel family has it (the GEMV
-        // path and the WMMA kernels write f32); moe_combine reads whichever it is.
-        let bf16_y = !gemv_path && self.moe_gemm.bf16_down();
         let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
             g.launch(
                 "moe_gemv",
@@ -1241,7 +1238,7 @@ impl CudaModel {
                 };
                 g.moe_grouped_swiglu(self.moe_gemm, tile_m, &plan, rows, e, &fused)?;
             } else {
-                g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &gate_up, false)?;
+                g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &gate_up)?;
                 g.swiglu_bf16(ws.gu.ptr, ws.act.ptr, rows, i)?;
             }
             let down = Grouped {
@@ -1252,7 +1249,7 @@ impl CudaModel {
                 ndim: d,
                 kdim: i,
             };
-            g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down, bf16_y)?;
+            g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
         }
         // Shared expert (dense).
         g.gemm(
@@ -1277,11 +1274,7 @@ impl CudaModel {
             0.0,
         )?;
         g.launch(
-            if bf16_y {
-                "moe_combine_bf16"
-            } else {
-                "moe_combine"
-            },
+            "moe_combine",
             (t as u32, 1, 1),
             256,
             0,

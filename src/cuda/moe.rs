@@ -32,31 +32,26 @@ pub enum MoeGemm {
 pub const MIN_TILE_M: usize = 64;
 
 /// The `moe_gemm3` kernels, with their dynamic shared memory (set at `Gpu::open`).
-pub(super) const GEMM3_KERNELS: [(&str, usize); 6] = [
+pub(super) const GEMM3_KERNELS: [(&str, usize); 4] = [
     ("moe_gemm3_m128", gemm3_smem(128)),
     ("moe_gemm3_m64", gemm3_smem(64)),
     ("moe_gemm3_swiglu_m128", gemm3_smem(128)),
     ("moe_gemm3_swiglu_m64", gemm3_smem(64)),
-    ("moe_gemm3_bf16_m128", gemm3_smem(128)),
-    ("moe_gemm3_bf16_m64", gemm3_smem(64)),
 ];
 
 /// The `moe_gemm4` kernels, with their dynamic shared memory (set at `Gpu::open`).
-pub(super) const GEMM4_KERNELS: [(&str, usize); 6] = [
+pub(super) const GEMM4_KERNELS: [(&str, usize); 4] = [
     ("moe_gemm4_m128", gemm4_smem(128)),
     ("moe_gemm4_m64", gemm4_smem(64)),
     ("moe_gemm4_swiglu_m128", gemm4_smem(128)),
     ("moe_gemm4_swiglu_m64", gemm4_smem(64)),
-    ("moe_gemm4_bf16_m128", gemm4_smem(128)),
-    ("moe_gemm4_bf16_m64", gemm4_smem(64)),
 ];
 
 /// The `moe_gemm5` kernels (128-row tiles), with their dynamic shared memory: 4 stages of
 /// (128 + 256) rows of 64 bf16.
-pub(super) const GEMM5_KERNELS: [(&str, usize); 3] = [
+pub(super) const GEMM5_KERNELS: [(&str, usize); 2] = [
     ("moe_gemm5_m128", GEMM5_SMEM),
     ("moe_gemm5_swiglu_m128", GEMM5_SMEM),
-    ("moe_gemm5_bf16_m128", GEMM5_SMEM),
 ];
 const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
@@ -131,12 +126,6 @@ impl MoeGemm {
 
     /// Whether the gate/up kernel applies the SwiGLU itself (bf16 act out, no f32 gu).
     pub fn fused_swiglu(self) -> bool {
-        matches!(self, MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5)
-    }
-
-    /// Whether the down product can be stored as bf16 (`moe_grouped` with `bf16_out`; then
-    /// `moe_combine_bf16` reads it): half the bytes of the f32 output to write and read back.
-    pub fn bf16_down(self) -> bool {
         matches!(self, MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5)
     }
 
@@ -229,10 +218,9 @@ impl Gpu {
         )
     }
 
-    /// The grouped GEMM `g` into `out [rows, ndim]`, f32 or with `bf16_out` (kinds with
-    /// [`MoeGemm::bf16_down`]) bf16, with kernel `kind` over the plan's tiles, which must have
-    /// been built with `tile_m` (`kind.tile_m`); `rows` and `experts` bound the tile count.
-    #[allow(clippy::too_many_arguments)]
+    /// The grouped GEMM `g` into f32 `out [rows, ndim]` with
+    /// kernel `kind` over the plan's tiles, which must have been built with `tile_m`
+    /// (`kind.tile_m`); `rows` and `experts` bound the tile count.
     pub fn moe_grouped(
         &self,
         kind: MoeGemm,
@@ -241,27 +229,16 @@ impl Gpu {
         rows: usize,
         experts: usize,
         g: &Grouped,
-        bf16_out: bool,
     ) -> Result<()> {
-        let (name, tile_n, block, smem) = match (kind, tile_m, bf16_out) {
-            (MoeGemm::V1, 64, false) => ("moe_gemm", 64, 128, 0),
-            (MoeGemm::V2, 128, false) => ("moe_gemm2", 128, 256, 0),
-            (MoeGemm::V3, 128, false) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
-            (MoeGemm::V3, 64, false) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
-            (MoeGemm::V3, 128, true) => ("moe_gemm3_bf16_m128", 128, 256, gemm3_smem(128)),
-            (MoeGemm::V3, 64, true) => ("moe_gemm3_bf16_m64", 256, 256, gemm3_smem(64)),
-            (MoeGemm::V4, 128, false) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4 | MoeGemm::V5, 64, false) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
-            (MoeGemm::V4, 128, true) => ("moe_gemm4_bf16_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4 | MoeGemm::V5, 64, true) => {
-                ("moe_gemm4_bf16_m64", 128, 128, gemm4_smem(64))
-            }
-            (MoeGemm::V5, 128, false) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
-            (MoeGemm::V5, 128, true) => ("moe_gemm5_bf16_m128", 256, 256, GEMM5_SMEM),
-            _ => bail!(
-                "no {kind:?} grouped GEMM with {tile_m}-row tiles{}",
-                if bf16_out { " and bf16 output" } else { "" }
-            ),
+        let (name, tile_n, block, smem) = match (kind, tile_m) {
+            (MoeGemm::V1, 64) => ("moe_gemm", 64, 128, 0),
+            (MoeGemm::V2, 128) => ("moe_gemm2", 128, 256, 0),
+            (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
+            (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
+            (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
+            (MoeGemm::V4 | MoeGemm::V5, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
+            (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
+            _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         self.grouped_launch(
             name,
@@ -387,7 +364,6 @@ mod tests {
         assert!(
             MoeGemm::V4.fused_swiglu() && MoeGemm::V5.fused_swiglu() && !MoeGemm::V2.fused_swiglu()
         );
-        assert!(MoeGemm::V3.bf16_down() && !MoeGemm::V1.bf16_down() && !MoeGemm::V2.bf16_down());
         assert_eq!(gemm3_tile_m(8192 * 8, 256), 128);
         assert_eq!(gemm3_tile_m(4096 * 8, 256), 64);
         assert_eq!(MoeGemm::V5.tile_m(2048 * 8, 256, None), 128);

@@ -241,21 +241,12 @@ extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __res
 }
 
 // Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sigmoid(x[t] . w_sg) * ys[t]. A
-// thread takes 4 features at a time (16-byte loads of f32 y, 8-byte of bf16 y; d % 4 == 0) with
-// its k rows' loads issued together: the kernel streams y once and is bound by that, not by
-// round trips. k <= 16. Y: f32 (the GEMV path, moe_gemm/moe_gemm2) or bf16 (the others' down).
-__device__ __forceinline__ float4 ld_y4(const float* y, size_t i) { return __ldg(reinterpret_cast<const float4*>(y) + i); }
-__device__ __forceinline__ float4 ld_y4(const bf16* y, size_t i) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(y) + i);
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&u);
-    const float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-template <typename Y>
-__device__ __forceinline__ void moe_combine_impl(const Y* __restrict__ y, const int* __restrict__ slot_row,
-                                                 const float* __restrict__ topk_w, const float* __restrict__ ys,
-                                                 const bf16* __restrict__ x, const float* __restrict__ w_sg,
-                                                 float* __restrict__ h, int k, int d) {
+// thread takes 4 features at a time (16-byte loads, d % 4 == 0) with its k rows' loads issued
+// together: the kernel streams y once and is bound by that, not by round trips. k <= 16.
+extern "C" __global__ void __launch_bounds__(256) moe_combine(
+    const float* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,
+    const float* __restrict__ ys, const bf16* __restrict__ x, const float* __restrict__ w_sg,
+    float* __restrict__ h, int k, int d) {
     __shared__ int rows[16];
     __shared__ float wts[16];
     const int s = blockIdx.x, tid = threadIdx.x;
@@ -267,13 +258,14 @@ __device__ __forceinline__ void moe_combine_impl(const Y* __restrict__ y, const 
     for (int i = tid; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
     const float gate = sigmoid_f(block_sum(dot));  // its barriers publish rows and wts
     const int d4 = d >> 2;
+    const float4* y4 = reinterpret_cast<const float4*>(y);
     const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * d4;
     float4* h4 = reinterpret_cast<float4*>(h) + (size_t)s * d4;
     for (int c = tid; c < d4; c += blockDim.x) {
         float4 v[16];
 #pragma unroll
         for (int kk = 0; kk < 16; kk++)
-            if (kk < k) v[kk] = ld_y4(y, (size_t)rows[kk] * d4 + c);
+            if (kk < k) v[kk] = __ldg(y4 + (size_t)rows[kk] * d4 + c);
         const float4 sh = ys4[c];
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hv = h4[c];
 #pragma unroll
@@ -287,15 +279,6 @@ __device__ __forceinline__ void moe_combine_impl(const Y* __restrict__ y, const 
         h4[c] = hv;
     }
 }
-#define MOE_COMBINE(NAME, Y)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256)                                                          \
-        NAME(const Y* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,       \
-             const float* __restrict__ ys, const bf16* __restrict__ x, const float* __restrict__ w_sg,         \
-             float* __restrict__ h, int k, int d) {                                                            \
-        moe_combine_impl<Y>(y, slot_row, topk_w, ys, x, w_sg, h, k, d);                                        \
-    }
-MOE_COMBINE(moe_combine, float)
-MOE_COMBINE(moe_combine_bf16, bf16)
 
 // Grouped GEMM, second version (KESTREL_MOE_GEMM=v2; v1 selects moe_gemm):
 // 128x128 tiles, 8 warps of 64x32, K tiles of 32 double-buffered with cp.async (16-byte
@@ -390,9 +373,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
 // The grouped GEMMs' epilogue: a warp's MI x NJ accumulator tiles (rows wm.., columns wn..
 // of the block tile at output column n0) stored for the tile's `rows` sorted rows from r0:
 // SWIGLU: bf16 act = SiLU(gate) * up [rows, ndim / 2] (the first NJ / 2 column tiles hold the
-// gate half, the rest the same up columns); else C [rows, ndim], bf16 with BF16OUT (the down
-// product: half the bytes to write and for moe_combine to read), else f32.
-template <int MI, int NJ, bool SWIGLU, bool BF16OUT = false>
+// gate half, the rest the same up columns); else f32 C [rows, ndim].
+template <int MI, int NJ, bool SWIGLU>
 __device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], void* __restrict__ out, int wm, int wn,
                                                int n0, int r0, int rows, int ndim, int lane) {
     const int g = lane >> 2, c2 = (lane & 3) * 2, inter = ndim / 2;
@@ -413,14 +395,6 @@ __device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], vo
                     if (col < inter)
                         *reinterpret_cast<unsigned*>(act + row * inter + col) =
                             pack_bf16x2(silu_f(gt[0]) * up[0], silu_f(gt[1]) * up[1]);
-                }
-            } else if (BF16OUT) {
-                bf16* c = reinterpret_cast<bf16*>(out);
-#pragma unroll
-                for (int j = 0; j < NJ; j++) {
-                    int col = n0 + wn + j * 8 + c2;
-                    if (col < ndim)
-                        *reinterpret_cast<unsigned*>(c + row * ndim + col) = pack_bf16x2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
                 }
             } else {
                 float* c = reinterpret_cast<float*>(out);
@@ -446,7 +420,7 @@ __device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], vo
 #define G3_LDS 40
 #define G3_STAGES 4
 
-template <int BM, int BN, bool SWIGLU, bool BF16OUT = false>
+template <int BM, int BN, bool SWIGLU>
 __device__ __forceinline__ void moe_gemm3_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -540,27 +514,24 @@ __device__ __forceinline__ void moe_gemm3_impl(const bf16* __restrict__ a, const
         }
     }
     cp_async_wait_all();
-    moe_tile_store<MI, NJ, SWIGLU, BF16OUT>(acc, out, wm, wn, n0, r0, rows, ndim, lane);
+    moe_tile_store<MI, NJ, SWIGLU>(acc, out, wm, wn, n0, r0, rows, ndim, lane);
 }
 
 // The four entry points: same arguments as moe_gemm2 (out: f32 C [rows, ndim], or for _swiglu
 // bf16 act [rows, ndim / 2]); block 256; dynamic smem 4 * (BM + BN) * 80 bytes; plan tile_m = BM;
 // grid (max tiles, ceil(out columns / (BN, or BN / 2 for _swiglu))). BM 128 / BN 128: 80 KiB;
 // BM 64 / BN 256: 100 KiB.
-#define MOE_GEMM3(NAME, BM, BN, SWIGLU, BF16OUT)                                                                         \
+#define MOE_GEMM3(NAME, BM, BN, SWIGLU)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                 \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
-        moe_gemm3_impl<BM, BN, SWIGLU, BF16OUT>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, \
-                                                kdim);                                                         \
+        moe_gemm3_impl<BM, BN, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim); \
     }
-MOE_GEMM3(moe_gemm3_m128, 128, 128, false, false)
-MOE_GEMM3(moe_gemm3_m64, 64, 256, false, false)
-MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true, false)
-MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true, false)
-MOE_GEMM3(moe_gemm3_bf16_m128, 128, 128, false, true)
-MOE_GEMM3(moe_gemm3_bf16_m64, 64, 256, false, true)
+MOE_GEMM3(moe_gemm3_m128, 128, 128, false)
+MOE_GEMM3(moe_gemm3_m64, 64, 256, false)
+MOE_GEMM3(moe_gemm3_swiglu_m128, 128, 128, true)
+MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 
 // Grouped GEMM, fourth version (KESTREL_MOE_GEMM=v4; the default off sm_90a, and v5's 64-row
 // tiles): moe_gemm3's contract and numerics (the same k16 mma steps in the same order: bitwise
@@ -628,7 +599,7 @@ struct MoeStageCopier {
     }
 };
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU, bool BF16OUT = false>
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool SWIGLU>
 __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -694,7 +665,7 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
         }
     }
     cp_async_wait_all();
-    moe_tile_store<MI, NJ, SWIGLU, BF16OUT>(acc, out, wm, wn, n0, r0, rows, ndim, lane);
+    moe_tile_store<MI, NJ, SWIGLU>(acc, out, wm, wn, n0, r0, rows, ndim, lane);
 }
 
 // Entry points: moe_gemm3's arguments; block 32 * WARPS_M * WARPS_N; dynamic smem
@@ -702,20 +673,18 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
 // ceil(out columns / (BN, or BN / 2 for _swiglu)).
 //   m128: 128x128, 4 warps of 64x64, 3 stages, 96 KiB, 2 blocks/SM
 //   m64:  64x128, 4 warps of 32x64, 3 stages, 72 KiB, 3 blocks/SM
-#define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU, BF16OUT)                                                   \
+#define MOE_GEMM4(NAME, BM, BN, WMS, WNS, STAGES, MINB, SWIGLU)                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WMS * WNS, MINB) NAME(                                     \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
-        moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU, BF16OUT>(a, gather, w, out, tile_expert, tile_row,    \
-                                                                  tile_rows, num_tiles, ndim, kdim);           \
+        moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows,  \
+                                                         num_tiles, ndim, kdim);                               \
     }
-MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false, false)
-MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false, false)
-MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true, false)
-MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true, false)
-MOE_GEMM4(moe_gemm4_bf16_m128, 128, 128, 2, 2, 3, 2, false, true)
-MOE_GEMM4(moe_gemm4_bf16_m64, 64, 128, 2, 2, 3, 3, false, true)
+MOE_GEMM4(moe_gemm4_m128, 128, 128, 2, 2, 3, 2, false)
+MOE_GEMM4(moe_gemm4_m64, 64, 128, 2, 2, 3, 3, false)
+MOE_GEMM4(moe_gemm4_swiglu_m128, 128, 128, 2, 2, 3, 2, true)
+MOE_GEMM4(moe_gemm4_swiglu_m64, 64, 128, 2, 2, 3, 3, true)
 
 // Grouped GEMM, fifth version (sm_90a; KESTREL_MOE_GEMM=v5): moe_gemm4's 128-row contract on
 // the Hopper tensor-core path. A block of two warpgroups computes a 128 x 256 tile, each
@@ -730,7 +699,7 @@ MOE_GEMM4(moe_gemm4_bf16_m64, 64, 128, 2, 2, 3, 3, false, true)
 #define G5_BM 128
 #define G5_BN 256
 #define G5_STAGES 4
-template <bool SWIGLU, bool BF16OUT = false>
+template <bool SWIGLU>
 __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -779,21 +748,19 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
 #pragma unroll
     for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
     cp_async_wait_all();
-    moe_tile_store<1, 32, SWIGLU, BF16OUT>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16, 0, n0,
+    moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16, 0, n0,
                                   r0, rows, ndim, lane);
 }
 
-#define MOE_GEMM5(NAME, SWIGLU, BF16OUT)                                                                                 \
+#define MOE_GEMM5(NAME, SWIGLU)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                 \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
-        moe_gemm5_impl<SWIGLU, BF16OUT>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, \
-                                        kdim);                                                                 \
+        moe_gemm5_impl<SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);    \
     }
-MOE_GEMM5(moe_gemm5_m128, false, false)
-MOE_GEMM5(moe_gemm5_swiglu_m128, true, false)
-MOE_GEMM5(moe_gemm5_bf16_m128, false, true)
+MOE_GEMM5(moe_gemm5_m128, false)
+MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
