@@ -492,6 +492,33 @@ __device__ __forceinline__ float ex2_approx(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+// The end of a warp's 16-row tile (mma accumulator layout: rows r0 and r0 + 8 of the thread's
+// quad, l0 / l1 per-lane partial row sums): the quad's sums, then O / l times sigmoid(gate) as
+// bf16 into out for the rows below t, head h.
+template <int HD>
+__device__ __forceinline__ void flash_store_rows(const float (&o)[HD / 8][4], float l0, float l1, int r0, int t, int h,
+                                                 int nq, const float* __restrict__ qg, bf16* __restrict__ out,
+                                                 int cq) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int srow = r0 + half * 8;
+        if (srow >= t) continue;
+        const float inv = 1.0f / (half ? l1 : l0);
+        const float* gate = qg + ((size_t)srow * nq + h) * 2 * HD + HD;
+        bf16* dst = out + ((size_t)srow * nq + h) * HD;
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            const int c = n * 8 + cq;
+            const float2 gt = *reinterpret_cast<const float2*>(gate + c);
+            *reinterpret_cast<unsigned*>(dst + c) =
+                pack_bf16x2(o[n][2 * half] * inv * sigmoid_f(gt.x), o[n][2 * half + 1] * inv * sigmoid_f(gt.y));
+        }
+    }
+}
 template <int HD>
 __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, const bf16* __restrict__ kc,
                                                  const bf16* __restrict__ vc, const float* __restrict__ qg,
@@ -550,26 +577,7 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
         warp_pv<HD, FA_BK, LD>(o, s, vt, lane);
         __syncthreads();  // the next iteration's prefetch overwrites this buffer
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const int h = h0 + hh;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        int srow = q0 + wr + g + half * 8;
-        if (srow >= t) continue;
-        float inv = 1.0f / (half ? l1 : l0);
-        const float* gate = qg + ((size_t)srow * nq + h) * 2 * HD + HD;
-        bf16* dst = out + ((size_t)srow * nq + h) * HD;
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            int c = n * 8 + cq;
-            float2 gt = *reinterpret_cast<const float2*>(gate + c);
-            *reinterpret_cast<unsigned*>(dst + c) =
-                pack_bf16x2(o[n][2 * half] * inv * sigmoid_f(gt.x), o[n][2 * half + 1] * inv * sigmoid_f(gt.y));
-        }
-    }
+    flash_store_rows<HD>(o, l0, l1, q0 + wr + g, t, h0 + hh, nq, qg, out, cq);
 }
 
 // The prefill flash kernels' entry points, one per head dim: attn_flash<V>_hd<HD> runs
@@ -1000,26 +1008,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
         mbar_arrive(&empty[st]);  // this thread is done with stage st
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const int h = h0 + wg;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int srow = q0 + wi * 16 + g + half * 8;
-        if (srow >= t) continue;
-        const float inv = 1.0f / (half ? l1 : l0);
-        const float* gate = qg + ((size_t)srow * nq + h) * 2 * F4_HD + F4_HD;
-        bf16* dst = out + ((size_t)srow * nq + h) * F4_HD;
-#pragma unroll
-        for (int n = 0; n < 32; n++) {
-            const int c = n * 8 + cq;
-            const float2 gt = *reinterpret_cast<const float2*>(gate + c);
-            *reinterpret_cast<unsigned*>(dst + c) = pack_bf16x2(o[4 * n + 2 * half] * inv * sigmoid_f(gt.x),
-                                                                o[4 * n + 2 * half + 1] * inv * sigmoid_f(gt.y));
-        }
-    }
+    flash_store_rows<F4_HD>(reinterpret_cast<const float(&)[F4_HD / 8][4]>(o), l0, l1, q0 + wi * 16 + g, t, h0 + wg, nq,
+                            qg, out, cq);
 }
 
 // ---- Decode on tensor cores ----
