@@ -437,7 +437,6 @@ fn load(args: &ModelArgs) -> Result<Loaded> {
     }
 }
 
-/// The engine for `device`: a checkpoint directory, or the bundled demo model.
 /// Prompt tokens per prefill call, most preferred first: the GPU workspace is sized for the
 /// first that fits beside the weights, KV and state (about 7.6 GB at 16,384 tokens, 3.8 GB at
 /// 8,192). Longer calls keep more rows per expert in the grouped MoE GEMM and fewer passes over
@@ -449,6 +448,7 @@ const PREFILL_CHUNK: usize = PREFILL_CHUNKS[0];
 /// the other running sequences wait at most one such call per round.
 const SERVER_PREFILL_CHUNK: usize = 8192;
 
+/// The engine for `device`: a checkpoint directory, or the bundled demo model.
 fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<Backend> {
     // Open the GPU first: a missing or unsuitable GPU is reported before any weights load.
     let gpu = match device {

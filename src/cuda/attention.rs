@@ -14,8 +14,9 @@ pub enum Flash {
     Mma,
     /// `attn_flash2_hd*` whatever `KESTREL_ATTN` says (16 rows of one head per warp).
     Mma2,
-    /// `attn_flash4_hd256`: wgmma, a warpgroup per head of `attn_flash3`'s block (the default;
-    /// on sm_90a at head dim 256, else it runs as `Mma`).
+    /// `attn_flash4_hd256`: wgmma, warp-specialised (a producer warpgroup for the K/V copies, a
+    /// consumer warpgroup per head of `attn_flash3`'s block); the default, on sm_90a at head
+    /// dim 256 (elsewhere it runs as `Mma`).
     Wgmma,
 }
 

@@ -428,7 +428,7 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
     lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;  // x − hi is exact in f32
 }
 
-// ---- mbarrier (sm_80+): a 64-bit arrival counter in shared memory with a phase bit ----
+// ---- mbarrier (sm_90: try_wait): a 64-bit arrival counter in shared memory with a phase bit ----
 // Initialised by one thread before a block barrier. A phase completes when `count` arrivals
 // have happened; waiters name the parity of the phase they wait for (0 first, then 1, ...).
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
