@@ -431,29 +431,30 @@ inline unsigned long long wgmma_desc_sw128(const void* p) {
     if (a % 1024) emu_fail("wgmma operand tile not 1024-byte aligned");
     return ((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-// Element (row, k) of a K-major 128-byte-swizzled bf16 operand.
-inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
+// A descriptor's start address, leading and stride offsets in bytes (128-byte swizzle only).
+struct EmuDesc { unsigned start, lbo, sbo; };
+inline EmuDesc emu_desc(unsigned long long desc) {
     if ((desc >> 62) != 1) emu_fail("wgmma descriptor: not the 128-byte swizzle");
-    unsigned start = (unsigned)(desc & 0x3FFF) << 4, sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
-    unsigned addr = start + (row / 8) * sbo + (row % 8) * 128 + k * 2;
+    return {(unsigned)(desc & 0x3FFF) << 4, (unsigned)((desc >> 16) & 0x3FFF) << 4, (unsigned)((desc >> 32) & 0x3FFF) << 4};
+}
+// The bf16 at unswizzled shared offset `addr` of a 128-byte-swizzle operand.
+inline float emu_swizzled_bf16(unsigned addr) {
     addr ^= ((addr >> 7) & 7) << 4;
     if (addr + 2 > g_dyn_smem.size()) emu_fail("wgmma operand outside shared memory");
     bf16 v;
     memcpy(&v, g_dyn_smem.data() + addr, 2);
     return __bfloat162float(v);
 }
-// Element (n, k) of an N-major 128-byte-swizzled bf16 operand (imm-trans-b): 64-wide N blocks
-// at the leading offset, K rows of 128 bytes, 8-row groups at the stride offset.
+// Element (row, k) of a K-major operand: 128-byte rows, 8-row groups at the stride offset.
+inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
+    const EmuDesc d = emu_desc(desc);
+    return emu_swizzled_bf16(d.start + (row / 8) * d.sbo + (row % 8) * 128 + k * 2);
+}
+// Element (n, k) of an N-major operand (imm-trans-b): 64-wide N blocks at the leading offset,
+// K rows of 128 bytes, 8-row groups at the stride offset.
 inline float emu_wgmma_elem_mn(unsigned long long desc, int n, int k) {
-    if ((desc >> 62) != 1) emu_fail("wgmma descriptor: not the 128-byte swizzle");
-    unsigned start = (unsigned)(desc & 0x3FFF) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4;
-    unsigned sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
-    unsigned addr = start + (n / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + (n % 64) * 2;
-    addr ^= ((addr >> 7) & 7) << 4;
-    if (addr + 2 > g_dyn_smem.size()) emu_fail("wgmma operand outside shared memory");
-    bf16 v;
-    memcpy(&v, g_dyn_smem.data() + addr, 2);
-    return __bfloat162float(v);
+    const EmuDesc d = emu_desc(desc);
+    return emu_swizzled_bf16(d.start + (n / 64) * d.lbo + (k / 8) * d.sbo + (k % 8) * 128 + (n % 64) * 2);
 }
 inline void emu_wgmma_run(const PendingWgmma& op) {
     int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
