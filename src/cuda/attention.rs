@@ -53,9 +53,9 @@ const fn mma3_smem(hd: usize) -> usize {
     mma_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16
 }
 
-/// Dynamic shared memory of `attn_flash4_hd256` (F4_SMEM): Q of two heads and two stages of K
-/// and V, each a 64-row tile of 256 bf16 in the 128-byte swizzle (192 KiB), then 4 mbarriers.
-const WGMMA_SMEM: usize = 6 * 64 * 256 * 2 + 32;
+/// `attn_flash4_hd256` with its dynamic shared memory (F4_SMEM): Q of two heads and two stages
+/// of K and V, each a 64-row tile of 256 bf16 in the 128-byte swizzle (192 KiB), 4 mbarriers.
+const WGMMA_KERNEL: (&str, usize) = ("attn_flash4_hd256", 6 * 64 * 256 * 2 + 32);
 
 /// `attn_flash4_hd256`'s block: two consumer warpgroups and a producer warpgroup.
 const WGMMA_THREADS: u32 = 384;
@@ -72,7 +72,7 @@ pub(super) const FLASH_KERNELS: [(&str, usize); 10] = [
     ("attn_flash3_hd64", mma3_smem(64)),
     ("attn_flash3_hd128", mma3_smem(128)),
     ("attn_flash3_hd256", mma3_smem(256)),
-    ("attn_flash4_hd256", WGMMA_SMEM),
+    WGMMA_KERNEL,
 ];
 
 /// Dynamic shared memory of `attn_decode_mma_hd*`: Q (16 rows) and double-buffered K and V
@@ -140,15 +140,15 @@ impl Gpu {
     pub fn attn_flash(&self, kind: Flash, a: &FlashCall) -> Result<()> {
         let group = a.nq / a.nkv;
         let wgmma = self.compute_capability == (9, 0) && a.hd == 256 && group.is_multiple_of(2);
-        let mma = match kind {
-            Flash::Wgmma if wgmma => Some(FLASH_KERNELS[9]),
-            Flash::Mma | Flash::Wgmma => mma_kernel(a.hd, group, mma2_selected()),
-            Flash::Mma2 => mma_kernel(a.hd, group, true),
+        // (kernel, dynamic smem, threads); every one but the WMMA kernel takes two heads a block
+        let two_heads = match kind {
+            Flash::Wgmma if wgmma => Some((WGMMA_KERNEL, WGMMA_THREADS)),
+            Flash::Mma | Flash::Wgmma => mma_kernel(a.hd, group, mma2_selected()).map(|k| (k, 256)),
+            Flash::Mma2 => mma_kernel(a.hd, group, true).map(|k| (k, 256)),
             Flash::Wmma => None,
         };
-        let (name, heads_per_block, threads, smem) = match mma {
-            Some((k, smem)) if k == FLASH_KERNELS[9].0 => (k, 2, WGMMA_THREADS, smem),
-            Some((k, smem)) => (k, 2, 256, smem),
+        let (name, heads_per_block, threads, smem) = match two_heads {
+            Some(((k, smem), threads)) => (k, 2, threads, smem),
             None => ("attn_flash", 1, 128, wmma_smem(a.hd)),
         };
         self.launch(
