@@ -374,11 +374,35 @@ __device__ __forceinline__ void warp_qk(float (&s)[NK / 8][4], const bf16* qw, c
     }
 }
 
+// 2^x on the special-function unit alone (ex2.approx.ftz: ~2 ulp, results below 2^-126
+// flushed to 0, 2^-inf = 0); exp2f adds a range fix-up of 3 instructions around it.
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+// Causal / cache-end mask of a warp's score tile (mma accumulator layout, NK keys from k0):
+// -inf where the key lies past the row's position (qpos0 for row g, qpos0 + 8 for row g + 8)
+// or past the cache's n_valid keys. cq = 2 (lane % 4).
+template <int NK>
+__device__ __forceinline__ void warp_causal_mask(float (&s)[NK / 8][4], int k0, int qpos0, int n_valid, int cq) {
+#pragma unroll
+    for (int n = 0; n < NK / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int kp = k0 + n * 8 + cq + (e & 1), qp = qpos0 + 8 * (e >> 1);
+            if (kp > qp || kp >= n_valid) s[n][e] = -INFINITY;
+        }
+}
+
 // Online softmax (base 2) of one tile's scores, rows g (m0, l0) and g + 8 (m1, l1); a row lives
 // in the 4 lanes of a quad, l stays a per-lane partial sum. Rescales o; leaves P in s.
-template <int HD, int NK>
+// SFU (attn_flash4): exponentials by ex2_approx, and o rescaled only when o_live and one of the
+// thread's row maxima moved (o is not yet written before the first tile's P V there).
+template <int HD, int NK, bool SFU = false>
 __device__ __forceinline__ void warp_softmax(float (&s)[NK / 8][4], float (&o)[HD / 8][4], float& m0, float& m1,
-                                             float& l0, float& l1) {
+                                             float& l0, float& l1, bool o_live = true) {
+    auto exp2_ = [](float x) { return SFU ? ex2_approx(x) : exp2f(x); };
     float mx0 = m0, mx1 = m1;
 #pragma unroll
     for (int n = 0; n < NK / 8; n++) {
@@ -390,21 +414,23 @@ __device__ __forceinline__ void warp_softmax(float (&s)[NK / 8][4], float (&o)[H
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     const float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;  // fully masked rows
-    const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+    const float c0 = exp2_(m0 - b0), c1 = exp2_(m1 - b1);
+    const bool moved = mx0 != m0 || mx1 != m1;
     m0 = mx0;
     m1 = mx1;
     float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
     for (int n = 0; n < NK / 8; n++) {
-        s[n][0] = exp2f(s[n][0] - b0);
-        s[n][1] = exp2f(s[n][1] - b0);
-        s[n][2] = exp2f(s[n][2] - b1);
-        s[n][3] = exp2f(s[n][3] - b1);
+        s[n][0] = exp2_(s[n][0] - b0);
+        s[n][1] = exp2_(s[n][1] - b0);
+        s[n][2] = exp2_(s[n][2] - b1);
+        s[n][3] = exp2_(s[n][3] - b1);
         sum0 += s[n][0] + s[n][1];
         sum1 += s[n][2] + s[n][3];
     }
     l0 = l0 * c0 + sum0;
     l1 = l1 * c1 + sum1;
+    if (SFU && !(o_live && moved)) return;
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) {
         o[n][0] *= c0;
@@ -414,15 +440,24 @@ __device__ __forceinline__ void warp_softmax(float (&s)[NK / 8][4], float (&o)[H
     }
 }
 
+// The A fragment of keys 16 kk.. for O += P V: the probabilities of key blocks 2kk, 2kk + 1
+// (accumulator layout) packed to bf16 pairs.
+template <int NK>
+__device__ __forceinline__ void p_frag(const float (&s)[NK / 8][4], int kk, unsigned (&a)[4]) {
+    a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 // O += P V: the S accumulators of key blocks 2kk, 2kk+1 are the A fragment of keys 16kk.. (V
 // rows at vt, bf16, row stride LD, read transposed).
 template <int HD, int NK, int LD>
 __device__ __forceinline__ void warp_pv(float (&o)[HD / 8][4], const float (&s)[NK / 8][4], const bf16* vt, int lane) {
 #pragma unroll
     for (int kk = 0; kk < NK / 16; kk++) {
-        unsigned a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                         pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                         pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        unsigned a[4];
+        p_frag<NK>(s, kk, a);
 #pragma unroll
         for (int nb = 0; nb < HD / 16; nb++) {
             unsigned b[4];
@@ -485,13 +520,6 @@ __device__ __forceinline__ void bar_sync_named(int id, int threads) {
 __device__ __forceinline__ void bar_arrive_named(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// 2^x on the special-function unit alone (ex2.approx.ftz: ~2 ulp, results below 2^-126
-// flushed to 0, 2^-inf = 0); exp2f adds a range fix-up of 3 instructions around it.
-__device__ __forceinline__ float ex2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 // The end of a warp's 16-row tile (mma accumulator layout: rows r0 and r0 + 8 of the thread's
 // quad, l0 / l1 per-lane partial row sums): the quad's sums, then O / l times sigmoid(gate) as
 // bf16 into out for the rows below t, head h.
@@ -542,7 +570,7 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
     flash_stage_q<HD, LD>(qs, q, t, q0, nq, h0, scale_log2);
     const int hh = warp / 4, wr = (warp % 4) * 16;
     const int g = lane >> 2, cq = 2 * (lane & 3);
-    const int qpos0 = past + q0 + wr + g, qpos1 = qpos0 + 8;
+    const int qpos0 = past + q0 + wr + g;  // this thread's first row; the second is 8 below
     const bf16* qw = qs + (hh * FA_BQ + wr) * LD;
     float o[HD / 8][4];
 #pragma unroll
@@ -563,16 +591,7 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
         float s[FA_BK / 8][4];
         warp_qk<HD, FA_BK, LD>(s, qw, kt, lane);
         // Causal / cache-end mask, only on tiles that reach past this warp's first row.
-        if (k0 + FA_BK - 1 > past + q0 + wr || k0 + FA_BK > n_valid) {
-#pragma unroll
-            for (int n = 0; n < FA_BK / 8; n++) {
-                int kp = k0 + n * 8 + cq;
-                if (kp > qpos0 || kp >= n_valid) s[n][0] = -INFINITY;
-                if (kp + 1 > qpos0 || kp + 1 >= n_valid) s[n][1] = -INFINITY;
-                if (kp > qpos1 || kp >= n_valid) s[n][2] = -INFINITY;
-                if (kp + 1 > qpos1 || kp + 1 >= n_valid) s[n][3] = -INFINITY;
-            }
-        }
+        if (k0 + FA_BK - 1 > past + q0 + wr || k0 + FA_BK > n_valid) warp_causal_mask<FA_BK>(s, k0, qpos0, n_valid, cq);
         warp_softmax<HD, FA_BK>(s, o, m0, m1, l0, l1);
         warp_pv<HD, FA_BK, LD>(o, s, vt, lane);
         __syncthreads();  // the next iteration's prefetch overwrites this buffer
@@ -683,14 +702,7 @@ __device__ __forceinline__ void attn_flash3_body(const float* __restrict__ q, co
         // Causal / cache-end mask, only where this warp's keys reach past the pair's first row.
         if (kw + 31 > qpos0 - g || kw + 32 > n_valid) {
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int n = 0; n < 4; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int kp = kw + n * 8 + cq + (e & 1), qp = qpos0 + 16 * mt + 8 * (e >> 1);
-                        if (kp > qp || kp >= n_valid) s[mt][n][e] = -INFINITY;
-                    }
+            for (int mt = 0; mt < 2; mt++) warp_causal_mask<32>(s[mt], kw, qpos0 + 16 * mt, n_valid, cq);
         }
         // Row maxima over this warp's keys (a row lives in the 4 lanes of a quad), then the pair's.
         float mx[4];
@@ -912,7 +924,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         bar_sync_named(1 + wg, 128);
     }
     const int g = lane >> 2, cq = 2 * (lane & 3);
-    const int qpos0 = past + q0 + wi * 16 + g, qpos1 = qpos0 + 8;  // this thread's two rows
+    const int qpos0 = past + q0 + wi * 16 + g;  // this thread's first row; the second is 8 below
     const unsigned long long dq_wg = wgmma_desc_sw128(qs + wg * F4_TILE);
     // o is never zeroed: the first P V product overwrites it (scale_d 0); ptxas may schedule a
     // zeroing loop inside a wgmma stage, which serializes every wgmma of the kernel (C7513).
@@ -950,52 +962,12 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
         // Causal / cache-end mask, only on tiles that reach past this warp's first row.
-        if (k0 + F4_BK - 1 > qpos0 - g || k0 + F4_BK > n_valid) {
+        auto& s4 = reinterpret_cast<float(&)[F4_BK / 8][4]>(s);
+        if (k0 + F4_BK - 1 > qpos0 - g || k0 + F4_BK > n_valid) warp_causal_mask<F4_BK>(s4, k0, qpos0, n_valid, cq);
+        warp_softmax<F4_HD, F4_BK, true>(s4, reinterpret_cast<float(&)[F4_HD / 8][4]>(o), m0, m1, l0, l1, j > 0);
+        unsigned p[F4_BK / 16][4];
 #pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int kp = k0 + n * 8 + cq + (e & 1), qp = e < 2 ? qpos0 : qpos1;
-                    if (kp > qp || kp >= n_valid) s[4 * n + e] = -INFINITY;
-                }
-        }
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
-            mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;
-        const float c0 = ex2_approx(m0 - b0), c1 = ex2_approx(m1 - b1);
-        const bool rescale = mx0 != m0 || mx1 != m1;
-        m0 = mx0;
-        m1 = mx1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-        unsigned p[4][4];
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            const float e0 = ex2_approx(s[4 * n] - b0), e1 = ex2_approx(s[4 * n + 1] - b0);
-            const float e2 = ex2_approx(s[4 * n + 2] - b1), e3 = ex2_approx(s[4 * n + 3] - b1);
-            sum0 += e0 + e1;
-            sum1 += e2 + e3;
-            p[n >> 1][(n & 1) * 2] = pack_bf16x2(e0, e1);  // keys 16 (n / 2).. : rows g, g + 8
-            p[n >> 1][(n & 1) * 2 + 1] = pack_bf16x2(e2, e3);
-        }
-        l0 = l0 * c0 + sum0;
-        l1 = l1 * c1 + sum1;
-        if (rescale && j > 0) {  // (thread-local: one of this thread's two rows got a new max)
-#pragma unroll
-            for (int n = 0; n < 32; n++) {
-                o[4 * n] *= c0;
-                o[4 * n + 1] *= c0;
-                o[4 * n + 2] *= c1;
-                o[4 * n + 3] *= c1;
-            }
-        }
+        for (int kk = 0; kk < F4_BK / 16; kk++) p_frag<F4_BK>(s4, kk, p[kk]);
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
         wgmma_fence();
