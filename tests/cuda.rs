@@ -781,6 +781,14 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         let outs = run(MoeGemm::V5, 128);
         check(name, Some(&outs.0), Some(&outs.1), &outs.2);
         timings(MoeGemm::V5, 128, name);
+        // v6 (v5's wgmma steps, warp-specialised and persistent): bitwise equal to v5.
+        let name = "v6 moe_gemm6 m128";
+        let (gu6, act6, y6) = run(MoeGemm::V6, 128);
+        assert!(bits(&gu6) == bits(&outs.0), "{name} gate_up != v5");
+        assert!(bits(&act6) == bits(&outs.1), "{name} act != v5");
+        assert!(bits(&y6) == bits(&outs.2), "{name} down != v5");
+        println!("{name}: bitwise equal to v5");
+        timings(MoeGemm::V6, 128, name);
     } else {
         println!(
             "v5 moe_gemm5: SKIPPED (compute capability {:?}, not 9.0)",

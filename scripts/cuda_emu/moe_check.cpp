@@ -184,6 +184,29 @@ static void run(const Shape& s, bool deferred) {
             fails += !ok5;
             printf("%s %-22s v5 m128: swiglu act %.2f of its bound, gate_up %.1e, down %.1e\n", ok5 ? "ok  " : "FAIL",
                    s.name, ea5, eg5, ey5);
+            // moe_gemm6 (warp-specialised, persistent): the same wgmma steps, so bitwise
+            // moe_gemm5's outputs; a grid of 3 blocks walks all (tile, column block) items, so
+            // the stages' mbarrier phases run on across tiles.
+            using KG6 = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*,
+                                 const int*, int, int, int);
+            auto launch6 = [&](KG6 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
+                               int kdim) {
+                const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
+                emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64, [&] {
+                    k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
+                });
+            };
+            std::vector<bf16> act6((size_t)rows * I, bf16{0x7fff});
+            std::vector<float> gu6((size_t)rows * 2 * I, NAN), y6((size_t)rows * d, NAN);
+            launch6(moe_gemm6_swiglu_m128, true, xb.data(), sorted_token.data(), wgu.data(), act6.data(), 2 * I, d);
+            launch6(moe_gemm6_m128, false, xb.data(), sorted_token.data(), wgu.data(), gu6.data(), 2 * I, d);
+            launch6(moe_gemm6_m128, false, act_in.data(), nullptr, wdn.data(), y6.data(), d, I);
+            const bool same6 = memcmp(act6.data(), act5.data(), act5.size() * 2) == 0 &&
+                               memcmp(gu6.data(), gu5.data(), gu5.size() * 4) == 0 &&
+                               memcmp(y6.data(), y5.data(), y5.size() * 4) == 0;
+            fails += !same6;
+            printf("%s %-22s v6 m128: act, gate_up, down %s moe_gemm5's\n", same6 ? "ok  " : "FAIL", s.name,
+                   same6 ? "bitwise equal to" : "DIFFER from");
         }
     }
 }

@@ -87,6 +87,8 @@ const KERNELS: &[&str] = &[
     "moe_gemm4_swiglu_m64",
     "moe_gemm5_m128",
     "moe_gemm5_swiglu_m128",
+    "moe_gemm6_m128",
+    "moe_gemm6_swiglu_m128",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
@@ -150,6 +152,8 @@ pub struct Gpu {
     profile: Option<std::sync::Mutex<Profile>>,
     /// Shared memory a block may opt into (bytes).
     pub max_smem_per_block: usize,
+    /// Streaming multiprocessors (the persistent kernels' grid).
+    pub sm_count: usize,
 }
 
 /// Per-op GPU times: events still in flight, and the totals of resolved ones.
@@ -338,6 +342,9 @@ impl Gpu {
                 cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
         let module = Self::compile(&ctx, cc)?;
         let mut functions = std::collections::HashMap::new();
         for k in KERNELS.iter().chain(&gdn::CHUNK_KERNELS) {
@@ -358,6 +365,7 @@ impl Gpu {
             compute_capability: cc,
             total_memory,
             max_smem_per_block,
+            sm_count,
             profile: std::env::var("KESTREL_PROFILE")
                 .ok()
                 .map(|_| std::sync::Mutex::new(Default::default())),
@@ -373,6 +381,7 @@ impl Gpu {
             .chain(moe::GEMM3_KERNELS)
             .chain(moe::GEMM4_KERNELS)
             .chain(moe::GEMM5_KERNELS)
+            .chain(moe::GEMM6_KERNELS)
         {
             gpu.set_max_dynamic_smem(k, bytes)?;
         }

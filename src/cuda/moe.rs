@@ -26,6 +26,34 @@ pub enum MoeGemm {
     /// bounds the product) run `moe_gemm4`. On the H200 at afdf9c6: prefill 40.3k / 47.8k /
     /// 49.3k tok/s at 2,048 / 4,096 / 8,192 tokens against V4's 39.6k / 43.9k / 45.2k.
     V5,
+    /// `moe_gemm6_*` (`KESTREL_MOE_GEMM=v6`, compute capability 9.0): V5's tiles and products
+    /// (bitwise its outputs), warp-specialised (a producer warpgroup feeding four stages
+    /// through mbarriers) and persistent (a block an SM walks the tiles, its next tile's copies
+    /// overlapping the current one's stores). 64-row tiles run `moe_gemm4`, as for V5.
+    V6,
+}
+
+/// How a grouped kernel's grid covers the plan's (tile, column block) pairs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GridOrder {
+    /// (tiles, column blocks): V1-V3.
+    TilesX,
+    /// (column blocks, tiles), a tile's column blocks adjacent in launch order (its A rows
+    /// shared in L2): moe_gemm4 and moe_gemm5.
+    TilesY,
+    /// One block an SM walking the pairs in TilesY's order (moe_gemm6; the column block count
+    /// is its last argument).
+    Persistent,
+}
+
+impl GridOrder {
+    fn of(kind: MoeGemm, tile_m: usize) -> Self {
+        match (kind, tile_m) {
+            (MoeGemm::V6, 128) => GridOrder::Persistent,
+            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6, _) => GridOrder::TilesY,
+            _ => GridOrder::TilesX,
+        }
+    }
 }
 
 /// The smallest plan tile of any grouped GEMM: the workspace's tile list is sized for it.
@@ -54,6 +82,14 @@ pub(super) const GEMM5_KERNELS: [(&str, usize); 2] = [
     ("moe_gemm5_swiglu_m128", GEMM5_SMEM),
 ];
 const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
+
+/// The `moe_gemm6` kernels, with their dynamic shared memory: `moe_gemm5`'s four stages and
+/// the stages' eight mbarriers.
+pub(super) const GEMM6_KERNELS: [(&str, usize); 2] = [
+    ("moe_gemm6_m128", GEMM6_SMEM),
+    ("moe_gemm6_swiglu_m128", GEMM6_SMEM),
+];
+const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8;
 
 /// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
 /// of 64 bf16, unpadded.
@@ -110,6 +146,7 @@ impl MoeGemm {
             "v2" => MoeGemm::V2,
             "v3" => MoeGemm::V3,
             "v4" => MoeGemm::V4,
+            "v6" => MoeGemm::V6,
             _ => MoeGemm::V5,
         }
     }
@@ -117,7 +154,7 @@ impl MoeGemm {
     /// The variant that runs on a GPU of compute capability `cc`: the wgmma kernels (V5) need
     /// sm_90a (the kernels are built for compute_90a only there), elsewhere V4.
     pub fn on(self, cc: (i32, i32)) -> Self {
-        if self == MoeGemm::V5 && cc != (9, 0) {
+        if matches!(self, MoeGemm::V5 | MoeGemm::V6) && cc != (9, 0) {
             MoeGemm::V4
         } else {
             self
@@ -126,7 +163,7 @@ impl MoeGemm {
 
     /// Whether the gate/up kernel applies the SwiGLU itself (bf16 act out, no f32 gu).
     pub fn fused_swiglu(self) -> bool {
-        matches!(self, MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5)
+        matches!(self, MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6)
     }
 
     /// The plan's tile height: fixed by the WMMA kernels; for V3 and V4 `force` or
@@ -136,7 +173,7 @@ impl MoeGemm {
             MoeGemm::V1 => 64,
             MoeGemm::V2 => 128,
             MoeGemm::V3 | MoeGemm::V4 => force.unwrap_or_else(|| gemm3_tile_m(rows, experts)),
-            MoeGemm::V5 => force.unwrap_or_else(|| gemm5_tile_m(rows, experts)),
+            MoeGemm::V5 | MoeGemm::V6 => force.unwrap_or_else(|| gemm5_tile_m(rows, experts)),
         }
     }
 }
@@ -236,8 +273,11 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
             (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
             (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4 | MoeGemm::V5, 64) => ("moe_gemm4_m64", 128, 128, gemm4_smem(64)),
+            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6, 64) => {
+                ("moe_gemm4_m64", 128, 128, gemm4_smem(64))
+            }
             (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
+            (MoeGemm::V6, 128) => ("moe_gemm6_m128", 256, 384, GEMM6_SMEM),
             _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         self.grouped_launch(
@@ -248,7 +288,7 @@ impl Gpu {
             experts,
             g,
             g.ndim,
-            matches!(kind, MoeGemm::V4 | MoeGemm::V5),
+            GridOrder::of(kind, tile_m),
         )
     }
 
@@ -268,19 +308,19 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_swiglu_m128", (128, 64, 256, gemm3_smem(128))),
             (MoeGemm::V3, 64) => ("moe_gemm3_swiglu_m64", (64, 128, 256, gemm3_smem(64))),
             (MoeGemm::V4, 128) => ("moe_gemm4_swiglu_m128", (128, 64, 128, gemm4_smem(128))),
-            (MoeGemm::V4 | MoeGemm::V5, 64) => {
+            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6, 64) => {
                 ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64)))
             }
             (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, GEMM5_SMEM)),
+            (MoeGemm::V6, 128) => ("moe_gemm6_swiglu_m128", (128, 128, 384, GEMM6_SMEM)),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
-        let v4 = matches!(kind, MoeGemm::V4 | MoeGemm::V5);
-        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, v4)
+        let order = GridOrder::of(kind, tile_m);
+        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, order)
     }
 
-    /// Launches a grouped kernel: (tile_m, output columns per block, threads, smem bytes).
-    /// `v4` (moe_gemm4 and moe_gemm5): the grid is (column blocks, tiles) rather than (tiles,
-    /// column blocks), and the kernel's 32-bit row offsets bound the shape.
+    /// Launches a grouped kernel: (tile_m, output columns per block, threads, smem bytes),
+    /// its grid laid out as `order` says.
     #[allow(clippy::too_many_arguments)]
     fn grouped_launch(
         &self,
@@ -291,29 +331,30 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
         out_cols: usize,
-        v4: bool,
+        order: GridOrder,
     ) -> Result<()> {
         let (tiles, blocks_n) = (
             max_tiles(rows, experts, tile_m) as u32,
             out_cols.div_ceil(tile_n) as u32,
         );
-        if v4 && (rows.max(g.ndim) as u64) * (g.kdim as u64) >= 1 << 31 {
-            // moe_gemm4 keeps its row offsets in 32-bit registers
+        if order != GridOrder::TilesX && (rows.max(g.ndim) as u64) * (g.kdim as u64) >= 1 << 31 {
+            // moe_gemm4/5/6 keep their row offsets in 32-bit registers
             bail!(
-                "moe_gemm4: {rows} or {} rows of {} exceed 2^31 elements",
+                "{name}: {rows} or {} rows of {} exceed 2^31 elements",
                 g.ndim,
                 g.kdim
             );
         }
-        if v4 && tiles > 65_535 {
-            bail!("moe_gemm4: {tiles} tiles exceed the grid's y extent (65,535)");
+        if order == GridOrder::TilesY && tiles > 65_535 {
+            bail!("{name}: {tiles} tiles exceed the grid's y extent (65,535)");
         }
-        let grid = if v4 {
-            (blocks_n, tiles, 1)
-        } else {
-            (tiles, blocks_n, 1)
+        let grid = match order {
+            GridOrder::TilesX => (tiles, blocks_n, 1),
+            GridOrder::TilesY => (blocks_n, tiles, 1),
+            // One block an SM at most; the kernel walks the (tile, column block) items.
+            GridOrder::Persistent => ((tiles * blocks_n).min(self.sm_count as u32), 1, 1),
         };
-        let args = [
+        let mut args = vec![
             Arg::Ptr(g.a),
             Arg::Ptr(g.gather),
             Arg::Ptr(g.w),
@@ -325,6 +366,9 @@ impl Gpu {
             Arg::I(g.ndim as i32),
             Arg::I(g.kdim as i32),
         ];
+        if order == GridOrder::Persistent {
+            args.push(Arg::I(blocks_n as i32));
+        }
         self.launch(name, grid, block, smem as u32, &args)
     }
 
@@ -350,7 +394,8 @@ mod tests {
     use super::*;
 
     /// `KESTREL_MOE_GEMM`'s values, the wgmma kernels only on compute capability 9.0, and the
-    /// tile height rules: V3/V4 64-row tiles until the experts average 256 rows, V5 until 64.
+    /// tile height rules: V3/V4 64-row tiles until the experts average 256 rows, V5/V6 until 64;
+    /// the grid orders.
     #[test]
     fn variant_names_and_tile_rule() {
         assert_eq!(MoeGemm::parse("v1"), MoeGemm::V1);
@@ -361,6 +406,17 @@ mod tests {
         assert_eq!(MoeGemm::V5.on((8, 9)), MoeGemm::V4);
         assert_eq!(MoeGemm::V5.on((10, 0)), MoeGemm::V4);
         assert_eq!(MoeGemm::V3.on((8, 0)), MoeGemm::V3);
+        assert_eq!(MoeGemm::parse("v6"), MoeGemm::V6);
+        assert_eq!(MoeGemm::V6.on((9, 0)), MoeGemm::V6);
+        assert_eq!(MoeGemm::V6.on((8, 9)), MoeGemm::V4);
+        assert!(MoeGemm::V6.fused_swiglu());
+        assert_eq!(MoeGemm::V6.tile_m(2048 * 8, 256, None), 128);
+        assert_eq!(MoeGemm::V6.tile_m(1024 * 8, 256, None), 64);
+        // moe_gemm6 is persistent only at its own tile height; 64-row tiles run moe_gemm4.
+        assert_eq!(GridOrder::of(MoeGemm::V6, 128), GridOrder::Persistent);
+        assert_eq!(GridOrder::of(MoeGemm::V6, 64), GridOrder::TilesY);
+        assert_eq!(GridOrder::of(MoeGemm::V5, 128), GridOrder::TilesY);
+        assert_eq!(GridOrder::of(MoeGemm::V3, 128), GridOrder::TilesX);
         assert!(
             MoeGemm::V4.fused_swiglu() && MoeGemm::V5.fused_swiglu() && !MoeGemm::V2.fused_swiglu()
         );
@@ -375,6 +431,7 @@ mod tests {
             .iter()
             .chain(&GEMM4_KERNELS)
             .chain(&GEMM5_KERNELS)
+            .chain(&GEMM6_KERNELS)
         {
             assert!(super::super::KERNELS.contains(name), "{name} not loaded");
             assert!(*smem <= 227 * 1024, "{name}");

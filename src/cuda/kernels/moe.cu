@@ -543,8 +543,8 @@ MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 // A rows are shared in L2.
 #define G4_BK 64
 
-// The operand copier of moe_gemm4 and moe_gemm5: T threads copy a tile's BM gathered A rows and
-// BN B rows, 64 bf16 of K a stage, with 16-byte cp.async. Thread t copies chunk t % 8 of rows
+// The operand copier of moe_gemm4, 5 and 6: T threads (tid 0..T-1) copy a tile's BM gathered A
+// rows and BN B rows, 64 bf16 of K a stage, with 16-byte cp.async. Thread t copies chunk t % 8 of rows
 // t / 8 + (T / 8) q; element offsets in registers (-1: outside the tile, zero-filled; the
 // launcher keeps them below 2^31), stored XOR-swizzled (16-byte chunk c of row r at chunk
 // c ^ (r & 7)). SWIGLU: B row group r / WN holds WN / 2 gate rows, then the same up rows.
@@ -554,8 +554,8 @@ struct MoeStageCopier {
     static_assert(RPP % 8 == 0 && BM % RPP == 0 && BN % RPP == 0, "copier shape");
     int aoff[AV], boff[BV], kc, dst;
     __device__ __forceinline__ MoeStageCopier(const int* __restrict__ gather, int r0, int rows, int n0, int ndim,
-                                              int kdim) {
-        const int tid = threadIdx.x, lr = tid >> 3, inter = ndim / 2;
+                                              int kdim, int tid) {
+        const int lr = tid >> 3, inter = ndim / 2;
         kc = (tid & 7) * 8;
         dst = lr * G4_BK + ((kc >> 3) ^ (lr & 7)) * 8;  // RPP % 8 == 0: same swizzle every q
 #pragma unroll
@@ -616,7 +616,7 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
     const bf16* wx = w + (size_t)x * ndim * kdim;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int n0 = blockIdx.x * (SWIGLU ? BN / 2 : BN);
-    const MoeStageCopier<BM, BN, T, WN, SWIGLU> copier(gather, r0, rows, n0, ndim, kdim);
+    const MoeStageCopier<BM, BN, T, WN, SWIGLU> copier(gather, r0, rows, n0, ndim, kdim, threadIdx.x);
     const int nk = (kdim + G4_BK - 1) / G4_BK;
     auto load = [&](int kt) {
         if (kt < nk) copier.load(g4_smem + (kt % STAGES) * STAGE, kt, a, w, wx, kdim);
@@ -714,7 +714,7 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     const int n0 = blockIdx.x * (SWIGLU ? G5_BN / 2 : G5_BN);
     // moe_gemm4's copies; with SWIGLU the block's 256 B rows are one gate/up group.
-    const MoeStageCopier<G5_BM, G5_BN, 256, G5_BN, SWIGLU> copier(gather, r0, rows, n0, ndim, kdim);
+    const MoeStageCopier<G5_BM, G5_BN, 256, G5_BN, SWIGLU> copier(gather, r0, rows, n0, ndim, kdim, threadIdx.x);
     const int nk = (kdim + G4_BK - 1) / G4_BK;
     auto load = [&](int kt) {
         if (kt < nk) copier.load(g5_smem + (kt % G5_STAGES) * STAGE, kt, a, w, wx, kdim);
@@ -761,6 +761,110 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
     }
 MOE_GEMM5(moe_gemm5_m128, false)
 MOE_GEMM5(moe_gemm5_swiglu_m128, true)
+
+// Grouped GEMM, sixth version (sm_90a; KESTREL_MOE_GEMM=v6): moe_gemm5's tiles and products
+// (128 x 256 a tile; two consumer warpgroups of 64 rows each issue wgmma m64n256k16 from the
+// swizzled stages, the same k16 steps in the same order: bitwise moe_gemm5's outputs),
+// warp-specialised and persistent. Block 384: a producer warpgroup (setmaxnreg 120: its 24 copy
+// offsets a thread spill below that) copies the K
+// stages with cp.async into G6_STAGES buffers guarded by `full` / `empty` mbarriers, running
+// up to G6_STAGES stages ahead across tile boundaries, so a tile's first stages land while the
+// consumers (setmaxnreg 192) still store the previous one; nothing makes the two consumer
+// warpgroups wait on each other. Grid: at most one block an SM; block b takes the work items
+// q = b, b + gridDim.x, .. of nblk column blocks x *num_tiles tiles (q = tile * nblk + column
+// block: a tile's column blocks run side by side and share its gathered A rows in L2).
+// Dynamic smem G6_SMEM (1024-byte aligned: the swizzle is a function of the address).
+#define G6_STAGES 4
+#define G6_STAGE ((G5_BM + G5_BN) * G4_BK)  // bf16 elements of a stage (48 KiB)
+#define G6_SMEM (G6_STAGES * G6_STAGE * 2 + 2 * G6_STAGES * 8)
+template <bool SWIGLU>
+__device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                               const bf16* __restrict__ w, void* __restrict__ out,
+                                               const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                                               const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
+                                               int ndim, int kdim, int nblk) {
+    extern __shared__ __align__(1024) bf16 g6_smem[];
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(g6_smem + G6_STAGES * G6_STAGE);
+    unsigned long long* empty = full + G6_STAGES;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int items = nblk * *num_tiles, nk = (kdim + G4_BK - 1) / G4_BK;
+    constexpr int COLS = SWIGLU ? G5_BN / 2 : G5_BN;  // output columns of a column block
+    if (tid == 0) {
+        for (int s = 0; s < G6_STAGES; s++) {
+            mbar_init(&full[s], 128);   // every producer thread's cp.async arrival
+            mbar_init(&empty[s], 256);  // every consumer thread, once its products of s retired
+        }
+    }
+    __syncthreads();
+    // Stage use `it` (counted over all of this block's K steps) sits in buffer it % G6_STAGES;
+    // its phase on either barrier is it / G6_STAGES.
+    if (warp >= 8) {  // the producer
+        setmaxnreg_dec<120>();
+        unsigned it = 0;
+        for (int q = blockIdx.x; q < items; q += gridDim.x) {
+            const int tile = q / nblk, n0 = (q % nblk) * COLS;
+            const bf16* wx = w + (size_t)tile_expert[tile] * ndim * kdim;
+            const MoeStageCopier<G5_BM, G5_BN, 128, G5_BN, SWIGLU> copier(gather, tile_row[tile], tile_rows[tile], n0,
+                                                                          ndim, kdim, tid - 256);
+            for (int kt = 0; kt < nk; kt++, it++) {
+                const unsigned s = it % G6_STAGES;
+                if (it >= G6_STAGES) mbar_wait(&empty[s], (it / G6_STAGES - 1) & 1);
+                copier.load(g6_smem + s * G6_STAGE, kt, a, w, wx, kdim);
+                cp_async_mbar_arrive(&full[s]);
+            }
+        }
+        return;
+    }
+    setmaxnreg_inc<192>();
+    // The warpgroup through a shuffle from lane 0 (warp-uniform to ptxas: uniform registers).
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    unsigned it = 0;
+    // acc is never zeroed: a tile's first product overwrites it (scale-d 0); a zeroing loop
+    // that ptxas schedules inside a wgmma stage serializes every wgmma of the kernel (C7513).
+    float acc[128];
+    for (int q = blockIdx.x; q < items; q += gridDim.x) {
+        const int tile = q / nblk, n0 = (q % nblk) * COLS;
+        for (int kt = 0; kt < nk; kt++, it++) {
+            const unsigned s = it % G6_STAGES;
+            mbar_wait(&full[s], (it / G6_STAGES) & 1);  // the producer's copies of this stage landed
+            fence_proxy_async();                        // ... and are visible to wgmma
+            const bf16* st = g6_smem + s * G6_STAGE;
+            // Descriptors and scale-d pinned before the stage (C7513, as in attn_flash4).
+            unsigned long long da = wgmma_desc_sw128(st + wg * 64 * G4_BK), db = wgmma_desc_sw128(st + G5_BM * G4_BK);
+            unsigned accumulate = kt > 0;
+            wgmma_fence_operand(da);
+            wgmma_fence_operand(db);
+            wgmma_fence_operand(accumulate);
+#pragma unroll
+            for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < G4_BK / 16; ks++)
+                wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : accumulate);
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous stage's products retired; this one's run on
+#pragma unroll
+            for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+            if (kt > 0) mbar_arrive(&empty[(it - 1) % G6_STAGES]);
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+        mbar_arrive(&empty[(it - 1) % G6_STAGES]);
+        moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16, 0,
+                                      n0, tile_row[tile], tile_rows[tile], ndim, lane);
+    }
+}
+
+#define MOE_GEMM6(NAME, SWIGLU)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                 \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
+        void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int nblk) {  \
+        moe_gemm6_impl<SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim, nblk); \
+    }
+MOE_GEMM6(moe_gemm6_m128, false)
+MOE_GEMM6(moe_gemm6_swiglu_m128, true)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
