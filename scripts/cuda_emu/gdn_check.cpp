@@ -126,9 +126,40 @@ void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4) {
 
 static const double TOL = 1e-5;
 
+// gdn_gated_norm against a double reference (o / rms(o) * w * SiLU(z), then bf16): vector
+// (dv % 4 == 0) and scalar rows; within the bf16 rounding.
+static void run_gated_norm(int rows, int dv) {
+    std::mt19937 rng(rows * 131 + dv);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    std::vector<float> o((size_t)rows * dv), z(o.size()), w(dv);
+    for (auto& x : o) x = u(rng);
+    for (auto& x : z) x = u(rng);
+    for (auto& x : w) x = u(rng);
+    std::vector<bf16> out(o.size());
+    const float eps = 1e-6f;
+    emu_launch({(unsigned)((rows + 7) / 8), 1, 1}, 256, 0,
+               [&] { gdn_gated_norm(o.data(), z.data(), w.data(), out.data(), rows, dv, eps); });
+    double worst = 0;
+    for (int r = 0; r < rows; r++) {
+        double ss = 0;
+        for (int i = 0; i < dv; i++) ss += (double)o[(size_t)r * dv + i] * o[(size_t)r * dv + i];
+        const double inv = 1.0 / std::sqrt(ss / dv + eps);
+        for (int i = 0; i < dv; i++) {
+            const size_t j = (size_t)r * dv + i;
+            const double ref = o[j] * inv * w[i] * (z[j] / (1.0 + std::exp(-(double)z[j])));
+            const double e = std::fabs(__bfloat162float(out[j]) - ref) / (std::fabs(ref) * 0.00390625 + 1e-6);
+            if (!(e <= worst)) worst = e;
+        }
+    }
+    const bool ok = worst <= 1.0;
+    printf("gdn_gated_norm rows %d dv %d: %.2f of the bf16 bound %s\n", rows, dv, worst, ok ? "ok" : "FAILED");
+    if (!ok) exit(1);
+}
+
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
     if (const char* gs = getenv("G_SCALE")) G_SCALE = atof(gs);
+    for (int dv : {128, 24, 18, 256}) run_gated_norm(21, dv);
     for (int t : {1, 2, 5, 70}) run_conv(t, 2, 16, 4, 24);
     run_conv(9, 4, 32, 8, 32);
     run_conv(33, 4, 128, 8, 128);

@@ -213,18 +213,22 @@ static void run(const Shape& s, bool deferred) {
 
 // moe_route (route_topk_warp, a warp per token) against a plain top-k: the k largest logits,
 // first index on ties (rows with repeated values), weights exp(l - max) renormalised over the
-// k; widths below, at and above the 256 the sorted-lanes path handles.
-static void route_check(int t, int e, int k) {
+// k; widths below, at and above the 256 the sorted-lanes path handles. Also its shared-expert
+// gates sigmoid(x . w_sg) against a double reference, at a width d of whole 8-element loads
+// (d % 8 == 0) or not.
+static void route_check(int t, int e, int k, int d) {
     std::vector<float> logits((size_t)t * e);
     for (int tok = 0; tok < t; tok++)
         for (int i = 0; i < e; i++)  // every fourth row heavy with ties
             logits[(size_t)tok * e + i] = tok % 4 == 0 ? (float)(int)uni(-3, 3) : uni(-4, 4);
     std::vector<int> ids((size_t)t * k, -1), counts(e, 0);
-    std::vector<float> w((size_t)t * k, NAN);
+    std::vector<float> w((size_t)t * k, NAN), sgate(t, NAN), w_sg(d);
+    auto x = rand_bf16((size_t)t * d, 1.0f);
+    for (auto& v : w_sg) v = uni(-0.5f, 0.5f);
     emu_launch({(unsigned)t, 1, 1}, 32, (size_t)e * 4, [&] {
-        moe_route(logits.data(), e, k, ids.data(), w.data(), counts.data());
+        moe_route(logits.data(), e, k, ids.data(), w.data(), counts.data(), x.data(), w_sg.data(), sgate.data(), d);
     });
-    double worst = 0;
+    double worst = 0, worst_g = 0;
     bool ok = true;
     for (int tok = 0; tok < t && ok; tok++) {
         const float* l = &logits[(size_t)tok * e];
@@ -239,9 +243,45 @@ static void route_check(int t, int e, int k) {
             const double dv = std::fabs(w[(size_t)tok * k + j] - ref);
             if (!(dv <= worst)) worst = dv;  // NaN sticks
         }
+        double dot = 0;
+        for (int i = 0; i < d; i++) dot += f(x[(size_t)tok * d + i]) * w_sg[i];
+        const double dg = std::fabs(sgate[tok] - 1.0 / (1.0 + std::exp(-dot)));
+        if (!(dg <= worst_g)) worst_g = dg;
     }
-    ok &= worst < 1e-6;
-    printf("moe_route t %d e %d k %d: ids %s, weights max err %.1e %s\n", t, e, k, ok ? "equal" : "DIFFER", worst,
+    ok &= worst < 1e-6 && worst_g < 1e-6;
+    printf("moe_route t %d e %d k %d d %d: ids %s, weights max err %.1e, shared gates %.1e %s\n", t, e, k, d,
+           ok ? "equal" : "DIFFER", worst, worst_g, ok ? "ok" : "FAILED");
+    fails += !ok;
+}
+
+// moe_combine against a double reference: h += sum_k w_k y[row(t, k)] + sgate[t] ys[t], rows
+// through a permutation (the sorted order) or unsorted (null), k above the 8 loads a pass.
+static void combine_check(int t, int k, int d, bool sorted) {
+    std::vector<float> y((size_t)t * k * d), ys((size_t)t * d), h((size_t)t * d), w((size_t)t * k), sg(t);
+    for (auto* v : {&y, &ys, &h, &w, &sg})
+        for (auto& x : *v) x = uni(-1, 1);
+    std::vector<int> slot_row((size_t)t * k);
+    for (int i = 0; i < t * k; i++) slot_row[i] = i;
+    std::shuffle(slot_row.begin(), slot_row.end(), rng);
+    std::vector<double> ref(h.begin(), h.end());
+    for (int tok = 0; tok < t; tok++)
+        for (int c = 0; c < d; c++) {
+            for (int kk = 0; kk < k; kk++) {
+                const int i = tok * k + kk, r = sorted ? slot_row[i] : i;
+                ref[(size_t)tok * d + c] += (double)w[i] * y[(size_t)r * d + c];
+            }
+            ref[(size_t)tok * d + c] += (double)sg[tok] * ys[(size_t)tok * d + c];
+        }
+    emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
+        moe_combine(y.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h.data(), k, d);
+    });
+    double worst = 0;
+    for (size_t i = 0; i < h.size(); i++) {
+        const double dv = std::fabs(h[i] - ref[i]);
+        if (!(dv <= worst)) worst = dv;
+    }
+    const bool ok = worst < 1e-5;
+    printf("moe_combine t %d k %d d %d %s: max err %.1e %s\n", t, k, d, sorted ? "sorted" : "unsorted", worst,
            ok ? "ok" : "FAILED");
     fails += !ok;
 }
@@ -360,7 +400,12 @@ int main(int argc, char** argv) {
     decode_moe_check(2048, 16, 8, 512, 512);
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
-            if (k <= e) route_check(12, e, k);
+            if (k <= e) route_check(12, e, k, k % 2 ? 36 : 64);
+    for (bool sorted : {true, false}) {
+        combine_check(5, 8, 2048, sorted);
+        combine_check(3, 10, 36, sorted);
+        combine_check(4, 2, 1100, sorted);
+    }
     bool quick = argc > 1 && std::string(argv[1]) == "quick";
     // deep-k: 8 and 5 K tiles, so the pipelines' stages wrap (the tiny shapes have one or two)
     const Shape tiny[] = {{"tiny-flat-f32", 37, 64, 32, 8, 2}, {"tiny-official-bf16", 150, 96, 32, 16, 4},

@@ -111,7 +111,8 @@ GDN_RECURRENT(64)
 GDN_RECURRENT(128)
 
 // Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), bf16 out. A warp per (token, head)
-// row of dv, so the norm is one shuffle reduction. grid ceil(rows / 8), block 256.
+// row of dv, so the norm is one shuffle reduction; 4 values a lane a load when dv % 4 == 0.
+// grid ceil(rows / 8), block 256.
 extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const float* __restrict__ z,
                                           const float* __restrict__ w, bf16* __restrict__ out, int rows, int dv,
                                           float eps) {
@@ -119,6 +120,22 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const flo
     if (row >= rows) return;  // warp-uniform
     const size_t base = (size_t)row * dv;
     float ss = 0.0f;
+    if ((dv & 3) == 0) {
+        for (int i = 4 * lane; i < dv; i += 128) {
+            const float4 v = *reinterpret_cast<const float4*>(o + base + i);
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        const float inv = rsqrtf(warp_sum(ss) / dv + eps);
+        for (int i = 4 * lane; i < dv; i += 128) {
+            const float4 v = *reinterpret_cast<const float4*>(o + base + i);
+            const float4 g = *reinterpret_cast<const float4*>(z + base + i);
+            const float4 wv = *reinterpret_cast<const float4*>(w + i);
+            *reinterpret_cast<uint2*>(out + base + i) =
+                make_uint2(pack_bf16x2(v.x * inv * wv.x * silu_f(g.x), v.y * inv * wv.y * silu_f(g.y)),
+                           pack_bf16x2(v.z * inv * wv.z * silu_f(g.z), v.w * inv * wv.w * silu_f(g.w)));
+        }
+        return;
+    }
     for (int i = lane; i < dv; i += 32) ss += o[base + i] * o[base + i];
     const float inv = rsqrtf(warp_sum(ss) / dv + eps);
     for (int i = lane; i < dv; i += 32) out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(z[base + i]));

@@ -79,7 +79,8 @@ __device__ void route_topk_warp(float* r, int e, int k, int* __restrict__ ids, f
 // smem e floats.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, int k,
                                      int* __restrict__ topk_ids, float* __restrict__ topk_w,
-                                     int* __restrict__ counts) {
+                                     int* __restrict__ counts, const bf16* __restrict__ x,
+                                     const float* __restrict__ w_sg, float* __restrict__ sgate, int d) {
     extern __shared__ float row[];  // e floats
     int s = blockIdx.x;
     for (int i = threadIdx.x; i < e; i += 32) row[i] = logits[(size_t)s * e + i];
@@ -88,6 +89,16 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, in
     __syncwarp();  // lanes < k wrote the ids that lane 0 counts
     if (threadIdx.x == 0)
         for (int kk = 0; kk < k; kk++) atomicAdd(&counts[topk_ids[s * k + kk]], 1);
+    // The shared expert's gate sigmoid(x . w_sg) for moe_combine (8 bf16 a load when d allows).
+    const bf16* xs = x + (size_t)s * d;
+    float dot = 0.0f;
+    if ((d & 7) == 0) {
+        for (int c = threadIdx.x; c < d / 8; c += 32) dot += dot8(reinterpret_cast<const uint4*>(xs)[c], w_sg + 8 * c);
+    } else {
+        for (int i = threadIdx.x; i < d; i += 32) dot += __bfloat162float(xs[i]) * w_sg[i];
+    }
+    dot = warp_sum(dot);
+    if (threadIdx.x == 0) sgate[s] = sigmoid_f(dot);
 }
 
 // One block, a thread per expert (e <= 1024, block e rounded up to 32): exclusive scans of the
@@ -240,40 +251,42 @@ extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __res
     }
 }
 
-// Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sigmoid(x[t] . w_sg) * ys[t]. A
-// thread takes 4 features at a time (16-byte loads, d % 4 == 0) with its k rows' loads issued
-// together: the kernel streams y once and is bound by that, not by round trips. k <= 16.
-extern "C" __global__ void __launch_bounds__(256) moe_combine(
-    const float* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,
-    const float* __restrict__ ys, const bf16* __restrict__ x, const float* __restrict__ w_sg,
-    float* __restrict__ h, int k, int d) {
-    __shared__ int rows[16];
-    __shared__ float wts[16];
-    const int s = blockIdx.x, tid = threadIdx.x;
-    if (tid < k) {
-        rows[tid] = slot_row ? slot_row[s * k + tid] : s * k + tid;  // null: rows unsorted
-        wts[tid] = topk_w[s * k + tid];
-    }
-    float dot = 0.0f;
-    for (int i = tid; i < d; i += blockDim.x) dot += __bfloat162float(x[(size_t)s * d + i]) * w_sg[i];
-    const float gate = sigmoid_f(block_sum(dot));  // its barriers publish rows and wts
-    const int d4 = d >> 2;
+// Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sgate[t] * ys[t] (sgate: moe_route's
+// shared-expert gates). A thread takes 4 features at a time (16-byte loads, d % 4 == 0) with up
+// to 8 of its rows' loads issued together and no block barrier before them: the kernel streams
+// y once and is bound by that, not by round trips.
+extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __restrict__ y,
+                                                              const int* __restrict__ slot_row,
+                                                              const float* __restrict__ topk_w,
+                                                              const float* __restrict__ ys,
+                                                              const float* __restrict__ sgate,
+                                                              float* __restrict__ h, int k, int d) {
+    const int s = blockIdx.x, d4 = d >> 2;
+    const float gate = sgate[s];
     const float4* y4 = reinterpret_cast<const float4*>(y);
     const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * d4;
     float4* h4 = reinterpret_cast<float4*>(h) + (size_t)s * d4;
-    for (int c = tid; c < d4; c += blockDim.x) {
-        float4 v[16];
+    for (int c = threadIdx.x; c < d4; c += blockDim.x) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int k0 = 0; k0 < k; k0 += 8) {
+            float4 v[8];
+            float wv[8];
 #pragma unroll
-        for (int kk = 0; kk < 16; kk++)
-            if (kk < k) v[kk] = __ldg(y4 + (size_t)rows[kk] * d4 + c);
+            for (int kk = 0; kk < 8; kk++)
+                if (k0 + kk < k) {
+                    const int i = s * k + k0 + kk;
+                    v[kk] = __ldg(y4 + (size_t)(slot_row ? slot_row[i] : i) * d4 + c);  // null: rows unsorted
+                    wv[kk] = topk_w[i];
+                }
+#pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+                if (k0 + kk < k) {
+                    const float w = wv[kk];
+                    acc.x += w * v[kk].x, acc.y += w * v[kk].y, acc.z += w * v[kk].z, acc.w += w * v[kk].w;
+                }
+        }
         const float4 sh = ys4[c];
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hv = h4[c];
-#pragma unroll
-        for (int kk = 0; kk < 16; kk++)
-            if (kk < k) {
-                const float w = wts[kk];
-                acc.x += w * v[kk].x, acc.y += w * v[kk].y, acc.z += w * v[kk].z, acc.w += w * v[kk].w;
-            }
+        float4 hv = h4[c];
         hv.x += acc.x + gate * sh.x, hv.y += acc.y + gate * sh.y;
         hv.z += acc.z + gate * sh.z, hv.w += acc.w + gate * sh.w;
         h4[c] = hv;
