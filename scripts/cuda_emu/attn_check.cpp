@@ -118,7 +118,42 @@ static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, 
 static size_t flash2_smem(int hd) { return (size_t)(2 * 64 + 4 * 64) * (hd + 8) * 2; }
 static size_t flash3_smem(int hd) { return flash2_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16; }
 
+// attn_prep_rows (prefill: a warp per row) against attn_prep (a block per row): q out, the K and V
+// cache rows at past + s, over the model's head dim (partial rotation) and the fixtures'.
+static void run_prep(int t, int past, int nq, int nkv, int hd, int rot_half) {
+    std::vector<float> qg((size_t)t * nq * 2 * hd), k((size_t)t * nkv * hd), v(k.size()), qn(hd), kn(hd), invf(rot_half);
+    for (auto* a : {&qg, &k, &v, &qn, &kn}) for (auto& x : *a) x = uni(-1, 1);
+    for (int i = 0; i < rot_half; i++) invf[i] = std::pow(10000.0f, -(float)i / rot_half);
+    const size_t cache = (size_t)(past + t) * nkv * hd;
+    std::vector<float> q_a((size_t)t * nq * hd, NAN), q_b(q_a.size(), NAN);
+    std::vector<bf16> kc_a(cache, __float2bfloat16(0)), vc_a(cache, __float2bfloat16(0)), kc_b(kc_a), vc_b(vc_a);
+    emu_launch({(unsigned)t, (unsigned)(nq + nkv), 1}, (unsigned)((hd + 31) / 32 * 32), (size_t)hd * 4, [&] {
+        attn_prep(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q_a.data(), kc_a.data(), vc_a.data(),
+                  past, nullptr, nq, nkv, hd, rot_half, 1e-6f);
+    });
+    emu_launch({(unsigned)((t * (nq + nkv) + 7) / 8), 1, 1}, 256, (size_t)8 * hd * 4, [&] {
+        attn_prep_rows(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q_b.data(), kc_b.data(),
+                       vc_b.data(), past, t, nq, nkv, hd, rot_half, 1e-6f);
+    });
+    double eq = 0;
+    for (size_t i = 0; i < q_a.size(); i++) eq = std::isnan(q_b[i]) ? INFINITY : std::max(eq, (double)std::fabs(q_a[i] - q_b[i]));
+    // The caches: one bf16 rounding apart at most (the two sum the norm in different orders).
+    double ec = 0;
+    for (size_t i = 0; i < cache; i++)
+        for (auto [a, b] : {std::pair{kc_a[i], kc_b[i]}, std::pair{vc_a[i], vc_b[i]}}) {
+            const double x = __bfloat162float(a), y = __bfloat162float(b);
+            ec = std::max(ec, std::fabs(x - y) / (std::fabs(x) * 0.0078125 + 1e-6));
+        }
+    const bool ok = eq < 1e-5 && ec <= 1.0;
+    printf("attn_prep_rows t %d past %d hd %d rot %d: q max diff %.1e, cache %.2f of one bf16 ulp vs attn_prep %s\n", t,
+           past, hd, 2 * rot_half, eq, ec, ok ? "ok" : "FAILED");
+    fails += !ok;
+}
+
 int main(int argc, char** argv) {
+    run_prep(37, 5, 16, 2, 256, 32);
+    run_prep(9, 0, 4, 2, 32, 8);
+    run_prep(3, 11, 2, 1, 20, 10);
     bool flash = argc < 2 || std::string(argv[1]) != "decode", decode = argc < 2 || std::string(argv[1]) != "flash";
     for (bool d : {false, true}) {
         g_cp_deferred = d;

@@ -54,6 +54,7 @@ const KERNELS: &[&str] = &[
     "gdn_step_dec_64",
     "gdn_step_dec_128",
     "attn_prep",
+    "attn_prep_rows",
     "attn_split",
     "attn_combine",
     "attn_combine_dec",

@@ -43,6 +43,53 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
     }
 }
 
+// Prefill's attn_prep (the same outputs; `past` from the host): a warp per (token, head) row,
+// 8 rows a block, 16-byte loads and a shuffle reduction, the normalised row staged in the warp's
+// shared memory for the rotation's partner reads. attn_prep's block of hd threads per row (147k
+// blocks, each with two block barriers, at 8,192 tokens) was latency-bound. Needs hd % 4 == 0.
+// grid ceil(t (nq + nkv) / 8), block 256, dynamic smem 8 hd floats.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k, const float* __restrict__ v,
+                   const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                   const float* __restrict__ inv_freq, float* __restrict__ q_out, bf16* __restrict__ k_cache,
+                   bf16* __restrict__ v_cache, int past, int t, int nq, int nkv, int hd, int rot_half, float eps) {
+    extern __shared__ float prep_rows[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nh = nq + nkv;
+    const int r = blockIdx.x * 8 + warp;
+    if (r >= t * nh) return;  // warp-uniform; no block barrier below
+    const int s = r / nh, head = r % nh, kvh = head - nq;
+    const bool is_q = head < nq;
+    const float* src = is_q ? qg + ((size_t)s * nq + head) * 2 * hd : k + ((size_t)s * nkv + kvh) * hd;
+    const float* wn = is_q ? q_norm : k_norm;
+    float* buf = prep_rows + warp * hd;
+    float ss = 0.0f;
+    for (int i = 4 * lane; i < hd; i += 128) {
+        const float4 x = *reinterpret_cast<const float4*>(src + i);
+        ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+        *reinterpret_cast<float4*>(buf + i) = x;
+    }
+    const float inv = rsqrtf(warp_sum(ss) / hd + eps);
+    __syncwarp();
+    const int pos = past + s;
+    for (int i = lane; i < hd; i += 32) {
+        float y = buf[i] * inv * (1.0f + wn[i]);
+        if (i < 2 * rot_half) {
+            const int j = i < rot_half ? i + rot_half : i - rot_half;
+            const float pj = buf[j] * inv * (1.0f + wn[j]);
+            float sn, cs;
+            sincosf((float)pos * inv_freq[i < rot_half ? i : j], &sn, &cs);
+            y = i < rot_half ? y * cs - pj * sn : y * cs + pj * sn;
+        }
+        if (is_q) {
+            q_out[((size_t)s * nq + head) * hd + i] = y;
+        } else {
+            const size_t off = ((size_t)pos * nkv + kvh) * hd + i;
+            k_cache[off] = __float2bfloat16(y);
+            v_cache[off] = __float2bfloat16(v[((size_t)s * nkv + kvh) * hd + i]);
+        }
+    }
+}
+
 // One warp per (query s, head h, split). Keys [split*chunk, min(...)) of the 0..past+s range.
 // part: [t, nq, nsplit, hd + 2] = acc[hd], running max, running sum. With `past_dev` set, past
 // comes from the device and chunk = max(64, ceil(n / nsplit)) is derived from it (decode graphs).
