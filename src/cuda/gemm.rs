@@ -10,6 +10,7 @@ use super::Gpu;
 use anyhow::{Result, anyhow};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::CudaStream;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -215,6 +216,40 @@ impl Gpu {
         .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
     }
 
+    /// [`Gpu::gemm`] on the second stream (cuBLASLt with its own workspace; with
+    /// `KESTREL_GEMM=ex` on the main stream, whose cuBLAS handle is bound to it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_aux(
+        &self,
+        w: u64,
+        n: usize,
+        k: usize,
+        x: u64,
+        t: usize,
+        y: u64,
+        ldy: usize,
+        beta: f32,
+    ) -> Result<()> {
+        if self.gemm_path() != GemmPath::Lt {
+            self.join_aux()?; // keep the order the caller expects: after the aux work so far
+            self.gemm(w, n, k, x, t, y, ldy, beta)?;
+            return self.fork_aux();
+        }
+        let key = Key {
+            n,
+            k,
+            t,
+            ldy,
+            accumulate: beta != 0.0,
+        };
+        self.timed_on(
+            &self.aux,
+            || format!("gemm {n}x{k} t={t} (aux)"),
+            || self.lt_matmul(&self.aux_lt, &self.aux, key, w, x, y, beta),
+        )
+        .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
+    }
+
     /// How [`Gpu::gemm`] runs its products now.
     pub fn gemm_path(&self) -> GemmPath {
         *self.gemm_path.lock().unwrap()
@@ -226,7 +261,20 @@ impl Gpu {
     }
 
     fn gemm_lt(&self, key: Key, w: u64, x: u64, y: u64, beta: f32) -> Result<()> {
-        let lt = &self.lt;
+        self.lt_matmul(&self.lt, &self.stream, key, w, x, y, beta)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn lt_matmul(
+        &self,
+        lt: &Lt,
+        stream: &CudaStream,
+        key: Key,
+        w: u64,
+        x: u64,
+        y: u64,
+        beta: f32,
+    ) -> Result<()> {
         let mut plans = lt.plans.lock().unwrap();
         if !plans.contains_key(&key) {
             if plans.len() >= MAX_PLANS {
@@ -256,7 +304,7 @@ impl Gpu {
                 &plan.algo,
                 lt.workspace as *mut _,
                 lt.workspace_bytes,
-                self.stream.cu_stream() as sys::cudaStream_t,
+                stream.cu_stream() as sys::cudaStream_t,
             )
         }
         .map_err(lt_err("matmul"))

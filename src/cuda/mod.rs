@@ -141,6 +141,14 @@ pub struct Gpu {
     blas: CudaBlas,
     /// cuBLASLt with its plans (`gemm.rs`), and how `gemm` runs (`KESTREL_GEMM`).
     lt: gemm::Lt,
+    /// A second, higher-priority stream for work that can run beside the main stream's (the
+    /// prefill's shared expert beside the routed experts), with its own cuBLASLt handle and
+    /// workspace; [`Gpu::fork_aux`] and [`Gpu::join_aux`] order it against the main stream.
+    aux: Arc<CudaStream>,
+    aux_lt: gemm::Lt,
+    fork_event: cudarc::driver::CudaEvent,
+    join_event: cudarc::driver::CudaEvent,
+    _aux_gemm_workspace: DeviceBuf,
     gemm_path: std::sync::Mutex<gemm::GemmPath>,
     /// cuBLASLt's workspace (declared after `lt`, so dropped after it).
     _gemm_workspace: DeviceBuf,
@@ -338,6 +346,19 @@ impl Gpu {
         let gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
             .context("allocating cuBLASLt's workspace")?;
         let lt = gemm::Lt::new(gemm_workspace.ptr, gemm_workspace.bytes)?;
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(|e| anyhow!("cannot query stream priorities: {e:?}"))?;
+        let aux = ctx
+            .new_stream_with_priority(highest)
+            .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
+        let aux_gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
+            .context("allocating the second stream's cuBLASLt workspace")?;
+        let aux_lt = gemm::Lt::new(aux_gemm_workspace.ptr, aux_gemm_workspace.bytes)?;
+        let event = || {
+            ctx.new_event(None)
+                .map_err(|e| anyhow!("cannot create a CUDA event: {e:?}"))
+        };
+        let (fork_event, join_event) = (event()?, event()?);
         let max_smem_per_block = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
@@ -359,6 +380,11 @@ impl Gpu {
             stream,
             blas,
             lt,
+            aux,
+            aux_lt,
+            fork_event,
+            join_event,
+            _aux_gemm_workspace: aux_gemm_workspace,
             gemm_path: std::sync::Mutex::new(gemm_path),
             _gemm_workspace: gemm_workspace,
             functions,
@@ -516,6 +542,16 @@ impl Gpu {
     }
 
     fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.timed_on(&self.stream, name, f)
+    }
+
+    /// [`Gpu::timed`] for work on `stream`.
+    fn timed_on<T>(
+        &self,
+        stream: &CudaStream,
+        name: impl FnOnce() -> String,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         let Some(p) = &self.profile else { return f() };
         let event = || {
             self.ctx
@@ -524,10 +560,10 @@ impl Gpu {
         };
         let (start, end) = (event()?, event()?);
         start
-            .record(&self.stream)
+            .record(stream)
             .map_err(|e| anyhow!("profile event: {e:?}"))?;
         let r = f()?;
-        end.record(&self.stream)
+        end.record(stream)
             .map_err(|e| anyhow!("profile event: {e:?}"))?;
         let mut m = p.lock().unwrap();
         m.pending.push((name(), start, end));
@@ -589,6 +625,49 @@ impl Gpu {
         args: &[Arg],
         pdl: bool,
     ) -> Result<()> {
+        self.launch_on(&self.stream, name, grid, block, smem, args, pdl)
+    }
+
+    /// [`Gpu::launch`] on the second stream (after [`Gpu::fork_aux`]; [`Gpu::join_aux`] before
+    /// the main stream reads what it wrote).
+    pub fn launch_aux(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.launch_on(&self.aux, name, grid, block, smem, args, false)
+    }
+
+    /// The second stream waits for everything enqueued on the main stream so far.
+    pub fn fork_aux(&self) -> Result<()> {
+        self.fork_event
+            .record(&self.stream)
+            .and_then(|_| self.aux.wait(&self.fork_event))
+            .map_err(|e| anyhow!("ordering the second stream: {e:?}"))
+    }
+
+    /// The main stream waits for everything enqueued on the second stream so far.
+    pub fn join_aux(&self) -> Result<()> {
+        self.join_event
+            .record(&self.aux)
+            .and_then(|_| self.stream.wait(&self.join_event))
+            .map_err(|e| anyhow!("joining the second stream: {e:?}"))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_on(
+        &self,
+        stream: &CudaStream,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+        pdl: bool,
+    ) -> Result<()> {
         use cudarc::driver::sys;
         if skip_launch(name, grid.0) {
             return Ok(());
@@ -628,11 +707,12 @@ impl Gpu {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: smem,
-            hStream: self.stream.cu_stream(),
+            hStream: stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: pdl as u32,
         };
-        self.timed(
+        self.timed_on(
+            stream,
             || format!("{name} {}x{}x{}", grid.0, grid.1, grid.2),
             || {
                 // SAFETY: argument lists match the kernels' signatures (checked by the GPU

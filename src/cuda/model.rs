@@ -1176,6 +1176,31 @@ impl CudaModel {
             c.shared_intermediate,
         );
         let rows = t * k;
+        // The shared expert (dense) on the second stream, beside the routed experts: where
+        // reading the experts' weights bounds the routed products (short prompts) its small
+        // GEMMs fill the SMs' idle issue slots. Joined before moe_combine reads ys.
+        g.fork_aux()?;
+        g.gemm_aux(
+            layer.shared_gate_up.ptr,
+            2 * is,
+            d,
+            ws.xb.ptr,
+            t,
+            ws.sgu.ptr,
+            2 * is,
+            0.0,
+        )?;
+        g.swiglu_bf16_on(true, ws.sgu.ptr, ws.sact.ptr, t, is)?;
+        g.gemm_aux(
+            layer.shared_down.ptr,
+            d,
+            is,
+            ws.sact.ptr,
+            t,
+            ws.ys.ptr,
+            d,
+            0.0,
+        )?;
         g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
         g.memset_zero(ws.counts.ptr, e * 4)?;
         g.launch(
@@ -1276,28 +1301,7 @@ impl CudaModel {
             };
             g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
         }
-        // Shared expert (dense).
-        g.gemm(
-            layer.shared_gate_up.ptr,
-            2 * is,
-            d,
-            ws.xb.ptr,
-            t,
-            ws.sgu.ptr,
-            2 * is,
-            0.0,
-        )?;
-        g.swiglu_bf16(ws.sgu.ptr, ws.sact.ptr, t, is)?;
-        g.gemm(
-            layer.shared_down.ptr,
-            d,
-            is,
-            ws.sact.ptr,
-            t,
-            ws.ys.ptr,
-            d,
-            0.0,
-        )?;
+        g.join_aux()?;
         g.launch(
             "moe_combine",
             (t as u32, 1, 1),

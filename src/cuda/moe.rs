@@ -378,7 +378,26 @@ impl Gpu {
 
     /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`.
     pub fn swiglu_bf16(&self, gu: u64, act: u64, rows: usize, inter: usize) -> Result<()> {
-        self.launch(
+        self.swiglu_bf16_on(false, gu, act, rows, inter)
+    }
+
+    /// [`Gpu::swiglu_bf16`], on the second stream when `aux` is set.
+    pub fn swiglu_bf16_on(
+        &self,
+        aux: bool,
+        gu: u64,
+        act: u64,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        let launch = |name, grid, block, smem, args: &[Arg]| {
+            if aux {
+                self.launch_aux(name, grid, block, smem, args)
+            } else {
+                self.launch(name, grid, block, smem, args)
+            }
+        };
+        launch(
             "swiglu_bf16",
             ((rows * inter).div_ceil(256).min(65_535) as u32, 1, 1),
             256,
