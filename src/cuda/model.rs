@@ -972,9 +972,12 @@ impl CudaModel {
                     let (hv, dv) = (sh.hv, sh.dv);
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let (in_qkv, in_z, in_ba) = w.in_parts(c);
+                    // z and b|a on the second stream beside the q|k|v product and the conv
+                    // (joined before the gates read b|a).
+                    g.fork_aux()?;
+                    g.gemm_aux(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
+                    g.gemm_aux(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
                     g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
-                    g.gemm(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
-                    g.gemm(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
                     let chunked =
                         t > 1 && self.gdn_chunked && sh.chunked_fits(g.max_smem_per_block);
                     let conv = if chunked {
@@ -991,6 +994,7 @@ impl CudaModel {
                         w.conv.ptr,
                         ws.qkv.ptr,
                     )?;
+                    g.join_aux()?;
                     g.launch(
                         "gdn_gates",
                         ((t * hv).div_ceil(256) as u32, 1, 1),
@@ -1043,6 +1047,10 @@ impl CudaModel {
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     let (wq, wk, wv) = w.qkv_parts(c);
+                    // k and v on the second stream beside the q|gate product.
+                    g.fork_aux()?;
+                    g.gemm_aux(wk, nkv * hd, d, ws.xb.ptr, t, ws.k.ptr, nkv * hd, 0.0)?;
+                    g.gemm_aux(wv, nkv * hd, d, ws.xb.ptr, t, ws.v.ptr, nkv * hd, 0.0)?;
                     g.gemm(
                         wq,
                         nq * 2 * hd,
@@ -1053,8 +1061,7 @@ impl CudaModel {
                         nq * 2 * hd,
                         0.0,
                     )?;
-                    g.gemm(wk, nkv * hd, d, ws.xb.ptr, t, ws.k.ptr, nkv * hd, 0.0)?;
-                    g.gemm(wv, nkv * hd, d, ws.xb.ptr, t, ws.v.ptr, nkv * hd, 0.0)?;
+                    g.join_aux()?;
                     let mut prep_args = vec![
                         Arg::Ptr(ws.qg.ptr),
                         Arg::Ptr(ws.k.ptr),
