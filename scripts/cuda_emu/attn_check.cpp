@@ -76,7 +76,7 @@ static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, 
     for (auto& x : vc) x = __float2bfloat16(uni(-1, 1));
     const float scale = 1.0f / std::sqrt((float)HD);
     std::vector<bf16> out((size_t)t * nq * HD, __float2bfloat16(std::nanf("")));
-    emu_launch({(unsigned)((t + 63) / 64), (unsigned)(nq / 2), 1}, threads, smem, [&] {
+    emu_launch({(unsigned)(nq / 2), (unsigned)((t + 63) / 64), 1}, threads, smem, [&] {
         kernel(q.data(), kc.data(), vc.data(), qg.data(), out.data(), t, past, nq, nkv, HD, scale);
     });
     const int group = nq / nkv;

@@ -151,13 +151,20 @@ impl Gpu {
             Some(((k, smem), threads)) => (k, 2, threads, smem),
             None => ("attn_flash", 1, 128, wmma_smem(a.hd)),
         };
+        let (q_tiles, head_blocks) = (
+            a.t.div_ceil(BLOCK_Q) as u32,
+            (a.nq / heads_per_block) as u32,
+        );
+        // The two-head kernels take (head pairs, query tiles), heaviest tile first in launch
+        // order (attention.cu, attn_flash2); the WMMA kernel (query tiles, heads).
+        let grid = if heads_per_block == 2 {
+            (head_blocks, q_tiles, 1)
+        } else {
+            (q_tiles, head_blocks, 1)
+        };
         self.launch(
             name,
-            (
-                a.t.div_ceil(BLOCK_Q) as u32,
-                (a.nq / heads_per_block) as u32,
-                1,
-            ),
+            grid,
             threads,
             smem as u32,
             &[

@@ -522,8 +522,10 @@ __device__ __forceinline__ void warp_pv(float (&o)[HD / 8][4], const float (&s)[
 // softmax (base 2, Q pre-scaled by scale * log2 e) and O += P V all stay in registers (P is
 // reused from the S accumulators as the A operand). Causal over `past + t` cached keys; the
 // sigmoid output gate is fused into the store. Query blocks run latest first (most keys).
-// Same arguments as attn_flash (hd = HD). grid (ceil(t / 64), nq / FA_HPB), block 256, dynamic
-// smem flash2_smem_bytes(HD) (model.rs).
+// Same arguments as attn_flash (hd = HD). grid (nq / FA_HPB, ceil(t / 64)), block 256, dynamic
+// smem flash2_smem_bytes(HD) (model.rs). The head pairs are x, so the blocks, dispatched in
+// linear order, go heaviest query tile first over all heads (longest-first: the light tiles
+// fill in behind; with the query tiles on x, a later head's heaviest tiles started last).
 #define FA_BQ 64
 #define FA_BK 64
 #define FA_HPB 2
@@ -604,8 +606,8 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
     bf16* qs = reinterpret_cast<bf16*>(fa_smem);  // [FA_HPB * FA_BQ][LD]
     bf16* ks = qs + FA_HPB * FA_BQ * LD;       // [2][FA_BK][LD]
     bf16* vs = ks + 2 * FA_BK * LD;            // [2][FA_BK][LD]
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_BQ;
-    const int h0 = blockIdx.y * FA_HPB, kvh = h0 / (nq / nkv);
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_BQ;  // heaviest query tiles first (flash_grid)
+    const int h0 = blockIdx.x * FA_HPB, kvh = h0 / (nq / nkv);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n_valid = past + t;
     const int n_end = min(n_valid, past + q0 + FA_BQ);
@@ -676,7 +678,7 @@ ATTN_FLASH_ENTRY(2, 256)
 // One block barrier per tile (the prefetch of tile j + 1 is issued after it, into the buffer
 // every warp finished with in tile j - 1). The row sums are per key half, added at the end.
 // Registers as attn_flash2 (O: 32 rows x HD/2 dims = HD/2 floats a thread at most 128).
-// Same arguments and grid as attn_flash2 (grid (ceil(t / 64), nq / 2), block 256); dynamic smem
+// Same arguments and grid as attn_flash2 (grid (nq / 2, ceil(t / 64)), block 256); dynamic smem
 // flash3_smem(HD) in attention.rs: Q 128 x (HD + 8) + 2 x (K + V) 64 x (HD + 8) bf16, the P
 // exchange 8 warps x 2 KB, the max / sum exchange 8 warps x 512 B.
 template <int HD>
@@ -692,8 +694,8 @@ __device__ __forceinline__ void attn_flash3_body(const float* __restrict__ q, co
     bf16* vs = ks + 2 * FA_BK * LD;                // [2][FA_BK][LD]
     uint4* px = reinterpret_cast<uint4*>(vs + 2 * FA_BK * LD);  // [8 warps][4][32 lanes] P fragments
     float4* mxs = reinterpret_cast<float4*>(px + 8 * 4 * 32);   // [8 warps][32 lanes] row max / sum
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_BQ;
-    const int h0 = blockIdx.y * 2, kvh = h0 / (nq / nkv);
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_BQ;  // heaviest query tiles first (flash_grid)
+    const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n_valid = past + t;
     const int n_end = min(n_valid, past + q0 + FA_BQ);
@@ -915,8 +917,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
     unsigned long long* full = reinterpret_cast<unsigned long long*>(f4_smem + 6 * F4_TILE);  // [2]
     unsigned long long* empty = full + 2;                                                      // [2]
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * 64;
-    const int h0 = blockIdx.y * 2, kvh = h0 / (nq / nkv);
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest query tiles first (flash_grid)
+    const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wi = warp & 3;
     const int n_valid = past + t;
     const int n_end = min(n_valid, past + q0 + 64);
