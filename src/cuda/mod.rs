@@ -141,9 +141,11 @@ pub struct Gpu {
     blas: CudaBlas,
     /// cuBLASLt with its plans (`gemm.rs`), and how `gemm` runs (`KESTREL_GEMM`).
     lt: gemm::Lt,
-    /// A second, higher-priority stream for work that can run beside the main stream's (the
-    /// prefill's shared expert beside the routed experts), with its own cuBLASLt handle and
-    /// workspace; [`Gpu::fork_aux`] and [`Gpu::join_aux`] order it against the main stream.
+    /// A second, higher-priority stream for work that can run beside the main stream's (in
+    /// prefill: the shared expert beside the routed experts, the GDN z and b|a and attention
+    /// k and v products beside the main in-projection), with its own cuBLASLt handle and
+    /// workspace; [`Gpu::fork_aux`] and [`Gpu::join_aux`] order it against the main stream
+    /// (every fork is joined in the same layer, before the main stream reads the results).
     aux: Arc<CudaStream>,
     aux_lt: gemm::Lt,
     fork_event: cudarc::driver::CudaEvent,
