@@ -894,16 +894,10 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         const float* sc = ss + par * SBUF;
         if (team_a) {
             load_k(ch);
-            if (ch + 1 < nchunks) {  // next W, U and K rows into L2: their copies start mid-chunk
+            if (ch + 1 < nchunks) {  // next W and U rows into L2: their copies start mid-chunk
                 const size_t row1 = (size_t)j * tp + (size_t)(ch + 1) * GDN_C;
                 for (int i = tt; i < 2 * DK; i += 256) gdn_prefetch_l2(w_in + row1 * DK + 32 * i);
                 if (tt < GDN_C) gdn_prefetch_l2(u_in + (row1 + tt) * dv + m0);
-                // K: 64 token rows of DK floats in the projection output (128-byte lines)
-                constexpr int KL = DK >= 32 ? DK / 32 : 1;
-                for (int i = tt; i < GDN_C * KL; i += 256) {
-                    const int s1 = (ch + 1) * GDN_C + i / KL;
-                    if (s1 < t) gdn_prefetch_l2(qkv + (size_t)s1 * c + koff + 32 * (i % KL));
-                }
             }
             const float* gc = gm + par * GDN_C;
             float pre[2][4];  // U rows r, r + 8, fetched before the product
@@ -936,9 +930,6 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
             if (has_s) gdn_state_update<DK, NPW>(sr, expf(last), kt, vd, ss + (par ^ 1) * SBUF, srow, wt * NPW, lane);
         } else {
             load_tile(qp_in, ch + 1, qs + (par ^ 1) * TILE, nullptr);
-            // the next chunk's O_intra rows (this block's columns) into L2
-            if (tt < GDN_C && (ch + 1) * GDN_C + tt < t)
-                gdn_prefetch_l2(o + ((size_t)((ch + 1) * GDN_C + tt) * hv + j) * dv + m0);
             float pre[2][4];  // O_intra rows r, r + 8
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
