@@ -199,25 +199,12 @@ impl Gpu {
         ldy: usize,
         beta: f32,
     ) -> Result<()> {
-        let key = Key {
-            n,
-            k,
-            t,
-            ldy,
-            accumulate: beta != 0.0,
-        };
-        self.timed(
-            || format!("gemm {n}x{k} t={t}"),
-            || match self.gemm_path() {
-                GemmPath::Ex => self.gemm_ex(key, w, x, y, beta),
-                GemmPath::Lt => self.gemm_lt(key, w, x, y, beta),
-            },
-        )
-        .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
+        self.gemm_on(false, w, n, k, x, t, y, ldy, beta)
     }
 
-    /// [`Gpu::gemm`] on the second stream (cuBLASLt with its own workspace; with
-    /// `KESTREL_GEMM=ex` on the main stream, whose cuBLAS handle is bound to it).
+    /// [`Gpu::gemm`] on the second stream (after [`Gpu::fork_aux`]): cuBLASLt with that
+    /// stream's own workspace. With `KESTREL_GEMM=ex` (one cuBLAS handle, bound to the main
+    /// stream) it runs on the main stream, ordered after the second stream's work so far.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_aux(
         &self,
@@ -231,10 +218,26 @@ impl Gpu {
         beta: f32,
     ) -> Result<()> {
         if self.gemm_path() != GemmPath::Lt {
-            self.join_aux()?; // keep the order the caller expects: after the aux work so far
-            self.gemm(w, n, k, x, t, y, ldy, beta)?;
+            self.join_aux()?;
+            self.gemm_on(false, w, n, k, x, t, y, ldy, beta)?;
             return self.fork_aux();
         }
+        self.gemm_on(true, w, n, k, x, t, y, ldy, beta)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_on(
+        &self,
+        aux: bool,
+        w: u64,
+        n: usize,
+        k: usize,
+        x: u64,
+        t: usize,
+        y: u64,
+        ldy: usize,
+        beta: f32,
+    ) -> Result<()> {
         let key = Key {
             n,
             k,
@@ -242,10 +245,18 @@ impl Gpu {
             ldy,
             accumulate: beta != 0.0,
         };
-        self.timed_on(
-            &self.aux,
-            || format!("gemm {n}x{k} t={t} (aux)"),
-            || self.lt_matmul(&self.aux_lt, &self.aux, key, w, x, y, beta),
+        let (stream, lt) = if aux {
+            (&*self.aux, &self.aux_lt)
+        } else {
+            (&*self.stream, &self.lt)
+        };
+        self.timed(
+            stream,
+            || format!("gemm {n}x{k} t={t}{}", if aux { " (aux)" } else { "" }),
+            || match self.gemm_path() {
+                GemmPath::Ex => self.gemm_ex(key, w, x, y, beta),
+                GemmPath::Lt => self.lt_matmul(lt, stream, key, w, x, y, beta),
+            },
         )
         .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
     }
@@ -258,10 +269,6 @@ impl Gpu {
     /// Switches how [`Gpu::gemm`] runs (tests and timings compare the paths in one process).
     pub fn set_gemm_path(&self, path: GemmPath) {
         *self.gemm_path.lock().unwrap() = path;
-    }
-
-    fn gemm_lt(&self, key: Key, w: u64, x: u64, y: u64, beta: f32) -> Result<()> {
-        self.lt_matmul(&self.lt, &self.stream, key, w, x, y, beta)
     }
 
     #[allow(clippy::too_many_arguments)]

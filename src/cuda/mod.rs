@@ -543,12 +543,9 @@ impl Gpu {
         graph?.ok_or_else(|| anyhow!("CUDA graph capture recorded nothing"))
     }
 
-    fn timed<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        self.timed_on(&self.stream, name, f)
-    }
-
-    /// [`Gpu::timed`] for work on `stream`.
-    fn timed_on<T>(
+    /// Runs `f`, which enqueues work on `stream`; with `KESTREL_PROFILE` timed there by a pair
+    /// of events under `name`.
+    fn timed<T>(
         &self,
         stream: &CudaStream,
         name: impl FnOnce() -> String,
@@ -630,17 +627,10 @@ impl Gpu {
         self.launch_on(&self.stream, name, grid, block, smem, args, pdl)
     }
 
-    /// [`Gpu::launch`] on the second stream (after [`Gpu::fork_aux`]; [`Gpu::join_aux`] before
-    /// the main stream reads what it wrote).
-    pub fn launch_aux(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        self.launch_on(&self.aux, name, grid, block, smem, args, false)
+    /// The main stream, or with `aux` the second one (after [`Gpu::fork_aux`];
+    /// [`Gpu::join_aux`] before the main stream reads what it wrote).
+    fn stream_of(&self, aux: bool) -> &CudaStream {
+        if aux { &self.aux } else { &self.stream }
     }
 
     /// The second stream waits for everything enqueued on the main stream so far.
@@ -659,6 +649,7 @@ impl Gpu {
             .map_err(|e| anyhow!("joining the second stream: {e:?}"))
     }
 
+    /// [`Gpu::launch_ex`] on `stream`.
     #[allow(clippy::too_many_arguments)]
     fn launch_on(
         &self,
@@ -713,7 +704,7 @@ impl Gpu {
             attrs: &mut attr,
             numAttrs: pdl as u32,
         };
-        self.timed_on(
+        self.timed(
             stream,
             || format!("{name} {}x{}x{}", grid.0, grid.1, grid.2),
             || {

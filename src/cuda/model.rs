@@ -1062,47 +1062,41 @@ impl CudaModel {
                         0.0,
                     )?;
                     g.join_aux()?;
-                    let mut prep_args = vec![
-                        Arg::Ptr(ws.qg.ptr),
-                        Arg::Ptr(ws.k.ptr),
-                        Arg::Ptr(ws.v.ptr),
-                        Arg::Ptr(w.q_norm.ptr),
-                        Arg::Ptr(w.k_norm.ptr),
-                        Arg::Ptr(self.inv_freq.ptr),
-                        Arg::Ptr(ws.q.ptr),
-                        Arg::Ptr(kc.ptr),
-                        Arg::Ptr(vc.ptr),
-                        Arg::I(past as i32),
-                    ];
-                    let prep_tail = [
-                        Arg::I(nq as i32),
-                        Arg::I(nkv as i32),
-                        Arg::I(hd as i32),
-                        Arg::I((c.rotary_dim / 2) as i32),
-                        Arg::F(eps),
-                    ];
-                    if hd % 4 == 0 {
-                        // A warp per (token, head) row.
-                        prep_args.push(Arg::I(t as i32));
-                        prep_args.extend(prep_tail);
-                        g.launch(
-                            "attn_prep_rows",
-                            ((t * (nq + nkv)).div_ceil(8) as u32, 1, 1),
-                            256,
-                            (8 * hd * 4) as u32,
-                            &prep_args,
-                        )?;
+                    // A warp per (token, head) row (attn_prep_rows, 16-byte loads: hd % 4 ==
+                    // 0), else attn_prep's block per row; the same arguments but the one
+                    // before nq (the token count, or attn_prep's device-position pointer).
+                    let rows = hd % 4 == 0;
+                    let (name, grid, block_dim, smem) = if rows {
+                        let grid = ((t * (nq + nkv)).div_ceil(8) as u32, 1, 1);
+                        ("attn_prep_rows", grid, 256, 8 * hd * 4)
                     } else {
-                        prep_args.push(Arg::Ptr(0));
-                        prep_args.extend(prep_tail);
-                        g.launch(
-                            "attn_prep",
-                            (t as u32, (nq + nkv) as u32, 1),
-                            block(hd),
-                            (hd * 4) as u32,
-                            &prep_args,
-                        )?;
-                    }
+                        let grid = (t as u32, (nq + nkv) as u32, 1);
+                        ("attn_prep", grid, block(hd), hd * 4)
+                    };
+                    g.launch(
+                        name,
+                        grid,
+                        block_dim,
+                        smem as u32,
+                        &[
+                            Arg::Ptr(ws.qg.ptr),
+                            Arg::Ptr(ws.k.ptr),
+                            Arg::Ptr(ws.v.ptr),
+                            Arg::Ptr(w.q_norm.ptr),
+                            Arg::Ptr(w.k_norm.ptr),
+                            Arg::Ptr(self.inv_freq.ptr),
+                            Arg::Ptr(ws.q.ptr),
+                            Arg::Ptr(kc.ptr),
+                            Arg::Ptr(vc.ptr),
+                            Arg::I(past as i32),
+                            if rows { Arg::I(t as i32) } else { Arg::Ptr(0) },
+                            Arg::I(nq as i32),
+                            Arg::I(nkv as i32),
+                            Arg::I(hd as i32),
+                            Arg::I((c.rotary_dim / 2) as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
                     if t >= FLASH_MIN_TOKENS {
                         g.attn_flash(
                             self.flash,

@@ -390,14 +390,8 @@ impl Gpu {
         rows: usize,
         inter: usize,
     ) -> Result<()> {
-        let launch = |name, grid, block, smem, args: &[Arg]| {
-            if aux {
-                self.launch_aux(name, grid, block, smem, args)
-            } else {
-                self.launch(name, grid, block, smem, args)
-            }
-        };
-        launch(
+        self.launch_on(
+            self.stream_of(aux),
             "swiglu_bf16",
             ((rows * inter).div_ceil(256).min(65_535) as u32, 1, 1),
             256,
@@ -408,6 +402,7 @@ impl Gpu {
                 Arg::I(rows as i32),
                 Arg::I(inter as i32),
             ],
+            false,
         )
     }
 }
