@@ -837,6 +837,17 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
     float acc[128];
     for (int q = blockIdx.x; q < items; q += gridDim.x) {
         const int tile = q / nblk, n0 = (q % nblk) * COLS;
+        if (wg * 64 >= tile_rows[tile]) {
+            // No rows of this warpgroup (an expert's last tile of <= 64 rows): it releases each
+            // stage once it has landed (so its arrival counts toward this use, not the last),
+            // and the other warpgroup's wgmma have the tensor cores to themselves.
+            for (int kt = 0; kt < nk; kt++, it++) {
+                const unsigned s = it % G6_STAGES;
+                mbar_wait(&full[s], (it / G6_STAGES) & 1);
+                mbar_arrive(&empty[s]);
+            }
+            continue;
+        }
         for (int kt = 0; kt < nk; kt++, it++) {
             const unsigned s = it % G6_STAGES;
             mbar_wait(&full[s], (it / G6_STAGES) & 1);  // the producer's copies of this stage landed
