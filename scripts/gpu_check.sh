@@ -5,13 +5,14 @@
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [variants CONTEXTS 'SET;SET;...']
-#          [abbin BINARY CONTEXTS] [ablate CONTEXT 'SET;SET;...'] [timeline CONTEXTS]
+#          [abbin BINARY[,BINARY..] CONTEXTS] [ablate CONTEXT 'SET;SET;...'] [timeline CONTEXTS]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   ab: the bench without and with one environment setting, alternating, two rounds each, rows
 #   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
 #   variants: the same alternation over several settings ("VAR=VALUE ..." each, "-" for none).
-#   abbin: the same alternation between another build of kestrel (e.g. the previous commit's,
-#   carried under .device/) and this one, rows tagged by binary into $OUT/ab.log.
+#   abbin: the same alternation between other builds of kestrel (comma-separated, e.g. the
+#   previous commit's, carried under .device/) and this one, rows tagged by binary into
+#   $OUT/ab.log.
 #   ablate: decode tok/s with each SET of kernels not launched (KESTREL_SKIP=name[:grid_x],...;
 #   outputs are wrong, timing only), the baseline first and last, into $OUT/ablate.log: a
 #   kernel's cost on the critical path of the graph-launched step.
@@ -105,7 +106,7 @@ while [ $# -gt 0 ]; do
       done
       shift ;;
     abbin)
-      ab_rounds "$3" "$2" .device/bin/kestrel
+      ab_rounds "$3" ${2//,/ } .device/bin/kestrel
       shift 2 ;;
     ablate)
       ctx=$2 sets=$3
