@@ -403,13 +403,6 @@ __device__ __forceinline__ void gdn_frag_a(const float* a, int lda, int lane, un
 #pragma unroll
     for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(f[e]), hi[e], lo[e]);
 }
-// The same fragment as one tf32 per element (round half away: + half a tf32 ulp, the mma
-// ignores the low 13 bits), for the 1xTF32 products of the output side.
-__device__ __forceinline__ void gdn_frag_a_tf32(const float* a, int lda, int lane, unsigned (&hi)[4]) {
-    ldsm_x4(hi, a + (lane & 15) * lda + (lane >> 4) * 4);
-#pragma unroll
-    for (int e = 0; e < 4; e++) hi[e] += 0x1000u;
-}
 // A B fragment's b0, b1 split as {hi(b0), hi(b1), lo(b0), lo(b1)}.
 __device__ __forceinline__ void gdn_frag_b(float b0, float b1, unsigned (&b)[4]) {
     split_tf32(b0, b[0], b[2]);
@@ -430,10 +423,8 @@ __device__ __forceinline__ void gdn_mma3(float (&acc)[4], float (&cor)[4], const
 //   X = [W | U] = (I + L)^-1 [β e^γ K | β V],   Q' = e^γ Q − P W,   O_intra = P U,
 // so that part 2 (sequential over chunks) needs only V' = U − W S, O = O_intra + Q' S and the
 // state update: equal to the CPU reference's chunk (O = e^γ Q S + P V', V' = U − W S).
-// Every product runs on tensor cores (the f32 SIMT version was latency-bound: 884 µs per layer
-// at 8,192 tokens): what feeds the state (K Kᵀ, the solve for W and U) 3xTF32 as in
-// gdn_chunk_state, f32-level; what feeds only o (P = Q Kᵀ, Y = P X) one tf32 mma (2^-11 an
-// operand, under the bf16 rounding o gets after the gated norm), a third of the mma. The solve is blocked so that it is
+// Every product runs on tensor cores, 3xTF32 as in gdn_chunk_state (the f32 SIMT version was
+// latency-bound: 884 µs per layer at 8,192 tokens). The solve is blocked so that it is
 // products too: T_d = (I + L_dd)^-1 of the four 16x16 diagonal blocks by a short serial
 // solve, then X_d = T_d (B_d − L_{d,<d} X_{<d}) block row by block row. Columns of X are
 // independent, so a warp owns its 8-column tiles of X for all rows and the solve needs no
@@ -509,11 +500,11 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
     // fragment once for both products; the warps ending on column tile 2 ti + 1 own a diagonal block.
     const int ti = (0x33322110 >> 4 * warp) & 15, tn0 = (0x63030200 >> 4 * warp) & 15,
               tcnt = (0x23333222 >> 4 * warp) & 15;
-    float lacc[3][4], lcor[3][4], pacc[3][4];
+    float lacc[3][4], lcor[3][4], pacc[3][4], pcor[3][4];
 #pragma unroll
     for (int p = 0; p < 3; p++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) lacc[p][e] = lcor[p][e] = pacc[p][e] = 0.0f;
+        for (int e = 0; e < 4; e++) lacc[p][e] = lcor[p][e] = pacc[p][e] = pcor[p][e] = 0.0f;
     {
         const float* ka = ks + 16 * ti * LDK;
         const float* qa = qs + 16 * ti * LDK;
@@ -527,16 +518,16 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                 if (p < tcnt) ldsm_x4(bf[p], kb + 8 * p * LDK + k0);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                unsigned kah[4], kal[4], qa1[4];
+                unsigned kah[4], kal[4], qah[4], qal[4];
                 gdn_frag_a(ka + k0 + 8 * h, LDK, lane, kah, kal);
-                gdn_frag_a_tf32(qa + k0 + 8 * h, LDK, lane, qa1);
+                gdn_frag_a(qa + k0 + 8 * h, LDK, lane, qah, qal);
 #pragma unroll
                 for (int p = 0; p < 3; p++) {
                     if (p < tcnt) {
                         unsigned b[4];
                         gdn_frag_b(__uint_as_float(bf[p][2 * h]), __uint_as_float(bf[p][2 * h + 1]), b);
                         gdn_mma3(lacc[p], lcor[p], kah, kal, b);
-                        mma_tf32_1688(pacc[p], qa1, b[0], b[1]);
+                        gdn_mma3(pacc[p], pcor[p], qah, qal, b);
                     }
                 }
             }
@@ -570,7 +561,7 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const float kk = lacc[p][2 * h + e] + lcor[p][2 * h + e];
-                    const float qk = pacc[p][2 * h + e];
+                    const float qk = pacc[p][2 * h + e] + pcor[p][2 * h + e];
                     const float d = s + e <= r ? expf(gam[r] - gam[s + e]) : 0.0f;
                     lv[e] = s + e < r ? -(bet[r] * kk * d) : 0.0f;
                     pv[e] = s + e <= r ? -(qk * d) : 0.0f;
@@ -685,7 +676,7 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
             });
             __syncwarp();  // X_d visible to every lane
             if (d < 3) start_r(d + 1);
-            float yacc[4][4], ycor[4][4] = {};  // Y is 1xTF32: ycor stays 0 (each_pair's shape)
+            float yacc[4][4], ycor[4][4];
 #pragma unroll
             for (int p = 0; p < 4; p++)
 #pragma unroll
@@ -693,10 +684,11 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                     const float e = eg[r0 + gq + 8 * h];
                     yacc[p][2 * h] = e * qv[p][h].x;
                     yacc[p][2 * h + 1] = e * qv[p][h].y;
+                    ycor[p][2 * h] = ycor[p][2 * h + 1] = 0.0f;
                 }
             for (int k = 0; k < 2 * (d + 1); k++) {
-                unsigned p1[4], lh[4], ll[4];
-                gdn_frag_a_tf32(np + r0 * GDN_LDP + 8 * k, GDN_LDP, lane, p1);
+                unsigned ph[4], pl[4], lh[4], ll[4];
+                gdn_frag_a(np + r0 * GDN_LDP + 8 * k, GDN_LDP, lane, ph, pl);
                 if (d < 3) gdn_frag_a(nl + (r0 + 16) * GDN_LDP + 8 * k, GDN_LDP, lane, lh, ll);
 #pragma unroll
                 for (int p = 0; p < 4; p++) {
@@ -704,7 +696,7 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
                         const float* x = xb + 8 * k * ldx + 64 * p;
                         unsigned b[4];
                         gdn_frag_b(x[0], x[4 * ldx], b);
-                        mma_tf32_1688(yacc[p], p1, b[0], b[1]);
+                        gdn_mma3(yacc[p], ycor[p], ph, pl, b);
                         if (d < 3) gdn_mma3(racc[p], rcor[p], lh, ll, b);
                     }
                 }
@@ -771,8 +763,7 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
 // did [W; Q'] S first). Team A (warps 0-7) owns S:
 //   R = W S (64 x 32; warp: 16 rows x 16 columns), Vd = e^{γ_last − γ} (U − R) (quad layout),
 //   S ← e^{γ_last} S + Kᵀ Vd (gdn_state_update), its split into the other S buffer;
-// team B (warps 8-15) computes O = O_intra + Q' S (one tf32 mma a product with S's hi part:
-// the output side, as in the prep) of the same chunk from the S buffer team A
+// team B (warps 8-15) computes O = O_intra + Q' S of the same chunk from the S buffer team A
 // is not writing. One block barrier per chunk (hand-off: S, tiles, buffers), one team-A
 // barrier (Vd, K). W and K are single-buffered (refilled once dead, with an L2 prefetch a
 // chunk ahead), Q' and S double-buffered. Dynamic shared memory: GdnShape::state_smem_bytes
@@ -785,9 +776,8 @@ __device__ __forceinline__ void gdn_bar(int id, int threads) {
 }
 
 // acc (16 rows x 2 column tiles of 8) = A S with A 16 f32 rows at `a` (row stride LDA) and S's
-// split (quad layout) at `s`, column tiles 2 * half and 2 * half + 1; whole warp. 3xTF32, or
-// with X3 false one tf32 mma of the rounded A and S's hi part (the output side, Q' S).
-template <int DK, int LDA, bool X3>
+// split (quad layout) at `s`, column tiles 2 * half and 2 * half + 1, 3xTF32; whole warp.
+template <int DK, int LDA>
 __device__ __forceinline__ void gdn_rows_times_s(const float* a, const float* s, int half, int lane,
                                                  float (&acc)[2][4]) {
     const int gq = lane >> 2, cq = lane & 3;
@@ -801,33 +791,22 @@ __device__ __forceinline__ void gdn_rows_times_s(const float* a, const float* s,
     for (int k0 = 0; k0 < DK; k0 += 8) {
         unsigned af[4], ah[4], al[4];
         ldsm_x4(af, arow + k0);
-        if (!X3) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) af[e] += 0x1000u;
+        for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(af[e]), ah[e], al[e]);
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const float2 q = ld2(s + (k0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * (2 * half + nt) + gq));
-                mma_tf32_1688(acc[nt], af, __float_as_uint(q.x), __float_as_uint(q.y));
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(af[e]), ah[e], al[e]);
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const float4 q = ld4(s + (k0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * (2 * half + nt) + gq));
-                const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
-                const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
-                mma_tf32_1688(cor[nt], al, bh0, bh1);
-                mma_tf32_1688(cor[nt], ah, bl0, bl1);
-                mma_tf32_1688(acc[nt], ah, bh0, bh1);
-            }
+        for (int nt = 0; nt < 2; nt++) {
+            const float4 q = ld4(s + (k0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * (2 * half + nt) + gq));
+            const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
+            const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
+            mma_tf32_1688(cor[nt], al, bh0, bh1);
+            mma_tf32_1688(cor[nt], ah, bl0, bl1);
+            mma_tf32_1688(acc[nt], ah, bh0, bh1);
         }
     }
-    if (X3)
 #pragma unroll
-        for (int nt = 0; nt < 2; nt++)
+    for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[nt][e] += cor[nt][e];
+        for (int e = 0; e < 4; e++) acc[nt][e] += cor[nt][e];
 }
 
 template <int DK>
@@ -934,7 +913,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
                 }
             }
             float acc[2][4];
-            gdn_rows_times_s<DK, LDW, true>(ws + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
+            gdn_rows_times_s<DK, LDW>(ws + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
             const float last = gc[GDN_C - 1];
             const float d0 = expf(last - gc[r]), d1 = expf(last - gc[r + 8]);
 #pragma unroll
@@ -965,7 +944,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
                 }
             }
             float acc[2][4];
-            gdn_rows_times_s<DK, LDW, false>(qs + par * TILE + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
+            gdn_rows_times_s<DK, LDW>(qs + par * TILE + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
                 const int m = 8 * (2 * half + nt) + 2 * cq;
