@@ -162,7 +162,7 @@ impl Gpu {
         } else {
             (q_tiles, head_blocks, 1)
         };
-        self.launch(
+        self.launch_dep(
             name,
             grid,
             threads,

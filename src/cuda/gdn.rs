@@ -172,7 +172,7 @@ impl Gpu {
     ) -> Result<()> {
         let c = sh.channels();
         let v_groups = (sh.hv * sh.dv).div_ceil(128);
-        self.launch(
+        self.launch_dep(
             "gdn_conv_prefill",
             (
                 sh.t.div_ceil(CONV_TOKENS) as u32,
@@ -194,7 +194,7 @@ impl Gpu {
                 Arg::F(1.0 / (sh.dk as f32).sqrt()),
             ],
         )?;
-        self.launch(
+        self.launch_dep(
             "gdn_conv_advance",
             (c.div_ceil(256) as u32, 1, 1),
             256,
@@ -262,7 +262,7 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        self.launch(
+        self.launch_dep(
             &format!("gdn_chunk_prep_{}", sh.dk),
             (sh.chunks() as u32, sh.hv as u32, 1),
             PREP_THREADS,
@@ -280,7 +280,7 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        self.launch(
+        self.launch_dep(
             &format!("gdn_chunk_state_{}", sh.dk),
             (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
             STATE_THREADS,

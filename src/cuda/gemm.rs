@@ -248,6 +248,7 @@ impl Gpu {
         let (stream, lt) = if aux {
             (&*self.aux, &self.aux_lt)
         } else {
+            self.main_tail_not_kernel();
             (&*self.stream, &self.lt)
         };
         self.timed(

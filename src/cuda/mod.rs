@@ -15,6 +15,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 /// The kernel sources, one file per op family, compiled as one module.
 const SOURCES: [(&str, &str); 7] = [
@@ -165,6 +166,13 @@ pub struct Gpu {
     pub max_smem_per_block: usize,
     /// Streaming multiprocessors (the persistent kernels' grid).
     pub sm_count: usize,
+    /// Programmatic dependent launch for the prefill kernels ([`Gpu::launch_dep`]): on
+    /// compute capability 9.0 and not while profiling; `KESTREL_PREFILL_PDL=0` turns it off.
+    prefill_pdl: bool,
+    /// Whether the last thing enqueued on the main stream was one of our kernels: only after
+    /// one does [`Gpu::launch_dep`] let the next start early (after a cuBLAS call, a copy, a
+    /// memset or an event it launches normally).
+    main_tail_is_kernel: std::sync::atomic::AtomicBool,
 }
 
 /// Per-op GPU times: events still in flight, and the totals of resolved ones.
@@ -398,6 +406,10 @@ impl Gpu {
             profile: std::env::var("KESTREL_PROFILE")
                 .ok()
                 .map(|_| std::sync::Mutex::new(Default::default())),
+            prefill_pdl: cc >= (9, 0)
+                && std::env::var_os("KESTREL_PROFILE").is_none()
+                && std::env::var("KESTREL_PREFILL_PDL").map_or(true, |v| v != "0"),
+            main_tail_is_kernel: Default::default(),
         };
         // The chunked GDN kernels need more than the default 48 KiB, how much depends on the
         // shape (GdnShape::chunked_fits checks it against this limit).
@@ -475,6 +487,7 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
+        self.main_tail_not_kernel();
         // SAFETY: ptr..ptr+bytes lies in one of our allocations.
         unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("memset: {e:?}"))
@@ -490,6 +503,7 @@ impl Gpu {
         if data.is_empty() {
             return Ok(());
         }
+        self.main_tail_not_kernel();
         // SAFETY: dst has room for data (caller's allocation). From pageable memory the call
         // returns once the source has been staged, so `data` may be dropped right after.
         unsafe { result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
@@ -510,6 +524,7 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
+        self.main_tail_not_kernel();
         // SAFETY: both ranges lie in our allocations and do not overlap.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("device copy: {e:?}"))
@@ -627,6 +642,28 @@ impl Gpu {
         self.launch_on(&self.stream, name, grid, block, smem, args, pdl)
     }
 
+    /// [`Gpu::launch`] for a prefill kernel (one that starts with `PREFILL_KERNEL()`,
+    /// common.cuh) on the main stream: with programmatic dependent launch when the previous
+    /// op there was one of our kernels, so this one's blocks take the SMs that kernel's last
+    /// wave leaves and wait in `griddep_wait` instead of after a launch latency.
+    pub fn launch_dep(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let pdl = self.prefill_pdl && self.main_tail_is_kernel.load(Ordering::Relaxed);
+        self.launch_on(&self.stream, name, grid, block, smem, args, pdl)
+    }
+
+    /// Something other than our kernel (a copy, memset, event wait or cuBLAS call) was
+    /// enqueued on the main stream: the next [`Gpu::launch_dep`] launches normally.
+    pub(crate) fn main_tail_not_kernel(&self) {
+        self.main_tail_is_kernel.store(false, Ordering::Relaxed);
+    }
+
     /// The main stream, or with `aux` the second one (after [`Gpu::fork_aux`];
     /// [`Gpu::join_aux`] before the main stream reads what it wrote).
     fn stream_of(&self, aux: bool) -> &CudaStream {
@@ -635,6 +672,7 @@ impl Gpu {
 
     /// The second stream waits for everything enqueued on the main stream so far.
     pub fn fork_aux(&self) -> Result<()> {
+        self.main_tail_not_kernel();
         self.fork_event
             .record(&self.stream)
             .and_then(|_| self.aux.wait(&self.fork_event))
@@ -643,6 +681,7 @@ impl Gpu {
 
     /// The main stream waits for everything enqueued on the second stream so far.
     pub fn join_aux(&self) -> Result<()> {
+        self.main_tail_not_kernel();
         self.join_event
             .record(&self.aux)
             .and_then(|_| self.stream.wait(&self.join_event))
@@ -721,7 +760,11 @@ impl Gpu {
                 .result()
                 .with_context(|| format!("launching {name}"))
             },
-        )
+        )?;
+        if std::ptr::eq(stream, &*self.stream) {
+            self.main_tail_is_kernel.store(true, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// Fills `n` values at `ptr` (bf16, or f32 when `f32` is set) with seeded

@@ -947,7 +947,7 @@ impl CudaModel {
             ],
         )?;
         let rmsnorm = |w: &DeviceBuf, src: u64, rows: usize| {
-            g.launch(
+            g.launch_dep(
                 "rmsnorm_zc_bf16",
                 (rows as u32, 1, 1),
                 256,
@@ -995,7 +995,7 @@ impl CudaModel {
                         ws.qkv.ptr,
                     )?;
                     g.join_aux()?;
-                    g.launch(
+                    g.launch_dep(
                         "gdn_gates",
                         ((t * hv).div_ceil(256) as u32, 1, 1),
                         256,
@@ -1024,7 +1024,7 @@ impl CudaModel {
                     } else {
                         g.gdn_delta_recurrent(&sh, &bufs)?;
                     }
-                    g.launch(
+                    g.launch_dep(
                         "gdn_gated_norm",
                         ((t * hv).div_ceil(8) as u32, 1, 1),
                         256,
@@ -1073,7 +1073,7 @@ impl CudaModel {
                         let grid = (t as u32, (nq + nkv) as u32, 1);
                         ("attn_prep", grid, block(hd), hd * 4)
                     };
-                    g.launch(
+                    g.launch_dep(
                         name,
                         grid,
                         block_dim,
@@ -1204,7 +1204,7 @@ impl CudaModel {
         )?;
         g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
         g.memset_zero(ws.counts.ptr, e * 4)?;
-        g.launch(
+        g.launch_dep(
             "moe_route",
             (t as u32, 1, 1),
             32,
@@ -1303,7 +1303,7 @@ impl CudaModel {
             g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
         }
         g.join_aux()?;
-        g.launch(
+        g.launch_dep(
             "moe_combine",
             (t as u32, 1, 1),
             256,
@@ -1689,6 +1689,7 @@ impl CudaModel {
                 .0
                 .launch()
                 .map_err(|e| anyhow!("launching the decode graph: {e:?}"))?;
+            self.gpu.main_tail_not_kernel();
         } else {
             self.decode_launches(state, nsplit, vocab_limit)?;
         }
@@ -1737,7 +1738,7 @@ impl CudaModel {
         let c = &self.config;
         let g = &*self.gpu;
         let d = c.hidden_size;
-        g.launch(
+        g.launch_dep(
             "rmsnorm_zc_bf16",
             (n as u32, 1, 1),
             256,

@@ -212,7 +212,7 @@ pub struct Grouped {
 impl Gpu {
     /// Builds the tile list of `tile_m`-row tiles from `p.counts` and resets `p.cursor`.
     pub fn moe_plan(&self, p: &MoePlan, experts: usize, tile_m: usize) -> Result<()> {
-        self.launch(
+        self.launch_dep(
             "moe_plan",
             (1, 1, 1),
             experts.next_multiple_of(32) as u32,
@@ -243,7 +243,7 @@ impl Gpu {
         sorted_token: u64,
         slot_row: u64,
     ) -> Result<()> {
-        self.launch(
+        self.launch_dep(
             "moe_scatter",
             (rows.div_ceil(256) as u32, 1, 1),
             256,
@@ -373,7 +373,7 @@ impl Gpu {
         if order == GridOrder::Persistent {
             args.push(Arg::I(blocks_n as i32));
         }
-        self.launch(name, grid, block, smem as u32, &args)
+        self.launch_dep(name, grid, block, smem as u32, &args)
     }
 
     /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`.

@@ -53,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(256)
                    const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                    const float* __restrict__ inv_freq, float* __restrict__ q_out, bf16* __restrict__ k_cache,
                    bf16* __restrict__ v_cache, int past, int t, int nq, int nkv, int hd, int rot_half, float eps) {
+    PREFILL_KERNEL();
     extern __shared__ float prep_rows[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nh = nq + nkv;
     const int r = blockIdx.x * 8 + warp;
@@ -287,6 +288,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* 
 extern "C" __global__ void __launch_bounds__(128) attn_flash(
     const float* __restrict__ q, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd, float scale) {
+    PREFILL_KERNEL();
     using namespace nvcuda;
     extern __shared__ __align__(128) unsigned char smem[];
     const int ldh = hd + 8;   // bf16 row stride for Q/K/V tiles
@@ -655,6 +657,7 @@ __device__ __forceinline__ void attn_flash2_body(const float* __restrict__ q, co
         const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,              \
         const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,         \
         float scale) {                                                                                       \
+        PREFILL_KERNEL();                                                                                    \
         attn_flash##V##_body<HD>(q, kc, vc, qg, out, t, past, nq, nkv, scale * 1.4426950408889634f);        \
     }
 ATTN_FLASH_ENTRY(2, 32)
@@ -912,6 +915,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     attn_flash4_hd256(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
                       const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,
                       float scale) {
+    PREFILL_KERNEL();
     extern __shared__ __align__(1024) unsigned char f4_smem[];
     unsigned char* qs = f4_smem;                 // [2 heads]
     unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]

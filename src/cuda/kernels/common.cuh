@@ -100,6 +100,13 @@ __device__ __forceinline__ void griddep_wait() {
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 #define DECODE_KERNEL(tag) griddep_launch()
 #endif
+// Prefill kernels, launched with programmatic dependent launch by Gpu::launch_dep: wait for the
+// previous kernel and its writes before anything else (reads and writes alike), then let the
+// next kernel's blocks onto the SMs this one's last wave leaves, so a launch's latency overlaps
+// this kernel's tail. Both are no-ops for a normal launch.
+#define PREFILL_KERNEL() \
+    griddep_wait();      \
+    griddep_launch()
 // Tags of the decode kernels in the timeline (decode_timeline.py has the names).
 #define TAG_EMBED 1
 #define TAG_GEMV 2

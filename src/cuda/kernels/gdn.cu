@@ -48,6 +48,7 @@ extern "C" __global__ void gdn_qk_l2norm(float* __restrict__ qkv, int c, int hk,
 extern "C" __global__ void gdn_gates(const float* __restrict__ b, const float* __restrict__ a, int ld,
                                      const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                      float* __restrict__ beta, float* __restrict__ g, int t, int hv) {
+    PREFILL_KERNEL();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= t * hv) return;
     int s = i / hv, j = i % hv;
@@ -116,6 +117,7 @@ GDN_RECURRENT(128)
 extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const float* __restrict__ z,
                                           const float* __restrict__ w, bf16* __restrict__ out, int rows, int dv,
                                           float eps) {
+    PREFILL_KERNEL();
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= rows) return;  // warp-uniform
     const size_t base = (size_t)row * dv;
@@ -320,6 +322,7 @@ __device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, c
 extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
     const float* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
     float* __restrict__ out, int t, int c, int kern, int hk, int dk, float q_scale) {
+    PREFILL_KERNEL();
     const int y = blockIdx.y, hist = kern - 1;
     const bool qk = y < 2 * hk;
     const int ch = qk ? y * dk + threadIdx.x : 2 * hk * dk + (y - 2 * hk) * blockDim.x + threadIdx.x;
@@ -350,6 +353,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
 // overwritten (t < kern-1 keeps some old rows, shifted).
 extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* __restrict__ state,
                                             int t, int c, int kern) {
+    PREFILL_KERNEL();
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= c) return;
     int hist = kern - 1;
@@ -977,11 +981,13 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_##DK(                             \
         const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out,           \
         float* u_out, float* gamma_out, float* o, int t, int hk, int hv, int dv) {                         \
+        PREFILL_KERNEL();                                                                                  \
         gdn_chunk_prep_impl<DK>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);      \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS, 1) gdn_chunk_state_##DK(              \
         const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in,                 \
         const float* gamma_in, float* state, float* o, int t, int hk, int hv, int dv) {                    \
+        PREFILL_KERNEL();                                                                                  \
         gdn_chunk_state_impl<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);           \
     }
 GDN_CHUNKED(16)

@@ -81,6 +81,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int e, in
                                      int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                      int* __restrict__ counts, const bf16* __restrict__ x,
                                      const float* __restrict__ w_sg, float* __restrict__ sgate, int d) {
+    PREFILL_KERNEL();
     extern __shared__ float row[];  // e floats
     int s = blockIdx.x;
     for (int i = threadIdx.x; i < e; i += 32) row[i] = logits[(size_t)s * e + i];
@@ -108,6 +109,7 @@ extern "C" __global__ void moe_plan(const int* __restrict__ counts, int e, int t
                                     int* __restrict__ offsets, int* __restrict__ cursor,
                                     int* __restrict__ tile_expert, int* __restrict__ tile_row,
                                     int* __restrict__ tile_rows, int* __restrict__ num_tiles) {
+    PREFILL_KERNEL();
     __shared__ int warp_rows[32], warp_tiles[32];
     const int x = threadIdx.x, lane = x & 31, warp = x >> 5;
     const int c = x < e ? counts[x] : 0, nt = (c + tile_m - 1) / tile_m;
@@ -149,6 +151,7 @@ extern "C" __global__ void moe_plan(const int* __restrict__ counts, int e, int t
 // Thread per (token, slot): its row in expert-sorted order.
 extern "C" __global__ void moe_scatter(const int* __restrict__ topk_ids, int n, int k, int* __restrict__ cursor,
                                        int* __restrict__ sorted_token, int* __restrict__ slot_row) {
+    PREFILL_KERNEL();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int row = atomicAdd(&cursor[topk_ids[i]], 1);
@@ -167,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm(
     const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,
     float* __restrict__ c, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
     const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {
+    PREFILL_KERNEL();
     using namespace nvcuda;
     int tile = blockIdx.x;
     if (tile >= *num_tiles) return;
@@ -261,6 +265,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __res
                                                               const float* __restrict__ ys,
                                                               const float* __restrict__ sgate,
                                                               float* __restrict__ h, int k, int d) {
+    PREFILL_KERNEL();
     const int s = blockIdx.x, d4 = d >> 2;
     const float gate = sgate[s];
     const float4* y4 = reinterpret_cast<const float4*>(y);
@@ -305,6 +310,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm2(
     const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,
     float* __restrict__ c, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
     const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {
+    PREFILL_KERNEL();
     using namespace nvcuda;
     int tile = blockIdx.x;
     if (tile >= *num_tiles) return;
@@ -539,6 +545,7 @@ __device__ __forceinline__ void moe_gemm3_impl(const bf16* __restrict__ a, const
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
+        PREFILL_KERNEL();                                                                                      \
         moe_gemm3_impl<BM, BN, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim); \
     }
 MOE_GEMM3(moe_gemm3_m128, 128, 128, false)
@@ -691,6 +698,7 @@ __device__ __forceinline__ void moe_gemm4_impl(const bf16* __restrict__ a, const
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
+        PREFILL_KERNEL();                                                                                      \
         moe_gemm4_impl<BM, BN, WMS, WNS, STAGES, SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows,  \
                                                          num_tiles, ndim, kdim);                               \
     }
@@ -770,6 +778,7 @@ __device__ __forceinline__ void moe_gemm5_impl(const bf16* __restrict__ a, const
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim) {            \
+        PREFILL_KERNEL();                                                                                      \
         moe_gemm5_impl<SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim);    \
     }
 MOE_GEMM5(moe_gemm5_m128, false)
@@ -885,6 +894,7 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int nblk) {  \
+        PREFILL_KERNEL();                                                                                      \
         moe_gemm6_impl<SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim, nblk); \
     }
 MOE_GEMM6(moe_gemm6_m128, false)

@@ -1,6 +1,7 @@
 // Zero-centred RMSNorm (1 + w): f32 rows in, bf16 rows out (the next GEMM's input).
 extern "C" __global__ void rmsnorm_zc_bf16(const float* __restrict__ x, const float* __restrict__ w,
                                            bf16* __restrict__ out, int d, float eps) {
+    PREFILL_KERNEL();
     const float* r = x + (size_t)blockIdx.x * d;
     bf16* o = out + (size_t)blockIdx.x * d;
     float ss = 0.0f;
