@@ -248,9 +248,7 @@ impl Gpu {
         let (stream, lt) = if aux {
             (&*self.aux, &self.aux_lt)
         } else {
-            // (the experiment treats cuBLAS's kernels as ours: the next may start early)
-            self.main_tail_is_kernel
-                .store(self.pdl_after_gemm, std::sync::atomic::Ordering::Relaxed);
+            self.main_tail_not_kernel();
             (&*self.stream, &self.lt)
         };
         self.timed(

@@ -173,9 +173,6 @@ pub struct Gpu {
     /// one does [`Gpu::launch_dep`] let the next start early (after a cuBLAS call, a copy, a
     /// memset or an event it launches normally).
     main_tail_is_kernel: std::sync::atomic::AtomicBool,
-    /// Experiment (`KESTREL_PDL_AFTER_GEMM=1`): a cuBLAS call on the main stream does not
-    /// stop the next [`Gpu::launch_dep`] from using programmatic dependent launch.
-    pub(crate) pdl_after_gemm: bool,
 }
 
 /// Per-op GPU times: events still in flight, and the totals of resolved ones.
@@ -413,7 +410,6 @@ impl Gpu {
                 && std::env::var_os("KESTREL_PROFILE").is_none()
                 && std::env::var("KESTREL_PREFILL_PDL").map_or(true, |v| v != "0"),
             main_tail_is_kernel: Default::default(),
-            pdl_after_gemm: std::env::var("KESTREL_PDL_AFTER_GEMM").is_ok_and(|v| v == "1"),
         };
         // The chunked GDN kernels need more than the default 48 KiB, how much depends on the
         // shape (GdnShape::chunked_fits checks it against this limit).
