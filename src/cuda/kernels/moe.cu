@@ -565,8 +565,8 @@ MOE_GEMM3(moe_gemm3_swiglu_m64, 64, 256, true)
 
 // The operand copier of moe_gemm4, 5 and 6: T threads (tid 0..T-1) copy a tile's BM gathered A
 // rows and BN B rows, 64 bf16 of K a stage, with 16-byte cp.async. Thread t copies chunk t % 8 of rows
-// t / 8 + (T / 8) q; element offsets in registers (-1: outside the tile: an A row is not
-// copied, a B row zero-filled; the launcher keeps them below 2^31), stored XOR-swizzled (16-byte chunk c of row r at chunk
+// t / 8 + (T / 8) q; element offsets in registers (-1: outside the tile, zero-filled; the
+// launcher keeps them below 2^31), stored XOR-swizzled (16-byte chunk c of row r at chunk
 // c ^ (r & 7)). SWIGLU: B row group r / WN holds WN / 2 gate rows, then the same up rows.
 template <int BM, int BN, int T, int WN, bool SWIGLU>
 struct MoeStageCopier {
@@ -606,11 +606,11 @@ struct MoeStageCopier {
         bf16* sb = sa + BM * G4_BK;
         const int k0 = kt * G4_BK;
         const bool kin = k0 + kc < kdim;
-        // Rows past the tile are not copied (their shared memory keeps what it held): a row of
-        // A reaches only its own output row, which moe_tile_store does not write.
 #pragma unroll
-        for (int q = 0; q < AV; q++)
-            if (aoff[q] >= 0) cp_async16(sa + RPP * q * G4_BK, kin ? a + aoff[q] + k0 : a, kin);
+        for (int q = 0; q < AV; q++) {
+            const bool v = aoff[q] >= 0 && kin;
+            cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
+        }
 #pragma unroll
         for (int q = 0; q < BV; q++) {
             const bool v = boff[q] >= 0 && kin;
