@@ -275,17 +275,30 @@ static void combine_check(int t, int k, int d, bool sorted) {
             }
             ref[(size_t)tok * d + c] += (double)sg[tok] * ys[(size_t)tok * d + c];
         }
+    // without the fused norm, then with it on the same inputs: h the same bits, and xb the bits
+    // rmsnorm_zc_bf16 writes from that h
+    std::vector<float> h2 = h, nw(d);
+    for (auto& x : nw) x = uni(-0.3f, 0.3f);
+    std::vector<bf16> xb((size_t)t * d, bf16{0x7fff}), xb_ref((size_t)t * d, bf16{0x7fff});
+    const float eps = 1e-6f;
     emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
-        moe_combine(y.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h.data(), k, d);
+        moe_combine(y.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h.data(), k, d,
+                    nullptr, nullptr, eps);
     });
+    emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
+        moe_combine(y.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h2.data(), k, d,
+                    nw.data(), xb.data(), eps);
+    });
+    emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] { rmsnorm_zc_bf16(h.data(), nw.data(), xb_ref.data(), d, eps); });
     double worst = 0;
     for (size_t i = 0; i < h.size(); i++) {
         const double dv = std::fabs(h[i] - ref[i]);
         if (!(dv <= worst)) worst = dv;
     }
-    const bool ok = worst < 1e-5;
-    printf("moe_combine t %d k %d d %d %s: max err %.1e %s\n", t, k, d, sorted ? "sorted" : "unsorted", worst,
-           ok ? "ok" : "FAILED");
+    const bool same = memcmp(h.data(), h2.data(), h.size() * 4) == 0 && memcmp(xb.data(), xb_ref.data(), xb.size() * 2) == 0;
+    const bool ok = worst < 1e-5 && same;
+    printf("moe_combine t %d k %d d %d %s: max err %.1e, fused RMSNorm %s rmsnorm_zc_bf16's %s\n", t, k, d,
+           sorted ? "sorted" : "unsorted", worst, same ? "bitwise" : "DIFFERS from", ok ? "ok" : "FAILED");
     fails += !ok;
 }
 

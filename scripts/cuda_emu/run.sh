@@ -8,7 +8,8 @@
 #        a producer warpgroup), the tensor-core decode attention and its combine
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
 #   moe  moe.cu: the routing top-k (ties included); the decode MoE block (router, gate/up,
-#        down) at small and reduced real shapes; moe_plan + moe_scatter + moe_gemm3 (both tile
+#        down) at small and reduced real shapes; moe_combine (and its fused RMSNorm against
+#        norm.cu's rmsnorm_zc_bf16, bitwise); moe_plan + moe_scatter + moe_gemm3 (both tile
 #        sizes, SwiGLU-fused and plain) at the tiny fixtures' dims, a deep-K shape and a reduced
 #        real shape; moe_gemm4 bitwise against moe_gemm3; moe_gemm5 (wgmma, emulated through its
 #        descriptors) against the references; moe_plan over several warps of experts
@@ -35,7 +36,7 @@ for n in mma gdn attn gemv moe; do
     gdn) build gdn gdn.cu ;;
     attn) build attn attention.cu ;;
     gemv) build gemv gemv.cu ;;
-    moe) build moe moe.cu ;;
+    moe) build moe moe.cu norm.cu ;;
   esac
   echo "== $n"
   "$tmp/${n}_check" "$@"

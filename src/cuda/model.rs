@@ -962,8 +962,12 @@ impl CudaModel {
             )
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
-        for layer in &self.layers {
-            rmsnorm(&layer.input_norm, ws.h.ptr, t)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            // From the second layer on, the previous layer's moe_combine wrote the normalised
+            // input already.
+            if li == 0 {
+                rmsnorm(&layer.input_norm, ws.h.ptr, t)?;
+            }
             match &layer.mixer {
                 MixerW::Gdn(w) => {
                     let (st_conv, st_rec) = &state.gdn[gdn_i];
@@ -1160,13 +1164,23 @@ impl CudaModel {
                 }
             }
             rmsnorm(&layer.post_norm, ws.h.ptr, t)?;
-            self.moe(ws, layer, t)?;
+            let next_norm = self.layers.get(li + 1).map(|l| &l.input_norm);
+            self.moe(ws, layer, t, next_norm)?;
         }
         state.len += t;
         Ok(())
     }
 
-    fn moe(&self, ws: &Workspace, layer: &LayerW, t: usize) -> Result<()> {
+    /// The MoE block of `layer` on the `t` rows of `ws.xb`, added into `ws.h`; with
+    /// `next_norm`, `ws.xb` then holds the next layer's normalised input (moe_combine's
+    /// fused RMSNorm).
+    fn moe(
+        &self,
+        ws: &Workspace,
+        layer: &LayerW,
+        t: usize,
+        next_norm: Option<&DeviceBuf>,
+    ) -> Result<()> {
         let c = &self.config;
         let g = &*self.gpu;
         let (d, e, k, i, is) = (
@@ -1318,6 +1332,9 @@ impl CudaModel {
                 Arg::Ptr(ws.h.ptr),
                 Arg::I(k as i32),
                 Arg::I(d as i32),
+                Arg::Ptr(next_norm.map_or(0, |w| w.ptr)),
+                Arg::Ptr(ws.xb.ptr),
+                Arg::F(c.rms_norm_eps),
             ],
         )
     }

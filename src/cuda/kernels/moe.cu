@@ -258,19 +258,24 @@ extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __res
 // Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sgate[t] * ys[t] (sgate: moe_route's
 // shared-expert gates). A thread takes 4 features at a time (16-byte loads, d % 4 == 0) with up
 // to 8 of its rows' loads issued together and no block barrier before them: the kernel streams
-// y once and is bound by that, not by round trips.
+// y once and is bound by that, not by round trips. With norm_w, the next layer's input RMSNorm
+// follows on the new row: xb[t] = bf16(h[t] / rms(h[t]) * (1 + norm_w)), the same sums in the
+// same order as rmsnorm_zc_bf16 (which it replaces there), so one pass over h fewer a layer.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __restrict__ y,
                                                               const int* __restrict__ slot_row,
                                                               const float* __restrict__ topk_w,
                                                               const float* __restrict__ ys,
                                                               const float* __restrict__ sgate,
-                                                              float* __restrict__ h, int k, int d) {
+                                                              float* __restrict__ h, int k, int d,
+                                                              const float* __restrict__ norm_w,
+                                                              bf16* __restrict__ xb, float eps) {
     PREFILL_KERNEL();
     const int s = blockIdx.x, d4 = d >> 2;
     const float gate = sgate[s];
     const float4* y4 = reinterpret_cast<const float4*>(y);
     const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * d4;
     float4* h4 = reinterpret_cast<float4*>(h) + (size_t)s * d4;
+    float ss = 0.0f;  // the new row's sum of squares, for the RMSNorm
     for (int c = threadIdx.x; c < d4; c += blockDim.x) {
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int k0 = 0; k0 < k; k0 += 8) {
@@ -295,6 +300,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __res
         hv.x += acc.x + gate * sh.x, hv.y += acc.y + gate * sh.y;
         hv.z += acc.z + gate * sh.z, hv.w += acc.w + gate * sh.w;
         h4[c] = hv;
+        ss += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;
+    }
+    if (!norm_w) return;  // grid-uniform
+    const float inv = rsqrtf(block_sum(ss) / d + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(norm_w);
+    for (int c = threadIdx.x; c < d4; c += blockDim.x) {  // the thread's own writes of h4
+        const float4 v = h4[c], g = w4[c];
+        reinterpret_cast<uint2*>(xb + (size_t)s * d)[c] =
+            make_uint2(pack_bf16x2(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y)),
+                       pack_bf16x2(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w)));
     }
 }
 
