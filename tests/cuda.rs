@@ -1100,6 +1100,28 @@ fn gdn_conv_prefill_matches_sequential() {
     }
 }
 
+/// DRAM read bandwidth of 4 KiB weight rows read in 32 KiB stages of 128 bytes a row (the
+/// grouped MoE GEMMs' K step over 256 rows) up to whole rows (contiguous), over 2 GiB;
+/// printed (a measurement, like the timing test below), asserted only to have run.
+#[test]
+fn weight_stream_bandwidth_by_layout() {
+    let Some(gpu) = gpu() else { return };
+    let items = 2048;
+    let copy = gpu.measure_copy_bandwidth(1 << 30).unwrap();
+    println!("copy bandwidth (read + write): {:.2} TB/s", copy / 1e12);
+    for run in [8, 16, 32, 256] {
+        let bw = gpu.measure_weight_stream(items, run).unwrap();
+        println!(
+            "weight stream, {} bytes of each of {} rows a 32 KiB stage: {:.2} TB/s",
+            16 * run,
+            2048 / run,
+            bw / 1e12
+        );
+        assert!(bw.is_finite() && bw > 0.0, "run {run}: {bw}");
+    }
+    assert!(gpu.measure_weight_stream(items, 12).is_err());
+}
+
 /// Time per call of the GDN prefill kernels at the full model's shape over a 4,096-token
 /// chunk (one layer's call), new against sequential; printed, not asserted (the target for
 /// the chunked delta rule is <= 1 ms).

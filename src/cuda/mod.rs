@@ -36,6 +36,7 @@ const KERNELS: &[&str] = &[
     "fill_random_bf16",
     "fill_random_f32",
     "copy_probe",
+    "read_probe",
     "gemv_dec",
     "gemv_dec_w",
     "rmsnorm_zc_bf16",
@@ -794,6 +795,41 @@ impl Gpu {
     }
 
     /// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`.
+    /// Read bandwidth (bytes/s) of `read_probe` (misc.cu) over `items` MiB of 4 KiB rows read
+    /// in 32 KiB stages of `run` 16-byte chunks a row (8: the grouped GEMMs' 128-byte K step
+    /// over 256 rows; 256: whole rows, contiguous), one persistent block an SM.
+    pub fn measure_weight_stream(&self, items: usize, run: usize) -> Result<f64> {
+        if !(8..=256).contains(&run) || !run.is_power_of_two() {
+            bail!("read_probe: run {run} is not a power of two in 8..=256");
+        }
+        let w = self.alloc_zeroed(items << 20)?;
+        let sink = self.alloc(self.sm_count * 4)?;
+        self.set_max_dynamic_smem("read_probe", 4 * 32 * 1024)?;
+        let run = || {
+            self.launch(
+                "read_probe",
+                (self.sm_count as u32, 1, 1),
+                128,
+                4 * 32 * 1024,
+                &[
+                    Arg::Ptr(w.ptr),
+                    Arg::I(items as i32),
+                    Arg::I(run as i32),
+                    Arg::Ptr(sink.ptr),
+                ],
+            )
+        };
+        run()?;
+        self.sync()?;
+        let reps = 10;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            run()?;
+        }
+        self.sync()?;
+        Ok((items << 20) as f64 * reps as f64 / t0.elapsed().as_secs_f64())
+    }
+
     pub fn measure_copy_bandwidth(&self, bytes: usize) -> Result<f64> {
         let a = self.alloc_zeroed(bytes)?;
         let b = self.alloc(bytes)?;

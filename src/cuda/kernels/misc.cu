@@ -59,3 +59,33 @@ extern "C" __global__ void fill_random_f32(float* __restrict__ out, u64 n, u64 s
 extern "C" __global__ void copy_probe(const uint4* __restrict__ x, uint4* __restrict__ y, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) y[i] = x[i];
 }
+
+// Weight-stream probe: how fast the grouped MoE GEMMs' operand pattern reads from DRAM. A
+// persistent block (128 threads, one per SM) walks 1 MiB items (256 rows of 4 KiB, an expert
+// slice's rows at K = 2,048) in 32 KiB stages with 16-byte cp.async into a 4-stage ring, as
+// moe_gemm6's producer does. A stage is `run` 16-byte chunks of each of 2048 / run rows (run 8:
+// 128 bytes of all 256 rows, the GEMMs' K step; run 256: 8 whole rows, i.e. contiguous).
+// Nothing consumes the stages; xs_out keeps the copies from being dropped.
+extern "C" __global__ void __launch_bounds__(128) read_probe(const uint4* __restrict__ w, int items, int run,
+                                                             unsigned* __restrict__ xs_out) {
+    extern __shared__ __align__(16) uint4 probe_smem[];  // [4][2048]
+    const int tid = threadIdx.x, rows = 2048 / run, blocks = 256 / rows;
+    unsigned it = 0;
+    for (int q = blockIdx.x; q < items; q += gridDim.x) {
+        const uint4* item = w + (size_t)q * 65536;  // 1 MiB in 16-byte chunks
+        for (int kt = 0; kt < 32; kt++, it++) {
+            uint4* st = probe_smem + (it % 4) * 2048;
+            const int cs = kt / blocks, rb = kt % blocks;  // column step, row block
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const int i = tid + 128 * j;  // chunk of the stage
+                cp_async16(st + i, item + (size_t)(rb * rows + i / run) * 256 + cs * run + i % run, true);
+            }
+            cp_async_commit();
+            cp_async_wait<2>();
+        }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    if (tid == 0) xs_out[blockIdx.x] = probe_smem[0].x ^ probe_smem[4095].y;
+}
