@@ -1122,6 +1122,82 @@ fn weight_stream_bandwidth_by_layout() {
     assert!(gpu.measure_weight_stream(items, 12).is_err());
 }
 
+/// Where gdn_chunk_state's time goes within a chunk: a 2,048-token call (32 chunks) at the full
+/// model's shape with the phase clock compiled in (`KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE`
+/// in the environment; otherwise the clock must have stayed 0 and the test says it skipped),
+/// cycles per chunk of each phase of block (0, 0) averaged over chunks 2 .. 31, printed; the
+/// phases of every chunk must be in order.
+#[test]
+fn gdn_chunk_state_phases() {
+    let Some(gpu) = gpu() else { return };
+    let sh = GdnShape {
+        t: 2048,
+        hk: 16,
+        hv: 32,
+        dk: 128,
+        dv: 128,
+    };
+    let traced =
+        std::env::var("KESTREL_KERNEL_DEFINES").is_ok_and(|d| d.contains("KESTREL_GDN_TRACE"));
+    run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
+    let ph = gpu.gdn_phase_trace().unwrap();
+    if !traced {
+        assert!(
+            ph.iter().all(|&x| x == 0),
+            "phase clock written without the define"
+        );
+        println!("SKIPPED: phase clock not compiled in (KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE)");
+        return;
+    }
+    let chunks = sh.t / 64;
+    // (team slot offset, from, to, name)
+    let phases = [
+        (0, 0, 1, "A: U loads + W S"),
+        (0, 1, 2, "A: Vd (decay, split, store)"),
+        (0, 2, 3, "A: wait for K"),
+        (0, 3, 4, "A: team barrier"),
+        (0, 4, 5, "A: S update + split"),
+        (0, 5, 6, "A: to the loop end"),
+        (0, 6, 7, "A: wait for next W"),
+        (8, 0, 1, "B: O_intra loads + Q' S"),
+        (8, 1, 6, "B: o stores"),
+        (8, 6, 7, "B: wait for next Q'"),
+    ];
+    let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
+    for ch in 0..chunks {
+        for (team, slots) in [(0, &[0, 1, 2, 3, 4, 5, 6, 7][..]), (8, &[0, 1, 6, 7][..])] {
+            for w in slots.windows(2) {
+                assert!(
+                    at(ch, team + w[0]) <= at(ch, team + w[1]),
+                    "chunk {ch} team {team}: {w:?}"
+                );
+            }
+        }
+    }
+    let span = 2..chunks;
+    let avg =
+        |f: &dyn Fn(usize) -> u64| span.clone().map(f).sum::<u64>() as f64 / span.len() as f64;
+    println!(
+        "gdn_chunk_state_128 block (0, 0), t = {}, cycles a chunk (chunks 2 .. {}):",
+        sh.t,
+        chunks - 1
+    );
+    println!(
+        "  chunk period: {:.0}",
+        avg(&|ch| at(ch, 0) - at(ch - 1, 0))
+    );
+    for (team, a, b, name) in phases {
+        println!(
+            "  {name}: {:.0}",
+            avg(&|ch| at(ch, team + b) - at(ch, team + a))
+        );
+    }
+    println!(
+        "  A: barrier to barrier (7 -> next 0): {:.0}",
+        avg(&|ch| at(ch, 0) - at(ch - 1, 7))
+    );
+}
+
 /// Time per call of the GDN prefill kernels at the full model's shape over a 4,096-token
 /// chunk (one layer's call), new against sequential; printed, not asserted (the target for
 /// the chunked delta rule is <= 1 ms).

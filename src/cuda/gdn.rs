@@ -231,6 +231,17 @@ impl Gpu {
         )
     }
 
+    /// gdn_chunk_state's phase clock (gdn.cu, `g_gdn_phase`: 16 u64 a chunk, all 0 unless
+    /// the kernels were compiled with `KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE`).
+    pub fn gdn_phase_trace(&self) -> Result<Vec<u64>> {
+        let n = 256 * 16;
+        let out = self.alloc(n * 8)?;
+        self.launch("gdn_phase_read", (1, 1, 1), 256, 0, &[Arg::Ptr(out.ptr)])?;
+        let mut v = vec![0u64; n];
+        self.copy_to_host(out.ptr, &mut v)?;
+        Ok(v)
+    }
+
     /// The delta rule in chunks of 64 (same results as [`Gpu::gdn_delta_recurrent`] up to
     /// rounding, f32-level: max-rel 1e-6 .. 4e-6 on the emulator): `gdn_chunk_prep`, grid
     /// (chunks, hv), prepares every chunk in parallel, then `gdn_chunk_state`, grid

@@ -37,6 +37,7 @@ const KERNELS: &[&str] = &[
     "fill_random_f32",
     "copy_probe",
     "read_probe",
+    "gdn_phase_read",
     "gemv_dec",
     "gemv_dec_w",
     "rmsnorm_zc_bf16",

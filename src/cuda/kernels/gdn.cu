@@ -773,6 +773,23 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
 // chunk ahead), Q' and S double-buffered. Dynamic shared memory: GdnShape::state_smem_bytes
 // (223,744 at dk 128).
 #define GDN_STATE_THREADS 512
+
+// Phase clock of gdn_chunk_state's block (0, 0), compiled in with
+// KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE (the GPU test gdn_chunk_state_phases prints it):
+// per chunk (the first GDN_TRACE_CHUNKS), clock64 of team A's thread 0 at slots 0-7 and of team
+// B's thread 0 at slots 8-15, at the points GDN_PHASE marks.
+#define GDN_TRACE_CHUNKS 256
+__device__ u64 g_gdn_phase[GDN_TRACE_CHUNKS * 16];
+extern "C" __global__ void gdn_phase_read(u64* __restrict__ out) {
+    for (int i = threadIdx.x; i < GDN_TRACE_CHUNKS * 16; i += blockDim.x) out[i] = g_gdn_phase[i];
+}
+#ifdef KESTREL_GDN_TRACE
+#define GDN_PHASE(slot)                                                                          \
+    if (blockIdx.x == 0 && blockIdx.y == 0 && (tid & 255) == 0 && ch < GDN_TRACE_CHUNKS)        \
+    g_gdn_phase[ch * 16 + (team_a ? 0 : 8) + (slot)] = clock64()
+#else
+#define GDN_PHASE(slot)
+#endif
 // bar.sync on barrier `id` for `threads` threads (whole warps); attention.cu's bar_sync_named
 // comes later in the module, so gdn.cu has its own.
 __device__ __forceinline__ void gdn_bar(int id, int threads) {
@@ -895,6 +912,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
         // S_ch in ss[par]; this chunk's W, γ and Q' landed; the last chunk's readers of ws,
         // qs[par ^ 1], ss[par ^ 1], kt, vd and gm[par ^ 1] are done.
         __syncthreads();
+        GDN_PHASE(0);
         const float* sc = ss + par * SBUF;
         if (team_a) {
             load_k(ch);
@@ -918,6 +936,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
             }
             float acc[2][4];
             gdn_rows_times_s<DK, LDW>(ws + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
+            GDN_PHASE(1);
             const float last = gc[GDN_C - 1];
             const float d0 = expf(last - gc[r]), d1 = expf(last - gc[r + 8]);
 #pragma unroll
@@ -926,12 +945,16 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
                 st_quad(vd, r, m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0, lane);
                 st_quad(vd, r + 8, m, (pre[nt][2] - acc[nt][2]) * d1, (pre[nt][3] - acc[nt][3]) * d1, lane);
             }
+            GDN_PHASE(2);
             cp_async_wait_all();  // this chunk's K
+            GDN_PHASE(3);
             gdn_bar(1, 256);      // team A: Vd complete, K visible, every read of W done
+            GDN_PHASE(4);
             load_tile(w_in, ch + 1, ws, gm + (par ^ 1) * GDN_C);
 
             // S ← e^{γ_last} S + Kᵀ Vd (A = Kᵀ read transposed), split into ss[par ^ 1].
             if (has_s) gdn_state_update<DK, NPW>(sr, expf(last), kt, vd, ss + (par ^ 1) * SBUF, srow, wt * NPW, lane);
+            GDN_PHASE(5);
         } else {
             load_tile(qp_in, ch + 1, qs + (par ^ 1) * TILE, nullptr);
             float pre[2][4];  // O_intra rows r, r + 8
@@ -949,6 +972,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
             }
             float acc[2][4];
             gdn_rows_times_s<DK, LDW>(qs + par * TILE + 16 * (wt >> 1) * LDW, sc, half, lane, acc);
+            GDN_PHASE(1);
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
                 const int m = 8 * (2 * half + nt) + 2 * cq;
@@ -961,7 +985,9 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
                 }
             }
         }
+        GDN_PHASE(6);
         cp_async_wait_all();  // the next chunk's W and γ (team A) or Q' (team B)
+        GDN_PHASE(7);
     }
     if (has_s) {
 #pragma unroll
