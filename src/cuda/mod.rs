@@ -795,7 +795,6 @@ impl Gpu {
         self.launch(kernel, (1024, 1, 1), 256, 0, &args)
     }
 
-    /// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`.
     /// Read bandwidth (bytes/s) of `read_probe` (misc.cu) over `items` MiB of 4 KiB rows read
     /// in 32 KiB stages of `run` 16-byte chunks a row (8: the grouped GEMMs' 128-byte K step
     /// over 256 rows; 256: whole rows, contiguous), one persistent block an SM.
@@ -806,7 +805,7 @@ impl Gpu {
         let w = self.alloc_zeroed(items << 20)?;
         let sink = self.alloc(self.sm_count * 4)?;
         self.set_max_dynamic_smem("read_probe", 4 * 32 * 1024)?;
-        let run = || {
+        let secs = self.seconds_per_call(|| {
             self.launch(
                 "read_probe",
                 (self.sm_count as u32, 1, 1),
@@ -819,23 +818,16 @@ impl Gpu {
                     Arg::Ptr(sink.ptr),
                 ],
             )
-        };
-        run()?;
-        self.sync()?;
-        let reps = 10;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps {
-            run()?;
-        }
-        self.sync()?;
-        Ok((items << 20) as f64 * reps as f64 / t0.elapsed().as_secs_f64())
+        })?;
+        Ok((items << 20) as f64 / secs)
     }
 
+    /// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`.
     pub fn measure_copy_bandwidth(&self, bytes: usize) -> Result<f64> {
         let a = self.alloc_zeroed(bytes)?;
         let b = self.alloc(bytes)?;
         let n16 = (bytes / 16) as u64;
-        let run = || {
+        let secs = self.seconds_per_call(|| {
             self.launch(
                 "copy_probe",
                 (132 * 8, 1, 1),
@@ -843,17 +835,22 @@ impl Gpu {
                 0,
                 &[Arg::Ptr(a.ptr), Arg::Ptr(b.ptr), Arg::U(n16)],
             )
-        };
-        run()?;
+        })?;
+        Ok(2.0 * bytes as f64 / secs)
+    }
+
+    /// Wall time of one `launch` (enqueues on the main stream), after a warm-up call: the mean
+    /// of 10 back to back.
+    fn seconds_per_call(&self, launch: impl Fn() -> Result<()>) -> Result<f64> {
+        launch()?;
         self.sync()?;
         let reps = 10;
         let t0 = std::time::Instant::now();
         for _ in 0..reps {
-            run()?;
+            launch()?;
         }
         self.sync()?;
-        let secs = t0.elapsed().as_secs_f64() / reps as f64;
-        Ok(2.0 * bytes as f64 / secs)
+        Ok(t0.elapsed().as_secs_f64() / reps as f64)
     }
 }
 
