@@ -72,7 +72,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     float* gam = u + (size_t)hv * tp * dv;
     const int nx = dk + (dv + 7) / 8 * 8, ldx = nx + (40 - nx % 32) % 32;
     size_t prep = 4 * (2 * C * (C + 4) + 3 * C + 4 * 16 * 20 + std::max(2 * C * (dk + 4), C * ldx));
-    size_t stsm = 4 * (3 * C * (dk + 4) + C * (dk + 8) + 2 * dk * 36 + C * 36 + 2 * C);
+    size_t stsm = 4 * (3 * C * (dk + 4) + C * (dk + 8) + 2 * dk * 68 + C * 68 + 2 * C);
     emu_launch({(unsigned)nch, (unsigned)hv, 1}, 256, prep, [&] {
         gdn_chunk_prep_impl<DK>(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_c.data(), t, hk, hv, dv);
     });

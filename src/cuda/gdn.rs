@@ -92,15 +92,15 @@ impl GdnShape {
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + 4 * 16 * 20 + kq)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_state`: W, Q' twice, K, S twice and V' (f32 in
-    /// gdn.cu's pair layout, 2 * 32 + 8 floats per 2 rows), γ twice; 182,784 bytes at
+    /// Dynamic shared memory of `gdn_chunk_state`: W, Q' twice, K, S twice and V' (tf32 hi and
+    /// lo in gdn.cu's quad layout, 4 * 32 + 8 floats per 2 rows), γ twice; 223,744 bytes at
     /// dk = 128.
     fn state_smem_bytes(&self) -> usize {
-        let pair = (2 * STATE_COLS + 8) / 2;
+        let quad = (4 * STATE_COLS + 8) / 2;
         4 * (3 * CHUNK * (self.dk + 4)
             + CHUNK * (self.dk + 8)
-            + 2 * self.dk * pair
-            + CHUNK * pair
+            + 2 * self.dk * quad
+            + CHUNK * quad
             + 2 * CHUNK)
     }
 
@@ -318,7 +318,7 @@ mod tests {
             dv: 128,
         };
         assert!(sh.chunked_fits(h200));
-        assert_eq!(sh.state_smem_bytes(), 182_784);
+        assert_eq!(sh.state_smem_bytes(), 223_744);
         assert!(
             !sh.chunked_fits(100 * 1024),
             "a smaller GPU falls back to the recurrent path"

@@ -370,34 +370,31 @@ extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* 
 #define GDN_C 64             // chunk length of the chunked delta rule
 #define GDN_LDP (GDN_C + 4)  // row stride of 64x64 matrices in shared memory
 #define GDN_DVS 32           // value columns per block of gdn_chunk_state
-// gdn_chunk_state's B operands S [DK][32] and Vd [64][32], f32 in a "pair" layout: per 8-row k
-// block kb and c < 4, column n holds {x(8kb+c, n), x(8kb+c+4, n)}, so a lane's b0, b1 are one
-// 8-byte load (a half-warp's lanes (c, g) hit banks 8c + 2g, no conflict), split 3xTF32 where
-// they are loaded: f32 pairs move half the shared-memory bytes of stored hi/lo splits, which
-// bounded the state pass (the splits are the same, so are the products).
-#define GDN_LDR (2 * GDN_DVS + 8)  // floats per c row of a k block
-#define GDN_KBR (4 * GDN_LDR)      // floats per 8-row k block
+// gdn_chunk_state's B operands S [DK][32] and Vd [64][32], split 3xTF32, in a "quad" layout:
+// per 8-row k block kb and c < 4, column n holds {hi, lo} of rows 8kb+c and 8kb+c+4 as
+// {hi(c), hi(c+4), lo(c), lo(c+4)}, so a lane's b0, b1 of both parts are one 16-byte load into
+// registers the mma takes as they are; a quarter-warp's lanes (c, g) hit 8c + 4g mod 32, no conflict.
+#define GDN_LDQ (4 * GDN_DVS + 8)  // floats per c row of a k block
+#define GDN_KBQ (4 * GDN_LDQ)      // floats per 8-row k block
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
 
-// A lane's accumulator pair (row `row` = 8kb + lane / 4, columns m, m + 1) into a pair-layout
+// A lane's accumulator pair (row `row` = 8kb + lane / 4, columns m, m + 1) into a quad-layout
 // matrix: lanes l and l ^ 16 hold rows k and k + 4 of the same columns; after one exchange
 // the lower lane writes column m's cell, the upper column m + 1's. All 32 lanes must call it.
-__device__ __forceinline__ void st_pair(float* mat, int row, int m, float x0, float x1, int lane) {
+__device__ __forceinline__ void st_quad(float* mat, int row, int m, float x0, float x1, int lane) {
+    unsigned h0, l0, h1, l1;
+    split_tf32(x0, h0, l0);
+    split_tf32(x1, h1, l1);
     const bool up = lane & 16;
-    const float sx = __shfl_xor_sync(0xffffffffu, up ? x0 : x1, 16);
-    float* cell = mat + (row >> 3) * GDN_KBR + (row & 3) * GDN_LDR + 2 * (m + (up ? 1 : 0));
-    st2(cell, up ? sx : x0, up ? x1 : sx);
-}
-// A lane's B fragment (k block kb, column n) of a pair-layout matrix, split: {hi(b0), hi(b1),
-// lo(b0), lo(b1)}.
-__device__ __forceinline__ void ld_pair_split(const float* mat, int kb, int cq, int n, unsigned (&b)[4]) {
-    const float2 q = ld2(mat + kb * GDN_KBR + cq * GDN_LDR + 2 * n);
-    split_tf32(q.x, b[0], b[2]);
-    split_tf32(q.y, b[1], b[3]);
+    const unsigned sh = __shfl_xor_sync(0xffffffffu, up ? h0 : h1, 16);
+    const unsigned sl = __shfl_xor_sync(0xffffffffu, up ? l0 : l1, 16);
+    float* cell = mat + (row >> 3) * GDN_KBQ + (row & 3) * GDN_LDQ + 4 * (m + (up ? 1 : 0));
+    st4(cell, up ? make_float4(__uint_as_float(sh), __uint_as_float(h1), __uint_as_float(sl), __uint_as_float(l1))
+                 : make_float4(__uint_as_float(h0), __uint_as_float(sh), __uint_as_float(l0), __uint_as_float(sl)));
 }
 
 __device__ __forceinline__ void gdn_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
@@ -718,8 +715,8 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
 
 // S ← e^{γ_last} S + Kᵀ Vd for one warp's S tiles (column tiles tile0 + p, rows srow and
 // srow + 8, f32 in sr), on 3xTF32 mma with the cross terms in their own accumulators; A = Kᵀ
-// read transposed from K rows at kt, B = Vd in the pair layout; the new S is then stored into
-// `dst` (pair layout) for the next chunk's products.
+// read transposed from K rows at kt, B = Vd in the quad layout; the new S is then stored split
+// into `dst` (quad layout) for the next chunk's products.
 template <int DK, int NPW>
 __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, const float* kt, const float* vd,
                                                  float* dst, int srow, int tile0, int lane) {
@@ -739,11 +736,12 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
         for (int e = 0; e < 4; e++) split_tf32(kv[e], ah[e], al[e]);
 #pragma unroll
         for (int p = 0; p < NPW; p++) {
-            unsigned b[4];
-            ld_pair_split(vd, r0 >> 3, cq, 8 * ((tile0 + p) % 4) + gq, b);
-            mma_tf32_1688(cor[p], al, b[0], b[1]);
-            mma_tf32_1688(cor[p], ah, b[2], b[3]);
-            mma_tf32_1688(sr[p], ah, b[0], b[1]);
+            const float4 q = ld4(vd + (r0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * ((tile0 + p) % 4) + gq));
+            const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
+            const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
+            mma_tf32_1688(cor[p], al, bh0, bh1);
+            mma_tf32_1688(cor[p], ah, bl0, bl1);
+            mma_tf32_1688(sr[p], ah, bh0, bh1);
         }
     }
 #pragma unroll
@@ -751,8 +749,8 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
 #pragma unroll
         for (int e = 0; e < 4; e++) sr[p][e] += cor[p][e];
         const int m = 8 * ((tile0 + p) % 4) + 2 * cq;
-        st_pair(dst, srow, m, sr[p][0], sr[p][1], lane);
-        st_pair(dst, srow + 8, m, sr[p][2], sr[p][3], lane);
+        st_quad(dst, srow, m, sr[p][0], sr[p][1], lane);
+        st_quad(dst, srow + 8, m, sr[p][2], sr[p][3], lane);
     }
 }
 
@@ -761,19 +759,19 @@ __device__ __forceinline__ void gdn_state_update(float (&sr)[NPW][4], float el, 
 // split: each operand x = hi + lo (hi = tf32(x), lo = tf32(x − hi)) and
 // A B ≈ A_hi B_hi + (A_hi B_lo + A_lo B_hi), three mma.sync m16n8k8, f32 accumulate (the
 // dropped A_lo B_lo is ~2^-22 of the product). The state slice S [DK, 32] stays in registers
-// (f32, mma accumulator layout) from the first chunk to the last, with a copy in shared memory
-// (pair layout, above) as the B operand; every operand stays f32 in shared memory and is split
-// as its fragments are loaded. 512 threads in two teams of 8 warps, so that
+// (f32, mma accumulator layout) from the first chunk to the last, with its (hi, lo) split in
+// shared memory (quad layout, above) as the B operand; W, Q' and K stay f32 in shared memory
+// and are split as their fragments are loaded. 512 threads in two teams of 8 warps, so that
 // O = O_intra + Q' S (not on the state's critical path) runs beside the state update instead
 // of before it (H200, 4,096 tokens: 0.793 ms against 0.878 for the removed 8-warp kernel that
 // did [W; Q'] S first). Team A (warps 0-7) owns S:
-//   R = W S (64 x 32; warp: 16 rows x 16 columns), Vd = e^{γ_last − γ} (U − R) (pair layout),
-//   S ← e^{γ_last} S + Kᵀ Vd (gdn_state_update), stored into the other S buffer;
+//   R = W S (64 x 32; warp: 16 rows x 16 columns), Vd = e^{γ_last − γ} (U − R) (quad layout),
+//   S ← e^{γ_last} S + Kᵀ Vd (gdn_state_update), its split into the other S buffer;
 // team B (warps 8-15) computes O = O_intra + Q' S of the same chunk from the S buffer team A
 // is not writing. One block barrier per chunk (hand-off: S, tiles, buffers), one team-A
 // barrier (Vd, K). W and K are single-buffered (refilled once dead, with an L2 prefetch a
 // chunk ahead), Q' and S double-buffered. Dynamic shared memory: GdnShape::state_smem_bytes
-// (182,784 at dk 128).
+// (223,744 at dk 128).
 #define GDN_STATE_THREADS 512
 
 // Phase clock of gdn_chunk_state's block (0, 0), compiled in with
@@ -798,8 +796,8 @@ __device__ __forceinline__ void gdn_bar(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// acc (16 rows x 2 column tiles of 8) = A S with A 16 f32 rows at `a` (row stride LDA) and S
-// (pair layout) at `s`, column tiles 2 * half and 2 * half + 1, 3xTF32; whole warp.
+// acc (16 rows x 2 column tiles of 8) = A S with A 16 f32 rows at `a` (row stride LDA) and S's
+// split (quad layout) at `s`, column tiles 2 * half and 2 * half + 1, 3xTF32; whole warp.
 template <int DK, int LDA>
 __device__ __forceinline__ void gdn_rows_times_s(const float* a, const float* s, int half, int lane,
                                                  float (&acc)[2][4]) {
@@ -818,11 +816,12 @@ __device__ __forceinline__ void gdn_rows_times_s(const float* a, const float* s,
         for (int e = 0; e < 4; e++) split_tf32(__uint_as_float(af[e]), ah[e], al[e]);
 #pragma unroll
         for (int nt = 0; nt < 2; nt++) {
-            unsigned b[4];
-            ld_pair_split(s, k0 >> 3, cq, 8 * (2 * half + nt) + gq, b);
-            mma_tf32_1688(cor[nt], al, b[0], b[1]);
-            mma_tf32_1688(cor[nt], ah, b[2], b[3]);
-            mma_tf32_1688(acc[nt], ah, b[0], b[1]);
+            const float4 q = ld4(s + (k0 >> 3) * GDN_KBQ + cq * GDN_LDQ + 4 * (8 * (2 * half + nt) + gq));
+            const unsigned bh0 = __float_as_uint(q.x), bh1 = __float_as_uint(q.y);
+            const unsigned bl0 = __float_as_uint(q.z), bl1 = __float_as_uint(q.w);
+            mma_tf32_1688(cor[nt], al, bh0, bh1);
+            mma_tf32_1688(cor[nt], ah, bl0, bl1);
+            mma_tf32_1688(acc[nt], ah, bh0, bh1);
         }
     }
 #pragma unroll
@@ -840,13 +839,13 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     constexpr int LDW = DK + 4, LDKT = DK + 8, RT = DK / 16;
     constexpr int NPW = RT >= 2 ? RT / 2 : 1;
     constexpr int TILE = GDN_C * LDW;            // floats of a W or Q' tile
-    constexpr int SBUF = DK / 8 * GDN_KBR;       // floats of one S (pair layout)
+    constexpr int SBUF = DK / 8 * GDN_KBQ;       // floats of one split S
     float* ws = gdn_smem;                        // [64][LDW] W (team A)
     float* qs = ws + TILE;                       // [2][64][LDW] Q', by chunk parity (team B)
     float* kt = qs + 2 * TILE;                   // [64][LDKT] K (0 past t)
-    float* ss = kt + GDN_C * LDKT;               // [2][DK / 8][KBR] S_ch in buffer ch & 1
-    float* vd = ss + 2 * SBUF;                   // [8][KBR] Vd, pair layout
-    float* gm = vd + GDN_C / 8 * GDN_KBR;        // [2][64] γ, by chunk parity
+    float* ss = kt + GDN_C * LDKT;               // [2][DK / 8][KBQ] S_ch split in buffer ch & 1
+    float* vd = ss + 2 * SBUF;                   // [8][KBQ] Vd, quad layout
+    float* gm = vd + GDN_C / 8 * GDN_KBQ;        // [2][64] γ, by chunk parity
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
     const bool team_a = warp < 8;
     const int wt = warp & 7, tt = tid & 255;  // warp and thread within the team
@@ -897,8 +896,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
             sr[p][2] = ok ? st[(size_t)(srow + 8) * dv + m] : 0.0f;
             sr[p][3] = ok ? st[(size_t)(srow + 8) * dv + m + 1] : 0.0f;
             if (has_s) {
-                st_pair(ss, srow, m, sr[p][0], sr[p][1], lane);
-                st_pair(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
+                st_quad(ss, srow, m, sr[p][0], sr[p][1], lane);
+                st_quad(ss, srow + 8, m, sr[p][2], sr[p][3], lane);
             }
         }
     } else {
@@ -943,8 +942,8 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
                 const int m = 8 * (2 * half + nt) + 2 * cq;
-                st_pair(vd, r, m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0, lane);
-                st_pair(vd, r + 8, m, (pre[nt][2] - acc[nt][2]) * d1, (pre[nt][3] - acc[nt][3]) * d1, lane);
+                st_quad(vd, r, m, (pre[nt][0] - acc[nt][0]) * d0, (pre[nt][1] - acc[nt][1]) * d0, lane);
+                st_quad(vd, r + 8, m, (pre[nt][2] - acc[nt][2]) * d1, (pre[nt][3] - acc[nt][3]) * d1, lane);
             }
             GDN_PHASE(2);
             cp_async_wait_all();  // this chunk's K
