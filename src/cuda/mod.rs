@@ -387,6 +387,9 @@ impl Gpu {
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
             functions.insert(*k, f);
         }
+        let profile = std::env::var("KESTREL_PROFILE")
+            .ok()
+            .map(|_| std::sync::Mutex::new(Profile::default()));
         let gpu = Gpu {
             ctx,
             stream,
@@ -405,12 +408,11 @@ impl Gpu {
             total_memory,
             max_smem_per_block,
             sm_count,
-            profile: std::env::var("KESTREL_PROFILE")
-                .ok()
-                .map(|_| std::sync::Mutex::new(Default::default())),
+            // the profile's events around each launch would sit between the two kernels
             prefill_pdl: cc >= (9, 0)
-                && std::env::var_os("KESTREL_PROFILE").is_none()
+                && profile.is_none()
                 && std::env::var("KESTREL_PREFILL_PDL").map_or(true, |v| v != "0"),
+            profile,
             main_tail_is_kernel: Default::default(),
         };
         // The chunked GDN kernels need more than the default 48 KiB, how much depends on the
