@@ -1023,6 +1023,8 @@ fn run_delta(
 #[test]
 fn gdn_chunked_kernel_matches_recurrent() {
     let Some(gpu) = gpu() else { return };
+    use std::sync::atomic::Ordering::Relaxed;
+    let default_wg = gpu.gdn_state_wg.load(Relaxed);
     let shape = |t, hk, hv, dk, dv| GdnShape { t, hk, hv, dk, dv };
     for sh in [
         shape(300, 16, 32, 128, 128),
@@ -1035,15 +1037,25 @@ fn gdn_chunked_kernel_matches_recurrent() {
         assert!(sh.chunked_fits(gpu.max_smem_per_block), "{sh:?}");
         let inputs = delta_inputs(&sh, 42 + sh.t as u64);
         let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, false);
-        let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, true);
-        let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
-        println!(
-            "{sh:?}: chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
-            norm_rel_err(&o_c, &o_r),
-            norm_rel_err(&s_c, &s_r)
-        );
-        assert!(o_c.iter().chain(&s_c).all(|x| x.is_finite()), "{sh:?}");
-        assert!(eo <= 1e-4 && es <= 1e-4, "{sh:?}: o {eo} state {es}");
+        // the state pass on wgmma (sm_90a, dk 64 and 128) and on mma.sync
+        let passes: &[bool] = if default_wg { &[true, false] } else { &[false] };
+        for &wg in passes {
+            gpu.gdn_state_wg.store(wg, Relaxed);
+            let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, true);
+            let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
+            println!(
+                "{sh:?}{}: chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
+                if wg { " (wgmma state pass)" } else { "" },
+                norm_rel_err(&o_c, &o_r),
+                norm_rel_err(&s_c, &s_r)
+            );
+            assert!(o_c.iter().chain(&s_c).all(|x| x.is_finite()), "{sh:?}");
+            assert!(
+                eo <= 1e-4 && es <= 1e-4,
+                "{sh:?} wg {wg}: o {eo} state {es}"
+            );
+        }
+        gpu.gdn_state_wg.store(default_wg, Relaxed);
         assert!(
             rel_err(&s_r, &inputs.3) > 1e-2,
             "{sh:?}: the state did not move"
@@ -1178,7 +1190,12 @@ fn gdn_chunk_state_phases() {
     let avg =
         |f: &dyn Fn(usize) -> u64| span.clone().map(f).sum::<u64>() as f64 / span.len() as f64;
     println!(
-        "gdn_chunk_state_128 block (0, 0), t = {}, cycles a chunk (chunks 2 .. {}):",
+        "{} block (0, 0), t = {}, cycles a chunk (chunks 2 .. {}):",
+        if gpu.gdn_state_wg.load(std::sync::atomic::Ordering::Relaxed) {
+            "gdn_chunk_state_wg_128"
+        } else {
+            "gdn_chunk_state_128"
+        },
         sh.t,
         chunks - 1
     );
@@ -1236,9 +1253,22 @@ fn gdn_prefill_kernel_timing_full_shape() {
         gpu.sync().unwrap();
         t0.elapsed().as_secs_f64() * 1e3 / reps as f64
     };
-    let chunked = time_ms(10, &|| {
-        gpu.gdn_delta_chunked(&sh, &bufs, scratch.ptr).unwrap()
-    });
+    use std::sync::atomic::Ordering::Relaxed;
+    let default_wg = gpu.gdn_state_wg.load(Relaxed);
+    let mut chunked_by_pass = String::new();
+    for wg in [false, true] {
+        if wg && !default_wg {
+            continue;
+        }
+        gpu.gdn_state_wg.store(wg, Relaxed);
+        let ms = time_ms(10, &|| {
+            gpu.gdn_delta_chunked(&sh, &bufs, scratch.ptr).unwrap()
+        });
+        let pass = if wg { "wgmma" } else { "mma.sync" };
+        chunked_by_pass += &format!(" {ms:.3} ms ({pass} state pass)");
+    }
+    gpu.gdn_state_wg.store(default_wg, Relaxed);
+    let chunked = chunked_by_pass;
     let recurrent = time_ms(2, &|| gpu.gdn_delta_recurrent(&sh, &bufs).unwrap());
     // The conv reads the normalised qkv as its input: any finite numbers do for timing.
     let conv = |f: fn(&Gpu, &GdnShape, usize, u64, u64, u64, u64) -> anyhow::Result<()>| {
@@ -1257,7 +1287,7 @@ fn gdn_prefill_kernel_timing_full_shape() {
     };
     let (conv_new, conv_old) = (conv(Gpu::gdn_conv_prefill), conv(Gpu::gdn_conv_sequential));
     println!(
-        "{sh:?}: delta rule chunked {chunked:.3} ms, recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
+        "{sh:?}: delta rule chunked{chunked}, recurrent {recurrent:.3} ms; conv prefill {conv_new:.3} ms, sequential {conv_old:.3} ms"
     );
 }
 

@@ -12,7 +12,7 @@
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
 // emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
-// emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named
+// emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -183,7 +183,7 @@ struct PendingWgmma {
     float* d;
     unsigned long long da, db;
     int scale_d, n = 256;
-    bool trans_b = false, a_reg = false;
+    bool trans_b = false, a_reg = false, tf32 = false;  // tf32: k 8, 4-byte elements
     float a[2][16] = {};
 };
 inline std::vector<std::vector<PendingWgmma>> g_wg_groups[1024];
@@ -423,6 +423,9 @@ inline void mbar_wait(unsigned long long* bar, unsigned parity) {
     }
 }
 
+// The hardware reads a .tf32 operand's top 19 bits (the low 13 are ignored).
+inline float emu_tf32_val(uint32_t reg) { reg &= 0xffffe000u; float f; memcpy(&f, &reg, 4); return f; }
+
 // ---- wgmma (m64n256k16, bf16, f32 accumulators, K-major operands in the 128-byte swizzle) ----
 // Each thread computes its own accumulator elements from shared memory through the
 // descriptors, as the hardware's address swizzle defines them (16-byte unit bits 4-6 XOR row
@@ -447,10 +450,19 @@ inline float emu_swizzled_bf16(unsigned addr) {
     memcpy(&v, g_dyn_smem.data() + addr, 2);
     return __bfloat162float(v);
 }
+// The tf32 operand at unswizzled shared offset `addr` (its top 19 bits, as the hardware reads).
+inline float emu_swizzled_tf32(unsigned addr) {
+    addr ^= ((addr >> 7) & 7) << 4;
+    if (addr + 4 > g_dyn_smem.size()) emu_fail("wgmma operand outside shared memory");
+    uint32_t v;
+    memcpy(&v, g_dyn_smem.data() + addr, 4);
+    return emu_tf32_val(v);
+}
 // Element (row, k) of a K-major operand: 128-byte rows, 8-row groups at the stride offset.
-inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
+inline float emu_wgmma_elem(unsigned long long desc, int row, int k, bool tf32 = false) {
     const EmuDesc d = emu_desc(desc);
-    return emu_swizzled_bf16(d.start + (row / 8) * d.sbo + (row % 8) * 128 + k * 2);
+    const unsigned a = d.start + (row / 8) * d.sbo + (row % 8) * 128;
+    return tf32 ? emu_swizzled_tf32(a + k * 4) : emu_swizzled_bf16(a + k * 2);
 }
 // Element (n, k) of an N-major operand (imm-trans-b): 64-wide N blocks at the leading offset,
 // K rows of 128 bytes, 8-row groups at the stride offset.
@@ -466,9 +478,9 @@ inline void emu_wgmma_run(const PendingWgmma& op) {
             // the k16 dot product exactly (bf16 products are exact in double), then one f32 add,
             // close to the tensor core's wide internal sum
             double dot = 0;
-            for (int k = 0; k < 16; k++) {
-                float a = op.a_reg ? op.a[e >= 2][k] : emu_wgmma_elem(op.da, row, k);
-                float b = op.trans_b ? emu_wgmma_elem_mn(op.db, col, k) : emu_wgmma_elem(op.db, col, k);
+            for (int k = 0; k < (op.tf32 ? 8 : 16); k++) {
+                float a = op.a_reg ? op.a[e >= 2][k] : emu_wgmma_elem(op.da, row, k, op.tf32);
+                float b = op.trans_b ? emu_wgmma_elem_mn(op.db, col, k) : emu_wgmma_elem(op.db, col, k, op.tf32);
                 dot += (double)a * b;
             }
             op.d[4 * j + e] = (float)((op.scale_d ? op.d[4 * j + e] : 0.0f) + dot);
@@ -508,6 +520,20 @@ inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsi
             int row = r & 1, k = 2 * q + (r >= 2 ? 8 : 0);
             op.a[row][k] = __bfloat162float(lo);
             op.a[row][k + 1] = __bfloat162float(hi);
+        }
+    g_wg_open[threadIdx.x].push_back(op);
+}
+// tf32, A from registers: lane q of the quad holds (row g, k q), (g + 8, q), (g, q + 4),
+// (g + 8, q + 4), gathered here as the hardware reads them at issue.
+inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    PendingWgmma op{d, 0, db, scale_d};
+    op.n = 32;
+    op.a_reg = op.tf32 = true;
+    int quad = emu_lane() & ~3;
+    for (int q = 0; q < 4; q++)
+        for (int r = 0; r < 4; r++) {
+            unsigned v = __shfl_sync(0xffffffffu, a[r], quad + q);
+            op.a[r & 1][q + (r >= 2 ? 4 : 0)] = emu_tf32_val(v);
         }
     g_wg_open[threadIdx.x].push_back(op);
 }
@@ -584,8 +610,6 @@ inline unsigned to_tf32(float x) {
     if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
     return u;
 }
-// The hardware reads a .tf32 operand's top 19 bits (the low 13 are ignored).
-inline float emu_tf32_val(uint32_t reg) { reg &= 0xffffe000u; float f; memcpy(&f, &reg, 4); return f; }
 // mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32, D = A B + C. g = lane/4, c = lane%4:
 // A 16x8: a[0] (g, c), a[1] (g+8, c), a[2] (g, c+4), a[3] (g+8, c+4); B 8x8 (k x n):
 // b0 (k c, n g), b1 (k c+4, n g); C/D 16x8: d[0..1] (g, 2c..2c+1), d[2..3] (g+8, 2c..2c+1).

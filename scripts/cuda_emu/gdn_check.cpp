@@ -78,7 +78,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     });
     // gdn_chunk_state from the prep output (o holding O_intra), then again with the other
     // cp.async timing from the same input
-    std::vector<float> st_c2 = s0, o_c2 = o_c;
+    std::vector<float> st_c2 = s0, o_c2 = o_c, st_w = s0, o_w = o_c;
     emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 512, stsm, [&] {
         gdn_chunk_state_impl<DK>(qkv.data(), c, w, qp, u, gam, st_c.data(), o_c.data(), t, hk, hv, dv);
     });
@@ -87,6 +87,19 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         gdn_chunk_state_impl<DK>(qkv.data(), c, w, qp, u, gam, st_c2.data(), o_c2.data(), t, hk, hv, dv);
     });
     g_cp_deferred = deferred;
+    // gdn_chunk_state_wg (wgmma, DK 64 and 128) from the same prep output
+    double ew_o = 0, ew_s = 0;
+    if constexpr (DK % 64 == 0) {
+        size_t wgsm = 4 * (4 * (dk / 32 * 1024) + 2 * 2048 + 4 * C * 40 + 2 * C * (dk + 4) + C * (dk + 8) + 2 * C);
+        emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 256, wgsm, [&] {
+            gdn_chunk_state_wg_impl<DK>(qkv.data(), c, w, qp, u, gam, st_w.data(), o_w.data(), t, hk, hv, dv);
+        });
+        ew_o = max_rel(o_w, oref);
+        ew_s = max_rel(st_w, sref);
+        bool okw = !any_nan(o_w) && !any_nan(st_w) && ew_o < tol && ew_s < tol;
+        printf("%s   wgmma state pass (gdn_chunk_state_wg): o %.1e S %.1e\n", okw ? "ok  " : "FAIL", ew_o, ew_s);
+        if (!okw) exit(1);
+    }
     double er_o = max_rel(o_r, oref), er_s = max_rel(st_r, sref);
     double ec_o = max_rel(o_c, oref), ec_s = max_rel(st_c, sref);
     // chunked vs recurrent too, as the GPU test will compare them

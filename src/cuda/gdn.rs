@@ -16,10 +16,14 @@ const STATE_COLS: usize = 32;
 const PREP_THREADS: u32 = 256;
 /// Threads of `gdn_chunk_state` (two teams of 8 warps, `GDN_STATE_THREADS`).
 const STATE_THREADS: u32 = 512;
+/// Threads of `gdn_chunk_state_wg` (two warpgroups, `GDN_STATE_WG_THREADS`).
+const STATE_WG_THREADS: u32 = 256;
+/// Key head dims `gdn_chunk_state_wg` is compiled for (S's rows in m64 halves).
+const STATE_WG_DIMS: [usize; 2] = [64, 128];
 /// Key head dims the delta-rule kernels are compiled for.
 pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 8] = [
+pub(super) const CHUNK_KERNELS: [&str; 10] = [
     "gdn_chunk_prep_16",
     "gdn_chunk_prep_32",
     "gdn_chunk_prep_64",
@@ -28,6 +32,8 @@ pub(super) const CHUNK_KERNELS: [&str; 8] = [
     "gdn_chunk_state_32",
     "gdn_chunk_state_64",
     "gdn_chunk_state_128",
+    "gdn_chunk_state_wg_64",
+    "gdn_chunk_state_wg_128",
 ];
 
 /// One GDN call: `t` tokens; `hk` key heads of dim `dk`, `hv` value heads of dim `dv`.
@@ -104,6 +110,18 @@ impl GdnShape {
             + 2 * CHUNK)
     }
 
+    /// Dynamic shared memory of `gdn_chunk_state_wg`: S's split twice (hi and lo tiles of
+    /// dk / 32 4-KiB swizzle atoms), Vd's split (two atoms each), U and O_intra twice
+    /// ([64][40] each), W, Q', K and γ twice; 225,792 bytes at dk = 128.
+    fn state_wg_smem_bytes(&self) -> usize {
+        4 * (4 * self.dk / 32 * 1024
+            + 2 * CHUNK / 32 * 1024
+            + 4 * CHUNK * (STATE_COLS + 8)
+            + 2 * CHUNK * (self.dk + 4)
+            + CHUNK * (self.dk + 8)
+            + 2 * CHUNK)
+    }
+
     /// Whether the token-parallel conv and chunked delta rule take this shape, given `smem`
     /// bytes of shared memory per block (otherwise prefill runs the sequential kernels).
     pub fn chunked_fits(&self, smem: usize) -> bool {
@@ -112,6 +130,7 @@ impl GdnShape {
             && self.channels().is_multiple_of(4)
             && self.prep_smem_bytes() <= smem
             && self.state_smem_bytes() <= smem
+            && self.state_wg_smem_bytes() <= smem
     }
 }
 
@@ -245,7 +264,8 @@ impl Gpu {
     /// The delta rule in chunks of 64 (same results as [`Gpu::gdn_delta_recurrent`] up to
     /// rounding, f32-level: max-rel 1e-6 .. 4e-6 on the emulator): `gdn_chunk_prep`, grid
     /// (chunks, hv), prepares every chunk in parallel, then `gdn_chunk_state`, grid
-    /// (hv, dv / 32), carries the state through the chunks (3xTF32 tensor-core products).
+    /// (hv, dv / 32), carries the state through the chunks (3xTF32 tensor-core products; on
+    /// wgmma, `gdn_chunk_state_wg`, where [`Gpu::gdn_state_wg`] and dk is 64 or 128).
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
     /// [`GdnShape::chunked_fits`].
     pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
@@ -291,13 +311,26 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        self.launch_dep(
-            &format!("gdn_chunk_state_{}", sh.dk),
-            (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
-            STATE_THREADS,
-            sh.state_smem_bytes() as u32,
-            &args,
-        )
+        let grid = (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1);
+        if self.gdn_state_wg.load(std::sync::atomic::Ordering::Relaxed)
+            && STATE_WG_DIMS.contains(&sh.dk)
+        {
+            self.launch_dep(
+                &format!("gdn_chunk_state_wg_{}", sh.dk),
+                grid,
+                STATE_WG_THREADS,
+                sh.state_wg_smem_bytes() as u32,
+                &args,
+            )
+        } else {
+            self.launch_dep(
+                &format!("gdn_chunk_state_{}", sh.dk),
+                grid,
+                STATE_THREADS,
+                sh.state_smem_bytes() as u32,
+                &args,
+            )
+        }
     }
 }
 
@@ -319,6 +352,7 @@ mod tests {
         };
         assert!(sh.chunked_fits(h200));
         assert_eq!(sh.state_smem_bytes(), 223_744);
+        assert_eq!(sh.state_wg_smem_bytes(), 225_792);
         assert!(
             !sh.chunked_fits(100 * 1024),
             "a smaller GPU falls back to the recurrent path"

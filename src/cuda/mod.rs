@@ -171,6 +171,10 @@ pub struct Gpu {
     /// Programmatic dependent launch for the prefill kernels ([`Gpu::launch_dep`]): on
     /// compute capability 9.0 and not while profiling; `KESTREL_PREFILL_PDL=0` turns it off.
     prefill_pdl: bool,
+    /// The chunked delta rule's state pass on wgmma (`gdn_chunk_state_wg`, dk 64 or 128): on
+    /// compute capability 9.0 (the sm_90a build); `KESTREL_GDN_STATE=mma` keeps the mma.sync
+    /// kernel (`gdn_chunk_state`). Atomic so that tests can compare the two on one `Gpu`.
+    pub gdn_state_wg: std::sync::atomic::AtomicBool,
     /// Whether the last thing enqueued on the main stream was one of our kernels: only after
     /// one does [`Gpu::launch_dep`] let the next start early (after a cuBLAS call, a copy, a
     /// memset or an event it launches normally).
@@ -412,6 +416,9 @@ impl Gpu {
             prefill_pdl: cc >= (9, 0)
                 && profile.is_none()
                 && std::env::var("KESTREL_PREFILL_PDL").map_or(true, |v| v != "0"),
+            gdn_state_wg: (cc == (9, 0)
+                && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma"))
+            .into(),
             profile,
             main_tail_is_kernel: Default::default(),
         };

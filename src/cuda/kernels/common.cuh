@@ -567,6 +567,26 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long lo
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(da), "l"(db), "r"(scale_d));
 }
+// D[64 x 32] (16 registers a thread, wgmma_m64n256k16's layout over 4 n8 blocks) =
+// (scale_d ? D : 0) + A[64 x 8] * B[32 x 8]^T in tf32 (the hardware reads a register's top 19
+// bits), A from registers (thread t: a[0] = row 16 (t / 32) + (t % 32) / 4, column t % 4; a[1]
+// the row 8 below; a[2], a[3] the same rows at column t % 4 + 4: mma.sync m16n8k8's A fragment
+// per warp), B K-major from a 128-byte-swizzle descriptor (32 tf32 = 128 bytes a row; tf32
+// operands have no transposed form).
+__device__ __forceinline__ void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4],
+                                                       unsigned long long db, int scale_d) {
+    WGMMA_ASM(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
 // D[64 x 256] = (scale_d ? D : 0) + A[64 x 16] * B, A from registers (thread t: a[0] = row 16 (t / 32) + (t % 32) / 4,
 // columns 2 (t % 4) + {0, 1}; a[1] the row 8 below; a[2], a[3] the same 8 columns on: the
 // accumulator layout of two n8 blocks, packed to bf16x2), B[16 x 256] N-major from a descriptor

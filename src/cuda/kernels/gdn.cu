@@ -1003,6 +1003,354 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     }
 }
 
+// gdn_chunk_state on wgmma (sm_90a; DK 64 or 128): the same contract, chunk order and 3xTF32
+// products as gdn_chunk_state_impl, with each product a chain of warpgroup MMAs
+// (wgmma m64n32k8 tf32) instead of per-warp mma.sync: the A operand (W, Q' rows; Kᵀ) is split
+// from f32 into hi and lo in registers, and the B operands (S's and Vd's splits) are read by
+// the tensor cores from K-major 128-byte-swizzle tiles, once per warpgroup rather than once
+// per warp. 256 threads: warpgroup 0 (team A) owns S (m64 halves of its rows, in registers):
+// R = W S, Vd = e^{γ_last − γ} (U − R), S ← e^{γ_last} S + Kᵀ Vd and S's split into the other
+// S buffer; warpgroup 1 (team B) computes O = O_intra + Q' S from the buffer team A is not
+// writing. U and O_intra come a chunk ahead through cp.async into shared memory (read from
+// global into registers, ptxas sank those loads past the products, exposing their latency);
+// Q' is single-buffered (refilled once team B's product is done with it). Dynamic shared memory
+// (1024-byte aligned): GdnShape::state_wg_smem_bytes (225,792 at dk 128).
+#define GDN_STATE_WG_THREADS 256
+#ifdef KESTREL_GDN_TRACE
+#define GDN_PHASE_WG(slot)                                                                       \
+    if (blockIdx.x == 0 && blockIdx.y == 0 && (tid & 127) == 0 && ch < GDN_TRACE_CHUNKS)        \
+    g_gdn_phase[ch * 16 + (team_a ? 0 : 8) + (slot)] = clock64()
+#else
+#define GDN_PHASE_WG(slot)
+#endif
+// Float index of element (n, k) of a K-major tf32 operand tile of 32 rows in the 128-byte
+// swizzle: atoms of [32 rows][32 floats] (4 KiB) along k, 16-byte unit k/4 of row n at unit
+// (k/4) ^ (n % 8).
+__device__ __forceinline__ int gdn_sw(int n, int k) {
+    return (k >> 5) * 1024 + n * 32 + ((((k >> 2) & 7) ^ (n & 7)) << 2) + (k & 3);
+}
+// A descriptor of such a tile advanced to its k8 step kk: the atom, then 32 bytes a step.
+__device__ __forceinline__ unsigned long long gdn_desc_k8(unsigned long long d, int kk) {
+    return d + (unsigned long long)((kk >> 2) * 256 + (kk & 3) * 2);
+}
+// acc (64 x 32, this warpgroup) = A B with A 64 f32 rows at `a` (row stride LDA; this warp's
+// 16 from row 16 * warp4) split into hi and lo as loaded, B the split tiles at bh, bl (K = DK):
+// A_hi B_hi + A_hi B_lo + A_lo B_hi. The even and odd k steps accumulate in two chains (so
+// consecutive wgmma do not wait on each other's accumulator), summed at the end; the A
+// fragments come in groups of 4 k steps through two register sets (a set is refilled once
+// the wgmma group that read it retired), 64 registers instead of 128.
+template <int DK, int LDA>
+__device__ __forceinline__ void gdn_wg_rows_mma(const float* a, int warp4, int lane, unsigned long long bh,
+                                                unsigned long long bl, float (&acc)[16]) {
+    constexpr int G = 4, NG = DK / 8 / G;
+    unsigned fh[2][G][4], fl[2][G][4];
+    float acc2[16];
+    wgmma_fence_operand(bh);
+    wgmma_fence_operand(bl);
+#pragma unroll
+    for (int e = 0; e < 16; e++) {
+        wgmma_fence_operand(acc[e]);
+        wgmma_fence_operand(acc2[e]);
+    }
+#pragma unroll
+    for (int g = 0; g < NG; g++) {
+        const int b = g & 1;
+        if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            gdn_frag_a(a + 16 * warp4 * LDA + 8 * (g * G + i), LDA, lane, fh[b][i], fl[b][i]);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                wgmma_fence_operand(fh[b][i][e]);
+                wgmma_fence_operand(fl[b][i][e]);
+            }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            const int kk = g * G + i;
+            float(&d)[16] = (kk & 1) ? acc2 : acc;
+            wgmma_m64n32k8_tf32_rs(d, fh[b][i], gdn_desc_k8(bh, kk), kk >= 2);
+            wgmma_m64n32k8_tf32_rs(d, fh[b][i], gdn_desc_k8(bl, kk), 1);
+            wgmma_m64n32k8_tf32_rs(d, fl[b][i], gdn_desc_k8(bh, kk), 1);
+        }
+        wgmma_commit();
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int e = 0; e < 16; e++) {
+        wgmma_fence_operand(acc[e]);
+        wgmma_fence_operand(acc2[e]);
+        acc[e] += acc2[e];
+    }
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int i = 0; i < G; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                wgmma_fence_operand(fh[b][i][e]);
+                wgmma_fence_operand(fl[b][i][e]);
+            }
+}
+
+template <int DK>
+__device__ void gdn_chunk_state_wg_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+                                         const float* __restrict__ qp_in, const float* __restrict__ u_in,
+                                         const float* __restrict__ gamma_in, float* __restrict__ state,
+                                         float* __restrict__ o, int t, int hk, int hv, int dv) {
+    static_assert(DK % 64 == 0, "S's rows are m64 halves");
+    extern __shared__ __align__(1024) float gdn_wg_smem[];
+    constexpr int LDW = DK + 4, LDKT = DK + 8, NH = DK / 64;
+    constexpr int TILE = GDN_C * LDW;        // floats of a W or Q' tile
+    constexpr int ST = DK / 32 * 1024;       // floats of one part (hi or lo) of a split S tile
+    constexpr int VT = GDN_C / 32 * 1024;    // ... of a split Vd tile
+    constexpr int LDR = GDN_DVS + 8;         // row stride of U and O_intra: float2 reads of a
+                                             // quarter-warp's 4 rows hit distinct banks
+    constexpr int RT = GDN_C * LDR;          // floats of a U or O_intra tile [64][LDR]
+    float* ss = gdn_wg_smem;                 // [2 buffers][hi, lo][ST]: S_ch split in buffer ch & 1
+    float* vd = ss + 4 * ST;                 // [hi, lo][VT]: Vd split (n = column, k = chunk row)
+    float* ub = vd + 2 * VT;                 // [2][64][LDR] U by chunk parity (team A)
+    float* ob = ub + 2 * RT;                 // [2][64][LDR] O_intra by chunk parity (team B)
+    float* ws = ob + 2 * RT;                 // [64][LDW] W (team A)
+    float* qs = ws + TILE;                   // [64][LDW] Q' (team B)
+    float* kt = qs + TILE;                   // [64][LDKT] K (0 past t)
+    float* gm = kt + GDN_C * LDKT;           // [2][64] γ, by chunk parity
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
+    const bool team_a = warp < 4;
+    const int w4 = warp & 3, tt = tid & 127;
+    const int j = blockIdx.x, m0 = blockIdx.y * GDN_DVS;
+    const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
+    const size_t tp = (size_t)nchunks * GDN_C;
+    const int dvs = min(GDN_DVS, dv - m0);
+    const size_t koff = (size_t)(hk + kh) * DK;
+    float* st = state + (size_t)j * DK * dv + m0;
+    const int r0 = 16 * w4 + gq;  // accumulator rows r0, r0 + 8; columns 8 i + 2 cq + {0, 1}
+
+    // Loaders of one team (128 threads, RPI rows per pass); the caller commits.
+    constexpr int RPI = 128 * 4 / DK;
+    const int lr = tt / (DK / 4), lc = (tt % (DK / 4)) * 4;
+    auto load_tile = [&](const float* src, int ch, float* dst, float* gdst) {
+        const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
+        const float* s = src + (row0 + lr) * DK + lc;
+        float* d = dst + lr * LDW + lc;
+#pragma unroll
+        for (int p = 0; p < GDN_C / RPI; p++) cp_async16(d + p * RPI * LDW, s + p * RPI * DK, true);
+        if (gdst && tt < GDN_C / 4) cp_async16(gdst + 4 * tt, gamma_in + row0 + 4 * tt, true);
+    };
+    // 64 rows x 32 columns of U (scratch rows, padded to whole chunks) or O_intra (o's rows, t
+    // of them); columns past dvs and rows past t zero-filled.
+    auto load_rows = [&](bool is_u, int ch, float* dst) {
+#pragma unroll
+        for (int p = 0; p < GDN_C * GDN_DVS / 4 / 128; p++) {
+            const int i = tt + 128 * p, r = i / (GDN_DVS / 4), n = (i % (GDN_DVS / 4)) * 4;
+            const int row = ch * GDN_C + r;
+            const bool in = n < dvs && (is_u || row < t);
+            const float* src = is_u ? u_in + ((size_t)j * tp + row) * dv + m0 + n
+                                    : o + ((size_t)row * hv + j) * dv + m0 + n;
+            cp_async16(dst + r * LDR + n, in ? src : u_in, in);
+        }
+    };
+    auto load_k = [&](int ch) {
+        const int s0 = ch * GDN_C + lr;
+        const float* src = qkv + (size_t)s0 * c + koff + lc;
+#pragma unroll
+        for (int p = 0; p < GDN_C / RPI; p++) {
+            const bool in = s0 + p * RPI < t;
+            cp_async16(kt + (lr + p * RPI) * LDKT + lc, in ? src + (size_t)p * RPI * c : qkv, in);
+        }
+    };
+    // S's split into the tiles of buffer b (rows of S are the tiles' k, columns their n).
+    auto store_s = [&](const float (&s)[NH][16], int b) {
+        float* hi = ss + 2 * b * ST;
+#pragma unroll
+        for (int h = 0; h < NH; h++)
+#pragma unroll
+            for (int e = 0; e < 16; e++) {
+                const int k = 64 * h + r0 + 8 * ((e >> 1) & 1), n = 8 * (e >> 2) + 2 * cq + (e & 1);
+                unsigned vh, vl;
+                split_tf32(s[h][e], vh, vl);
+                hi[gdn_sw(n, k)] = __uint_as_float(vh);
+                hi[ST + gdn_sw(n, k)] = __uint_as_float(vl);
+            }
+        fence_proxy_async();  // visible to the wgmma (async proxy) after the next barrier
+    };
+
+    float s[NH][16];  // team A: S rows 64 h + r0 (+8), the accumulator layout
+    if (team_a) {
+        load_tile(w_in, 0, ws, gm);
+        load_rows(true, 0, ub);
+        cp_async_commit();
+#pragma unroll
+        for (int h = 0; h < NH; h++)
+#pragma unroll
+            for (int e = 0; e < 16; e++) {
+                const int k = 64 * h + r0 + 8 * ((e >> 1) & 1), n = 8 * (e >> 2) + 2 * cq + (e & 1);
+                s[h][e] = n < dvs ? st[(size_t)k * dv + n] : 0.0f;  // padding columns stay 0
+            }
+        store_s(s, 0);
+    } else {
+        load_tile(qp_in, 0, qs, nullptr);
+        load_rows(false, 0, ob);
+        cp_async_commit();
+    }
+    cp_async_wait_all();
+
+    for (int ch = 0; ch < nchunks; ch++) {
+        const int par = ch & 1;
+        const bool next = ch + 1 < nchunks;
+        // S_ch in ss[par]; this chunk's W, γ, U, Q' and O_intra landed; the last chunk's
+        // readers of ss[par ^ 1], kt, vd, ub/ob[par ^ 1] and gm[par ^ 1] are done.
+        __syncthreads();
+        GDN_PHASE_WG(0);
+        const unsigned long long sh = wgmma_desc_sw128(ss + 2 * par * ST), sl = wgmma_desc_sw128(ss + (2 * par + 1) * ST);
+        float acc[16];
+        if (team_a) {
+            load_k(ch);
+            cp_async_commit();
+            if (next) {  // next W and U rows into L2: their copies start mid-chunk
+                const size_t row1 = (size_t)j * tp + (size_t)(ch + 1) * GDN_C;
+                for (int i = tt; i < 2 * DK; i += 128) gdn_prefetch_l2(w_in + row1 * DK + 32 * i);
+                if (tt < GDN_C) gdn_prefetch_l2(u_in + (row1 + tt) * dv + m0);
+            }
+            gdn_wg_rows_mma<DK, LDW>(ws, w4, lane, sh, sl, acc);
+            GDN_PHASE_WG(1);
+            const float* gc = gm + par * GDN_C;
+            const float* uc = ub + par * RT;
+            const float last = gc[GDN_C - 1];
+            const float d0 = expf(last - gc[r0]), d1 = expf(last - gc[r0 + 8]);
+#pragma unroll
+            for (int e = 0; e < 16; e += 2) {
+                const int k = r0 + 8 * ((e >> 1) & 1), n = 8 * (e >> 2) + 2 * cq;
+                const float2 u = ld2(uc + k * LDR + n);
+                const float d = (e & 2) ? d1 : d0;
+                unsigned vh, vl;
+                split_tf32((u.x - acc[e]) * d, vh, vl);
+                vd[gdn_sw(n, k)] = __uint_as_float(vh);
+                vd[VT + gdn_sw(n, k)] = __uint_as_float(vl);
+                split_tf32((u.y - acc[e + 1]) * d, vh, vl);
+                vd[gdn_sw(n + 1, k)] = __uint_as_float(vh);
+                vd[VT + gdn_sw(n + 1, k)] = __uint_as_float(vl);
+            }
+            fence_proxy_async();
+            GDN_PHASE_WG(2);
+            cp_async_wait_all();  // this chunk's K
+            GDN_PHASE_WG(3);
+            gdn_bar(1, 128);      // team A: Vd complete, K visible, every read of W done
+            GDN_PHASE_WG(4);
+            if (next) {
+                load_tile(w_in, ch + 1, ws, gm + (par ^ 1) * GDN_C);
+                load_rows(true, ch + 1, ub + (par ^ 1) * RT);
+            }
+            cp_async_commit();
+
+            // S ← e^{γ_last} S + Kᵀ Vd: A = Kᵀ (rows of S = columns of K) read from kt here,
+            // 2 k steps of both halves a group through two register sets; the halves' chains
+            // interleaved.
+            const float eg = expf(last);
+            const unsigned long long vh = wgmma_desc_sw128(vd), vl = wgmma_desc_sw128(vd + VT);
+            unsigned kh_[2][NH][2][4], kl_[2][NH][2][4];
+#pragma unroll
+            for (int h = 0; h < NH; h++)
+#pragma unroll
+                for (int e = 0; e < 16; e++) {
+                    s[h][e] *= eg;
+                    wgmma_fence_operand(s[h][e]);
+                }
+#pragma unroll
+            for (int g = 0; g < GDN_C / 16; g++) {
+                const int b = g & 1;
+                if (g >= 2) wgmma_wait<1>();
+#pragma unroll
+                for (int h = 0; h < NH; h++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        const float* kc = kt + (8 * (2 * g + i) + cq) * LDKT + 64 * h + r0;
+                        split_tf32(kc[0], kh_[b][h][i][0], kl_[b][h][i][0]);
+                        split_tf32(kc[8], kh_[b][h][i][1], kl_[b][h][i][1]);
+                        split_tf32(kc[4 * LDKT], kh_[b][h][i][2], kl_[b][h][i][2]);
+                        split_tf32(kc[4 * LDKT + 8], kh_[b][h][i][3], kl_[b][h][i][3]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            wgmma_fence_operand(kh_[b][h][i][e]);
+                            wgmma_fence_operand(kl_[b][h][i][e]);
+                        }
+                    }
+                wgmma_fence();
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int kk = 2 * g + i;
+#pragma unroll
+                    for (int h = 0; h < NH; h++) wgmma_m64n32k8_tf32_rs(s[h], kh_[b][h][i], gdn_desc_k8(vh, kk), 1);
+#pragma unroll
+                    for (int h = 0; h < NH; h++) wgmma_m64n32k8_tf32_rs(s[h], kh_[b][h][i], gdn_desc_k8(vl, kk), 1);
+#pragma unroll
+                    for (int h = 0; h < NH; h++) wgmma_m64n32k8_tf32_rs(s[h], kl_[b][h][i], gdn_desc_k8(vh, kk), 1);
+                }
+                wgmma_commit();
+            }
+            wgmma_wait<0>();
+#pragma unroll
+            for (int h = 0; h < NH; h++)
+#pragma unroll
+                for (int e = 0; e < 16; e++) wgmma_fence_operand(s[h][e]);
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int h = 0; h < NH; h++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            wgmma_fence_operand(kh_[b][h][i][e]);
+                            wgmma_fence_operand(kl_[b][h][i][e]);
+                        }
+            store_s(s, par ^ 1);
+            GDN_PHASE_WG(5);
+        } else {
+            gdn_wg_rows_mma<DK, LDW>(qs, w4, lane, sh, sl, acc);
+            gdn_bar(2, 128);  // team B: every warp has read its Q' rows; refill the tile
+            if (next) {
+                load_tile(qp_in, ch + 1, qs, nullptr);
+                load_rows(false, ch + 1, ob + (par ^ 1) * RT);
+            }
+            cp_async_commit();
+            GDN_PHASE_WG(1);
+            const float* oc = ob + par * RT;
+            const int c0 = ch * GDN_C;
+#pragma unroll
+            for (int e = 0; e < 16; e += 2) {
+                const int r = r0 + 8 * ((e >> 1) & 1), n = 8 * (e >> 2) + 2 * cq;
+                if (n < dvs && c0 + r < t) {
+                    const float2 v = ld2(oc + r * LDR + n);
+                    st2(o + ((size_t)(c0 + r) * hv + j) * dv + m0 + n, v.x + acc[e], v.y + acc[e + 1]);
+                }
+            }
+        }
+        GDN_PHASE_WG(6);
+        cp_async_wait_all();  // the next chunk's W, γ and U (team A) or Q' and O_intra (team B)
+        GDN_PHASE_WG(7);
+    }
+    if (team_a) {
+#pragma unroll
+        for (int h = 0; h < NH; h++)
+#pragma unroll
+            for (int e = 0; e < 16; e++) {
+                const int k = 64 * h + r0 + 8 * ((e >> 1) & 1), n = 8 * (e >> 2) + 2 * cq + (e & 1);
+                if (n < dvs) st[(size_t)k * dv + n] = s[h][e];
+            }
+    }
+}
+#define GDN_CHUNK_STATE_WG(DK)                                                                             \
+    extern "C" __global__ void __launch_bounds__(GDN_STATE_WG_THREADS, 1) gdn_chunk_state_wg_##DK(        \
+        const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in,                 \
+        const float* gamma_in, float* state, float* o, int t, int hk, int hv, int dv) {                    \
+        PREFILL_KERNEL();                                                                                  \
+        gdn_chunk_state_wg_impl<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);        \
+    }
+GDN_CHUNK_STATE_WG(64)
+GDN_CHUNK_STATE_WG(128)
+
 #define GDN_CHUNKED(DK)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_##DK(                             \
         const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out,           \
