@@ -31,7 +31,6 @@ const SOURCES: [(&str, &str); 7] = [
 /// Every kernel the backend launches, besides `gdn::CHUNK_KERNELS`.
 const KERNELS: &[&str] = &[
     "embed_gather",
-    "argmax_rows",
     "f32_to_bf16",
     "fill_random_bf16",
     "fill_random_f32",

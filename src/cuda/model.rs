@@ -172,7 +172,6 @@ struct Workspace {
     sact: DeviceBuf,
     ys: DeviceBuf,
     logits: DeviceBuf,
-    next: DeviceBuf,
 }
 
 /// Buffers of the fused one-token decode step, apart from the prefill workspace. A captured
@@ -495,7 +494,6 @@ impl CudaModel {
             ("sact", t * is, 2),
             ("ys", t * d, 4),
             ("logits", LOGITS_ROWS.min(t.max(1)) * cfg.vocab_size, 4),
-            ("next", t.max(1), 4),
         ];
         let total = list.iter().map(|(_, n, b)| n * b).sum();
         (list, total)
@@ -887,7 +885,6 @@ impl CudaModel {
             sact: take("sact")?,
             ys: take("ys")?,
             logits: take("logits")?,
-            next: take("next")?,
         })
     }
 
@@ -1339,6 +1336,73 @@ impl CudaModel {
         )
     }
 
+    /// Decode GEMV: y = beta*y + W·x, x = the bf16 vector `x` or (x = 0) RMSNorm(h) with
+    /// weight `norm` (h: f32, `k` values); with `greedy = Some((limit, out2))` also the argmax
+    /// over rows < limit into `dws.next` (and into `out2` unless 0: the decode step writes the
+    /// next step's input token there).
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_dec(
+        &self,
+        w: u64,
+        n: usize,
+        k: usize,
+        x: u64,
+        h: u64,
+        norm: u64,
+        y: u64,
+        beta: f32,
+        greedy: Option<(usize, u64)>,
+        pdl: bool,
+    ) -> Result<()> {
+        let dw = &self.dws;
+        let (val, idx, done, limit, out, out2) = match greedy {
+            Some((limit, out2)) => (
+                dw.arg_val.ptr,
+                dw.arg_idx.ptr,
+                dw.done.ptr,
+                limit.min(n) as i32,
+                dw.next.ptr,
+                out2,
+            ),
+            None => (0, 0, 0, 0, 0, 0),
+        };
+        self.gpu.launch_ex(
+            if self.gemv_whole_rows {
+                "gemv_dec_w"
+            } else {
+                "gemv_dec"
+            },
+            (
+                n.div_ceil(gemv_rows_per_block(k, self.gemv_whole_rows))
+                    .min(self.gemv_max_blocks) as u32,
+                1,
+                1,
+            ),
+            256,
+            // k floats of staged input, and with the RMSNorm (x = 0) its weight after them
+            (k * 4 * if x == 0 { 2 } else { 1 }) as u32,
+            &[
+                Arg::Ptr(w),
+                Arg::I(n as i32),
+                Arg::I(k as i32),
+                Arg::Ptr(x),
+                Arg::Ptr(h),
+                Arg::Ptr(norm),
+                Arg::F(self.config.rms_norm_eps),
+                Arg::Ptr(0),
+                Arg::Ptr(y),
+                Arg::F(beta),
+                Arg::Ptr(val),
+                Arg::Ptr(idx),
+                Arg::Ptr(done),
+                Arg::I(limit),
+                Arg::Ptr(out),
+                Arg::Ptr(out2),
+            ],
+            pdl,
+        )
+    }
+
     /// The fused one-token step, top to bottom: every launch reads the token and position
     /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
     /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
@@ -1381,51 +1445,8 @@ impl CudaModel {
                     y: u64,
                     beta: f32,
                     greedy: Option<usize>| {
-            let (val, idx, done, limit, out, out2) = match greedy {
-                Some(limit) => (
-                    dw.arg_val.ptr,
-                    dw.arg_idx.ptr,
-                    dw.done.ptr,
-                    limit.min(n) as i32,
-                    dw.next.ptr,
-                    dw.step_in.ptr,
-                ),
-                None => (0, 0, 0, 0, 0, 0),
-            };
-            launch(
-                if self.gemv_whole_rows {
-                    "gemv_dec_w"
-                } else {
-                    "gemv_dec"
-                },
-                (
-                    n.div_ceil(gemv_rows_per_block(k, self.gemv_whole_rows))
-                        .min(self.gemv_max_blocks) as u32,
-                    1,
-                    1,
-                ),
-                256,
-                // k floats of staged input, and with the RMSNorm (x = 0) its weight after them
-                (k * 4 * if x == 0 { 2 } else { 1 }) as u32,
-                &[
-                    Arg::Ptr(w),
-                    Arg::I(n as i32),
-                    Arg::I(k as i32),
-                    Arg::Ptr(x),
-                    Arg::Ptr(dw.h.ptr),
-                    Arg::Ptr(norm),
-                    Arg::F(eps),
-                    Arg::Ptr(0),
-                    Arg::Ptr(y),
-                    Arg::F(beta),
-                    Arg::Ptr(val),
-                    Arg::Ptr(idx),
-                    Arg::Ptr(done),
-                    Arg::I(limit),
-                    Arg::Ptr(out),
-                    Arg::Ptr(out2),
-                ],
-            )
+            let greedy = greedy.map(|limit| (limit, dw.step_in.ptr));
+            self.gemv_dec(w, n, k, x, dw.h.ptr, norm, y, beta, greedy, self.decode_pdl)
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
         for layer in &self.layers {
@@ -1825,21 +1846,25 @@ impl CudaModel {
             self.forward_chunk(&ws, state, piece)?;
             last = piece.len();
         }
-        self.logits_rows(&ws, last - 1, 1)?;
-        self.gpu.launch(
-            "argmax_rows",
-            (1, 1, 1),
-            1024,
+        // The last row's final norm, lm_head and argmax in one launch: the decode step's
+        // kernel (1,056 blocks stream lm_head once), not a cuBLAS product into f32 logits and
+        // a one-block argmax over them.
+        let c = &self.config;
+        let h_last = ws.h.ptr + ((last - 1) * c.hidden_size * 4) as u64;
+        self.gemv_dec(
+            self.lm_head.ptr,
+            c.vocab_size,
+            c.hidden_size,
             0,
-            &[
-                Arg::Ptr(ws.logits.ptr),
-                Arg::I(vocab_limit.min(self.config.vocab_size) as i32),
-                Arg::I(self.config.vocab_size as i32),
-                Arg::Ptr(ws.next.ptr),
-            ],
+            h_last,
+            self.final_norm.ptr,
+            self.dws.logits.ptr,
+            0.0,
+            Some((vocab_limit, 0)),
+            false,
         )?;
         let mut out = [0i32; 1];
-        self.gpu.copy_to_host(ws.next.ptr, &mut out)?;
+        self.gpu.copy_to_host(self.dws.next.ptr, &mut out)?;
         Ok(out[0] as u32)
     }
 }

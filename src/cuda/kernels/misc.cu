@@ -9,19 +9,6 @@ extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const in
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)t * d + i] = __bfloat162float(row[i]);
 }
 
-// out[row] = index of the max of x[row, 0..n) (first on ties). One block per row.
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int stride, int* __restrict__ out) {
-    const float* r = x + (size_t)blockIdx.x * stride;
-    float best = -INFINITY;
-    int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = r[i];
-        if (v > best) { best = v; idx = i; }
-    }
-    block_argmax(best, idx);
-    if (threadIdx.x == 0) out[blockIdx.x] = idx;
-}
-
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         y[i] = __float2bfloat16(x[i]);
