@@ -1308,7 +1308,12 @@ __device__ void gdn_chunk_state_wg_impl(const float* __restrict__ qkv, int c, co
             store_s(s, par ^ 1);
             GDN_PHASE_WG(5);
         } else {
+#ifdef KESTREL_GDN_WG_NO_B  // diagnostic (wrong o): team A's chain without team B's product
+#pragma unroll
+            for (int e = 0; e < 16; e++) acc[e] = 0.0f;
+#else
             gdn_wg_rows_mma<DK, LDW>(qs, w4, lane, sh, sl, acc);
+#endif
             gdn_bar(2, 128);  // team B: every warp has read its Q' rows; refill the tile
             if (next) {
                 load_tile(qp_in, ch + 1, qs, nullptr);
