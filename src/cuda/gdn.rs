@@ -311,26 +311,24 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        let grid = (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1);
-        if self.gdn_state_wg.load(std::sync::atomic::Ordering::Relaxed)
-            && STATE_WG_DIMS.contains(&sh.dk)
-        {
-            self.launch_dep(
-                &format!("gdn_chunk_state_wg_{}", sh.dk),
-                grid,
+        let wg = self.gdn_state_wg.load(std::sync::atomic::Ordering::Relaxed)
+            && STATE_WG_DIMS.contains(&sh.dk);
+        let (name, threads, smem) = if wg {
+            (
+                "gdn_chunk_state_wg",
                 STATE_WG_THREADS,
-                sh.state_wg_smem_bytes() as u32,
-                &args,
+                sh.state_wg_smem_bytes(),
             )
         } else {
-            self.launch_dep(
-                &format!("gdn_chunk_state_{}", sh.dk),
-                grid,
-                STATE_THREADS,
-                sh.state_smem_bytes() as u32,
-                &args,
-            )
-        }
+            ("gdn_chunk_state", STATE_THREADS, sh.state_smem_bytes())
+        };
+        self.launch_dep(
+            &format!("{name}_{}", sh.dk),
+            (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
+            threads,
+            smem as u32,
+            &args,
+        )
     }
 }
 

@@ -783,13 +783,44 @@ __device__ u64 g_gdn_phase[GDN_TRACE_CHUNKS * 16];
 extern "C" __global__ void gdn_phase_read(u64* __restrict__ out) {
     for (int i = threadIdx.x; i < GDN_TRACE_CHUNKS * 16; i += blockDim.x) out[i] = g_gdn_phase[i];
 }
+// (TEAM: threads a team; its thread 0 writes)
 #ifdef KESTREL_GDN_TRACE
-#define GDN_PHASE(slot)                                                                          \
-    if (blockIdx.x == 0 && blockIdx.y == 0 && (tid & 255) == 0 && ch < GDN_TRACE_CHUNKS)        \
+#define GDN_PHASE_AT(slot, TEAM)                                                                 \
+    if (blockIdx.x == 0 && blockIdx.y == 0 && tid % (TEAM) == 0 && ch < GDN_TRACE_CHUNKS)       \
     g_gdn_phase[ch * 16 + (team_a ? 0 : 8) + (slot)] = clock64()
 #else
-#define GDN_PHASE(slot)
+#define GDN_PHASE_AT(slot, TEAM)
 #endif
+#define GDN_PHASE(slot) GDN_PHASE_AT(slot, 256)
+
+// One team's (TT threads, tt its index) cp.async copies of a chunk's 64 rows of a [rows][DK]
+// f32 scratch tensor, from row row0, into a [64][DK + 4] tile, and of the chunk's 64 γ into
+// gdst if given; the caller commits.
+template <int DK, int TT>
+__device__ __forceinline__ void gdn_copy_tile(const float* src, size_t row0, float* dst, float* gdst,
+                                              const float* gamma_in, int tt) {
+    constexpr int RPI = TT * 4 / DK, LDW = DK + 4;  // rows a pass
+    const int lr = tt / (DK / 4), lc = (tt % (DK / 4)) * 4;
+    const float* s = src + (row0 + lr) * DK + lc;
+    float* d = dst + lr * LDW + lc;
+#pragma unroll
+    for (int p = 0; p < GDN_C / RPI; p++) cp_async16(d + p * RPI * LDW, s + p * RPI * DK, true);
+    if (gdst && tt < GDN_C / 4) cp_async16(gdst + 4 * tt, gamma_in + row0 + 4 * tt, true);
+}
+// The same team's copies of chunk ch's K rows (key head at column koff of the conv rows, 0
+// past t) into a [64][DK + 8] tile; the caller commits.
+template <int DK, int TT>
+__device__ __forceinline__ void gdn_copy_k(const float* qkv, int c, size_t koff, int ch, int t, float* kt, int tt) {
+    constexpr int RPI = TT * 4 / DK, LDKT = DK + 8;
+    const int lr = tt / (DK / 4), lc = (tt % (DK / 4)) * 4;
+    const int s0 = ch * GDN_C + lr;
+    const float* src = qkv + (size_t)s0 * c + koff + lc;
+#pragma unroll
+    for (int p = 0; p < GDN_C / RPI; p++) {
+        const bool in = s0 + p * RPI < t;
+        cp_async16(kt + (lr + p * RPI) * LDKT + lc, in ? src + (size_t)p * RPI * c : qkv, in);
+    }
+}
 // bar.sync on barrier `id` for `threads` threads (whole warps); attention.cu's bar_sync_named
 // comes later in the module, so gdn.cu has its own.
 __device__ __forceinline__ void gdn_bar(int id, int threads) {
@@ -856,29 +887,14 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
     const size_t koff = (size_t)(hk + kh) * DK;
     float* st = state + (size_t)j * DK * dv + m0;
 
-    // Loaders of one team (256 threads, RPI rows per pass); each commits one group, possibly
-    // empty, and every wait below is a wait for all.
-    constexpr int RPI = 256 * 4 / DK;
-    const int lr = tt / (DK / 4), lc = (tt % (DK / 4)) * 4;
+    // Loaders of one team (256 threads); each commits one group, possibly empty, and every
+    // wait below is a wait for all.
     auto load_tile = [&](const float* src, int ch, float* dst, float* gdst) {
-        if (ch < nchunks) {
-            const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
-            const float* s = src + (row0 + lr) * DK + lc;
-            float* d = dst + lr * LDW + lc;
-#pragma unroll
-            for (int p = 0; p < GDN_C / RPI; p++) cp_async16(d + p * RPI * LDW, s + p * RPI * DK, true);
-            if (gdst && tt < GDN_C / 4) cp_async16(gdst + 4 * tt, gamma_in + row0 + 4 * tt, true);
-        }
+        if (ch < nchunks) gdn_copy_tile<DK, 256>(src, (size_t)j * tp + (size_t)ch * GDN_C, dst, gdst, gamma_in, tt);
         cp_async_commit();
     };
     auto load_k = [&](int ch) {
-        const int s0 = ch * GDN_C + lr;
-        const float* src = qkv + (size_t)s0 * c + koff + lc;
-#pragma unroll
-        for (int p = 0; p < GDN_C / RPI; p++) {
-            const bool in = s0 + p * RPI < t;
-            cp_async16(kt + (lr + p * RPI) * LDKT + lc, in ? src + (size_t)p * RPI * c : qkv, in);
-        }
+        gdn_copy_k<DK, 256>(qkv, c, koff, ch, t, kt, tt);
         cp_async_commit();
     };
 
@@ -1016,13 +1032,7 @@ __device__ void gdn_chunk_state_impl(const float* __restrict__ qkv, int c, const
 // Q' is single-buffered (refilled once team B's product is done with it). Dynamic shared memory
 // (1024-byte aligned): GdnShape::state_wg_smem_bytes (225,792 at dk 128).
 #define GDN_STATE_WG_THREADS 256
-#ifdef KESTREL_GDN_TRACE
-#define GDN_PHASE_WG(slot)                                                                       \
-    if (blockIdx.x == 0 && blockIdx.y == 0 && (tid & 127) == 0 && ch < GDN_TRACE_CHUNKS)        \
-    g_gdn_phase[ch * 16 + (team_a ? 0 : 8) + (slot)] = clock64()
-#else
-#define GDN_PHASE_WG(slot)
-#endif
+#define GDN_PHASE_WG(slot) GDN_PHASE_AT(slot, 128)
 // Float index of element (n, k) of a K-major tf32 operand tile of 32 rows in the 128-byte
 // swizzle: atoms of [32 rows][32 floats] (4 KiB) along k, 16-byte unit k/4 of row n at unit
 // (k/4) ^ (n % 8).
@@ -1127,16 +1137,9 @@ __device__ void gdn_chunk_state_wg_impl(const float* __restrict__ qkv, int c, co
     float* st = state + (size_t)j * DK * dv + m0;
     const int r0 = 16 * w4 + gq;  // accumulator rows r0, r0 + 8; columns 8 i + 2 cq + {0, 1}
 
-    // Loaders of one team (128 threads, RPI rows per pass); the caller commits.
-    constexpr int RPI = 128 * 4 / DK;
-    const int lr = tt / (DK / 4), lc = (tt % (DK / 4)) * 4;
+    // Loaders of one team (128 threads); the caller commits.
     auto load_tile = [&](const float* src, int ch, float* dst, float* gdst) {
-        const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
-        const float* s = src + (row0 + lr) * DK + lc;
-        float* d = dst + lr * LDW + lc;
-#pragma unroll
-        for (int p = 0; p < GDN_C / RPI; p++) cp_async16(d + p * RPI * LDW, s + p * RPI * DK, true);
-        if (gdst && tt < GDN_C / 4) cp_async16(gdst + 4 * tt, gamma_in + row0 + 4 * tt, true);
+        gdn_copy_tile<DK, 128>(src, (size_t)j * tp + (size_t)ch * GDN_C, dst, gdst, gamma_in, tt);
     };
     // 64 rows x 32 columns of U (scratch rows, padded to whole chunks) or O_intra (o's rows, t
     // of them); columns past dvs and rows past t zero-filled.
@@ -1151,15 +1154,7 @@ __device__ void gdn_chunk_state_wg_impl(const float* __restrict__ qkv, int c, co
             cp_async16(dst + r * LDR + n, in ? src : u_in, in);
         }
     };
-    auto load_k = [&](int ch) {
-        const int s0 = ch * GDN_C + lr;
-        const float* src = qkv + (size_t)s0 * c + koff + lc;
-#pragma unroll
-        for (int p = 0; p < GDN_C / RPI; p++) {
-            const bool in = s0 + p * RPI < t;
-            cp_async16(kt + (lr + p * RPI) * LDKT + lc, in ? src + (size_t)p * RPI * c : qkv, in);
-        }
-    };
+    auto load_k = [&](int ch) { gdn_copy_k<DK, 128>(qkv, c, koff, ch, t, kt, tt); };
     // S's split into the tiles of buffer b (rows of S are the tiles' k, columns their n).
     auto store_s = [&](const float (&s)[NH][16], int b) {
         float* hi = ss + 2 * b * ST;
@@ -1346,15 +1341,16 @@ __device__ void gdn_chunk_state_wg_impl(const float* __restrict__ qkv, int c, co
             }
     }
 }
-#define GDN_CHUNK_STATE_WG(DK)                                                                             \
-    extern "C" __global__ void __launch_bounds__(GDN_STATE_WG_THREADS, 1) gdn_chunk_state_wg_##DK(        \
+// The state passes' entry points: NAME_DK runs IMPL<DK> with THREADS threads, a block an SM.
+#define GDN_STATE_ENTRY(NAME, IMPL, THREADS, DK)                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME##_##DK(                                  \
         const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in,                 \
         const float* gamma_in, float* state, float* o, int t, int hk, int hv, int dv) {                    \
         PREFILL_KERNEL();                                                                                  \
-        gdn_chunk_state_wg_impl<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);        \
+        IMPL<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);                            \
     }
-GDN_CHUNK_STATE_WG(64)
-GDN_CHUNK_STATE_WG(128)
+GDN_STATE_ENTRY(gdn_chunk_state_wg, gdn_chunk_state_wg_impl, GDN_STATE_WG_THREADS, 64)
+GDN_STATE_ENTRY(gdn_chunk_state_wg, gdn_chunk_state_wg_impl, GDN_STATE_WG_THREADS, 128)
 
 #define GDN_CHUNKED(DK)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_##DK(                             \
@@ -1363,12 +1359,7 @@ GDN_CHUNK_STATE_WG(128)
         PREFILL_KERNEL();                                                                                  \
         gdn_chunk_prep_impl<DK>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);      \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS, 1) gdn_chunk_state_##DK(              \
-        const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in,                 \
-        const float* gamma_in, float* state, float* o, int t, int hk, int hv, int dv) {                    \
-        PREFILL_KERNEL();                                                                                  \
-        gdn_chunk_state_impl<DK>(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);           \
-    }
+    GDN_STATE_ENTRY(gdn_chunk_state, gdn_chunk_state_impl, GDN_STATE_THREADS, DK)
 GDN_CHUNKED(16)
 GDN_CHUNKED(32)
 GDN_CHUNKED(64)
