@@ -1045,8 +1045,8 @@ __device__ __forceinline__ unsigned long long gdn_desc_k8(unsigned long long d, 
 }
 // acc (64 x 32, this warpgroup) = A B with A 64 f32 rows at `a` (row stride LDA; this warp's
 // 16 from row 16 * warp4) split into hi and lo as loaded, B the split tiles at bh, bl (K = DK):
-// A_hi B_hi + A_hi B_lo + A_lo B_hi. The even and odd k steps accumulate in two chains (so
-// consecutive wgmma do not wait on each other's accumulator), summed at the end; the A
+// A_hi B_hi + A_hi B_lo + A_lo B_hi. The even and odd k steps accumulate in two chains,
+// summed at the end (four measured no faster: the instructions' cost bounds it); the A
 // fragments come in groups of 4 k steps through two register sets (a set is refilled once
 // the wgmma group that read it retired), 64 registers instead of 128.
 template <int DK, int LDA>
