@@ -1016,6 +1016,17 @@ fn run_delta(
     (o_h, s_h)
 }
 
+/// The full model's GDN shape (16 key and 32 value heads of 128) over `t` tokens.
+fn model_gdn_shape(t: usize) -> GdnShape {
+    GdnShape {
+        t,
+        hk: 16,
+        hv: 32,
+        dk: 128,
+        dv: 128,
+    }
+}
+
 /// The chunked delta-rule kernels against the token-by-token kernel on the same inputs, both
 /// f32 (`gdn_chunk_state`'s tensor-core products are split 3xTF32, f32-level): at the full
 /// model's head dims (dk = dv = 128, 16 key and 32 value heads) over 300 tokens (a partial
@@ -1027,8 +1038,8 @@ fn gdn_chunked_kernel_matches_recurrent() {
     let default_wg = gpu.gdn_state_wg.load(Relaxed);
     let shape = |t, hk, hv, dk, dv| GdnShape { t, hk, hv, dk, dv };
     for sh in [
-        shape(300, 16, 32, 128, 128),
-        shape(2, 16, 32, 128, 128),
+        model_gdn_shape(300),
+        model_gdn_shape(2),
         shape(64, 2, 4, 64, 64),
         shape(130, 4, 8, 32, 48),
         shape(150, 4, 8, 32, 32),
@@ -1146,13 +1157,7 @@ fn weight_stream_bandwidth_by_layout() {
 #[test]
 fn gdn_chunk_state_phases() {
     let Some(gpu) = gpu() else { return };
-    let sh = GdnShape {
-        t: 2048,
-        hk: 16,
-        hv: 32,
-        dk: 128,
-        dv: 128,
-    };
+    let sh = model_gdn_shape(2048);
     let traced =
         std::env::var("KESTREL_KERNEL_DEFINES").is_ok_and(|d| d.contains("KESTREL_GDN_TRACE"));
     run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
@@ -1225,13 +1230,7 @@ fn gdn_chunk_state_phases() {
 #[test]
 fn gdn_prefill_kernel_timing_full_shape() {
     let Some(gpu) = gpu() else { return };
-    let sh = GdnShape {
-        t: 4096,
-        hk: 16,
-        hv: 32,
-        dk: 128,
-        dv: 128,
-    };
+    let sh = model_gdn_shape(4096);
     let (qkv, g, beta, state) = delta_inputs(&sh, 5);
     let up = |v: &[f32]| gpu.upload(v).unwrap();
     let (qkv, g, beta, state) = (up(&qkv), up(&g), up(&beta), up(&state));

@@ -130,7 +130,6 @@ impl GdnShape {
             && self.channels().is_multiple_of(4)
             && self.prep_smem_bytes() <= smem
             && self.state_smem_bytes() <= smem
-            && self.state_wg_smem_bytes() <= smem
     }
 }
 
@@ -311,8 +310,10 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
+        // the wgmma pass where it is on, compiled for this dk, and its tiles fit
         let wg = self.gdn_state_wg.load(std::sync::atomic::Ordering::Relaxed)
-            && STATE_WG_DIMS.contains(&sh.dk);
+            && STATE_WG_DIMS.contains(&sh.dk)
+            && sh.state_wg_smem_bytes() <= self.max_smem_per_block;
         let (name, threads, smem) = if wg {
             (
                 "gdn_chunk_state_wg",
