@@ -13,6 +13,7 @@
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
 // emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
+// emu-provides: wgmma_m64n64k8_tf32_rs
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -528,6 +529,18 @@ inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsi
 inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int scale_d) {
     PendingWgmma op{d, 0, db, scale_d};
     op.n = 32;
+    op.a_reg = op.tf32 = true;
+    int quad = emu_lane() & ~3;
+    for (int q = 0; q < 4; q++)
+        for (int r = 0; r < 4; r++) {
+            unsigned v = __shfl_sync(0xffffffffu, a[r], quad + q);
+            op.a[r & 1][q + (r >= 2 ? 4 : 0)] = emu_tf32_val(v);
+        }
+    g_wg_open[threadIdx.x].push_back(op);
+}
+inline void wgmma_m64n64k8_tf32_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    PendingWgmma op{d, 0, db, scale_d};
+    op.n = 64;
     op.a_reg = op.tf32 = true;
     int quad = emu_lane() & ~3;
     for (int q = 0; q < 4; q++)

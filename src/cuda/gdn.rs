@@ -20,14 +20,17 @@ const STATE_THREADS: u32 = 512;
 const STATE_WG_THREADS: u32 = 256;
 /// Key head dims `gdn_chunk_state_wg` is compiled for (S's rows in m64 halves).
 const STATE_WG_DIMS: [usize; 2] = [64, 128];
+/// Threads of `gdn_chunk_prep_wg` (two warpgroups).
+const PREP_WG_THREADS: u32 = 256;
 /// Key head dims the delta-rule kernels are compiled for.
 pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 10] = [
+pub(super) const CHUNK_KERNELS: [&str; 11] = [
     "gdn_chunk_prep_16",
     "gdn_chunk_prep_32",
     "gdn_chunk_prep_64",
     "gdn_chunk_prep_128",
+    "gdn_chunk_prep_wg_128",
     "gdn_chunk_state_16",
     "gdn_chunk_state_32",
     "gdn_chunk_state_64",
@@ -96,6 +99,18 @@ impl GdnShape {
         let ldx = nx + (40 - nx % 32) % 32;
         let kq = (2 * CHUNK * (dk + 4)).max(CHUNK * ldx);
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + 4 * 16 * 20 + kq)
+    }
+
+    /// Dynamic shared memory of `gdn_chunk_prep_wg` (dk = dv = 128 only): K's split tiles
+    /// (later T's and −P's), K, Q and V (rows of dk + 4), L and T (rows of 68), γ, e^γ, β, β e^γ;
+    /// 202,752 bytes.
+    fn prep_wg_smem_bytes(&self) -> usize {
+        4 * (2 * CHUNK * self.dk + 3 * CHUNK * (self.dk + 4) + 2 * CHUNK * (CHUNK + 4) + 4 * CHUNK)
+    }
+
+    /// Whether `gdn_chunk_prep_wg` takes this shape (it is compiled for dk = dv = 128).
+    fn prep_wg_fits(&self, smem: usize) -> bool {
+        self.dk == 128 && self.dv == 128 && self.prep_wg_smem_bytes() <= smem
     }
 
     /// Dynamic shared memory of `gdn_chunk_state`: W, Q' twice, K, S twice and V' (tf32 hi and
@@ -262,7 +277,8 @@ impl Gpu {
 
     /// The delta rule in chunks of 64 (same results as [`Gpu::gdn_delta_recurrent`] up to
     /// rounding, f32-level: max-rel 1e-6 .. 4e-6 on the emulator): `gdn_chunk_prep`, grid
-    /// (chunks, hv), prepares every chunk in parallel, then `gdn_chunk_state`, grid
+    /// (chunks, hv), prepares every chunk in parallel (on wgmma, `gdn_chunk_prep_wg`, where
+    /// [`Gpu::gdn_prep_wg`] and dk = dv = 128), then `gdn_chunk_state`, grid
     /// (hv, dv / 32), carries the state through the chunks (3xTF32 tensor-core products; on
     /// wgmma, `gdn_chunk_state_wg`, where [`Gpu::gdn_state_wg`] and dk is 64 or 128).
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
@@ -292,11 +308,23 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
+        // the wgmma prep where it is on and takes the shape
+        let (name, threads, smem) = if self.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed)
+            && sh.prep_wg_fits(self.max_smem_per_block)
+        {
+            (
+                "gdn_chunk_prep_wg",
+                PREP_WG_THREADS,
+                sh.prep_wg_smem_bytes(),
+            )
+        } else {
+            ("gdn_chunk_prep", PREP_THREADS, sh.prep_smem_bytes())
+        };
         self.launch_dep(
-            &format!("gdn_chunk_prep_{}", sh.dk),
+            &format!("{name}_{}", sh.dk),
             (sh.chunks() as u32, sh.hv as u32, 1),
-            PREP_THREADS,
-            sh.prep_smem_bytes() as u32,
+            threads,
+            smem as u32,
             &args,
         )?;
         let mut args = vec![
@@ -352,6 +380,12 @@ mod tests {
         assert!(sh.chunked_fits(h200));
         assert_eq!(sh.state_smem_bytes(), 223_744);
         assert_eq!(sh.state_wg_smem_bytes(), 225_792);
+        assert_eq!(sh.prep_wg_smem_bytes(), 202_752);
+        assert!(sh.prep_wg_fits(h200));
+        assert!(
+            !GdnShape { dv: 64, ..sh }.prep_wg_fits(h200),
+            "the wgmma prep is compiled for dv = 128 only"
+        );
         assert!(
             !sh.chunked_fits(100 * 1024),
             "a smaller GPU falls back to the recurrent path"

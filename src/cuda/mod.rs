@@ -174,6 +174,9 @@ pub struct Gpu {
     /// compute capability 9.0 (the sm_90a build); `KESTREL_GDN_STATE=mma` keeps the mma.sync
     /// kernel (`gdn_chunk_state`). Atomic so that tests can compare the two on one `Gpu`.
     pub gdn_state_wg: std::sync::atomic::AtomicBool,
+    /// The chunked delta rule's prep on wgmma (`gdn_chunk_prep_wg`, dk = dv = 128): on compute
+    /// capability 9.0; `KESTREL_GDN_PREP=mma` keeps the mma.sync kernel (`gdn_chunk_prep`).
+    pub gdn_prep_wg: std::sync::atomic::AtomicBool,
     /// Whether the last thing enqueued on the main stream was one of our kernels: only after
     /// one does [`Gpu::launch_dep`] let the next start early (after a cuBLAS call, a copy, a
     /// memset or an event it launches normally).
@@ -417,6 +420,9 @@ impl Gpu {
                 && std::env::var("KESTREL_PREFILL_PDL").map_or(true, |v| v != "0"),
             gdn_state_wg: (cc == (9, 0)
                 && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma"))
+            .into(),
+            gdn_prep_wg: (cc == (9, 0)
+                && std::env::var("KESTREL_GDN_PREP").map_or(true, |v| v != "mma"))
             .into(),
             profile,
             main_tail_is_kernel: Default::default(),

@@ -1364,3 +1364,295 @@ GDN_CHUNKED(16)
 GDN_CHUNKED(32)
 GDN_CHUNKED(64)
 GDN_CHUNKED(128)
+
+// ---- gdn_chunk_prep_wg (sm_90a, dk = dv = 128): gdn_chunk_prep's outputs on wgmma ----
+// The same chunk algebra (L, P, X = [W | U] = (I + L)^-1 [β e^γ K | β V], Q' = e^γ Q − P W,
+// O_intra = P U) with every product a chain of 3xTF32 `wgmma.m64n64k8` and T = (I + L)^-1
+// formed explicitly (so X is one product instead of a blocked substitution):
+//   1. K Kᵀ (warpgroup 0) and Q Kᵀ (warpgroup 1): A = K or Q rows from registers, B = K's
+//      split tiles (K-major as stored).
+//   2. L (f32, for the inverse) and −P's split tiles; T by 16x16 blocks (the diagonal ones by
+//      substitution, then T_ij = −T_ii Σ_k L_ik T_kj by distance from the diagonal), split.
+//   3. Xᵀ = Bᵀ Tᵀ: M = X's column (warpgroup 0 W's 128, warpgroup 1 U's, in two m64 slices),
+//      A = the scaled K or V column read transposed, B = T's rows.
+//   4. Yᵀ = Xᵀ (−P)ᵀ onto e^γ Qᵀ (W half: Q') or zero (U half: −O_intra), A = Xᵀ straight from
+//      the accumulators: the pair (2c, 2c + 1) of an accumulator's k block is the fragment's
+//      k (c, c + 4) when −P's tiles hold its columns in that order (gdn_pk).
+// Block = chunk blockIdx.x of value head blockIdx.y, 256 threads; dynamic shared memory
+// GdnShape::prep_wg_smem_bytes (202,752 bytes: one block an SM).
+#define GDN_LDR 132  // K, Q, V rows (≡ 4 mod 32: the fragments' ldmatrix and reads conflict free)
+#define GDN_LDT 68   // L and T rows
+// A K-major split tile of 64 rows (n) in 128-byte-swizzle panels of 32 k (8 KiB each).
+__device__ __forceinline__ int gdn_sw64(int n, int k) {
+    return (k >> 5) * 2048 + n * 32 + ((((k >> 2) & 7) ^ (n & 7)) << 2) + (k & 3);
+}
+__device__ __forceinline__ unsigned long long gdn_desc64_k8(unsigned long long d, int kk) {
+    return d + (unsigned long long)((kk >> 2) * 512 + (kk & 3) * 2);
+}
+// −P's column s as stored in its tiles: within each 8, even s to slots 0-3, odd to 4-7.
+__device__ __forceinline__ int gdn_pk(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
+
+// acc (64 x 64, this warpgroup) = (accumulate ? acc : 0) + A B, 3xTF32, over KS k8 steps: the
+// thread's A values of step kk from frag(kk, hi, lo) (split), B the split tiles at bh, bl. A
+// fragments in groups of 4 steps through two register sets, as gdn_wg_rows_mma.
+template <int KS, class Frag>
+__device__ __forceinline__ void gdn_wg64_mma(float (&acc)[32], unsigned long long bh, unsigned long long bl,
+                                             bool accumulate, Frag&& frag) {
+    constexpr int G = 4, NG = KS / G;
+    unsigned fh[2][G][4], fl[2][G][4];
+    unsigned acc_in = accumulate;
+    wgmma_fence_operand(bh);
+    wgmma_fence_operand(bl);
+    wgmma_fence_operand(acc_in);
+#pragma unroll
+    for (int e = 0; e < 32; e++) wgmma_fence_operand(acc[e]);
+#pragma unroll
+    for (int g = 0; g < NG; g++) {
+        const int b = g & 1;
+        if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            frag(g * G + i, fh[b][i], fl[b][i]);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                wgmma_fence_operand(fh[b][i][e]);
+                wgmma_fence_operand(fl[b][i][e]);
+            }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            const int kk = g * G + i;
+            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_desc64_k8(bh, kk), kk > 0 ? 1u : acc_in);
+            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_desc64_k8(bl, kk), 1);
+            wgmma_m64n64k8_tf32_rs(acc, fl[b][i], gdn_desc64_k8(bh, kk), 1);
+        }
+        wgmma_commit();
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int e = 0; e < 32; e++) wgmma_fence_operand(acc[e]);
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int i = 0; i < G; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                wgmma_fence_operand(fh[b][i][e]);
+                wgmma_fence_operand(fl[b][i][e]);
+            }
+}
+
+__device__ __forceinline__ void gdn_split4(float4 v, float* hi, float* lo) {
+    unsigned h[4], l[4];
+    split_tf32(v.x, h[0], l[0]);
+    split_tf32(v.y, h[1], l[1]);
+    split_tf32(v.z, h[2], l[2]);
+    split_tf32(v.w, h[3], l[3]);
+    st4(hi, make_float4(__uint_as_float(h[0]), __uint_as_float(h[1]), __uint_as_float(h[2]), __uint_as_float(h[3])));
+    st4(lo, make_float4(__uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3])));
+}
+
+template <int DK>
+__device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, const float* __restrict__ g,
+                                       const float* __restrict__ beta, float* __restrict__ w_out,
+                                       float* __restrict__ qp_out, float* __restrict__ u_out,
+                                       float* __restrict__ gamma_out, float* __restrict__ o, int t, int hk,
+                                       int hv, int dv) {
+    static_assert(DK == 128, "written for dk = dv = 128 (two m64 slices a warpgroup)");
+    extern __shared__ __align__(1024) float gdn_smem[];
+    float* kt = gdn_smem;               // K's split tiles [hi | lo] (64 x 128 each); then:
+    float* tt = gdn_smem;               //   T's split tiles [hi | lo] (64 x 64 each)
+    float* pt = gdn_smem + 2 * 4096;    //   −P's split tiles, columns in gdn_pk order
+    float* ksr = gdn_smem + 2 * 8192;   // [64][GDN_LDR] K rows
+    float* qsr = ksr + GDN_C * GDN_LDR; // Q rows
+    float* vsr = qsr + GDN_C * GDN_LDR; // V rows
+    float* lm = vsr + GDN_C * GDN_LDR;  // [64][GDN_LDT] L (strictly lower); its upper blocks hold M_ij
+    float* tm = lm + GDN_C * GDN_LDT;   // [64][GDN_LDT] T = (I + L)^-1
+    float* gam = tm + GDN_C * GDN_LDT;  // [64] γ
+    float* eg = gam + GDN_C;            // [64] e^γ
+    float* bet = eg + GDN_C;            // [64] β
+    float* bsk = bet + GDN_C;           // [64] β e^γ
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), w4 = warp & 3;
+    const int c0 = blockIdx.x * GDN_C, j = blockIdx.y, kh = j / (hv / hk);
+    const int n = min(GDN_C, t - c0);
+    const size_t tp = (size_t)gridDim.x * GDN_C;
+    const size_t qoff = (size_t)kh * DK, koff = (size_t)(hk + kh) * DK;
+    const size_t voff = (size_t)2 * hk * DK + (size_t)j * dv;
+    const float* rows = qkv + (size_t)c0 * c;
+
+    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+        const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+        const bool in = r < n;
+        const float* src = rows + (size_t)r * c;
+        cp_async16(ksr + r * GDN_LDR + i, in ? src + koff + i : qkv, in);
+        cp_async16(qsr + r * GDN_LDR + i, in ? src + qoff + i : qkv, in);
+        cp_async16(vsr + r * GDN_LDR + i, in ? src + voff + i : qkv, in);
+    }
+    cp_async_commit();
+    if (tid < GDN_C) {
+        const bool in = tid < n;
+        gam[tid] = in ? g[(size_t)(c0 + tid) * hv + j] : 0.0f;
+        bet[tid] = in ? beta[(size_t)(c0 + tid) * hv + j] : 0.0f;
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    if (tid == 0) {  // serial, in the CPU reference's order
+        float acc = 0.0f;
+#pragma unroll 8
+        for (int r = 0; r < GDN_C; r++) {
+            acc += gam[r];
+            gam[r] = acc;
+        }
+    }
+    // K's split tiles
+    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+        const int r = idx / (DK / 4), k = (idx % (DK / 4)) * 4;
+        gdn_split4(ld4(ksr + r * GDN_LDR + k), kt + gdn_sw64(r, k), kt + GDN_C * DK + gdn_sw64(r, k));
+    }
+    fence_proxy_async();  // the tiles' generic-proxy writes visible to wgmma
+    __syncthreads();
+    if (tid < GDN_C) {
+        eg[tid] = expf(gam[tid]);
+        bsk[tid] = bet[tid] * eg[tid];
+        gamma_out[(size_t)j * tp + c0 + tid] = gam[tid];
+    }
+
+    // 1. K Kᵀ (warpgroup 0), Q Kᵀ (warpgroup 1)
+    float acc[32];
+    {
+        const float* a = (wg == 0 ? ksr : qsr) + 16 * w4 * GDN_LDR;
+        const unsigned long long bh = wgmma_desc_sw128(kt), bl = wgmma_desc_sw128(kt + GDN_C * DK);
+        gdn_wg64_mma<DK / 8>(acc, bh, bl, false, [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+            gdn_frag_a(a + 8 * kk, GDN_LDR, lane, hi, lo);
+        });
+    }
+    __syncthreads();  // both products retired: K's tiles are free; e^γ, β e^γ written
+
+    // 2. L (f32) and −P's split tiles; accumulator (row r, column s)
+#pragma unroll
+    for (int e4 = 0; e4 < 32; e4++) {
+        const int e = e4 & 3, r = 16 * w4 + gq + 8 * (e >> 1), s = 8 * (e4 >> 2) + 2 * cq + (e & 1);
+        const float d = s <= r ? expf(gam[r] - gam[s]) : 0.0f;
+        if (wg == 0) {
+            lm[r * GDN_LDT + s] = s < r ? bet[r] * acc[e4] * d : 0.0f;
+        } else {
+            const float pv = s <= r ? -(acc[e4] * d) : 0.0f;
+            unsigned h, l;
+            split_tf32(pv, h, l);
+            pt[gdn_sw64(r, gdn_pk(s))] = __uint_as_float(h);
+            pt[4096 + gdn_sw64(r, gdn_pk(s))] = __uint_as_float(l);
+        }
+    }
+    __syncthreads();
+    // T's diagonal blocks by substitution (warp b < 4: block b, lane m < 16: column m); the
+    // other warps clear T's blocks above the diagonal
+    if (warp < 4) {
+        if (lane < 16) {
+            const float* ld = lm + 16 * warp * (GDN_LDT + 1);
+            float tcol[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int s = 0; s < i; s++) a = fmaf(ld[i * GDN_LDT + s], tcol[s], a);
+                tcol[i] = i < lane ? 0.0f : i == lane ? 1.0f : -a;
+            }
+#pragma unroll
+            for (int i = 0; i < 16; i++) tm[(16 * warp + i) * GDN_LDT + 16 * warp + lane] = tcol[i];
+        }
+    } else {
+        for (int idx = tid - 128; idx < 6 * 256; idx += 128) {  // the 6 blocks (bi < bj)
+            const int p = idx >> 8, bi = p < 3 ? 0 : p < 5 ? 1 : 2, bj = p < 3 ? p + 1 : p < 5 ? p - 1 : 3;
+            tm[(16 * bi + ((idx >> 4) & 15)) * GDN_LDT + 16 * bj + (idx & 15)] = 0.0f;
+        }
+    }
+    __syncthreads();
+    // T_ij = −T_ii M_ij, M_ij = Σ_{k=j}^{i−1} L_ik T_kj, by distance δ = i − j from the diagonal
+    // (M_ij kept in L's block (j, i), above the diagonal, never read as L)
+    for (int dl = 1; dl < 4; dl++) {
+        const int r = tid >> 4, col = tid & 15;
+        for (int p = 0; p < 4 - dl; p++) {
+            const int bi = dl + p, bj = p;
+            float m = 0.0f;
+            for (int k = 16 * bj; k < 16 * bi; k++)
+                m = fmaf(lm[(16 * bi + r) * GDN_LDT + k], tm[k * GDN_LDT + 16 * bj + col], m);
+            lm[(16 * bj + r) * GDN_LDT + 16 * bi + col] = m;
+        }
+        __syncthreads();
+        for (int p = 0; p < 4 - dl; p++) {
+            const int bi = dl + p, bj = p;
+            float x = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 16; k++)  // T_ii is 0 above its diagonal
+                x = fmaf(tm[(16 * bi + r) * GDN_LDT + 16 * bi + k], lm[(16 * bj + k) * GDN_LDT + 16 * bi + col], x);
+            tm[(16 * bi + r) * GDN_LDT + 16 * bj + col] = -x;
+        }
+        __syncthreads();
+    }
+    // T's split tiles (rows r, k = s)
+    for (int idx = tid; idx < GDN_C * GDN_C / 4; idx += blockDim.x) {
+        const int r = idx >> 4, s = (idx & 15) * 4;
+        gdn_split4(ld4(tm + r * GDN_LDT + s), tt + gdn_sw64(r, s), tt + 4096 + gdn_sw64(r, s));
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    // 3. Xᵀ = Bᵀ Tᵀ, two m64 slices of X's columns a warpgroup; store W (or U)
+    const float* src = wg == 0 ? ksr : vsr;
+    const float* scale = wg == 0 ? bsk : bet;
+    float x[2][32];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int m = 64 * h + 16 * w4 + gq;  // the fragment's rows m, m + 8
+        gdn_wg64_mma<GDN_C / 8>(x[h], wgmma_desc_sw128(tt), wgmma_desc_sw128(tt + 4096), false,
+                                [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                                    const int s = 8 * kk + cq;
+                                    const float v[4] = {src[s * GDN_LDR + m] * scale[s], src[s * GDN_LDR + m + 8] * scale[s],
+                                                        src[(s + 4) * GDN_LDR + m] * scale[s + 4],
+                                                        src[(s + 4) * GDN_LDR + m + 8] * scale[s + 4]};
+#pragma unroll
+                                    for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
+                                });
+        float* dst = wg == 0 ? w_out + ((size_t)j * tp + c0) * DK : u_out + ((size_t)j * tp + c0) * dv;
+#pragma unroll
+        for (int e4 = 0; e4 < 32; e4++) {
+            const int e = e4 & 3, mm = m + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
+            dst[(size_t)r * (wg == 0 ? DK : dv) + mm] = x[h][e4];
+        }
+    }
+
+    // 4. Yᵀ = Xᵀ (−P)ᵀ onto e^γ Qᵀ (Q') or 0 (−O_intra)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int m = 64 * h + 16 * w4 + gq;
+        float y[32];
+        if (wg == 0) {
+#pragma unroll
+            for (int e4 = 0; e4 < 32; e4++) {
+                const int e = e4 & 3, mm = m + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
+                y[e4] = eg[r] * qsr[r * GDN_LDR + mm];
+            }
+        }
+        gdn_wg64_mma<GDN_C / 8>(y, wgmma_desc_sw128(pt), wgmma_desc_sw128(pt + 4096), wg == 0,
+                                [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                                    // accumulator pairs (2c, 2c + 1) of k block kk: fragment k (c, c + 4)
+                                    const float v[4] = {x[h][4 * kk], x[h][4 * kk + 2], x[h][4 * kk + 1], x[h][4 * kk + 3]};
+#pragma unroll
+                                    for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
+                                });
+#pragma unroll
+        for (int e4 = 0; e4 < 32; e4++) {
+            const int e = e4 & 3, mm = m + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
+            if (wg == 0) qp_out[((size_t)j * tp + c0 + r) * DK + mm] = y[e4];
+            else if (r < n) o[((size_t)(c0 + r) * hv + j) * dv + mm] = -y[e4];
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_prep_wg_128(
+    const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out, float* u_out,
+    float* gamma_out, float* o, int t, int hk, int hv, int dv) {
+    PREFILL_KERNEL();
+    gdn_chunk_prep_wg_impl<128>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);
+}
