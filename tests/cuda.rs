@@ -1234,6 +1234,38 @@ fn gdn_chunk_state_phases() {
         "  A: barrier to barrier (7 -> next 0): {:.0}",
         avg(&|ch| at(ch, 0) - at(ch - 1, 7))
     );
+    // gdn_chunk_prep_wg's clock (value head 0's blocks, chunk ch at 128 + ch)
+    if gpu.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed) {
+        let prep = [
+            "loads",
+            "K split",
+            "K Kᵀ | Q Kᵀ",
+            "L, −P",
+            "T",
+            "X + stores",
+            "Y + stores",
+        ];
+        let all = 0..chunks;
+        let mean =
+            |f: &dyn Fn(usize) -> u64| all.clone().map(f).sum::<u64>() as f64 / all.len() as f64;
+        println!("gdn_chunk_prep_wg_128, value head 0, cycles a block (mean of {chunks}):");
+        for wg in [0, 8] {
+            let row: Vec<String> = prep
+                .iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    let d = mean(&|ch| at(128 + ch, wg + i + 1) - at(128 + ch, wg + i));
+                    format!("{name} {d:.0}")
+                })
+                .collect();
+            let total = mean(&|ch| at(128 + ch, wg + 7) - at(128 + ch, wg));
+            println!(
+                "  warpgroup {}: {} | total {total:.0}",
+                wg / 8,
+                row.join(", ")
+            );
+        }
+    }
 }
 
 /// Time per call of the GDN prefill kernels at the full model's shape over a 4,096-token

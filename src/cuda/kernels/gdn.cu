@@ -1380,6 +1380,16 @@ GDN_CHUNKED(128)
 //      k (c, c + 4) when −P's tiles hold its columns in that order (gdn_pk).
 // Block = chunk blockIdx.x of value head blockIdx.y, 256 threads; dynamic shared memory
 // GdnShape::prep_wg_smem_bytes (202,752 bytes: one block an SM).
+// Phase clock of gdn_chunk_prep_wg (KESTREL_GDN_TRACE, as gdn_chunk_state's): value head 0's
+// block of chunk ch < 128 writes clock64 of each warpgroup's thread 0 at slots 0-7 (warpgroup 1
+// at 8-15) of g_gdn_phase's chunk 128 + ch, at the points GDN_PREP_PHASE marks.
+#ifdef KESTREL_GDN_TRACE
+#define GDN_PREP_PHASE(slot)                                                                     \
+    if (blockIdx.y == 0 && blockIdx.x < 128 && tid % 128 == 0)                                   \
+    g_gdn_phase[(128 + blockIdx.x) * 16 + 8 * (tid / 128) + (slot)] = clock64()
+#else
+#define GDN_PREP_PHASE(slot)
+#endif
 #define GDN_LDR 132  // K, Q, V rows (≡ 4 mod 32: the fragments' ldmatrix and reads conflict free)
 #define GDN_LDT 68   // L and T rows
 // A K-major split tile of 64 rows (n) in 128-byte-swizzle panels of 32 k (8 KiB each).
@@ -1481,6 +1491,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     const size_t qoff = (size_t)kh * DK, koff = (size_t)(hk + kh) * DK;
     const size_t voff = (size_t)2 * hk * DK + (size_t)j * dv;
     const float* rows = qkv + (size_t)c0 * c;
+    GDN_PREP_PHASE(0);
 
     for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
         const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
@@ -1498,6 +1509,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     }
     cp_async_wait_all();
     __syncthreads();
+    GDN_PREP_PHASE(1);
     if (tid == 0) {  // serial, in the CPU reference's order
         float acc = 0.0f;
 #pragma unroll 8
@@ -1513,6 +1525,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     }
     fence_proxy_async();  // the tiles' generic-proxy writes visible to wgmma
     __syncthreads();
+    GDN_PREP_PHASE(2);
     if (tid < GDN_C) {
         eg[tid] = expf(gam[tid]);
         bsk[tid] = bet[tid] * eg[tid];
@@ -1529,6 +1542,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         });
     }
     __syncthreads();  // both products retired: K's tiles are free; e^γ, β e^γ written
+    GDN_PREP_PHASE(3);
 
     // 2. L (f32) and −P's split tiles; accumulator (row r, column s)
 #pragma unroll
@@ -1546,6 +1560,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         }
     }
     __syncthreads();
+    GDN_PREP_PHASE(4);
     // T's diagonal blocks by substitution (warp b < 4: block b, lane m < 16: column m); the
     // other warps clear T's blocks above the diagonal
     if (warp < 4) {
@@ -1598,6 +1613,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     }
     fence_proxy_async();
     __syncthreads();
+    GDN_PREP_PHASE(5);
 
     // 3. Xᵀ = Bᵀ Tᵀ, two m64 slices of X's columns a warpgroup; store W (or U)
     const float* src = wg == 0 ? ksr : vsr;
@@ -1623,6 +1639,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         }
     }
 
+    GDN_PREP_PHASE(6);
     // 4. Yᵀ = Xᵀ (−P)ᵀ onto e^γ Qᵀ (Q') or 0 (−O_intra)
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -1649,6 +1666,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
             else if (r < n) o[((size_t)(c0 + r) * hv + j) * dv + mm] = -y[e4];
         }
     }
+    GDN_PREP_PHASE(7);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_prep_wg_128(
     const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out, float* u_out,
