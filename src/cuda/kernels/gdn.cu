@@ -1463,6 +1463,27 @@ __device__ __forceinline__ void gdn_split4(float4 v, float* hi, float* lo) {
     st4(lo, make_float4(__uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3])));
 }
 
+// A warpgroup's 64 x 64 accumulator slice (row m = X's column, column r = the chunk row) out to
+// rows r < rows of dst (row stride ld) at columns col0 .. col0 + 63, times sign: through the
+// warpgroup's staging tile [64][GDN_LDT] so the global stores are whole 16-byte row pieces.
+__device__ __forceinline__ void gdn_prep_store(const float (&acc)[32], float* stage, int col0, float* dst, size_t ld,
+                                               int rows, float sign, int wg, int w4, int lane) {
+    const int gq = lane >> 2, cq = lane & 3;
+#pragma unroll
+    for (int e4 = 0; e4 < 32; e4++) {
+        const int e = e4 & 3, m = 16 * w4 + gq + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
+        stage[r * GDN_LDT + m] = sign * acc[e4];
+    }
+    gdn_bar(1 + wg, 128);
+    const int t = 32 * w4 + lane;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int idx = t + 128 * i, r = idx >> 4, c4 = (idx & 15) * 4;
+        if (r < rows) st4(dst + (size_t)r * ld + col0 + c4, ld4(stage + r * GDN_LDT + c4));
+    }
+    gdn_bar(1 + wg, 128);  // the staging tile is read before its next use
+}
+
 template <int DK>
 __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, const float* __restrict__ g,
                                        const float* __restrict__ beta, float* __restrict__ w_out,
@@ -1493,30 +1514,33 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     const float* rows = qkv + (size_t)c0 * c;
     GDN_PREP_PHASE(0);
 
-    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
-        const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-        const bool in = r < n;
-        const float* src = rows + (size_t)r * c;
-        cp_async16(ksr + r * GDN_LDR + i, in ? src + koff + i : qkv, in);
-        cp_async16(qsr + r * GDN_LDR + i, in ? src + qoff + i : qkv, in);
-        cp_async16(vsr + r * GDN_LDR + i, in ? src + voff + i : qkv, in);
+    // K, then Q, then V in three cp.async groups: V is first read in step 3
+    for (int part = 0; part < 3; part++) {
+        float* dst = part == 0 ? ksr : part == 1 ? qsr : vsr;
+        const size_t off = part == 0 ? koff : part == 1 ? qoff : voff;
+        for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+            const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+            const bool in = r < n;
+            cp_async16(dst + r * GDN_LDR + i, in ? rows + (size_t)r * c + off + i : qkv, in);
+        }
+        cp_async_commit();
     }
-    cp_async_commit();
     if (tid < GDN_C) {
         const bool in = tid < n;
         gam[tid] = in ? g[(size_t)(c0 + tid) * hv + j] : 0.0f;
         bet[tid] = in ? beta[(size_t)(c0 + tid) * hv + j] : 0.0f;
     }
-    cp_async_wait_all();
+    cp_async_wait<2>();  // K
     __syncthreads();
     GDN_PREP_PHASE(1);
-    if (tid == 0) {  // serial, in the CPU reference's order
-        float acc = 0.0f;
-#pragma unroll 8
-        for (int r = 0; r < GDN_C; r++) {
-            acc += gam[r];
-            gam[r] = acc;
-        }
+    if (tid == 0) {  // serial, in the CPU reference's order (the values in registers first)
+        float v[GDN_C];
+#pragma unroll
+        for (int r = 0; r < GDN_C; r += 4) *reinterpret_cast<float4*>(v + r) = ld4(gam + r);
+#pragma unroll
+        for (int r = 1; r < GDN_C; r++) v[r] += v[r - 1];
+#pragma unroll
+        for (int r = 0; r < GDN_C; r += 4) st4(gam + r, *reinterpret_cast<float4*>(v + r));
     }
     // K's split tiles
     for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
@@ -1524,6 +1548,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         gdn_split4(ld4(ksr + r * GDN_LDR + k), kt + gdn_sw64(r, k), kt + GDN_C * DK + gdn_sw64(r, k));
     }
     fence_proxy_async();  // the tiles' generic-proxy writes visible to wgmma
+    cp_async_wait<1>();   // Q
     __syncthreads();
     GDN_PREP_PHASE(2);
     if (tid < GDN_C) {
@@ -1548,7 +1573,8 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
 #pragma unroll
     for (int e4 = 0; e4 < 32; e4++) {
         const int e = e4 & 3, r = 16 * w4 + gq + 8 * (e >> 1), s = 8 * (e4 >> 2) + 2 * cq + (e & 1);
-        const float d = s <= r ? expf(gam[r] - gam[s]) : 0.0f;
+        // (column blocks right of the warp's rows: zeros without the exp, warp-uniform)
+        const float d = 8 * (e4 >> 2) <= 16 * w4 + 15 && s <= r ? expf(gam[r] - gam[s]) : 0.0f;
         if (wg == 0) {
             lm[r * GDN_LDT + s] = s < r ? bet[r] * acc[e4] * d : 0.0f;
         } else {
@@ -1612,12 +1638,14 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         gdn_split4(ld4(tm + r * GDN_LDT + s), tt + gdn_sw64(r, s), tt + 4096 + gdn_sw64(r, s));
     }
     fence_proxy_async();
+    cp_async_wait<0>();  // V
     __syncthreads();
     GDN_PREP_PHASE(5);
 
     // 3. Xᵀ = Bᵀ Tᵀ, two m64 slices of X's columns a warpgroup; store W (or U)
     const float* src = wg == 0 ? ksr : vsr;
     const float* scale = wg == 0 ? bsk : bet;
+    float* stage = lm + wg * GDN_C * GDN_LDT;  // the warpgroup's output staging (L and T are done)
     float x[2][32];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -1632,11 +1660,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
                                     for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
                                 });
         float* dst = wg == 0 ? w_out + ((size_t)j * tp + c0) * DK : u_out + ((size_t)j * tp + c0) * dv;
-#pragma unroll
-        for (int e4 = 0; e4 < 32; e4++) {
-            const int e = e4 & 3, mm = m + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
-            dst[(size_t)r * (wg == 0 ? DK : dv) + mm] = x[h][e4];
-        }
+        gdn_prep_store(x[h], stage, 64 * h, dst, wg == 0 ? DK : dv, GDN_C, 1.0f, wg, w4, lane);
     }
 
     GDN_PREP_PHASE(6);
@@ -1659,12 +1683,8 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
 #pragma unroll
                                     for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
                                 });
-#pragma unroll
-        for (int e4 = 0; e4 < 32; e4++) {
-            const int e = e4 & 3, mm = m + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
-            if (wg == 0) qp_out[((size_t)j * tp + c0 + r) * DK + mm] = y[e4];
-            else if (r < n) o[((size_t)(c0 + r) * hv + j) * dv + mm] = -y[e4];
-        }
+        if (wg == 0) gdn_prep_store(y, stage, 64 * h, qp_out + ((size_t)j * tp + c0) * DK, DK, GDN_C, 1.0f, wg, w4, lane);
+        else gdn_prep_store(y, stage, 64 * h, o + ((size_t)c0 * hv + j) * dv, (size_t)hv * dv, n, -1.0f, wg, w4, lane);
     }
     GDN_PREP_PHASE(7);
 }
