@@ -308,29 +308,21 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        // the wgmma prep (persistent: a block an SM walks the (head, chunk) items) where it is
-        // on and takes the shape
-        let wg_prep = self.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed)
-            && sh.prep_wg_fits(self.max_smem_per_block);
-        let (name, grid, threads, smem) = if wg_prep {
-            let items = sh.chunks() * sh.hv;
+        // the wgmma prep where it is on and takes the shape
+        let (name, threads, smem) = if self.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed)
+            && sh.prep_wg_fits(self.max_smem_per_block)
+        {
             (
                 "gdn_chunk_prep_wg",
-                (items.min(self.sm_count) as u32, 1, 1),
                 PREP_WG_THREADS,
                 sh.prep_wg_smem_bytes(),
             )
         } else {
-            (
-                "gdn_chunk_prep",
-                (sh.chunks() as u32, sh.hv as u32, 1),
-                PREP_THREADS,
-                sh.prep_smem_bytes(),
-            )
+            ("gdn_chunk_prep", PREP_THREADS, sh.prep_smem_bytes())
         };
         self.launch_dep(
             &format!("{name}_{}", sh.dk),
-            grid,
+            (sh.chunks() as u32, sh.hv as u32, 1),
             threads,
             smem as u32,
             &args,

@@ -1381,12 +1381,12 @@ GDN_CHUNKED(128)
 // Block = chunk blockIdx.x of value head blockIdx.y, 256 threads; dynamic shared memory
 // GdnShape::prep_wg_smem_bytes (202,752 bytes: one block an SM).
 // Phase clock of gdn_chunk_prep_wg (KESTREL_GDN_TRACE, as gdn_chunk_state's): value head 0's
-// item of chunk ch < 128 writes clock64 of each warpgroup's thread 0 at slots 0-7 (warpgroup 1
+// block of chunk ch < 128 writes clock64 of each warpgroup's thread 0 at slots 0-7 (warpgroup 1
 // at 8-15) of g_gdn_phase's chunk 128 + ch, at the points GDN_PREP_PHASE marks.
 #ifdef KESTREL_GDN_TRACE
 #define GDN_PREP_PHASE(slot)                                                                     \
-    if (item < 128 && item < nch && tid % 128 == 0)                                              \
-    g_gdn_phase[(128 + item) * 16 + 8 * (tid / 128) + (slot)] = clock64()
+    if (blockIdx.y == 0 && blockIdx.x < 128 && tid % 128 == 0)                                   \
+    g_gdn_phase[(128 + blockIdx.x) * 16 + 8 * (tid / 128) + (slot)] = clock64()
 #else
 #define GDN_PREP_PHASE(slot)
 #endif
@@ -1506,13 +1506,9 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     float* bsk = bet + GDN_C;           // [64] β e^γ
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), w4 = warp & 3;
-    const int nch = (t + GDN_C - 1) / GDN_C;
-    const size_t tp = (size_t)nch * GDN_C;
-    // Persistent: block b takes items b, b + gridDim.x, ... (item = head * chunks + chunk), and
-    // prefetches its next item's K, Q and V rows into L2 while it works on this one.
-    for (int item = blockIdx.x; item < nch * hv; item += gridDim.x) {
-    const int c0 = (item % nch) * GDN_C, j = item / nch, kh = j / (hv / hk);
+    const int c0 = blockIdx.x * GDN_C, j = blockIdx.y, kh = j / (hv / hk);
     const int n = min(GDN_C, t - c0);
+    const size_t tp = (size_t)gridDim.x * GDN_C;
     const size_t qoff = (size_t)kh * DK, koff = (size_t)(hk + kh) * DK;
     const size_t voff = (size_t)2 * hk * DK + (size_t)j * dv;
     const float* rows = qkv + (size_t)c0 * c;
@@ -1528,14 +1524,6 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
             cp_async16(dst + r * GDN_LDR + i, in ? rows + (size_t)r * c + off + i : qkv, in);
         }
         cp_async_commit();
-    }
-    if (item + gridDim.x < nch * hv) {  // the next item's rows: 64 x (K, Q, V) x 4 lines of 128 bytes
-        const int nx = item + gridDim.x, nc0 = (nx % nch) * GDN_C, nj = nx / nch, nkh = nj / (hv / hk);
-        for (int idx = tid; idx < GDN_C * 12; idx += blockDim.x) {
-            const int r = idx / 12, part = idx % 12 / 4, line = idx % 4;
-            const size_t off = part == 0 ? (size_t)(hk + nkh) * DK : part == 1 ? (size_t)nkh * DK : (size_t)2 * hk * DK + (size_t)nj * dv;
-            if (nc0 + r < t) gdn_prefetch_l2(qkv + (size_t)(nc0 + r) * c + off + 32 * line);
-        }
     }
     if (tid < GDN_C) {
         const bool in = tid < n;
@@ -1699,8 +1687,6 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         else gdn_prep_store(y, stage, 64 * h, o + ((size_t)c0 * hv + j) * dv, (size_t)hv * dv, n, -1.0f, wg, w4, lane);
     }
     GDN_PREP_PHASE(7);
-    __syncthreads();  // every read of this item's shared memory done before the next one's copies
-    }
 }
 extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_prep_wg_128(
     const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out, float* u_out,
