@@ -13,7 +13,7 @@
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
 // emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
-// emu-provides: wgmma_m64n64k8_tf32_rs bulk_store_s2g bulk_commit bulk_wait_read sm_count
+// emu-provides: wgmma_m64n64k8_tf32_rs
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
@@ -189,9 +189,6 @@ struct PendingWgmma {
 };
 inline std::vector<std::vector<PendingWgmma>> g_wg_groups[1024];
 inline std::vector<PendingWgmma> g_wg_open[1024];
-// bulk shared -> global copies not yet waited for (see bulk_store_s2g)
-struct PendingBulk { void* dst; const void* src; unsigned bytes; };
-inline std::vector<PendingBulk> g_bulk[1024];
 
 inline void emu_fiber_main() {
     Warp* w = t_warp;
@@ -200,7 +197,6 @@ inline void emu_fiber_main() {
     // a real kernel may exit with copies in flight, but ours should not
     if (!g_cp_groups[t].empty() || !g_cp_open[t].empty()) emu_fail("cp.async groups left at exit");
     if (!g_wg_groups[t].empty() || !g_wg_open[t].empty()) emu_fail("wgmma groups left at exit");
-    if (!g_bulk[t].empty()) emu_fail("bulk copies not waited for at exit");
     emu_to_scheduler(LANE_DONE);
     abort();  // a finished lane is never resumed
 }
@@ -554,18 +550,6 @@ inline void wgmma_m64n64k8_tf32_rs(float (&d)[32], const unsigned (&a)[4], unsig
         }
     g_wg_open[threadIdx.x].push_back(op);
 }
-// Bulk shared -> global copies: done at bulk_wait_read (as late as the hardware may read the
-// source), so a source overwritten before the wait shows up as wrong output.
-inline void bulk_store_s2g(void* gdst, const void* ssrc, unsigned bytes) {
-    if (((uintptr_t)gdst | (uintptr_t)ssrc | bytes) & 15) emu_fail("bulk copy not 16-byte aligned");
-    g_bulk[threadIdx.x].push_back({gdst, ssrc, bytes});
-}
-inline void bulk_commit() {}
-inline void bulk_wait_read() {
-    for (auto& b : g_bulk[threadIdx.x]) memcpy(b.dst, b.src, b.bytes);
-    g_bulk[threadIdx.x].clear();
-}
-inline unsigned sm_count() { return 132; }
 inline void wgmma_commit() {
     unsigned t = threadIdx.x;
     g_wg_groups[t].push_back(g_wg_open[t]);

@@ -498,23 +498,6 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128_mn(const void* sm
 }
 // Writes by the generic proxy (st.shared, cp.async) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// The number of SMs (%nsmid).
-__device__ __forceinline__ unsigned sm_count() {
-    unsigned n;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
-    return n;
-}
-// Bulk copy (sm_90) of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared
-// to global memory by the async proxy: the issuing thread goes on at once; fence_proxy_async
-// first if generic stores wrote the source. bulk_commit closes the thread's group;
-// bulk_wait_read waits until its groups have read their sources (shared memory reusable).
-__device__ __forceinline__ void bulk_store_s2g(void* gdst, const void* ssrc, unsigned bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gdst), "r"(smem_addr(ssrc)),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Keeps the compiler from moving accumulator reads/writes across in-flight wgmma.
 __device__ __forceinline__ void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 // (and register A fragments, which an in-flight wgmma still reads)

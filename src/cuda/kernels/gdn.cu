@@ -1464,26 +1464,24 @@ __device__ __forceinline__ void gdn_split4(float4 v, float* hi, float* lo) {
 }
 
 // A warpgroup's 64 x 64 accumulator slice (row m = X's column, column r = the chunk row) out to
-// rows r < rows of dst (row stride ld) at columns col0 .. col0 + 63, times sign: into the
-// warpgroup's staging tile [64][GDN_LDT], then a 256-byte bulk copy a row (thread r issues
-// row r), which runs on while the warpgroup computes; the tile's previous copies are waited
-// for first. The kernel waits for the last ones before it exits.
+// rows r < rows of dst (row stride ld) at columns col0 .. col0 + 63, times sign: through the
+// warpgroup's staging tile [64][GDN_LDT] so the global stores are whole 16-byte row pieces.
 __device__ __forceinline__ void gdn_prep_store(const float (&acc)[32], float* stage, int col0, float* dst, size_t ld,
                                                int rows, float sign, int wg, int w4, int lane) {
-    const int gq = lane >> 2, cq = lane & 3, t = 32 * w4 + lane;
-    bulk_wait_read();       // this thread's copies out of the tile have read it
-    gdn_bar(1 + wg, 128);   // ... and every thread's
+    const int gq = lane >> 2, cq = lane & 3;
 #pragma unroll
     for (int e4 = 0; e4 < 32; e4++) {
         const int e = e4 & 3, m = 16 * w4 + gq + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
         stage[r * GDN_LDT + m] = sign * acc[e4];
     }
-    fence_proxy_async();  // the tile's stores visible to the bulk copies
     gdn_bar(1 + wg, 128);
-    if (t < rows) {
-        bulk_store_s2g(dst + (size_t)t * ld + col0, stage + t * GDN_LDT, 64 * 4);
-        bulk_commit();
+    const int t = 32 * w4 + lane;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int idx = t + 128 * i, r = idx >> 4, c4 = (idx & 15) * 4;
+        if (r < rows) st4(dst + (size_t)r * ld + col0 + c4, ld4(stage + r * GDN_LDT + c4));
     }
+    gdn_bar(1 + wg, 128);  // the staging tile is read before its next use
 }
 
 template <int DK>
@@ -1526,19 +1524,6 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
             cp_async16(dst + r * GDN_LDR + i, in ? rows + (size_t)r * c + off + i : qkv, in);
         }
         cp_async_commit();
-    }
-    {  // one block an SM: the block a wave later (linear order) is likely next here; its rows into L2
-        const unsigned nb = blockIdx.y * gridDim.x + blockIdx.x + sm_count();
-        if (nb < gridDim.x * gridDim.y) {
-            const int nc0 = (nb % gridDim.x) * GDN_C, nj = nb / gridDim.x, nkh = nj / (hv / hk);
-            for (int idx = tid; idx < GDN_C * 12; idx += blockDim.x) {
-                const int r = idx / 12, part = idx % 12 / 4, line = idx % 4;
-                const size_t off = part == 0 ? (size_t)(hk + nkh) * DK
-                                   : part == 1 ? (size_t)nkh * DK
-                                               : (size_t)2 * hk * DK + (size_t)nj * dv;
-                if (nc0 + r < t) gdn_prefetch_l2(qkv + (size_t)(nc0 + r) * c + off + 32 * line);
-            }
-        }
     }
     if (tid < GDN_C) {
         const bool in = tid < n;
@@ -1585,29 +1570,19 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     GDN_PREP_PHASE(3);
 
     // 2. L (f32) and −P's split tiles; accumulator (row r, column s)
-    {
-        const int r0 = 16 * w4 + gq;
-        const float gr[2] = {gam[r0], gam[r0 + 8]}, br[2] = {bet[r0], bet[r0 + 8]};
 #pragma unroll
-        for (int jn = 0; jn < 8; jn++) {
-            // column blocks right of the warp's rows are zero (warp-uniform: no exp there)
-            const bool live = 8 * jn <= 16 * w4 + 15;
-            const float2 gs = live ? ld2(gam + 8 * jn + 2 * cq) : make_float2(0.0f, 0.0f);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1, r = r0 + 8 * h, s = 8 * jn + 2 * cq + (e & 1);
-                const float d = live && s <= r ? expf(gr[h] - ((e & 1) ? gs.y : gs.x)) : 0.0f;
-                const float v = acc[4 * jn + e] * d;
-                if (wg == 0) {
-                    lm[r * GDN_LDT + s] = s < r ? br[h] * v : 0.0f;
-                } else {
-                    unsigned hi, lo;
-                    split_tf32(-v, hi, lo);
-                    const int at = gdn_sw64(r, gdn_pk(s));
-                    pt[at] = __uint_as_float(hi);
-                    pt[4096 + at] = __uint_as_float(lo);
-                }
-            }
+    for (int e4 = 0; e4 < 32; e4++) {
+        const int e = e4 & 3, r = 16 * w4 + gq + 8 * (e >> 1), s = 8 * (e4 >> 2) + 2 * cq + (e & 1);
+        // (column blocks right of the warp's rows: zeros without the exp, warp-uniform)
+        const float d = 8 * (e4 >> 2) <= 16 * w4 + 15 && s <= r ? expf(gam[r] - gam[s]) : 0.0f;
+        if (wg == 0) {
+            lm[r * GDN_LDT + s] = s < r ? bet[r] * acc[e4] * d : 0.0f;
+        } else {
+            const float pv = s <= r ? -(acc[e4] * d) : 0.0f;
+            unsigned h, l;
+            split_tf32(pv, h, l);
+            pt[gdn_sw64(r, gdn_pk(s))] = __uint_as_float(h);
+            pt[4096 + gdn_sw64(r, gdn_pk(s))] = __uint_as_float(l);
         }
     }
     __syncthreads();
@@ -1642,14 +1617,8 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         for (int p = 0; p < 4 - dl; p++) {
             const int bi = dl + p, bj = p;
             float m = 0.0f;
-            for (int k = 16 * bj; k < 16 * bi; k += 4) {
-                const float4 l = ld4(lm + (16 * bi + r) * GDN_LDT + k);
-                const float* tc = tm + k * GDN_LDT + 16 * bj + col;
-                m = fmaf(l.x, tc[0], m);
-                m = fmaf(l.y, tc[GDN_LDT], m);
-                m = fmaf(l.z, tc[2 * GDN_LDT], m);
-                m = fmaf(l.w, tc[3 * GDN_LDT], m);
-            }
+            for (int k = 16 * bj; k < 16 * bi; k++)
+                m = fmaf(lm[(16 * bi + r) * GDN_LDT + k], tm[k * GDN_LDT + 16 * bj + col], m);
             lm[(16 * bj + r) * GDN_LDT + 16 * bi + col] = m;
         }
         __syncthreads();
@@ -1657,14 +1626,8 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
             const int bi = dl + p, bj = p;
             float x = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 16; k += 4) {  // T_ii is 0 above its diagonal
-                const float4 ti = ld4(tm + (16 * bi + r) * GDN_LDT + 16 * bi + k);
-                const float* mc = lm + (16 * bj + k) * GDN_LDT + 16 * bi + col;
-                x = fmaf(ti.x, mc[0], x);
-                x = fmaf(ti.y, mc[GDN_LDT], x);
-                x = fmaf(ti.z, mc[2 * GDN_LDT], x);
-                x = fmaf(ti.w, mc[3 * GDN_LDT], x);
-            }
+            for (int k = 0; k < 16; k++)  // T_ii is 0 above its diagonal
+                x = fmaf(tm[(16 * bi + r) * GDN_LDT + 16 * bi + k], lm[(16 * bj + k) * GDN_LDT + 16 * bi + col], x);
             tm[(16 * bi + r) * GDN_LDT + 16 * bj + col] = -x;
         }
         __syncthreads();
@@ -1723,7 +1686,6 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         if (wg == 0) gdn_prep_store(y, stage, 64 * h, qp_out + ((size_t)j * tp + c0) * DK, DK, GDN_C, 1.0f, wg, w4, lane);
         else gdn_prep_store(y, stage, 64 * h, o + ((size_t)c0 * hv + j) * dv, (size_t)hv * dv, n, -1.0f, wg, w4, lane);
     }
-    bulk_wait_read();  // the staging tiles stay valid until the copies have read them
     GDN_PREP_PHASE(7);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_prep_wg_128(
