@@ -1242,8 +1242,8 @@ fn gdn_chunk_state_phases() {
             "K Kᵀ | Q Kᵀ",
             "L, −P",
             "T",
-            "X + stores",
-            "Y + stores",
+            "slice 0: X, Y, stores",
+            "slice 1",
         ];
         let all = 0..chunks;
         let mean =

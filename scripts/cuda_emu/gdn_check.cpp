@@ -82,7 +82,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     if constexpr (DK == 128) {
         if (dv == 128) {
             std::vector<float> scr2(scratch.size(), NaN), o_p2((size_t)t * hv * dv, NaN), st_p2 = s0;
-            size_t wgp = 4 * (16384 + 3 * C * 132 + 2 * C * 68 + 4 * C);
+            size_t wgp = 4 * (16384 + std::max(C * 132, 2 * C * 68) + 4 * C);
             emu_launch({(unsigned)nch, (unsigned)hv, 1}, 256, wgp, [&] {
                 gdn_chunk_prep_wg_impl<DK>(qkv.data(), c, g.data(), beta.data(), scr2.data(), scr2.data() + (qp - w),
                                            scr2.data() + (u - w), scr2.data() + (gam - w), o_p2.data(), t, hk, hv, dv);

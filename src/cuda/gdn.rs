@@ -102,10 +102,11 @@ impl GdnShape {
     }
 
     /// Dynamic shared memory of `gdn_chunk_prep_wg` (dk = dv = 128 only): K's split tiles
-    /// (later T's and −P's), K, Q and V (rows of dk + 4), L and T (rows of 68), γ, e^γ, β, β e^γ;
-    /// 202,752 bytes.
+    /// (later T's and −P's), Q's rows (rows of dk + 4; later L and T, rows of 68, then the
+    /// output staging), γ, e^γ, β, β e^γ; 101,376 bytes (two blocks an SM).
     fn prep_wg_smem_bytes(&self) -> usize {
-        4 * (2 * CHUNK * self.dk + 3 * CHUNK * (self.dk + 4) + 2 * CHUNK * (CHUNK + 4) + 4 * CHUNK)
+        let q_or_lt = (CHUNK * (self.dk + 4)).max(2 * CHUNK * (CHUNK + 4));
+        4 * (2 * CHUNK * self.dk + q_or_lt + 4 * CHUNK)
     }
 
     /// Whether `gdn_chunk_prep_wg` takes this shape (it is compiled for dk = dv = 128).
@@ -380,7 +381,7 @@ mod tests {
         assert!(sh.chunked_fits(h200));
         assert_eq!(sh.state_smem_bytes(), 223_744);
         assert_eq!(sh.state_wg_smem_bytes(), 225_792);
-        assert_eq!(sh.prep_wg_smem_bytes(), 202_752);
+        assert_eq!(sh.prep_wg_smem_bytes(), 101_376);
         assert!(sh.prep_wg_fits(h200));
         assert!(
             !GdnShape { dv: 64, ..sh }.prep_wg_fits(h200),

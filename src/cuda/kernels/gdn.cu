@@ -1404,11 +1404,11 @@ __device__ __forceinline__ int gdn_pk(int s) { return (s & ~7) | ((s & 1) << 2) 
 
 // acc (64 x 64, this warpgroup) = (accumulate ? acc : 0) + A B, 3xTF32, over KS k8 steps: the
 // thread's A values of step kk from frag(kk, hi, lo) (split), B the split tiles at bh, bl. A
-// fragments in groups of 4 steps through two register sets, as gdn_wg_rows_mma.
-template <int KS, class Frag>
+// fragments in groups of G steps through two register sets, as gdn_wg_rows_mma.
+template <int KS, int G, class Frag>
 __device__ __forceinline__ void gdn_wg64_mma(float (&acc)[32], unsigned long long bh, unsigned long long bl,
                                              bool accumulate, Frag&& frag) {
-    constexpr int G = 4, NG = KS / G;
+    constexpr int NG = KS / G;
     unsigned fh[2][G][4], fl[2][G][4];
     unsigned acc_in = accumulate;
     wgmma_fence_operand(bh);
@@ -1492,18 +1492,20 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
                                        int hv, int dv) {
     static_assert(DK == 128, "written for dk = dv = 128 (two m64 slices a warpgroup)");
     extern __shared__ __align__(1024) float gdn_smem[];
-    float* kt = gdn_smem;               // K's split tiles [hi | lo] (64 x 128 each); then:
-    float* tt = gdn_smem;               //   T's split tiles [hi | lo] (64 x 64 each)
-    float* pt = gdn_smem + 2 * 4096;    //   −P's split tiles, columns in gdn_pk order
-    float* ksr = gdn_smem + 2 * 8192;   // [64][GDN_LDR] K rows
-    float* qsr = ksr + GDN_C * GDN_LDR; // Q rows
-    float* vsr = qsr + GDN_C * GDN_LDR; // V rows
-    float* lm = vsr + GDN_C * GDN_LDR;  // [64][GDN_LDT] L (strictly lower); its upper blocks hold M_ij
-    float* tm = lm + GDN_C * GDN_LDT;   // [64][GDN_LDT] T = (I + L)^-1
-    float* gam = tm + GDN_C * GDN_LDT;  // [64] γ
-    float* eg = gam + GDN_C;            // [64] e^γ
-    float* bet = eg + GDN_C;            // [64] β
-    float* bsk = bet + GDN_C;           // [64] β e^γ
+    // Two blocks an SM (101,376 bytes each, at most 128 registers a thread): what a step reads
+    // once comes from global memory (L2) instead of shared memory.
+    float* kt = gdn_smem;                // K's split tiles [hi | lo] (64 x 128 each; K's rows land
+                                         // in the lo half first); after step 1:
+    float* tt = gdn_smem;                //   T's split tiles [hi | lo] (64 x 64 each)
+    float* pt = gdn_smem + 2 * 4096;     //   −P's split tiles, columns in gdn_pk order
+    float* qsr = gdn_smem + 2 * 8192;    // [64][GDN_LDR] Q rows; after step 1:
+    float* lm = qsr;                     //   [64][GDN_LDT] L (its upper blocks hold M_ij), then
+    float* tm = lm + GDN_C * GDN_LDT;    //   [64][GDN_LDT] T = (I + L)^-1; after T's split, the
+                                         //   warpgroups' output staging tiles
+    float* gam = lm + 2 * GDN_C * GDN_LDT;  // [64] γ
+    float* eg = gam + GDN_C;                // [64] e^γ
+    float* bet = eg + GDN_C;                // [64] β
+    float* bsk = bet + GDN_C;               // [64] β e^γ
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, cq = lane & 3;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), w4 = warp & 3;
     const int c0 = blockIdx.x * GDN_C, j = blockIdx.y, kh = j / (hv / hk);
@@ -1514,23 +1516,28 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     const float* rows = qkv + (size_t)c0 * c;
     GDN_PREP_PHASE(0);
 
-    // K, then Q, then V in three cp.async groups: V is first read in step 3
-    for (int part = 0; part < 3; part++) {
-        float* dst = part == 0 ? ksr : part == 1 ? qsr : vsr;
-        const size_t off = part == 0 ? koff : part == 1 ? qoff : voff;
-        for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
-            const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-            const bool in = r < n;
-            cp_async16(dst + r * GDN_LDR + i, in ? rows + (size_t)r * c + off + i : qkv, in);
-        }
-        cp_async_commit();
+    // K's rows (unpadded) into the lo tile, Q's into qsr; V's into L2 for step 3
+    float* kraw = kt + GDN_C * DK;
+    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+        const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+        const bool in = r < n;
+        cp_async16(kraw + r * DK + i, in ? rows + (size_t)r * c + koff + i : qkv, in);
     }
+    cp_async_commit();
+    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+        const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+        const bool in = r < n;
+        cp_async16(qsr + r * GDN_LDR + i, in ? rows + (size_t)r * c + qoff + i : qkv, in);
+    }
+    cp_async_commit();
+    for (int idx = tid; idx < n * 4; idx += blockDim.x)
+        gdn_prefetch_l2(rows + (size_t)(idx >> 2) * c + voff + 32 * (idx & 3));
     if (tid < GDN_C) {
         const bool in = tid < n;
         gam[tid] = in ? g[(size_t)(c0 + tid) * hv + j] : 0.0f;
         bet[tid] = in ? beta[(size_t)(c0 + tid) * hv + j] : 0.0f;
     }
-    cp_async_wait<2>();  // K
+    cp_async_wait<1>();  // K
     __syncthreads();
     GDN_PREP_PHASE(1);
     if (tid == 0) {  // serial, in the CPU reference's order (the values in registers first)
@@ -1542,13 +1549,19 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
 #pragma unroll
         for (int r = 0; r < GDN_C; r += 4) st4(gam + r, *reinterpret_cast<float4*>(v + r));
     }
-    // K's split tiles
-    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
-        const int r = idx / (DK / 4), k = (idx % (DK / 4)) * 4;
-        gdn_split4(ld4(ksr + r * GDN_LDR + k), kt + gdn_sw64(r, k), kt + GDN_C * DK + gdn_sw64(r, k));
+    {  // K's split tiles, in place over its rows: all read, then all written
+        float4 kv[GDN_C * DK / 4 / 256];
+#pragma unroll
+        for (int i = 0; i < GDN_C * DK / 4 / 256; i++) kv[i] = ld4(kraw + 4 * (tid + 256 * i));
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < GDN_C * DK / 4 / 256; i++) {
+            const int idx = tid + 256 * i, r = idx / (DK / 4), k = (idx % (DK / 4)) * 4;
+            gdn_split4(kv[i], kt + gdn_sw64(r, k), kt + GDN_C * DK + gdn_sw64(r, k));
+        }
     }
     fence_proxy_async();  // the tiles' generic-proxy writes visible to wgmma
-    cp_async_wait<1>();   // Q
+    cp_async_wait<0>();   // Q
     __syncthreads();
     GDN_PREP_PHASE(2);
     if (tid < GDN_C) {
@@ -1557,32 +1570,55 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         gamma_out[(size_t)j * tp + c0 + tid] = gam[tid];
     }
 
-    // 1. K Kᵀ (warpgroup 0), Q Kᵀ (warpgroup 1)
+    // 1. K Kᵀ (warpgroup 0: A = K's split tiles as they are), Q Kᵀ (warpgroup 1: A = Q's rows)
     float acc[32];
     {
-        const float* a = (wg == 0 ? ksr : qsr) + 16 * w4 * GDN_LDR;
         const unsigned long long bh = wgmma_desc_sw128(kt), bl = wgmma_desc_sw128(kt + GDN_C * DK);
-        gdn_wg64_mma<DK / 8>(acc, bh, bl, false, [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-            gdn_frag_a(a + 8 * kk, GDN_LDR, lane, hi, lo);
-        });
+        if (wg == 0) {
+            const int r = 16 * w4 + gq;
+            gdn_wg64_mma<DK / 8, 4>(acc, bh, bl, false, [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                const int k = 8 * kk + cq;
+                const int at[4] = {gdn_sw64(r, k), gdn_sw64(r + 8, k), gdn_sw64(r, k + 4), gdn_sw64(r + 8, k + 4)};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    hi[e] = __float_as_uint(kt[at[e]]);
+                    lo[e] = __float_as_uint(kt[GDN_C * DK + at[e]]);
+                }
+            });
+        } else {
+            const float* a = qsr + 16 * w4 * GDN_LDR;
+            gdn_wg64_mma<DK / 8, 4>(acc, bh, bl, false, [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                gdn_frag_a(a + 8 * kk, GDN_LDR, lane, hi, lo);
+            });
+        }
     }
-    __syncthreads();  // both products retired: K's tiles are free; e^γ, β e^γ written
+    __syncthreads();  // both products retired: K's tiles and Q's rows are free; e^γ, β e^γ written
     GDN_PREP_PHASE(3);
 
     // 2. L (f32) and −P's split tiles; accumulator (row r, column s)
+    {
+        const int r0 = 16 * w4 + gq;
+        const float gr[2] = {gam[r0], gam[r0 + 8]}, br[2] = {bet[r0], bet[r0 + 8]};
 #pragma unroll
-    for (int e4 = 0; e4 < 32; e4++) {
-        const int e = e4 & 3, r = 16 * w4 + gq + 8 * (e >> 1), s = 8 * (e4 >> 2) + 2 * cq + (e & 1);
-        // (column blocks right of the warp's rows: zeros without the exp, warp-uniform)
-        const float d = 8 * (e4 >> 2) <= 16 * w4 + 15 && s <= r ? expf(gam[r] - gam[s]) : 0.0f;
-        if (wg == 0) {
-            lm[r * GDN_LDT + s] = s < r ? bet[r] * acc[e4] * d : 0.0f;
-        } else {
-            const float pv = s <= r ? -(acc[e4] * d) : 0.0f;
-            unsigned h, l;
-            split_tf32(pv, h, l);
-            pt[gdn_sw64(r, gdn_pk(s))] = __uint_as_float(h);
-            pt[4096 + gdn_sw64(r, gdn_pk(s))] = __uint_as_float(l);
+        for (int jn = 0; jn < 8; jn++) {
+            // column blocks right of the warp's rows are zero (warp-uniform: no exp there)
+            const bool live = 8 * jn <= 16 * w4 + 15;
+            const float2 gs = live ? ld2(gam + 8 * jn + 2 * cq) : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1, r = r0 + 8 * h, s = 8 * jn + 2 * cq + (e & 1);
+                const float d = live && s <= r ? expf(gr[h] - ((e & 1) ? gs.y : gs.x)) : 0.0f;
+                const float v = acc[4 * jn + e] * d;
+                if (wg == 0) {
+                    lm[r * GDN_LDT + s] = s < r ? br[h] * v : 0.0f;
+                } else {
+                    unsigned hi, lo;
+                    split_tf32(-v, hi, lo);
+                    const int at = gdn_sw64(r, gdn_pk(s));
+                    pt[at] = __uint_as_float(hi);
+                    pt[4096 + at] = __uint_as_float(lo);
+                }
+            }
         }
     }
     __syncthreads();
@@ -1617,8 +1653,14 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         for (int p = 0; p < 4 - dl; p++) {
             const int bi = dl + p, bj = p;
             float m = 0.0f;
-            for (int k = 16 * bj; k < 16 * bi; k++)
-                m = fmaf(lm[(16 * bi + r) * GDN_LDT + k], tm[k * GDN_LDT + 16 * bj + col], m);
+            for (int k = 16 * bj; k < 16 * bi; k += 4) {
+                const float4 l = ld4(lm + (16 * bi + r) * GDN_LDT + k);
+                const float* tc = tm + k * GDN_LDT + 16 * bj + col;
+                m = fmaf(l.x, tc[0], m);
+                m = fmaf(l.y, tc[GDN_LDT], m);
+                m = fmaf(l.z, tc[2 * GDN_LDT], m);
+                m = fmaf(l.w, tc[3 * GDN_LDT], m);
+            }
             lm[(16 * bj + r) * GDN_LDT + 16 * bi + col] = m;
         }
         __syncthreads();
@@ -1626,8 +1668,14 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
             const int bi = dl + p, bj = p;
             float x = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 16; k++)  // T_ii is 0 above its diagonal
-                x = fmaf(tm[(16 * bi + r) * GDN_LDT + 16 * bi + k], lm[(16 * bj + k) * GDN_LDT + 16 * bi + col], x);
+            for (int k = 0; k < 16; k += 4) {  // T_ii is 0 above its diagonal
+                const float4 ti = ld4(tm + (16 * bi + r) * GDN_LDT + 16 * bi + k);
+                const float* mc = lm + (16 * bj + k) * GDN_LDT + 16 * bi + col;
+                x = fmaf(ti.x, mc[0], x);
+                x = fmaf(ti.y, mc[GDN_LDT], x);
+                x = fmaf(ti.z, mc[2 * GDN_LDT], x);
+                x = fmaf(ti.w, mc[3 * GDN_LDT], x);
+            }
             tm[(16 * bi + r) * GDN_LDT + 16 * bj + col] = -x;
         }
         __syncthreads();
@@ -1638,57 +1686,55 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         gdn_split4(ld4(tm + r * GDN_LDT + s), tt + gdn_sw64(r, s), tt + 4096 + gdn_sw64(r, s));
     }
     fence_proxy_async();
-    cp_async_wait<0>();  // V
     __syncthreads();
     GDN_PREP_PHASE(5);
 
-    // 3. Xᵀ = Bᵀ Tᵀ, two m64 slices of X's columns a warpgroup; store W (or U)
-    const float* src = wg == 0 ? ksr : vsr;
+    // 3 and 4 a slice (m64 of X's columns) at a time: Xᵀ = Bᵀ Tᵀ (A = the scaled K or V column
+    // from global memory, where step 1's copies and the prefetch left it in L2), then
+    // Yᵀ = Xᵀ (−P)ᵀ onto e^γ Qᵀ (Q') or 0 (−O_intra)
+    const float* src = rows + (wg == 0 ? koff : voff);
     const float* scale = wg == 0 ? bsk : bet;
     float* stage = lm + wg * GDN_C * GDN_LDT;  // the warpgroup's output staging (L and T are done)
-    float x[2][32];
-#pragma unroll
+#pragma unroll 1
     for (int h = 0; h < 2; h++) {
         const int m = 64 * h + 16 * w4 + gq;  // the fragment's rows m, m + 8
-        gdn_wg64_mma<GDN_C / 8>(x[h], wgmma_desc_sw128(tt), wgmma_desc_sw128(tt + 4096), false,
-                                [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                                    const int s = 8 * kk + cq;
-                                    const float v[4] = {src[s * GDN_LDR + m] * scale[s], src[s * GDN_LDR + m + 8] * scale[s],
-                                                        src[(s + 4) * GDN_LDR + m] * scale[s + 4],
-                                                        src[(s + 4) * GDN_LDR + m + 8] * scale[s + 4]};
+        float x[32];
+        gdn_wg64_mma<GDN_C / 8, 2>(x, wgmma_desc_sw128(tt), wgmma_desc_sw128(tt + 4096), false,
+                                   [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                                       const int s = 8 * kk + cq;  // rows past t are 0 (scale 0)
+                                       const float sc0 = scale[s], sc4 = scale[s + 4];
+                                       const bool in0 = s < n, in4 = s + 4 < n;
+                                       const float v[4] = {in0 ? src[(size_t)s * c + m] * sc0 : 0.0f,
+                                                           in0 ? src[(size_t)s * c + m + 8] * sc0 : 0.0f,
+                                                           in4 ? src[(size_t)(s + 4) * c + m] * sc4 : 0.0f,
+                                                           in4 ? src[(size_t)(s + 4) * c + m + 8] * sc4 : 0.0f};
 #pragma unroll
-                                    for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
-                                });
+                                       for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
+                                   });
         float* dst = wg == 0 ? w_out + ((size_t)j * tp + c0) * DK : u_out + ((size_t)j * tp + c0) * dv;
-        gdn_prep_store(x[h], stage, 64 * h, dst, wg == 0 ? DK : dv, GDN_C, 1.0f, wg, w4, lane);
-    }
-
-    GDN_PREP_PHASE(6);
-    // 4. Yᵀ = Xᵀ (−P)ᵀ onto e^γ Qᵀ (Q') or 0 (−O_intra)
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int m = 64 * h + 16 * w4 + gq;
+        gdn_prep_store(x, stage, 64 * h, dst, wg == 0 ? DK : dv, GDN_C, 1.0f, wg, w4, lane);
         float y[32];
         if (wg == 0) {
 #pragma unroll
             for (int e4 = 0; e4 < 32; e4++) {
                 const int e = e4 & 3, mm = m + 8 * (e >> 1), r = 8 * (e4 >> 2) + 2 * cq + (e & 1);
-                y[e4] = eg[r] * qsr[r * GDN_LDR + mm];
+                y[e4] = r < n ? eg[r] * rows[(size_t)r * c + qoff + mm] : 0.0f;
             }
         }
-        gdn_wg64_mma<GDN_C / 8>(y, wgmma_desc_sw128(pt), wgmma_desc_sw128(pt + 4096), wg == 0,
-                                [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                                    // accumulator pairs (2c, 2c + 1) of k block kk: fragment k (c, c + 4)
-                                    const float v[4] = {x[h][4 * kk], x[h][4 * kk + 2], x[h][4 * kk + 1], x[h][4 * kk + 3]};
+        gdn_wg64_mma<GDN_C / 8, 2>(y, wgmma_desc_sw128(pt), wgmma_desc_sw128(pt + 4096), wg == 0,
+                                   [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                                       // accumulator pairs (2c, 2c + 1) of k block kk: fragment k (c, c + 4)
+                                       const float v[4] = {x[4 * kk], x[4 * kk + 2], x[4 * kk + 1], x[4 * kk + 3]};
 #pragma unroll
-                                    for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
-                                });
+                                       for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
+                                   });
         if (wg == 0) gdn_prep_store(y, stage, 64 * h, qp_out + ((size_t)j * tp + c0) * DK, DK, GDN_C, 1.0f, wg, w4, lane);
         else gdn_prep_store(y, stage, 64 * h, o + ((size_t)c0 * hv + j) * dv, (size_t)hv * dv, n, -1.0f, wg, w4, lane);
+        if (h == 0) GDN_PREP_PHASE(6);
     }
     GDN_PREP_PHASE(7);
 }
-extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_prep_wg_128(
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
     const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out, float* u_out,
     float* gamma_out, float* o, int t, int hk, int hv, int dv) {
     PREFILL_KERNEL();
