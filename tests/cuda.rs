@@ -1056,7 +1056,7 @@ fn gdn_chunked_kernel_matches_recurrent() {
         } else {
             &[false]
         };
-        let preps: &[bool] = if default_prep_wg && sh.dk == 128 && sh.dv == 128 {
+        let preps: &[bool] = if gpu.sm90a && sh.dk == 128 && sh.dv == 128 {
             &[true, false]
         } else {
             &[false]
@@ -1234,8 +1234,14 @@ fn gdn_chunk_state_phases() {
         "  A: barrier to barrier (7 -> next 0): {:.0}",
         avg(&|ch| at(ch, 0) - at(ch - 1, 7))
     );
-    // gdn_chunk_prep_wg's clock (value head 0's blocks, chunk ch at 128 + ch)
-    if gpu.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed) {
+    // gdn_chunk_prep_wg's clock (value head 0's blocks, chunk ch at 128 + ch), run on its own
+    if gpu.sm90a {
+        use std::sync::atomic::Ordering::Relaxed;
+        let default_prep_wg = gpu.gdn_prep_wg.swap(true, Relaxed);
+        run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
+        gpu.gdn_prep_wg.store(default_prep_wg, Relaxed);
+        let ph = gpu.gdn_phase_trace().unwrap();
+        let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
         let prep = [
             "loads",
             "K split",
@@ -1305,7 +1311,7 @@ fn gdn_prefill_kernel_timing_full_shape() {
     let default_prep_wg = gpu.gdn_prep_wg.load(Relaxed);
     let mut chunked_by_pass = String::new();
     for (prep_wg, wg) in [(false, false), (false, true), (true, true)] {
-        if (wg && !default_wg) || (prep_wg && !default_prep_wg) {
+        if (wg && !default_wg) || (prep_wg && !gpu.sm90a) {
             continue;
         }
         gpu.gdn_state_wg.store(wg, Relaxed);

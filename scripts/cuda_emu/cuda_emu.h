@@ -7,7 +7,7 @@
 //
 // emu-provides: griddep_launch griddep_wait cp_async16 cp_async_commit cp_async_wait_all
 // emu-provides: cp_async_wait_one cp_async_wait smem_addr ldsm_x4 ldsm_x4_t mma_bf16_16816
-// emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_bar gdn_prefetch_l2
+// emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_bar gdn_prefetch_l2 gdn_prefetch_l1
 // emu-provides: trace_now trace_sm
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
@@ -16,7 +16,7 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
-// own, the same); gdn_prefetch_l2: an L2 prefetch, nothing here.
+// own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -294,6 +294,7 @@ inline void bar_arrive_named(int id, int threads) {
 }
 inline void gdn_bar(int id, int threads) { bar_sync_named(id, threads); }
 inline void gdn_prefetch_l2(const void*) {}
+inline void gdn_prefetch_l1(const void*) {}
 // The decode timeline's clock and SM id (only compiled in with KESTREL_TRACE, never here).
 inline unsigned long long trace_now() { return 0; }
 inline unsigned trace_sm() { return 0; }

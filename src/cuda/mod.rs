@@ -174,9 +174,12 @@ pub struct Gpu {
     /// compute capability 9.0 (the sm_90a build); `KESTREL_GDN_STATE=mma` keeps the mma.sync
     /// kernel (`gdn_chunk_state`). Atomic so that tests can compare the two on one `Gpu`.
     pub gdn_state_wg: std::sync::atomic::AtomicBool,
-    /// The chunked delta rule's prep on wgmma (`gdn_chunk_prep_wg`, dk = dv = 128): on compute
-    /// capability 9.0; `KESTREL_GDN_PREP=mma` keeps the mma.sync kernel (`gdn_chunk_prep`).
+    /// The chunked delta rule's prep on wgmma (`gdn_chunk_prep_wg`, dk = dv = 128): opt-in on
+    /// compute capability 9.0 with `KESTREL_GDN_PREP=wg` (measured no faster yet than the
+    /// mma.sync kernel, `gdn_chunk_prep`, the default; docs/KERNELS.md).
     pub gdn_prep_wg: std::sync::atomic::AtomicBool,
+    /// Compute capability 9.0: the kernels are compiled for sm_90a (wgmma, setmaxnreg).
+    pub sm90a: bool,
     /// Whether the last thing enqueued on the main stream was one of our kernels: only after
     /// one does [`Gpu::launch_dep`] let the next start early (after a cuBLAS call, a copy, a
     /// memset or an event it launches normally).
@@ -422,8 +425,9 @@ impl Gpu {
                 && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma"))
             .into(),
             gdn_prep_wg: (cc == (9, 0)
-                && std::env::var("KESTREL_GDN_PREP").map_or(true, |v| v != "mma"))
+                && std::env::var("KESTREL_GDN_PREP").is_ok_and(|v| v == "wg"))
             .into(),
+            sm90a: cc == (9, 0),
             profile,
             main_tail_is_kernel: Default::default(),
         };

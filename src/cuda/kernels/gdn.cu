@@ -398,6 +398,7 @@ __device__ __forceinline__ void st_quad(float* mat, int row, int m, float x0, fl
 }
 
 __device__ __forceinline__ void gdn_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+__device__ __forceinline__ void gdn_prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 
 // 3xTF32 pieces of gdn_chunk_prep. The A fragment (16 rows x 8) of f32 rows at `a`, stride
 // lda ≡ 4 mod 32 (ldmatrix conflict free), split into hi and lo.
@@ -1698,6 +1699,13 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
 #pragma unroll 1
     for (int h = 0; h < 2; h++) {
         const int m = 64 * h + 16 * w4 + gq;  // the fragment's rows m, m + 8
+        {  // the slice's 64 rows x 64 columns of K or V (and of Q for warpgroup 0) into L1 ahead
+            const int t4 = 32 * w4 + lane, r = t4 >> 1;
+            if (r < n) {
+                gdn_prefetch_l1(src + (size_t)r * c + 64 * h + 32 * (t4 & 1));
+                if (wg == 0) gdn_prefetch_l1(rows + (size_t)r * c + qoff + 64 * h + 32 * (t4 & 1));
+            }
+        }
         float x[32];
         gdn_wg64_mma<GDN_C / 8, 2>(x, wgmma_desc_sw128(tt), wgmma_desc_sw128(tt + 4096), false,
                                    [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
