@@ -1251,6 +1251,17 @@ fn gdn_chunk_state_phases() {
             "slice 0: X, Y, stores",
             "slice 1",
         ];
+        for ch in 0..chunks {
+            for wg in [0, 8] {
+                for i in 0..7 {
+                    assert!(
+                        at(128 + ch, wg + i) <= at(128 + ch, wg + i + 1),
+                        "prep chunk {ch} warpgroup {}: slot {i}",
+                        wg / 8
+                    );
+                }
+            }
+        }
         let all = 0..chunks;
         let mean =
             |f: &dyn Fn(usize) -> u64| all.clone().map(f).sum::<u64>() as f64 / all.len() as f64;
