@@ -1647,40 +1647,55 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
         }
     }
     __syncthreads();
-    // T_ij = −T_ii M_ij, M_ij = Σ_{k=j}^{i−1} L_ik T_kj, by distance δ = i − j from the diagonal
-    // (M_ij kept in L's block (j, i), above the diagonal, never read as L)
-    for (int dl = 1; dl < 4; dl++) {
-        const int r = tid >> 4, col = tid & 15;
-        for (int p = 0; p < 4 - dl; p++) {
-            const int bi = dl + p, bj = p;
-            float m = 0.0f;
+    // T_ij = −T_ii M_ij, M_ij = Σ_{k=j}^{i−1} L_ik T_kj: a column of T needs only its own
+    // entries, so each warp walks its columns down without block barriers (warps 0-3: block
+    // column 0, 4 columns each; 4-5: block column 1, 8 each; 6-7: block column 2, 8 each).
+    // M_ij goes to L's block (j, i), above the diagonal, never read as L.
+    {
+        const int bj = warp < 4 ? 0 : warp < 6 ? 1 : 2;
+        const int nc = warp < 4 ? 2 : 4;  // columns a lane
+        const int col0 = (warp < 4 ? 4 * warp : 8 * ((warp - 4) & 1)) + (lane >> 4) * nc, r = lane & 15;
+        for (int bi = bj + 1; bi < 4; bi++) {
+            float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             for (int k = 16 * bj; k < 16 * bi; k += 4) {
                 const float4 l = ld4(lm + (16 * bi + r) * GDN_LDT + k);
-                const float* tc = tm + k * GDN_LDT + 16 * bj + col;
-                m = fmaf(l.x, tc[0], m);
-                m = fmaf(l.y, tc[GDN_LDT], m);
-                m = fmaf(l.z, tc[2 * GDN_LDT], m);
-                m = fmaf(l.w, tc[3 * GDN_LDT], m);
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    if (q < nc) {
+                        const float* tc = tm + k * GDN_LDT + 16 * bj + col0 + q;
+                        m[q] = fmaf(l.x, tc[0], m[q]);
+                        m[q] = fmaf(l.y, tc[GDN_LDT], m[q]);
+                        m[q] = fmaf(l.z, tc[2 * GDN_LDT], m[q]);
+                        m[q] = fmaf(l.w, tc[3 * GDN_LDT], m[q]);
+                    }
+                }
             }
-            lm[(16 * bj + r) * GDN_LDT + 16 * bi + col] = m;
-        }
-        __syncthreads();
-        for (int p = 0; p < 4 - dl; p++) {
-            const int bi = dl + p, bj = p;
-            float x = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                if (q < nc) lm[(16 * bj + r) * GDN_LDT + 16 * bi + col0 + q] = m[q];
+            __syncwarp();
+            float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int k = 0; k < 16; k += 4) {  // T_ii is 0 above its diagonal
                 const float4 ti = ld4(tm + (16 * bi + r) * GDN_LDT + 16 * bi + k);
-                const float* mc = lm + (16 * bj + k) * GDN_LDT + 16 * bi + col;
-                x = fmaf(ti.x, mc[0], x);
-                x = fmaf(ti.y, mc[GDN_LDT], x);
-                x = fmaf(ti.z, mc[2 * GDN_LDT], x);
-                x = fmaf(ti.w, mc[3 * GDN_LDT], x);
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    if (q < nc) {
+                        const float* mc = lm + (16 * bj + k) * GDN_LDT + 16 * bi + col0 + q;
+                        x[q] = fmaf(ti.x, mc[0], x[q]);
+                        x[q] = fmaf(ti.y, mc[GDN_LDT], x[q]);
+                        x[q] = fmaf(ti.z, mc[2 * GDN_LDT], x[q]);
+                        x[q] = fmaf(ti.w, mc[3 * GDN_LDT], x[q]);
+                    }
+                }
             }
-            tm[(16 * bi + r) * GDN_LDT + 16 * bj + col] = -x;
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                if (q < nc) tm[(16 * bi + r) * GDN_LDT + 16 * bj + col0 + q] = -x[q];
+            __syncwarp();
         }
-        __syncthreads();
     }
+    __syncthreads();
     // T's split tiles (rows r, k = s)
     for (int idx = tid; idx < GDN_C * GDN_C / 4; idx += blockDim.x) {
         const int r = idx >> 4, s = (idx & 15) * 4;
