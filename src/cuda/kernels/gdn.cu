@@ -1464,10 +1464,11 @@ __device__ __forceinline__ void gdn_split4(float4 v, float* hi, float* lo) {
     st4(lo, make_float4(__uint_as_float(l[0]), __uint_as_float(l[1]), __uint_as_float(l[2]), __uint_as_float(l[3])));
 }
 
-// A warpgroup's 64 x 64 accumulator slice (row m = X's column, column r = the chunk row) times
-// sign into its staging tile [64][GDN_LDT] at (r, m), then the warpgroup's barrier.
-__device__ __forceinline__ void gdn_prep_stage(const float (&acc)[32], float* stage, float sign, int wg, int w4,
-                                               int lane) {
+// A warpgroup's 64 x 64 accumulator slice (row m = X's column, column r = the chunk row) out to
+// rows r < rows of dst (row stride ld) at columns col0 .. col0 + 63, times sign: through the
+// warpgroup's staging tile [64][GDN_LDT] so the global stores are whole 16-byte row pieces.
+__device__ __forceinline__ void gdn_prep_store(const float (&acc)[32], float* stage, int col0, float* dst, size_t ld,
+                                               int rows, float sign, int wg, int w4, int lane) {
     const int gq = lane >> 2, cq = lane & 3;
 #pragma unroll
     for (int e4 = 0; e4 < 32; e4++) {
@@ -1475,17 +1476,13 @@ __device__ __forceinline__ void gdn_prep_stage(const float (&acc)[32], float* st
         stage[r * GDN_LDT + m] = sign * acc[e4];
     }
     gdn_bar(1 + wg, 128);
-}
-// The staging tile's rows r < rows out to dst (row stride ld) at columns col0 .. col0 + 63,
-// whole 16-byte row pieces.
-__device__ __forceinline__ void gdn_prep_copy(const float* stage, int col0, float* dst, size_t ld, int rows, int w4,
-                                              int lane) {
     const int t = 32 * w4 + lane;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int idx = t + 128 * i, r = idx >> 4, c4 = (idx & 15) * 4;
         if (r < rows) st4(dst + (size_t)r * ld + col0 + c4, ld4(stage + r * GDN_LDT + c4));
     }
+    gdn_bar(1 + wg, 128);  // the staging tile is read before its next use
 }
 
 template <int DK>
@@ -1724,24 +1721,21 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
                 if (wg == 0) gdn_prefetch_l1(rows + (size_t)r * c + qoff + 64 * h + 32 * (t4 & 1));
             }
         }
-        {
-            float x[32];
-            gdn_wg64_mma<GDN_C / 8, 2>(x, wgmma_desc_sw128(tt), wgmma_desc_sw128(tt + 4096), false,
-                                       [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                                           const int s = 8 * kk + cq;  // rows past t are 0 (scale 0)
-                                           const float sc0 = scale[s], sc4 = scale[s + 4];
-                                           const bool in0 = s < n, in4 = s + 4 < n;
-                                           const float v[4] = {in0 ? src[(size_t)s * c + m] * sc0 : 0.0f,
-                                                               in0 ? src[(size_t)s * c + m + 8] * sc0 : 0.0f,
-                                                               in4 ? src[(size_t)(s + 4) * c + m] * sc4 : 0.0f,
-                                                               in4 ? src[(size_t)(s + 4) * c + m + 8] * sc4 : 0.0f};
+        float x[32];
+        gdn_wg64_mma<GDN_C / 8, 2>(x, wgmma_desc_sw128(tt), wgmma_desc_sw128(tt + 4096), false,
+                                   [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                                       const int s = 8 * kk + cq;  // rows past t are 0 (scale 0)
+                                       const float sc0 = scale[s], sc4 = scale[s + 4];
+                                       const bool in0 = s < n, in4 = s + 4 < n;
+                                       const float v[4] = {in0 ? src[(size_t)s * c + m] * sc0 : 0.0f,
+                                                           in0 ? src[(size_t)s * c + m + 8] * sc0 : 0.0f,
+                                                           in4 ? src[(size_t)(s + 4) * c + m] * sc4 : 0.0f,
+                                                           in4 ? src[(size_t)(s + 4) * c + m + 8] * sc4 : 0.0f};
 #pragma unroll
-                                           for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
-                                       });
-            gdn_prep_stage(x, stage, 1.0f, wg, w4, lane);
-        }
+                                       for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
+                                   });
         float* dst = wg == 0 ? w_out + ((size_t)j * tp + c0) * DK : u_out + ((size_t)j * tp + c0) * dv;
-        gdn_prep_copy(stage, 64 * h, dst, wg == 0 ? DK : dv, GDN_C, w4, lane);
+        gdn_prep_store(x, stage, 64 * h, dst, wg == 0 ? DK : dv, GDN_C, 1.0f, wg, w4, lane);
         float y[32];
         if (wg == 0) {
 #pragma unroll
@@ -1750,20 +1744,15 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
                 y[e4] = r < n ? eg[r] * rows[(size_t)r * c + qoff + mm] : 0.0f;
             }
         }
-        // A = Xᵀ from the staging tile, k in −P's tiles' order (slot c: row 2c, slot c + 4: 2c + 1)
-        const int ml = 16 * w4 + gq;
         gdn_wg64_mma<GDN_C / 8, 2>(y, wgmma_desc_sw128(pt), wgmma_desc_sw128(pt + 4096), wg == 0,
                                    [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                                       const float* x0 = stage + (8 * kk + 2 * cq) * GDN_LDT + ml;
-                                       const float v[4] = {x0[0], x0[8], x0[GDN_LDT], x0[GDN_LDT + 8]};
+                                       // accumulator pairs (2c, 2c + 1) of k block kk: fragment k (c, c + 4)
+                                       const float v[4] = {x[4 * kk], x[4 * kk + 2], x[4 * kk + 1], x[4 * kk + 3]};
 #pragma unroll
                                        for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
                                    });
-        gdn_bar(1 + wg, 128);  // every read of X in the tile done
-        gdn_prep_stage(y, stage, wg == 0 ? 1.0f : -1.0f, wg, w4, lane);
-        if (wg == 0) gdn_prep_copy(stage, 64 * h, qp_out + ((size_t)j * tp + c0) * DK, DK, GDN_C, w4, lane);
-        else gdn_prep_copy(stage, 64 * h, o + ((size_t)c0 * hv + j) * dv, (size_t)hv * dv, n, w4, lane);
-        gdn_bar(1 + wg, 128);  // the tile read before the next slice writes it
+        if (wg == 0) gdn_prep_store(y, stage, 64 * h, qp_out + ((size_t)j * tp + c0) * DK, DK, GDN_C, 1.0f, wg, w4, lane);
+        else gdn_prep_store(y, stage, 64 * h, o + ((size_t)c0 * hv + j) * dv, (size_t)hv * dv, n, -1.0f, wg, w4, lane);
         if (h == 0) GDN_PREP_PHASE(6);
     }
     GDN_PREP_PHASE(7);
