@@ -1576,15 +1576,13 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     {
         const unsigned long long bh = wgmma_desc_sw128(kt), bl = wgmma_desc_sw128(kt + GDN_C * DK);
         if (wg == 0) {
-            const int r = 16 * w4 + gq;
+            // the fragment's rows through ldmatrix from the swizzled tiles: lane l gives row
+            // 16 w4 + (l & 15) at k offset 4 (l >> 4) (gdn_frag_a's matrices)
+            const int r = 16 * w4 + (lane & 15), k4 = (lane >> 4) * 4;
             gdn_wg64_mma<DK / 8, 4>(acc, bh, bl, false, [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                const int k = 8 * kk + cq;
-                const int at[4] = {gdn_sw64(r, k), gdn_sw64(r + 8, k), gdn_sw64(r, k + 4), gdn_sw64(r + 8, k + 4)};
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    hi[e] = __float_as_uint(kt[at[e]]);
-                    lo[e] = __float_as_uint(kt[GDN_C * DK + at[e]]);
-                }
+                const int at = gdn_sw64(r, 8 * kk + k4);
+                ldsm_x4(hi, kt + at);
+                ldsm_x4(lo, kt + GDN_C * DK + at);
             });
         } else {
             const float* a = qsr + 16 * w4 * GDN_LDR;
