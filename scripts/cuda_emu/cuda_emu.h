@@ -178,7 +178,7 @@ inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[1024];
 inline std::vector<PendingCopy> g_cp_open[1024];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
-// n: columns (64 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
+// n: columns (32, 64 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
 // (16 k each) gathered from its quad at issue.
 struct PendingWgmma {
     float* d;
@@ -527,9 +527,9 @@ inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsi
 }
 // tf32, A from registers: lane q of the quad holds (row g, k q), (g + 8, q), (g, q + 4),
 // (g + 8, q + 4), gathered here as the hardware reads them at issue.
-inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+inline void emu_wgmma_tf32_rs(float* d, int n, const unsigned (&a)[4], unsigned long long db, int scale_d) {
     PendingWgmma op{d, 0, db, scale_d};
-    op.n = 32;
+    op.n = n;
     op.a_reg = op.tf32 = true;
     int quad = emu_lane() & ~3;
     for (int q = 0; q < 4; q++)
@@ -539,17 +539,11 @@ inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsig
         }
     g_wg_open[threadIdx.x].push_back(op);
 }
+inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    emu_wgmma_tf32_rs(d, 32, a, db, scale_d);
+}
 inline void wgmma_m64n64k8_tf32_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int scale_d) {
-    PendingWgmma op{d, 0, db, scale_d};
-    op.n = 64;
-    op.a_reg = op.tf32 = true;
-    int quad = emu_lane() & ~3;
-    for (int q = 0; q < 4; q++)
-        for (int r = 0; r < 4; r++) {
-            unsigned v = __shfl_sync(0xffffffffu, a[r], quad + q);
-            op.a[r & 1][q + (r >= 2 ? 4 : 0)] = emu_tf32_val(v);
-        }
-    g_wg_open[threadIdx.x].push_back(op);
+    emu_wgmma_tf32_rs(d, 64, a, db, scale_d);
 }
 inline void wgmma_commit() {
     unsigned t = threadIdx.x;

@@ -1366,21 +1366,24 @@ GDN_CHUNKED(32)
 GDN_CHUNKED(64)
 GDN_CHUNKED(128)
 
-// ---- gdn_chunk_prep_wg (sm_90a, dk = dv = 128): gdn_chunk_prep's outputs on wgmma ----
+// ---- gdn_chunk_prep_wg (sm_90a, dk = dv = 128; opt-in, KESTREL_GDN_PREP=wg): gdn_chunk_prep's
+// outputs on wgmma ----
 // The same chunk algebra (L, P, X = [W | U] = (I + L)^-1 [β e^γ K | β V], Q' = e^γ Q − P W,
 // O_intra = P U) with every product a chain of 3xTF32 `wgmma.m64n64k8` and T = (I + L)^-1
 // formed explicitly (so X is one product instead of a blocked substitution):
-//   1. K Kᵀ (warpgroup 0) and Q Kᵀ (warpgroup 1): A = K or Q rows from registers, B = K's
-//      split tiles (K-major as stored).
-//   2. L (f32, for the inverse) and −P's split tiles; T by 16x16 blocks (the diagonal ones by
-//      substitution, then T_ij = −T_ii Σ_k L_ik T_kj by distance from the diagonal), split.
-//   3. Xᵀ = Bᵀ Tᵀ: M = X's column (warpgroup 0 W's 128, warpgroup 1 U's, in two m64 slices),
-//      A = the scaled K or V column read transposed, B = T's rows.
+//   1. K Kᵀ (warpgroup 0: A = K's split tiles through ldmatrix) and Q Kᵀ (warpgroup 1: A = Q's
+//      rows), B = K's split tiles (K-major as stored).
+//   2. L (f32, for the inverse) and −P's split tiles; T by 16x16 blocks: the diagonal ones by
+//      substitution, then T_ij = −T_ii Σ_k L_ik T_kj down each warp's own columns; T split.
+//   3. Xᵀ = Bᵀ Tᵀ: M = X's column (warpgroup 0 W's 128, warpgroup 1 U's, an m64 slice at a
+//      time), A = the scaled K or V column read transposed from L2, B = T's rows.
 //   4. Yᵀ = Xᵀ (−P)ᵀ onto e^γ Qᵀ (W half: Q') or zero (U half: −O_intra), A = Xᵀ straight from
 //      the accumulators: the pair (2c, 2c + 1) of an accumulator's k block is the fragment's
 //      k (c, c + 4) when −P's tiles hold its columns in that order (gdn_pk).
-// Block = chunk blockIdx.x of value head blockIdx.y, 256 threads; dynamic shared memory
-// GdnShape::prep_wg_smem_bytes (202,752 bytes: one block an SM).
+// Outputs through per-warpgroup staging tiles as whole 16-byte row pieces. Block = chunk
+// blockIdx.x of value head blockIdx.y, 256 threads, two blocks an SM; dynamic shared memory
+// GdnShape::prep_wg_smem_bytes (101,376 bytes). Level with gdn_chunk_prep on the H200, not
+// faster (docs/KERNELS.md, twelfth session, has each version's phase clock).
 // Phase clock of gdn_chunk_prep_wg (KESTREL_GDN_TRACE, as gdn_chunk_state's): value head 0's
 // block of chunk ch < 128 writes clock64 of each warpgroup's thread 0 at slots 0-7 (warpgroup 1
 // at 8-15) of g_gdn_phase's chunk 128 + ch, at the points GDN_PREP_PHASE marks.
@@ -1391,7 +1394,7 @@ GDN_CHUNKED(128)
 #else
 #define GDN_PREP_PHASE(slot)
 #endif
-#define GDN_LDR 132  // K, Q, V rows (≡ 4 mod 32: the fragments' ldmatrix and reads conflict free)
+#define GDN_LDR 132  // Q's rows (≡ 4 mod 32: the fragments' ldmatrix conflict free)
 #define GDN_LDT 68   // L and T rows
 // A K-major split tile of 64 rows (n) in 128-byte-swizzle panels of 32 k (8 KiB each).
 __device__ __forceinline__ int gdn_sw64(int n, int k) {
