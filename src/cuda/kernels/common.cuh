@@ -118,6 +118,7 @@ __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wa
 #define TAG_ROUTER 8
 #define TAG_GATE_UP 9
 #define TAG_DOWN 10
+#define TAG_GDN_DEC 11
 
 // Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
 // Every lane gets the result.
@@ -433,6 +434,27 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const unsigned (&a)
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;  // x − hi is exact in f32
+}
+
+// ---- Thread block clusters (sm_90): blocks of one cluster run at once and can write each
+// other's shared memory. Every thread of the block calls the barriers (`.aligned`).
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Arrive without ordering anything: pairs with cluster_wait, e.g. to know every block of the
+// cluster has started before writing into its shared memory.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// Store into block `rank`'s copy of the shared variable at `p` (this block's address of it).
+__device__ __forceinline__ void st_cluster_f32(float* p, unsigned rank, float v) {
+    unsigned a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
 }
 
 // ---- mbarrier (sm_90: try_wait): a 64-bit arrival counter in shared memory with a phase bit ----

@@ -261,6 +261,171 @@ GDN_STEP_DEC(32)
 GDN_STEP_DEC(64)
 GDN_STEP_DEC(128)
 
+// The whole GDN decode step in one launch (gdn_conv_dec + gdn_step_dec): conv step + SiLU, q/k
+// L2 norms, gates, delta rule, gated RMSNorm. One block per value head and slice of dv / ns
+// columns (ns = 8 / (hv / hk)), a cluster of 8 blocks per key head: the 4 MB of state streams
+// through four times as many SMs as with a block per head, and the conv needs no launch of its
+// own. Every block redoes its key head's q/k conv (2 * DK channels, a few FMAs each), so only the
+// RMSNorm's sum of squares crosses blocks (pushed into the head's blocks' shared memory); each q/k
+// channel's conv state is written by one block of the cluster, after the cluster barrier that
+// follows every block's read of it. Lanes as in gdn_step_dec: four per column, a quarter of
+// S[:, m] each. The q/k norms are applied to the dot products, not to q and k.
+// proj: the in-projection [conv inputs (c) | z (hv * dv) | b (hv) | a (hv)]; conv_state
+// [kern - 1, c]; out bf16 [hv * dv]. grid hv * ns, block 4 * (dv / ns) rounded up to 32,
+// with 2 * DK + dv / ns <= 3 * block and dv / ns <= 256.
+template <int DK>
+__device__ void gdn_dec_impl(const float* proj, float* __restrict__ conv_state,
+                             const float* __restrict__ conv_w, const float* __restrict__ a_log,
+                             const float* __restrict__ dt_bias, const float* __restrict__ nw,
+                             float* __restrict__ state, bf16* __restrict__ out, int c, int kern, int hk, int hv,
+                             int dv, float q_scale, float eps) {
+    constexpr int RQ = DK / 4, NCH = 3, CLUSTER = 8;
+    DECODE_KERNEL(TAG_GDN_DEC);
+    const int group = hv / hk, ns = CLUSTER / group, cols = dv / ns;
+    const int j = blockIdx.x / ns, sl = blockIdx.x % ns, kh = j / group;
+    const unsigned rank = cluster_rank();
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int ml = tid >> 2, part = tid & 3, m = sl * cols + ml;
+    const bool active = ml < cols;
+    const int hist = kern - 1, vw = hv * dv;
+    // Everything of this layer's own (recurrent and conv state, weights) before the wait: the
+    // previous step's launch of this kernel wrote the states and finished before this step began.
+    float* st = state + (size_t)j * DK * dv + (size_t)part * RQ * dv + m;
+    float S[RQ];
+#pragma unroll
+    for (int i = 0; i < RQ; i++) S[i] = active ? st[(size_t)i * dv] : 0.0f;
+    const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
+    // Conv channels of this thread: local li = tid + n * nt over q (DK) | k (DK) | v (cols).
+    int chn[NCH];
+    float acc[NCH], wl[NCH], hs[NCH][8];
+#pragma unroll
+    for (int n = 0; n < NCH; n++) {
+        const int li = tid + n * nt;
+        chn[n] = li < DK         ? kh * DK + li
+                 : li < 2 * DK   ? (hk + kh) * DK + li - DK
+                 : li < 2 * DK + cols ? 2 * hk * DK + j * dv + sl * cols + li - 2 * DK
+                                      : -1;
+        acc[n] = 0.0f;
+        wl[n] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 8; t++) hs[n][t] = 0.0f;
+        if (chn[n] >= 0) {
+#pragma unroll
+            for (int t = 0; t < 8; t++)
+                if (t < hist) {
+                    hs[n][t] = conv_state[(size_t)t * c + chn[n]];
+                    acc[n] += conv_w[(size_t)chn[n] * kern + t] * hs[n][t];
+                }
+            wl[n] = conv_w[(size_t)chn[n] * kern + hist];
+        }
+    }
+    cluster_arrive_relaxed();  // this block has started (its shared memory may be written)
+    griddep_wait();
+    __shared__ __align__(16) float qs[4 * (RQ + 4)], ks[4 * (RQ + 4)];
+    __shared__ float vs[256], red[32][2], osq[CLUSTER];
+    float xin[NCH];
+#pragma unroll
+    for (int n = 0; n < NCH; n++) xin[n] = chn[n] >= 0 ? proj[chn[n]] : 0.0f;
+    const float v_in_b = proj[c + vw + j], v_in_a = proj[c + vw + hv + j];
+    const float zm = active && part == 0 ? proj[c + (size_t)j * dv + m] : 0.0f;
+    float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NCH; n++) {
+        const int li = tid + n * nt;
+        if (chn[n] < 0) continue;
+        const float y = silu_f(acc[n] + wl[n] * xin[n]);
+        // q and k as four quarters of RQ + 4 floats (see gdn_step_dec: no bank conflicts).
+        if (li < DK) {
+            qs[(li / RQ) * (RQ + 4) + li % RQ] = y;
+            sq += y * y;
+        } else if (li < 2 * DK) {
+            ks[((li - DK) / RQ) * (RQ + 4) + (li - DK) % RQ] = y;
+            sk += y * y;
+        } else {
+            vs[li - 2 * DK] = y;
+            // v channels are this block's alone: advance their conv state now.
+#pragma unroll
+            for (int t = 0; t < 8; t++)
+                if (t < hist) conv_state[(size_t)t * c + chn[n]] = t + 1 < hist ? hs[n][t < 7 ? t + 1 : 7] : xin[n];
+        }
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    if ((tid & 31) == 0) red[tid >> 5][0] = sq, red[tid >> 5][1] = sk;
+    __syncthreads();
+    sq = 0.0f, sk = 0.0f;
+    for (int w = 0; w < (nt + 31) / 32; w++) sq += red[w][0], sk += red[w][1];
+    const float qn = rsqrtf(sq + 1e-6f) * q_scale, kn = rsqrtf(sk + 1e-6f);
+    const float bt = sigmoid_f(v_in_b);
+    const float decay = expf(-a_j * softplus_f(v_in_a + dtb));
+    const float v = active ? vs[ml] : 0.0f;
+    const float* kq = ks + part * (RQ + 4);
+    const float* qq = qs + part * (RQ + 4);
+    float r = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] *= decay;
+        r += S[i] * kq[i];
+    }
+    r += __shfl_xor_sync(0xffffffffu, r, 1);
+    r += __shfl_xor_sync(0xffffffffu, r, 2);
+    const float uk = bt * (v - r * kn) * kn;  // u = beta (v - S^T k), times k's norm scale
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] += kq[i] * uk;
+        o += S[i] * qq[i];
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    o *= qn;
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < RQ; i++) st[(size_t)i * dv] = S[i];
+    }
+    // The gated RMSNorm's sum of squares over the head's ns slices: each block pushes its part
+    // into slot `sl` of every block of its head, then one cluster barrier.
+    float oo = warp_sum(active && part == 0 ? o * o : 0.0f);
+    __syncthreads();  // red's reads above are done
+    if ((tid & 31) == 0) red[tid >> 5][0] = oo;
+    __syncthreads();
+    cluster_wait();  // every block of the cluster has started
+    if (tid < ns) {
+        float tot = 0.0f;
+        for (int w = 0; w < (nt + 31) / 32; w++) tot += red[w][0];
+        st_cluster_f32(&osq[sl], rank - sl + tid, tot);
+    }
+    cluster_arrive();
+    cluster_wait();
+    float tot = 0.0f;
+    for (int t = 0; t < ns; t++) tot += osq[t];
+    const float inv = rsqrtf(tot / dv + eps);
+    if (active && part == 0) out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(zm));
+    // Every block of the cluster has read the q/k conv state (the barrier above releases those
+    // reads): block `rank` advances its eighth of the 2 * DK channels.
+#pragma unroll
+    for (int n = 0; n < NCH; n++) {
+        const int li = tid + n * nt;
+        if (chn[n] < 0 || li >= 2 * DK || li * CLUSTER / (2 * DK) != (int)rank) continue;
+#pragma unroll
+        for (int t = 0; t < 8; t++)
+            if (t < hist) conv_state[(size_t)t * c + chn[n]] = t + 1 < hist ? hs[n][t < 7 ? t + 1 : 7] : xin[n];
+    }
+}
+
+#define GDN_DEC(DK)                                                                                          \
+    extern "C" __global__ void __cluster_dims__(8, 1, 1)                                                     \
+        gdn_dec_##DK(const float* proj, float* conv_state, const float* conv_w, const float* a_log,            \
+                     const float* dt_bias, const float* nw, float* state, bf16* out, int c, int kern, int hk,  \
+                     int hv, int dv, float q_scale, float eps) {                                              \
+        gdn_dec_impl<DK>(proj, conv_state, conv_w, a_log, dt_bias, nw, state, out, c, kern, hk, hv, dv,       \
+                         q_scale, eps);                                                                        \
+    }
+GDN_DEC(16)
+GDN_DEC(32)
+GDN_DEC(64)
+GDN_DEC(128)
+
 // ---- Prefill (t > 1): a token-parallel conv and the chunked delta rule.
 
 // Causal depthwise conv + SiLU over a prefill call with the q/k L2 norm (and q's dk^-1/2)
