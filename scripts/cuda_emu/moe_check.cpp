@@ -307,7 +307,8 @@ static void combine_check(int t, int k, int d, bool sorted) {
 // logits = W_r x, the top-k renormalised, sgate = sigmoid(w_sg . x), act = bf16(SiLU(g) u) for
 // the k chosen and the shared expert, h += sum_s w_s down_s act_s + sgate shared_down act.
 // d 2048 / inter 512 take the kernels' register-preloaded paths, the small shape the generic ones.
-static void decode_moe_check(int d, int e, int k, int inter, int s_inter) {
+// early: moe_down_dec picks the experts from the logits itself (before its griddep_wait).
+static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early) {
     const float eps = 1e-6f;
     std::vector<float> h(d), nw(d), w_sg(d);
     for (auto& v : h) v = uni(-2, 2);
@@ -329,11 +330,12 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter) {
     emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256,
                (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
         moe_gate_up_dec(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu.data(), inter,
-                        sgu.data(), s_inter, act.data(), act_ld);
+                        sgu.data(), s_inter, act.data(), act_ld, early);
     });
-    emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), 0, [&] {
-        moe_down_dec(act.data(), act_ld, topk_ids.data(), topk_w.data(), k, sgate.data(), dn.data(), inter,
-                     sdn.data(), s_inter, h_out.data(), d);
+    if (early) std::fill(topk_w.begin(), topk_w.end(), NAN);  // the early down must not read them
+    emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early), [&] {
+        moe_down_dec(act.data(), act_ld, early ? nullptr : topk_ids.data(), topk_w.data(), logits.data(), e, early, k,
+                     sgate.data(), dn.data(), inter, sdn.data(), s_inter, h_out.data(), d);
     });
     // Reference.
     double ss = 0;
@@ -387,8 +389,9 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter) {
         scale = std::max(scale, std::fabs(y));
     }
     const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
-    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d: ids %s, h max err %.1e (scale %.2f)\n", ok ? "ok  " : "FAIL",
-           d, e, k, inter, s_inter, ids_ok ? "equal" : "DIFFER", err, scale);
+    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
+           ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER",
+           err, scale);
     fails += !ok;
 }
 
@@ -411,9 +414,12 @@ static void plan_check(int e, int tile_m) {
 
 int main(int argc, char** argv) {
     for (int e : {5, 40, 256, 1000}) plan_check(e, e == 40 ? 64 : 128);
-    decode_moe_check(64, 8, 2, 32, 32);
-    decode_moe_check(96, 16, 4, 40, 24);
-    decode_moe_check(2048, 16, 8, 512, 512);
+    for (int early : {0, 1}) {
+        decode_moe_check(64, 8, 2, 32, 32, early);
+        decode_moe_check(96, 16, 4, 40, 24, early);
+        decode_moe_check(2048, 16, 8, 512, 512, early);
+        decode_moe_check(2048, 256, 8, 512, 512, early);
+    }
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(12, e, k, k % 2 ? 36 : 64);

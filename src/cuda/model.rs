@@ -277,9 +277,31 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
         && 2 * c.hidden_size * 4 <= smem // the RMSNorm GEMVs: input and preloaded weight
         && router_smem(c.hidden_size) * 4 <= smem
         && gate_up_dec_smem(c.hidden_size, c.num_experts, c.experts_per_token) * 4 <= smem
+        && down_dec_smem(
+            c.num_experts,
+            c.experts_per_token,
+            c.moe_intermediate,
+            c.shared_intermediate,
+            true,
+        ) <= smem
         && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
         && c.gdn_value_dim <= 256
+}
+
+/// Shared memory of `moe_down_dec` in bytes (moe.cu's down_dec_smem): with `early`, the
+/// router's logits, the ids and weights, then (expert widths 512) the block's weight rows.
+fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) -> usize {
+    let rows = if inter == 512 && s_inter == 512 {
+        (k + 1) * 4 * 2 * 32 * 16
+    } else {
+        0
+    };
+    if early {
+        ((e + 2 * k + 3) & !3) * 4 + rows
+    } else {
+        0
+    }
 }
 
 /// Slices per value head of the one-launch GDN decode step (`gdn_dec_*`, gdn.cu): a cluster
@@ -354,6 +376,13 @@ pub struct CudaModel {
     /// shape [`gdn_dec_slices`] fits); off (`KESTREL_GDN_DEC=split`) the conv and the step run
     /// as two launches (`gdn_conv_dec`, `gdn_step_dec_*`).
     pub gdn_dec_one_launch: bool,
+    /// `moe_down_dec` picks the experts from the router's logits and loads its weight rows
+    /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
+    /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
+    pub moe_down_early: bool,
+    /// Dynamic shared memory of the one-launch GDN step (`KESTREL_GDN_DEC_SMEM` bytes;
+    /// an experiment: more spreads its blocks over more SMs).
+    gdn_dec_smem: u32,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -823,6 +852,15 @@ impl CudaModel {
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         let moe_gemm = MoeGemm::from_env().on(gpu.compute_capability);
+        let gdn_dec_smem: u32 = std::env::var("KESTREL_GDN_DEC_SMEM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        if gdn_dec_smem > 48 * 1024 {
+            for n in ["gdn_dec_16", "gdn_dec_32", "gdn_dec_64", "gdn_dec_128"] {
+                gpu.set_max_dynamic_smem(n, gdn_dec_smem as usize)?;
+            }
+        }
         let gdn_dec_one_launch = gpu.compute_capability >= (9, 0)
             && gdn_dec_slices(&cfg).is_some()
             && std::env::var("KESTREL_GDN_DEC").map_or(true, |v| v != "split");
@@ -860,6 +898,8 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             gdn_dec_one_launch,
+            moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
+            gdn_dec_smem,
         })
     }
 
@@ -1509,7 +1549,7 @@ impl CudaModel {
                             name,
                             ((hv * ns) as u32, 1, 1),
                             block(4 * (dv / ns)),
-                            0,
+                            self.gdn_dec_smem,
                             &[
                                 Arg::Ptr(dw.proj.ptr),
                                 Arg::Ptr(st_conv.ptr),
@@ -1737,18 +1777,22 @@ impl CudaModel {
                 Arg::I(is as i32),
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(DecodeWs::act_ld(c) as i32),
+                Arg::I(self.moe_down_early as i32),
             ],
         )?;
         launch(
             "moe_down_dec",
             (d.div_ceil(4) as u32, 1, 1),
             (32 * (k + 1)) as u32,
-            0,
+            down_dec_smem(e, k, i, is, self.moe_down_early) as u32,
             &[
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(DecodeWs::act_ld(c) as i32),
                 Arg::Ptr(dw.topk_ids.ptr),
                 Arg::Ptr(dw.topk_w.ptr),
+                Arg::Ptr(dw.router.ptr),
+                Arg::I(e as i32),
+                Arg::I(self.moe_down_early as i32),
                 Arg::I(k as i32),
                 Arg::Ptr(dw.sgate.ptr),
                 Arg::Ptr(layer.down.ptr),

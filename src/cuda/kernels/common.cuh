@@ -43,10 +43,12 @@ __device__ float block_sum(float v) {
 }
 
 // Programmatic dependent launch (sm_90): the decode kernels are launched so that the next
-// kernel may start while this one runs. `griddep_launch` lets it; `griddep_wait` blocks until
+// kernel may start while this one runs (DECODE_KERNEL lets it at the start;
+// DECODE_KERNEL_NO_LAUNCH leaves the griddep_launch to the kernel). `griddep_launch` lets it; `griddep_wait` blocks until
 // the previous kernel has finished and its writes are visible. Before the wait a kernel may read
 // only immutable data (weights). Both are no-ops for a normal launch.
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void griddep_wait_plain() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // ---- Decode timeline (compiled in with KESTREL_KERNEL_DEFINES=KESTREL_TRACE; see
 // CudaModel::trace_decode_step and scripts/decode_timeline.py): thread 0 of every 8th block and
@@ -96,16 +98,19 @@ __device__ __forceinline__ void griddep_wait() {
 #define DECODE_KERNEL(tag) \
     griddep_launch();      \
     TraceBlock trace_block_(tag)
+#define DECODE_KERNEL_NO_LAUNCH(tag) TraceBlock trace_block_(tag)
 #else
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 #define DECODE_KERNEL(tag) griddep_launch()
+#define DECODE_KERNEL_NO_LAUNCH(tag)
 #endif
 // Prefill kernels, launched with programmatic dependent launch by Gpu::launch_dep: wait for the
 // previous kernel and its writes before anything else (reads and writes alike), then let the
 // next kernel's blocks onto the SMs this one's last wave leaves, so a launch's latency overlaps
 // this kernel's tail. Both are no-ops for a normal launch.
-#define PREFILL_KERNEL() \
-    griddep_wait();      \
+// (The untraced wait: the traced one would give every prefill kernel the trace's shared memory.)
+#define PREFILL_KERNEL()   \
+    griddep_wait_plain(); \
     griddep_launch()
 // Tags of the decode kernels in the timeline (decode_timeline.py has the names).
 #define TAG_EMBED 1

@@ -985,13 +985,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
 // logits is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
 // griddep_wait, and the router writes it in the same step.
 __host__ __device__ __forceinline__ int gate_up_dec_smem(int d, int e, int k) { return d + 8 * ((e + 2 * k + 3) & ~3); }
+// late_launch: let moe_down_dec start only once every block has passed its griddep_wait, so that
+// the router has finished when any of moe_down_dec's blocks runs (it picks the experts from the
+// logits before its own wait).
 template <int VPL>
 __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const float* logits, int e,
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                                      const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
-                                                     float* __restrict__ act, int act_ld, float* xs) {
-    DECODE_KERNEL(TAG_GATE_UP);
+                                                     float* __restrict__ act, int act_ld, float* xs, int late_launch) {
+    DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
+    if (!late_launch) griddep_launch();
     // blockIdx.y 0 is the shared expert (slot k), whose blocks are dispatched first: its rows
     // are known before the router finishes, so those blocks load them before waiting.
     const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -999,6 +1003,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
     int expert = 0;
     if (!shared) {
         griddep_wait();  // the logits come from the router
+        if (late_launch) griddep_launch();
         float* rl = xs + d + warp * ((e + 2 * k + 3) & ~3);
         int* ids = reinterpret_cast<int*>(rl + e);
         float* wts = rl + e + k;
@@ -1019,7 +1024,10 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
     constexpr int NV = VPL > 0 ? VPL : 1;
     uint4 v[2][NV];
     if (VPL > 0) load_rows<2, NV>(v, rows);
-    if (shared) griddep_wait();  // xb, the normalised input, comes from the router too
+    if (shared) {
+        griddep_wait();  // xb, the normalised input, comes from the router too
+        if (late_launch) griddep_launch();
+    }
     stage_bf16(xs, xb, d);
     float acc[2];
     if (VPL > 0) dot_rows<2, NV>(v, xs, acc);
@@ -1031,50 +1039,95 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
     float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
-    int s_inter, float* __restrict__ act, int act_ld) {
+    int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
     extern __shared__ float xs[];
     if (d == 2048)
         moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs);
+                                act_ld, xs, late_launch);
     else
         moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs);
+                                act_ld, xs, late_launch);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
 // shared_down[r, :] . act_k. Warp s = slot s (k routed, then the shared expert) over the block's
 // 4 rows, its weight rows in flight at once; the slots' sums meet in shared memory.
-// grid ceil(d / 4), block 32 * (k + 1).
+// early: the block picks the experts itself from the router's logits (warp 0, route_topk_warp,
+// the same choice as moe_gate_up_dec's) and loads its weight rows before griddep_wait, so they
+// stream during moe_gate_up_dec's tail. That needs the router finished before this grid starts:
+// moe_gate_up_dec launched with late_launch lets this grid start only after all its blocks
+// passed their own wait on the router; and the logits are read through L2 (ld.global.cg), not
+// an L1 line an earlier layer's read may have left. Else the ids come from topk_ids after the
+// wait (reading them before it raced: moe_gate_up_dec let this grid start before the router
+// had finished). act and sgate are not __restrict__: ptxas hoisted read-only loads of them above
+// the wait (SASS). grid ceil(d / 4), block 32 * (k + 1), smem (early) down_dec_smem bytes: the
+// logits, ids and weights, then (inter = s_inter = 512) the block's weight rows.
+__host__ __device__ __forceinline__ int down_dec_smem(int e, int k, int inter, int s_inter, int early) {
+    return early ? ((e + 2 * k + 3) & ~3) * 4 + (inter == 512 && s_inter == 512 ? (k + 1) * 4 * 2 * 32 * 16 : 0) : 0;
+}
 template <int VPL>
-__device__ __forceinline__ void moe_down_dec_impl(const float* __restrict__ act, int act_ld,
+__device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
                                                   const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
-                                                  int k, const float* __restrict__ sgate,
+                                                  const float* logits, int e, int early, int k,
+                                                  const float* sgate,
                                                   const bf16* __restrict__ down, int inter,
                                                   const bf16* __restrict__ shared_down, int s_inter,
                                                   float* __restrict__ h, int d) {
     constexpr int NV = VPL > 0 ? VPL : 1;
     __shared__ float red[17][4];
+    extern __shared__ float rl[];  // early: e logits, k ids, k weights
     DECODE_KERNEL(TAG_DOWN);
-    // Expert ids, weights and activations come from the previous kernels. Reading the router's
-    // ids before this wait (moe_gate_up_dec having waited for the router) raced on the H200:
-    // only the wait orders this grid after the router's writes.
-    griddep_wait();
     int s = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * 4;
+    int* ids = reinterpret_cast<int*>(rl + e);
+    float* wts = rl + e + k;
+    if (early) {
+        if (s == 0) {
+            for (int i = lane; i < e; i += 32) rl[i] = __ldcg(logits + i);
+            __syncwarp();
+            route_topk_warp(rl, e, k, ids, wts);
+        }
+        __syncthreads();
+    } else {
+        griddep_wait();
+    }
     int kk = s == k ? s_inter : inter;
-    const bf16* base = s == k ? shared_down : down + (size_t)topk_ids[s] * d * inter;
+    const bf16* base = s == k ? shared_down : down + (size_t)(early ? ids[s] : topk_ids[s]) * d * inter;
     const bf16* rows[4];
 #pragma unroll
     for (int q = 0; q < 4; q++) rows[q] = r0 + q < d ? base + (size_t)(r0 + q) * kk : nullptr;
     const float* xs = act + (size_t)s * act_ld;
     float acc[4];
-    if (VPL > 0) {
+    if (VPL > 0 && early) {
+        // The rows go to shared memory by cp.async: ptxas sinks plain read-only loads whose
+        // values are used only after griddep_wait to after it (seen in the SASS), which would
+        // put their trip to DRAM back on the critical path.
+        uint4* stage = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3)) + (size_t)s * 4 * NV * 32;
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int j = 0; j < NV; j++)
+                cp_async16(stage + (q * NV + j) * 32 + lane,
+                           rows[q] ? reinterpret_cast<const uint4*>(rows[q]) + lane + 32 * j : (const uint4*)base,
+                           rows[q] != nullptr);
+        cp_async_commit();
+        griddep_wait();  // act and sgate come from the previous kernels
+        cp_async_wait_all();
+        uint4 v[4][NV];
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int j = 0; j < NV; j++) v[q][j] = stage[(q * NV + j) * 32 + lane];
+        dot_rows<4, NV>(v, xs, acc);
+    } else if (VPL > 0) {
         uint4 v[4][NV];
         load_rows<4, NV>(v, rows);
         dot_rows<4, NV>(v, xs, acc);
     } else {
+        if (early) griddep_wait();
         dot_rows_any<4>(rows, xs, kk, acc);
     }
-    float coef = s == k ? *sgate : topk_w[s];
+    float coef = s == k ? *sgate : early ? wts[s] : topk_w[s];
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         float a = warp_sum(acc[q]);
@@ -1089,11 +1142,13 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* __restrict__ act,
 }
 
 extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
-    const float* __restrict__ act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
-    int k, const float* __restrict__ sgate, const bf16* __restrict__ down, int inter,
-    const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
+    const float* act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+    const float* logits, int e, int early, int k, const float* sgate, const bf16* __restrict__ down,
+    int inter, const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
     if (inter == 512 && s_inter == 512)
-        moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d);
+        moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
+                             s_inter, h, d);
     else
-        moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, k, sgate, down, inter, shared_down, s_inter, h, d);
+        moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
+                             s_inter, h, d);
 }
