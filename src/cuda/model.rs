@@ -372,17 +372,14 @@ pub struct CudaModel {
     /// Prefill GDN with the token-parallel conv and the chunked delta rule; off
     /// (`KESTREL_GDN=recurrent`) it runs the sequential kernels that decode uses.
     pub gdn_chunked: bool,
-    /// The GDN decode step in one launch (`gdn_dec_*`, clusters: compute capability 9.0 and a
-    /// shape [`gdn_dec_slices`] fits); off (`KESTREL_GDN_DEC=split`) the conv and the step run
-    /// as two launches (`gdn_conv_dec`, `gdn_step_dec_*`).
+    /// The GDN decode step in one launch (`gdn_dec_*`; opt-in, `KESTREL_GDN_DEC=one`, where
+    /// [`CudaModel::gdn_dec_fits`]): measured slower than the conv and the step as two
+    /// launches (`gdn_conv_dec`, `gdn_step_dec_*`), the default (docs/KERNELS.md).
     pub gdn_dec_one_launch: bool,
     /// `moe_down_dec` picks the experts from the router's logits and loads its weight rows
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
-    /// Dynamic shared memory of the one-launch GDN step (`KESTREL_GDN_DEC_SMEM` bytes;
-    /// an experiment: more spreads its blocks over more SMs).
-    gdn_dec_smem: u32,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -852,18 +849,7 @@ impl CudaModel {
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         let moe_gemm = MoeGemm::from_env().on(gpu.compute_capability);
-        let gdn_dec_smem: u32 = std::env::var("KESTREL_GDN_DEC_SMEM")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        if gdn_dec_smem > 48 * 1024 {
-            for n in ["gdn_dec_16", "gdn_dec_32", "gdn_dec_64", "gdn_dec_128"] {
-                gpu.set_max_dynamic_smem(n, gdn_dec_smem as usize)?;
-            }
-        }
-        let gdn_dec_one_launch = gpu.compute_capability >= (9, 0)
-            && gdn_dec_slices(&cfg).is_some()
-            && std::env::var("KESTREL_GDN_DEC").map_or(true, |v| v != "split");
+        let gdn_dec_one_launch = std::env::var("KESTREL_GDN_DEC").is_ok_and(|v| v == "one");
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -899,7 +885,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             gdn_dec_one_launch,
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
-            gdn_dec_smem,
         })
     }
 
@@ -1473,10 +1458,10 @@ impl CudaModel {
 
     /// The fused one-token step, top to bottom: every launch reads the token and position
     /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
-    /// captured once per state into a CUDA graph. Six launches per GDN layer (in-projection
-    /// with the RMSNorm, the GDN step with its conv, out-projection with the residual, router,
-    /// experts' gate/up, experts' down with the combine; seven with the conv and the step
-    /// apart, `KESTREL_GDN_DEC=split`), eight per attention layer.
+    /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
+    /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
+    /// experts' gate/up, experts' down with the combine; six with `KESTREL_GDN_DEC=one`),
+    /// eight per attention layer.
     fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
@@ -1538,7 +1523,8 @@ impl CudaModel {
                     let rows = ch + vw + 2 * hv;
                     in_proj(w.in_proj.ptr, rows)?;
                     let q_scale = 1.0 / (dk as f32).sqrt();
-                    if let Some(ns) = gdn_dec_slices(c).filter(|_| self.gdn_dec_one_launch) {
+                    let one_launch = self.gdn_dec_one_launch && self.gdn_dec_fits();
+                    if let Some(ns) = gdn_dec_slices(c).filter(|_| one_launch) {
                         let name = match dk {
                             16 => "gdn_dec_16",
                             32 => "gdn_dec_32",
@@ -1549,7 +1535,7 @@ impl CudaModel {
                             name,
                             ((hv * ns) as u32, 1, 1),
                             block(4 * (dv / ns)),
-                            self.gdn_dec_smem,
+                            0,
                             &[
                                 Arg::Ptr(dw.proj.ptr),
                                 Arg::Ptr(st_conv.ptr),
@@ -1803,6 +1789,12 @@ impl CudaModel {
                 Arg::I(d as i32),
             ],
         )
+    }
+
+    /// Whether the one-launch GDN decode step can run here: thread block clusters (compute
+    /// capability 9.0) and a shape it takes (`gdn_dec_slices`).
+    pub fn gdn_dec_fits(&self) -> bool {
+        self.gpu.compute_capability >= (9, 0) && gdn_dec_slices(&self.config).is_some()
     }
 
     /// Decode graphs captured for `state` so far.
