@@ -60,11 +60,13 @@ fn attn_decode_smem(c: &TextConfig) -> usize {
 /// Attention splits per query head in the fused decode step, by context length: each bucket
 /// gets its own captured graph; the kernels derive the chunk length from the position.
 fn decode_splits(n: usize) -> usize {
-    [4, 16, 64]
+    [8, 32, 128]
         .into_iter()
-        .find(|&b| b * 64 >= n)
+        .find(|&b| b * DECODE_MIN_CHUNK >= n)
         .unwrap_or(DECODE_SPLITS)
 }
+/// attention.cu's DECODE_MIN_CHUNK: a split holds at least this many keys.
+const DECODE_MIN_CHUNK: usize = 32;
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
 
