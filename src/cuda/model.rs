@@ -60,13 +60,11 @@ fn attn_decode_smem(c: &TextConfig) -> usize {
 /// Attention splits per query head in the fused decode step, by context length: each bucket
 /// gets its own captured graph; the kernels derive the chunk length from the position.
 fn decode_splits(n: usize) -> usize {
-    [8, 32, 128]
+    [4, 16, 64]
         .into_iter()
-        .find(|&b| b * DECODE_MIN_CHUNK >= n)
+        .find(|&b| b * 64 >= n)
         .unwrap_or(DECODE_SPLITS)
 }
-/// attention.cu's DECODE_MIN_CHUNK: a split holds at least this many keys.
-const DECODE_MIN_CHUNK: usize = 32;
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
 

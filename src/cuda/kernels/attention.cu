@@ -91,20 +91,16 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// Fewest keys per split when the chunk comes from the device (decode graphs): one 32-key tile of
-// the tensor-core decode kernel (model.rs's decode_splits buckets match it).
-#define DECODE_MIN_CHUNK 32
-
 // One warp per (query s, head h, split). Keys [split*chunk, min(...)) of the 0..past+s range.
 // part: [t, nq, nsplit, hd + 2] = acc[hd], running max, running sum. With `past_dev` set, past
-// comes from the device and chunk = max(DECODE_MIN_CHUNK, ceil(n / nsplit)) is derived from it (decode graphs).
+// comes from the device and chunk = max(64, ceil(n / nsplit)) is derived from it (decode graphs).
 extern "C" __global__ void attn_split(const float* __restrict__ q, const bf16* __restrict__ k_cache,
                                       const bf16* __restrict__ v_cache, float* __restrict__ part,
                                       int past, const int* __restrict__ past_dev, int nq, int nkv, int hd,
                                       int nsplit, int chunk, float scale) {
     if (past_dev) {
         past = *past_dev;
-        chunk = max(DECODE_MIN_CHUNK, (past + 1 + nsplit - 1) / nsplit);
+        chunk = max(64, (past + 1 + nsplit - 1) / nsplit);
     }
     int s = blockIdx.x, h = blockIdx.y, sp = blockIdx.z * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -145,7 +141,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
     griddep_wait();
     if (past_dev) {
         past = *past_dev;
-        chunk = max(DECODE_MIN_CHUNK, (past + 1 + nsplit - 1) / nsplit);
+        chunk = max(64, (past + 1 + nsplit - 1) / nsplit);
     }
     int s = blockIdx.x, h = blockIdx.y, i = threadIdx.x;  // blockDim.x == hd (a multiple of 32)
     int n = past + s + 1;
@@ -198,7 +194,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const bf16* 
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int h = kvh * group + warp;
     int n = *past_dev + 1;
-    int chunk = max(DECODE_MIN_CHUNK, (n + nsplit - 1) / nsplit);
+    int chunk = max(64, (n + nsplit - 1) / nsplit);
     int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // whole block: beyond the context (combine ignores it)
     int vecs = hd >> 3;        // 16-byte vectors per row
@@ -1065,7 +1061,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* __restrict__ q
     griddep_wait();
     const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
     const int n = *past_dev + 1;
-    const int chunk = max(DECODE_MIN_CHUNK, (n + nsplit - 1) / nsplit);
+    const int chunk = max(64, (n + nsplit - 1) / nsplit);
     const int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // beyond the context: attn_combine_dec ignores this split
     auto load_tile = [&](int t0, int stage) {
@@ -1152,7 +1148,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* 
     DECODE_KERNEL(TAG_ATTN_COMBINE);
     griddep_wait();
     const int n = *past_dev + 1;
-    const int chunk = max(DECODE_MIN_CHUNK, (n + nsplit - 1) / nsplit);
+    const int chunk = max(64, (n + nsplit - 1) / nsplit);
     const int used = min(nsplit, (n + chunk - 1) / chunk);
     const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, dim = blockIdx.y * 32 + lane;
     const float* base = part + (size_t)h * nsplit * (hd + 2);
