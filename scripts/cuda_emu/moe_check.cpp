@@ -308,8 +308,7 @@ static void combine_check(int t, int k, int d, bool sorted) {
 // the k chosen and the shared expert, h += sum_s w_s down_s act_s + sgate shared_down act.
 // d 2048 / inter 512 take the kernels' register-preloaded paths, the small shape the generic ones.
 // early: moe_down_dec picks the experts from the logits itself (before its griddep_wait).
-// shared_in_router: the shared expert's gate/up in moe_router_dec's first blocks.
-static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early, int shared_in_router) {
+static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early) {
     const float eps = 1e-6f;
     std::vector<float> h(d), nw(d), w_sg(d);
     for (auto& v : h) v = uni(-2, 2);
@@ -324,17 +323,14 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
     std::vector<bf16> xb(d);
     std::vector<float> logits(e), sgate(1), topk_w(k), act((size_t)(k + 1) * act_ld, NAN), h_out = h;
     std::vector<int> topk_ids(k, -1);
-    const int shared_blocks = shared_in_router ? (s_inter + 7) / 8 : 0;
-    emu_launch({(unsigned)(shared_blocks + (e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256,
-               (size_t)router_smem(d) * 4, [&] {
+    emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)router_smem(d) * 4, [&] {
         moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb.data(), logits.data(),
-                       sgate.data(), shared_blocks, sgu.data(), s_inter, act.data() + (size_t)k * act_ld);
+                       sgate.data());
     });
-    emu_launch({(unsigned)((shared_in_router ? inter : std::max(inter, s_inter)) + 7) / 8,
-                (unsigned)(shared_in_router ? k : k + 1), 1},
-               256, (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
+    emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256,
+               (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
         moe_gate_up_dec(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu.data(), inter,
-                        sgu.data(), s_inter, act.data(), act_ld, early, shared_in_router);
+                        sgu.data(), s_inter, act.data(), act_ld, early);
     });
     if (early) std::fill(topk_w.begin(), topk_w.end(), NAN);  // the early down must not read them
     emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early), [&] {
@@ -393,10 +389,9 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         scale = std::max(scale, std::fabs(y));
     }
     const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
-    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, shared expert in %s, down %s: ids %s, h max err %.1e (scale "
-           "%.2f)\n",
-           ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, shared_in_router ? "router" : "gate/up",
-           early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER", err, scale);
+    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
+           ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER",
+           err, scale);
     fails += !ok;
 }
 
@@ -419,14 +414,12 @@ static void plan_check(int e, int tile_m) {
 
 int main(int argc, char** argv) {
     for (int e : {5, 40, 256, 1000}) plan_check(e, e == 40 ? 64 : 128);
-    for (int early : {0, 1})
-        for (int sir : {0, 1}) {
-            decode_moe_check(64, 8, 2, 32, 32, early, sir);
-            decode_moe_check(96, 16, 4, 40, 24, early, sir);
-            decode_moe_check(2048, 16, 8, 512, 512, early, sir);
-            decode_moe_check(2048, 256, 8, 512, 512, early, sir);
-        }
-    decode_moe_check(64, 8, 1, 32, 48, 1, 1);  // k = 1; the shared expert wider than the routed
+    for (int early : {0, 1}) {
+        decode_moe_check(64, 8, 2, 32, 32, early);
+        decode_moe_check(96, 16, 4, 40, 24, early);
+        decode_moe_check(2048, 16, 8, 512, 512, early);
+        decode_moe_check(2048, 256, 8, 512, 512, early);
+    }
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(12, e, k, k % 2 ? 36 : 64);

@@ -380,10 +380,6 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
-    /// The shared expert's gate/up runs in the router's launch (its rows stream during the
-    /// router's latency chain; `moe_gate_up_dec` then has the routed experts only); off
-    /// (`KESTREL_MOE_SHARED=gate_up`) in `moe_gate_up_dec`.
-    pub moe_shared_in_router: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -889,8 +885,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             gdn_dec_one_launch,
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
-            moe_shared_in_router: !std::env::var("KESTREL_MOE_SHARED")
-                .is_ok_and(|v| v == "gate_up"),
         })
     }
 
@@ -1732,16 +1726,9 @@ impl CudaModel {
             c.moe_intermediate,
             c.shared_intermediate,
         );
-        // The shared expert's gate/up in the router's launch (its first blocks), or in gate/up's.
-        let shared_blocks = if self.moe_shared_in_router {
-            is.div_ceil(8)
-        } else {
-            0
-        };
-        let act_ld = DecodeWs::act_ld(c);
         launch(
             "moe_router_dec",
-            ((shared_blocks + e.div_ceil(ROUTER_ROWS)) as u32 + 1, 1, 1),
+            (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
             256,
             (router_smem(d) * 4) as u32,
             &[
@@ -1755,20 +1742,11 @@ impl CudaModel {
                 Arg::Ptr(dw.xb.ptr),
                 Arg::Ptr(dw.router.ptr),
                 Arg::Ptr(dw.sgate.ptr),
-                Arg::I(shared_blocks as i32),
-                Arg::Ptr(layer.shared_gate_up.ptr),
-                Arg::I(is as i32),
-                Arg::Ptr(dw.act.ptr + (k * act_ld * 4) as u64),
             ],
         )?;
-        let (gate_up_x, gate_up_y) = if self.moe_shared_in_router {
-            (i.div_ceil(8), k)
-        } else {
-            (i.max(is).div_ceil(8), k + 1)
-        };
         launch(
             "moe_gate_up_dec",
-            (gate_up_x as u32, gate_up_y as u32, 1),
+            (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
             256,
             (gate_up_dec_smem(d, e, k) * 4) as u32,
             &[
@@ -1786,7 +1764,6 @@ impl CudaModel {
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(DecodeWs::act_ld(c) as i32),
                 Arg::I(self.moe_down_early as i32),
-                Arg::I(self.moe_shared_in_router as i32),
             ],
         )?;
         launch(

@@ -923,55 +923,21 @@ MOE_GEMM6(moe_gemm6_swiglu_m128, true)
 // staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg). The top-k is
 // left to moe_gate_up_dec's warps (each picks it from the logits: no last-block ticket here).
 // The RMSNorm weight and the shared gate's row are copied into shared memory before the wait.
-// grid shared_blocks + ceil(e / ROUTER_ROWS) + 1, block 256, smem router_smem floats.
+// grid ceil(e / ROUTER_ROWS) + 1, block 256, smem router_smem floats.
 #define ROUTER_ROWS 2
 // Shared memory of moe_router_dec in floats: the input, the RMSNorm weight and the shared
 // gate's row (d each). The host computes the same.
 __host__ __device__ __forceinline__ int router_smem(int d) { return 3 * d; }
-// The shared expert's gate/up + SwiGLU in the router's launch (moe_router_dec's first
-// `shared_blocks` blocks, 8 rows j a block, a warp each): its rows are known in advance, so they
-// stream while the router's latency chain runs instead of in moe_gate_up_dec's waves. Each block
-// stages RMSNorm(h) itself (as the router's blocks do). act[slot] as moe_gate_up_dec writes it.
-template <int VPL>
-__device__ __forceinline__ void shared_expert_gate_up(const float* __restrict__ h, const float* __restrict__ nw,
-                                                      float eps, int d, const bf16* __restrict__ w, int n,
-                                                      float* __restrict__ act, float* xs, int jb) {
-    const int lane = threadIdx.x & 31, j = jb * 8 + (threadIdx.x >> 5);
-    const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
-    constexpr int NV = VPL > 0 ? VPL : 1;
-    uint4 v[2][NV];
-    if (VPL > 0) load_rows<2, NV>(v, rows);
-    const float* wn = preload_norm(xs + d, nw, d);
-    griddep_wait();
-    stage_rmsnorm(xs, h, nw, d, eps, nullptr, wn);
-    float acc[2];
-    if (VPL > 0) dot_rows<2, NV>(v, xs, acc);
-    else dot_rows_any<2>(rows, xs, d, acc);
-    float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-    if (lane == 0 && j < n) act[j] = __bfloat162float(__float2bfloat16(silu_f(g) * u));
-}
-
-// shared_blocks > 0: the first shared_blocks blocks run the shared expert's gate/up into
-// act_shared (shared_expert_gate_up; moe_gate_up_dec then runs the routed experts only).
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
-    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
-    int shared_blocks, const bf16* __restrict__ shared_gate_up, int s_inter, float* __restrict__ act_shared) {
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate) {
     DECODE_KERNEL(TAG_ROUTER);
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
-    if ((int)blockIdx.x < shared_blocks) {
-        if (d == 2048)
-            shared_expert_gate_up<8>(h, nw, eps, d, shared_gate_up, s_inter, act_shared, xs, blockIdx.x);
-        else
-            shared_expert_gate_up<0>(h, nw, eps, d, shared_gate_up, s_inter, act_shared, xs, blockIdx.x);
-        return;
-    }
-    const int blk = blockIdx.x - shared_blocks;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* ws = xs + d;  // the RMSNorm weight, then the shared gate's row
-    if (blk + 1 < (int)gridDim.x - shared_blocks) {
-        const int r0 = blk * ROUTER_ROWS, nv = d >> 3;
+    if (blockIdx.x + 1 < gridDim.x) {
+        const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
         const uint4* rows[ROUTER_ROWS];
         uint4 w[ROUTER_ROWS];
 #pragma unroll
@@ -981,7 +947,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
         }
         const float* wn = preload_norm(ws, nw, d);
         griddep_wait();
-        stage_rmsnorm(xs, h, nw, d, eps, blk == 0 ? xb : nullptr, wn);
+        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, wn);
         float acc[ROUTER_ROWS];
 #pragma unroll
         for (int q = 0; q < ROUTER_ROWS; q++) {
@@ -1009,13 +975,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     }
 }
 
-// Gate/up half of the k chosen experts and (unless routed_only: moe_router_dec ran it) the
-// shared expert (slot k): act[s, j] = bf16(SiLU(gate_j . x) * (up_j . x)), reading only those
-// experts' rows; a warp per j (its gate and up rows loaded before x is staged). Each warp of a
-// routed block picks the top-k itself from the router's logits (route_topk_warp on its own copy
-// in shared memory: no block barrier, and no last-block ticket in the router); block x 0 of slot
-// 0 also stores the ids and weights (for moe_down_dec when it runs late). grid
-// (ceil(max(inter, s_inter) / 8), k + 1; routed_only: k), block 256, smem
+// Gate/up half of the k chosen experts and the shared expert (slot k): act[s, j] =
+// bf16(SiLU(gate_j . x) * (up_j . x)), reading only those experts' rows; a warp per j (its gate
+// and up rows loaded before x is staged). Each warp of a routed block picks the top-k itself
+// from the router's logits (route_topk_warp on its own copy in shared memory: no block barrier,
+// and no last-block ticket in the router); block (0, 1) also stores the ids and weights for
+// moe_down_dec. grid (ceil(max(inter, s_inter) / 8), k + 1), block 256, smem
 // gate_up_dec_smem(d, e, k) floats: x, then per warp e logits, k ids and k weights.
 // logits is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
 // griddep_wait, and the router writes it in the same step.
@@ -1028,15 +993,12 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                                      const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
-                                                     float* __restrict__ act, int act_ld, float* xs, int late_launch,
-                                                     int routed_only) {
+                                                     float* __restrict__ act, int act_ld, float* xs, int late_launch) {
     DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
     if (!late_launch) griddep_launch();
     // blockIdx.y 0 is the shared expert (slot k), whose blocks are dispatched first: its rows
-    // are known before the router finishes, so those blocks load them before waiting. With
-    // routed_only the router's launch ran the shared expert: blockIdx.y is the routed slot.
-    const int slot = routed_only ? blockIdx.y : blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31,
-              warp = threadIdx.x >> 5;
+    // are known before the router finishes, so those blocks load them before waiting.
+    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool shared = slot == k;
     int expert = 0;
     if (!shared) {
@@ -1050,7 +1012,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
         route_topk_warp(rl, e, k, ids, wts);
         __syncwarp();  // lanes < k wrote the choices
         expert = ids[slot];
-        if (blockIdx.x == 0 && slot == 0 && warp == 0 && lane < k) {
+        if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
             topk_ids[lane] = ids[lane];
             topk_w[lane] = wts[lane];
         }
@@ -1077,14 +1039,14 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
     float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
-    int s_inter, float* __restrict__ act, int act_ld, int late_launch, int routed_only) {
+    int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
     extern __shared__ float xs[];
     if (d == 2048)
         moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch, routed_only);
+                                act_ld, xs, late_launch);
     else
         moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch, routed_only);
+                                act_ld, xs, late_launch);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
