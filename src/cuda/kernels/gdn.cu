@@ -261,7 +261,7 @@ GDN_STEP_DEC(32)
 GDN_STEP_DEC(64)
 GDN_STEP_DEC(128)
 
-// Opt-in (KESTREL_GDN_DEC=one), measured 2% slower end to end than gdn_conv_dec + gdn_step_dec
+// Opt-in (KESTREL_GDN_DEC=one), measured 1-2% slower end to end than gdn_conv_dec + gdn_step_dec
 // (the blocks of a cluster share SMs, and each block's chain after the wait is as long as the
 // two kernels' were; docs/KERNELS.md "Thirteenth session").
 // The whole GDN decode step in one launch (gdn_conv_dec + gdn_step_dec): conv step + SiLU, q/k
