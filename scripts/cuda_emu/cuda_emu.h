@@ -13,8 +13,7 @@
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
 // emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
-// emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain cluster_rank cluster_arrive_relaxed
-// emu-provides: cluster_arrive cluster_wait st_cluster_f32
+// emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -81,15 +80,6 @@ inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst
 inline void griddep_launch() {}
 inline void griddep_wait() {}  // one kernel at a time here
 inline void griddep_wait_plain() {}
-// Thread block clusters are not emulated (blocks run one after another here): the kernels
-// that use them (gdn.cu's gdn_dec_*) compile, and fail if launched.
-#define __cluster_dims__(x, y, z)
-[[noreturn]] inline void emu_fail(const char* what);
-inline unsigned cluster_rank() { emu_fail("thread block clusters are not emulated"); }
-inline void cluster_arrive_relaxed() { emu_fail("thread block clusters are not emulated"); }
-inline void cluster_arrive() { emu_fail("thread block clusters are not emulated"); }
-inline void cluster_wait() { emu_fail("thread block clusters are not emulated"); }
-inline void st_cluster_f32(float*, unsigned, float) { emu_fail("thread block clusters are not emulated"); }
 
 [[noreturn]] inline void emu_fail(const char* what) {
     fprintf(stderr, "cuda_emu: %s (block %u,%u,%u thread %u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);

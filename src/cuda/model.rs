@@ -304,26 +304,6 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
     }
 }
 
-/// Slices per value head of the one-launch GDN decode step (`gdn_dec_*`, gdn.cu): a cluster
-/// of 8 blocks per key head, so 8 / (value heads per key head); None where the shape does not
-/// fit it (then `gdn_conv_dec` + `gdn_step_dec` run).
-fn gdn_dec_slices(c: &TextConfig) -> Option<usize> {
-    let (hk, hv, dk, dv) = (
-        c.gdn_num_key_heads,
-        c.gdn_num_value_heads,
-        c.gdn_key_dim,
-        c.gdn_value_dim,
-    );
-    if hk == 0 || hv % hk != 0 || 8 % (hv / hk) != 0 || ![16, 32, 64, 128].contains(&dk) {
-        return None;
-    }
-    let ns = 8 / (hv / hk);
-    let cols = dv / ns;
-    let threads = block_threads(4 * cols) as usize;
-    (dv % ns == 0 && cols <= 256 && 2 * dk + cols <= 3 * threads && c.conv_kernel <= 9)
-        .then_some(ns)
-}
-
 pub struct CudaModel {
     pub config: TextConfig,
     pub gpu: Arc<Gpu>,
@@ -372,10 +352,6 @@ pub struct CudaModel {
     /// Prefill GDN with the token-parallel conv and the chunked delta rule; off
     /// (`KESTREL_GDN=recurrent`) it runs the sequential kernels that decode uses.
     pub gdn_chunked: bool,
-    /// The GDN decode step in one launch (`gdn_dec_*`; opt-in, `KESTREL_GDN_DEC=one`, where
-    /// [`CudaModel::gdn_dec_fits`]): measured slower than the conv and the step as two
-    /// launches (`gdn_conv_dec`, `gdn_step_dec_*`), the default (docs/KERNELS.md).
-    pub gdn_dec_one_launch: bool,
     /// `moe_down_dec` picks the experts from the router's logits and loads its weight rows
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
@@ -849,7 +825,6 @@ impl CudaModel {
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         let moe_gemm = MoeGemm::from_env().on(gpu.compute_capability);
-        let gdn_dec_one_launch = std::env::var("KESTREL_GDN_DEC").is_ok_and(|v| v == "one");
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -883,7 +858,6 @@ impl CudaModel {
             decode_graph: std::env::var("KESTREL_DECODE_GRAPH").map_or(true, |v| v != "0"),
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
-            gdn_dec_one_launch,
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
         })
     }
@@ -1460,8 +1434,7 @@ impl CudaModel {
     /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
     /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
     /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
-    /// experts' gate/up, experts' down with the combine; six with `KESTREL_GDN_DEC=one`),
-    /// eight per attention layer.
+    /// experts' gate/up, experts' down with the combine), eight per attention layer.
     fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
@@ -1522,84 +1495,50 @@ impl CudaModel {
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
                     in_proj(w.in_proj.ptr, rows)?;
-                    let q_scale = 1.0 / (dk as f32).sqrt();
-                    let one_launch = self.gdn_dec_one_launch && self.gdn_dec_fits();
-                    if let Some(ns) = gdn_dec_slices(c).filter(|_| one_launch) {
-                        let name = match dk {
-                            16 => "gdn_dec_16",
-                            32 => "gdn_dec_32",
-                            64 => "gdn_dec_64",
-                            _ => "gdn_dec_128",
-                        };
-                        launch(
-                            name,
-                            ((hv * ns) as u32, 1, 1),
-                            block(4 * (dv / ns)),
-                            0,
-                            &[
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(st_conv.ptr),
-                                Arg::Ptr(w.conv.ptr),
-                                Arg::Ptr(w.a_log.ptr),
-                                Arg::Ptr(w.dt_bias.ptr),
-                                Arg::Ptr(w.norm.ptr),
-                                Arg::Ptr(st_rec.ptr),
-                                Arg::Ptr(dw.ob.ptr),
-                                Arg::I(ch as i32),
-                                Arg::I(c.conv_kernel as i32),
-                                Arg::I(hk as i32),
-                                Arg::I(hv as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(q_scale),
-                                Arg::F(eps),
-                            ],
-                        )?;
-                    } else {
-                        launch(
-                            "gdn_conv_dec",
-                            ((2 * hk + hv) as u32, 1, 1),
-                            block(dk.max(dv)),
-                            0,
-                            &[
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(st_conv.ptr),
-                                Arg::Ptr(w.conv.ptr),
-                                Arg::Ptr(dw.qkv.ptr),
-                                Arg::I(ch as i32),
-                                Arg::I(c.conv_kernel as i32),
-                                Arg::I(hk as i32),
-                                Arg::I(dk as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(q_scale),
-                            ],
-                        )?;
-                        let step = match dk {
-                            16 => "gdn_step_dec_16",
-                            32 => "gdn_step_dec_32",
-                            64 => "gdn_step_dec_64",
-                            _ => "gdn_step_dec_128",
-                        };
-                        launch(
-                            step,
-                            (hv as u32, 1, 1),
-                            block(4 * dv),
-                            0,
-                            &[
-                                Arg::Ptr(dw.qkv.ptr),
-                                Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
-                                Arg::Ptr(w.a_log.ptr),
-                                Arg::Ptr(w.dt_bias.ptr),
-                                Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
-                                Arg::Ptr(w.norm.ptr),
-                                Arg::Ptr(st_rec.ptr),
-                                Arg::Ptr(dw.ob.ptr),
-                                Arg::I(hk as i32),
-                                Arg::I(hv as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(eps),
-                            ],
-                        )?;
-                    }
+                    launch(
+                        "gdn_conv_dec",
+                        ((2 * hk + hv) as u32, 1, 1),
+                        block(dk.max(dv)),
+                        0,
+                        &[
+                            Arg::Ptr(dw.proj.ptr),
+                            Arg::Ptr(st_conv.ptr),
+                            Arg::Ptr(w.conv.ptr),
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::I(ch as i32),
+                            Arg::I(c.conv_kernel as i32),
+                            Arg::I(hk as i32),
+                            Arg::I(dk as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(1.0 / (dk as f32).sqrt()),
+                        ],
+                    )?;
+                    let step = match dk {
+                        16 => "gdn_step_dec_16",
+                        32 => "gdn_step_dec_32",
+                        64 => "gdn_step_dec_64",
+                        _ => "gdn_step_dec_128",
+                    };
+                    launch(
+                        step,
+                        (hv as u32, 1, 1),
+                        block(4 * dv),
+                        0,
+                        &[
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
+                            Arg::Ptr(w.a_log.ptr),
+                            Arg::Ptr(w.dt_bias.ptr),
+                            Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
+                            Arg::Ptr(w.norm.ptr),
+                            Arg::Ptr(st_rec.ptr),
+                            Arg::Ptr(dw.ob.ptr),
+                            Arg::I(hk as i32),
+                            Arg::I(hv as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
                     gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
                 MixerW::Attn(w) => {
@@ -1789,12 +1728,6 @@ impl CudaModel {
                 Arg::I(d as i32),
             ],
         )
-    }
-
-    /// Whether the one-launch GDN decode step can run here: thread block clusters (compute
-    /// capability 9.0) and a shape it takes (`gdn_dec_slices`).
-    pub fn gdn_dec_fits(&self) -> bool {
-        self.gpu.compute_capability >= (9, 0) && gdn_dec_slices(&self.config).is_some()
     }
 
     /// Decode graphs captured for `state` so far.

@@ -43,10 +43,11 @@ __device__ float block_sum(float v) {
 }
 
 // Programmatic dependent launch (sm_90): the decode kernels are launched so that the next
-// kernel may start while this one runs (DECODE_KERNEL lets it at the start;
-// DECODE_KERNEL_NO_LAUNCH leaves the griddep_launch to the kernel). `griddep_launch` lets it; `griddep_wait` blocks until
-// the previous kernel has finished and its writes are visible. Before the wait a kernel may read
-// only immutable data (weights). Both are no-ops for a normal launch.
+// kernel may start while this one runs. `griddep_launch` lets it (DECODE_KERNEL does at the
+// start; with DECODE_KERNEL_NO_LAUNCH the kernel calls it itself); `griddep_wait` blocks until
+// the previous kernel has finished and its writes are visible (`griddep_wait_plain`: the same
+// without the timeline's hook). Before the wait a kernel may read only immutable data (weights).
+// All are no-ops for a normal launch.
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void griddep_wait_plain() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
@@ -123,7 +124,6 @@ __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wa
 #define TAG_ROUTER 8
 #define TAG_GATE_UP 9
 #define TAG_DOWN 10
-#define TAG_GDN_DEC 11
 
 // Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
 // Every lane gets the result.
@@ -439,27 +439,6 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const unsigned (&a)
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;  // x − hi is exact in f32
-}
-
-// ---- Thread block clusters (sm_90): blocks of one cluster run at once and can write each
-// other's shared memory. Every thread of the block calls the barriers (`.aligned`).
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Arrive without ordering anything: pairs with cluster_wait, e.g. to know every block of the
-// cluster has started before writing into its shared memory.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// Store into block `rank`'s copy of the shared variable at `p` (this block's address of it).
-__device__ __forceinline__ void st_cluster_f32(float* p, unsigned rank, float v) {
-    unsigned a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
 }
 
 // ---- mbarrier (sm_90: try_wait): a 64-bit arrival counter in shared memory with a phase bit ----
