@@ -200,9 +200,6 @@ struct DecodeWs {
     arg_val: DeviceBuf,
     arg_idx: DeviceBuf,
     next: DeviceBuf,
-    /// `[hk]` u32, zero between steps: `gdn_dec`'s count of a key head's blocks done reading
-    /// its q/k conv state.
-    conv_flag: DeviceBuf,
 }
 
 impl DecodeWs {
@@ -240,7 +237,6 @@ impl DecodeWs {
             ("arg_val", c.vocab_size.div_ceil(8) * 4),
             ("arg_idx", c.vocab_size.div_ceil(8) * 4),
             ("next", 4),
-            ("conv_flag", c.gdn_num_key_heads.max(1) * 4),
         ]
     }
 
@@ -269,7 +265,6 @@ impl DecodeWs {
             arg_val: take("arg_val")?,
             arg_idx: take("arg_idx")?,
             next: take("next")?,
-            conv_flag: take("conv_flag")?,
         })
     }
 }
@@ -307,24 +302,6 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
     } else {
         0
     }
-}
-
-/// Whether the GDN decode step with its conv in one launch (`gdn_dec_*`) takes the shape:
-/// value heads a multiple of the key heads, a compiled key dim, its channels (2 dk + dv) at
-/// most two a thread of its 4 dv threads, dv <= 256, conv taps <= 9.
-fn gdn_dec_fits(c: &TextConfig) -> bool {
-    let (hk, hv, dk, dv) = (
-        c.gdn_num_key_heads,
-        c.gdn_num_value_heads,
-        c.gdn_key_dim,
-        c.gdn_value_dim,
-    );
-    hk > 0
-        && hv % hk == 0
-        && super::gdn::KEY_DIMS.contains(&dk)
-        && dv <= 256
-        && 2 * dk + dv <= 2 * block_threads(4 * dv) as usize
-        && c.conv_kernel <= 9
 }
 
 pub struct CudaModel {
@@ -379,9 +356,6 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
-    /// The GDN decode step and its conv in one launch (`gdn_dec_*`, where [`gdn_dec_fits`]);
-    /// off (`KESTREL_GDN_DEC=split`) two (`gdn_conv_dec`, `gdn_step_dec_*`).
-    pub gdn_dec_fused: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -885,7 +859,6 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
-            gdn_dec_fused: !std::env::var("KESTREL_GDN_DEC").is_ok_and(|v| v == "split"),
         })
     }
 
@@ -1459,10 +1432,9 @@ impl CudaModel {
 
     /// The fused one-token step, top to bottom: every launch reads the token and position
     /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
-    /// captured once per state into a CUDA graph. Six launches per GDN layer (in-projection
-    /// with the RMSNorm, the GDN step with its conv, out-projection with the residual, router,
-    /// experts' gate/up, experts' down with the combine; seven with `KESTREL_GDN_DEC=split`),
-    /// eight per attention layer.
+    /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
+    /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
+    /// experts' gate/up, experts' down with the combine), eight per attention layer.
     fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
@@ -1523,83 +1495,50 @@ impl CudaModel {
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
                     in_proj(w.in_proj.ptr, rows)?;
-                    if self.gdn_dec_fused && gdn_dec_fits(c) {
-                        let name = match dk {
-                            16 => "gdn_dec_16",
-                            32 => "gdn_dec_32",
-                            64 => "gdn_dec_64",
-                            _ => "gdn_dec_128",
-                        };
-                        launch(
-                            name,
-                            (hv as u32, 1, 1),
-                            block(4 * dv),
-                            0,
-                            &[
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(st_conv.ptr),
-                                Arg::Ptr(w.conv.ptr),
-                                Arg::Ptr(w.a_log.ptr),
-                                Arg::Ptr(w.dt_bias.ptr),
-                                Arg::Ptr(w.norm.ptr),
-                                Arg::Ptr(st_rec.ptr),
-                                Arg::Ptr(dw.ob.ptr),
-                                Arg::Ptr(dw.conv_flag.ptr),
-                                Arg::I(ch as i32),
-                                Arg::I(c.conv_kernel as i32),
-                                Arg::I(hk as i32),
-                                Arg::I(hv as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(1.0 / (dk as f32).sqrt()),
-                                Arg::F(eps),
-                            ],
-                        )?;
-                    } else {
-                        launch(
-                            "gdn_conv_dec",
-                            ((2 * hk + hv) as u32, 1, 1),
-                            block(dk.max(dv)),
-                            0,
-                            &[
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(st_conv.ptr),
-                                Arg::Ptr(w.conv.ptr),
-                                Arg::Ptr(dw.qkv.ptr),
-                                Arg::I(ch as i32),
-                                Arg::I(c.conv_kernel as i32),
-                                Arg::I(hk as i32),
-                                Arg::I(dk as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(1.0 / (dk as f32).sqrt()),
-                            ],
-                        )?;
-                        let step = match dk {
-                            16 => "gdn_step_dec_16",
-                            32 => "gdn_step_dec_32",
-                            64 => "gdn_step_dec_64",
-                            _ => "gdn_step_dec_128",
-                        };
-                        launch(
-                            step,
-                            (hv as u32, 1, 1),
-                            block(4 * dv),
-                            0,
-                            &[
-                                Arg::Ptr(dw.qkv.ptr),
-                                Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
-                                Arg::Ptr(w.a_log.ptr),
-                                Arg::Ptr(w.dt_bias.ptr),
-                                Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
-                                Arg::Ptr(w.norm.ptr),
-                                Arg::Ptr(st_rec.ptr),
-                                Arg::Ptr(dw.ob.ptr),
-                                Arg::I(hk as i32),
-                                Arg::I(hv as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(eps),
-                            ],
-                        )?;
-                    }
+                    launch(
+                        "gdn_conv_dec",
+                        ((2 * hk + hv) as u32, 1, 1),
+                        block(dk.max(dv)),
+                        0,
+                        &[
+                            Arg::Ptr(dw.proj.ptr),
+                            Arg::Ptr(st_conv.ptr),
+                            Arg::Ptr(w.conv.ptr),
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::I(ch as i32),
+                            Arg::I(c.conv_kernel as i32),
+                            Arg::I(hk as i32),
+                            Arg::I(dk as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(1.0 / (dk as f32).sqrt()),
+                        ],
+                    )?;
+                    let step = match dk {
+                        16 => "gdn_step_dec_16",
+                        32 => "gdn_step_dec_32",
+                        64 => "gdn_step_dec_64",
+                        _ => "gdn_step_dec_128",
+                    };
+                    launch(
+                        step,
+                        (hv as u32, 1, 1),
+                        block(4 * dv),
+                        0,
+                        &[
+                            Arg::Ptr(dw.qkv.ptr),
+                            Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
+                            Arg::Ptr(w.a_log.ptr),
+                            Arg::Ptr(w.dt_bias.ptr),
+                            Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
+                            Arg::Ptr(w.norm.ptr),
+                            Arg::Ptr(st_rec.ptr),
+                            Arg::Ptr(dw.ob.ptr),
+                            Arg::I(hk as i32),
+                            Arg::I(hv as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
                     gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
                 MixerW::Attn(w) => {

@@ -183,33 +183,6 @@ extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __re
     if (on) out[ch] = y;
 }
 
-// One value column's delta-rule step on a lane's quarter of S[:, m] (four neighbouring lanes
-// hold the column; their partial dots meet by two shuffles): S *= decay, u = beta (v - S^T k),
-// S += k u, returns o = S^T q. kq / qq: the lane's quarter of k and q, scaled by kn / qn (the
-// L2 norms, applied to the dots instead of the vectors; 1 when k and q come normalised).
-template <int RQ>
-__device__ __forceinline__ float gdn_dec_column(float (&S)[RQ], const float* kq, const float* qq, float decay,
-                                                float v, float bt, float kn, float qn) {
-    float r = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RQ; i++) {
-        S[i] *= decay;
-        r += S[i] * kq[i];
-    }
-    r += __shfl_xor_sync(0xffffffffu, r, 1);
-    r += __shfl_xor_sync(0xffffffffu, r, 2);
-    const float uk = bt * (v - r * kn) * kn;
-    float o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RQ; i++) {
-        S[i] += kq[i] * uk;
-        o += S[i] * qq[i];
-    }
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
-    o += __shfl_xor_sync(0xffffffffu, o, 2);
-    return o * qn;
-}
-
 // Gates + delta-rule step + gated RMSNorm: block per value head; four neighbouring lanes share
 // value column m, each keeping a quarter of S[:, m] in registers (read and written once), and
 // combine their partial dot products with two shuffles. ba: [b (hv) | a (hv)]; z: [hv, dv];
@@ -248,7 +221,25 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     float bt = sigmoid_f(ba[j]);
     float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
-    float o = gdn_dec_column<RQ>(S, ks + part * (RQ + 4), qs + part * (RQ + 4), decay, v, bt, 1.0f, 1.0f);
+    const float* kq = ks + part * (RQ + 4);
+    const float* qq = qs + part * (RQ + 4);
+    float r = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] *= decay;
+        r += S[i] * kq[i];
+    }
+    r += __shfl_xor_sync(0xffffffffu, r, 1);
+    r += __shfl_xor_sync(0xffffffffu, r, 2);
+    float u = bt * (v - r);
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] += kq[i] * u;
+        o += S[i] * qq[i];
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
     if (active) {
 #pragma unroll
         for (int i = 0; i < RQ; i++) st[(size_t)i * dv] = S[i];
@@ -269,146 +260,6 @@ GDN_STEP_DEC(16)
 GDN_STEP_DEC(32)
 GDN_STEP_DEC(64)
 GDN_STEP_DEC(128)
-
-// The GDN decode step with its conv in one launch (gdn_conv_dec + gdn_step_dec's work): conv
-// step + SiLU, q/k L2 norms, gates, delta rule, gated RMSNorm; a block per value head as in
-// gdn_step_dec. Each block convolves its key head's q and k (2 * DK channels, redone by the
-// hv / hk blocks of a key head: a few FMAs each) and its own v channels, in shared memory instead
-// of a round trip through global memory and a launch. The q/k channels' conv state is shared by
-// the key head's blocks: all read it before the wait, and the last of them (the owner: blocks run
-// in order in the emulator) advances it at its end, once the others have counted themselves
-// done with it on conv_flag[kh] (it then resets the count for the next step). Spinning there
-// cannot deadlock: the other blocks of the group need no SM the next kernel holds (it cannot
-// start before every block of this one has). The q/k norms scale the dots, not q and k.
-// proj: the in-projection [conv inputs (c) | z (hv * dv) | b (hv) | a (hv)]; conv_state
-// [kern - 1, c]; out bf16 [hv * dv]. grid hv, block 4 * dv rounded up to 32, with
-// 2 * DK + dv <= 2 * block and dv <= 256.
-template <int DK>
-__device__ void gdn_dec_impl(const float* proj, float* __restrict__ conv_state, const float* __restrict__ conv_w,
-                             const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-                             const float* __restrict__ nw, float* __restrict__ state, bf16* __restrict__ out,
-                             unsigned* conv_flag, int c, int kern, int hk, int hv, int dv, float q_scale,
-                             float eps) {
-    constexpr int RQ = DK / 4, NCH = 2;
-    DECODE_KERNEL(TAG_GDN_DEC);
-    const int j = blockIdx.x, group = hv / hk, kh = j / group;
-    const bool owner = j % group == group - 1;
-    const int tid = threadIdx.x, nt = blockDim.x, m = tid >> 2, part = tid & 3;
-    const bool active = m < dv;
-    const int hist = kern - 1, vw = hv * dv;
-    // This layer's own state and weights before the wait (see gdn_step_dec).
-    float* st = state + (size_t)j * DK * dv + (size_t)part * RQ * dv + m;
-    float S[RQ];
-#pragma unroll
-    for (int i = 0; i < RQ; i++) S[i] = active ? st[(size_t)i * dv] : 0.0f;
-    const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
-    // Conv channels of this thread: li = tid + n * nt over q (DK) | k (DK) | v (dv); the
-    // history's taps summed before the wait, the new input's after.
-    int chn[NCH];
-    float acc[NCH], wl[NCH], hs[NCH][8];
-#pragma unroll
-    for (int n = 0; n < NCH; n++) {
-        const int li = tid + n * nt;
-        chn[n] = li < DK       ? kh * DK + li
-                 : li < 2 * DK ? (hk + kh) * DK + li - DK
-                 : li < 2 * DK + dv ? 2 * hk * DK + j * dv + li - 2 * DK
-                                    : -1;
-        acc[n] = 0.0f;
-        wl[n] = 0.0f;
-#pragma unroll
-        for (int t = 0; t < 8; t++) hs[n][t] = 0.0f;
-        if (chn[n] >= 0) {
-#pragma unroll
-            for (int t = 0; t < 8; t++)
-                if (t < hist) {
-                    hs[n][t] = conv_state[(size_t)t * c + chn[n]];
-                    acc[n] += conv_w[(size_t)chn[n] * kern + t] * hs[n][t];
-                }
-            wl[n] = conv_w[(size_t)chn[n] * kern + hist];
-        }
-    }
-    griddep_wait();
-    __shared__ __align__(16) float qs[4 * (RQ + 4)], ks[4 * (RQ + 4)];
-    __shared__ float vs[256], red[32][2];
-    float xin[NCH];
-#pragma unroll
-    for (int n = 0; n < NCH; n++) xin[n] = chn[n] >= 0 ? proj[chn[n]] : 0.0f;
-    const float b_in = proj[c + vw + j], a_in = proj[c + vw + hv + j];
-    const float zm = active && part == 0 ? proj[c + (size_t)j * dv + m] : 0.0f;
-    float sq = 0.0f, sk = 0.0f;
-#pragma unroll
-    for (int n = 0; n < NCH; n++) {
-        const int li = tid + n * nt;
-        if (chn[n] < 0) continue;
-        const float y = silu_f(acc[n] + wl[n] * xin[n]);
-        // q and k as four quarters of RQ + 4 floats (gdn_step_dec's layout: no bank conflicts)
-        if (li < DK) {
-            qs[(li / RQ) * (RQ + 4) + li % RQ] = y;
-            sq += y * y;
-        } else if (li < 2 * DK) {
-            ks[((li - DK) / RQ) * (RQ + 4) + (li - DK) % RQ] = y;
-            sk += y * y;
-        } else {
-            vs[li - 2 * DK] = y;
-            // v channels are this block's alone: advance their conv state now
-#pragma unroll
-            for (int t = 0; t < 8; t++)
-                if (t < hist) conv_state[(size_t)t * c + chn[n]] = t + 1 < hist ? hs[n][t < 7 ? t + 1 : 7] : xin[n];
-        }
-    }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    if ((tid & 31) == 0) red[tid >> 5][0] = sq, red[tid >> 5][1] = sk;
-    __syncthreads();
-    // Every thread of this block is past its reads of the q/k conv state.
-    if (!owner && tid == 0) {
-        __threadfence();
-        atomicAdd(conv_flag + kh, 1u);
-    }
-    sq = 0.0f, sk = 0.0f;
-    for (int w = 0; w < (nt + 31) / 32; w++) sq += red[w][0], sk += red[w][1];
-    const float qn = rsqrtf(sq + 1e-6f) * q_scale, kn = rsqrtf(sk + 1e-6f);
-    const float bt = sigmoid_f(b_in);
-    const float decay = expf(-a_j * softplus_f(a_in + dtb));
-    const float v = active ? vs[m] : 0.0f;
-    float o = gdn_dec_column<RQ>(S, ks + part * (RQ + 4), qs + part * (RQ + 4), decay, v, bt, kn, qn);
-    if (active) {
-#pragma unroll
-        for (int i = 0; i < RQ; i++) st[(size_t)i * dv] = S[i];
-    }
-    if (!active) o = 0.0f;
-    const float inv = rsqrtf(block_sum(part == 0 ? o * o : 0.0f) / dv + eps);
-    if (active && part == 0) out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(zm));
-    if (!owner) return;
-    if (tid == 0) {
-        while (atomicAdd(conv_flag + kh, 0u) < (unsigned)(group - 1)) {
-        }
-        __threadfence();
-    }
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < NCH; n++) {
-        const int li = tid + n * nt;
-        if (chn[n] < 0 || li >= 2 * DK) continue;
-#pragma unroll
-        for (int t = 0; t < 8; t++)
-            if (t < hist) conv_state[(size_t)t * c + chn[n]] = t + 1 < hist ? hs[n][t < 7 ? t + 1 : 7] : xin[n];
-    }
-    if (tid == 0) conv_flag[kh] = 0;
-}
-
-#define GDN_DEC(DK)                                                                                         \
-    extern "C" __global__ void gdn_dec_##DK(const float* proj, float* conv_state, const float* conv_w,          \
-                                           const float* a_log, const float* dt_bias, const float* nw,         \
-                                           float* state, bf16* out, unsigned* conv_flag, int c, int kern,     \
-                                           int hk, int hv, int dv, float q_scale, float eps) {                \
-        gdn_dec_impl<DK>(proj, conv_state, conv_w, a_log, dt_bias, nw, state, out, conv_flag, c, kern, hk, hv, \
-                         dv, q_scale, eps);                                                                   \
-    }
-GDN_DEC(16)
-GDN_DEC(32)
-GDN_DEC(64)
-GDN_DEC(128)
 
 // ---- Prefill (t > 1): a token-parallel conv and the chunked delta rule.
 
