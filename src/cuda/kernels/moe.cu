@@ -1102,7 +1102,6 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         // values are used only after griddep_wait to after it (seen in the SASS), which would
         // put their trip to DRAM back on the critical path.
         uint4* stage = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3)) + (size_t)s * 4 * NV * 32;
-        const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int q = 0; q < 4; q++)
 #pragma unroll
