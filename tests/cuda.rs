@@ -1161,6 +1161,28 @@ fn weight_stream_bandwidth_by_layout() {
     assert!(gpu.measure_weight_stream(items, 12).is_err());
 }
 
+/// What one grid-wide barrier costs (a persistent decode kernel would pay ~7 a layer where the
+/// step now has launch boundaries): one and two blocks an SM, 2,000 barriers a launch, the time
+/// per barrier printed (it includes two memsets and a launch spread over the 2,000); every
+/// barrier must hold.
+#[test]
+fn grid_barrier_cost() {
+    let Some(gpu) = gpu() else { return };
+    for per_sm in [1, 2] {
+        let blocks = per_sm * gpu.sm_count;
+        let (secs, held) = gpu.measure_grid_barrier(blocks, 2000).unwrap();
+        println!(
+            "grid barrier over {blocks} blocks ({per_sm} an SM): {:.2} µs each",
+            secs * 1e6
+        );
+        assert!(held, "{blocks} blocks: a barrier let a block through early");
+        assert!(
+            secs > 0.0 && secs < 1e-3,
+            "{blocks} blocks: {secs} s a barrier"
+        );
+    }
+}
+
 /// Where gdn_chunk_state's time goes within a chunk: a 2,048-token call (32 chunks) at the full
 /// model's shape with the phase clock compiled in (`KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE`
 /// in the environment; otherwise the clock must have stayed 0 and the test says it skipped),

@@ -36,6 +36,7 @@ const KERNELS: &[&str] = &[
     "fill_random_f32",
     "copy_probe",
     "read_probe",
+    "grid_barrier_probe",
     "gdn_phase_read",
     "gemv_dec",
     "gemv_dec_w",
@@ -838,6 +839,39 @@ impl Gpu {
             )
         })?;
         Ok((items << 20) as f64 / secs)
+    }
+
+    /// Seconds per grid-wide barrier (`grid_barrier_probe`, misc.cu) over `blocks` resident
+    /// blocks of 128 threads and `rounds` barriers a launch, and whether every one held (no
+    /// block saw another's store of the round missing, and all arrivals were counted).
+    pub fn measure_grid_barrier(&self, blocks: usize, rounds: usize) -> Result<(f64, bool)> {
+        let arrived = self.alloc_zeroed(4)?;
+        let seen = self.alloc_zeroed(blocks * 4)?;
+        let bad = self.alloc_zeroed(4)?;
+        let run = || {
+            self.memset_zero(arrived.ptr, 4)?;
+            self.memset_zero(seen.ptr, blocks * 4)?;
+            self.launch(
+                "grid_barrier_probe",
+                (blocks as u32, 1, 1),
+                128,
+                0,
+                &[
+                    Arg::Ptr(arrived.ptr),
+                    Arg::Ptr(seen.ptr),
+                    Arg::Ptr(bad.ptr),
+                    Arg::I(rounds as i32),
+                ],
+            )
+        };
+        let secs = self.seconds_per_call(run)?;
+        let (mut a, mut b) = ([0u32], [0u32]);
+        self.copy_to_host(arrived.ptr, &mut a)?;
+        self.copy_to_host(bad.ptr, &mut b)?;
+        Ok((
+            secs / rounds as f64,
+            b[0] == 0 && a[0] as usize == rounds * blocks,
+        ))
     }
 
     /// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`.

@@ -76,3 +76,31 @@ extern "C" __global__ void __launch_bounds__(128) read_probe(const uint4* __rest
     __syncthreads();
     if (tid == 0) xs_out[blockIdx.x] = probe_smem[0].x ^ probe_smem[4095].y;
 }
+
+// Grid-wide barrier probe, for the question a persistent decode kernel raises: what one barrier
+// across every SM costs. Every block must be resident (the host launches one wave of small
+// blocks). Per round: thread 0 of each block stores the round into seen[block], arrives on
+// `arrived` (fence, then atomic add) and spins with acquire loads until all gridDim.x blocks
+// have arrived; then the block checks that every block's store of this round is visible,
+// counting misses into `bad`. After `rounds` rounds, arrived = rounds * gridDim.x.
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+extern "C" __global__ void grid_barrier_probe(unsigned* arrived, unsigned* seen, unsigned* bad, int rounds) {
+    const unsigned n = gridDim.x;
+    for (unsigned r = 1; r <= (unsigned)rounds; r++) {
+        if (threadIdx.x == 0) {
+            seen[blockIdx.x] = r;
+            __threadfence();
+            atomicAdd(arrived, 1u);
+            while (ld_acquire_gpu(arrived) < r * n) {
+            }
+        }
+        __syncthreads();
+        for (unsigned b = threadIdx.x; b < n; b += blockDim.x)
+            if (ld_acquire_gpu(seen + b) < r) atomicAdd(bad, 1u);
+        __syncthreads();
+    }
+}
