@@ -93,7 +93,7 @@ struct TraceBlock {
     }
 };
 __device__ __forceinline__ void griddep_wait() {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    griddep_wait_plain();
     if (threadIdx.x == 0) g_trace_t1 = trace_now();
 }
 #define DECODE_KERNEL(tag) \
@@ -101,7 +101,7 @@ __device__ __forceinline__ void griddep_wait() {
     TraceBlock trace_block_(tag)
 #define DECODE_KERNEL_NO_LAUNCH(tag) TraceBlock trace_block_(tag)
 #else
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define DECODE_KERNEL(tag) griddep_launch()
 #define DECODE_KERNEL_NO_LAUNCH(tag)
 #endif
