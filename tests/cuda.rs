@@ -1036,6 +1036,7 @@ fn gdn_chunked_kernel_matches_recurrent() {
     let Some(gpu) = gpu() else { return };
     use std::sync::atomic::Ordering::Relaxed;
     let default_wg = gpu.gdn_state_wg.load(Relaxed);
+    let default_t64 = gpu.gdn_state_t64.load(Relaxed);
     let default_prep_wg = gpu.gdn_prep_wg.load(Relaxed);
     let shape = |t, hk, hv, dk, dv| GdnShape { t, hk, hv, dk, dv };
     for sh in [
@@ -1049,39 +1050,42 @@ fn gdn_chunked_kernel_matches_recurrent() {
         assert!(sh.chunked_fits(gpu.max_smem_per_block), "{sh:?}");
         let inputs = delta_inputs(&sh, 42 + sh.t as u64);
         let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, false);
-        // the state pass on wgmma (sm_90a, dk 64 and 128) and on mma.sync; the prep on wgmma
-        // (sm_90a, dk = dv = 128) and on mma.sync
-        let states: &[bool] = if default_wg && matches!(sh.dk, 64 | 128) {
-            &[true, false]
-        } else {
-            &[false]
-        };
+        // the state pass on wgmma (sm_90a, dk 64 and 128), with Sᵀ in registers (sm_90a, dk
+        // 128) and on mma.sync; the prep on wgmma (sm_90a, dk = dv = 128) and on mma.sync
+        let mut states = vec![("mma.sync", false, false)];
+        if default_wg && matches!(sh.dk, 64 | 128) {
+            states.insert(0, ("wgmma", true, false));
+        }
+        if gpu.sm90a && sh.dk == 128 {
+            states.push(("Sᵀ-register", false, true));
+        }
         let preps: &[bool] = if gpu.sm90a && sh.dk == 128 && sh.dv == 128 {
             &[true, false]
         } else {
             &[false]
         };
         for &prep_wg in preps {
-            for &wg in states {
+            for &(state_name, wg, t64) in &states {
                 gpu.gdn_state_wg.store(wg, Relaxed);
+                gpu.gdn_state_t64.store(t64, Relaxed);
                 gpu.gdn_prep_wg.store(prep_wg, Relaxed);
                 let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, true);
                 let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
                 println!(
-                    "{sh:?} ({} prep, {} state pass): chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
+                    "{sh:?} ({} prep, {state_name} state pass): chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
                     if prep_wg { "wgmma" } else { "mma.sync" },
-                    if wg { "wgmma" } else { "mma.sync" },
                     norm_rel_err(&o_c, &o_r),
                     norm_rel_err(&s_c, &s_r)
                 );
                 assert!(o_c.iter().chain(&s_c).all(|x| x.is_finite()), "{sh:?}");
                 assert!(
                     eo <= 1e-4 && es <= 1e-4,
-                    "{sh:?} prep wg {prep_wg} state wg {wg}: o {eo} state {es}"
+                    "{sh:?} prep wg {prep_wg} state {state_name}: o {eo} state {es}"
                 );
             }
         }
         gpu.gdn_state_wg.store(default_wg, Relaxed);
+        gpu.gdn_state_t64.store(default_t64, Relaxed);
         gpu.gdn_prep_wg.store(default_prep_wg, Relaxed);
         assert!(
             rel_err(&s_r, &inputs.3) > 1e-2,
@@ -1341,25 +1345,30 @@ fn gdn_prefill_kernel_timing_full_shape() {
     };
     use std::sync::atomic::Ordering::Relaxed;
     let default_wg = gpu.gdn_state_wg.load(Relaxed);
+    let default_t64 = gpu.gdn_state_t64.load(Relaxed);
     let default_prep_wg = gpu.gdn_prep_wg.load(Relaxed);
     let mut chunked_by_pass = String::new();
-    for (prep_wg, wg) in [(false, false), (false, true), (true, true)] {
-        if (wg && !default_wg) || (prep_wg && !gpu.sm90a) {
+    for (prep_wg, wg, t64) in [
+        (false, false, false),
+        (false, true, false),
+        (true, true, false),
+        (false, false, true),
+    ] {
+        if (wg && !default_wg) || ((prep_wg || t64) && !gpu.sm90a) {
             continue;
         }
         gpu.gdn_state_wg.store(wg, Relaxed);
+        gpu.gdn_state_t64.store(t64, Relaxed);
         gpu.gdn_prep_wg.store(prep_wg, Relaxed);
         let ms = time_ms(10, &|| {
             gpu.gdn_delta_chunked(&sh, &bufs, scratch.ptr).unwrap()
         });
         let name = |on| if on { "wgmma" } else { "mma.sync" };
-        chunked_by_pass += &format!(
-            " {ms:.3} ms ({} prep, {} state pass)",
-            name(prep_wg),
-            name(wg)
-        );
+        let state = if t64 { "Sᵀ-register" } else { name(wg) };
+        chunked_by_pass += &format!(" {ms:.3} ms ({} prep, {state} state pass)", name(prep_wg));
     }
     gpu.gdn_state_wg.store(default_wg, Relaxed);
+    gpu.gdn_state_t64.store(default_t64, Relaxed);
     gpu.gdn_prep_wg.store(default_prep_wg, Relaxed);
     let chunked = chunked_by_pass;
     let recurrent = time_ms(2, &|| gpu.gdn_delta_recurrent(&sh, &bufs).unwrap());

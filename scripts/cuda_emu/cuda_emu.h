@@ -13,7 +13,7 @@
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
 // emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
-// emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain
+// emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -545,6 +545,9 @@ inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsig
 }
 inline void wgmma_m64n64k8_tf32_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int scale_d) {
     emu_wgmma_tf32_rs(d, 64, a, db, scale_d);
+}
+inline void wgmma_m64n128k8_tf32_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    emu_wgmma_tf32_rs(d, 128, a, db, scale_d);
 }
 inline void wgmma_commit() {
     unsigned t = threadIdx.x;

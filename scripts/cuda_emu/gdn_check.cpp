@@ -138,6 +138,18 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         printf("%s   wgmma state pass (gdn_chunk_state_wg): o %.1e S %.1e\n", okw ? "ok  " : "FAIL", ew_o, ew_s);
         if (!okw) exit(1);
     }
+    // gdn_chunk_state_t64 (Sᵀ as the wgmma A operand, DK 128) from the same prep output
+    if constexpr (DK == 128) {
+        std::vector<float> st_t = s0, o_t = o_intra;
+        size_t t64sm = 4 * (6 * C * dk + 2 * C * 68 + 2 * C) + 80;
+        emu_launch({(unsigned)hv, (unsigned)((dv + 63) / 64), 1}, 256, t64sm, [&] {
+            gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), t, hk, hv, dv);
+        });
+        double et_o = max_rel(o_t, oref), et_s = max_rel(st_t, sref);
+        bool okt = !any_nan(o_t) && !any_nan(st_t) && et_o < tol && et_s < tol;
+        printf("%s   Sᵀ-register state pass (gdn_chunk_state_t64): o %.1e S %.1e\n", okt ? "ok  " : "FAIL", et_o, et_s);
+        if (!okt) exit(1);
+    }
     double er_o = max_rel(o_r, oref), er_s = max_rel(st_r, sref);
     double ec_o = max_rel(o_c, oref), ec_s = max_rel(st_c, sref);
     // chunked vs recurrent too, as the GPU test will compare them

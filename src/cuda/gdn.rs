@@ -20,12 +20,16 @@ const STATE_THREADS: u32 = 512;
 const STATE_WG_THREADS: u32 = 256;
 /// Key head dims `gdn_chunk_state_wg` is compiled for (S's rows in m64 halves).
 const STATE_WG_DIMS: [usize; 2] = [64, 128];
+/// Threads of `gdn_chunk_state_t64` (a consumer and a producer warpgroup, `GDN_T64_THREADS`).
+const STATE_T64_THREADS: u32 = 256;
+/// Value columns per block of `gdn_chunk_state_t64` (`GDN_T64_COLS`).
+const STATE_T64_COLS: usize = 64;
 /// Threads of `gdn_chunk_prep_wg` (two warpgroups).
 const PREP_WG_THREADS: u32 = 256;
 /// Key head dims the delta-rule kernels are compiled for.
 pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 11] = [
+pub(super) const CHUNK_KERNELS: [&str; 12] = [
     "gdn_chunk_prep_16",
     "gdn_chunk_prep_32",
     "gdn_chunk_prep_64",
@@ -37,6 +41,7 @@ pub(super) const CHUNK_KERNELS: [&str; 11] = [
     "gdn_chunk_state_128",
     "gdn_chunk_state_wg_64",
     "gdn_chunk_state_wg_128",
+    "gdn_chunk_state_t64_128",
 ];
 
 /// One GDN call: `t` tokens; `hk` key heads of dim `dk`, `hv` value heads of dim `dv`.
@@ -136,6 +141,18 @@ impl GdnShape {
             + 2 * CHUNK * (self.dk + 4)
             + CHUNK * (self.dk + 8)
             + 2 * CHUNK)
+    }
+
+    /// Dynamic shared memory of `gdn_chunk_state_t64` (dk = 128 only): the hi and lo tiles of
+    /// W, Q' and K (64 x dk each), U and O_intra ([64][68] each), γ twice and ten mbarriers;
+    /// 232,016 bytes.
+    fn state_t64_smem_bytes(&self) -> usize {
+        4 * (6 * CHUNK * self.dk + 2 * CHUNK * 68 + 2 * CHUNK) + 10 * 8
+    }
+
+    /// Whether `gdn_chunk_state_t64` takes this shape (it is compiled for dk = 128).
+    fn state_t64_fits(&self, smem: usize) -> bool {
+        self.dk == 128 && self.state_t64_smem_bytes() <= smem
     }
 
     /// Whether the token-parallel conv and chunked delta rule take this shape, given `smem`
@@ -339,22 +356,38 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        // the wgmma pass where it is on, compiled for this dk, and its tiles fit
-        let wg = self.gdn_state_wg.load(std::sync::atomic::Ordering::Relaxed)
+        // Sᵀ-in-registers pass where it is on and takes the shape, else the wgmma pass where it
+        // is on, compiled for this dk, and its tiles fit
+        use std::sync::atomic::Ordering::Relaxed;
+        let t64 = self.gdn_state_t64.load(Relaxed) && sh.state_t64_fits(self.max_smem_per_block);
+        let wg = self.gdn_state_wg.load(Relaxed)
             && STATE_WG_DIMS.contains(&sh.dk)
             && sh.state_wg_smem_bytes() <= self.max_smem_per_block;
-        let (name, threads, smem) = if wg {
+        let (name, threads, smem, cols) = if t64 {
+            (
+                "gdn_chunk_state_t64",
+                STATE_T64_THREADS,
+                sh.state_t64_smem_bytes(),
+                STATE_T64_COLS,
+            )
+        } else if wg {
             (
                 "gdn_chunk_state_wg",
                 STATE_WG_THREADS,
                 sh.state_wg_smem_bytes(),
+                STATE_COLS,
             )
         } else {
-            ("gdn_chunk_state", STATE_THREADS, sh.state_smem_bytes())
+            (
+                "gdn_chunk_state",
+                STATE_THREADS,
+                sh.state_smem_bytes(),
+                STATE_COLS,
+            )
         };
         self.launch_dep(
             &format!("{name}_{}", sh.dk),
-            (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
+            (sh.hv as u32, sh.dv.div_ceil(cols) as u32, 1),
             threads,
             smem as u32,
             &args,
@@ -381,6 +414,9 @@ mod tests {
         assert!(sh.chunked_fits(h200));
         assert_eq!(sh.state_smem_bytes(), 223_744);
         assert_eq!(sh.state_wg_smem_bytes(), 225_792);
+        assert_eq!(sh.state_t64_smem_bytes(), 232_016);
+        assert!(sh.state_t64_fits(h200));
+        assert!(!GdnShape { dk: 64, ..sh }.state_t64_fits(h200));
         assert_eq!(sh.prep_wg_smem_bytes(), 101_376);
         assert!(sh.prep_wg_fits(h200));
         assert!(

@@ -175,6 +175,10 @@ pub struct Gpu {
     /// compute capability 9.0 (the sm_90a build); `KESTREL_GDN_STATE=mma` keeps the mma.sync
     /// kernel (`gdn_chunk_state`). Atomic so that tests can compare the two on one `Gpu`.
     pub gdn_state_wg: std::sync::atomic::AtomicBool,
+    /// The chunked delta rule's state pass with Sᵀ as the wgmma A operand
+    /// (`gdn_chunk_state_t64`, dk = 128; takes precedence over `gdn_state_wg`): opt-in on
+    /// compute capability 9.0 with `KESTREL_GDN_STATE=t64`.
+    pub gdn_state_t64: std::sync::atomic::AtomicBool,
     /// The chunked delta rule's prep on wgmma (`gdn_chunk_prep_wg`, dk = dv = 128): opt-in on
     /// compute capability 9.0 with `KESTREL_GDN_PREP=wg` (measured no faster yet than the
     /// mma.sync kernel, `gdn_chunk_prep`, the default; docs/KERNELS.md).
@@ -424,6 +428,9 @@ impl Gpu {
                 && std::env::var("KESTREL_PREFILL_PDL").map_or(true, |v| v != "0"),
             gdn_state_wg: (cc == (9, 0)
                 && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma"))
+            .into(),
+            gdn_state_t64: (cc == (9, 0)
+                && std::env::var("KESTREL_GDN_STATE").is_ok_and(|v| v == "t64"))
             .into(),
             gdn_prep_wg: (cc == (9, 0)
                 && std::env::var("KESTREL_GDN_PREP").is_ok_and(|v| v == "wg"))

@@ -1764,3 +1764,331 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
     PREFILL_KERNEL();
     gdn_chunk_prep_wg_impl<128>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);
 }
+
+// ---- gdn_chunk_state_t64 (sm_90a, dk = 128; opt-in, KESTREL_GDN_STATE=t64): the state pass
+// with Sᵀ as the wgmma A operand ----
+// gdn_chunk_state's contract (the prep's W, Q', U, γ and O_intra in, o and the state out), a
+// block per value head and 64 of its value columns (grid (hv, dv / 64)). Consumer warpgroup 0
+// keeps Sᵀ (64 value columns x dk, f32) in its accumulator registers from the first chunk to
+// the last; a chunk is three 3xTF32 products whose A operand is split straight from registers,
+// so nothing on the chain goes through shared memory:
+//   Rᵀ = Sᵀ Wᵀ and O'ᵀ = Sᵀ Q'ᵀ (m64n64k8, k = dk),
+//   Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} in R's registers,
+//   Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K (m64n128k8, k = the chunk's 64 rows), while o = O_intra + O'
+//   goes out.
+// An accumulator's column pair (2q, 2q + 1) of an n8 block is the tf32 A fragment's k (q, q + 4)
+// (as in gdn_chunk_prep_wg), so two B tiles store their rows permuted by gdn_pk: W's row n is
+// chunk row gdn_pk(n) (R's column n is then that chunk row, and Vdᵀ's fragments come in chunk
+// order for K's k), and K's row n is key dim gdn_pk(n) (Sᵀ's column n is then that key dim, and
+// its fragments come in dk order for W's and Q''s k). Producer warpgroup 1 splits W, Q' and K
+// (transposed) into K-major 128-byte-swizzle tiles (hi, lo) and copies U, O_intra and γ: one
+// buffer each, guarded by full / empty mbarriers, refilled as soon as the consumer is done with
+// it. Dynamic shared memory (1024-byte aligned): GdnShape::state_t64_smem_bytes (232,016 bytes).
+#define GDN_T64_COLS 64   // value columns of a block
+#define GDN_T64_LDU 68    // U and O_intra rows (the consumer's reads hit 32 distinct banks)
+// Element (n, k) of a K-major tf32 tile of ROWS rows in 128-byte-swizzle panels of 32 k.
+template <int ROWS>
+__device__ __forceinline__ int gdn_swr(int n, int k) {
+    return (k >> 5) * (ROWS * 32) + n * 32 + ((((k >> 2) & 7) ^ (n & 7)) << 2) + (k & 3);
+}
+// A descriptor of such a tile advanced to its k8 step kk.
+template <int ROWS>
+__device__ __forceinline__ unsigned long long gdn_descr_k8(unsigned long long d, int kk) {
+    return d + (unsigned long long)((kk >> 2) * ROWS * 8 + (kk & 3) * 2);
+}
+// gdn_pk's inverse: the tile row that holds chunk row (or key dim) r.
+__device__ __forceinline__ int gdn_pk_inv(int r) { return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1); }
+// The tf32 A fragment (hi, lo) of k block kk from an accumulator x of the same rows.
+__device__ __forceinline__ void gdn_acc_frag(const float* x, int kk, unsigned (&hi)[4], unsigned (&lo)[4]) {
+    split_tf32(x[4 * kk], hi[0], lo[0]);
+    split_tf32(x[4 * kk + 2], hi[1], lo[1]);
+    split_tf32(x[4 * kk + 1], hi[2], lo[2]);
+    split_tf32(x[4 * kk + 3], hi[3], lo[3]);
+}
+// The producer's split of a chunk's 64 rows of W or Q' (f32, DK = 128 a row at src) into the
+// tile's hi and lo parts; warp pw takes rows 16 pw .. + 15, a lane 4 floats of each (a row is
+// one 512-byte load of the warp, and 8 lanes fill a swizzled 128-byte row of a panel). PERM:
+// row r goes to tile row gdn_pk_inv(r).
+template <bool PERM>
+__device__ __forceinline__ void gdn_t64_split_rows(const float* src, float* tile, int pw, int lane) {
+    float4 v[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) v[i] = ld4(src + (size_t)(16 * pw + i) * 128 + 4 * lane);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int r = 16 * pw + i, at = gdn_swr<GDN_C>(PERM ? gdn_pk_inv(r) : r, 4 * lane);
+        gdn_split4(v[i], tile + at, tile + GDN_C * 128 + at);
+    }
+}
+// The producer's split of chunk ch's K rows (0 past t) into the transposed tile: key dim d at
+// tile row gdn_pk_inv(d), the chunk row as k. Thread pt: rows 4 (pt % 16) .. + 3, key dims
+// 16 (pt / 16) .. + 15, so each store is a 16-byte k unit and a warp's stores hit every bank
+// group four times (conflict free).
+__device__ __forceinline__ void gdn_t64_split_k(const float* qkv, int c, size_t koff, int ch, int t, float* tile,
+                                                int pt) {
+    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
+    float4 v[4][4];
+#pragma unroll
+    for (int rr = 0; rr < 4; rr++) {
+        const int row = ch * GDN_C + q4 + rr;
+#pragma unroll
+        for (int f = 0; f < 4; f++)
+            v[rr][f] = row < t ? ld4(qkv + (size_t)row * c + koff + d0 + 4 * f) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int f = 0; f < 4; f++) {
+        const float4 x[4] = {make_float4(v[0][f].x, v[1][f].x, v[2][f].x, v[3][f].x),
+                             make_float4(v[0][f].y, v[1][f].y, v[2][f].y, v[3][f].y),
+                             make_float4(v[0][f].z, v[1][f].z, v[2][f].z, v[3][f].z),
+                             make_float4(v[0][f].w, v[1][f].w, v[2][f].w, v[3][f].w)};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int at = gdn_swr<128>(gdn_pk_inv(d0 + 4 * f + e), q4);
+            gdn_split4(x[e], tile + at, tile + 128 * GDN_C + at);
+        }
+    }
+}
+
+#define GDN_T64_THREADS 256
+__device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+                                         const float* __restrict__ qp_in, const float* __restrict__ u_in,
+                                         const float* __restrict__ gamma_in, float* __restrict__ state,
+                                         float* __restrict__ o, int t, int hk, int hv, int dv) {
+    constexpr int DK = 128;
+    constexpr int WT = GDN_C * DK;  // floats of one part (hi or lo) of the W, Q' or K tile
+    extern __shared__ __align__(1024) float gdn_t64_smem[];
+    float* wi = gdn_t64_smem;                   // [hi, lo][WT] W (rows permuted)
+    float* qi = wi + 2 * WT;                    // [hi, lo][WT] Q'
+    float* ki = qi + 2 * WT;                    // [hi, lo][WT] K transposed (rows = key dims, permuted)
+    float* ub = ki + 2 * WT;                    // [64][GDN_T64_LDU] U
+    float* ob = ub + GDN_C * GDN_T64_LDU;       // [64][GDN_T64_LDU] O_intra
+    float* gm = ob + GDN_C * GDN_T64_LDU;       // [2][64] γ by chunk parity
+    enum { BW, BQ, BU, BO, BK, NB };            // the buffers' mbarriers, full then empty
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(gm + 2 * GDN_C);
+    unsigned long long* empty = full + NB;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int j = blockIdx.x, m0 = blockIdx.y * GDN_T64_COLS;
+    const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
+    const size_t tp = (size_t)nchunks * GDN_C;
+    const int dvs = min(GDN_T64_COLS, dv - m0);
+    if (tid == 0) {
+        for (int b = 0; b < NB; b++) {
+            mbar_init(&full[b], 128);   // every producer thread
+            mbar_init(&empty[b], 128);  // every consumer thread
+        }
+    }
+    __syncthreads();
+
+    if (warp >= 4) {  // the producer: chunk ch's buffers, each once the consumer released ch - 1's
+        const int pt = tid - 128, pw = pt >> 5;
+        const size_t koff = (size_t)(hk + kh) * DK;
+        for (int ch = 0; ch < nchunks; ch++) {
+            const unsigned ph = (ch - 1) & 1;
+            const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
+            if (ch > 0) mbar_wait(&empty[BW], ph);
+            gdn_t64_split_rows<true>(w_in + row0 * DK, wi, pw, lane);
+            if (pt < GDN_C) gm[(ch & 1) * GDN_C + pt] = gamma_in[row0 + pt];
+            fence_proxy_async();
+            mbar_arrive(&full[BW]);
+            if (ch > 0) mbar_wait(&empty[BQ], ph);
+            gdn_t64_split_rows<false>(qp_in + row0 * DK, qi, pw, lane);
+            fence_proxy_async();
+            mbar_arrive(&full[BQ]);
+            if (ch > 0) mbar_wait(&empty[BU], ph);
+#pragma unroll
+            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / 128; p++) {
+                const int i = pt + 128 * p, r = i >> 4, n = (i & 15) * 4;
+                const bool in = n < dvs;
+                cp_async16(ub + r * GDN_T64_LDU + n, in ? u_in + (row0 + r) * dv + m0 + n : u_in, in);
+            }
+            cp_async_mbar_arrive(&full[BU]);
+            if (ch > 0) mbar_wait(&empty[BO], ph);
+#pragma unroll
+            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / 128; p++) {
+                const int i = pt + 128 * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
+                const bool in = n < dvs && row < t;
+                cp_async16(ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
+            }
+            cp_async_mbar_arrive(&full[BO]);
+            if (ch > 0) mbar_wait(&empty[BK], ph);
+            gdn_t64_split_k(qkv, c, koff, ch, t, ki, pt);
+            fence_proxy_async();
+            mbar_arrive(&full[BK]);
+        }
+        return;
+    }
+
+    // The consumer. Sᵀ's accumulator: row m = 16 warp + lane / 4 (+ 8), column n = key dim gdn_pk(n).
+    const int gq = lane >> 2, cq = lane & 3, r0 = 16 * warp + gq;
+    float* st = state + (size_t)j * DK * dv + m0;
+    float s[64];
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int m = r0 + 8 * (e >> 1), k = 8 * i + cq + 4 * (e & 1);
+            s[4 * i + e] = m < dvs ? st[(size_t)k * dv + m] : 0.0f;  // padding columns stay 0
+        }
+    const unsigned long long wh = wgmma_desc_sw128(wi), wl = wgmma_desc_sw128(wi + WT);
+    const unsigned long long qh = wgmma_desc_sw128(qi), ql = wgmma_desc_sw128(qi + WT);
+    const unsigned long long kh_ = wgmma_desc_sw128(ki), kl = wgmma_desc_sw128(ki + WT);
+    for (int ch = 0; ch < nchunks; ch++) {
+        const unsigned par = ch & 1;
+        float r[32], op[32];
+        // Rᵀ = Sᵀ Wᵀ and O'ᵀ = Sᵀ Q'ᵀ k step by k step from the same A fragments (split once:
+        // two products over them one after the other kept all 16 steps' splits live), 16 k
+        // steps in groups of 2 through two register sets
+        mbar_wait(&full[BW], par);
+        mbar_wait(&full[BQ], par);
+        fence_proxy_async();
+        {
+            unsigned ah[2][2][4], al[2][2][4];
+            unsigned long long d0 = wh, d1 = wl, d2 = qh, d3 = ql;
+            unsigned fresh = 0;  // scale-d of each chain's first product (a register, pinned)
+            wgmma_fence_operand(d0);
+            wgmma_fence_operand(d1);
+            wgmma_fence_operand(d2);
+            wgmma_fence_operand(d3);
+            wgmma_fence_operand(fresh);
+#pragma unroll
+            for (int e = 0; e < 32; e++) {
+                wgmma_fence_operand(r[e]);
+                wgmma_fence_operand(op[e]);
+            }
+#pragma unroll
+            for (int g = 0; g < DK / 16; g++) {
+                const int b = g & 1;
+                if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    gdn_acc_frag(s, 2 * g + i, ah[b][i], al[b][i]);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        wgmma_fence_operand(ah[b][i][e]);
+                        wgmma_fence_operand(al[b][i][e]);
+                    }
+                }
+                wgmma_fence();
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int kk = 2 * g + i;
+                    wgmma_m64n64k8_tf32_rs(r, ah[b][i], gdn_desc64_k8(d0, kk), kk > 0 ? 1u : fresh);
+                    wgmma_m64n64k8_tf32_rs(r, ah[b][i], gdn_desc64_k8(d1, kk), 1);
+                    wgmma_m64n64k8_tf32_rs(r, al[b][i], gdn_desc64_k8(d0, kk), 1);
+                    wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d2, kk), kk > 0 ? 1u : fresh);
+                    wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d3, kk), 1);
+                    wgmma_m64n64k8_tf32_rs(op, al[b][i], gdn_desc64_k8(d2, kk), 1);
+                }
+                wgmma_commit();
+            }
+            wgmma_wait<0>();
+#pragma unroll
+            for (int e = 0; e < 32; e++) {
+                wgmma_fence_operand(r[e]);
+                wgmma_fence_operand(op[e]);
+            }
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        wgmma_fence_operand(ah[b][i][e]);
+                        wgmma_fence_operand(al[b][i][e]);
+                    }
+        }
+        mbar_arrive(&empty[BW]);
+        mbar_arrive(&empty[BQ]);
+        // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
+        mbar_wait(&full[BO], par);
+        const int c0 = ch * GDN_C;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
+                if (m < dvs && c0 + row < t)
+                    o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = ob[row * GDN_T64_LDU + m] + op[4 * i + e];
+            }
+        mbar_arrive(&empty[BO]);
+        // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ}: R's column 8 i + 2 cq + b is chunk row 8 i + cq + 4 b
+        const float* gc = gm + par * GDN_C;
+        const float last = gc[GDN_C - 1];
+        mbar_wait(&full[BU], par);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                const int row = 8 * i + cq + 4 * b;
+                const float d = expf(last - gc[row]);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int e = 2 * h + b;
+                    r[4 * i + e] = (ub[row * GDN_T64_LDU + r0 + 8 * h] - r[4 * i + e]) * d;
+                }
+            }
+        mbar_arrive(&empty[BU]);
+        // Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K: 8 k steps (the chunk's rows) in groups of 2 through two
+        // register sets (a set is refilled once the group that read it retired)
+        const float eg = expf(last);
+#pragma unroll
+        for (int e = 0; e < 64; e++) s[e] *= eg;
+        mbar_wait(&full[BK], par);
+        fence_proxy_async();
+        unsigned fh[2][2][4], fl[2][2][4];
+        unsigned long long dh = kh_, dl = kl;  // pinned before the stage (C7513)
+        wgmma_fence_operand(dh);
+        wgmma_fence_operand(dl);
+#pragma unroll
+        for (int e = 0; e < 64; e++) wgmma_fence_operand(s[e]);
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const int b = g & 1;
+            if (g >= 2) wgmma_wait<1>();
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                gdn_acc_frag(r, 2 * g + i, fh[b][i], fl[b][i]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    wgmma_fence_operand(fh[b][i][e]);
+                    wgmma_fence_operand(fl[b][i][e]);
+                }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int kk = 2 * g + i;
+                wgmma_m64n128k8_tf32_rs(s, fh[b][i], gdn_descr_k8<DK>(dh, kk), 1);
+                wgmma_m64n128k8_tf32_rs(s, fh[b][i], gdn_descr_k8<DK>(dl, kk), 1);
+                wgmma_m64n128k8_tf32_rs(s, fl[b][i], gdn_descr_k8<DK>(dh, kk), 1);
+            }
+            wgmma_commit();
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int e = 0; e < 64; e++) wgmma_fence_operand(s[e]);
+#pragma unroll
+        for (int b = 0; b < 2; b++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    wgmma_fence_operand(fh[b][i][e]);
+                    wgmma_fence_operand(fl[b][i][e]);
+                }
+        mbar_arrive(&empty[BK]);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int m = r0 + 8 * (e >> 1), k = 8 * i + cq + 4 * (e & 1);
+            if (m < dvs) st[(size_t)k * dv + m] = s[4 * i + e];
+        }
+}
+extern "C" __global__ void __launch_bounds__(GDN_T64_THREADS, 1) gdn_chunk_state_t64_128(
+    const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in, const float* gamma_in,
+    float* state, float* o, int t, int hk, int hv, int dv) {
+    PREFILL_KERNEL();
+    gdn_chunk_state_t64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);
+}
