@@ -1805,29 +1805,31 @@ __device__ __forceinline__ void gdn_acc_frag(const float* x, int kk, unsigned (&
     split_tf32(x[4 * kk + 1], hi[2], lo[2]);
     split_tf32(x[4 * kk + 3], hi[3], lo[3]);
 }
-// The producer's split of a chunk's 64 rows of W or Q' (f32, DK = 128 a row at src) into the
-// tile's hi and lo parts; warp pw takes rows 16 pw .. + 15, a lane 4 floats of each (a row is
-// one 512-byte load of the warp, and 8 lanes fill a swizzled 128-byte row of a panel). PERM:
-// row r goes to tile row gdn_pk_inv(r).
-template <bool PERM>
-__device__ __forceinline__ void gdn_t64_split_rows(const float* src, float* tile, int pw, int lane) {
-    float4 v[16];
+// The producer's copy of a chunk's 64 rows of W or Q' (f32, DK = 128 a row at src) into
+// registers: warp pw takes rows 16 pw .. + 15, a lane 4 floats of each (a row is one 512-byte
+// load of the warp). Loaded before the buffer is free, so that the loads' latency overlaps
+// the consumer's products.
+__device__ __forceinline__ void gdn_t64_load_rows(const float* src, float4 (&v)[16], int pw, int lane) {
 #pragma unroll
     for (int i = 0; i < 16; i++) v[i] = ld4(src + (size_t)(16 * pw + i) * 128 + 4 * lane);
+}
+// ... then split into the tile's hi and lo parts (8 lanes fill a swizzled 128-byte row of a
+// panel: conflict free). PERM: row r goes to tile row gdn_pk_inv(r).
+template <bool PERM>
+__device__ __forceinline__ void gdn_t64_store_rows(const float4 (&v)[16], float* tile, int pw, int lane) {
 #pragma unroll
     for (int i = 0; i < 16; i++) {
         const int r = 16 * pw + i, at = gdn_swr<GDN_C>(PERM ? gdn_pk_inv(r) : r, 4 * lane);
         gdn_split4(v[i], tile + at, tile + GDN_C * 128 + at);
     }
 }
-// The producer's split of chunk ch's K rows (0 past t) into the transposed tile: key dim d at
-// tile row gdn_pk_inv(d), the chunk row as k. Thread pt: rows 4 (pt % 16) .. + 3, key dims
-// 16 (pt / 16) .. + 15, so each store is a 16-byte k unit and a warp's stores hit every bank
-// group four times (conflict free).
-__device__ __forceinline__ void gdn_t64_split_k(const float* qkv, int c, size_t koff, int ch, int t, float* tile,
-                                                int pt) {
+// The producer's copy of chunk ch's K rows (0 past t) into registers, thread pt: rows
+// 4 (pt % 16) .. + 3, key dims 16 (pt / 16) .. + 15; then (gdn_t64_store_k) their split into
+// the transposed tile: key dim d at tile row gdn_pk_inv(d), the chunk row as k, so each store
+// is a 16-byte k unit and a warp's stores hit every bank group four times (conflict free).
+__device__ __forceinline__ void gdn_t64_load_k(const float* qkv, int c, size_t koff, int ch, int t, float4 (&v)[4][4],
+                                               int pt) {
     const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
-    float4 v[4][4];
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
         const int row = ch * GDN_C + q4 + rr;
@@ -1835,6 +1837,9 @@ __device__ __forceinline__ void gdn_t64_split_k(const float* qkv, int c, size_t 
         for (int f = 0; f < 4; f++)
             v[rr][f] = row < t ? ld4(qkv + (size_t)row * c + koff + d0 + 4 * f) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+}
+__device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][4], float* tile, int pt) {
+    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
 #pragma unroll
     for (int f = 0; f < 4; f++) {
         const float4 x[4] = {make_float4(v[0][f].x, v[1][f].x, v[2][f].x, v[3][f].x),
@@ -1871,6 +1876,7 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
     const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
     const size_t tp = (size_t)nchunks * GDN_C;
     const int dvs = min(GDN_T64_COLS, dv - m0);
+    const bool team_a = warp < 4;  // the consumer (phase clock slots 0-7; the producer 8-15)
     if (tid == 0) {
         for (int b = 0; b < NB; b++) {
             mbar_init(&full[b], 128);   // every producer thread
@@ -1885,15 +1891,23 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
         for (int ch = 0; ch < nchunks; ch++) {
             const unsigned ph = (ch - 1) & 1;
             const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
+            GDN_PHASE_WG(0);
+            float4 vw[16], vq[16];
+            gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
+            gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
+            const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
             if (ch > 0) mbar_wait(&empty[BW], ph);
-            gdn_t64_split_rows<true>(w_in + row0 * DK, wi, pw, lane);
-            if (pt < GDN_C) gm[(ch & 1) * GDN_C + pt] = gamma_in[row0 + pt];
+            GDN_PHASE_WG(1);
+            gdn_t64_store_rows<true>(vw, wi, pw, lane);
+            if (pt < GDN_C) gm[(ch & 1) * GDN_C + pt] = gam;
             fence_proxy_async();
             mbar_arrive(&full[BW]);
+            GDN_PHASE_WG(2);
             if (ch > 0) mbar_wait(&empty[BQ], ph);
-            gdn_t64_split_rows<false>(qp_in + row0 * DK, qi, pw, lane);
+            gdn_t64_store_rows<false>(vq, qi, pw, lane);
             fence_proxy_async();
             mbar_arrive(&full[BQ]);
+            GDN_PHASE_WG(3);
             if (ch > 0) mbar_wait(&empty[BU], ph);
 #pragma unroll
             for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / 128; p++) {
@@ -1910,10 +1924,15 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                 cp_async16(ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
             }
             cp_async_mbar_arrive(&full[BO]);
+            GDN_PHASE_WG(4);
+            float4 vk[4][4];
+            gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
             if (ch > 0) mbar_wait(&empty[BK], ph);
-            gdn_t64_split_k(qkv, c, koff, ch, t, ki, pt);
+            GDN_PHASE_WG(5);
+            gdn_t64_store_k(vk, ki, pt);
             fence_proxy_async();
             mbar_arrive(&full[BK]);
+            GDN_PHASE_WG(6);
         }
         return;
     }
@@ -1938,8 +1957,10 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
         // Rᵀ = Sᵀ Wᵀ and O'ᵀ = Sᵀ Q'ᵀ k step by k step from the same A fragments (split once:
         // two products over them one after the other kept all 16 steps' splits live), 16 k
         // steps in groups of 2 through two register sets
+        GDN_PHASE_WG(0);
         mbar_wait(&full[BW], par);
         mbar_wait(&full[BQ], par);
+        GDN_PHASE_WG(1);
         fence_proxy_async();
         {
             unsigned ah[2][2][4], al[2][2][4];
@@ -1999,6 +2020,7 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
         }
         mbar_arrive(&empty[BW]);
         mbar_arrive(&empty[BQ]);
+        GDN_PHASE_WG(2);
         // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
         mbar_wait(&full[BO], par);
         const int c0 = ch * GDN_C;
@@ -2011,6 +2033,7 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                     o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = ob[row * GDN_T64_LDU + m] + op[4 * i + e];
             }
         mbar_arrive(&empty[BO]);
+        GDN_PHASE_WG(3);
         // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ}: R's column 8 i + 2 cq + b is chunk row 8 i + cq + 4 b
         const float* gc = gm + par * GDN_C;
         const float last = gc[GDN_C - 1];
@@ -2028,12 +2051,14 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                 }
             }
         mbar_arrive(&empty[BU]);
+        GDN_PHASE_WG(4);
         // Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K: 8 k steps (the chunk's rows) in groups of 2 through two
         // register sets (a set is refilled once the group that read it retired)
         const float eg = expf(last);
 #pragma unroll
         for (int e = 0; e < 64; e++) s[e] *= eg;
         mbar_wait(&full[BK], par);
+        GDN_PHASE_WG(5);
         fence_proxy_async();
         unsigned fh[2][2][4], fl[2][2][4];
         unsigned long long dh = kh_, dl = kl;  // pinned before the stage (C7513)
@@ -2077,6 +2102,7 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                     wgmma_fence_operand(fl[b][i][e]);
                 }
         mbar_arrive(&empty[BK]);
+        GDN_PHASE_WG(6);
     }
 #pragma unroll
     for (int i = 0; i < 16; i++)
