@@ -1260,6 +1260,47 @@ fn gdn_chunk_state_phases() {
         "  A: barrier to barrier (7 -> next 0): {:.0}",
         avg(&|ch| at(ch, 0) - at(ch - 1, 7))
     );
+    // gdn_chunk_state_t64's clock (block (0, 0): the consumer at slots 0-6, the producer at
+    // 8-14; the producer's iteration ch fills chunk ch's buffers while the consumer works on
+    // chunk ch - 1)
+    if gpu.sm90a {
+        use std::sync::atomic::Ordering::Relaxed;
+        let default_t64 = gpu.gdn_state_t64.swap(true, Relaxed);
+        run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
+        gpu.gdn_state_t64.store(default_t64, Relaxed);
+        let ph = gpu.gdn_phase_trace().unwrap();
+        let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
+        let t64 = [
+            (0, 0, 1, "consumer: wait for W, Q'"),
+            (0, 1, 2, "consumer: R | O' products"),
+            (0, 2, 3, "consumer: o out (wait for O_intra)"),
+            (0, 3, 4, "consumer: Vd (wait for U)"),
+            (0, 4, 5, "consumer: e^γ S, wait for K"),
+            (0, 5, 6, "consumer: S update"),
+            (8, 0, 1, "producer: W, Q' loads, wait for W's release"),
+            (8, 1, 2, "producer: W split"),
+            (8, 2, 3, "producer: wait for Q', Q' split"),
+            (8, 3, 4, "producer: U, O_intra copies (waits)"),
+            (8, 4, 5, "producer: K loads, wait for K's release"),
+            (8, 5, 6, "producer: K split"),
+        ];
+        for ch in 0..chunks {
+            for (team, a, b, name) in t64 {
+                assert!(at(ch, team + a) <= at(ch, team + b), "chunk {ch}: {name}");
+            }
+        }
+        println!(
+            "gdn_chunk_state_t64_128 block (0, 0), cycles a chunk (chunks 2 .. {}): period {:.0}",
+            chunks - 1,
+            avg(&|ch| at(ch, 0) - at(ch - 1, 0))
+        );
+        for (team, a, b, name) in t64 {
+            println!(
+                "  {name}: {:.0}",
+                avg(&|ch| at(ch, team + b) - at(ch, team + a))
+            );
+        }
+    }
     // gdn_chunk_prep_wg's clock (value head 0's blocks, chunk ch at 128 + ch), run on its own
     if gpu.sm90a {
         use std::sync::atomic::Ordering::Relaxed;
