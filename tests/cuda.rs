@@ -1277,12 +1277,12 @@ fn gdn_chunk_state_phases() {
             (0, 3, 4, "consumer: Vd (wait for U)"),
             (0, 4, 5, "consumer: e^γ S, wait for K"),
             (0, 5, 6, "consumer: S update"),
-            (8, 0, 1, "producer: W, Q' loads, wait for W's release"),
+            (8, 0, 1, "producer: wait for W's release"),
             (8, 1, 2, "producer: W split"),
             (8, 2, 3, "producer: wait for Q', Q' split"),
             (8, 3, 4, "producer: U, O_intra copies (waits)"),
-            (8, 4, 5, "producer: K loads, wait for K's release"),
-            (8, 5, 6, "producer: K split"),
+            (8, 4, 5, "producer: wait for K's release"),
+            (8, 5, 6, "producer: K split, next chunk's loads"),
         ];
         for ch in 0..chunks {
             for (team, a, b, name) in t64 {

@@ -1888,14 +1888,36 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
     if (warp >= 4) {  // the producer: chunk ch's buffers, each once the consumer released ch - 1's
         const int pt = tid - 128, pw = pt >> 5;
         const size_t koff = (size_t)(hk + kh) * DK;
+        // W, Q', γ and K of the next chunk are in registers a whole iteration ahead (their
+        // loads' latency would otherwise be the producer's, and it the chain's), and the
+        // chunk after that in L2.
+        float4 vw[16], vq[16], vk[4][4];
+        float gam = 0.0f;
+        auto load_next = [&](int ch) {
+            const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
+            gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
+            gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
+            gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
+            if (pt < GDN_C) gam = gamma_in[row0 + pt];
+            if (ch + 1 < nchunks) {  // 64 rows of 512 bytes of W and Q', 128 lines each
+                const size_t row1 = row0 + GDN_C;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int line = pt + 128 * i, r = line >> 2, part = (line & 3) * 32;
+                    gdn_prefetch_l2((i < 2 ? w_in : qp_in) + (row1 + (r & 63)) * DK + part);
+                }
+#pragma unroll
+                for (int i = 0; i < 2; i++) {  // and K's 64 rows of 512 bytes
+                    const int line = pt + 128 * i, krow = (ch + 1) * GDN_C + (line >> 2);
+                    if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
+                }
+            }
+        };
+        load_next(0);
         for (int ch = 0; ch < nchunks; ch++) {
             const unsigned ph = (ch - 1) & 1;
             const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
             GDN_PHASE_WG(0);
-            float4 vw[16], vq[16];
-            gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
-            gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
-            const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
             if (ch > 0) mbar_wait(&empty[BW], ph);
             GDN_PHASE_WG(1);
             gdn_t64_store_rows<true>(vw, wi, pw, lane);
@@ -1925,13 +1947,12 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
             }
             cp_async_mbar_arrive(&full[BO]);
             GDN_PHASE_WG(4);
-            float4 vk[4][4];
-            gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
             if (ch > 0) mbar_wait(&empty[BK], ph);
             GDN_PHASE_WG(5);
             gdn_t64_store_k(vk, ki, pt);
             fence_proxy_async();
             mbar_arrive(&full[BK]);
+            if (ch + 1 < nchunks) load_next(ch + 1);
             GDN_PHASE_WG(6);
         }
         return;
