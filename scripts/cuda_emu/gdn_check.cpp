@@ -142,7 +142,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     if constexpr (DK == 128) {
         std::vector<float> st_t = s0, o_t = o_intra;
         size_t t64sm = 4 * (6 * C * dk + 2 * C * 68 + 2 * C) + 80;
-        emu_launch({(unsigned)hv, (unsigned)((dv + 63) / 64), 1}, 256, t64sm, [&] {
+        emu_launch({(unsigned)hv, (unsigned)((dv + 63) / 64), 1}, 384, t64sm, [&] {
             gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), t, hk, hv, dv);
         });
         double et_o = max_rel(o_t, oref), et_s = max_rel(st_t, sref);

@@ -20,8 +20,8 @@ const STATE_THREADS: u32 = 512;
 const STATE_WG_THREADS: u32 = 256;
 /// Key head dims `gdn_chunk_state_wg` is compiled for (S's rows in m64 halves).
 const STATE_WG_DIMS: [usize; 2] = [64, 128];
-/// Threads of `gdn_chunk_state_t64` (a consumer and a producer warpgroup, `GDN_T64_THREADS`).
-const STATE_T64_THREADS: u32 = 256;
+/// Threads of `gdn_chunk_state_t64` (a consumer and two producer warpgroups, `GDN_T64_THREADS`).
+const STATE_T64_THREADS: u32 = 384;
 /// Value columns per block of `gdn_chunk_state_t64` (`GDN_T64_COLS`).
 const STATE_T64_COLS: usize = 64;
 /// Threads of `gdn_chunk_prep_wg` (two warpgroups).

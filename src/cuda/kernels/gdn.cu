@@ -1805,43 +1805,43 @@ __device__ __forceinline__ void gdn_acc_frag(const float* x, int kk, unsigned (&
     split_tf32(x[4 * kk + 1], hi[2], lo[2]);
     split_tf32(x[4 * kk + 3], hi[3], lo[3]);
 }
-// The producer's copy of a chunk's 64 rows of W or Q' (f32, DK = 128 a row at src) into
-// registers: warp pw takes rows 16 pw .. + 15, a lane 4 floats of each (a row is one 512-byte
-// load of the warp). Loaded before the buffer is free, so that the loads' latency overlaps
-// the consumer's products.
-__device__ __forceinline__ void gdn_t64_load_rows(const float* src, float4 (&v)[16], int pw, int lane) {
+// Producer thread pt of GDN_T64_PRODUCERS: its share of a chunk's 64 rows of W or Q' (f32, 128
+// a row at src) into registers, warp pw's 8 rows (8 GDN_T64_PRODUCERS / 32 warps), 4 floats of
+// each a lane (a row is one 512-byte load of the warp); loaded before the buffer is free.
+#define GDN_T64_PRODUCERS 256
+__device__ __forceinline__ void gdn_t64_load_rows(const float* src, float4 (&v)[8], int pw, int lane) {
 #pragma unroll
-    for (int i = 0; i < 16; i++) v[i] = ld4(src + (size_t)(16 * pw + i) * 128 + 4 * lane);
+    for (int i = 0; i < 8; i++) v[i] = ld4(src + (size_t)(8 * pw + i) * 128 + 4 * lane);
 }
 // ... then split into the tile's hi and lo parts (8 lanes fill a swizzled 128-byte row of a
 // panel: conflict free). PERM: row r goes to tile row gdn_pk_inv(r).
 template <bool PERM>
-__device__ __forceinline__ void gdn_t64_store_rows(const float4 (&v)[16], float* tile, int pw, int lane) {
+__device__ __forceinline__ void gdn_t64_store_rows(const float4 (&v)[8], float* tile, int pw, int lane) {
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int r = 16 * pw + i, at = gdn_swr<GDN_C>(PERM ? gdn_pk_inv(r) : r, 4 * lane);
+    for (int i = 0; i < 8; i++) {
+        const int r = 8 * pw + i, at = gdn_swr<GDN_C>(PERM ? gdn_pk_inv(r) : r, 4 * lane);
         gdn_split4(v[i], tile + at, tile + GDN_C * 128 + at);
     }
 }
-// The producer's copy of chunk ch's K rows (0 past t) into registers, thread pt: rows
-// 4 (pt % 16) .. + 3, key dims 16 (pt / 16) .. + 15; then (gdn_t64_store_k) their split into
-// the transposed tile: key dim d at tile row gdn_pk_inv(d), the chunk row as k, so each store
-// is a 16-byte k unit and a warp's stores hit every bank group four times (conflict free).
-__device__ __forceinline__ void gdn_t64_load_k(const float* qkv, int c, size_t koff, int ch, int t, float4 (&v)[4][4],
+// Producer thread pt's share of chunk ch's K rows (0 past t): rows 4 (pt % 16) .. + 3, key
+// dims 8 (pt / 16) .. + 7; then (gdn_t64_store_k) their split into the transposed tile: key
+// dim d at tile row gdn_pk_inv(d), the chunk row as k, so each store is a 16-byte k unit and a
+// warp's stores hit every bank group four times (conflict free).
+__device__ __forceinline__ void gdn_t64_load_k(const float* qkv, int c, size_t koff, int ch, int t, float4 (&v)[4][2],
                                                int pt) {
-    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
+    const int q4 = 4 * (pt & 15), d0 = 8 * (pt >> 4);
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
         const int row = ch * GDN_C + q4 + rr;
 #pragma unroll
-        for (int f = 0; f < 4; f++)
+        for (int f = 0; f < 2; f++)
             v[rr][f] = row < t ? ld4(qkv + (size_t)row * c + koff + d0 + 4 * f) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
-__device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][4], float* tile, int pt) {
-    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
+__device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][2], float* tile, int pt) {
+    const int q4 = 4 * (pt & 15), d0 = 8 * (pt >> 4);
 #pragma unroll
-    for (int f = 0; f < 4; f++) {
+    for (int f = 0; f < 2; f++) {
         const float4 x[4] = {make_float4(v[0][f].x, v[1][f].x, v[2][f].x, v[3][f].x),
                              make_float4(v[0][f].y, v[1][f].y, v[2][f].y, v[3][f].y),
                              make_float4(v[0][f].z, v[1][f].z, v[2][f].z, v[3][f].z),
@@ -1854,7 +1854,7 @@ __device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][4], float* 
     }
 }
 
-#define GDN_T64_THREADS 256
+#define GDN_T64_THREADS (128 + GDN_T64_PRODUCERS)
 __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                          const float* __restrict__ qp_in, const float* __restrict__ u_in,
                                          const float* __restrict__ gamma_in, float* __restrict__ state,
@@ -1879,84 +1879,74 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
     const bool team_a = warp < 4;  // the consumer (phase clock slots 0-7; the producer 8-15)
     if (tid == 0) {
         for (int b = 0; b < NB; b++) {
-            mbar_init(&full[b], 128);   // every producer thread
-            mbar_init(&empty[b], 128);  // every consumer thread
+            mbar_init(&full[b], GDN_T64_PRODUCERS);  // every producer thread
+            mbar_init(&empty[b], 128);               // every consumer thread
         }
     }
     __syncthreads();
 
     if (warp >= 4) {  // the producer: chunk ch's buffers, each once the consumer released ch - 1's
+        setmaxnreg_dec<128>();
         const int pt = tid - 128, pw = pt >> 5;
         const size_t koff = (size_t)(hk + kh) * DK;
-        // W, Q', γ and K of the next chunk are in registers a whole iteration ahead (their
-        // loads' latency would otherwise be the producer's, and it the chain's), and the
-        // chunk after that in L2.
-        float4 vw[16], vq[16], vk[4][4];
-        float gam = 0.0f;
-        auto load_next = [&](int ch) {
-            const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
-            gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
-            gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
-            gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
-            if (pt < GDN_C) gam = gamma_in[row0 + pt];
-            if (ch + 1 < nchunks) {  // 64 rows of 512 bytes of W and Q', 128 lines each
-                const size_t row1 = row0 + GDN_C;
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int line = pt + 128 * i, r = line >> 2, part = (line & 3) * 32;
-                    gdn_prefetch_l2((i < 2 ? w_in : qp_in) + (row1 + (r & 63)) * DK + part);
-                }
-#pragma unroll
-                for (int i = 0; i < 2; i++) {  // and K's 64 rows of 512 bytes
-                    const int line = pt + 128 * i, krow = (ch + 1) * GDN_C + (line >> 2);
-                    if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
-                }
-            }
-        };
-        load_next(0);
         for (int ch = 0; ch < nchunks; ch++) {
             const unsigned ph = (ch - 1) & 1;
             const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
-            GDN_PHASE_WG(0);
+            GDN_PHASE_AT(0, GDN_T64_PRODUCERS);
+            float4 vw[8], vq[8];
+            gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
+            gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
+            const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
+            if (ch + 1 < nchunks) {  // the next chunk's W and Q' (64 rows of 4 lines) into L2
+                const size_t at = (row0 + GDN_C + (pt >> 2)) * DK + (pt & 3) * 32;
+                gdn_prefetch_l2(w_in + at);
+                gdn_prefetch_l2(qp_in + at);
+            }
             if (ch > 0) mbar_wait(&empty[BW], ph);
-            GDN_PHASE_WG(1);
+            GDN_PHASE_AT(1, GDN_T64_PRODUCERS);
             gdn_t64_store_rows<true>(vw, wi, pw, lane);
             if (pt < GDN_C) gm[(ch & 1) * GDN_C + pt] = gam;
             fence_proxy_async();
             mbar_arrive(&full[BW]);
-            GDN_PHASE_WG(2);
+            GDN_PHASE_AT(2, GDN_T64_PRODUCERS);
             if (ch > 0) mbar_wait(&empty[BQ], ph);
             gdn_t64_store_rows<false>(vq, qi, pw, lane);
             fence_proxy_async();
             mbar_arrive(&full[BQ]);
-            GDN_PHASE_WG(3);
+            GDN_PHASE_AT(3, GDN_T64_PRODUCERS);
             if (ch > 0) mbar_wait(&empty[BU], ph);
 #pragma unroll
-            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / 128; p++) {
-                const int i = pt + 128 * p, r = i >> 4, n = (i & 15) * 4;
+            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
+                const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4;
                 const bool in = n < dvs;
                 cp_async16(ub + r * GDN_T64_LDU + n, in ? u_in + (row0 + r) * dv + m0 + n : u_in, in);
             }
             cp_async_mbar_arrive(&full[BU]);
             if (ch > 0) mbar_wait(&empty[BO], ph);
 #pragma unroll
-            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / 128; p++) {
-                const int i = pt + 128 * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
+            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
+                const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
                 const bool in = n < dvs && row < t;
                 cp_async16(ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
             }
             cp_async_mbar_arrive(&full[BO]);
-            GDN_PHASE_WG(4);
+            GDN_PHASE_AT(4, GDN_T64_PRODUCERS);
+            float4 vk[4][2];
+            gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
+            if (ch + 1 < nchunks) {  // the next chunk's K rows into L2
+                const int krow = (ch + 1) * GDN_C + (pt >> 2);
+                if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (pt & 3) * 32);
+            }
             if (ch > 0) mbar_wait(&empty[BK], ph);
-            GDN_PHASE_WG(5);
+            GDN_PHASE_AT(5, GDN_T64_PRODUCERS);
             gdn_t64_store_k(vk, ki, pt);
             fence_proxy_async();
             mbar_arrive(&full[BK]);
-            if (ch + 1 < nchunks) load_next(ch + 1);
-            GDN_PHASE_WG(6);
+            GDN_PHASE_AT(6, GDN_T64_PRODUCERS);
         }
         return;
     }
+    setmaxnreg_inc<240>();
 
     // The consumer. Sᵀ's accumulator: row m = 16 warp + lane / 4 (+ 8), column n = key dim gdn_pk(n).
     const int gq = lane >> 2, cq = lane & 3, r0 = 16 * warp + gq;
