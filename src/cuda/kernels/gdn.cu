@@ -1855,6 +1855,13 @@ __device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][2], float* 
 }
 
 #define GDN_T64_THREADS (128 + GDN_T64_PRODUCERS)
+// KESTREL_GDN_T64_NO_O (a diagnostic, o wrong): the chain without O' (no Q', O_intra or o), what
+// the pass would cost with O = O_intra + Q' S moved to a parallel kernel over stored states.
+#ifdef KESTREL_GDN_T64_NO_O
+#define T64_O false
+#else
+#define T64_O true
+#endif
 __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                          const float* __restrict__ qp_in, const float* __restrict__ u_in,
                                          const float* __restrict__ gamma_in, float* __restrict__ state,
@@ -1895,7 +1902,7 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
             GDN_PHASE_AT(0, GDN_T64_PRODUCERS);
             float4 vw[8], vq[8];
             gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
-            gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
+            if (T64_O) gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
             const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
             if (ch + 1 < nchunks) {  // the next chunk's W and Q' (64 rows of 4 lines) into L2
                 const size_t at = (row0 + GDN_C + (pt >> 2)) * DK + (pt & 3) * 32;
@@ -1909,10 +1916,12 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
             fence_proxy_async();
             mbar_arrive(&full[BW]);
             GDN_PHASE_AT(2, GDN_T64_PRODUCERS);
-            if (ch > 0) mbar_wait(&empty[BQ], ph);
-            gdn_t64_store_rows<false>(vq, qi, pw, lane);
-            fence_proxy_async();
-            mbar_arrive(&full[BQ]);
+            if (T64_O) {
+                if (ch > 0) mbar_wait(&empty[BQ], ph);
+                gdn_t64_store_rows<false>(vq, qi, pw, lane);
+                fence_proxy_async();
+                mbar_arrive(&full[BQ]);
+            }
             GDN_PHASE_AT(3, GDN_T64_PRODUCERS);
             if (ch > 0) mbar_wait(&empty[BU], ph);
 #pragma unroll
@@ -1922,14 +1931,16 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                 cp_async16(ub + r * GDN_T64_LDU + n, in ? u_in + (row0 + r) * dv + m0 + n : u_in, in);
             }
             cp_async_mbar_arrive(&full[BU]);
-            if (ch > 0) mbar_wait(&empty[BO], ph);
+            if (T64_O) {
+                if (ch > 0) mbar_wait(&empty[BO], ph);
 #pragma unroll
-            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
-                const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
-                const bool in = n < dvs && row < t;
-                cp_async16(ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
+                for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
+                    const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
+                    const bool in = n < dvs && row < t;
+                    cp_async16(ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
+                }
+                cp_async_mbar_arrive(&full[BO]);
             }
-            cp_async_mbar_arrive(&full[BO]);
             GDN_PHASE_AT(4, GDN_T64_PRODUCERS);
             float4 vk[4][2];
             gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
@@ -1970,7 +1981,7 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
         // steps in groups of 2 through two register sets
         GDN_PHASE_WG(0);
         mbar_wait(&full[BW], par);
-        mbar_wait(&full[BQ], par);
+        if (T64_O) mbar_wait(&full[BQ], par);
         GDN_PHASE_WG(1);
         fence_proxy_async();
         {
@@ -2007,9 +2018,11 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                     wgmma_m64n64k8_tf32_rs(r, ah[b][i], gdn_desc64_k8(d0, kk), kk > 0 ? 1u : fresh);
                     wgmma_m64n64k8_tf32_rs(r, ah[b][i], gdn_desc64_k8(d1, kk), 1);
                     wgmma_m64n64k8_tf32_rs(r, al[b][i], gdn_desc64_k8(d0, kk), 1);
-                    wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d2, kk), kk > 0 ? 1u : fresh);
-                    wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d3, kk), 1);
-                    wgmma_m64n64k8_tf32_rs(op, al[b][i], gdn_desc64_k8(d2, kk), 1);
+                    if (T64_O) {
+                        wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d2, kk), kk > 0 ? 1u : fresh);
+                        wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d3, kk), 1);
+                        wgmma_m64n64k8_tf32_rs(op, al[b][i], gdn_desc64_k8(d2, kk), 1);
+                    }
                 }
                 wgmma_commit();
             }
@@ -2030,20 +2043,21 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                     }
         }
         mbar_arrive(&empty[BW]);
-        mbar_arrive(&empty[BQ]);
         GDN_PHASE_WG(2);
-        // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
-        mbar_wait(&full[BO], par);
-        const int c0 = ch * GDN_C;
+        if (T64_O) {  // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
+            mbar_arrive(&empty[BQ]);
+            mbar_wait(&full[BO], par);
+            const int c0 = ch * GDN_C;
 #pragma unroll
-        for (int i = 0; i < 8; i++)
+            for (int i = 0; i < 8; i++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
-                if (m < dvs && c0 + row < t)
-                    o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = ob[row * GDN_T64_LDU + m] + op[4 * i + e];
-            }
-        mbar_arrive(&empty[BO]);
+                for (int e = 0; e < 4; e++) {
+                    const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
+                    if (m < dvs && c0 + row < t)
+                        o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = ob[row * GDN_T64_LDU + m] + op[4 * i + e];
+                }
+            mbar_arrive(&empty[BO]);
+        }
         GDN_PHASE_WG(3);
         // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ}: R's column 8 i + 2 cq + b is chunk row 8 i + cq + 4 b
         const float* gc = gm + par * GDN_C;
