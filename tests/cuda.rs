@@ -1260,8 +1260,8 @@ fn gdn_chunk_state_phases() {
         "  A: barrier to barrier (7 -> next 0): {:.0}",
         avg(&|ch| at(ch, 0) - at(ch - 1, 7))
     );
-    // gdn_chunk_state_t64's clock (block (0, 0): the consumer at slots 0-6, the producer at
-    // 8-14; the producer's iteration ch fills chunk ch's buffers while the consumer works on
+    // gdn_chunk_state_t64's clock (state block 0: the consumer at slots 0-5, the producer at
+    // 8-13; the producer's iteration ch fills chunk ch's buffers while the consumer works on
     // chunk ch - 1)
     if gpu.sm90a {
         use std::sync::atomic::Ordering::Relaxed;
@@ -1271,18 +1271,16 @@ fn gdn_chunk_state_phases() {
         let ph = gpu.gdn_phase_trace().unwrap();
         let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
         let t64 = [
-            (0, 0, 1, "consumer: wait for W, Q'"),
-            (0, 1, 2, "consumer: R | O' products"),
-            (0, 2, 3, "consumer: o out (wait for O_intra)"),
-            (0, 3, 4, "consumer: Vd (wait for U)"),
-            (0, 4, 5, "consumer: e^γ S, wait for K"),
-            (0, 5, 6, "consumer: S update"),
-            (8, 0, 1, "producer: wait for W's release"),
-            (8, 1, 2, "producer: W split"),
-            (8, 2, 3, "producer: wait for Q', Q' split"),
-            (8, 3, 4, "producer: U, O_intra copies (waits)"),
-            (8, 4, 5, "producer: wait for K's release"),
-            (8, 5, 6, "producer: K split, next chunk's loads"),
+            (0, 0, 1, "state consumer: release S, store S, wait for W"),
+            (0, 1, 2, "state consumer: R product"),
+            (0, 2, 3, "state consumer: Vd (wait for U)"),
+            (0, 3, 4, "state consumer: e^γ S, wait for K"),
+            (0, 4, 5, "state consumer: S update"),
+            (8, 0, 1, "state producer: W loads, wait for W's release"),
+            (8, 1, 2, "state producer: W split"),
+            (8, 2, 3, "state producer: U copies (wait)"),
+            (8, 3, 4, "state producer: K loads, wait for K's release"),
+            (8, 4, 5, "state producer: K split"),
         ];
         for ch in 0..chunks {
             for (team, a, b, name) in t64 {

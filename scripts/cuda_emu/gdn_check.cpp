@@ -138,15 +138,21 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         printf("%s   wgmma state pass (gdn_chunk_state_wg): o %.1e S %.1e\n", okw ? "ok  " : "FAIL", ew_o, ew_s);
         if (!okw) exit(1);
     }
-    // gdn_chunk_state_t64 (Sᵀ as the wgmma A operand, DK 128) from the same prep output
+    // gdn_chunk_state_t64 (Sᵀ as the wgmma A operand, DK 128) from the same prep output: the
+    // state blocks, then 3 out blocks (the emulator runs blocks in order, so the out blocks find
+    // every state released)
     if constexpr (DK == 128) {
-        std::vector<float> st_t = s0, o_t = o_intra;
+        const int nstate = hv * ((dv + 63) / 64);
+        std::vector<float> st_t = s0, o_t = o_intra, s_out((size_t)nstate * nch * 128 * 64, NaN);
+        std::vector<unsigned> flags(nstate, 0);
         size_t t64sm = 4 * (6 * C * dk + 2 * C * 68 + 2 * C) + 80;
-        emu_launch({(unsigned)hv, (unsigned)((dv + 63) / 64), 1}, 384, t64sm, [&] {
-            gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), t, hk, hv, dv);
+        emu_launch({(unsigned)(nstate + 3), 1, 1}, 384, t64sm, [&] {
+            gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), s_out.data(), flags.data(), t,
+                                     hk, hv, dv);
         });
         double et_o = max_rel(o_t, oref), et_s = max_rel(st_t, sref);
         bool okt = !any_nan(o_t) && !any_nan(st_t) && et_o < tol && et_s < tol;
+        for (unsigned f : flags) okt = okt && f == (unsigned)nch;
         printf("%s   Sᵀ-register state pass (gdn_chunk_state_t64): o %.1e S %.1e\n", okt ? "ok  " : "FAIL", et_o, et_s);
         if (!okt) exit(1);
     }

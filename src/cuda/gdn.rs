@@ -92,7 +92,26 @@ impl GdnShape {
     /// Floats of the scratch of [`Gpu::gdn_delta_chunked`]: W, Q', U and γ for every token
     /// of every chunk (the last one padded) and value head.
     pub fn chunk_scratch_floats(&self) -> usize {
+        self.prep_scratch_floats() + self.t64_scratch_floats()
+    }
+
+    /// W, Q', U and γ (the prep's outputs) in the scratch.
+    fn prep_scratch_floats(&self) -> usize {
         self.hv * self.chunks() * CHUNK * (2 * self.dk + self.dv + 1)
+    }
+
+    /// State blocks of `gdn_chunk_state_t64`: a value head's 64-column slices.
+    fn t64_state_blocks(&self) -> usize {
+        self.hv * self.dv.div_ceil(STATE_T64_COLS)
+    }
+
+    /// `gdn_chunk_state_t64`'s part of the scratch (dk = 128 only): every chunk's Sᵀ of every
+    /// state block (128 threads x 64 floats) and a progress counter (u32) a state block.
+    fn t64_scratch_floats(&self) -> usize {
+        if self.dk != 128 {
+            return 0;
+        }
+        self.t64_state_blocks() * (self.chunks() * 128 * 64 + 1)
     }
 
     /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): −L and −P, γ, e^γ, β, the
@@ -150,9 +169,10 @@ impl GdnShape {
         4 * (6 * CHUNK * self.dk + 2 * CHUNK * 68 + 2 * CHUNK) + 10 * 8
     }
 
-    /// Whether `gdn_chunk_state_t64` takes this shape (it is compiled for dk = 128).
-    fn state_t64_fits(&self, smem: usize) -> bool {
-        self.dk == 128 && self.state_t64_smem_bytes() <= smem
+    /// Whether `gdn_chunk_state_t64` takes this shape (it is compiled for dk = 128) on a GPU of
+    /// `sms` SMs: a block an SM, the state blocks and at least one out block all resident.
+    fn state_t64_fits(&self, smem: usize, sms: usize) -> bool {
+        self.dk == 128 && self.state_t64_smem_bytes() <= smem && self.t64_state_blocks() < sms
     }
 
     /// Whether the token-parallel conv and chunked delta rule take this shape, given `smem`
@@ -308,6 +328,16 @@ impl Gpu {
         let u = qp + (sh.hv * tp * sh.dk * 4) as u64;
         let gamma = u + (sh.hv * tp * sh.dv * 4) as u64;
         let c = sh.channels() as i32;
+        use std::sync::atomic::Ordering::Relaxed;
+        let t64 = self.gdn_state_t64.load(Relaxed)
+            && sh.state_t64_fits(self.max_smem_per_block, self.sm_count);
+        let s_out = scratch + (sh.prep_scratch_floats() * 4) as u64;
+        let flags = s_out + ((sh.t64_scratch_floats() - sh.t64_state_blocks()) * 4) as u64;
+        if t64 {
+            // its progress counters start at zero (set before the prep, so that the state
+            // pass still follows the prep directly)
+            self.memset_zero(flags, sh.t64_state_blocks() * 4)?;
+        }
         let tail = [
             Arg::I(sh.t as i32),
             Arg::I(sh.hk as i32),
@@ -356,10 +386,8 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        // Sᵀ-in-registers pass where it is on and takes the shape, else the wgmma pass where it
-        // is on, compiled for this dk, and its tiles fit
-        use std::sync::atomic::Ordering::Relaxed;
-        let t64 = self.gdn_state_t64.load(Relaxed) && sh.state_t64_fits(self.max_smem_per_block);
+        // Sᵀ-in-registers pass where it is on and takes the shape (decided above), else the
+        // wgmma pass where it is on, compiled for this dk, and its tiles fit
         let wg = self.gdn_state_wg.load(Relaxed)
             && STATE_WG_DIMS.contains(&sh.dk)
             && sh.state_wg_smem_bytes() <= self.max_smem_per_block;
@@ -385,6 +413,19 @@ impl Gpu {
                 STATE_COLS,
             )
         };
+        if t64 {
+            // a block an SM: the state blocks, then out blocks on the other SMs
+            let tail = args.split_off(8);
+            args.extend([Arg::Ptr(s_out), Arg::Ptr(flags)]);
+            args.extend(tail);
+            return self.launch_dep(
+                &format!("{name}_{}", sh.dk),
+                (self.sm_count as u32, 1, 1),
+                threads,
+                smem as u32,
+                &args,
+            );
+        }
         self.launch_dep(
             &format!("{name}_{}", sh.dk),
             (sh.hv as u32, sh.dv.div_ceil(cols) as u32, 1),
@@ -415,8 +456,12 @@ mod tests {
         assert_eq!(sh.state_smem_bytes(), 223_744);
         assert_eq!(sh.state_wg_smem_bytes(), 225_792);
         assert_eq!(sh.state_t64_smem_bytes(), 232_016);
-        assert!(sh.state_t64_fits(h200));
-        assert!(!GdnShape { dk: 64, ..sh }.state_t64_fits(h200));
+        assert!(sh.state_t64_fits(h200, 132));
+        assert!(!GdnShape { dk: 64, ..sh }.state_t64_fits(h200, 132));
+        assert!(
+            !sh.state_t64_fits(h200, 64),
+            "64 state blocks need an SM each and one more for an out block"
+        );
         assert_eq!(sh.prep_wg_smem_bytes(), 101_376);
         assert!(sh.prep_wg_fits(h200));
         assert!(
@@ -429,8 +474,8 @@ mod tests {
         );
         assert_eq!(
             sh.chunk_scratch_floats(),
-            32 * 8192 * (2 * 128 + 128 + 1),
-            "W, Q', U and γ for every token of every head"
+            32 * 8192 * (2 * 128 + 128 + 1) + 64 * (128 * 128 * 64 + 1),
+            "W, Q', U and γ for every token of every head; gdn_chunk_state_t64's states and counters"
         );
     }
 }

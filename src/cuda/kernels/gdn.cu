@@ -1855,43 +1855,56 @@ __device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][2], float* 
 }
 
 #define GDN_T64_THREADS (128 + GDN_T64_PRODUCERS)
-// KESTREL_GDN_T64_NO_O (a diagnostic, o wrong): the chain without O' (no Q', O_intra or o), what
-// the pass would cost with O = O_intra + Q' S moved to a parallel kernel over stored states.
-#ifdef KESTREL_GDN_T64_NO_O
-#define T64_O false
-#else
-#define T64_O true
-#endif
-__device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
-                                         const float* __restrict__ qp_in, const float* __restrict__ u_in,
-                                         const float* __restrict__ gamma_in, float* __restrict__ state,
-                                         float* __restrict__ o, int t, int hk, int hv, int dv) {
+// The out blocks' wait on a state block's progress counter, and its release.
+__device__ __forceinline__ unsigned gdn_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void gdn_st_release(unsigned* p, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// The shared-memory plan of both roles (floats; 1024-byte aligned; the roles use parts of it).
+struct GdnT64Smem {
+    static constexpr int WT = GDN_C * 128;  // one part (hi or lo) of the W, Q' or K tile
+    float *wi, *qi, *ki, *ub, *ob, *gm;
+    unsigned long long *full, *empty;
+    __device__ explicit GdnT64Smem(float* base) {
+        wi = base;                          // [hi, lo][WT] W (rows permuted)
+        qi = wi + 2 * WT;                   // [hi, lo][WT] Q'
+        ki = qi + 2 * WT;                   // [hi, lo][WT] K transposed (rows = key dims, permuted)
+        ub = ki + 2 * WT;                   // [64][GDN_T64_LDU] U
+        ob = ub + GDN_C * GDN_T64_LDU;      // [64][GDN_T64_LDU] O_intra
+        gm = ob + GDN_C * GDN_T64_LDU;      // [2][64] γ by chunk parity
+        full = reinterpret_cast<unsigned long long*>(gm + 2 * GDN_C);
+        empty = full + 5;
+    }
+};
+enum { GDN_BW, GDN_BQ, GDN_BU, GDN_BO, GDN_BK };  // the buffers' mbarriers (full[b], empty[b])
+// Rᵀ or O'ᵀ (acc, 64 x 64) = Sᵀ (s, the m64n128 accumulator, key dim gdn_pk(n) at column n)
+// times the tile at (bh, bl)ᵀ, 3xTF32 over dk = 128: gdn_wg64_mma with the A fragments split
+// from s as they are (the column pair (2q, 2q + 1) is the fragment's k (q, q + 4)).
+__device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned long long bh, unsigned long long bl,
+                                                float (&acc)[32]) {
+    gdn_wg64_mma<16, 2>(acc, bh, bl, false,
+                        [&](int kk, unsigned (&hi)[4], unsigned (&lo)[4]) { gdn_acc_frag(s, kk, hi, lo); });
+}
+
+// The state role: block sb < nstate owns value head sb / halves, columns 64 (sb % halves) ..;
+// per chunk R, Vd and the state update (the three products' chain above, less O'), and Sᵀ
+// before the update out to s_out (the out blocks' A operand), released a chunk later.
+__device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+                                   const float* __restrict__ u_in, const float* __restrict__ gamma_in,
+                                   float* __restrict__ state, float* __restrict__ s_out, unsigned* __restrict__ flags,
+                                   int t, int hk, int hv, int dv, GdnT64Smem sm) {
     constexpr int DK = 128;
-    constexpr int WT = GDN_C * DK;  // floats of one part (hi or lo) of the W, Q' or K tile
-    extern __shared__ __align__(1024) float gdn_t64_smem[];
-    float* wi = gdn_t64_smem;                   // [hi, lo][WT] W (rows permuted)
-    float* qi = wi + 2 * WT;                    // [hi, lo][WT] Q'
-    float* ki = qi + 2 * WT;                    // [hi, lo][WT] K transposed (rows = key dims, permuted)
-    float* ub = ki + 2 * WT;                    // [64][GDN_T64_LDU] U
-    float* ob = ub + GDN_C * GDN_T64_LDU;       // [64][GDN_T64_LDU] O_intra
-    float* gm = ob + GDN_C * GDN_T64_LDU;       // [2][64] γ by chunk parity
-    enum { BW, BQ, BU, BO, BK, NB };            // the buffers' mbarriers, full then empty
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(gm + 2 * GDN_C);
-    unsigned long long* empty = full + NB;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int j = blockIdx.x, m0 = blockIdx.y * GDN_T64_COLS;
+    const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, sb = blockIdx.x;
+    const int j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
     const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
     const size_t tp = (size_t)nchunks * GDN_C;
     const int dvs = min(GDN_T64_COLS, dv - m0);
     const bool team_a = warp < 4;  // the consumer (phase clock slots 0-7; the producer 8-15)
-    if (tid == 0) {
-        for (int b = 0; b < NB; b++) {
-            mbar_init(&full[b], GDN_T64_PRODUCERS);  // every producer thread
-            mbar_init(&empty[b], 128);               // every consumer thread
-        }
-    }
-    __syncthreads();
-
     if (warp >= 4) {  // the producer: chunk ch's buffers, each once the consumer released ch - 1's
         setmaxnreg_dec<128>();
         const int pt = tid - 128, pw = pt >> 5;
@@ -1900,60 +1913,38 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
             const unsigned ph = (ch - 1) & 1;
             const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
             GDN_PHASE_AT(0, GDN_T64_PRODUCERS);
-            float4 vw[8], vq[8];
+            float4 vw[8];
             gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
-            if (T64_O) gdn_t64_load_rows(qp_in + row0 * DK, vq, pw, lane);
             const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
-            if (ch + 1 < nchunks) {  // the next chunk's W and Q' (64 rows of 4 lines) into L2
-                const size_t at = (row0 + GDN_C + (pt >> 2)) * DK + (pt & 3) * 32;
-                gdn_prefetch_l2(w_in + at);
-                gdn_prefetch_l2(qp_in + at);
+            if (ch + 1 < nchunks) {  // the next chunk's W (64 rows of 4 lines) and K rows into L2
+                gdn_prefetch_l2(w_in + (row0 + GDN_C + (pt >> 2)) * DK + (pt & 3) * 32);
+                const int krow = (ch + 1) * GDN_C + (pt >> 2);
+                if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (pt & 3) * 32);
             }
-            if (ch > 0) mbar_wait(&empty[BW], ph);
+            if (ch > 0) mbar_wait(&sm.empty[GDN_BW], ph);
             GDN_PHASE_AT(1, GDN_T64_PRODUCERS);
-            gdn_t64_store_rows<true>(vw, wi, pw, lane);
-            if (pt < GDN_C) gm[(ch & 1) * GDN_C + pt] = gam;
+            gdn_t64_store_rows<true>(vw, sm.wi, pw, lane);
+            if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
             fence_proxy_async();
-            mbar_arrive(&full[BW]);
+            mbar_arrive(&sm.full[GDN_BW]);
             GDN_PHASE_AT(2, GDN_T64_PRODUCERS);
-            if (T64_O) {
-                if (ch > 0) mbar_wait(&empty[BQ], ph);
-                gdn_t64_store_rows<false>(vq, qi, pw, lane);
-                fence_proxy_async();
-                mbar_arrive(&full[BQ]);
-            }
-            GDN_PHASE_AT(3, GDN_T64_PRODUCERS);
-            if (ch > 0) mbar_wait(&empty[BU], ph);
+            if (ch > 0) mbar_wait(&sm.empty[GDN_BU], ph);
 #pragma unroll
             for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
                 const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4;
                 const bool in = n < dvs;
-                cp_async16(ub + r * GDN_T64_LDU + n, in ? u_in + (row0 + r) * dv + m0 + n : u_in, in);
+                cp_async16(sm.ub + r * GDN_T64_LDU + n, in ? u_in + (row0 + r) * dv + m0 + n : u_in, in);
             }
-            cp_async_mbar_arrive(&full[BU]);
-            if (T64_O) {
-                if (ch > 0) mbar_wait(&empty[BO], ph);
-#pragma unroll
-                for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
-                    const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
-                    const bool in = n < dvs && row < t;
-                    cp_async16(ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
-                }
-                cp_async_mbar_arrive(&full[BO]);
-            }
-            GDN_PHASE_AT(4, GDN_T64_PRODUCERS);
+            cp_async_mbar_arrive(&sm.full[GDN_BU]);
+            GDN_PHASE_AT(3, GDN_T64_PRODUCERS);
             float4 vk[4][2];
             gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
-            if (ch + 1 < nchunks) {  // the next chunk's K rows into L2
-                const int krow = (ch + 1) * GDN_C + (pt >> 2);
-                if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (pt & 3) * 32);
-            }
-            if (ch > 0) mbar_wait(&empty[BK], ph);
-            GDN_PHASE_AT(5, GDN_T64_PRODUCERS);
-            gdn_t64_store_k(vk, ki, pt);
+            if (ch > 0) mbar_wait(&sm.empty[GDN_BK], ph);
+            GDN_PHASE_AT(4, GDN_T64_PRODUCERS);
+            gdn_t64_store_k(vk, sm.ki, pt);
             fence_proxy_async();
-            mbar_arrive(&full[BK]);
-            GDN_PHASE_AT(6, GDN_T64_PRODUCERS);
+            mbar_arrive(&sm.full[GDN_BK]);
+            GDN_PHASE_AT(5, GDN_T64_PRODUCERS);
         }
         return;
     }
@@ -1970,99 +1961,35 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
             const int m = r0 + 8 * (e >> 1), k = 8 * i + cq + 4 * (e & 1);
             s[4 * i + e] = m < dvs ? st[(size_t)k * dv + m] : 0.0f;  // padding columns stay 0
         }
-    const unsigned long long wh = wgmma_desc_sw128(wi), wl = wgmma_desc_sw128(wi + WT);
-    const unsigned long long qh = wgmma_desc_sw128(qi), ql = wgmma_desc_sw128(qi + WT);
-    const unsigned long long kh_ = wgmma_desc_sw128(ki), kl = wgmma_desc_sw128(ki + WT);
+    const unsigned long long wh = wgmma_desc_sw128(sm.wi), wl = wgmma_desc_sw128(sm.wi + GdnT64Smem::WT);
+    const unsigned long long kh_ = wgmma_desc_sw128(sm.ki), kl = wgmma_desc_sw128(sm.ki + GdnT64Smem::WT);
+    // s_out [nstate][chunks][128 threads][64]: each thread's accumulator as it holds it, so the
+    // out blocks' threads read theirs back as whole 16-byte pieces
+    float* so = s_out + ((size_t)sb * nchunks * 128 + tid) * 64;
     for (int ch = 0; ch < nchunks; ch++) {
         const unsigned par = ch & 1;
-        float r[32], op[32];
-        // Rᵀ = Sᵀ Wᵀ and O'ᵀ = Sᵀ Q'ᵀ k step by k step from the same A fragments (split once:
-        // two products over them one after the other kept all 16 steps' splits live), 16 k
-        // steps in groups of 2 through two register sets
         GDN_PHASE_WG(0);
-        mbar_wait(&full[BW], par);
-        if (T64_O) mbar_wait(&full[BQ], par);
-        GDN_PHASE_WG(1);
+        if (ch > 0) {  // S_{ch-1}'s stores (a chunk ago) are everyone's: release them
+            gdn_bar(1, 128);
+            if (tid == 0) {
+                __threadfence();
+                gdn_st_release(flags + sb, ch);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            st4(so + (size_t)ch * 128 * 64 + 4 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
+        float r[32];
+        mbar_wait(&sm.full[GDN_BW], par);
         fence_proxy_async();
-        {
-            unsigned ah[2][2][4], al[2][2][4];
-            unsigned long long d0 = wh, d1 = wl, d2 = qh, d3 = ql;
-            unsigned fresh = 0;  // scale-d of each chain's first product (a register, pinned)
-            wgmma_fence_operand(d0);
-            wgmma_fence_operand(d1);
-            wgmma_fence_operand(d2);
-            wgmma_fence_operand(d3);
-            wgmma_fence_operand(fresh);
-#pragma unroll
-            for (int e = 0; e < 32; e++) {
-                wgmma_fence_operand(r[e]);
-                wgmma_fence_operand(op[e]);
-            }
-#pragma unroll
-            for (int g = 0; g < DK / 16; g++) {
-                const int b = g & 1;
-                if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    gdn_acc_frag(s, 2 * g + i, ah[b][i], al[b][i]);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        wgmma_fence_operand(ah[b][i][e]);
-                        wgmma_fence_operand(al[b][i][e]);
-                    }
-                }
-                wgmma_fence();
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int kk = 2 * g + i;
-                    wgmma_m64n64k8_tf32_rs(r, ah[b][i], gdn_desc64_k8(d0, kk), kk > 0 ? 1u : fresh);
-                    wgmma_m64n64k8_tf32_rs(r, ah[b][i], gdn_desc64_k8(d1, kk), 1);
-                    wgmma_m64n64k8_tf32_rs(r, al[b][i], gdn_desc64_k8(d0, kk), 1);
-                    if (T64_O) {
-                        wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d2, kk), kk > 0 ? 1u : fresh);
-                        wgmma_m64n64k8_tf32_rs(op, ah[b][i], gdn_desc64_k8(d3, kk), 1);
-                        wgmma_m64n64k8_tf32_rs(op, al[b][i], gdn_desc64_k8(d2, kk), 1);
-                    }
-                }
-                wgmma_commit();
-            }
-            wgmma_wait<0>();
-#pragma unroll
-            for (int e = 0; e < 32; e++) {
-                wgmma_fence_operand(r[e]);
-                wgmma_fence_operand(op[e]);
-            }
-#pragma unroll
-            for (int b = 0; b < 2; b++)
-#pragma unroll
-                for (int i = 0; i < 2; i++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        wgmma_fence_operand(ah[b][i][e]);
-                        wgmma_fence_operand(al[b][i][e]);
-                    }
-        }
-        mbar_arrive(&empty[BW]);
+        GDN_PHASE_WG(1);
+        gdn_t64_s_times(s, wh, wl, r);  // Rᵀ = Sᵀ Wᵀ
+        mbar_arrive(&sm.empty[GDN_BW]);
         GDN_PHASE_WG(2);
-        if (T64_O) {  // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
-            mbar_arrive(&empty[BQ]);
-            mbar_wait(&full[BO], par);
-            const int c0 = ch * GDN_C;
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
-                    if (m < dvs && c0 + row < t)
-                        o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = ob[row * GDN_T64_LDU + m] + op[4 * i + e];
-                }
-            mbar_arrive(&empty[BO]);
-        }
-        GDN_PHASE_WG(3);
         // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ}: R's column 8 i + 2 cq + b is chunk row 8 i + cq + 4 b
-        const float* gc = gm + par * GDN_C;
+        const float* gc = sm.gm + par * GDN_C;
         const float last = gc[GDN_C - 1];
-        mbar_wait(&full[BU], par);
+        mbar_wait(&sm.full[GDN_BU], par);
 #pragma unroll
         for (int i = 0; i < 8; i++)
 #pragma unroll
@@ -2072,18 +1999,18 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int e = 2 * h + b;
-                    r[4 * i + e] = (ub[row * GDN_T64_LDU + r0 + 8 * h] - r[4 * i + e]) * d;
+                    r[4 * i + e] = (sm.ub[row * GDN_T64_LDU + r0 + 8 * h] - r[4 * i + e]) * d;
                 }
             }
-        mbar_arrive(&empty[BU]);
-        GDN_PHASE_WG(4);
+        mbar_arrive(&sm.empty[GDN_BU]);
+        GDN_PHASE_WG(3);
         // Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K: 8 k steps (the chunk's rows) in groups of 2 through two
         // register sets (a set is refilled once the group that read it retired)
         const float eg = expf(last);
 #pragma unroll
         for (int e = 0; e < 64; e++) s[e] *= eg;
-        mbar_wait(&full[BK], par);
-        GDN_PHASE_WG(5);
+        mbar_wait(&sm.full[GDN_BK], par);
+        GDN_PHASE_WG(4);
         fence_proxy_async();
         unsigned fh[2][2][4], fl[2][2][4];
         unsigned long long dh = kh_, dl = kl;  // pinned before the stage (C7513)
@@ -2126,8 +2053,13 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
                     wgmma_fence_operand(fh[b][i][e]);
                     wgmma_fence_operand(fl[b][i][e]);
                 }
-        mbar_arrive(&empty[BK]);
-        GDN_PHASE_WG(6);
+        mbar_arrive(&sm.empty[GDN_BK]);
+        GDN_PHASE_WG(5);
+    }
+    gdn_bar(1, 128);  // the last S_c
+    if (tid == 0) {
+        __threadfence();
+        gdn_st_release(flags + sb, nchunks);
     }
 #pragma unroll
     for (int i = 0; i < 16; i++)
@@ -2137,9 +2069,109 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
             if (m < dvs) st[(size_t)k * dv + m] = s[4 * i + e];
         }
 }
+
+// The out role: blocks nstate .. take the (chunk, state block) items in chunk order, a stride of
+// the out blocks' count apart: o = O_intra + O' with O'ᵀ = S_cᵀ Q'ᵀ (S_c from s_out once the
+// state block released it; Q' split by this block's producers, O_intra copied).
+__device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* __restrict__ s_out,
+                                 const unsigned* __restrict__ flags, float* __restrict__ o, int t, int hv, int dv,
+                                 int nstate, GdnT64Smem sm) {
+    constexpr int DK = 128;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, nchunks = (t + GDN_C - 1) / GDN_C;
+    const size_t tp = (size_t)nchunks * GDN_C;
+    const int items = nstate * nchunks, first = blockIdx.x - nstate, stride = gridDim.x - nstate;
+    if (warp >= 4) {  // the producer: item it's Q' and O_intra, once the consumer released it - 1's
+        setmaxnreg_dec<128>();
+        const int pt = tid - 128, pw = pt >> 5;
+        unsigned it = 0;
+        for (int q = first; q < items; q += stride, it++) {
+            const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
+            const int dvs = min(GDN_T64_COLS, dv - m0);
+            const unsigned ph = (it - 1) & 1;
+            float4 vq[8];
+            gdn_t64_load_rows(qp_in + ((size_t)j * tp + (size_t)ch * GDN_C) * DK, vq, pw, lane);
+            if (it > 0) mbar_wait(&sm.empty[GDN_BQ], ph);
+            gdn_t64_store_rows<false>(vq, sm.qi, pw, lane);
+            fence_proxy_async();
+            mbar_arrive(&sm.full[GDN_BQ]);
+            if (it > 0) mbar_wait(&sm.empty[GDN_BO], ph);
+#pragma unroll
+            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
+                const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
+                const bool in = n < dvs && row < t;
+                cp_async16(sm.ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
+            }
+            cp_async_mbar_arrive(&sm.full[GDN_BO]);
+        }
+        return;
+    }
+    setmaxnreg_inc<240>();
+    const int gq = lane >> 2, cq = lane & 3, r0 = 16 * warp + gq;
+    const unsigned long long qh = wgmma_desc_sw128(sm.qi), ql = wgmma_desc_sw128(sm.qi + GdnT64Smem::WT);
+    unsigned it = 0;
+    for (int q = first; q < items; q += stride, it++) {
+        const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
+        const int dvs = min(GDN_T64_COLS, dv - m0);
+        const unsigned par = it & 1;
+        if (tid == 0)
+            while (gdn_ld_acquire(flags + sb) < (unsigned)ch + 1) {
+            }
+        gdn_bar(1, 128);
+        // S_c as the state block's thread tid held it (L2 reads: no stale L1 line of an earlier call)
+        float s[64];
+        const float* so = s_out + (((size_t)sb * nchunks + ch) * 128 + tid) * 64;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(so) + i);
+            s[4 * i] = v.x, s[4 * i + 1] = v.y, s[4 * i + 2] = v.z, s[4 * i + 3] = v.w;
+        }
+        float op[32];
+        mbar_wait(&sm.full[GDN_BQ], par);
+        fence_proxy_async();
+        gdn_t64_s_times(s, qh, ql, op);  // O'ᵀ = S_cᵀ Q'ᵀ
+        mbar_arrive(&sm.empty[GDN_BQ]);
+        // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
+        mbar_wait(&sm.full[GDN_BO], par);
+        const int c0 = ch * GDN_C;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
+                if (m < dvs && c0 + row < t)
+                    o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = sm.ob[row * GDN_T64_LDU + m] + op[4 * i + e];
+            }
+        mbar_arrive(&sm.empty[GDN_BO]);
+    }
+}
+
+// Grid: nstate = hv * ceil(dv / 64) state blocks, then out blocks (the host launches one block
+// an SM, so every block is resident at once and the out blocks' wait on the state blocks'
+// progress cannot deadlock); flags: nstate zeroed counters.
+__device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+                                         const float* __restrict__ qp_in, const float* __restrict__ u_in,
+                                         const float* __restrict__ gamma_in, float* __restrict__ state,
+                                         float* __restrict__ o, float* __restrict__ s_out, unsigned* __restrict__ flags,
+                                         int t, int hk, int hv, int dv) {
+    extern __shared__ __align__(1024) float gdn_t64_smem[];
+    const GdnT64Smem sm(gdn_t64_smem);
+    const int nstate = hv * ((dv + GDN_T64_COLS - 1) / GDN_T64_COLS);
+    if (threadIdx.x == 0) {
+        for (int b = 0; b < 5; b++) {
+            mbar_init(&sm.full[b], GDN_T64_PRODUCERS);  // every producer thread
+            mbar_init(&sm.empty[b], 128);               // every consumer thread
+        }
+    }
+    __syncthreads();
+    if ((int)blockIdx.x < nstate)
+        gdn_t64_state_role(qkv, c, w_in, u_in, gamma_in, state, s_out, flags, t, hk, hv, dv, sm);
+    else
+        gdn_t64_out_role(qp_in, s_out, flags, o, t, hv, dv, nstate, sm);
+}
 extern "C" __global__ void __launch_bounds__(GDN_T64_THREADS, 1) gdn_chunk_state_t64_128(
     const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in, const float* gamma_in,
-    float* state, float* o, int t, int hk, int hv, int dv) {
+    float* state, float* o, float* s_out, unsigned* flags, int t, int hk, int hv, int dv) {
     PREFILL_KERNEL();
-    gdn_chunk_state_t64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, t, hk, hv, dv);
+    gdn_chunk_state_t64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, s_out, flags, t, hk, hv, dv);
 }
