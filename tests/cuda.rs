@@ -1260,8 +1260,8 @@ fn gdn_chunk_state_phases() {
         "  A: barrier to barrier (7 -> next 0): {:.0}",
         avg(&|ch| at(ch, 0) - at(ch - 1, 7))
     );
-    // gdn_chunk_state_t64's clock (state block 0: the consumer at slots 0-5, the producer at
-    // 8-13; the producer's iteration ch fills chunk ch's buffers while the consumer works on
+    // gdn_chunk_state_t64's clock (state block 0: the consumer at slots 0-5, the W and U producer
+    // at 8-11; the producer's iteration ch fills chunk ch's buffers while the consumer works on
     // chunk ch - 1)
     if gpu.sm90a {
         use std::sync::atomic::Ordering::Relaxed;
@@ -1276,11 +1276,14 @@ fn gdn_chunk_state_phases() {
             (0, 2, 3, "state consumer: Vd (wait for U)"),
             (0, 3, 4, "state consumer: e^γ S, wait for K"),
             (0, 4, 5, "state consumer: S update"),
-            (8, 0, 1, "state producer: W loads, wait for W's release"),
-            (8, 1, 2, "state producer: W split"),
-            (8, 2, 3, "state producer: U copies (wait)"),
-            (8, 3, 4, "state producer: K loads, wait for K's release"),
-            (8, 4, 5, "state producer: K split"),
+            (
+                8,
+                0,
+                1,
+                "state producer (W, U): W loads, wait for W's release",
+            ),
+            (8, 1, 2, "state producer (W, U): W split"),
+            (8, 2, 3, "state producer (W, U): U copies (wait)"),
         ];
         for ch in 0..chunks {
             for (team, a, b, name) in t64 {

@@ -1805,43 +1805,45 @@ __device__ __forceinline__ void gdn_acc_frag(const float* x, int kk, unsigned (&
     split_tf32(x[4 * kk + 1], hi[2], lo[2]);
     split_tf32(x[4 * kk + 3], hi[3], lo[3]);
 }
-// Producer thread pt of GDN_T64_PRODUCERS: its share of a chunk's 64 rows of W or Q' (f32, 128
-// a row at src) into registers, warp pw's 8 rows (8 GDN_T64_PRODUCERS / 32 warps), 4 floats of
-// each a lane (a row is one 512-byte load of the warp); loaded before the buffer is free.
+// Two producer warpgroups: one splits W (state blocks) or Q' (out blocks), the other K (state
+// blocks) or copies O_intra (out blocks), each in its own loop, so neither waits on the other.
 #define GDN_T64_PRODUCERS 256
-__device__ __forceinline__ void gdn_t64_load_rows(const float* src, float4 (&v)[8], int pw, int lane) {
+// A producer warpgroup's (thread pt < 128) copy of a chunk's 64 rows of W or Q' (f32, 128 a
+// row at src) into registers: warp pw's 16 rows, 4 floats of each a lane (a row is one 512-byte
+// load of the warp); loaded before the buffer is free.
+__device__ __forceinline__ void gdn_t64_load_rows(const float* src, float4 (&v)[16], int pw, int lane) {
 #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = ld4(src + (size_t)(8 * pw + i) * 128 + 4 * lane);
+    for (int i = 0; i < 16; i++) v[i] = ld4(src + (size_t)(16 * pw + i) * 128 + 4 * lane);
 }
 // ... then split into the tile's hi and lo parts (8 lanes fill a swizzled 128-byte row of a
 // panel: conflict free). PERM: row r goes to tile row gdn_pk_inv(r).
 template <bool PERM>
-__device__ __forceinline__ void gdn_t64_store_rows(const float4 (&v)[8], float* tile, int pw, int lane) {
+__device__ __forceinline__ void gdn_t64_store_rows(const float4 (&v)[16], float* tile, int pw, int lane) {
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int r = 8 * pw + i, at = gdn_swr<GDN_C>(PERM ? gdn_pk_inv(r) : r, 4 * lane);
+    for (int i = 0; i < 16; i++) {
+        const int r = 16 * pw + i, at = gdn_swr<GDN_C>(PERM ? gdn_pk_inv(r) : r, 4 * lane);
         gdn_split4(v[i], tile + at, tile + GDN_C * 128 + at);
     }
 }
-// Producer thread pt's share of chunk ch's K rows (0 past t): rows 4 (pt % 16) .. + 3, key
-// dims 8 (pt / 16) .. + 7; then (gdn_t64_store_k) their split into the transposed tile: key
-// dim d at tile row gdn_pk_inv(d), the chunk row as k, so each store is a 16-byte k unit and a
-// warp's stores hit every bank group four times (conflict free).
-__device__ __forceinline__ void gdn_t64_load_k(const float* qkv, int c, size_t koff, int ch, int t, float4 (&v)[4][2],
+// A producer warpgroup's (thread pt < 128) copy of chunk ch's K rows (0 past t): rows
+// 4 (pt % 16) .. + 3, key dims 16 (pt / 16) .. + 15; then (gdn_t64_store_k) their split into the
+// transposed tile: key dim d at tile row gdn_pk_inv(d), the chunk row as k, so each store is a
+// 16-byte k unit and a warp's stores hit every bank group four times (conflict free).
+__device__ __forceinline__ void gdn_t64_load_k(const float* qkv, int c, size_t koff, int ch, int t, float4 (&v)[4][4],
                                                int pt) {
-    const int q4 = 4 * (pt & 15), d0 = 8 * (pt >> 4);
+    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
 #pragma unroll
     for (int rr = 0; rr < 4; rr++) {
         const int row = ch * GDN_C + q4 + rr;
 #pragma unroll
-        for (int f = 0; f < 2; f++)
+        for (int f = 0; f < 4; f++)
             v[rr][f] = row < t ? ld4(qkv + (size_t)row * c + koff + d0 + 4 * f) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
-__device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][2], float* tile, int pt) {
-    const int q4 = 4 * (pt & 15), d0 = 8 * (pt >> 4);
+__device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][4], float* tile, int pt) {
+    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
 #pragma unroll
-    for (int f = 0; f < 2; f++) {
+    for (int f = 0; f < 4; f++) {
         const float4 x[4] = {make_float4(v[0][f].x, v[1][f].x, v[2][f].x, v[3][f].x),
                              make_float4(v[0][f].y, v[1][f].y, v[2][f].y, v[3][f].y),
                              make_float4(v[0][f].z, v[1][f].z, v[2][f].z, v[3][f].z),
@@ -1851,6 +1853,17 @@ __device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][2], float* 
             const int at = gdn_swr<128>(gdn_pk_inv(d0 + 4 * f + e), q4);
             gdn_split4(x[e], tile + at, tile + 128 * GDN_C + at);
         }
+    }
+}
+// A producer warpgroup's cp.async of 64 rows x 64 columns (U or O_intra) into a [64][LDU]
+// tile: row r from src + r * ld (columns past n_in and rows past rows_in zero-filled).
+__device__ __forceinline__ void gdn_t64_copy_rows(const float* src, size_t ld, int n_in, int rows_in, float* tile,
+                                                  int pt) {
+#pragma unroll
+    for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / 128; p++) {
+        const int i = pt + 128 * p, r = i >> 4, n = (i & 15) * 4;
+        const bool in = n < n_in && r < rows_in;
+        cp_async16(tile + r * GDN_T64_LDU + n, in ? src + r * ld + n : src, in);
     }
 }
 
@@ -1905,46 +1918,51 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
     const size_t tp = (size_t)nchunks * GDN_C;
     const int dvs = min(GDN_T64_COLS, dv - m0);
     const bool team_a = warp < 4;  // the consumer (phase clock slots 0-7; the producer 8-15)
-    if (warp >= 4) {  // the producer: chunk ch's buffers, each once the consumer released ch - 1's
+    if (warp >= 4) {  // the producers: chunk ch's buffers, each once the consumer released ch - 1's
         setmaxnreg_dec<128>();
-        const int pt = tid - 128, pw = pt >> 5;
+        const int pt = (tid - 128) & 127, pw = pt >> 5;
         const size_t koff = (size_t)(hk + kh) * DK;
-        for (int ch = 0; ch < nchunks; ch++) {
-            const unsigned ph = (ch - 1) & 1;
-            const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
-            GDN_PHASE_AT(0, GDN_T64_PRODUCERS);
-            float4 vw[8];
-            gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
-            const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
-            if (ch + 1 < nchunks) {  // the next chunk's W (64 rows of 4 lines) and K rows into L2
-                gdn_prefetch_l2(w_in + (row0 + GDN_C + (pt >> 2)) * DK + (pt & 3) * 32);
-                const int krow = (ch + 1) * GDN_C + (pt >> 2);
-                if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (pt & 3) * 32);
-            }
-            if (ch > 0) mbar_wait(&sm.empty[GDN_BW], ph);
-            GDN_PHASE_AT(1, GDN_T64_PRODUCERS);
-            gdn_t64_store_rows<true>(vw, sm.wi, pw, lane);
-            if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
-            fence_proxy_async();
-            mbar_arrive(&sm.full[GDN_BW]);
-            GDN_PHASE_AT(2, GDN_T64_PRODUCERS);
-            if (ch > 0) mbar_wait(&sm.empty[GDN_BU], ph);
+        if (warp < 8) {  // W, γ and U
+            for (int ch = 0; ch < nchunks; ch++) {
+                const unsigned ph = (ch - 1) & 1;
+                const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
+                GDN_PHASE_WG(0);
+                float4 vw[16];
+                gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
+                const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
+                if (ch + 1 < nchunks)  // the next chunk's W (64 rows of 4 lines) into L2
 #pragma unroll
-            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
-                const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4;
-                const bool in = n < dvs;
-                cp_async16(sm.ub + r * GDN_T64_LDU + n, in ? u_in + (row0 + r) * dv + m0 + n : u_in, in);
+                    for (int i = 0; i < 2; i++) {
+                        const int line = pt + 128 * i;
+                        gdn_prefetch_l2(w_in + (row0 + GDN_C + (line >> 2)) * DK + (line & 3) * 32);
+                    }
+                if (ch > 0) mbar_wait(&sm.empty[GDN_BW], ph);
+                GDN_PHASE_WG(1);
+                gdn_t64_store_rows<true>(vw, sm.wi, pw, lane);
+                if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
+                fence_proxy_async();
+                mbar_arrive(&sm.full[GDN_BW]);
+                GDN_PHASE_WG(2);
+                if (ch > 0) mbar_wait(&sm.empty[GDN_BU], ph);
+                gdn_t64_copy_rows(u_in + row0 * dv + m0, dv, dvs, GDN_C, sm.ub, pt);
+                cp_async_mbar_arrive(&sm.full[GDN_BU]);
+                GDN_PHASE_WG(3);
             }
-            cp_async_mbar_arrive(&sm.full[GDN_BU]);
-            GDN_PHASE_AT(3, GDN_T64_PRODUCERS);
-            float4 vk[4][2];
-            gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
-            if (ch > 0) mbar_wait(&sm.empty[GDN_BK], ph);
-            GDN_PHASE_AT(4, GDN_T64_PRODUCERS);
-            gdn_t64_store_k(vk, sm.ki, pt);
-            fence_proxy_async();
-            mbar_arrive(&sm.full[GDN_BK]);
-            GDN_PHASE_AT(5, GDN_T64_PRODUCERS);
+        } else {  // K
+            for (int ch = 0; ch < nchunks; ch++) {
+                float4 vk[4][4];
+                gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
+                if (ch + 1 < nchunks)  // the next chunk's K rows into L2
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        const int line = pt + 128 * i, krow = (ch + 1) * GDN_C + (line >> 2);
+                        if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
+                    }
+                if (ch > 0) mbar_wait(&sm.empty[GDN_BK], (ch - 1) & 1);
+                gdn_t64_store_k(vk, sm.ki, pt);
+                fence_proxy_async();
+                mbar_arrive(&sm.full[GDN_BK]);
+            }
         }
         return;
     }
@@ -1971,10 +1989,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         GDN_PHASE_WG(0);
         if (ch > 0) {  // S_{ch-1}'s stores (a chunk ago) are everyone's: release them
             gdn_bar(1, 128);
-            if (tid == 0) {
-                __threadfence();
-                gdn_st_release(flags + sb, ch);
-            }
+            if (tid == 0) gdn_st_release(flags + sb, ch);  // cumulative: the barrier ordered the others' stores
         }
 #pragma unroll
         for (int i = 0; i < 16; i++)
@@ -2057,10 +2072,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         GDN_PHASE_WG(5);
     }
     gdn_bar(1, 128);  // the last S_c
-    if (tid == 0) {
-        __threadfence();
-        gdn_st_release(flags + sb, nchunks);
-    }
+    if (tid == 0) gdn_st_release(flags + sb, nchunks);
 #pragma unroll
     for (int i = 0; i < 16; i++)
 #pragma unroll
@@ -2081,28 +2093,27 @@ __device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* _
     const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, nchunks = (t + GDN_C - 1) / GDN_C;
     const size_t tp = (size_t)nchunks * GDN_C;
     const int items = nstate * nchunks, first = blockIdx.x - nstate, stride = gridDim.x - nstate;
-    if (warp >= 4) {  // the producer: item it's Q' and O_intra, once the consumer released it - 1's
+    if (warp >= 4) {  // the producers: item it's Q' and O_intra, once the consumer released it - 1's
         setmaxnreg_dec<128>();
-        const int pt = tid - 128, pw = pt >> 5;
+        const int pt = (tid - 128) & 127, pw = pt >> 5;
+        const bool qp_side = warp < 8;
         unsigned it = 0;
         for (int q = first; q < items; q += stride, it++) {
             const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
-            const int dvs = min(GDN_T64_COLS, dv - m0);
             const unsigned ph = (it - 1) & 1;
-            float4 vq[8];
-            gdn_t64_load_rows(qp_in + ((size_t)j * tp + (size_t)ch * GDN_C) * DK, vq, pw, lane);
-            if (it > 0) mbar_wait(&sm.empty[GDN_BQ], ph);
-            gdn_t64_store_rows<false>(vq, sm.qi, pw, lane);
-            fence_proxy_async();
-            mbar_arrive(&sm.full[GDN_BQ]);
-            if (it > 0) mbar_wait(&sm.empty[GDN_BO], ph);
-#pragma unroll
-            for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / GDN_T64_PRODUCERS; p++) {
-                const int i = pt + GDN_T64_PRODUCERS * p, r = i >> 4, n = (i & 15) * 4, row = ch * GDN_C + r;
-                const bool in = n < dvs && row < t;
-                cp_async16(sm.ob + r * GDN_T64_LDU + n, in ? o + ((size_t)row * hv + j) * dv + m0 + n : o, in);
+            if (qp_side) {
+                float4 vq[16];
+                gdn_t64_load_rows(qp_in + ((size_t)j * tp + (size_t)ch * GDN_C) * DK, vq, pw, lane);
+                if (it > 0) mbar_wait(&sm.empty[GDN_BQ], ph);
+                gdn_t64_store_rows<false>(vq, sm.qi, pw, lane);
+                fence_proxy_async();
+                mbar_arrive(&sm.full[GDN_BQ]);
+            } else {
+                if (it > 0) mbar_wait(&sm.empty[GDN_BO], ph);
+                gdn_t64_copy_rows(o + ((size_t)ch * GDN_C * hv + j) * dv + m0, (size_t)hv * dv,
+                                  min(GDN_T64_COLS, dv - m0), min(GDN_C, t - ch * GDN_C), sm.ob, pt);
+                cp_async_mbar_arrive(&sm.full[GDN_BO]);
             }
-            cp_async_mbar_arrive(&sm.full[GDN_BO]);
         }
         return;
     }
@@ -2159,8 +2170,8 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
     const int nstate = hv * ((dv + GDN_T64_COLS - 1) / GDN_T64_COLS);
     if (threadIdx.x == 0) {
         for (int b = 0; b < 5; b++) {
-            mbar_init(&sm.full[b], GDN_T64_PRODUCERS);  // every producer thread
-            mbar_init(&sm.empty[b], 128);               // every consumer thread
+            mbar_init(&sm.full[b], 128);  // every thread of the producer warpgroup that fills it
+            mbar_init(&sm.empty[b], 128);  // every consumer thread
         }
     }
     __syncthreads();
