@@ -1905,7 +1905,8 @@ __device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned l
 
 // The state role: block sb < nstate owns value head sb / halves, columns 64 (sb % halves) ..;
 // per chunk R, Vd and the state update (the three products' chain above, less O'), and Sᵀ
-// before the update out to s_out (the out blocks' A operand), released a chunk later.
+// before the update out to s_out (the out blocks' A operand), released by the W producer
+// once the consumer's release of W (after its stores) reached it: no fence on the chain.
 __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                    const float* __restrict__ u_in, const float* __restrict__ gamma_in,
                                    float* __restrict__ state, float* __restrict__ s_out, unsigned* __restrict__ flags,
@@ -1936,7 +1937,12 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                         const int line = pt + 128 * i;
                         gdn_prefetch_l2(w_in + (row0 + GDN_C + (line >> 2)) * DK + (line & 3) * 32);
                     }
-                if (ch > 0) mbar_wait(&sm.empty[GDN_BW], ph);
+                if (ch > 0) {
+                    mbar_wait(&sm.empty[GDN_BW], ph);
+                    // W's release comes after the consumer stored S_{ch-1} (before R): release
+                    // S_0 .. S_{ch-1} to the out blocks (cumulative over what the wait observed)
+                    if (pt == 0) gdn_st_release(flags + sb, ch);
+                }
                 GDN_PHASE_WG(1);
                 gdn_t64_store_rows<true>(vw, sm.wi, pw, lane);
                 if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
@@ -1948,6 +1954,8 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 cp_async_mbar_arrive(&sm.full[GDN_BU]);
                 GDN_PHASE_WG(3);
             }
+            mbar_wait(&sm.empty[GDN_BW], (nchunks - 1) & 1);  // the last chunk's R: S_last stored
+            if (pt == 0) gdn_st_release(flags + sb, nchunks);
         } else {  // K
             for (int ch = 0; ch < nchunks; ch++) {
                 float4 vk[4][4];
@@ -1987,10 +1995,6 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
     for (int ch = 0; ch < nchunks; ch++) {
         const unsigned par = ch & 1;
         GDN_PHASE_WG(0);
-        if (ch > 0) {  // S_{ch-1}'s stores (a chunk ago) are everyone's: release them
-            gdn_bar(1, 128);
-            if (tid == 0) gdn_st_release(flags + sb, ch);  // cumulative: the barrier ordered the others' stores
-        }
 #pragma unroll
         for (int i = 0; i < 16; i++)
             st4(so + (size_t)ch * 128 * 64 + 4 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
@@ -2071,8 +2075,6 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         mbar_arrive(&sm.empty[GDN_BK]);
         GDN_PHASE_WG(5);
     }
-    gdn_bar(1, 128);  // the last S_c
-    if (tid == 0) gdn_st_release(flags + sb, nchunks);
 #pragma unroll
     for (int i = 0; i < 16; i++)
 #pragma unroll
