@@ -1271,7 +1271,8 @@ fn gdn_chunk_state_phases() {
         let ph = gpu.gdn_phase_trace().unwrap();
         let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
         let t64 = [
-            (0, 0, 1, "state consumer: release S, store S, wait for W"),
+            (0, 0, 6, "state consumer: store S"),
+            (0, 6, 1, "state consumer: wait for W"),
             (0, 1, 2, "state consumer: R product"),
             (0, 2, 3, "state consumer: Vd (wait for U)"),
             (0, 3, 4, "state consumer: e^γ S, wait for K"),

@@ -1998,6 +1998,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
 #pragma unroll
         for (int i = 0; i < 16; i++)
             st4(so + (size_t)ch * 128 * 64 + 4 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
+        GDN_PHASE_WG(6);
         float r[32];
         mbar_wait(&sm.full[GDN_BW], par);
         fence_proxy_async();
