@@ -1989,15 +1989,16 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         }
     const unsigned long long wh = wgmma_desc_sw128(sm.wi), wl = wgmma_desc_sw128(sm.wi + GdnT64Smem::WT);
     const unsigned long long kh_ = wgmma_desc_sw128(sm.ki), kl = wgmma_desc_sw128(sm.ki + GdnT64Smem::WT);
-    // s_out [nstate][chunks][128 threads][64]: each thread's accumulator as it holds it, so the
-    // out blocks' threads read theirs back as whole 16-byte pieces
-    float* so = s_out + ((size_t)sb * nchunks * 128 + tid) * 64;
+    // s_out [nstate][chunks][16][128 threads][4]: each thread's accumulator as it holds it, float4
+    // i of every thread side by side (a warp's store is 512 contiguous bytes), so the out blocks'
+    // threads read theirs back the same way
+    float* so = s_out + (size_t)sb * nchunks * 128 * 64 + 4 * tid;
     for (int ch = 0; ch < nchunks; ch++) {
         const unsigned par = ch & 1;
         GDN_PHASE_WG(0);
 #pragma unroll
         for (int i = 0; i < 16; i++)
-            st4(so + (size_t)ch * 128 * 64 + 4 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
+            st4(so + (size_t)ch * 128 * 64 + 512 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
         GDN_PHASE_WG(6);
         float r[32];
         mbar_wait(&sm.full[GDN_BW], par);
@@ -2134,10 +2135,10 @@ __device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* _
         gdn_bar(1, 128);
         // S_c as the state block's thread tid held it (L2 reads: no stale L1 line of an earlier call)
         float s[64];
-        const float* so = s_out + (((size_t)sb * nchunks + ch) * 128 + tid) * 64;
+        const float* so = s_out + ((size_t)sb * nchunks + ch) * 128 * 64 + 4 * tid;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(so) + i);
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(so + 512 * i));
             s[4 * i] = v.x, s[4 * i + 1] = v.y, s[4 * i + 2] = v.z, s[4 * i + 3] = v.w;
         }
         float op[32];
