@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device round for gdn_chunk_state_t64 (Sᵀ in registers, KESTREL_GDN_STATE=t64) against
-# the default state pass: the phase clocks at 2,048 tokens, the delta-rule tests (every state
-# pass against the recurrent kernel), the kernels' timing at 4,096 tokens, then the bench A/B
-# (scripts/gpu_check.sh variants) at CONTEXTS (default 2048,8192). Logs under $OUT.
+# One device round for gdn_chunk_state_t64 (Sᵀ in registers, the default) against
+# gdn_chunk_state_wg (KESTREL_GDN_STATE=wg): the phase clocks at 2,048 tokens, the delta-rule
+# tests (every state pass against the recurrent kernel), the kernels' timing at 4,096 tokens,
+# then the bench A/B (scripts/gpu_check.sh variants) at CONTEXTS (default 2048,8192). Logs
+# under $OUT.
 set -uo pipefail
 T=.device/bin/test-cuda
 run() { echo "=== $*"; env "$@" 2>&1 | grep -v "^running\|^$\|test result\|filtered"; }
@@ -11,4 +12,4 @@ run() { echo "=== $*"; env "$@" 2>&1 | grep -v "^running\|^$\|test result\|filte
   run $T gdn_chunked --nocapture --test-threads=1
   run $T gdn_prefill_kernel_timing_full_shape --nocapture
 } 2>&1 | tee "$OUT/gdn-round.log"
-scripts/gpu_check.sh variants "${1:-2048,8192}" '-;KESTREL_GDN_STATE=t64'
+scripts/gpu_check.sh variants "${1:-2048,8192}" 'KESTREL_GDN_STATE=wg;-'

@@ -1198,7 +1198,13 @@ fn gdn_chunk_state_phases() {
     let sh = model_gdn_shape(2048);
     let traced =
         std::env::var("KESTREL_KERNEL_DEFINES").is_ok_and(|d| d.contains("KESTREL_GDN_TRACE"));
+    // gdn_chunk_state_wg's (or gdn_chunk_state's) clock first: gdn_chunk_state_t64 off
+    let default_t64 = gpu
+        .gdn_state_t64
+        .swap(false, std::sync::atomic::Ordering::Relaxed);
     run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
+    gpu.gdn_state_t64
+        .store(default_t64, std::sync::atomic::Ordering::Relaxed);
     let ph = gpu.gdn_phase_trace().unwrap();
     if !traced {
         assert!(

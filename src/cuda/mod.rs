@@ -171,13 +171,14 @@ pub struct Gpu {
     /// Programmatic dependent launch for the prefill kernels ([`Gpu::launch_dep`]): on
     /// compute capability 9.0 and not while profiling; `KESTREL_PREFILL_PDL=0` turns it off.
     prefill_pdl: bool,
-    /// The chunked delta rule's state pass on wgmma (`gdn_chunk_state_wg`, dk 64 or 128): on
-    /// compute capability 9.0 (the sm_90a build); `KESTREL_GDN_STATE=mma` keeps the mma.sync
-    /// kernel (`gdn_chunk_state`). Atomic so that tests can compare the two on one `Gpu`.
+    /// The chunked delta rule's state pass on wgmma (`gdn_chunk_state_wg`, dk 64 or 128; where
+    /// `gdn_state_t64` does not take the shape): on compute capability 9.0 (the sm_90a build);
+    /// `KESTREL_GDN_STATE=mma` keeps the mma.sync kernel (`gdn_chunk_state`). Atomic so that tests can compare the two on one `Gpu`.
     pub gdn_state_wg: std::sync::atomic::AtomicBool,
     /// The chunked delta rule's state pass with Sᵀ as the wgmma A operand
-    /// (`gdn_chunk_state_t64`, dk = 128; takes precedence over `gdn_state_wg`): opt-in on
-    /// compute capability 9.0 with `KESTREL_GDN_STATE=t64`.
+    /// (`gdn_chunk_state_t64`, dk = 128; takes precedence over `gdn_state_wg`): on compute
+    /// capability 9.0; `KESTREL_GDN_STATE=wg` keeps `gdn_chunk_state_wg`, `=mma` the mma.sync
+    /// kernel.
     pub gdn_state_t64: std::sync::atomic::AtomicBool,
     /// The chunked delta rule's prep on wgmma (`gdn_chunk_prep_wg`, dk = dv = 128): opt-in on
     /// compute capability 9.0 with `KESTREL_GDN_PREP=wg` (measured no faster yet than the
@@ -430,7 +431,7 @@ impl Gpu {
                 && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma"))
             .into(),
             gdn_state_t64: (cc == (9, 0)
-                && std::env::var("KESTREL_GDN_STATE").is_ok_and(|v| v == "t64"))
+                && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma" && v != "wg"))
             .into(),
             gdn_prep_wg: (cc == (9, 0)
                 && std::env::var("KESTREL_GDN_PREP").is_ok_and(|v| v == "wg"))
