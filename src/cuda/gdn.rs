@@ -90,7 +90,8 @@ impl GdnShape {
     }
 
     /// Floats of the scratch of [`Gpu::gdn_delta_chunked`]: W, Q', U and γ for every token
-    /// of every chunk (the last one padded) and value head.
+    /// of every chunk (the last one padded) and value head, then (dk = 128) the states and
+    /// counters `gdn_chunk_state_t64` hands its out blocks.
     pub fn chunk_scratch_floats(&self) -> usize {
         self.prep_scratch_floats() + self.t64_scratch_floats()
     }
@@ -318,7 +319,9 @@ impl Gpu {
     /// (chunks, hv), prepares every chunk in parallel (on wgmma, `gdn_chunk_prep_wg`, where
     /// [`Gpu::gdn_prep_wg`] and dk = dv = 128), then `gdn_chunk_state`, grid
     /// (hv, dv / 32), carries the state through the chunks (3xTF32 tensor-core products; on
-    /// wgmma, `gdn_chunk_state_wg`, where [`Gpu::gdn_state_wg`] and dk is 64 or 128).
+    /// wgmma, `gdn_chunk_state_wg`, where [`Gpu::gdn_state_wg`] and dk is 64 or 128; with Sᵀ in
+    /// registers, `gdn_chunk_state_t64`, a block an SM, where [`Gpu::gdn_state_t64`] and dk is
+    /// 128).
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
     /// [`GdnShape::chunked_fits`].
     pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
