@@ -242,6 +242,7 @@ int main(int argc, char** argv) {
         run_delta<128>(70, 1, 2, 128, d, TOL);
         run_delta<16>(45, 2, 4, 20, d, TOL);    // dv % 8 == 4: the prep's zero padding columns
         run_delta<128>(70, 1, 2, 132, d, TOL);  // 33 column tiles: a warp takes a second group
+        run_delta<128>(200, 1, 2, 128, d, TOL);  // 4 chunks: gdn_chunk_state_t64's buffers twice each
     }
     if (full) {
         run_delta<128>(300, 16, 32, 128, true, TOL);

@@ -1923,9 +1923,11 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         setmaxnreg_dec<128>();
         const int pt = (tid - 128) & 127, pw = pt >> 5;
         const size_t koff = (size_t)(hk + kh) * DK;
-        if (warp < 8) {  // W, γ and U
+        if (warp < 8) {  // W, γ and U, into buffer ch & 1 of each (the out role's Q' and O_intra
+                         // tiles are the second buffers here), a chunk ahead of the consumer
             for (int ch = 0; ch < nchunks; ch++) {
-                const unsigned ph = (ch - 1) & 1;
+                const int bw = ch & 1 ? GDN_BQ : GDN_BW, bu = ch & 1 ? GDN_BO : GDN_BU;
+                const unsigned ph = ((ch >> 1) - 1) & 1;  // the buffer's previous use (chunk ch - 2)
                 const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
                 GDN_PHASE_WG(0);
                 float4 vw[16];
@@ -1937,24 +1939,26 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                         const int line = pt + 128 * i;
                         gdn_prefetch_l2(w_in + (row0 + GDN_C + (line >> 2)) * DK + (line & 3) * 32);
                     }
-                if (ch > 0) {
-                    mbar_wait(&sm.empty[GDN_BW], ph);
-                    // W's release comes after the consumer stored S_{ch-1} (before R): release
-                    // S_0 .. S_{ch-1} to the out blocks (cumulative over what the wait observed)
-                    if (pt == 0) gdn_st_release(flags + sb, ch);
+                if (ch > 1) {
+                    mbar_wait(&sm.empty[bw], ph);
+                    // W's release comes after the consumer stored S_{ch-2} (before R): release
+                    // S_0 .. S_{ch-2} to the out blocks (cumulative over what the wait observed)
+                    if (pt == 0) gdn_st_release(flags + sb, ch - 1);
                 }
                 GDN_PHASE_WG(1);
-                gdn_t64_store_rows<true>(vw, sm.wi, pw, lane);
+                gdn_t64_store_rows<true>(vw, ch & 1 ? sm.qi : sm.wi, pw, lane);
                 if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
                 fence_proxy_async();
-                mbar_arrive(&sm.full[GDN_BW]);
+                mbar_arrive(&sm.full[bw]);
                 GDN_PHASE_WG(2);
-                if (ch > 0) mbar_wait(&sm.empty[GDN_BU], ph);
-                gdn_t64_copy_rows(u_in + row0 * dv + m0, dv, dvs, GDN_C, sm.ub, pt);
-                cp_async_mbar_arrive(&sm.full[GDN_BU]);
+                if (ch > 1) mbar_wait(&sm.empty[bu], ph);
+                gdn_t64_copy_rows(u_in + row0 * dv + m0, dv, dvs, GDN_C, ch & 1 ? sm.ob : sm.ub, pt);
+                cp_async_mbar_arrive(&sm.full[bu]);
                 GDN_PHASE_WG(3);
             }
-            mbar_wait(&sm.empty[GDN_BW], (nchunks - 1) & 1);  // the last chunk's R: S_last stored
+            // the last two chunks' R: every S stored
+            for (int ch = max(nchunks - 2, 0); ch < nchunks; ch++)
+                mbar_wait(&sm.empty[ch & 1 ? GDN_BQ : GDN_BW], (ch >> 1) & 1);
             if (pt == 0) gdn_st_release(flags + sb, nchunks);
         } else {  // K
             for (int ch = 0; ch < nchunks; ch++) {
@@ -1987,7 +1991,6 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
             const int m = r0 + 8 * (e >> 1), k = 8 * i + cq + 4 * (e & 1);
             s[4 * i + e] = m < dvs ? st[(size_t)k * dv + m] : 0.0f;  // padding columns stay 0
         }
-    const unsigned long long wh = wgmma_desc_sw128(sm.wi), wl = wgmma_desc_sw128(sm.wi + GdnT64Smem::WT);
     const unsigned long long kh_ = wgmma_desc_sw128(sm.ki), kl = wgmma_desc_sw128(sm.ki + GdnT64Smem::WT);
     // s_out [nstate][chunks][16][128 threads][4]: each thread's accumulator as it holds it, float4
     // i of every thread side by side (a warp's store is 512 contiguous bytes), so the out blocks'
@@ -2001,29 +2004,38 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
             st4(so + (size_t)ch * 128 * 64 + 512 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
         GDN_PHASE_WG(6);
         float r[32];
-        mbar_wait(&sm.full[GDN_BW], par);
+        const int bw = par ? GDN_BQ : GDN_BW, bu = par ? GDN_BO : GDN_BU;
+        const unsigned use = (ch >> 1) & 1;  // the parity of this use of buffer par
+        const float* wt = par ? sm.qi : sm.wi;
+        mbar_wait(&sm.full[bw], use);
         fence_proxy_async();
         GDN_PHASE_WG(1);
-        gdn_t64_s_times(s, wh, wl, r);  // Rᵀ = Sᵀ Wᵀ
-        mbar_arrive(&sm.empty[GDN_BW]);
-        GDN_PHASE_WG(2);
-        // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ}: R's column 8 i + 2 cq + b is chunk row 8 i + cq + 4 b
+        // the chunk's decays now: γ's buffer is refilled once W's is released
         const float* gc = sm.gm + par * GDN_C;
         const float last = gc[GDN_C - 1];
-        mbar_wait(&sm.full[GDN_BU], par);
+        float dec[16];  // e^{γ_last − γ} of chunk rows 8 i + cq + 4 b, at 2 i + b
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) dec[2 * i + b] = expf(last - gc[8 * i + cq + 4 * b]);
+        gdn_t64_s_times(s, wgmma_desc_sw128(wt), wgmma_desc_sw128(wt + GdnT64Smem::WT), r);  // Rᵀ = Sᵀ Wᵀ
+        mbar_arrive(&sm.empty[bw]);
+        GDN_PHASE_WG(2);
+        // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ}: R's column 8 i + 2 cq + b is chunk row 8 i + cq + 4 b
+        const float* ut = par ? sm.ob : sm.ub;
+        mbar_wait(&sm.full[bu], use);
 #pragma unroll
         for (int i = 0; i < 8; i++)
 #pragma unroll
             for (int b = 0; b < 2; b++) {
                 const int row = 8 * i + cq + 4 * b;
-                const float d = expf(last - gc[row]);
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int e = 2 * h + b;
-                    r[4 * i + e] = (sm.ub[row * GDN_T64_LDU + r0 + 8 * h] - r[4 * i + e]) * d;
+                    r[4 * i + e] = (ut[row * GDN_T64_LDU + r0 + 8 * h] - r[4 * i + e]) * dec[2 * i + b];
                 }
             }
-        mbar_arrive(&sm.empty[GDN_BU]);
+        mbar_arrive(&sm.empty[bu]);
         GDN_PHASE_WG(3);
         // Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K: 8 k steps (the chunk's rows) in groups of 2 through two
         // register sets (a set is refilled once the group that read it retired)
