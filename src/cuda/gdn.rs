@@ -335,7 +335,7 @@ impl Gpu {
         let t64 = self.gdn_state_t64.load(Relaxed)
             && sh.state_t64_fits(self.max_smem_per_block, self.sm_count);
         let s_out = scratch + (sh.prep_scratch_floats() * 4) as u64;
-        let flags = s_out + ((sh.t64_scratch_floats() - sh.t64_state_blocks()) * 4) as u64;
+        let flags = s_out + (sh.t64_state_blocks() * sh.chunks() * 128 * 64 * 4) as u64;
         if t64 {
             // its progress counters start at zero (set before the prep, so that the state
             // pass still follows the prep directly)

@@ -173,7 +173,8 @@ pub struct Gpu {
     prefill_pdl: bool,
     /// The chunked delta rule's state pass on wgmma (`gdn_chunk_state_wg`, dk 64 or 128; where
     /// `gdn_state_t64` does not take the shape): on compute capability 9.0 (the sm_90a build);
-    /// `KESTREL_GDN_STATE=mma` keeps the mma.sync kernel (`gdn_chunk_state`). Atomic so that tests can compare the two on one `Gpu`.
+    /// `KESTREL_GDN_STATE=mma` keeps the mma.sync kernel (`gdn_chunk_state`). Atomic (as the
+    /// other kernel choices) so that tests can compare them on one `Gpu`.
     pub gdn_state_wg: std::sync::atomic::AtomicBool,
     /// The chunked delta rule's state pass with Sᵀ as the wgmma A operand
     /// (`gdn_chunk_state_t64`, dk = 128; takes precedence over `gdn_state_wg`): on compute

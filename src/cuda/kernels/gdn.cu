@@ -1765,25 +1765,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
     gdn_chunk_prep_wg_impl<128>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);
 }
 
-// ---- gdn_chunk_state_t64 (sm_90a, dk = 128; opt-in, KESTREL_GDN_STATE=t64): the state pass
-// with Sᵀ as the wgmma A operand ----
-// gdn_chunk_state's contract (the prep's W, Q', U, γ and O_intra in, o and the state out), a
-// block per value head and 64 of its value columns (grid (hv, dv / 64)). Consumer warpgroup 0
-// keeps Sᵀ (64 value columns x dk, f32) in its accumulator registers from the first chunk to
-// the last; a chunk is three 3xTF32 products whose A operand is split straight from registers,
-// so nothing on the chain goes through shared memory:
-//   Rᵀ = Sᵀ Wᵀ and O'ᵀ = Sᵀ Q'ᵀ (m64n64k8, k = dk),
-//   Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} in R's registers,
-//   Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K (m64n128k8, k = the chunk's 64 rows), while o = O_intra + O'
-//   goes out.
+// ---- gdn_chunk_state_t64 (sm_90a, dk = 128; the default there, KESTREL_GDN_STATE=wg keeps
+// gdn_chunk_state_wg): the state pass with Sᵀ as the wgmma A operand ----
+// gdn_chunk_state's contract (the prep's W, Q', U, γ and O_intra in, o and the state out) in one
+// launch of a block an SM, every block resident at once. State blocks (the first hv * dv / 64):
+// a value head's 64 value columns; consumer warpgroup 0 keeps Sᵀ (64 x dk, f32) in its
+// accumulator registers from the first chunk to the last, and a chunk is two 3xTF32 products
+// whose A operand is split straight from registers, so nothing on the chain goes through shared
+// memory:
+//   Rᵀ = Sᵀ Wᵀ (m64n64k8, k = dk), Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} in R's registers,
+//   Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K (m64n128k8, k = the chunk's 64 rows),
+// with each chunk's Sᵀ (before its update) stored for the out blocks. Out blocks (the rest):
+// o = O_intra + O' with O'ᵀ = Sᵀ Q'ᵀ for (chunk, state block) items in chunk order, each once
+// its state block released that chunk's Sᵀ (a counter a state block, st.release / ld.acquire).
 // An accumulator's column pair (2q, 2q + 1) of an n8 block is the tf32 A fragment's k (q, q + 4)
 // (as in gdn_chunk_prep_wg), so two B tiles store their rows permuted by gdn_pk: W's row n is
 // chunk row gdn_pk(n) (R's column n is then that chunk row, and Vdᵀ's fragments come in chunk
 // order for K's k), and K's row n is key dim gdn_pk(n) (Sᵀ's column n is then that key dim, and
-// its fragments come in dk order for W's and Q''s k). Producer warpgroup 1 splits W, Q' and K
-// (transposed) into K-major 128-byte-swizzle tiles (hi, lo) and copies U, O_intra and γ: one
-// buffer each, guarded by full / empty mbarriers, refilled as soon as the consumer is done with
-// it. Dynamic shared memory (1024-byte aligned): GdnShape::state_t64_smem_bytes (232,016 bytes).
+// its fragments come in dk order for W's and Q''s k). Two producer warpgroups per block split
+// W (or Q') and K (transposed) into K-major 128-byte-swizzle tiles (hi, lo) and copy U, γ (or
+// O_intra), each buffer guarded by full / empty mbarriers. Dynamic shared memory (1024-byte
+// aligned): GdnShape::state_t64_smem_bytes (232,016 bytes); docs/KERNELS.md, fourteenth session.
 #define GDN_T64_COLS 64   // value columns of a block
 #define GDN_T64_LDU 68    // U and O_intra rows (the consumer's reads hit 32 distinct banks)
 // Element (n, k) of a K-major tf32 tile of ROWS rows in 128-byte-swizzle panels of 32 k.
@@ -1919,7 +1921,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
     const size_t tp = (size_t)nchunks * GDN_C;
     const int dvs = min(GDN_T64_COLS, dv - m0);
     const bool team_a = warp < 4;  // the consumer (phase clock slots 0-7; the producer 8-15)
-    if (warp >= 4) {  // the producers: chunk ch's buffers, each once the consumer released ch - 1's
+    if (warp >= 4) {  // the producers: chunk ch's buffers, each once the consumer released its last use
         setmaxnreg_dec<128>();
         const int pt = (tid - 128) & 127, pw = pt >> 5;
         const size_t koff = (size_t)(hk + kh) * DK;
