@@ -1198,14 +1198,16 @@ fn gdn_chunk_state_phases() {
     let sh = model_gdn_shape(2048);
     let traced =
         std::env::var("KESTREL_KERNEL_DEFINES").is_ok_and(|d| d.contains("KESTREL_GDN_TRACE"));
+    // The phase clock of one chunked delta-rule run at 2,048 tokens with a kernel choice set
+    // (then put back).
+    let traced_with = |flag: &std::sync::atomic::AtomicBool, on: bool| {
+        let default = flag.swap(on, std::sync::atomic::Ordering::Relaxed);
+        run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
+        flag.store(default, std::sync::atomic::Ordering::Relaxed);
+        gpu.gdn_phase_trace().unwrap()
+    };
     // gdn_chunk_state_wg's (or gdn_chunk_state's) clock first: gdn_chunk_state_t64 off
-    let default_t64 = gpu
-        .gdn_state_t64
-        .swap(false, std::sync::atomic::Ordering::Relaxed);
-    run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
-    gpu.gdn_state_t64
-        .store(default_t64, std::sync::atomic::Ordering::Relaxed);
-    let ph = gpu.gdn_phase_trace().unwrap();
+    let ph = traced_with(&gpu.gdn_state_t64, false);
     if !traced {
         assert!(
             ph.iter().all(|&x| x == 0),
@@ -1270,11 +1272,7 @@ fn gdn_chunk_state_phases() {
     // at 8-11; the producer's iteration ch fills chunk ch's buffers while the consumer works on
     // chunk ch - 1)
     if gpu.sm90a {
-        use std::sync::atomic::Ordering::Relaxed;
-        let default_t64 = gpu.gdn_state_t64.swap(true, Relaxed);
-        run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
-        gpu.gdn_state_t64.store(default_t64, Relaxed);
-        let ph = gpu.gdn_phase_trace().unwrap();
+        let ph = traced_with(&gpu.gdn_state_t64, true);
         let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
         let t64 = [
             (0, 0, 6, "state consumer: store S"),
@@ -1311,11 +1309,7 @@ fn gdn_chunk_state_phases() {
     }
     // gdn_chunk_prep_wg's clock (value head 0's blocks, chunk ch at 128 + ch), run on its own
     if gpu.sm90a {
-        use std::sync::atomic::Ordering::Relaxed;
-        let default_prep_wg = gpu.gdn_prep_wg.swap(true, Relaxed);
-        run_delta(&gpu, &sh, &delta_inputs(&sh, 9), true);
-        gpu.gdn_prep_wg.store(default_prep_wg, Relaxed);
-        let ph = gpu.gdn_phase_trace().unwrap();
+        let ph = traced_with(&gpu.gdn_prep_wg, true);
         let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
         let prep = [
             "loads",

@@ -394,44 +394,36 @@ impl Gpu {
         let wg = self.gdn_state_wg.load(Relaxed)
             && STATE_WG_DIMS.contains(&sh.dk)
             && sh.state_wg_smem_bytes() <= self.max_smem_per_block;
-        let (name, threads, smem, cols) = if t64 {
+        let (name, threads, smem, grid) = if t64 {
+            // one block an SM: the state blocks, then out blocks on the other SMs; its Sᵀ
+            // scratch and counters after the output
+            let tail = args.split_off(8);
+            args.extend([Arg::Ptr(s_out), Arg::Ptr(flags)]);
+            args.extend(tail);
             (
                 "gdn_chunk_state_t64",
                 STATE_T64_THREADS,
                 sh.state_t64_smem_bytes(),
-                STATE_T64_COLS,
+                (self.sm_count as u32, 1, 1),
             )
         } else if wg {
             (
                 "gdn_chunk_state_wg",
                 STATE_WG_THREADS,
                 sh.state_wg_smem_bytes(),
-                STATE_COLS,
+                (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
             )
         } else {
             (
                 "gdn_chunk_state",
                 STATE_THREADS,
                 sh.state_smem_bytes(),
-                STATE_COLS,
+                (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
             )
         };
-        if t64 {
-            // a block an SM: the state blocks, then out blocks on the other SMs
-            let tail = args.split_off(8);
-            args.extend([Arg::Ptr(s_out), Arg::Ptr(flags)]);
-            args.extend(tail);
-            return self.launch_dep(
-                &format!("{name}_{}", sh.dk),
-                (self.sm_count as u32, 1, 1),
-                threads,
-                smem as u32,
-                &args,
-            );
-        }
         self.launch_dep(
             &format!("{name}_{}", sh.dk),
-            (sh.hv as u32, sh.dv.div_ceil(cols) as u32, 1),
+            grid,
             threads,
             smem as u32,
             &args,

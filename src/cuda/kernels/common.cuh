@@ -441,6 +441,17 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
     lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;  // x − hi is exact in f32
 }
 
+// A counter another block publishes: its acquire load, and the release store that publishes it
+// (cumulative: what this thread saw before, e.g. through a block barrier, is visible first).
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 // ---- mbarrier (sm_90: try_wait): a 64-bit arrival counter in shared memory with a phase bit ----
 // Initialised by one thread before a block barrier. A phase completes when `count` arrivals
 // have happened; waiters name the parity of the phase they wait for (0 first, then 1, ...).

@@ -1396,12 +1396,23 @@ GDN_CHUNKED(128)
 #endif
 #define GDN_LDR 132  // Q's rows (≡ 4 mod 32: the fragments' ldmatrix conflict free)
 #define GDN_LDT 68   // L and T rows
-// A K-major split tile of 64 rows (n) in 128-byte-swizzle panels of 32 k (8 KiB each).
-__device__ __forceinline__ int gdn_sw64(int n, int k) {
-    return (k >> 5) * 2048 + n * 32 + ((((k >> 2) & 7) ^ (n & 7)) << 2) + (k & 3);
+// Element (n, k) of a K-major tf32 split tile of ROWS rows in 128-byte-swizzle panels of 32 k
+// (ROWS x 128 bytes each), and a descriptor of such a tile advanced to its k8 step kk.
+template <int ROWS>
+__device__ __forceinline__ int gdn_swr(int n, int k) {
+    return (k >> 5) * (ROWS * 32) + n * 32 + ((((k >> 2) & 7) ^ (n & 7)) << 2) + (k & 3);
 }
-__device__ __forceinline__ unsigned long long gdn_desc64_k8(unsigned long long d, int kk) {
-    return d + (unsigned long long)((kk >> 2) * 512 + (kk & 3) * 2);
+template <int ROWS>
+__device__ __forceinline__ unsigned long long gdn_descr_k8(unsigned long long d, int kk) {
+    return d + (unsigned long long)((kk >> 2) * ROWS * 8 + (kk & 3) * 2);
+}
+// The tf32 A fragment (hi, lo) of k block kk from an accumulator x of the same rows: its column
+// pair (2c, 2c + 1) is the fragment's k (c, c + 4).
+__device__ __forceinline__ void gdn_acc_frag(const float* x, int kk, unsigned (&hi)[4], unsigned (&lo)[4]) {
+    split_tf32(x[4 * kk], hi[0], lo[0]);
+    split_tf32(x[4 * kk + 2], hi[1], lo[1]);
+    split_tf32(x[4 * kk + 1], hi[2], lo[2]);
+    split_tf32(x[4 * kk + 3], hi[3], lo[3]);
 }
 // −P's column s as stored in its tiles: within each 8, even s to slots 0-3, odd to 4-7.
 __device__ __forceinline__ int gdn_pk(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
@@ -1437,9 +1448,9 @@ __device__ __forceinline__ void gdn_wg64_mma(float (&acc)[32], unsigned long lon
 #pragma unroll
         for (int i = 0; i < G; i++) {
             const int kk = g * G + i;
-            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_desc64_k8(bh, kk), kk > 0 ? 1u : acc_in);
-            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_desc64_k8(bl, kk), 1);
-            wgmma_m64n64k8_tf32_rs(acc, fl[b][i], gdn_desc64_k8(bh, kk), 1);
+            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_descr_k8<64>(bh, kk), kk > 0 ? 1u : acc_in);
+            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_descr_k8<64>(bl, kk), 1);
+            wgmma_m64n64k8_tf32_rs(acc, fl[b][i], gdn_descr_k8<64>(bh, kk), 1);
         }
         wgmma_commit();
     }
@@ -1561,7 +1572,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
 #pragma unroll
         for (int i = 0; i < GDN_C * DK / 4 / 256; i++) {
             const int idx = tid + 256 * i, r = idx / (DK / 4), k = (idx % (DK / 4)) * 4;
-            gdn_split4(kv[i], kt + gdn_sw64(r, k), kt + GDN_C * DK + gdn_sw64(r, k));
+            gdn_split4(kv[i], kt + gdn_swr<64>(r, k), kt + GDN_C * DK + gdn_swr<64>(r, k));
         }
     }
     fence_proxy_async();  // the tiles' generic-proxy writes visible to wgmma
@@ -1583,7 +1594,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
             // 16 w4 + (l & 15) at k offset 4 (l >> 4) (gdn_frag_a's matrices)
             const int r = 16 * w4 + (lane & 15), k4 = (lane >> 4) * 4;
             gdn_wg64_mma<DK / 8, 4>(acc, bh, bl, false, [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                const int at = gdn_sw64(r, 8 * kk + k4);
+                const int at = gdn_swr<64>(r, 8 * kk + k4);
                 ldsm_x4(hi, kt + at);
                 ldsm_x4(lo, kt + GDN_C * DK + at);
             });
@@ -1616,7 +1627,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
                 } else {
                     unsigned hi, lo;
                     split_tf32(-v, hi, lo);
-                    const int at = gdn_sw64(r, gdn_pk(s));
+                    const int at = gdn_swr<64>(r, gdn_pk(s));
                     pt[at] = __uint_as_float(hi);
                     pt[4096 + at] = __uint_as_float(lo);
                 }
@@ -1700,7 +1711,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
     // T's split tiles (rows r, k = s)
     for (int idx = tid; idx < GDN_C * GDN_C / 4; idx += blockDim.x) {
         const int r = idx >> 4, s = (idx & 15) * 4;
-        gdn_split4(ld4(tm + r * GDN_LDT + s), tt + gdn_sw64(r, s), tt + 4096 + gdn_sw64(r, s));
+        gdn_split4(ld4(tm + r * GDN_LDT + s), tt + gdn_swr<64>(r, s), tt + 4096 + gdn_swr<64>(r, s));
     }
     fence_proxy_async();
     __syncthreads();
@@ -1746,12 +1757,7 @@ __device__ void gdn_chunk_prep_wg_impl(const float* __restrict__ qkv, int c, con
             }
         }
         gdn_wg64_mma<GDN_C / 8, 2>(y, wgmma_desc_sw128(pt), wgmma_desc_sw128(pt + 4096), wg == 0,
-                                   [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                                       // accumulator pairs (2c, 2c + 1) of k block kk: fragment k (c, c + 4)
-                                       const float v[4] = {x[4 * kk], x[4 * kk + 2], x[4 * kk + 1], x[4 * kk + 3]};
-#pragma unroll
-                                       for (int e = 0; e < 4; e++) split_tf32(v[e], hi[e], lo[e]);
-                                   });
+                                   [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) { gdn_acc_frag(x, kk, hi, lo); });
         if (wg == 0) gdn_prep_store(y, stage, 64 * h, qp_out + ((size_t)j * tp + c0) * DK, DK, GDN_C, 1.0f, wg, w4, lane);
         else gdn_prep_store(y, stage, 64 * h, o + ((size_t)c0 * hv + j) * dv, (size_t)hv * dv, n, -1.0f, wg, w4, lane);
         if (h == 0) GDN_PREP_PHASE(6);
@@ -1788,25 +1794,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
 // aligned): GdnShape::state_t64_smem_bytes (232,016 bytes); docs/KERNELS.md, fourteenth session.
 #define GDN_T64_COLS 64   // value columns of a block
 #define GDN_T64_LDU 68    // U and O_intra rows (the consumer's reads hit 32 distinct banks)
-// Element (n, k) of a K-major tf32 tile of ROWS rows in 128-byte-swizzle panels of 32 k.
-template <int ROWS>
-__device__ __forceinline__ int gdn_swr(int n, int k) {
-    return (k >> 5) * (ROWS * 32) + n * 32 + ((((k >> 2) & 7) ^ (n & 7)) << 2) + (k & 3);
-}
-// A descriptor of such a tile advanced to its k8 step kk.
-template <int ROWS>
-__device__ __forceinline__ unsigned long long gdn_descr_k8(unsigned long long d, int kk) {
-    return d + (unsigned long long)((kk >> 2) * ROWS * 8 + (kk & 3) * 2);
-}
 // gdn_pk's inverse: the tile row that holds chunk row (or key dim) r.
 __device__ __forceinline__ int gdn_pk_inv(int r) { return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1); }
-// The tf32 A fragment (hi, lo) of k block kk from an accumulator x of the same rows.
-__device__ __forceinline__ void gdn_acc_frag(const float* x, int kk, unsigned (&hi)[4], unsigned (&lo)[4]) {
-    split_tf32(x[4 * kk], hi[0], lo[0]);
-    split_tf32(x[4 * kk + 2], hi[1], lo[1]);
-    split_tf32(x[4 * kk + 1], hi[2], lo[2]);
-    split_tf32(x[4 * kk + 3], hi[3], lo[3]);
-}
 // Two producer warpgroups: one splits W (state blocks) or Q' (out blocks), the other K (state
 // blocks) or copies O_intra (out blocks), each in its own loop, so neither waits on the other.
 #define GDN_T64_PRODUCERS 256
@@ -1870,15 +1859,6 @@ __device__ __forceinline__ void gdn_t64_copy_rows(const float* src, size_t ld, i
 }
 
 #define GDN_T64_THREADS (128 + GDN_T64_PRODUCERS)
-// The out blocks' wait on a state block's progress counter, and its release.
-__device__ __forceinline__ unsigned gdn_ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void gdn_st_release(unsigned* p, unsigned v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 // The shared-memory plan of both roles (floats; 1024-byte aligned; the roles use parts of it).
 struct GdnT64Smem {
     static constexpr int WT = GDN_C * 128;  // one part (hi or lo) of the W, Q' or K tile
@@ -1945,7 +1925,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                     mbar_wait(&sm.empty[bw], ph);
                     // W's release comes after the consumer stored S_{ch-2} (before R): release
                     // S_0 .. S_{ch-2} to the out blocks (cumulative over what the wait observed)
-                    if (pt == 0) gdn_st_release(flags + sb, ch - 1);
+                    if (pt == 0) st_release_gpu(flags + sb, ch - 1);
                 }
                 GDN_PHASE_WG(1);
                 gdn_t64_store_rows<true>(vw, ch & 1 ? sm.qi : sm.wi, pw, lane);
@@ -1961,7 +1941,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
             // the last two chunks' R: every S stored
             for (int ch = max(nchunks - 2, 0); ch < nchunks; ch++)
                 mbar_wait(&sm.empty[ch & 1 ? GDN_BQ : GDN_BW], (ch >> 1) & 1);
-            if (pt == 0) gdn_st_release(flags + sb, nchunks);
+            if (pt == 0) st_release_gpu(flags + sb, nchunks);
         } else {  // K
             for (int ch = 0; ch < nchunks; ch++) {
                 float4 vk[4][4];
@@ -2144,7 +2124,7 @@ __device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* _
         const int dvs = min(GDN_T64_COLS, dv - m0);
         const unsigned par = it & 1;
         if (tid == 0)
-            while (gdn_ld_acquire(flags + sb) < (unsigned)ch + 1) {
+            while (ld_acquire_gpu(flags + sb) < (unsigned)ch + 1) {
             }
         gdn_bar(1, 128);
         // S_c as the state block's thread tid held it (L2 reads: no stale L1 line of an earlier call)

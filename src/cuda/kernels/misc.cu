@@ -83,11 +83,6 @@ extern "C" __global__ void __launch_bounds__(128) read_probe(const uint4* __rest
 // `arrived` (fence, then atomic add) and spins with acquire loads until all gridDim.x blocks
 // have arrived; then the block checks that every block's store of this round is visible,
 // counting misses into `bad`. After `rounds` rounds, arrived = rounds * gridDim.x.
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 extern "C" __global__ void grid_barrier_probe(unsigned* arrived, unsigned* seen, unsigned* bad, int rounds) {
     const unsigned n = gridDim.x;
     for (unsigned r = 1; r <= (unsigned)rounds; r++) {
