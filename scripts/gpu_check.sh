@@ -86,12 +86,16 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     variants)
       # the bench under several settings, alternating, two rounds: CONTEXTS 'SET;SET;...', each
-      # SET "VAR=VALUE ..." or "-" for none (rows into ab.log, labelled by the setting)
+      # SET "VAR=VALUE ..." or "-" for none, or "bin:PATH" for another build's binary (rows into
+      # ab.log, labelled by the setting)
       IFS=';' read -ra sets <<< "$3"
       runners=()
       for v in "${sets[@]}"; do
         [ "$v" = - ] && v=""
-        runners+=("env $v")
+        case "$v" in
+          bin:*) runners+=("${v#bin:}") ;;  # another build's binary (as abbin)
+          *) runners+=("env $v") ;;
+        esac
       done
       ab_rounds "$2" "${runners[@]}"
       shift 2 ;;

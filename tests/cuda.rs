@@ -1275,12 +1275,11 @@ fn gdn_chunk_state_phases() {
         let ph = traced_with(&gpu.gdn_state_t64, true);
         let at = |ch: usize, slot: usize| ph[ch * 16 + slot];
         let t64 = [
-            (0, 0, 6, "state consumer: store S"),
-            (0, 6, 1, "state consumer: wait for W"),
-            (0, 1, 2, "state consumer: R product"),
-            (0, 2, 3, "state consumer: Vd (wait for U)"),
+            (0, 0, 1, "state consumer: wait for W"),
+            (0, 1, 2, "state consumer: R product and the S stores"),
+            (0, 2, 3, "state consumer: wait for U"),
             (0, 3, 4, "state consumer: e^γ S, wait for K"),
-            (0, 4, 5, "state consumer: S update"),
+            (0, 4, 5, "state consumer: Vd and the S update"),
             (
                 8,
                 0,
@@ -1306,6 +1305,19 @@ fn gdn_chunk_state_phases() {
                 avg(&|ch| at(ch, team + b) - at(ch, team + a))
             );
         }
+        // how far ahead of the consumer's use the producer issued chunk ch's W and U (the same
+        // SM's clock)
+        let lead = |a: usize, b: usize| {
+            span.clone()
+                .map(|ch| at(ch, a) as i64 - at(ch, b) as i64)
+                .sum::<i64>() as f64
+                / span.len() as f64
+        };
+        println!(
+            "  lead: W split done -> consumer waits for it {:.0}, U copies issued -> consumer waits for them {:.0}",
+            lead(0, 8 + 2),
+            lead(2, 8 + 3)
+        );
     }
     // gdn_chunk_prep_wg's clock (value head 0's blocks, chunk ch at 128 + ch), run on its own
     if gpu.sm90a {

@@ -144,7 +144,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     if constexpr (DK == 128) {
         const int nstate = hv * ((dv + 63) / 64);
         std::vector<float> st_t = s0, o_t = o_intra, s_out((size_t)nstate * nch * 128 * 64, NaN);
-        std::vector<unsigned> flags(nstate, 0);
+        std::vector<unsigned> flags((size_t)nstate * GDN_T64_FLAG_STRIDE, 0);  // a 128-byte line each
         size_t t64sm = 4 * (6 * C * dk + 2 * C * 68 + 2 * C) + 80;
         emu_launch({(unsigned)(nstate + 3), 1, 1}, 384, t64sm, [&] {
             gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), s_out.data(), flags.data(), t,
@@ -152,7 +152,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         });
         double et_o = max_rel(o_t, oref), et_s = max_rel(st_t, sref);
         bool okt = !any_nan(o_t) && !any_nan(st_t) && et_o < tol && et_s < tol;
-        for (unsigned f : flags) okt = okt && f == (unsigned)nch;
+        for (int b = 0; b < nstate; b++) okt = okt && flags[(size_t)b * GDN_T64_FLAG_STRIDE] == (unsigned)nch;
         printf("%s   Sᵀ-register state pass (gdn_chunk_state_t64): o %.1e S %.1e\n", okt ? "ok  " : "FAIL", et_o, et_s);
         if (!okt) exit(1);
     }

@@ -24,6 +24,8 @@ const STATE_WG_DIMS: [usize; 2] = [64, 128];
 const STATE_T64_THREADS: u32 = 384;
 /// Value columns per block of `gdn_chunk_state_t64` (`GDN_T64_COLS`).
 const STATE_T64_COLS: usize = 64;
+/// `gdn_chunk_state_t64`'s progress counters: one a 128-byte line (`GDN_T64_FLAG_STRIDE`).
+const STATE_T64_FLAG_STRIDE: usize = 32;
 /// Threads of `gdn_chunk_prep_wg` (two warpgroups).
 const PREP_WG_THREADS: u32 = 256;
 /// Key head dims the delta-rule kernels are compiled for.
@@ -112,7 +114,7 @@ impl GdnShape {
         if self.dk != 128 {
             return 0;
         }
-        self.t64_state_blocks() * (self.chunks() * 128 * 64 + 1)
+        self.t64_state_blocks() * (self.chunks() * 128 * 64 + STATE_T64_FLAG_STRIDE)
     }
 
     /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): −L and −P, γ, e^γ, β, the
@@ -339,7 +341,7 @@ impl Gpu {
         if t64 {
             // its progress counters start at zero (set before the prep, so that the state
             // pass still follows the prep directly)
-            self.memset_zero(flags, sh.t64_state_blocks() * 4)?;
+            self.memset_zero(flags, sh.t64_state_blocks() * STATE_T64_FLAG_STRIDE * 4)?;
         }
         let tail = [
             Arg::I(sh.t as i32),

@@ -451,6 +451,9 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
 __device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// A spinning waiter's pause between polls, so that many blocks polling one L2 line do not
+// crowd out the other requests to its slice.
+__device__ __forceinline__ void spin_pause(unsigned ns) { __nanosleep(ns); }
 
 // ---- mbarrier (sm_90: try_wait): a 64-bit arrival counter in shared memory with a phase bit ----
 // Initialised by one thread before a block barrier. A phase completes when `count` arrivals

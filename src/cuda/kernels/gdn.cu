@@ -1794,6 +1794,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
 // aligned): GdnShape::state_t64_smem_bytes (232,016 bytes); docs/KERNELS.md, fourteenth session.
 #define GDN_T64_COLS 64   // value columns of a block
 #define GDN_T64_LDU 68    // U and O_intra rows (the consumer's reads hit 32 distinct banks)
+// The state blocks' progress counters, one a 128-byte line (the out blocks poll them), and the
+// out blocks' pause between polls (ns).
+#define GDN_T64_FLAG_STRIDE 32
+#ifndef GDN_T64_SPIN_NS
+#define GDN_T64_SPIN_NS 128
+#endif
 // gdn_pk's inverse: the tile row that holds chunk row (or key dim) r.
 __device__ __forceinline__ int gdn_pk_inv(int r) { return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1); }
 // Two producer warpgroups: one splits W (state blocks) or Q' (out blocks), the other K (state
@@ -1887,8 +1893,8 @@ __device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned l
 
 // The state role: block sb < nstate owns value head sb / halves, columns 64 (sb % halves) ..;
 // per chunk R, Vd and the state update (the three products' chain above, less O'), and Sᵀ
-// before the update out to s_out (the out blocks' A operand), released by the W producer
-// once the consumer's release of W (after its stores) reached it: no fence on the chain.
+// before the update out to s_out (the out blocks' A operand), released by the K producer
+// once the consumer's release of K (after its stores) reached it: no fence on the chain.
 __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                    const float* __restrict__ u_in, const float* __restrict__ gamma_in,
                                    float* __restrict__ state, float* __restrict__ s_out, unsigned* __restrict__ flags,
@@ -1921,12 +1927,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                         const int line = pt + 128 * i;
                         gdn_prefetch_l2(w_in + (row0 + GDN_C + (line >> 2)) * DK + (line & 3) * 32);
                     }
-                if (ch > 1) {
-                    mbar_wait(&sm.empty[bw], ph);
-                    // W's release comes after the consumer stored S_{ch-2} (before R): release
-                    // S_0 .. S_{ch-2} to the out blocks (cumulative over what the wait observed)
-                    if (pt == 0) st_release_gpu(flags + sb, ch - 1);
-                }
+                if (ch > 1) mbar_wait(&sm.empty[bw], ph);
                 GDN_PHASE_WG(1);
                 gdn_t64_store_rows<true>(vw, ch & 1 ? sm.qi : sm.wi, pw, lane);
                 if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
@@ -1938,11 +1939,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 cp_async_mbar_arrive(&sm.full[bu]);
                 GDN_PHASE_WG(3);
             }
-            // the last two chunks' R: every S stored
-            for (int ch = max(nchunks - 2, 0); ch < nchunks; ch++)
-                mbar_wait(&sm.empty[ch & 1 ? GDN_BQ : GDN_BW], (ch >> 1) & 1);
-            if (pt == 0) st_release_gpu(flags + sb, nchunks);
-        } else {  // K
+        } else {  // K, and the out blocks' counter
             for (int ch = 0; ch < nchunks; ch++) {
                 float4 vk[4][4];
                 gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
@@ -1956,7 +1953,14 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 gdn_t64_store_k(vk, sm.ki, pt);
                 fence_proxy_async();
                 mbar_arrive(&sm.full[GDN_BK]);
+                // K's release by the update of chunk ch - 1 came after the consumer stored S_{ch-1}
+                // (with R): release S_0 .. S_{ch-1} to the out blocks (st.release is cumulative
+                // over what the wait observed). Here, with this thread's K loads consumed, its
+                // fence waits only for those stores; on the W producer it held up W's split.
+                if (ch > 0 && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch);
             }
+            if (nchunks > 0) mbar_wait(&sm.empty[GDN_BK], (nchunks - 1) & 1);  // the last update
+            if (pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, nchunks);
         }
         return;
     }
@@ -1981,10 +1985,6 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
     for (int ch = 0; ch < nchunks; ch++) {
         const unsigned par = ch & 1;
         GDN_PHASE_WG(0);
-#pragma unroll
-        for (int i = 0; i < 16; i++)
-            st4(so + (size_t)ch * 128 * 64 + 512 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
-        GDN_PHASE_WG(6);
         float r[32];
         const int bw = par ? GDN_BQ : GDN_BW, bu = par ? GDN_BO : GDN_BU;
         const unsigned use = (ch >> 1) & 1;  // the parity of this use of buffer par
@@ -2000,27 +2000,25 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         for (int i = 0; i < 8; i++)
 #pragma unroll
             for (int b = 0; b < 2; b++) dec[2 * i + b] = expf(last - gc[8 * i + cq + 4 * b]);
-        gdn_t64_s_times(s, wgmma_desc_sw128(wt), wgmma_desc_sw128(wt + GdnT64Smem::WT), r);  // Rᵀ = Sᵀ Wᵀ
+        // Rᵀ = Sᵀ Wᵀ; Sᵀ (before the update) goes out to s_out a float4 with each fragment's
+        // split (ptxas gathers the stores before the last product; they cost the chunk ~0.8k
+        // cycles wherever they sit, docs/KERNELS.md)
+        float* so_ch = so + (size_t)ch * 128 * 64;
+        gdn_wg64_mma<16, 2>(r, wgmma_desc_sw128(wt), wgmma_desc_sw128(wt + GdnT64Smem::WT), false,
+                            [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
+                                gdn_acc_frag(s, kk, hi, lo);
+                                st4(so_ch + 512 * kk,
+                                    make_float4(s[4 * kk], s[4 * kk + 1], s[4 * kk + 2], s[4 * kk + 3]));
+                            });
         mbar_arrive(&sm.empty[bw]);
         GDN_PHASE_WG(2);
-        // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ}: R's column 8 i + 2 cq + b is chunk row 8 i + cq + 4 b
         const float* ut = par ? sm.ob : sm.ub;
         mbar_wait(&sm.full[bu], use);
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int b = 0; b < 2; b++) {
-                const int row = 8 * i + cq + 4 * b;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int e = 2 * h + b;
-                    r[4 * i + e] = (ut[row * GDN_T64_LDU + r0 + 8 * h] - r[4 * i + e]) * dec[2 * i + b];
-                }
-            }
-        mbar_arrive(&sm.empty[bu]);
         GDN_PHASE_WG(3);
         // Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K: 8 k steps (the chunk's rows) in groups of 2 through two
-        // register sets (a set is refilled once the group that read it retired)
+        // register sets (a set is refilled once the group that read it retired); each k step's
+        // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} is formed in R's registers just before its split, so
+        // those shared-memory reads overlap the previous group's products
         const float eg = expf(last);
 #pragma unroll
         for (int e = 0; e < 64; e++) s[e] *= eg;
@@ -2039,7 +2037,17 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
             if (g >= 2) wgmma_wait<1>();
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                gdn_acc_frag(r, 2 * g + i, fh[b][i], fl[b][i]);
+                const int kk = 2 * g + i;  // R's n8 block kk: columns 8 kk + 2 cq + bb, chunk rows 8 kk + cq + 4 bb
+#pragma unroll
+                for (int bb = 0; bb < 2; bb++) {
+                    const int row = 8 * kk + cq + 4 * bb;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int e = 4 * kk + 2 * h + bb;
+                        r[e] = (ut[row * GDN_T64_LDU + r0 + 8 * h] - r[e]) * dec[2 * kk + bb];
+                    }
+                }
+                gdn_acc_frag(r, kk, fh[b][i], fl[b][i]);
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     wgmma_fence_operand(fh[b][i][e]);
@@ -2056,6 +2064,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
             }
             wgmma_commit();
         }
+        mbar_arrive(&sm.empty[bu]);  // U's last reads were in the loop's splits
         wgmma_wait<0>();
 #pragma unroll
         for (int e = 0; e < 64; e++) wgmma_fence_operand(s[e]);
@@ -2124,8 +2133,8 @@ __device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* _
         const int dvs = min(GDN_T64_COLS, dv - m0);
         const unsigned par = it & 1;
         if (tid == 0)
-            while (ld_acquire_gpu(flags + sb) < (unsigned)ch + 1) {
-            }
+            while (ld_acquire_gpu(flags + sb * GDN_T64_FLAG_STRIDE) < (unsigned)ch + 1)
+                if (GDN_T64_SPIN_NS) spin_pause(GDN_T64_SPIN_NS);
         gdn_bar(1, 128);
         // S_c as the state block's thread tid held it (L2 reads: no stale L1 line of an earlier call)
         float s[64];
