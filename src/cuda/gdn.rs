@@ -69,21 +69,6 @@ pub struct DeltaBufs {
     pub state: u64,
     /// Output `[t, hv, dv]`.
     pub o: u64,
-    /// The layer's gated RMSNorm, which `gdn_chunk_state_t64` fuses where dv = 128 (see
-    /// [`Gpu::gdn_delta_chunked`]); the caller runs `gdn_gated_norm` where it did not.
-    pub gate: Option<GatedNormBufs>,
-}
-
-/// The gated RMSNorm after the delta rule: `out = bf16(o / rms(o) * w * SiLU(z))` a value head.
-#[derive(Clone, Copy, Debug)]
-pub struct GatedNormBufs {
-    /// Gate `[t, hv, dv]` (f32).
-    pub z: u64,
-    /// Norm weight `[dv]` (f32).
-    pub w: u64,
-    /// Output `[t, hv, dv]` (bf16).
-    pub out: u64,
-    pub eps: f32,
 }
 
 impl GdnShape {
@@ -340,9 +325,8 @@ impl Gpu {
     /// registers, `gdn_chunk_state_t64`, a block an SM, where [`Gpu::gdn_state_t64`] and dk is
     /// 128).
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
-    /// [`GdnShape::chunked_fits`]. Returns whether it also applied `b.gate` (the t64 pass at
-    /// dv = 128 fuses the gated RMSNorm into its out blocks and leaves `b.o` holding O_intra).
-    pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<bool> {
+    /// [`GdnShape::chunked_fits`].
+    pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
         let tp = sh.chunks() * CHUNK;
         let w = scratch;
         let qp = w + (sh.hv * tp * sh.dk * 4) as u64;
@@ -412,20 +396,12 @@ impl Gpu {
         let wg = self.gdn_state_wg.load(Relaxed)
             && STATE_WG_DIMS.contains(&sh.dk)
             && sh.state_wg_smem_bytes() <= self.max_smem_per_block;
-        let gate = b.gate.filter(|_| t64 && sh.dv == 2 * STATE_T64_COLS);
         let (name, threads, smem, grid) = if t64 {
             // one block an SM: the state blocks, then out blocks on the other SMs; its Sᵀ
-            // scratch and counters after the output, the gated norm's buffers (or nulls) last
+            // scratch and counters after the output
             let tail = args.split_off(8);
             args.extend([Arg::Ptr(s_out), Arg::Ptr(flags)]);
             args.extend(tail);
-            let g = gate.unwrap_or(GatedNormBufs {
-                z: 0,
-                w: 0,
-                out: 0,
-                eps: 0.0,
-            });
-            args.extend([Arg::Ptr(g.z), Arg::Ptr(g.w), Arg::Ptr(g.out), Arg::F(g.eps)]);
             (
                 "gdn_chunk_state_t64",
                 STATE_T64_THREADS,
@@ -453,8 +429,7 @@ impl Gpu {
             threads,
             smem as u32,
             &args,
-        )?;
-        Ok(gate.is_some())
+        )
     }
 }
 

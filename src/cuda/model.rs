@@ -5,7 +5,7 @@
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
 use super::attention::{Flash, FlashCall, decode_mma_kernel, decode_mma_smem};
-use super::gdn::{DeltaBufs, GatedNormBufs, GdnShape};
+use super::gdn::{DeltaBufs, GdnShape};
 use super::moe::{Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
 use crate::config::{LayerKind, TextConfig};
@@ -1040,43 +1040,33 @@ impl CudaModel {
                             Arg::I(hv as i32),
                         ],
                     )?;
-                    let gate = GatedNormBufs {
-                        z: ws.z.ptr,
-                        w: w.norm.ptr,
-                        out: ws.ob.ptr,
-                        eps,
-                    };
                     let bufs = DeltaBufs {
                         qkv: ws.qkv.ptr,
                         g: ws.g.ptr,
                         beta: ws.beta.ptr,
                         state: st_rec.ptr,
                         o: ws.o.ptr,
-                        gate: Some(gate),
                     };
-                    let normed = if chunked {
-                        g.gdn_delta_chunked(&sh, &bufs, ws.gdn.ptr)?
+                    if chunked {
+                        g.gdn_delta_chunked(&sh, &bufs, ws.gdn.ptr)?;
                     } else {
                         g.gdn_delta_recurrent(&sh, &bufs)?;
-                        false
-                    };
-                    if !normed {
-                        g.launch_dep(
-                            "gdn_gated_norm",
-                            ((t * hv).div_ceil(8) as u32, 1, 1),
-                            256,
-                            0,
-                            &[
-                                Arg::Ptr(ws.o.ptr),
-                                Arg::Ptr(gate.z),
-                                Arg::Ptr(gate.w),
-                                Arg::Ptr(gate.out),
-                                Arg::I((t * hv) as i32),
-                                Arg::I(dv as i32),
-                                Arg::F(eps),
-                            ],
-                        )?;
                     }
+                    g.launch_dep(
+                        "gdn_gated_norm",
+                        ((t * hv).div_ceil(8) as u32, 1, 1),
+                        256,
+                        0,
+                        &[
+                            Arg::Ptr(ws.o.ptr),
+                            Arg::Ptr(ws.z.ptr),
+                            Arg::Ptr(w.norm.ptr),
+                            Arg::Ptr(ws.ob.ptr),
+                            Arg::I((t * hv) as i32),
+                            Arg::I(dv as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
                     // Residual add fused into the GEMM (beta = 1).
                     g.gemm(w.out.ptr, d, vw, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }

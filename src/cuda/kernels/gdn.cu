@@ -1794,7 +1794,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
 // aligned): GdnShape::state_t64_smem_bytes (232,016 bytes); docs/KERNELS.md, fourteenth session.
 #define GDN_T64_COLS 64   // value columns of a block
 #define GDN_T64_LDU 68    // U and O_intra rows (the consumer's reads hit 32 distinct banks)
-#define GDN_T64_LDO 132   // the fused gated norm's O_intra and z rows of 128 columns (likewise)
 // The state blocks' progress counters, one a 128-byte line (the out blocks poll them), and the
 // out blocks' pause between polls (ns).
 #define GDN_T64_FLAG_STRIDE 32
@@ -1853,16 +1852,15 @@ __device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][4], float* 
         }
     }
 }
-// A producer warpgroup's cp.async of 64 rows x COLS columns (U, O_intra or z) into a [64][LD]
+// A producer warpgroup's cp.async of 64 rows x 64 columns (U or O_intra) into a [64][LDU]
 // tile: row r from src + r * ld (columns past n_in and rows past rows_in zero-filled).
-template <int COLS, int LD>
 __device__ __forceinline__ void gdn_t64_copy_rows(const float* src, size_t ld, int n_in, int rows_in, float* tile,
                                                   int pt) {
 #pragma unroll
-    for (int p = 0; p < GDN_C * COLS / 4 / 128; p++) {
-        const int i = pt + 128 * p, r = i / (COLS / 4), n = (i % (COLS / 4)) * 4;
+    for (int p = 0; p < GDN_C * GDN_T64_COLS / 4 / 128; p++) {
+        const int i = pt + 128 * p, r = i >> 4, n = (i & 15) * 4;
         const bool in = n < n_in && r < rows_in;
-        cp_async16(tile + r * LD + n, in ? src + r * ld + n : src, in);
+        cp_async16(tile + r * GDN_T64_LDU + n, in ? src + r * ld + n : src, in);
     }
 }
 
@@ -1937,8 +1935,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 mbar_arrive(&sm.full[bw]);
                 GDN_PHASE_WG(2);
                 if (ch > 1) mbar_wait(&sm.empty[bu], ph);
-                gdn_t64_copy_rows<GDN_T64_COLS, GDN_T64_LDU>(u_in + row0 * dv + m0, dv, dvs, GDN_C, ch & 1 ? sm.ob : sm.ub,
-                                                             pt);
+                gdn_t64_copy_rows(u_in + row0 * dv + m0, dv, dvs, GDN_C, ch & 1 ? sm.ob : sm.ub, pt);
                 cp_async_mbar_arrive(&sm.full[bu]);
                 GDN_PHASE_WG(3);
             }
@@ -2093,31 +2090,24 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         }
 }
 
-// The out role: blocks nstate .. take the items in chunk order, a stride of the out blocks'
-// count apart: o = O_intra + O' with O'ᵀ = S_cᵀ Q'ᵀ (S_c from s_out once its state block
-// released it; Q' split by this block's producers, O_intra copied). Items are (chunk, state
-// block), o written back over O_intra; or with NORM (dv = 128: a value head's two state blocks)
-// (chunk, value head), and the head's gated RMSNorm fused: ob = bf16(o · rsqrt(mean(o²) + eps)
-// · nw · SiLU(z)), gdn_gated_norm's formula, instead of o (one pass over o and z fewer).
-template <bool NORM>
+// The out role: blocks nstate .. take the (chunk, state block) items in chunk order, a stride of
+// the out blocks' count apart: o = O_intra + O' with O'ᵀ = S_cᵀ Q'ᵀ (S_c from s_out once the
+// state block released it; Q' split by this block's producers, O_intra copied).
 __device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* __restrict__ s_out,
                                  const unsigned* __restrict__ flags, float* __restrict__ o, int t, int hv, int dv,
-                                 int nstate, GdnT64Smem sm, const float* __restrict__ z, const float* __restrict__ nw,
-                                 bf16* __restrict__ ob, float eps) {
-    constexpr int DK = 128, NS = NORM ? 2 : 1;  // state blocks an item
+                                 int nstate, GdnT64Smem sm) {
+    constexpr int DK = 128;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, nchunks = (t + GDN_C - 1) / GDN_C;
     const size_t tp = (size_t)nchunks * GDN_C;
-    const int per_chunk = NORM ? hv : nstate;  // items a chunk
-    const int items = per_chunk * nchunks, first = blockIdx.x - nstate, stride = gridDim.x - nstate;
-    if (warp >= 4) {  // the producers: item it's Q' and O_intra (and z), once the consumer released it - 1's
+    const int items = nstate * nchunks, first = blockIdx.x - nstate, stride = gridDim.x - nstate;
+    if (warp >= 4) {  // the producers: item it's Q' and O_intra, once the consumer released it - 1's
         setmaxnreg_dec<128>();
         const int pt = (tid - 128) & 127, pw = pt >> 5;
         const bool qp_side = warp < 8;
         unsigned it = 0;
         for (int q = first; q < items; q += stride, it++) {
-            const int ch = q / per_chunk, u = q % per_chunk, j = NORM ? u : u / halves;
-            const int m0 = NORM ? 0 : (u % halves) * GDN_T64_COLS;
+            const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
             const unsigned ph = (it - 1) & 1;
             if (qp_side) {
                 float4 vq[16];
@@ -2128,21 +2118,8 @@ __device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* _
                 mbar_arrive(&sm.full[GDN_BQ]);
             } else {
                 if (it > 0) mbar_wait(&sm.empty[GDN_BO], ph);
-                const size_t at = ((size_t)ch * GDN_C * hv + j) * dv + m0, ld = (size_t)hv * dv;
-                const int rows_in = min(GDN_C, t - ch * GDN_C);
-                if (NORM) {  // the head's 128 columns of O_intra and of z, in the tiles the state role uses
-                    // (not unrolled whole: ptxas would keep all 16 offsets live and spill)
-#pragma unroll 4
-                    for (int p = 0; p < GDN_C * 128 / 4 / 128; p++) {
-                        const int i = pt + 128 * p, r = i >> 5, n = (i & 31) * 4;
-                        const bool in = r < rows_in;
-                        cp_async16(sm.wi + r * GDN_T64_LDO + n, in ? o + at + r * ld + n : o, in);
-                        cp_async16(sm.ki + r * GDN_T64_LDO + n, in ? z + at + r * ld + n : z, in);
-                    }
-                } else {
-                    gdn_t64_copy_rows<GDN_T64_COLS, GDN_T64_LDU>(o + at, ld, min(GDN_T64_COLS, dv - m0), rows_in,
-                                                                 sm.ob, pt);
-                }
+                gdn_t64_copy_rows(o + ((size_t)ch * GDN_C * hv + j) * dv + m0, (size_t)hv * dv,
+                                  min(GDN_T64_COLS, dv - m0), min(GDN_C, t - ch * GDN_C), sm.ob, pt);
                 cp_async_mbar_arrive(&sm.full[GDN_BO]);
             }
         }
@@ -2153,106 +2130,49 @@ __device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* _
     const unsigned long long qh = wgmma_desc_sw128(sm.qi), ql = wgmma_desc_sw128(sm.qi + GdnT64Smem::WT);
     unsigned it = 0;
     for (int q = first; q < items; q += stride, it++) {
-        const int ch = q / per_chunk, u = q % per_chunk, j = NORM ? u : u / halves;
-        const int m0 = NORM ? 0 : (u % halves) * GDN_T64_COLS;
+        const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
         const int dvs = min(GDN_T64_COLS, dv - m0);
         const unsigned par = it & 1;
         if (tid == 0)
-            for (int h = 0; h < NS; h++)
-                while (ld_acquire_gpu(flags + (NORM ? 2 * j + h : u) * GDN_T64_FLAG_STRIDE) < (unsigned)ch + 1)
-                    if (GDN_T64_SPIN_NS) spin_pause(GDN_T64_SPIN_NS);
+            while (ld_acquire_gpu(flags + sb * GDN_T64_FLAG_STRIDE) < (unsigned)ch + 1)
+                if (GDN_T64_SPIN_NS) spin_pause(GDN_T64_SPIN_NS);
         gdn_bar(1, 128);
-        float op[NS][32];  // O'ᵀ of each state block: value column r0 (+ 8), chunk row 8 i + 2 cq (+ 1)
+        // S_c as the state block's thread tid held it (L2 reads: no stale L1 line of an earlier call)
+        float s[64];
+        const float* so = s_out + ((size_t)sb * nchunks + ch) * 128 * 64 + 4 * tid;
 #pragma unroll
-        for (int h = 0; h < NS; h++) {
-            // S_c as the state block's thread tid held it (L2 reads: no stale L1 line of an earlier call)
-            float s[64];
-            const float* so = s_out + ((size_t)(NORM ? 2 * j + h : u) * nchunks + ch) * 128 * 64 + 4 * tid;
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(so + 512 * i));
-                s[4 * i] = v.x, s[4 * i + 1] = v.y, s[4 * i + 2] = v.z, s[4 * i + 3] = v.w;
-            }
-            if (h == 0) {
-                mbar_wait(&sm.full[GDN_BQ], par);
-                fence_proxy_async();
-            }
-            gdn_t64_s_times(s, qh, ql, op[h]);  // O'ᵀ = S_cᵀ Q'ᵀ
+        for (int i = 0; i < 16; i++) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(so + 512 * i));
+            s[4 * i] = v.x, s[4 * i + 1] = v.y, s[4 * i + 2] = v.z, s[4 * i + 3] = v.w;
         }
+        float op[32];
+        mbar_wait(&sm.full[GDN_BQ], par);
+        fence_proxy_async();
+        gdn_t64_s_times(s, qh, ql, op);  // O'ᵀ = S_cᵀ Q'ᵀ
         mbar_arrive(&sm.empty[GDN_BQ]);
         // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
         mbar_wait(&sm.full[GDN_BO], par);
         const int c0 = ch * GDN_C;
-        if (!NORM) {
 #pragma unroll
-            for (int i = 0; i < 8; i++)
+        for (int i = 0; i < 8; i++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
-                    if (m < dvs && c0 + row < t)
-                        o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] =
-                            sm.ob[row * GDN_T64_LDU + m] + op[0][4 * i + e];
-                }
-        } else {
-            // each chunk row's sum of squares over the head's 128 columns: this thread's 4, the
-            // 8 lanes of its cq (xor 4, 8, 16), then the 4 warps through shared memory
-            float ss[16];  // chunk row 8 i + 2 cq + b at 2 i + b
-#pragma unroll
-            for (int k = 0; k < 16; k++) ss[k] = 0.0f;
-#pragma unroll
-            for (int h = 0; h < NS; h++)
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int m = 64 * h + r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
-                        const float v = sm.wi[row * GDN_T64_LDO + m] + op[h][4 * i + e];
-                        op[h][4 * i + e] = v;
-                        ss[2 * i + (e & 1)] += v * v;
-                    }
-#pragma unroll
-            for (int k = 0; k < 16; k++) {
-                ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], 4);
-                ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], 8);
-                ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], 16);
+            for (int e = 0; e < 4; e++) {
+                const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
+                if (m < dvs && c0 + row < t)
+                    o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = sm.ob[row * GDN_T64_LDU + m] + op[4 * i + e];
             }
-            float* red = sm.ub;  // [4 warps][64 chunk rows]
-            if (gq == 0)
-#pragma unroll
-                for (int k = 0; k < 16; k++) red[64 * warp + 8 * (k >> 1) + 2 * cq + (k & 1)] = ss[k];
-            gdn_bar(1, 128);
-#pragma unroll
-            for (int k = 0; k < 16; k++) {
-                const int row = 8 * (k >> 1) + 2 * cq + (k & 1);
-                ss[k] = rsqrtf((red[row] + red[64 + row] + red[128 + row] + red[192 + row]) / dv + eps);
-            }
-#pragma unroll
-            for (int h = 0; h < NS; h++)
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int m = 64 * h + r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
-                        if (c0 + row < t)
-                            ob[((size_t)(c0 + row) * hv + j) * dv + m] = __float2bfloat16(
-                                op[h][4 * i + e] * ss[2 * i + (e & 1)] * nw[m] * silu_f(sm.ki[row * GDN_T64_LDO + m]));
-                    }
-        }
         mbar_arrive(&sm.empty[GDN_BO]);
     }
 }
 
 // Grid: nstate = hv * ceil(dv / 64) state blocks, then out blocks (the host launches one block
 // an SM, so every block is resident at once and the out blocks' wait on the state blocks'
-// progress cannot deadlock); flags: nstate zeroed counters, GDN_T64_FLAG_STRIDE apart. With z
-// (dv = 128 only) the out blocks fuse the gated RMSNorm (z, nw, eps) and write ob (bf16 [t, hv,
-// dv]) instead of o; with z null they write o.
+// progress cannot deadlock); flags: nstate zeroed counters.
 __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                          const float* __restrict__ qp_in, const float* __restrict__ u_in,
                                          const float* __restrict__ gamma_in, float* __restrict__ state,
                                          float* __restrict__ o, float* __restrict__ s_out, unsigned* __restrict__ flags,
-                                         int t, int hk, int hv, int dv, const float* __restrict__ z,
-                                         const float* __restrict__ nw, bf16* __restrict__ ob, float eps) {
+                                         int t, int hk, int hv, int dv) {
     extern __shared__ __align__(1024) float gdn_t64_smem[];
     const GdnT64Smem sm(gdn_t64_smem);
     const int nstate = hv * ((dv + GDN_T64_COLS - 1) / GDN_T64_COLS);
@@ -2265,16 +2185,12 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
     __syncthreads();
     if ((int)blockIdx.x < nstate)
         gdn_t64_state_role(qkv, c, w_in, u_in, gamma_in, state, s_out, flags, t, hk, hv, dv, sm);
-    else if (z)  // the gated RMSNorm fused (the host passes z only at dv = 128)
-        gdn_t64_out_role<true>(qp_in, s_out, flags, o, t, hv, dv, nstate, sm, z, nw, ob, eps);
     else
-        gdn_t64_out_role<false>(qp_in, s_out, flags, o, t, hv, dv, nstate, sm, z, nw, ob, eps);
+        gdn_t64_out_role(qp_in, s_out, flags, o, t, hv, dv, nstate, sm);
 }
 extern "C" __global__ void __launch_bounds__(GDN_T64_THREADS, 1) gdn_chunk_state_t64_128(
     const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in, const float* gamma_in,
-    float* state, float* o, float* s_out, unsigned* flags, int t, int hk, int hv, int dv, const float* z,
-    const float* nw, bf16* ob, float eps) {
+    float* state, float* o, float* s_out, unsigned* flags, int t, int hk, int hv, int dv) {
     PREFILL_KERNEL();
-    gdn_chunk_state_t64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, s_out, flags, t, hk, hv, dv, z, nw, ob,
-                             eps);
+    gdn_chunk_state_t64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, s_out, flags, t, hk, hv, dv);
 }
