@@ -39,6 +39,11 @@ pub struct GenerateOptions {
     /// The context limit: prompt + generated tokens never exceed it.
     pub max_seq: usize,
     pub thinking: Option<ThinkingControl>,
+    /// With a plain greedy sampler ([`Sampler::is_plain_greedy`]), take each decoded id from
+    /// the engine's own argmax ([`Engine::forward_greedy_id`]: on the GPU one id crosses to
+    /// the host instead of the vocabulary's logits); `on_token` then sees empty logits after
+    /// the first id. Off for callers that need the logits (logprobs).
+    pub device_greedy: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,6 +197,8 @@ pub fn generate<E: Engine>(
     stats.prefill_complete = true;
 
     let mut dl = DecodeLoop::new(stats, in_thinking, logits, t0);
+    let device_greedy = opts.device_greedy && sampler.is_plain_greedy();
+    let vocab_limit = sampler.params().vocab_limit;
     let stop = loop {
         let next = dl.pick(opts, sampler);
         if let Some(reason) = on_token(next, &dl.logits) {
@@ -203,7 +210,12 @@ pub fn generate<E: Engine>(
         if cancel.load(Ordering::SeqCst) {
             break StopReason::Cancelled;
         }
-        dl.logits = engine.forward(state, &[next], Logits::Last)?;
+        if device_greedy {
+            dl.logits.clear();
+            dl.device_next = Some(engine.forward_greedy_id(state, next, vocab_limit)?);
+        } else {
+            dl.logits = engine.forward(state, &[next], Logits::Last)?;
+        }
     };
     let stats = dl.finish(stop);
     Ok(Generation { stats, snapshot })
@@ -217,6 +229,9 @@ pub struct DecodeLoop {
     pub stats: GenerationStats,
     /// The logits the next id is chosen from.
     pub logits: Vec<f32>,
+    /// The next id when the engine already chose it (greedy on the device), in place of
+    /// sampling `logits`; a forced id (the thinking budget) still comes first.
+    pub device_next: Option<u32>,
     thinking: bool,
     thinking_tokens: usize,
     forced: std::collections::VecDeque<u32>,
@@ -231,6 +246,7 @@ impl DecodeLoop {
         DecodeLoop {
             stats,
             logits,
+            device_next: None,
             thinking: in_thinking,
             thinking_tokens: 0,
             forced: Default::default(),
@@ -250,12 +266,15 @@ impl DecodeLoop {
             self.forced.extend(&t.close_ids);
         }
         let was_forced = !self.forced.is_empty();
+        let device_next = self.device_next.take();
         let next = match self.forced.pop_front() {
             Some(id) => {
                 self.stats.forced_tokens += 1;
                 id
             }
-            None => sampler.sample(&self.logits, &self.stats.generated),
+            None => {
+                device_next.unwrap_or_else(|| sampler.sample(&self.logits, &self.stats.generated))
+            }
         };
         if self.t_decode.is_none() {
             self.stats.time_to_first_token = self.t0.elapsed();

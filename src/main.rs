@@ -720,6 +720,7 @@ fn setup<E: Engine>(
                 prefill_chunk: PREFILL_CHUNK,
                 max_seq,
                 thinking,
+                device_greedy: true,
             },
             stop_strings: opts.stop.clone(),
             think_ids,

@@ -44,6 +44,18 @@ pub trait Engine {
     fn state_len(&self, state: &Self::State) -> usize;
     /// Runs `tokens` through the model, appending them to `state`.
     fn forward(&self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>>;
+    /// Runs one token and returns the greedy next id, [`crate::sampling::greedy_id`] of its
+    /// logits (what the sampler picks at temperature 0 without penalties). The GPU engine takes
+    /// it from its fused argmax and copies one id instead of the vocabulary's logits.
+    fn forward_greedy_id(
+        &self,
+        state: &mut Self::State,
+        token: u32,
+        vocab_limit: usize,
+    ) -> Result<u32> {
+        let logits = self.forward(state, &[token], Logits::Last)?;
+        Ok(crate::sampling::greedy_id(&logits, vocab_limit))
+    }
     /// Memory a state holds (what a cached snapshot of it costs), in bytes.
     fn state_bytes(&self, state: &Self::State) -> usize;
     /// Where states live in a fixed device memory (the GPU): what is still free there and

@@ -372,6 +372,16 @@ impl Sampler {
         }
     }
 
+    /// Whether [`Sampler::sample`] is a plain argmax over ids `< vocab_limit` whatever the
+    /// history (greedy, no penalties), so an engine's own argmax can stand in for it.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+    }
+
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
@@ -492,6 +502,12 @@ impl Sampler {
 
 /// Index of the largest value, the lowest index on ties, NaN never chosen (0 if nothing is
 /// larger than minus infinity).
+/// The greedy id of one position's logits: the first largest among ids `< vocab_limit` (NaN
+/// never chosen; 0 when nothing beats -inf), as [`Sampler::sample`] picks at temperature 0.
+pub fn greedy_id(logits: &[f32], vocab_limit: usize) -> u32 {
+    argmax(&logits[..vocab_limit.min(logits.len())])
+}
+
 fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
     let mut best_v = f32::NEG_INFINITY;

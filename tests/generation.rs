@@ -29,6 +29,8 @@ struct Scripted {
     calls: RefCell<Vec<usize>>,
     /// The state's ids after the last prompt (multi-token) call.
     prefilled: RefCell<Vec<u32>>,
+    /// Calls of `forward_greedy_id` (the engine choosing the next id itself).
+    greedy_calls: RefCell<usize>,
 }
 
 impl Scripted {
@@ -38,6 +40,7 @@ impl Scripted {
             script,
             calls: RefCell::new(Vec::new()),
             prefilled: RefCell::new(Vec::new()),
+            greedy_calls: RefCell::new(0),
         }
     }
 }
@@ -79,6 +82,11 @@ impl Engine for Scripted {
         logits[special::FIRST_PADDING_ID as usize + 3] = 100.0;
         Ok(logits)
     }
+    fn forward_greedy_id(&self, s: &mut Ids, token: u32, vocab_limit: usize) -> Result<u32> {
+        *self.greedy_calls.borrow_mut() += 1;
+        let logits = self.forward(s, &[token], Logits::Last)?;
+        Ok(kestrel::sampling::greedy_id(&logits, vocab_limit))
+    }
 }
 
 fn opts(max_tokens: usize) -> GenerateOptions {
@@ -88,6 +96,7 @@ fn opts(max_tokens: usize) -> GenerateOptions {
         prefill_chunk: 3,
         max_seq: 10_000,
         thinking: None,
+        device_greedy: false,
     }
 }
 
@@ -276,6 +285,85 @@ fn thinking_budget_forces_the_end_of_the_thinking_block() {
     )
     .unwrap();
     assert_eq!(g.stats.generated, vec![hmm; 8]);
+}
+
+/// With `device_greedy` a plain greedy sampler's ids come from the engine's own argmax
+/// (`forward_greedy_id`, once a generated id): the same ids, a forced thinking close still
+/// first; a penalised sampler or the option off keep sampling the logits.
+#[test]
+fn device_greedy_takes_the_engines_ids_and_keeps_forced_ones_first() {
+    let hmm = ids(" hmm")[0];
+    let close_ids = tokenizer().encode("</think>\n\n", true).unwrap();
+    let run = |device_greedy: bool, budget: Option<usize>, sampler: &mut Sampler| {
+        let e = Scripted::new(ids(" hmm"));
+        let mut o = opts(8);
+        o.device_greedy = device_greedy;
+        o.thinking = Some(ThinkingControl {
+            open_id: special::THINK,
+            close_id: special::THINK_END,
+            budget,
+            close_ids: close_ids.clone(),
+        });
+        let mut state = e.new_state();
+        let mut seen_logits = Vec::new();
+        let g = generate(
+            &e,
+            &mut state,
+            &[special::THINK, 198],
+            true,
+            &o,
+            sampler,
+            &AtomicBool::new(false),
+            None,
+            |_, l| {
+                seen_logits.push(l.len());
+                None
+            },
+        )
+        .unwrap();
+        let calls = *e.greedy_calls.borrow();
+        (
+            g.stats.generated,
+            g.stats.forced_tokens,
+            calls,
+            seen_logits,
+            state,
+        )
+    };
+    for budget in [None, Some(3)] {
+        let (ids_off, forced_off, calls_off, _, state_off) = run(false, budget, &mut greedy());
+        let (ids_on, forced_on, calls_on, logits_on, state_on) = run(true, budget, &mut greedy());
+        assert_eq!(ids_on, ids_off, "budget {budget:?}");
+        assert_eq!(forced_on, forced_off);
+        assert_eq!(state_on, state_off, "the same ids fed back");
+        assert_eq!(calls_off, 0);
+        assert_eq!(
+            calls_on, 7,
+            "every generated id but the last one fed through the engine's argmax"
+        );
+        // the first id is sampled from the prompt's logits; later ones see none
+        assert_eq!(logits_on[0], kestrel::synthetic::demo_config().vocab_size);
+        assert!(logits_on[1..].iter().all(|&n| n == 0));
+        if budget.is_some() {
+            assert_eq!(forced_on, close_ids.len());
+            assert_eq!(ids_on[3], special::THINK_END);
+        } else {
+            assert_eq!(ids_on, vec![hmm; 8]);
+        }
+    }
+    // a penalised greedy sampler needs the logits
+    let mut penalised = Sampler::new(
+        SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 1.1,
+            vocab_limit: tokenizer().vocab_size(),
+            ..Default::default()
+        },
+        0,
+    );
+    assert!(!penalised.is_plain_greedy());
+    let (_, _, calls, _, _) = run(true, None, &mut penalised);
+    assert_eq!(calls, 0);
 }
 
 fn settings(max_tokens: usize) -> ReplySettings {

@@ -1933,6 +1933,18 @@ impl Engine for CudaModel {
         })
     }
 
+    fn forward_greedy_id(
+        &self,
+        state: &mut CudaState,
+        token: u32,
+        vocab_limit: usize,
+    ) -> Result<u32> {
+        // the kernel's argmax starts from no row (i32::MAX) where the sampler's starts from id 0:
+        // only when no logit beats -inf (all NaN or -inf) do they differ
+        let id = self.forward_greedy(state, &[token], vocab_limit)?;
+        Ok(if (id as usize) < vocab_limit { id } else { 0 })
+    }
+
     fn forward(&self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         self.gpu.bind()?;
         self.check_tokens(state, tokens)?;
