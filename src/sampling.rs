@@ -500,14 +500,14 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value, the lowest index on ties, NaN never chosen (0 if nothing is
-/// larger than minus infinity).
 /// The greedy id of one position's logits: the first largest among ids `< vocab_limit` (NaN
 /// never chosen; 0 when nothing beats -inf), as [`Sampler::sample`] picks at temperature 0.
 pub fn greedy_id(logits: &[f32], vocab_limit: usize) -> u32 {
     argmax(&logits[..vocab_limit.min(logits.len())])
 }
 
+/// Index of the largest value, the lowest index on ties, NaN never chosen (0 if nothing is
+/// larger than minus infinity).
 fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
     let mut best_v = f32::NEG_INFINITY;

@@ -100,6 +100,16 @@ fn opts(max_tokens: usize) -> GenerateOptions {
     }
 }
 
+/// The thinking block's ids with an optional budget and the ids that close it.
+fn thinking(budget: Option<usize>, close_ids: &[u32]) -> ThinkingControl {
+    ThinkingControl {
+        open_id: special::THINK,
+        close_id: special::THINK_END,
+        budget,
+        close_ids: close_ids.to_vec(),
+    }
+}
+
 fn greedy() -> Sampler {
     Sampler::new(
         SamplingParams {
@@ -244,12 +254,7 @@ fn thinking_budget_forces_the_end_of_the_thinking_block() {
     let close_ids = tokenizer().encode("</think>\n\n", true).unwrap();
     assert_eq!(close_ids[0], special::THINK_END);
     let mut o = opts(8);
-    o.thinking = Some(ThinkingControl {
-        open_id: special::THINK,
-        close_id: special::THINK_END,
-        budget: Some(3),
-        close_ids: close_ids.clone(),
-    });
+    o.thinking = Some(thinking(Some(3), &close_ids));
     let mut state = e.new_state();
     let g = generate(
         &e,
@@ -298,12 +303,7 @@ fn device_greedy_takes_the_engines_ids_and_keeps_forced_ones_first() {
         let e = Scripted::new(ids(" hmm"));
         let mut o = opts(8);
         o.device_greedy = device_greedy;
-        o.thinking = Some(ThinkingControl {
-            open_id: special::THINK,
-            close_id: special::THINK_END,
-            budget,
-            close_ids: close_ids.clone(),
-        });
+        o.thinking = Some(thinking(budget, &close_ids));
         let mut state = e.new_state();
         let mut seen_logits = Vec::new();
         let g = generate(
