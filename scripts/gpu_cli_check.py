@@ -70,6 +70,19 @@ def main():
     check(p2.returncode == 0 and p2.stdout.strip() == p.stdout.strip(),
           "a second greedy generate gives the same text")
 
+    # Greedy ids from the device's fused argmax (the default) against every step's logits
+    # on the host (KESTREL_HOST_SAMPLING=1): the same text over 512 tokens; both decode rates
+    # are in the stats lines (stderr) of the two logs.
+    long_args = [k, "generate", "--device", "cuda", "--model", m, "--prompt",
+                 "Write one sentence about falcons.", "--max-tokens", "512", "--temperature", "0",
+                 "--no-think"]
+    pd = run("generate-512-device-argmax", long_args, a.out)
+    os.environ["KESTREL_HOST_SAMPLING"] = "1"
+    ph = run("generate-512-host-logits", long_args, a.out)
+    del os.environ["KESTREL_HOST_SAMPLING"]
+    check(pd.returncode == 0 and ph.returncode == 0 and pd.stdout == ph.stdout,
+          "512 greedy tokens: the device argmax and the host's argmax of the logits give the same text")
+
     # chat: two turns from stdin, then EOF ends it.
     p = run("chat", [k, "chat", "--device", "cuda", "--model", m, "--max-tokens", "16",
                      "--temperature", "0", "--no-think"], a.out,
@@ -108,6 +121,12 @@ def main():
                 j = json.loads(r)
                 ok = j["usage"]["completion_tokens"] >= 1 and j["choices"][0]["message"] is not None
             check(ok, "POST /v1/chat/completions returns a completion")
+            # with logprobs the worker keeps each step's logits on the host; without, greedy ids
+            # come from the device's argmax: the same reply
+            s2, r2 = http("POST", base + "/v1/chat/completions", dict(body, logprobs=True))
+            same = ok and s2 == 200 and (json.loads(r2)["choices"][0]["message"]["content"]
+                                         == json.loads(r)["choices"][0]["message"]["content"])
+            check(same, "a greedy chat completion with logprobs (host logits) gives the same reply")
             s, r = http("POST", base + "/v1/chat/completions", dict(body, stream=True))
             chunks = [l for l in r.splitlines() if l.startswith("data: ")]
             check(s == 200 and chunks and chunks[-1] == "data: [DONE]",

@@ -46,6 +46,14 @@ pub struct GenerateOptions {
     pub device_greedy: bool,
 }
 
+/// Whether greedy decoding may take its ids from the engine's own argmax
+/// ([`GenerateOptions::device_greedy`], the server's worker likewise): yes unless
+/// `KESTREL_HOST_SAMPLING` is set, which keeps every step's logits on the host (the A/B and
+/// the check that both paths pick the same ids, `scripts/gpu_cli_check.py`).
+pub fn device_greedy_allowed() -> bool {
+    std::env::var_os("KESTREL_HOST_SAMPLING").is_none()
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StopReason {
     EndToken,

@@ -720,7 +720,7 @@ fn setup<E: Engine>(
                 prefill_chunk: PREFILL_CHUNK,
                 max_seq,
                 thinking,
-                device_greedy: true,
+                device_greedy: kestrel::generate::device_greedy_allowed(),
             },
             stop_strings: opts.stop.clone(),
             think_ids,
