@@ -42,12 +42,13 @@ pub struct GenerateOptions {
     /// With a plain greedy sampler ([`Sampler::is_plain_greedy`]), take each decoded id from
     /// the engine's own argmax ([`Engine::forward_greedy_id`]: on the GPU one id crosses to
     /// the host instead of the vocabulary's logits); `on_token` then sees empty logits after
-    /// the first id. Off for callers that need the logits (logprobs).
+    /// the first id. Off for callers that need the logits; the server's worker also keeps
+    /// them for a request that asks for logprobs.
     pub device_greedy: bool,
 }
 
-/// Whether greedy decoding may take its ids from the engine's own argmax
-/// ([`GenerateOptions::device_greedy`], the server's worker likewise): yes unless
+/// Whether greedy decoding may take its ids from the engine's own argmax (the CLI's and the
+/// server's [`GenerateOptions::device_greedy`]): yes unless
 /// `KESTREL_HOST_SAMPLING` is set, which keeps every step's logits on the host (the A/B and
 /// the check that both paths pick the same ids, `scripts/gpu_cli_check.py`).
 pub fn device_greedy_allowed() -> bool {

@@ -363,7 +363,7 @@ fn settings(
             prefill_chunk: s.config.prefill_chunk,
             max_seq: s.config.max_seq,
             thinking,
-            device_greedy: false, // the worker runs its own decode loop, greedy on the device where it can
+            device_greedy: crate::generate::device_greedy_allowed(),
         },
         stop_strings: params.stop.clone(),
         think_ids,

@@ -535,10 +535,7 @@ fn advance<E: Engine>(
     if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
         return Ok(Some(End::Stop(stop)));
     }
-    if job.logprobs.is_none()
-        && r.sampler.is_plain_greedy()
-        && crate::generate::device_greedy_allowed()
-    {
+    if opts.device_greedy && job.logprobs.is_none() && r.sampler.is_plain_greedy() {
         // greedy without penalties or logprobs: the engine's own argmax picks the next id
         // (on the GPU one id crosses to the host, not the vocabulary's logits)
         dl.logits.clear();
