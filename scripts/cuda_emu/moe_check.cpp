@@ -205,6 +205,15 @@ static void run(const Shape& s, bool deferred) {
                                memcmp(gu6.data(), gu5.data(), gu5.size() * 4) == 0 &&
                                memcmp(y6.data(), y5.data(), y5.size() * 4) == 0;
             fails += !same6;
+            // moe_gemm6_m128_bf16 (the down product's y as bf16, quad-transposed 16-byte stores):
+            // the bits of moe_gemm6's f32 y rounded to bf16, every row and column written.
+            std::vector<bf16> y16((size_t)rows * d, bf16{0x7fff});
+            launch6(moe_gemm6_m128_bf16, false, act_in.data(), nullptr, wdn.data(), y16.data(), d, I);
+            bool same16 = d % 8 == 0;
+            for (size_t i = 0; i < y16.size() && same16; i++) same16 = y16[i].v == __float2bfloat16(y6[i]).v;
+            fails += !same16;
+            printf("%s %-22s v6 m128 bf16 y: %s moe_gemm6's y rounded to bf16\n", same16 ? "ok  " : "FAIL", s.name,
+                   same16 ? "bitwise equal to" : "DIFFERS from");
             // tiles of <= 64 rows: the second consumer warpgroup only releases the stages
             int half = 0;
             for (int i = 0; i < nt[0]; i++) half += tn[i] <= 64;
@@ -277,6 +286,7 @@ static void combine_check(int t, int k, int d, bool sorted) {
         }
     // without the fused norm, then with it on the same inputs: h the same bits, and xb the bits
     // rmsnorm_zc_bf16 writes from that h
+    const std::vector<float> h0 = h;
     std::vector<float> h2 = h, nw(d);
     for (auto& x : nw) x = uni(-0.3f, 0.3f);
     std::vector<bf16> xb((size_t)t * d, bf16{0x7fff}), xb_ref((size_t)t * d, bf16{0x7fff});
@@ -300,6 +310,31 @@ static void combine_check(int t, int k, int d, bool sorted) {
     printf("moe_combine t %d k %d d %d %s: max err %.1e, fused RMSNorm %s rmsnorm_zc_bf16's %s\n", t, k, d,
            sorted ? "sorted" : "unsorted", worst, same ? "bitwise" : "DIFFERS from", ok ? "ok" : "FAILED");
     fails += !ok;
+    if (d % 8) return;  // moe_combine_bf16 takes 8 features a thread
+    // moe_combine_bf16 on y rounded to bf16: h the bits moe_combine gives on that rounded y
+    // (the same products in the same order), xb within one bf16 step of rmsnorm_zc_bf16's (its
+    // threads sum the squares over other features, so the sum may round differently).
+    std::vector<bf16> y16(y.size());
+    std::vector<float> yr(y.size());
+    for (size_t i = 0; i < y.size(); i++) y16[i] = __float2bfloat16(y[i]), yr[i] = __bfloat162float(y16[i]);
+    std::vector<float> h3 = h0, h4 = h0;
+    std::vector<bf16> xb16((size_t)t * d, bf16{0x7fff}), xb16_ref((size_t)t * d, bf16{0x7fff});
+    emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
+        moe_combine(yr.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h3.data(), k, d,
+                    nullptr, nullptr, eps);
+    });
+    emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
+        moe_combine_bf16(y16.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h4.data(), k,
+                         d, nw.data(), xb16.data(), eps);
+    });
+    emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] { rmsnorm_zc_bf16(h3.data(), nw.data(), xb16_ref.data(), d, eps); });
+    int steps = 0;
+    for (size_t i = 0; i < xb16.size(); i++) steps = std::max(steps, std::abs((int)(int16_t)xb16[i].v - (int)(int16_t)xb16_ref[i].v));
+    const bool ok16 = memcmp(h3.data(), h4.data(), h3.size() * 4) == 0 && steps <= 1;
+    printf("moe_combine_bf16 t %d k %d d %d %s: h %s moe_combine's on the rounded y, xb %d bf16 steps from "
+           "rmsnorm_zc_bf16's %s\n",
+           t, k, d, sorted ? "sorted" : "unsorted", ok16 ? "bitwise" : "DIFFERS from", steps, ok16 ? "ok" : "FAILED");
+    fails += !ok16;
 }
 
 // The decode MoE block, router -> gate/up -> down (moe_router_dec, moe_gate_up_dec,

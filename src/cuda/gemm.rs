@@ -149,14 +149,20 @@ impl Plan {
         Ok(plan)
     }
 
-    /// cuBLASLt's first choice of algorithm for this plan.
+    /// cuBLASLt's first choice of algorithm for this plan (`KESTREL_LT_ALGO=i`: its i-th, or
+    /// its last if it offers fewer; an A/B probe).
     fn heuristic(&self, lt: &Lt) -> Result<sys::cublasLtMatmulAlgo_t> {
         let pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
         let bytes = lt.workspace_bytes as u64;
-        // SAFETY: a plain-old-data result slot, filled by the call below.
-        let mut found: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let pick: usize = std::env::var("KESTREL_LT_ALGO")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+            .min(7);
+        // SAFETY: plain-old-data result slots, filled by the call below.
+        let mut found: [sys::cublasLtMatmulHeuristicResult_t; 8] = unsafe { std::mem::zeroed() };
         let mut count = 0;
-        // SAFETY: the descriptors are live; `found` has room for the one result asked for.
+        // SAFETY: the descriptors are live; `found` has room for the results asked for.
         let r = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -166,7 +172,15 @@ impl Plan {
             )
             .and_then(|_| {
                 sys::cublasLtMatmulAlgoGetHeuristic(
-                    lt.handle, self.desc, self.w, self.x, self.y, self.y, pref, 1, &mut found,
+                    lt.handle,
+                    self.desc,
+                    self.w,
+                    self.x,
+                    self.y,
+                    self.y,
+                    pref,
+                    (pick + 1) as i32,
+                    found.as_mut_ptr(),
                     &mut count,
                 )
                 .result()
@@ -177,6 +191,7 @@ impl Plan {
             let _ = lt::destroy_matmul_pref(pref);
         }
         r.map_err(lt_err("heuristic"))?;
+        let found = &found[pick.min(count.max(1) as usize - 1)];
         if count < 1 || found.state != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(anyhow!("cuBLASLt has no algorithm for this product"));
         }

@@ -356,6 +356,10 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
+    /// The routed experts' down outputs y in bf16 where `moe_gemm6` runs them (half of y's
+    /// bytes written and read back by the combine; transformers' experts also return bf16);
+    /// `KESTREL_MOE_Y=f32` keeps them f32.
+    pub moe_y_bf16: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
@@ -859,6 +863,7 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
+            moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
         })
     }
 
@@ -1261,6 +1266,12 @@ impl CudaModel {
             ],
         )?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
+        let tile_m = self.moe_gemm.tile_m(rows, e, self.moe_tile_m);
+        // y in bf16 only from moe_gemm6's 128-row tiles (16-byte rows of 8 features).
+        let y_bf16 = self.moe_y_bf16
+            && !gemv_path
+            && (self.moe_gemm, tile_m) == (MoeGemm::V6, 128)
+            && d % 8 == 0;
         let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
             g.launch(
                 "moe_gemv",
@@ -1297,7 +1308,6 @@ impl CudaModel {
                 tile_rows: ws.tile_rows.ptr,
                 num_tiles: ws.num_tiles.ptr,
             };
-            let tile_m = self.moe_gemm.tile_m(rows, e, self.moe_tile_m);
             if tile_m < MIN_TILE_M {
                 bail!(
                     "MoE tiles of {tile_m} rows: the workspace holds tiles of {MIN_TILE_M} or more"
@@ -1338,11 +1348,19 @@ impl CudaModel {
                 ndim: d,
                 kdim: i,
             };
-            g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
+            if y_bf16 {
+                g.moe_grouped_bf16(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
+            } else {
+                g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
+            }
         }
         g.join_aux()?;
         g.launch_dep(
-            "moe_combine",
+            if y_bf16 {
+                "moe_combine_bf16"
+            } else {
+                "moe_combine"
+            },
             (t as u32, 1, 1),
             256,
             0,

@@ -88,8 +88,9 @@ const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
 /// The `moe_gemm6` kernels, with their dynamic shared memory: `moe_gemm5`'s four stages and
 /// the stages' eight mbarriers.
-pub(super) const GEMM6_KERNELS: [(&str, usize); 2] = [
+pub(super) const GEMM6_KERNELS: [(&str, usize); 3] = [
     ("moe_gemm6_m128", GEMM6_SMEM),
+    ("moe_gemm6_m128_bf16", GEMM6_SMEM),
     ("moe_gemm6_swiglu_m128", GEMM6_SMEM),
 ];
 const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8;
@@ -299,6 +300,29 @@ impl Gpu {
             g.ndim,
             GridOrder::of(kind, tile_m),
         )
+    }
+
+    /// [`Gpu::moe_grouped`] with a bf16 `out [rows, ndim]` (the down product's y, half the
+    /// bytes to write and for `moe_combine_bf16` to read): `moe_gemm6_m128_bf16`, the V6 kernel
+    /// with 128-row tiles only, `g.ndim % 8 == 0`.
+    pub fn moe_grouped_bf16(
+        &self,
+        kind: MoeGemm,
+        tile_m: usize,
+        p: &MoePlan,
+        rows: usize,
+        experts: usize,
+        g: &Grouped,
+    ) -> Result<()> {
+        if (kind, tile_m) != (MoeGemm::V6, 128) || g.ndim % 8 != 0 {
+            bail!(
+                "no bf16-output {kind:?} grouped GEMM with {tile_m}-row tiles and {} columns",
+                g.ndim
+            );
+        }
+        let geometry = (tile_m, 256, 384, GEMM6_SMEM);
+        let order = GridOrder::of(kind, tile_m);
+        self.grouped_launch("moe_gemm6_m128_bf16", geometry, p, rows, experts, g, g.ndim, order)
     }
 
     /// The gate/up product with the SwiGLU fused (`kind` V3 or V4): `g.w` holds

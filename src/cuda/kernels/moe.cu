@@ -255,63 +255,98 @@ extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __res
     }
 }
 
+// y's row `row`, features [V c, V c + V) as floats: V = 4 from f32 y (one 16-byte load), V = 8
+// from bf16 y (one 16-byte load, the down product's y from moe_gemm6_m128_bf16).
+template <int V>
+__device__ __forceinline__ void combine_load(const void* __restrict__ y, size_t row, int d, int c, float (&v)[V]) {
+    if constexpr (V == 4) {
+        const float4 u = __ldg(reinterpret_cast<const float4*>(y) + row * (d / 4) + c);
+        v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
+    } else {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(y) + row * (d / 8) + c);
+        const unsigned p[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[2 * i] = __uint_as_float(p[i] << 16);
+            v[2 * i + 1] = __uint_as_float(p[i] & 0xffff0000u);
+        }
+    }
+}
+
 // Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sgate[t] * ys[t] (sgate: moe_route's
-// shared-expert gates). A thread takes 4 features at a time (16-byte loads, d % 4 == 0) with up
-// to 8 of its rows' loads issued together and no block barrier before them: the kernel streams
-// y once and is bound by that, not by round trips. With norm_w, the next layer's input RMSNorm
-// follows on the new row: xb[t] = bf16(h[t] / rms(h[t]) * (1 + norm_w)), the same sums in the
-// same order as rmsnorm_zc_bf16 (which it replaces there), so one pass over h fewer a layer.
-extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __restrict__ y,
-                                                              const int* __restrict__ slot_row,
-                                                              const float* __restrict__ topk_w,
-                                                              const float* __restrict__ ys,
-                                                              const float* __restrict__ sgate,
-                                                              float* __restrict__ h, int k, int d,
-                                                              const float* __restrict__ norm_w,
-                                                              bf16* __restrict__ xb, float eps) {
-    PREFILL_KERNEL();
-    const int s = blockIdx.x, d4 = d >> 2;
+// shared-expert gates). A thread takes V features at a time (16-byte loads of y: V = 4 for f32 y,
+// d % 4 == 0; V = 8 for bf16 y, d % 8 == 0) with up to 8 of its rows' loads issued together and
+// no block barrier before them: the kernel streams y once and is bound by that, not by round
+// trips. With norm_w, the next layer's input RMSNorm follows on the new row: xb[t] = bf16(h[t] /
+// rms(h[t]) * (1 + norm_w)); for V = 4 the same sums in the same order as rmsnorm_zc_bf16 (which
+// it replaces there), so one pass over h fewer a layer.
+template <int V>
+__device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, const int* __restrict__ slot_row,
+                                                 const float* __restrict__ topk_w, const float* __restrict__ ys,
+                                                 const float* __restrict__ sgate, float* __restrict__ h, int k, int d,
+                                                 const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {
+    const int s = blockIdx.x, dv = d / V;
     const float gate = sgate[s];
-    const float4* y4 = reinterpret_cast<const float4*>(y);
-    const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * d4;
-    float4* h4 = reinterpret_cast<float4*>(h) + (size_t)s * d4;
+    const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * (d / 4);
+    float4* h4 = reinterpret_cast<float4*>(h) + (size_t)s * (d / 4);
     float ss = 0.0f;  // the new row's sum of squares, for the RMSNorm
-    for (int c = threadIdx.x; c < d4; c += blockDim.x) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+        float acc[V];
+#pragma unroll
+        for (int i = 0; i < V; i++) acc[i] = 0.0f;
         for (int k0 = 0; k0 < k; k0 += 8) {
-            float4 v[8];
+            float v[8][V];
             float wv[8];
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
                 if (k0 + kk < k) {
                     const int i = s * k + k0 + kk;
-                    v[kk] = __ldg(y4 + (size_t)(slot_row ? slot_row[i] : i) * d4 + c);  // null: rows unsorted
+                    combine_load<V>(y, (size_t)(slot_row ? slot_row[i] : i), d, c, v[kk]);  // null: rows unsorted
                     wv[kk] = topk_w[i];
                 }
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
                 if (k0 + kk < k) {
                     const float w = wv[kk];
-                    acc.x += w * v[kk].x, acc.y += w * v[kk].y, acc.z += w * v[kk].z, acc.w += w * v[kk].w;
+#pragma unroll
+                    for (int i = 0; i < V; i++) acc[i] += w * v[kk][i];
                 }
         }
-        const float4 sh = ys4[c];
-        float4 hv = h4[c];
-        hv.x += acc.x + gate * sh.x, hv.y += acc.y + gate * sh.y;
-        hv.z += acc.z + gate * sh.z, hv.w += acc.w + gate * sh.w;
-        h4[c] = hv;
-        ss += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;
+#pragma unroll
+        for (int j = 0; j < V / 4; j++) {
+            const int c4 = c * (V / 4) + j;
+            const float4 sh = ys4[c4];
+            float4 hv = h4[c4];
+            hv.x += acc[4 * j] + gate * sh.x, hv.y += acc[4 * j + 1] + gate * sh.y;
+            hv.z += acc[4 * j + 2] + gate * sh.z, hv.w += acc[4 * j + 3] + gate * sh.w;
+            h4[c4] = hv;
+            ss += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;
+        }
     }
     if (!norm_w) return;  // grid-uniform
     const float inv = rsqrtf(block_sum(ss) / d + eps);
     const float4* w4 = reinterpret_cast<const float4*>(norm_w);
-    for (int c = threadIdx.x; c < d4; c += blockDim.x) {  // the thread's own writes of h4
-        const float4 v = h4[c], g = w4[c];
-        reinterpret_cast<uint2*>(xb + (size_t)s * d)[c] =
-            make_uint2(pack_bf16x2(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y)),
-                       pack_bf16x2(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w)));
-    }
+    for (int c = threadIdx.x; c < dv; c += blockDim.x)  // the thread's own writes of h4
+#pragma unroll
+        for (int j = 0; j < V / 4; j++) {
+            const int c4 = c * (V / 4) + j;
+            const float4 v = h4[c4], g = w4[c4];
+            reinterpret_cast<uint2*>(xb + (size_t)s * d)[c4] =
+                make_uint2(pack_bf16x2(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y)),
+                           pack_bf16x2(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w)));
+        }
 }
+
+#define MOE_COMBINE(NAME, YT, V)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                    \
+        const YT* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,          \
+        const float* __restrict__ ys, const float* __restrict__ sgate, float* __restrict__ h, int k, int d,    \
+        const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {                                  \
+        PREFILL_KERNEL();                                                                                      \
+        moe_combine_impl<V>(y, slot_row, topk_w, ys, sgate, h, k, d, norm_w, xb, eps);                         \
+    }
+MOE_COMBINE(moe_combine, float, 4)
+MOE_COMBINE(moe_combine_bf16, bf16, 8)
 
 // Grouped GEMM, second version (KESTREL_MOE_GEMM=v2; v1 selects moe_gemm):
 // 128x128 tiles, 8 warps of 64x32, K tiles of 32 double-buffered with cp.async (16-byte
@@ -439,6 +474,41 @@ __device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], vo
                         *reinterpret_cast<float2*>(c + row * ndim + col) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
                 }
             }
+        }
+    }
+}
+
+// A warp's 16 rows x 256 columns of a wgmma m64n256 accumulator stored as bf16 [*, ndim]
+// (ndim % 8 == 0) with 16-byte stores. acc[j] holds columns 8j + 2q, +1 of rows g and g + 8 (q =
+// lane & 3, g = lane >> 2), so a direct store writes 4 bytes a thread, 16 a row; instead the
+// quad's four threads swap their bf16 pairs (a 4x4 transpose, three shuffles) until each holds 8
+// consecutive columns, and one warp store writes 64 contiguous bytes of each of its 8 rows.
+__device__ __forceinline__ void moe_tile_store_bf16(const float (&acc)[32][4], bf16* __restrict__ out, int wm, int n0,
+                                                    int r0, int rows, int ndim, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int rr = wm + g + 8 * h;
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            unsigned w[4], r[4];
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) w[jj] = pack_bf16x2(acc[4 * m + jj][2 * h], acc[4 * m + jj][2 * h + 1]);
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) r[jj] = w[jj];  // r[q] = w[q] stays
+            // Round s: lane q takes lane q ^ s's pair for column group q (that lane's w[q]) into
+            // r[q ^ s], each lane sending its w[q ^ s].
+#pragma unroll
+            for (int s = 1; s < 4; s++) {
+                const int i = q ^ s;
+                const unsigned send = i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
+                const unsigned got = __shfl_xor_sync(0xffffffffu, send, s);
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) r[jj] = jj == i ? got : r[jj];
+            }
+            const int col = n0 + 8 * (4 * m + q);
+            if (rr < rows && col < ndim)
+                *reinterpret_cast<uint4*>(out + (size_t)(r0 + rr) * ndim + col) = make_uint4(r[0], r[1], r[2], r[3]);
         }
     }
 }
@@ -814,7 +884,7 @@ MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 #define G6_STAGES 4
 #define G6_STAGE ((G5_BM + G5_BN) * G4_BK)  // bf16 elements of a stage (48 KiB)
 #define G6_SMEM (G6_STAGES * G6_STAGE * 2 + 2 * G6_STAGES * 8)
-template <bool SWIGLU>
+template <bool SWIGLU, bool Y16>
 __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -899,21 +969,28 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
         mbar_arrive(&empty[(it - 1) % G6_STAGES]);
-        moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16, 0,
-                                      n0, tile_row[tile], tile_rows[tile], ndim, lane);
+        if (Y16)
+            moe_tile_store_bf16(reinterpret_cast<const float(&)[32][4]>(acc), reinterpret_cast<bf16*>(out),
+                                wg * 64 + (warp & 3) * 16, n0, tile_row[tile], tile_rows[tile], ndim, lane);
+        else
+            moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16,
+                                          0, n0, tile_row[tile], tile_rows[tile], ndim, lane);
     }
 }
 
-#define MOE_GEMM6(NAME, SWIGLU)                                                                                 \
+// _bf16: the output as bf16 (moe_tile_store_bf16; ndim % 8 == 0), for the down product's y.
+#define MOE_GEMM6(NAME, SWIGLU, Y16)                                                                            \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                 \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int nblk) {  \
         PREFILL_KERNEL();                                                                                      \
-        moe_gemm6_impl<SWIGLU>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim, nblk); \
+        moe_gemm6_impl<SWIGLU, Y16>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim,   \
+                                    nblk);                                                                     \
     }
-MOE_GEMM6(moe_gemm6_m128, false)
-MOE_GEMM6(moe_gemm6_swiglu_m128, true)
+MOE_GEMM6(moe_gemm6_m128, false, false)
+MOE_GEMM6(moe_gemm6_m128_bf16, false, true)
+MOE_GEMM6(moe_gemm6_swiglu_m128, true, false)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
