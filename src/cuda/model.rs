@@ -356,9 +356,9 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
-    /// The routed experts' down outputs y in bf16 where `moe_gemm6` runs them (half of y's
-    /// bytes written and read back by the combine; transformers' experts also return bf16);
-    /// `KESTREL_MOE_Y=f32` keeps them f32.
+    /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
+    /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
+    /// Either way the combine (and the decode step) take them rounded to bf16.
     pub moe_y_bf16: bool,
 }
 
@@ -1377,6 +1377,8 @@ impl CudaModel {
                 Arg::Ptr(next_norm.map_or(0, |w| w.ptr)),
                 Arg::Ptr(ws.xb.ptr),
                 Arg::F(c.rms_norm_eps),
+                // y's values as bf16 (stored so or not): every path's rounding point.
+                Arg::I(1),
             ],
         )
     }

@@ -57,7 +57,11 @@ pub fn moe_forward(
         for &(tok, _) in rows {
             xs.extend_from_slice(&x[tok * d..(tok + 1) * d]);
         }
-        let y = swiglu(&xs, rows.len(), &w.experts[ex], bf16);
+        let mut y = swiglu(&xs, rows.len(), &w.experts[ex], bf16);
+        if bf16 {
+            // The GPU takes a routed expert's output as bf16 (transformers' experts return it so).
+            y = super::gemm::round_bf16(&y);
+        }
         for (r, &(tok, wt)) in rows.iter().enumerate() {
             for (o, v) in out[tok * d..(tok + 1) * d]
                 .iter_mut()

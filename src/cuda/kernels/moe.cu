@@ -255,26 +255,33 @@ extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __res
     }
 }
 
-// y's row `row`, features [V c, V c + V) as floats: V = 4 from f32 y (one 16-byte load), V = 8
-// from bf16 y (one 16-byte load, the down product's y from moe_gemm6_m128_bf16).
+// y's row `row`, features [V c, V c + V): one 16-byte load, 4 f32 (V = 4) or 8 bf16 (V = 8, the
+// down product's y from moe_gemm6_m128_bf16), kept raw until combine_fma so that the 8 rows'
+// loads in flight cost 4 registers each.
 template <int V>
-__device__ __forceinline__ void combine_load(const void* __restrict__ y, size_t row, int d, int c, float (&v)[V]) {
-    if constexpr (V == 4) {
-        const float4 u = __ldg(reinterpret_cast<const float4*>(y) + row * (d / 4) + c);
-        v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
-    } else {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(y) + row * (d / 8) + c);
-        const unsigned p[4] = {u.x, u.y, u.z, u.w};
+__device__ __forceinline__ uint4 combine_load(const void* __restrict__ y, size_t row, int d, int c) {
+    return __ldg(reinterpret_cast<const uint4*>(y) + row * (d / V) + c);
+}
+// acc[i] += w * y_i for the V features of a raw combine_load; with round_y f32 values rounded to
+// bf16 first (bf16 y is already).
+template <int V>
+__device__ __forceinline__ void combine_fma(float (&acc)[V], float w, uint4 u, bool round_y) {
+    const unsigned p[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[2 * i] = __uint_as_float(p[i] << 16);
-            v[2 * i + 1] = __uint_as_float(p[i] & 0xffff0000u);
+    for (int i = 0; i < 4; i++) {
+        if constexpr (V == 4) {
+            const float v = __uint_as_float(p[i]);
+            acc[i] += w * (round_y ? __bfloat162float(__float2bfloat16(v)) : v);
+        } else {
+            acc[2 * i] += w * __uint_as_float(p[i] << 16);
+            acc[2 * i + 1] += w * __uint_as_float(p[i] & 0xffff0000u);
         }
     }
 }
 
 // Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sgate[t] * ys[t] (sgate: moe_route's
-// shared-expert gates). A thread takes V features at a time (16-byte loads of y: V = 4 for f32 y,
+// shared-expert gates; round_y: the routed experts' outputs y taken as bf16, as transformers'
+// experts return them and the decode step rounds them, whatever y's storage). A thread takes V features at a time (16-byte loads of y: V = 4 for f32 y,
 // d % 4 == 0; V = 8 for bf16 y, d % 8 == 0) with up to 8 of its rows' loads issued together and
 // no block barrier before them: the kernel streams y once and is bound by that, not by round
 // trips. With norm_w, the next layer's input RMSNorm follows on the new row: xb[t] = bf16(h[t] /
@@ -284,7 +291,8 @@ template <int V>
 __device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, const int* __restrict__ slot_row,
                                                  const float* __restrict__ topk_w, const float* __restrict__ ys,
                                                  const float* __restrict__ sgate, float* __restrict__ h, int k, int d,
-                                                 const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {
+                                                 const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps,
+                                                 int round_y) {
     const int s = blockIdx.x, dv = d / V;
     const float gate = sgate[s];
     const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * (d / 4);
@@ -295,22 +303,18 @@ __device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, con
 #pragma unroll
         for (int i = 0; i < V; i++) acc[i] = 0.0f;
         for (int k0 = 0; k0 < k; k0 += 8) {
-            float v[8][V];
+            uint4 v[8];
             float wv[8];
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
                 if (k0 + kk < k) {
                     const int i = s * k + k0 + kk;
-                    combine_load<V>(y, (size_t)(slot_row ? slot_row[i] : i), d, c, v[kk]);  // null: rows unsorted
+                    v[kk] = combine_load<V>(y, (size_t)(slot_row ? slot_row[i] : i), d, c);  // null: rows unsorted
                     wv[kk] = topk_w[i];
                 }
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
-                if (k0 + kk < k) {
-                    const float w = wv[kk];
-#pragma unroll
-                    for (int i = 0; i < V; i++) acc[i] += w * v[kk][i];
-                }
+                if (k0 + kk < k) combine_fma<V>(acc, wv[kk], v[kk], round_y);
         }
 #pragma unroll
         for (int j = 0; j < V / 4; j++) {
@@ -337,13 +341,15 @@ __device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, con
         }
 }
 
+// Four blocks an SM at least (64 registers): at 128, two blocks kept too few of y's loads in
+// flight (moe_combine_bf16 237 against moe_combine's 186 us at 8,192 tokens on the H200).
 #define MOE_COMBINE(NAME, YT, V)                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 4) NAME(                                                 \
         const YT* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,          \
         const float* __restrict__ ys, const float* __restrict__ sgate, float* __restrict__ h, int k, int d,    \
-        const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {                                  \
+        const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps, int round_y) {                     \
         PREFILL_KERNEL();                                                                                      \
-        moe_combine_impl<V>(y, slot_row, topk_w, ys, sgate, h, k, d, norm_w, xb, eps);                         \
+        moe_combine_impl<V>(y, slot_row, topk_w, ys, sgate, h, k, d, norm_w, xb, eps, round_y);                \
     }
 MOE_COMBINE(moe_combine, float, 4)
 MOE_COMBINE(moe_combine_bf16, bf16, 8)
@@ -1207,6 +1213,8 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         float a = warp_sum(acc[q]);
+        // A routed expert's output rounded to bf16, as prefill's y (moe_gemm6_m128_bf16).
+        if (s != k) a = __bfloat162float(__float2bfloat16(a));
         if (lane == 0) red[s][q] = coef * a;
     }
     __syncthreads();
