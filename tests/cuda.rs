@@ -121,8 +121,11 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
         );
         assert!(pe <= REL_TOL, "{}: prompt {pe}", dir.display());
         assert!(worst <= REL_TOL, "{}: decode {worst}", dir.display());
+        // The confident steps are the CPU reference's own margins: 33 on tiny-official-bf16
+        // until the routed experts' outputs became bf16 on both sides, 31 since (the reference's
+        // logits moved, not the GPU's agreement with them).
         assert!(
-            compared >= 32,
+            compared >= 30,
             "{}: only {compared} confident steps",
             dir.display()
         );
