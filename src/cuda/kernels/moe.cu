@@ -484,60 +484,38 @@ __device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], vo
     }
 }
 
-// One accumulator row's bf16 pairs w[j] (columns 8j + 2q, +1 of a wgmma m64nN tile, q = lane &
-// 3; NW = N / 8 pairs) stored to `row` [ncols] from column n0 with 16-byte stores (ncols % 8 ==
-// 0; `store` false: only the shuffles, for a row past the tile). A direct store writes 4 bytes a
-// thread, 16 a row per warp store; instead the quad's four threads swap their pairs (a 4x4
-// transpose, three shuffles) until each holds 8 consecutive columns, and one warp store writes
-// 64 contiguous bytes of each of its 8 rows.
-template <int NW>
-__device__ __forceinline__ void quad_store_bf16(const unsigned (&w)[NW], bf16* __restrict__ row, int n0, int ncols,
-                                                bool store, int lane) {
-    const int q = lane & 3;
-#pragma unroll
-    for (int m = 0; m < NW / 4; m++) {
-        unsigned r[4];
-#pragma unroll
-        for (int jj = 0; jj < 4; jj++) r[jj] = w[4 * m + jj];  // r[q] = w[4m + q] stays
-        // Round s: lane q takes lane q ^ s's pair of column group 4m + q (that lane's
-        // w[4m + q]) into r[q ^ s], each lane sending its w[4m + (q ^ s)].
-#pragma unroll
-        for (int s = 1; s < 4; s++) {
-            const int i = q ^ s;
-            const unsigned send = i == 0 ? w[4 * m] : i == 1 ? w[4 * m + 1] : i == 2 ? w[4 * m + 2] : w[4 * m + 3];
-            const unsigned got = __shfl_xor_sync(0xffffffffu, send, s);
-#pragma unroll
-            for (int jj = 0; jj < 4; jj++) r[jj] = jj == i ? got : r[jj];
-        }
-        const int col = n0 + 8 * (4 * m + q);
-        if (store && col < ncols) *reinterpret_cast<uint4*>(row + col) = make_uint4(r[0], r[1], r[2], r[3]);
-    }
-}
-
-// A warp's 16 rows x 256 columns of a wgmma m64n256 accumulator (acc[j]: columns 8j + 2q, +1 of
-// rows g and g + 8, g = lane >> 2) as bf16 [*, ndim] (ndim % 8 == 0) through quad_store_bf16.
-// SWIGLU: columns j < 16 are gate, j >= 16 the same up columns; act = bf16(SiLU(gate) * up)
-// [*, ndim / 2] (ndim / 2 % 8 == 0).
-template <bool SWIGLU>
+// A warp's 16 rows x 256 columns of a wgmma m64n256 accumulator stored as bf16 [*, ndim]
+// (ndim % 8 == 0) with 16-byte stores. acc[j] holds columns 8j + 2q, +1 of rows g and g + 8 (q =
+// lane & 3, g = lane >> 2), so a direct store writes 4 bytes a thread, 16 a row; instead the
+// quad's four threads swap their bf16 pairs (a 4x4 transpose, three shuffles) until each holds 8
+// consecutive columns, and one warp store writes 64 contiguous bytes of each of its 8 rows.
 __device__ __forceinline__ void moe_tile_store_bf16(const float (&acc)[32][4], bf16* __restrict__ out, int wm, int n0,
                                                     int r0, int rows, int ndim, int lane) {
-    constexpr int NW = SWIGLU ? 16 : 32;
-    const int ncols = SWIGLU ? ndim / 2 : ndim;
+    const int g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int rr = wm + (lane >> 2) + 8 * h;
-        unsigned w[NW];
+        const int rr = wm + g + 8 * h;
 #pragma unroll
-        for (int j = 0; j < NW; j++) {
-            const float* a = acc[j] + 2 * h;
-            if (SWIGLU) {
-                const float* u = acc[j + 16] + 2 * h;
-                w[j] = pack_bf16x2(silu_f(a[0]) * u[0], silu_f(a[1]) * u[1]);
-            } else {
-                w[j] = pack_bf16x2(a[0], a[1]);
+        for (int m = 0; m < 8; m++) {
+            unsigned w[4], r[4];
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) w[jj] = pack_bf16x2(acc[4 * m + jj][2 * h], acc[4 * m + jj][2 * h + 1]);
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) r[jj] = w[jj];  // r[q] = w[q] stays
+            // Round s: lane q takes lane q ^ s's pair for column group q (that lane's w[q]) into
+            // r[q ^ s], each lane sending its w[q ^ s].
+#pragma unroll
+            for (int s = 1; s < 4; s++) {
+                const int i = q ^ s;
+                const unsigned send = i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
+                const unsigned got = __shfl_xor_sync(0xffffffffu, send, s);
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) r[jj] = jj == i ? got : r[jj];
             }
+            const int col = n0 + 8 * (4 * m + q);
+            if (rr < rows && col < ndim)
+                *reinterpret_cast<uint4*>(out + (size_t)(r0 + rr) * ndim + col) = make_uint4(r[0], r[1], r[2], r[3]);
         }
-        quad_store_bf16<NW>(w, out + (size_t)(r0 + min(rr, rows - 1)) * ncols, n0, ncols, rr < rows, lane);
     }
 }
 
@@ -997,9 +975,9 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
         mbar_arrive(&empty[(it - 1) % G6_STAGES]);
-        if (Y16 || (SWIGLU && ndim % 16 == 0))  // bf16 rows of 16-byte groups
-            moe_tile_store_bf16<SWIGLU>(reinterpret_cast<const float(&)[32][4]>(acc), reinterpret_cast<bf16*>(out),
-                                        wg * 64 + (warp & 3) * 16, n0, tile_row[tile], tile_rows[tile], ndim, lane);
+        if (Y16)
+            moe_tile_store_bf16(reinterpret_cast<const float(&)[32][4]>(acc), reinterpret_cast<bf16*>(out),
+                                wg * 64 + (warp & 3) * 16, n0, tile_row[tile], tile_rows[tile], ndim, lane);
         else
             moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16,
                                           0, n0, tile_row[tile], tile_rows[tile], ndim, lane);
