@@ -96,7 +96,13 @@ pub fn bench_context<R: GreedyRunner>(
         }
         Ok((ttft, t1.elapsed().as_secs_f64(), ids))
     };
-    run(false)?; // exact-shape warm-up
+    // Exact-shape warm-up; its time to first token is what a prompt of a length not seen
+    // before pays (plans and algorithm choices for new shapes), logged beside the rounds.
+    let (cold, _, _) = run(false)?;
+    log(&format!(
+        "  context {context} warm-up: ttft {:.1} ms (the first prompt of this length)",
+        cold * 1e3
+    ));
     let mut ttfts = Vec::new();
     let mut decodes = Vec::new();
     let mut digests = Vec::new();

@@ -799,7 +799,10 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
             .unwrap();
         let y16 = bf16s(&y, rows * d);
         let rounded = kestrel::ops::gemm::round_bf16(&y6);
-        assert!(bits(&y16) == bits(&rounded), "{name} bf16 y != bf16(v6's y)");
+        assert!(
+            bits(&y16) == bits(&rounded),
+            "{name} bf16 y != bf16(v6's y)"
+        );
         let t_dn16 = time_ms(&|| {
             gpu.moe_grouped_bf16(MoeGemm::V6, 128, &plan, rows, e, &down(y.ptr))
                 .unwrap()
@@ -1465,21 +1468,23 @@ fn gdn_prefill_kernel_timing_full_shape() {
 }
 
 /// `Gpu::gemm` through each path (cuBLASLt, cublasGemmEx) against an f64
-/// product: y = x·Wᵀ, then y += x·Wᵀ, into rows wider than n; then the time per call of each
-/// path at the model's prefill projection shapes over 8,192 tokens (printed, not asserted).
+/// product: y = x·Wᵀ, then y += x·Wᵀ, into rows wider than n, at 70 rows, then 65 and 128 (the
+/// same power-of-two bucket: cuBLASLt reuses the algorithm it chose at 70); then the time per
+/// call of each path at the model's prefill projection shapes over 8,192 tokens (printed, not
+/// asserted).
 #[test]
 fn gemm_paths_match_reference_and_timing() {
     let Some(gpu) = gpu() else { return };
     let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
-    let (t, n, k, ldy) = (70, 96, 136, 100);
+    let (tmax, n, k, ldy) = (128, 96, 136, 100);
     let mut rng = Lcg(3);
     let (w, x, y0) = (
         bf(rng.vec(n * k, 1.0)),
-        bf(rng.vec(t * k, 1.0)),
-        rng.vec(t * ldy, 1.0),
+        bf(rng.vec(tmax * k, 1.0)),
+        rng.vec(tmax * ldy, 1.0),
     );
     let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
-    let mut want = vec![0f32; t * ldy];
+    let mut want = vec![0f32; tmax * ldy];
     for (r, row) in want.chunks_mut(ldy).enumerate() {
         for (c, out) in row.iter_mut().enumerate().take(n) {
             let dot: f64 = (0..k)
@@ -1489,23 +1494,30 @@ fn gemm_paths_match_reference_and_timing() {
         }
     }
     let paths = [GemmPath::Lt, GemmPath::Ex];
-    for path in paths {
-        gpu.set_gemm_path(path);
-        for beta in [0.0f32, 1.0] {
-            let yd = gpu.upload(&y0).unwrap();
-            gpu.gemm(wd.ptr, n, k, xd.ptr, t, yd.ptr, ldy, beta)
-                .unwrap();
-            let mut got = vec![0f32; t * ldy];
-            gpu.copy_to_host(yd.ptr, &mut got).unwrap();
-            for (r, (g, w)) in got.chunks(ldy).zip(want.chunks(ldy)).enumerate() {
-                let y0r = &y0[r * ldy..(r + 1) * ldy];
-                for c in 0..ldy {
-                    let expect = if c < n { w[c] + beta * y0r[c] } else { y0r[c] };
-                    assert!(
-                        (g[c] - expect).abs() <= 1e-3 * (1.0 + expect.abs()),
-                        "{path:?} beta {beta}: y[{r}, {c}] = {} vs {expect}",
-                        g[c]
-                    );
+    for t in [70, 65, 128] {
+        for path in paths {
+            gpu.set_gemm_path(path);
+            for beta in [0.0f32, 1.0] {
+                let yd = gpu.upload(&y0).unwrap();
+                gpu.gemm(wd.ptr, n, k, xd.ptr, t, yd.ptr, ldy, beta)
+                    .unwrap();
+                let mut got = vec![0f32; tmax * ldy];
+                gpu.copy_to_host(yd.ptr, &mut got).unwrap();
+                for (r, (g, w)) in got.chunks(ldy).zip(want.chunks(ldy)).enumerate() {
+                    let y0r = &y0[r * ldy..(r + 1) * ldy];
+                    for c in 0..ldy {
+                        // rows past t untouched
+                        let expect = if c < n && r < t {
+                            w[c] + beta * y0r[c]
+                        } else {
+                            y0r[c]
+                        };
+                        assert!(
+                            (g[c] - expect).abs() <= 1e-3 * (1.0 + expect.abs()),
+                            "{path:?} t {t} beta {beta}: y[{r}, {c}] = {} vs {expect}",
+                            g[c]
+                        );
+                    }
                 }
             }
         }

@@ -43,6 +43,31 @@ struct Key {
     accumulate: bool,
 }
 
+/// A product's shape apart from its row count `t`, and `t`'s power-of-two bucket: the algorithm
+/// chosen for the first product of a bucket serves the bucket's later ones (each checked with
+/// `cublasLtMatmulAlgoCheck`), so a prompt of a new length makes no heuristic searches (a
+/// forward has ~11 shapes).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct AlgoKey {
+    n: usize,
+    k: usize,
+    ldy: usize,
+    accumulate: bool,
+    bucket: usize,
+}
+
+impl AlgoKey {
+    fn of(key: Key) -> Self {
+        AlgoKey {
+            n: key.n,
+            k: key.k,
+            ldy: key.ldy,
+            accumulate: key.accumulate,
+            bucket: key.t.next_power_of_two(),
+        }
+    }
+}
+
 /// The descriptors of one shape and the algorithm chosen for it.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
@@ -70,6 +95,8 @@ pub(super) struct Lt {
     workspace: u64,
     workspace_bytes: usize,
     plans: Mutex<HashMap<Key, Plan>>,
+    /// Algorithms by [`AlgoKey`] (off with `KESTREL_LT_BUCKETS=0`: a search for every shape).
+    algos: Option<Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>>,
 }
 
 // SAFETY: the handle is used from one stream; the plan cache is behind a mutex.
@@ -98,6 +125,8 @@ impl Lt {
             workspace,
             workspace_bytes,
             plans: Mutex::new(HashMap::new()),
+            algos: (std::env::var("KESTREL_LT_BUCKETS").as_deref() != Ok("0"))
+                .then(|| Mutex::new(HashMap::new())),
         })
     }
 }
@@ -196,6 +225,46 @@ impl Plan {
             return Err(anyhow!("cuBLASLt has no algorithm for this product"));
         }
         Ok(found.algo)
+    }
+
+    /// Whether `algo` runs this plan's product (with the workspace `lt` has).
+    fn supports(&self, lt: &Lt, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
+        // SAFETY: a plain-old-data result slot, filled by the call below.
+        let mut result: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the descriptors are live; `algo` and `result` are valid for the call.
+        let r = unsafe {
+            sys::cublasLtMatmulAlgoCheck(
+                lt.handle,
+                self.desc,
+                self.w,
+                self.x,
+                self.y,
+                self.y,
+                algo,
+                &mut result,
+            )
+        };
+        r == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.workspaceSize <= lt.workspace_bytes
+    }
+
+    /// The algorithm for this plan: its bucket's (see [`AlgoKey`]) where that one runs it, else
+    /// a heuristic search (remembered for the bucket).
+    fn choose_algo(&self, lt: &Lt, key: Key) -> Result<sys::cublasLtMatmulAlgo_t> {
+        let Some(algos) = &lt.algos else {
+            return self.heuristic(lt);
+        };
+        let mut algos = algos.lock().unwrap();
+        let ak = AlgoKey::of(key);
+        if let Some(algo) = algos.get(&ak)
+            && self.supports(lt, algo)
+        {
+            return Ok(*algo);
+        }
+        let algo = self.heuristic(lt)?;
+        algos.insert(ak, algo);
+        Ok(algo)
     }
 }
 
@@ -304,7 +373,7 @@ impl Gpu {
                 plans.clear();
             }
             let mut plan = Plan::new(key)?;
-            plan.algo = plan.heuristic(lt)?;
+            plan.algo = plan.choose_algo(lt, key)?;
             plans.insert(key, plan);
         }
         let plan = &plans[&key];

@@ -322,7 +322,16 @@ impl Gpu {
         }
         let geometry = (tile_m, 256, 384, GEMM6_SMEM);
         let order = GridOrder::of(kind, tile_m);
-        self.grouped_launch("moe_gemm6_m128_bf16", geometry, p, rows, experts, g, g.ndim, order)
+        self.grouped_launch(
+            "moe_gemm6_m128_bf16",
+            geometry,
+            p,
+            rows,
+            experts,
+            g,
+            g.ndim,
+            order,
+        )
     }
 
     /// The gate/up product with the SwiGLU fused (`kind` V3 or V4): `g.w` holds
