@@ -181,6 +181,25 @@ fn cuda_matches_cpu_and_snapshots_restore() {
         let mut st = snap.clone();
         let b = cuda.forward(&mut st, rest, Logits::All).unwrap();
         assert_eq!(a, b, "{}: restored snapshot diverged", dir.display());
+        // The snapshot holds its KV only as far as it is filled; a copy of it grows on its
+        // first forward, and decode steps (the captured graph) from it equal a fresh state's.
+        assert!(
+            cuda.state_bytes(&snap) < cuda.state_bytes(&cuda.new_state()),
+            "{}: a snapshot keeps the whole KV room",
+            dir.display()
+        );
+        let mut fresh = cuda.new_state();
+        cuda.forward(&mut fresh, &r.prompt_ids[..half], Logits::Last)
+            .unwrap();
+        let mut resumed = snap.clone();
+        for s in [&mut fresh, &mut resumed] {
+            cuda.forward(s, rest, Logits::Last).unwrap();
+        }
+        for tok in [5u32, 6, 7] {
+            let x = cuda.forward(&mut fresh, &[tok], Logits::Last).unwrap();
+            let y = cuda.forward(&mut resumed, &[tok], Logits::Last).unwrap();
+            assert_eq!(x, y, "{}: decode after a restored snapshot", dir.display());
+        }
         let mut cs = cpu.new_state();
         let c = cpu.forward(&mut cs, &r.prompt_ids, Logits::All).unwrap();
         let e = rel_err(&b, &c[half * cpu.config.vocab_size..]);

@@ -362,8 +362,11 @@ pub struct CudaModel {
     pub moe_y_bf16: bool,
 }
 
-/// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of
-/// `max_seq` positions. Cloning copies it on the device (a snapshot).
+/// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of up to
+/// `max_seq` positions. A fresh state has room for all of them; cloning copies it on the device
+/// (a snapshot) with room for the positions it holds only, so that the prefix cache keeps a
+/// short conversation's KV, not `max_seq`'s, and a clone grows to `max_seq` on its first
+/// forward ([`CudaState::reserve_kv`]).
 pub struct CudaState {
     pub len: usize,
     /// Captured decode graphs of this state, by (attention splits, argmax vocab limit).
@@ -375,22 +378,57 @@ pub struct CudaState {
     gpu: Arc<Gpu>,
 }
 
+/// A new device buffer of `bytes` holding the first `used` bytes of `b`.
+fn copy_prefix(g: &Gpu, b: &DeviceBuf, bytes: usize, used: usize) -> Result<DeviceBuf> {
+    let n = g.alloc(bytes)?;
+    if used > 0 {
+        g.copy_device(n.ptr, b.ptr, used)?;
+    }
+    Ok(n)
+}
+
 impl CudaState {
+    /// Positions the KV buffers have room for.
+    fn kv_room(&self) -> usize {
+        self.kv
+            .first()
+            .map_or(usize::MAX, |(k, _)| k.bytes / self.kv_token_bytes)
+    }
+
+    /// Room for `max_seq` positions in the KV buffers (a snapshot's copy has room for its own
+    /// only). The captured decode graphs name the old buffers, so they go.
+    fn reserve_kv(&mut self) -> Result<()> {
+        if self.kv_room() >= self.max_seq {
+            return Ok(());
+        }
+        let (used, bytes) = (
+            self.len * self.kv_token_bytes,
+            self.max_seq * self.kv_token_bytes,
+        );
+        for (k, v) in &mut self.kv {
+            *k = copy_prefix(&self.gpu, k, bytes, used)?;
+            *v = copy_prefix(&self.gpu, v, bytes, used)?;
+        }
+        self.graphs.clear();
+        Ok(())
+    }
+
     fn try_clone(&self) -> Result<Self> {
         let g = &self.gpu;
-        let copy = |b: &DeviceBuf, bytes: usize| -> Result<DeviceBuf> {
-            let n = g.alloc(b.bytes)?;
-            g.copy_device(n.ptr, b.ptr, bytes)?;
-            Ok(n)
-        };
         let mut gdn = Vec::with_capacity(self.gdn.len());
         for (c, r) in &self.gdn {
-            gdn.push((copy(c, c.bytes)?, copy(r, r.bytes)?));
+            gdn.push((
+                copy_prefix(g, c, c.bytes, c.bytes)?,
+                copy_prefix(g, r, r.bytes, r.bytes)?,
+            ));
         }
         let used = self.len * self.kv_token_bytes;
         let mut kv = Vec::with_capacity(self.kv.len());
         for (k, v) in &self.kv {
-            kv.push((copy(k, used)?, copy(v, used)?));
+            kv.push((
+                copy_prefix(g, k, used, used)?,
+                copy_prefix(g, v, used, used)?,
+            ));
         }
         Ok(CudaState {
             len: self.len,
@@ -1852,7 +1890,9 @@ impl CudaModel {
         )
     }
 
-    fn check_tokens(&self, state: &CudaState, tokens: &[u32]) -> Result<()> {
+    /// Checks `tokens` against the vocabulary and the state's `max_seq`, and gives a snapshot's
+    /// copy its KV room.
+    fn check_tokens(&self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             bail!("forward called with no tokens");
         }
@@ -1871,6 +1911,9 @@ impl CudaModel {
                 state.len + tokens.len(),
                 state.max_seq
             );
+        }
+        if state.len + tokens.len() > state.kv_room() {
+            state.reserve_kv()?;
         }
         Ok(())
     }

@@ -467,10 +467,12 @@ fn advance<E: Engine>(
         if end == p {
             r.points.pop_front();
             if p < prompt.len() {
-                let bytes = engine.state_bytes(&r.state);
+                // What the snapshot holds (on the GPU its KV only as far as it is filled).
+                let snapshot = r.state.clone();
+                let bytes = engine.state_bytes(&snapshot);
                 cache.insert(
                     prompt[..p].to_vec(),
-                    r.state.clone(),
+                    snapshot,
                     bytes,
                     job.cache_key.as_deref(),
                 );
