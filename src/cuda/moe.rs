@@ -314,7 +314,7 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        if (kind, tile_m) != (MoeGemm::V6, 128) || g.ndim % 8 != 0 {
+        if (kind, tile_m) != (MoeGemm::V6, 128) || !g.ndim.is_multiple_of(8) {
             bail!(
                 "no bf16-output {kind:?} grouped GEMM with {tile_m}-row tiles and {} columns",
                 g.ndim
