@@ -281,10 +281,10 @@ __device__ __forceinline__ void combine_fma(float (&acc)[V], float w, uint4 u, b
 
 // Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sgate[t] * ys[t] (sgate: moe_route's
 // shared-expert gates; round_y: the routed experts' outputs y taken as bf16, as transformers'
-// experts return them and the decode step rounds them, whatever y's storage). A thread takes V features at a time (16-byte loads of y: V = 4 for f32 y,
-// d % 4 == 0; V = 8 for bf16 y, d % 8 == 0) with up to 8 of its rows' loads issued together and
-// no block barrier before them: the kernel streams y once and is bound by that, not by round
-// trips. With norm_w, the next layer's input RMSNorm follows on the new row: xb[t] = bf16(h[t] /
+// experts return them and the decode step rounds them, whatever y's storage). A thread takes V
+// features at a time (16-byte loads of y: V = 4 for f32 y, d % 4 == 0; V = 8 for bf16 y,
+// d % 8 == 0) with up to 8 of its rows' loads issued together and no block barrier before them:
+// the kernel streams y once and is bound by that, not by round trips. With norm_w, the next layer's input RMSNorm follows on the new row: xb[t] = bf16(h[t] /
 // rms(h[t]) * (1 + norm_w)); for V = 4 the same sums in the same order as rmsnorm_zc_bf16 (which
 // it replaces there), so one pass over h fewer a layer.
 template <int V>
