@@ -207,7 +207,6 @@ pub fn generate<E: Engine>(
 
     let mut dl = DecodeLoop::new(stats, in_thinking, logits, t0);
     let device_greedy = opts.device_greedy && sampler.is_plain_greedy();
-    let vocab_limit = sampler.params().vocab_limit;
     let stop = loop {
         let next = dl.pick(opts, sampler);
         if let Some(reason) = on_token(next, &dl.logits) {
@@ -219,12 +218,13 @@ pub fn generate<E: Engine>(
         if cancel.load(Ordering::SeqCst) {
             break StopReason::Cancelled;
         }
-        if device_greedy {
-            dl.logits.clear();
-            dl.device_next = Some(engine.forward_greedy_id(state, next, vocab_limit)?);
-        } else {
-            dl.logits = engine.forward(state, &[next], Logits::Last)?;
-        }
+        dl.feed(
+            engine,
+            state,
+            next,
+            device_greedy,
+            sampler.params().vocab_limit,
+        )?;
     };
     let stats = dl.finish(stop);
     Ok(Generation { stats, snapshot })
@@ -240,7 +240,7 @@ pub struct DecodeLoop {
     pub logits: Vec<f32>,
     /// The next id when the engine already chose it (greedy on the device), in place of
     /// sampling `logits`; a forced id (the thinking budget) still comes first.
-    pub device_next: Option<u32>,
+    device_next: Option<u32>,
     thinking: bool,
     thinking_tokens: usize,
     forced: std::collections::VecDeque<u32>,
@@ -262,6 +262,27 @@ impl DecodeLoop {
             t0,
             t_decode: None,
         }
+    }
+
+    /// Runs the picked `id` through the model for the next [`pick`](Self::pick): with
+    /// `device_greedy` (a plain greedy sampler, no logits wanted) the engine's own argmax
+    /// chooses the next id ([`Engine::forward_greedy_id`]: on the GPU one id crosses to the
+    /// host, not the vocabulary's logits) and `logits` is left empty; else the new logits.
+    pub fn feed<E: Engine>(
+        &mut self,
+        engine: &E,
+        state: &mut E::State,
+        id: u32,
+        device_greedy: bool,
+        vocab_limit: usize,
+    ) -> Result<()> {
+        if device_greedy {
+            self.logits.clear();
+            self.device_next = Some(engine.forward_greedy_id(state, id, vocab_limit)?);
+        } else {
+            self.logits = engine.forward(state, &[id], Logits::Last)?;
+        }
+        Ok(())
     }
 
     /// Chooses and records the next id.

@@ -169,6 +169,13 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0 || self.top_k == 1
     }
+
+    /// Whether any penalty changes the logits once ids have been generated.
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
 }
 
 /// xoshiro256** seeded through SplitMix64: small, fast, and the same stream on every platform.
@@ -375,11 +382,7 @@ impl Sampler {
     /// Whether [`Sampler::sample`] is a plain argmax over ids `< vocab_limit` whatever the
     /// history (greedy, no penalties), so an engine's own argmax can stand in for it.
     pub fn is_plain_greedy(&self) -> bool {
-        let p = &self.params;
-        p.is_greedy()
-            && p.repetition_penalty == 1.0
-            && p.presence_penalty == 0.0
-            && p.frequency_penalty == 0.0
+        self.params.is_greedy() && !self.params.has_penalties()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -400,12 +403,8 @@ impl Sampler {
         if n == 0 {
             return 0;
         }
-        let penalised = !history.is_empty()
-            && (p.repetition_penalty != 1.0
-                || p.presence_penalty != 0.0
-                || p.frequency_penalty != 0.0);
-        if p.is_greedy() && !penalised {
-            return argmax(&logits[..n]);
+        if p.is_greedy() && (history.is_empty() || !p.has_penalties()) {
+            return greedy_id(logits, n);
         }
         let x = &mut self.scratch;
         x.clear();

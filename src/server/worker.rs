@@ -537,14 +537,9 @@ fn advance<E: Engine>(
     if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
         return Ok(Some(End::Stop(stop)));
     }
-    if opts.device_greedy && job.logprobs.is_none() && r.sampler.is_plain_greedy() {
-        // greedy without penalties or logprobs: the engine's own argmax picks the next id
-        // (on the GPU one id crosses to the host, not the vocabulary's logits)
-        dl.logits.clear();
-        dl.device_next = Some(engine.forward_greedy_id(&mut r.state, id, r.vocab_limit)?);
-    } else {
-        dl.logits = engine.forward(&mut r.state, &[id], Logits::Last)?;
-    }
+    // logprobs need the logits
+    let device_greedy = opts.device_greedy && job.logprobs.is_none() && r.sampler.is_plain_greedy();
+    dl.feed(engine, &mut r.state, id, device_greedy, r.vocab_limit)?;
     Ok(None)
 }
 
