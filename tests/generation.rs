@@ -253,21 +253,24 @@ fn thinking_budget_forces_the_end_of_the_thinking_block() {
     let e = Scripted::new(ids(" hmm"));
     let close_ids = tokenizer().encode("</think>\n\n", true).unwrap();
     assert_eq!(close_ids[0], special::THINK_END);
+    let run = |o: &GenerateOptions| {
+        let mut state = e.new_state();
+        generate(
+            &e,
+            &mut state,
+            &[special::THINK, 198],
+            true,
+            o,
+            &mut greedy(),
+            &AtomicBool::new(false),
+            None,
+            |_, _| None,
+        )
+        .unwrap()
+    };
     let mut o = opts(8);
     o.thinking = Some(thinking(Some(3), &close_ids));
-    let mut state = e.new_state();
-    let g = generate(
-        &e,
-        &mut state,
-        &[special::THINK, 198],
-        true,
-        &o,
-        &mut greedy(),
-        &AtomicBool::new(false),
-        None,
-        |_, _| None,
-    )
-    .unwrap();
+    let g = run(&o);
     let hmm = ids(" hmm")[0];
     let mut expected = vec![hmm; 3];
     expected.extend(&close_ids);
@@ -276,19 +279,7 @@ fn thinking_budget_forces_the_end_of_the_thinking_block() {
     assert_eq!(g.stats.forced_tokens, close_ids.len());
     // Without a budget nothing is forced.
     o.thinking.as_mut().unwrap().budget = None;
-    let mut state = e.new_state();
-    let g = generate(
-        &e,
-        &mut state,
-        &[special::THINK, 198],
-        true,
-        &o,
-        &mut greedy(),
-        &AtomicBool::new(false),
-        None,
-        |_, _| None,
-    )
-    .unwrap();
+    let g = run(&o);
     assert_eq!(g.stats.generated, vec![hmm; 8]);
 }
 
