@@ -1837,7 +1837,7 @@ impl CudaModel {
     ) -> Result<Vec<[u64; 5]>> {
         const CAP: usize = 1 << 16;
         self.gpu.bind()?;
-        self.check_tokens(state, &[token])?;
+        self.admit_tokens(state, &[token])?;
         let buf = self.gpu.alloc_zeroed(CAP * 40)?;
         let set = |ptr: u64, cap: usize| {
             self.gpu.launch(
@@ -1890,9 +1890,9 @@ impl CudaModel {
         )
     }
 
-    /// Checks `tokens` against the vocabulary and the state's `max_seq`, and gives a snapshot's
-    /// copy its KV room.
-    fn check_tokens(&self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
+    /// Admits `tokens` into `state`: checks them against the vocabulary and the state's
+    /// `max_seq`, and gives a snapshot's copy its KV room for them.
+    fn admit_tokens(&self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             bail!("forward called with no tokens");
         }
@@ -1927,7 +1927,7 @@ impl CudaModel {
         vocab_limit: usize,
     ) -> Result<u32> {
         self.gpu.bind()?;
-        self.check_tokens(state, tokens)?;
+        self.admit_tokens(state, tokens)?;
         if tokens.len() == 1 && self.fused_decode {
             self.decode_step(state, tokens[0], vocab_limit)?;
             let mut out = [0i32; 1];
@@ -2010,7 +2010,7 @@ impl Engine for CudaModel {
 
     fn forward(&self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         self.gpu.bind()?;
-        self.check_tokens(state, tokens)?;
+        self.admit_tokens(state, tokens)?;
         let v = self.config.vocab_size;
         if tokens.len() == 1 && self.fused_decode {
             self.decode_step(state, tokens[0], v)?;
