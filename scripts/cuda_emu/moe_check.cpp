@@ -266,8 +266,13 @@ static void route_check(int t, int e, int k, int d) {
     fails += !ok;
 }
 
-// moe_combine against a double reference: h += sum_k w_k y[row(t, k)] + sgate[t] ys[t], rows
-// through a permutation (the sorted order) or unsorted (null), k above the 8 loads a pass.
+// moe_combine against a double reference: h += sum_k w_k bf16(y[row(t, k)]) + sgate[t] ys[t]
+// (a routed expert's output taken as bf16), rows through a permutation (the sorted order) or
+// unsorted (null), k above the 8 loads a pass. Without the fused norm, then with it on the same
+// inputs: h the same bits, and xb the bits rmsnorm_zc_bf16 writes from that h. With d % 8 == 0
+// also moe_combine_bf16 on y stored as bf16: h the same bits as moe_combine's, xb within one
+// bf16 step of rmsnorm_zc_bf16's (its threads sum the squares over other features, so the sum
+// may round differently).
 static void combine_check(int t, int k, int d, bool sorted) {
     std::vector<float> y((size_t)t * k * d), ys((size_t)t * d), h((size_t)t * d), w((size_t)t * k), sg(t);
     for (auto* v : {&y, &ys, &h, &w, &sg})
@@ -275,29 +280,27 @@ static void combine_check(int t, int k, int d, bool sorted) {
     std::vector<int> slot_row((size_t)t * k);
     for (int i = 0; i < t * k; i++) slot_row[i] = i;
     std::shuffle(slot_row.begin(), slot_row.end(), rng);
+    const int* rows = sorted ? slot_row.data() : nullptr;
+    std::vector<bf16> y16(y.size());
+    for (size_t i = 0; i < y.size(); i++) y16[i] = __float2bfloat16(y[i]);
     std::vector<double> ref(h.begin(), h.end());
     for (int tok = 0; tok < t; tok++)
         for (int c = 0; c < d; c++) {
             for (int kk = 0; kk < k; kk++) {
                 const int i = tok * k + kk, r = sorted ? slot_row[i] : i;
-                ref[(size_t)tok * d + c] += (double)w[i] * y[(size_t)r * d + c];
+                ref[(size_t)tok * d + c] += (double)w[i] * __bfloat162float(y16[(size_t)r * d + c]);
             }
             ref[(size_t)tok * d + c] += (double)sg[tok] * ys[(size_t)tok * d + c];
         }
-    // without the fused norm, then with it on the same inputs: h the same bits, and xb the bits
-    // rmsnorm_zc_bf16 writes from that h
-    const std::vector<float> h0 = h;
-    std::vector<float> h2 = h, nw(d);
+    std::vector<float> h2 = h, h3 = h, nw(d);
     for (auto& x : nw) x = uni(-0.3f, 0.3f);
-    std::vector<bf16> xb((size_t)t * d, bf16{0x7fff}), xb_ref((size_t)t * d, bf16{0x7fff});
+    std::vector<bf16> xb((size_t)t * d, bf16{0x7fff}), xb_ref((size_t)t * d, bf16{0x7fff}), xb16 = xb;
     const float eps = 1e-6f;
     emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
-        moe_combine(y.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h.data(), k, d,
-                    nullptr, nullptr, eps, 0);
+        moe_combine(y.data(), rows, w.data(), ys.data(), sg.data(), h.data(), k, d, nullptr, nullptr, eps);
     });
     emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
-        moe_combine(y.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h2.data(), k, d,
-                    nw.data(), xb.data(), eps, 0);
+        moe_combine(y.data(), rows, w.data(), ys.data(), sg.data(), h2.data(), k, d, nw.data(), xb.data(), eps);
     });
     emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] { rmsnorm_zc_bf16(h.data(), nw.data(), xb_ref.data(), d, eps); });
     double worst = 0;
@@ -306,51 +309,23 @@ static void combine_check(int t, int k, int d, bool sorted) {
         if (!(dv <= worst)) worst = dv;
     }
     const bool same = memcmp(h.data(), h2.data(), h.size() * 4) == 0 && memcmp(xb.data(), xb_ref.data(), xb.size() * 2) == 0;
-    const bool ok = worst < 1e-5 && same;
-    printf("moe_combine t %d k %d d %d %s: max err %.1e, fused RMSNorm %s rmsnorm_zc_bf16's %s\n", t, k, d,
-           sorted ? "sorted" : "unsorted", worst, same ? "bitwise" : "DIFFERS from", ok ? "ok" : "FAILED");
-    fails += !ok;
-    // round_y: moe_combine on f32 y with its values taken as bf16, against the double reference
-    // on y rounded to bf16; with d % 8 == 0 also moe_combine_bf16 on bf16 y: h the same bits,
-    // xb within one bf16 step of rmsnorm_zc_bf16's (its threads sum the squares over other
-    // features, so the sum may round differently).
-    std::vector<bf16> y16(y.size());
-    std::vector<double> ref16(h0.begin(), h0.end());
-    for (size_t i = 0; i < y.size(); i++) y16[i] = __float2bfloat16(y[i]);
-    for (int tok = 0; tok < t; tok++)
-        for (int c = 0; c < d; c++) {
-            for (int kk = 0; kk < k; kk++) {
-                const int i = tok * k + kk, r = sorted ? slot_row[i] : i;
-                ref16[(size_t)tok * d + c] += (double)w[i] * __bfloat162float(y16[(size_t)r * d + c]);
-            }
-            ref16[(size_t)tok * d + c] += (double)sg[tok] * ys[(size_t)tok * d + c];
-        }
-    std::vector<float> h3 = h0, h4 = h0;
-    emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
-        moe_combine(y.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h3.data(), k, d,
-                    nullptr, nullptr, eps, 1);
-    });
-    double worst16 = 0;
-    for (size_t i = 0; i < h3.size(); i++) worst16 = std::max(worst16, std::fabs(h3[i] - ref16[i]));
-    bool ok16 = worst16 < 1e-5;
-    int steps = 0;
-    const bool wide = d % 8 == 0;  // moe_combine_bf16 takes 8 features a thread
-    if (wide) {
-        std::vector<bf16> xb16((size_t)t * d, bf16{0x7fff}), xb16_ref((size_t)t * d, bf16{0x7fff});
+    bool ok = worst < 1e-5 && same;
+    std::string wide = "";
+    if (d % 8 == 0) {
         emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] {
-            moe_combine_bf16(y16.data(), sorted ? slot_row.data() : nullptr, w.data(), ys.data(), sg.data(), h4.data(),
-                             k, d, nw.data(), xb16.data(), eps, 0);
+            moe_combine_bf16(y16.data(), rows, w.data(), ys.data(), sg.data(), h3.data(), k, d, nw.data(), xb16.data(),
+                             eps);
         });
-        emu_launch({(unsigned)t, 1, 1}, 256, 0, [&] { rmsnorm_zc_bf16(h3.data(), nw.data(), xb16_ref.data(), d, eps); });
+        int steps = 0;
         for (size_t i = 0; i < xb16.size(); i++)
-            steps = std::max(steps, std::abs((int)(int16_t)xb16[i].v - (int)(int16_t)xb16_ref[i].v));
-        ok16 &= memcmp(h3.data(), h4.data(), h3.size() * 4) == 0 && steps <= 1;
+            steps = std::max(steps, std::abs((int)(int16_t)xb16[i].v - (int)(int16_t)xb_ref[i].v));
+        const bool same16 = memcmp(h3.data(), h.data(), h.size() * 4) == 0 && steps <= 1;
+        ok &= same16;
+        wide = same16 ? "; moe_combine_bf16: h bitwise, xb within a bf16 step" : "; moe_combine_bf16 DIFFERS";
     }
-    printf("moe_combine round_y t %d k %d d %d %s: max err %.1e against y rounded%s%s\n", t, k, d,
-           sorted ? "sorted" : "unsorted", worst16,
-           wide ? (ok16 ? "; moe_combine_bf16: h bitwise, xb within a bf16 step" : "; moe_combine_bf16 DIFFERS") : "",
-           ok16 ? " ok" : " FAILED");
-    fails += !ok16;
+    printf("moe_combine t %d k %d d %d %s: max err %.1e, fused RMSNorm %s rmsnorm_zc_bf16's%s %s\n", t, k, d,
+           sorted ? "sorted" : "unsorted", worst, same ? "bitwise" : "DIFFERS from", wide.c_str(), ok ? "ok" : "FAILED");
+    fails += !ok;
 }
 
 // The decode MoE block, router -> gate/up -> down (moe_router_dec, moe_gate_up_dec,

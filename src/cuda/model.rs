@@ -1415,8 +1415,6 @@ impl CudaModel {
                 Arg::Ptr(next_norm.map_or(0, |w| w.ptr)),
                 Arg::Ptr(ws.xb.ptr),
                 Arg::F(c.rms_norm_eps),
-                // y's values as bf16 (stored so or not): every path's rounding point.
-                Arg::I(1),
             ],
         )
     }

@@ -262,16 +262,15 @@ template <int V>
 __device__ __forceinline__ uint4 combine_load(const void* __restrict__ y, size_t row, int d, int c) {
     return __ldg(reinterpret_cast<const uint4*>(y) + row * (d / V) + c);
 }
-// acc[i] += w * y_i for the V features of a raw combine_load; with round_y f32 values rounded to
-// bf16 first (bf16 y is already).
+// acc[i] += w * y_i for the V features of a raw combine_load, y_i taken as bf16 (f32 values
+// rounded first; bf16 y is already).
 template <int V>
-__device__ __forceinline__ void combine_fma(float (&acc)[V], float w, uint4 u, bool round_y) {
+__device__ __forceinline__ void combine_fma(float (&acc)[V], float w, uint4 u) {
     const unsigned p[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         if constexpr (V == 4) {
-            const float v = __uint_as_float(p[i]);
-            acc[i] += w * (round_y ? __bfloat162float(__float2bfloat16(v)) : v);
+            acc[i] += w * __bfloat162float(__float2bfloat16(__uint_as_float(p[i])));
         } else {
             acc[2 * i] += w * __uint_as_float(p[i] << 16);
             acc[2 * i + 1] += w * __uint_as_float(p[i] & 0xffff0000u);
@@ -280,8 +279,8 @@ __device__ __forceinline__ void combine_fma(float (&acc)[V], float w, uint4 u, b
 }
 
 // Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sgate[t] * ys[t] (sgate: moe_route's
-// shared-expert gates; round_y: the routed experts' outputs y taken as bf16, as transformers'
-// experts return them and the decode step rounds them, whatever y's storage). A thread takes V
+// shared-expert gates; the routed experts' outputs y are taken as bf16, as transformers' experts
+// return them and the decode step rounds them, whatever y's storage). A thread takes V
 // features at a time (16-byte loads of y: V = 4 for f32 y, d % 4 == 0; V = 8 for bf16 y,
 // d % 8 == 0) with up to 8 of its rows' loads issued together and no block barrier before them:
 // the kernel streams y once and is bound by that, not by round trips. With norm_w, the next layer's input RMSNorm follows on the new row: xb[t] = bf16(h[t] /
@@ -291,8 +290,7 @@ template <int V>
 __device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, const int* __restrict__ slot_row,
                                                  const float* __restrict__ topk_w, const float* __restrict__ ys,
                                                  const float* __restrict__ sgate, float* __restrict__ h, int k, int d,
-                                                 const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps,
-                                                 int round_y) {
+                                                 const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {
     const int s = blockIdx.x, dv = d / V;
     const float gate = sgate[s];
     const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * (d / 4);
@@ -314,7 +312,7 @@ __device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, con
                 }
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
-                if (k0 + kk < k) combine_fma<V>(acc, wv[kk], v[kk], round_y);
+                if (k0 + kk < k) combine_fma<V>(acc, wv[kk], v[kk]);
         }
 #pragma unroll
         for (int j = 0; j < V / 4; j++) {
@@ -347,9 +345,9 @@ __device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, con
     extern "C" __global__ void __launch_bounds__(256, 4) NAME(                                                 \
         const YT* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,          \
         const float* __restrict__ ys, const float* __restrict__ sgate, float* __restrict__ h, int k, int d,    \
-        const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps, int round_y) {                     \
+        const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {                                  \
         PREFILL_KERNEL();                                                                                      \
-        moe_combine_impl<V>(y, slot_row, topk_w, ys, sgate, h, k, d, norm_w, xb, eps, round_y);                \
+        moe_combine_impl<V>(y, slot_row, topk_w, ys, sgate, h, k, d, norm_w, xb, eps);                         \
     }
 MOE_COMBINE(moe_combine, float, 4)
 MOE_COMBINE(moe_combine_bf16, bf16, 8)
