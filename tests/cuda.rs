@@ -811,28 +811,22 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         assert!(bits(&y6) == bits(&outs.2), "{name} down != v5");
         println!("{name}: bitwise equal to v5");
         timings(MoeGemm::V6, 128, name);
-        // The down product with bf16 y, A re-read for each column block (moe_gemm6_m128_bf16)
-        // or resident for the whole tile (moe_gemm7_down_bf16): v6's f32 y rounded to bf16,
-        // every element written (the buffer starts NaN), and their times.
+        // The down product with bf16 y (moe_gemm6_m128_bf16): v6's f32 y rounded to bf16,
+        // every element written (the buffer starts NaN), and its time.
+        nan_bf16(&y, rows * d);
+        gpu.moe_grouped_bf16(MoeGemm::V6, 128, &plan, rows, e, &down(y.ptr))
+            .unwrap();
+        let y16 = bf16s(&y, rows * d);
         let rounded = kestrel::ops::gemm::round_bf16(&y6);
-        for (kernel, resident) in [
-            ("moe_gemm6_m128_bf16", false),
-            ("moe_gemm7_down_bf16", true),
-        ] {
-            nan_bf16(&y, rows * d);
-            gpu.moe_grouped_bf16(MoeGemm::V6, 128, &plan, rows, e, &down(y.ptr), resident)
-                .unwrap();
-            let y16 = bf16s(&y, rows * d);
-            assert!(
-                bits(&y16) == bits(&rounded),
-                "{kernel} bf16 y != bf16(v6's y)"
-            );
-            let t_dn16 = time_ms(&|| {
-                gpu.moe_grouped_bf16(MoeGemm::V6, 128, &plan, rows, e, &down(y.ptr), resident)
-                    .unwrap()
-            });
-            println!("{kernel}: bf16(v6's f32 y) bitwise; down {t_dn16:.3} ms");
-        }
+        assert!(
+            bits(&y16) == bits(&rounded),
+            "{name} bf16 y != bf16(v6's y)"
+        );
+        let t_dn16 = time_ms(&|| {
+            gpu.moe_grouped_bf16(MoeGemm::V6, 128, &plan, rows, e, &down(y.ptr))
+                .unwrap()
+        });
+        println!("{name} bf16 y: bf16(v6's f32 y) bitwise; down {t_dn16:.3} ms");
     } else {
         println!(
             "v5 moe_gemm5: SKIPPED (compute capability {:?}, not 9.0)",

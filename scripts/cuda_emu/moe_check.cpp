@@ -214,21 +214,6 @@ static void run(const Shape& s, bool deferred) {
             fails += !same16;
             printf("%s %-22s v6 m128 bf16 y: %s moe_gemm6's y rounded to bf16\n", same16 ? "ok  " : "FAIL", s.name,
                    same16 ? "bitwise equal to" : "DIFFERS from");
-            // moe_gemm7_down_bf16 (each tile's A rows resident for all its column blocks): the
-            // same bits; a grid of 2 blocks takes several tiles each, so the A slots' phases
-            // (released by a tile's last column block) run on across tiles.
-            if (I <= 512) {
-                std::vector<bf16> y7((size_t)rows * d, bf16{0x7fff});
-                const int nblk = (d + 255) / 256;
-                emu_launch({2, 1, 1}, 384, 8 * 128 * 128 + 3 * 256 * 128 + 176, [&] {
-                    moe_gemm7_down_bf16(act_in.data(), nullptr, wdn.data(), y7.data(), te.data(), tr.data(), tn.data(),
-                                        nt.data(), d, I, nblk);
-                });
-                const bool same7 = memcmp(y7.data(), y16.data(), y16.size() * 2) == 0;
-                fails += !same7;
-                printf("%s %-22s v7 down bf16 y (A resident, %d tiles on 2 blocks): %s moe_gemm6_m128_bf16's\n",
-                       same7 ? "ok  " : "FAIL", s.name, nt[0], same7 ? "bitwise equal to" : "DIFFERS from");
-            }
             // tiles of <= 64 rows: the second consumer warpgroup only releases the stages
             int half = 0;
             for (int i = 0; i < nt[0]; i++) half += tn[i] <= 64;

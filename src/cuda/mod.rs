@@ -93,7 +93,6 @@ const KERNELS: &[&str] = &[
     "moe_gemm5_swiglu_m128",
     "moe_gemm6_m128",
     "moe_gemm6_m128_bf16",
-    "moe_gemm7_down_bf16",
     "moe_gemm6_swiglu_m128",
     "moe_gemv",
     "swiglu_bf16",

@@ -360,10 +360,6 @@ pub struct CudaModel {
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
     pub moe_y_bf16: bool,
-    /// The bf16-y down product keeps each tile's A rows resident for all its column blocks
-    /// (`moe_gemm7_down_bf16`); `KESTREL_MOE_DOWN_A=stream` re-reads them for each
-    /// (`moe_gemm6_m128_bf16`).
-    pub moe_down_a_resident: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of up to
@@ -906,7 +902,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
-            moe_down_a_resident: !std::env::var("KESTREL_MOE_DOWN_A").is_ok_and(|v| v == "stream"),
         })
     }
 
@@ -1392,15 +1387,7 @@ impl CudaModel {
                 kdim: i,
             };
             if y_bf16 {
-                g.moe_grouped_bf16(
-                    self.moe_gemm,
-                    tile_m,
-                    &plan,
-                    rows,
-                    e,
-                    &down,
-                    self.moe_down_a_resident,
-                )?;
+                g.moe_grouped_bf16(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
             } else {
                 g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
             }

@@ -47,9 +47,6 @@ enum GridOrder {
     /// One block an SM walking the pairs in TilesY's order (moe_gemm6; the column block count
     /// is its last argument).
     Persistent,
-    /// One block an SM walking whole tiles, each with all its column blocks
-    /// (moe_gemm7_down_bf16; the column block count is its last argument).
-    PersistentTiles,
 }
 
 impl GridOrder {
@@ -91,19 +88,12 @@ const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
 /// The `moe_gemm6` kernels, with their dynamic shared memory: `moe_gemm5`'s four stages and
 /// the stages' eight mbarriers.
-pub(super) const GEMM6_KERNELS: [(&str, usize); 4] = [
+pub(super) const GEMM6_KERNELS: [(&str, usize); 3] = [
     ("moe_gemm6_m128", GEMM6_SMEM),
     ("moe_gemm6_m128_bf16", GEMM6_SMEM),
     ("moe_gemm6_swiglu_m128", GEMM6_SMEM),
-    ("moe_gemm7_down_bf16", GEMM7_SMEM),
 ];
 const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8;
-
-/// K tiles of 64 that `moe_gemm7_down_bf16` keeps resident (moe.cu's `G7_KA`): kdim <= 512.
-pub const GEMM7_MAX_KDIM: usize = 8 * 64;
-/// `moe_gemm7_down_bf16`'s dynamic shared memory: 8 A slots of 128 rows, 3 B stages of 256
-/// rows (64 bf16 each), and 22 mbarriers.
-const GEMM7_SMEM: usize = 8 * 128 * 64 * 2 + 3 * 256 * 64 * 2 + 2 * (8 + 3) * 8;
 
 /// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
 /// of 64 bf16, unpadded.
@@ -313,11 +303,8 @@ impl Gpu {
     }
 
     /// [`Gpu::moe_grouped`] with a bf16 `out [rows, ndim]` (the down product's y, half the
-    /// bytes to write and for `moe_combine_bf16` to read), the V6 kernels with 128-row tiles
-    /// only, `g.ndim % 8 == 0`: `moe_gemm7_down_bf16` (each tile's A rows read once, resident
-    /// for all its column blocks) where `g.kdim <= GEMM7_MAX_KDIM` and `a_resident`, else
-    /// `moe_gemm6_m128_bf16` (A re-read for every column block).
-    #[allow(clippy::too_many_arguments)]
+    /// bytes to write and for `moe_combine_bf16` to read): `moe_gemm6_m128_bf16`, the V6 kernel
+    /// with 128-row tiles only, `g.ndim % 8 == 0`.
     pub fn moe_grouped_bf16(
         &self,
         kind: MoeGemm,
@@ -326,7 +313,6 @@ impl Gpu {
         rows: usize,
         experts: usize,
         g: &Grouped,
-        a_resident: bool,
     ) -> Result<()> {
         if (kind, tile_m) != (MoeGemm::V6, 128) || !g.ndim.is_multiple_of(8) {
             bail!(
@@ -334,22 +320,11 @@ impl Gpu {
                 g.ndim
             );
         }
-        let (name, smem, order) = if a_resident && g.kdim <= GEMM7_MAX_KDIM {
-            (
-                "moe_gemm7_down_bf16",
-                GEMM7_SMEM,
-                GridOrder::PersistentTiles,
-            )
-        } else {
-            (
-                "moe_gemm6_m128_bf16",
-                GEMM6_SMEM,
-                GridOrder::of(kind, tile_m),
-            )
-        };
+        let geometry = (tile_m, 256, 384, GEMM6_SMEM);
+        let order = GridOrder::of(kind, tile_m);
         self.grouped_launch(
-            name,
-            (tile_m, 256, 384, smem),
+            "moe_gemm6_m128_bf16",
+            geometry,
             p,
             rows,
             experts,
@@ -420,7 +395,6 @@ impl Gpu {
             GridOrder::TilesY => (blocks_n, tiles, 1),
             // One block an SM at most; the kernel walks the (tile, column block) items.
             GridOrder::Persistent => ((tiles * blocks_n).min(self.sm_count as u32), 1, 1),
-            GridOrder::PersistentTiles => (tiles.min(self.sm_count as u32), 1, 1),
         };
         let mut args = vec![
             Arg::Ptr(g.a),
@@ -434,7 +408,7 @@ impl Gpu {
             Arg::I(g.ndim as i32),
             Arg::I(g.kdim as i32),
         ];
-        if matches!(order, GridOrder::Persistent | GridOrder::PersistentTiles) {
+        if order == GridOrder::Persistent {
             args.push(Arg::I(blocks_n as i32));
         }
         self.launch_dep(name, grid, block, smem as u32, &args)

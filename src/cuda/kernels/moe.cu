@@ -691,28 +691,19 @@ struct MoeStageCopier {
     // K tile kt into `stage` (A rows, then B rows); the caller commits.
     __device__ __forceinline__ void load(bf16* stage, int kt, const bf16* __restrict__ a, const bf16* __restrict__ w,
                                          const bf16* __restrict__ wx, int kdim) const {
-        load_a(stage, kt, a, kdim);
-        load_b(stage + BM * G4_BK, kt, w, wx, kdim);
-    }
-    // K tile kt of the A rows alone into `sa` (BM rows of 64 bf16).
-    __device__ __forceinline__ void load_a(bf16* sa, int kt, const bf16* __restrict__ a, int kdim) const {
+        bf16* sa = stage + dst;
+        bf16* sb = sa + BM * G4_BK;
         const int k0 = kt * G4_BK;
         const bool kin = k0 + kc < kdim;
 #pragma unroll
         for (int q = 0; q < AV; q++) {
             const bool v = aoff[q] >= 0 && kin;
-            cp_async16(sa + dst + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
+            cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
         }
-    }
-    // K tile kt of the B rows alone into `sb` (BN rows of 64 bf16).
-    __device__ __forceinline__ void load_b(bf16* sb, int kt, const bf16* __restrict__ w, const bf16* __restrict__ wx,
-                                           int kdim) const {
-        const int k0 = kt * G4_BK;
-        const bool kin = k0 + kc < kdim;
 #pragma unroll
         for (int q = 0; q < BV; q++) {
             const bool v = boff[q] >= 0 && kin;
-            cp_async16(sb + dst + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
+            cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
         }
     }
 };
@@ -1004,126 +995,6 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
 MOE_GEMM6(moe_gemm6_m128, false, false)
 MOE_GEMM6(moe_gemm6_m128_bf16, false, true)
 MOE_GEMM6(moe_gemm6_swiglu_m128, true, false)
-
-// The down product with its A tile resident (sm_90a; the default for bf16 y where kdim <= 512).
-// moe_gemm6 re-reads a tile's 128 A rows for each of its column blocks (8 at the model's d =
-// 2,048), ~a third of the kernel's L2 traffic at kdim 512. Here a block takes whole tiles: the
-// tile's A rows for all of K (at most G7_KA K tiles of 64: 128 KiB) are copied once into their own
-// slots, and only the B rows stream, column block after column block, through G7_STAGES stages.
-// The same wgmma steps in the same order as moe_gemm6 for each (tile, column block), so bitwise
-// its outputs; y is bf16 (moe_tile_store_bf16). A slot kt is released (its `aempty`) once the
-// tile's last column block has used it, so the next tile's A copies overlap this tile's end.
-// Grid: at most one block an SM, block b taking tiles b, b + gridDim.x, ..; block 384 (a
-// producer warpgroup and two consumers, as moe_gemm6); dynamic smem G7_SMEM.
-#define G7_KA 8
-#define G7_STAGES 3
-#define G7_A (G5_BM * G4_BK)  // bf16 elements of an A slot (16 KiB)
-#define G7_B (G5_BN * G4_BK)  // bf16 elements of a B stage (32 KiB)
-#define G7_SMEM (G7_KA * G7_A * 2 + G7_STAGES * G7_B * 2 + 2 * (G7_KA + G7_STAGES) * 8)
-extern "C" __global__ void __launch_bounds__(384, 1)
-    moe_gemm7_down_bf16(const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,
-                        void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
-                        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim,
-                        int nblk) {
-    PREFILL_KERNEL();
-    extern __shared__ __align__(1024) bf16 g7_smem[];
-    bf16* sb = g7_smem + G7_KA * G7_A;
-    unsigned long long* afull = reinterpret_cast<unsigned long long*>(sb + G7_STAGES * G7_B);
-    unsigned long long* aempty = afull + G7_KA;
-    unsigned long long* bfull = aempty + G7_KA;
-    unsigned long long* bempty = bfull + G7_STAGES;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int tiles = *num_tiles, nk = (kdim + G4_BK - 1) / G4_BK;  // nk <= G7_KA (the host checks)
-    if (tid == 0) {
-        for (int s = 0; s < G7_KA; s++) {
-            mbar_init(&afull[s], 128);
-            mbar_init(&aempty[s], 256);
-        }
-        for (int s = 0; s < G7_STAGES; s++) {
-            mbar_init(&bfull[s], 128);
-            mbar_init(&bempty[s], 256);
-        }
-    }
-    __syncthreads();
-    // B stage use `it` (over all of this block's K steps) sits in stage it % G7_STAGES, phase
-    // it / G7_STAGES; the A slots' phase is the block's tile count `n`.
-    if (warp >= 8) {  // the producer
-        setmaxnreg_dec<120>();
-        unsigned it = 0, n = 0;
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, n++) {
-            const bf16* wx = w + (size_t)tile_expert[tile] * ndim * kdim;
-            for (int cb = 0; cb < nblk; cb++) {
-                const MoeStageCopier<G5_BM, G5_BN, 128, G5_BN, false> copier(gather, tile_row[tile], tile_rows[tile],
-                                                                             cb * G5_BN, ndim, kdim, tid - 256);
-                for (int kt = 0; kt < nk; kt++, it++) {
-                    if (cb == 0) {
-                        if (n > 0) mbar_wait(&aempty[kt], (n - 1) & 1);
-                        copier.load_a(g7_smem + kt * G7_A, kt, a, kdim);
-                        cp_async_mbar_arrive(&afull[kt]);
-                    }
-                    const unsigned s = it % G7_STAGES;
-                    if (it >= G7_STAGES) mbar_wait(&bempty[s], (it / G7_STAGES - 1) & 1);
-                    copier.load_b(sb + s * G7_B, kt, w, wx, kdim);
-                    cp_async_mbar_arrive(&bfull[s]);
-                }
-            }
-        }
-        return;
-    }
-    setmaxnreg_inc<192>();
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-    unsigned it = 0, n = 0;
-    float acc[128];  // never zeroed: a column block's first product has scale-d 0 (moe_gemm6)
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, n++) {
-        const int r0 = tile_row[tile], rows = tile_rows[tile];
-        const bool idle = wg * 64 >= rows;  // an expert's last tile of <= 64 rows: release only
-        for (int cb = 0; cb < nblk; cb++) {
-            const bool last = cb == nblk - 1;
-            if (idle) {
-                for (int kt = 0; kt < nk; kt++, it++) {
-                    const unsigned s = it % G7_STAGES;
-                    mbar_wait(&bfull[s], (it / G7_STAGES) & 1);  // landed after this tile's A
-                    mbar_arrive(&bempty[s]);
-                    if (last) mbar_arrive(&aempty[kt]);
-                }
-                continue;
-            }
-            for (int kt = 0; kt < nk; kt++, it++) {
-                const unsigned s = it % G7_STAGES;
-                if (cb == 0) mbar_wait(&afull[kt], n & 1);
-                mbar_wait(&bfull[s], (it / G7_STAGES) & 1);
-                fence_proxy_async();
-                unsigned long long da = wgmma_desc_sw128(g7_smem + kt * G7_A + wg * 64 * G4_BK),
-                                   db = wgmma_desc_sw128(sb + s * G7_B);
-                unsigned accumulate = kt > 0;
-                wgmma_fence_operand(da);
-                wgmma_fence_operand(db);
-                wgmma_fence_operand(accumulate);
-#pragma unroll
-                for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
-                wgmma_fence();
-#pragma unroll
-                for (int ks = 0; ks < G4_BK / 16; ks++)
-                    wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : accumulate);
-                wgmma_commit();
-                wgmma_wait<1>();  // the previous K step's products retired
-#pragma unroll
-                for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
-                if (kt > 0) {
-                    mbar_arrive(&bempty[(it - 1) % G7_STAGES]);
-                    if (last) mbar_arrive(&aempty[kt - 1]);
-                }
-            }
-            wgmma_wait<0>();
-#pragma unroll
-            for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
-            mbar_arrive(&bempty[(it - 1) % G7_STAGES]);
-            if (last) mbar_arrive(&aempty[nk - 1]);
-            moe_tile_store_bf16(reinterpret_cast<const float(&)[32][4]>(acc), reinterpret_cast<bf16*>(out),
-                                wg * 64 + (warp & 3) * 16, cb * G5_BN, r0, rows, ndim, lane);
-        }
-    }
-}
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
