@@ -138,13 +138,6 @@ impl CpuModel {
         // 1. projections
         let p = self.mm(x, t, &w.in_qkv);
         let z = self.mm(x, t, &w.in_z);
-        // At the GPU's precision q|k|v and z leave the projection as bf16 (the GPU stores them
-        // so, as transformers' bf16 linear layers return them).
-        let (p, z) = if self.bf16_activations {
-            (round_bf16(&p), round_bf16(&z))
-        } else {
-            (p, z)
-        };
         let b = self.mm(x, t, &w.in_b);
         let a = self.mm(x, t, &w.in_a);
         // 2. causal conv over pre-conv inputs (state carries the last kernel-1), SiLU

@@ -174,9 +174,8 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
 void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4) {
     const int c = 2 * hk * dk + hv * dv, hist = kern - 1;
     Rng rng{std::mt19937_64(7 + t)};
-    std::vector<bf16> p((size_t)t * c);  // as the in-projection stores it
-    std::vector<float> w((size_t)c * kern), st((size_t)hist * c);
-    for (auto& x : p) x = __float2bfloat16(rng.uni(-2, 2));
+    std::vector<float> p((size_t)t * c), w((size_t)c * kern), st((size_t)hist * c);
+    for (auto& x : p) x = rng.uni(-2, 2);
     for (auto& x : w) x = rng.uni(-1, 1);
     for (auto& x : st) x = rng.uni(-2, 2);
     std::vector<float> st_a = st, st_b = st, out_a((size_t)t * c, 1e30f), out_b((size_t)t * c, 1e30f);
@@ -201,10 +200,9 @@ static const double TOL = 1e-5;
 static void run_gated_norm(int rows, int dv) {
     std::mt19937 rng(rows * 131 + dv);
     std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-    std::vector<float> o((size_t)rows * dv), w(dv);
-    std::vector<bf16> z(o.size());  // as the in-projection stores it
+    std::vector<float> o((size_t)rows * dv), z(o.size()), w(dv);
     for (auto& x : o) x = u(rng);
-    for (auto& x : z) x = __float2bfloat16(u(rng));
+    for (auto& x : z) x = u(rng);
     for (auto& x : w) x = u(rng);
     std::vector<bf16> out(o.size());
     const float eps = 1e-6f;
@@ -217,8 +215,7 @@ static void run_gated_norm(int rows, int dv) {
         const double inv = 1.0 / std::sqrt(ss / dv + eps);
         for (int i = 0; i < dv; i++) {
             const size_t j = (size_t)r * dv + i;
-            const double zj = __bfloat162float(z[j]);
-            const double ref = o[j] * inv * w[i] * (zj / (1.0 + std::exp(-zj)));
+            const double ref = o[j] * inv * w[i] * (z[j] / (1.0 + std::exp(-(double)z[j])));
             const double e = std::fabs(__bfloat162float(out[j]) - ref) / (std::fabs(ref) * 0.00390625 + 1e-6);
             if (!(e <= worst)) worst = e;
         }

@@ -41,8 +41,6 @@ struct Key {
     t: usize,
     ldy: usize,
     accumulate: bool,
-    /// y is bf16 (else f32).
-    out_bf16: bool,
 }
 
 /// A product's shape apart from its row count `t`, and `t`'s bucket (four to an octave, `t`
@@ -57,7 +55,6 @@ struct AlgoKey {
     k: usize,
     ldy: usize,
     accumulate: bool,
-    out_bf16: bool,
     bucket: usize,
 }
 
@@ -68,7 +65,6 @@ impl AlgoKey {
             k: key.k,
             ldy: key.ldy,
             accumulate: key.accumulate,
-            out_bf16: key.out_bf16,
             bucket: {
                 let step = (1usize << key.t.max(1).ilog2()) / 4;
                 key.t.div_ceil(step.max(1)) * step.max(1)
@@ -157,11 +153,7 @@ impl Plan {
             x: lt::create_matrix_layout(bf16, key.k as u64, key.t as u64, key.k as i64)
                 .map_err(lt_err("layout"))?,
             y: lt::create_matrix_layout(
-                if key.out_bf16 {
-                    bf16
-                } else {
-                    sys::cudaDataType::CUDA_R_32F
-                },
+                sys::cudaDataType::CUDA_R_32F,
                 key.n as u64,
                 key.t as u64,
                 key.ldy as i64,
@@ -296,30 +288,7 @@ impl Gpu {
         ldy: usize,
         beta: f32,
     ) -> Result<()> {
-        self.gemm_on(false, false, w, n, k, x, t, y, ldy, beta)
-    }
-
-    /// [`Gpu::gemm`] into a bf16 `y` (each f32 sum rounded once, beta 0): the GDN
-    /// in-projection's outputs, which transformers' bf16 linear layers round there too, at half
-    /// the bytes to write and to read back.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bf16(
-        &self,
-        aux: bool,
-        w: u64,
-        n: usize,
-        k: usize,
-        x: u64,
-        t: usize,
-        y: u64,
-        ldy: usize,
-    ) -> Result<()> {
-        if aux && self.gemm_path() != GemmPath::Lt {
-            self.join_aux()?;
-            self.gemm_on(false, true, w, n, k, x, t, y, ldy, 0.0)?;
-            return self.fork_aux();
-        }
-        self.gemm_on(aux, true, w, n, k, x, t, y, ldy, 0.0)
+        self.gemm_on(false, w, n, k, x, t, y, ldy, beta)
     }
 
     /// [`Gpu::gemm`] on the second stream (after [`Gpu::fork_aux`]): cuBLASLt with that
@@ -339,17 +308,16 @@ impl Gpu {
     ) -> Result<()> {
         if self.gemm_path() != GemmPath::Lt {
             self.join_aux()?;
-            self.gemm_on(false, false, w, n, k, x, t, y, ldy, beta)?;
+            self.gemm_on(false, w, n, k, x, t, y, ldy, beta)?;
             return self.fork_aux();
         }
-        self.gemm_on(true, false, w, n, k, x, t, y, ldy, beta)
+        self.gemm_on(true, w, n, k, x, t, y, ldy, beta)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn gemm_on(
         &self,
         aux: bool,
-        out_bf16: bool,
         w: u64,
         n: usize,
         k: usize,
@@ -365,7 +333,6 @@ impl Gpu {
             t,
             ldy,
             accumulate: beta != 0.0,
-            out_bf16,
         };
         let (stream, lt) = if aux {
             (&*self.aux, &self.aux_lt)
@@ -375,13 +342,7 @@ impl Gpu {
         };
         self.timed(
             stream,
-            || {
-                format!(
-                    "gemm {n}x{k} t={t}{}{}",
-                    if out_bf16 { " bf16" } else { "" },
-                    if aux { " (aux)" } else { "" }
-                )
-            },
+            || format!("gemm {n}x{k} t={t}{}", if aux { " (aux)" } else { "" }),
             || match self.gemm_path() {
                 GemmPath::Ex => self.gemm_ex(key, w, x, y, beta),
                 GemmPath::Lt => self.lt_matmul(lt, stream, key, w, x, y, beta),
@@ -468,11 +429,7 @@ impl Gpu {
                 k,
                 &beta as *const f32 as *const _,
                 y as *mut _,
-                if key.out_bf16 {
-                    cublas_sys::cudaDataType::CUDA_R_16BF
-                } else {
-                    cublas_sys::cudaDataType::CUDA_R_32F
-                },
+                cublas_sys::cudaDataType::CUDA_R_32F,
                 key.ldy as i32,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -495,7 +452,6 @@ mod tests {
                 t,
                 ldy: 8,
                 accumulate: false,
-                out_bf16: false,
             })
             .bucket
         };

@@ -528,9 +528,9 @@ impl CudaModel {
             ("ids", t, 4),
             ("h", t * d, 4),
             ("xb", t * d.max(cfg.gdn_v_width()).max(nq * hd), 2),
-            ("p", t * cfg.gdn_conv_channels(), 2),
+            ("p", t * cfg.gdn_conv_channels(), 4),
             ("qkv", t * cfg.gdn_conv_channels(), 4),
-            ("z", t * cfg.gdn_v_width(), 2),
+            ("z", t * cfg.gdn_v_width(), 4),
             ("ba", t * 2 * hv, 4),
             ("beta", t * hv, 4),
             ("g", t * hv, 4),
@@ -1044,13 +1044,11 @@ impl CudaModel {
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let (in_qkv, in_z, in_ba) = w.in_parts(c);
                     // z and b|a on the second stream beside the q|k|v product and the conv
-                    // (joined before the gates read b|a). p and z are stored as bf16 (as
-                    // transformers' bf16 projections round them; the decode step rounds them
-                    // the same way), b|a as f32.
+                    // (joined before the gates read b|a).
                     g.fork_aux()?;
-                    g.gemm_bf16(true, in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw)?;
+                    g.gemm_aux(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
                     g.gemm_aux(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
-                    g.gemm_bf16(false, in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch)?;
+                    g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
                     let chunked =
                         t > 1 && self.gdn_chunked && sh.chunked_fits(g.max_smem_per_block);
                     let conv = if chunked {

@@ -403,8 +403,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// x rounded to bf16 and back (where a path computes in f32 a value another path stores as bf16).
-__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 // Two floats as a bf16 pair (lo in the low half: the lower column of a fragment).
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -2,9 +2,9 @@
 // (one thread per value column, the state column in registers), and the gated RMSNorm.
 
 // Causal depthwise conv + SiLU, one thread per channel, tokens in order.
-// p: [t, c] pre-conv inputs (bf16, as the in-projection stores them); state: [kern-1, c]
-// (oldest first), advanced in place; w: [c, kern]; out: [t, c].
-extern "C" __global__ void gdn_conv(const bf16* __restrict__ p, float* __restrict__ state,
+// p: [t, c] pre-conv inputs; state: [kern-1, c] (oldest first), advanced in place;
+// w: [c, kern]; out: [t, c].
+extern "C" __global__ void gdn_conv(const float* __restrict__ p, float* __restrict__ state,
                                     const float* __restrict__ w, float* __restrict__ out,
                                     int t, int c, int kern) {
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
@@ -17,7 +17,7 @@ extern "C" __global__ void gdn_conv(const bf16* __restrict__ p, float* __restric
 #pragma unroll
     for (int j = 0; j < 9; j++) wt[j] = j < kern ? w[(size_t)ch * kern + j] : 0.0f;
     for (int s = 0; s < t; s++) {
-        float x = __bfloat162float(p[(size_t)s * c + ch]);
+        float x = p[(size_t)s * c + ch];
         float acc = wt[hist] * x;
 #pragma unroll
         for (int j = 0; j < 8; j++) if (j < hist) acc += wt[j] * win[j];
@@ -111,10 +111,10 @@ GDN_RECURRENT(32)
 GDN_RECURRENT(64)
 GDN_RECURRENT(128)
 
-// Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), z bf16 (the in-projection's), bf16
-// out. A warp per (token, head) row of dv, so the norm is one shuffle reduction; 4 values a
-// lane a load when dv % 4 == 0. grid ceil(rows / 8), block 256.
-extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const bf16* __restrict__ z,
+// Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), bf16 out. A warp per (token, head)
+// row of dv, so the norm is one shuffle reduction; 4 values a lane a load when dv % 4 == 0.
+// grid ceil(rows / 8), block 256.
+extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const float* __restrict__ z,
                                           const float* __restrict__ w, bf16* __restrict__ out, int rows, int dv,
                                           float eps) {
     PREFILL_KERNEL();
@@ -130,9 +130,7 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const bf1
         const float inv = rsqrtf(warp_sum(ss) / dv + eps);
         for (int i = 4 * lane; i < dv; i += 128) {
             const float4 v = *reinterpret_cast<const float4*>(o + base + i);
-            const uint2 zz = *reinterpret_cast<const uint2*>(z + base + i);
-            const float4 g = make_float4(__uint_as_float(zz.x << 16), __uint_as_float(zz.x & 0xffff0000u),
-                                         __uint_as_float(zz.y << 16), __uint_as_float(zz.y & 0xffff0000u));
+            const float4 g = *reinterpret_cast<const float4*>(z + base + i);
             const float4 wv = *reinterpret_cast<const float4*>(w + i);
             *reinterpret_cast<uint2*>(out + base + i) =
                 make_uint2(pack_bf16x2(v.x * inv * wv.x * silu_f(g.x), v.y * inv * wv.y * silu_f(g.y)),
@@ -142,16 +140,14 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const bf1
     }
     for (int i = lane; i < dv; i += 32) ss += o[base + i] * o[base + i];
     const float inv = rsqrtf(warp_sum(ss) / dv + eps);
-    for (int i = lane; i < dv; i += 32)
-        out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(__bfloat162float(z[base + i])));
+    for (int i = lane; i < dv; i += 32) out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(z[base + i]));
 }
 
 // ---- Decode (one token): two launches between the in- and out-projections ----
 
 // Conv step + SiLU + q/k L2 norms: block per q, k or v head, thread per channel (each thread
 // owns its channel's conv state, so the in-place update has no race). p: projection output
-// whose first c values are the conv inputs, f32 here, taken rounded to bf16 as prefill stores
-// them; grid 2*hk + hv, block >= max(dk, dv), a multiple of 32.
+// whose first c values are the conv inputs; grid 2*hk + hv, block >= max(dk, dv), a multiple of 32.
 extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __restrict__ state,
                                         const float* __restrict__ w, float* __restrict__ out, int c, int kern,
                                         int hk, int dk, int dv, float q_scale) {
@@ -176,7 +172,7 @@ extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __re
     griddep_wait();
     float y = 0.0f;
     if (on) {
-        float x = bf16_round(p[ch]);
+        float x = p[ch];
         acc += wl * x;
 #pragma unroll
         for (int j = 0; j < 8; j++)
@@ -189,9 +185,8 @@ extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __re
 
 // Gates + delta-rule step + gated RMSNorm: block per value head; four neighbouring lanes share
 // value column m, each keeping a quarter of S[:, m] in registers (read and written once), and
-// combine their partial dot products with two shuffles. ba: [b (hv) | a (hv)]; z: [hv, dv]
-// (f32, taken rounded to bf16 as prefill stores it); out bf16. grid hv, block 4 * dv rounded up
-// to 32 (<= 1024).
+// combine their partial dot products with two shuffles. ba: [b (hv) | a (hv)]; z: [hv, dv];
+// out bf16. grid hv, block 4 * dv rounded up to 32 (<= 1024).
 template <int DK>
 __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __restrict__ ba,
                                   const float* __restrict__ a_log, const float* __restrict__ dt_bias,
@@ -222,7 +217,7 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
         ks[at] = qkv[(size_t)(hk + kh) * DK + i];
     }
     const float v = active ? qkv[(size_t)2 * hk * DK + (size_t)j * dv + m] : 0.0f;
-    const float zm = active && part == 0 ? bf16_round(z[(size_t)j * dv + m]) : 0.0f;
+    const float zm = active && part == 0 ? z[(size_t)j * dv + m] : 0.0f;
     float bt = sigmoid_f(ba[j]);
     float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
@@ -278,7 +273,7 @@ GDN_STEP_DEC(128)
 #define GDN_CONV_TT 32
 
 template <int KERN>
-__device__ __forceinline__ void conv_prefill_tile(const bf16* __restrict__ p, const float* __restrict__ state,
+__device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, const float* __restrict__ state,
                                                   const float* __restrict__ w, float* __restrict__ out, int t,
                                                   int c, int ch, bool valid, bool qk, float scale) {
     constexpr int H = KERN - 1;
@@ -291,10 +286,10 @@ __device__ __forceinline__ void conv_prefill_tile(const bf16* __restrict__ p, co
 #pragma unroll
         for (int j = 0; j < H; j++) {  // inputs of tokens s0-H .. s0-1
             int src = s0 - H + j;
-            win[j] = src >= 0 ? __bfloat162float(p[(size_t)src * c + ch]) : state[(size_t)(H + src) * c + ch];
+            win[j] = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(H + src) * c + ch];
         }
 #pragma unroll
-        for (int i = 0; i < GDN_CONV_TT; i++) x[i] = s0 + i < t ? __bfloat162float(p[(size_t)(s0 + i) * c + ch]) : 0.0f;
+        for (int i = 0; i < GDN_CONV_TT; i++) x[i] = s0 + i < t ? p[(size_t)(s0 + i) * c + ch] : 0.0f;
 #pragma unroll
         for (int i = 0; i < GDN_CONV_TT; i++) {
             float acc = wt[H] * x[i];
@@ -325,7 +320,7 @@ __device__ __forceinline__ void conv_prefill_tile(const bf16* __restrict__ p, co
 }
 
 extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
-    const bf16* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
+    const float* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
     float* __restrict__ out, int t, int c, int kern, int hk, int dk, float q_scale) {
     PREFILL_KERNEL();
     const int y = blockIdx.y, hist = kern - 1;
@@ -340,10 +335,10 @@ extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
         float v = 0.0f;
         if (valid) {
             const float* wc = w + (size_t)ch * kern;
-            float acc = wc[hist] * __bfloat162float(p[(size_t)s * c + ch]);
+            float acc = wc[hist] * p[(size_t)s * c + ch];
             for (int j = 0; j < hist; j++) {
                 int src = s - hist + j;  // token of tap j; negative: conv state row hist + src
-                float x = src >= 0 ? __bfloat162float(p[(size_t)src * c + ch]) : state[(size_t)(hist + src) * c + ch];
+                float x = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(hist + src) * c + ch];
                 acc += wc[j] * x;
             }
             v = silu_f(acc);
@@ -356,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
 // After gdn_conv_prefill: the conv state becomes the last kern-1 rows of [state ; p]. One
 // thread per channel reads all its rows before writing any, so no row is read after being
 // overwritten (t < kern-1 keeps some old rows, shifted).
-extern "C" __global__ void gdn_conv_advance(const bf16* __restrict__ p, float* __restrict__ state,
+extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* __restrict__ state,
                                             int t, int c, int kern) {
     PREFILL_KERNEL();
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
@@ -366,7 +361,7 @@ extern "C" __global__ void gdn_conv_advance(const bf16* __restrict__ p, float* _
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         int src = t + j;  // row of [state ; p]
-        row[j] = j >= hist ? 0.0f : src < hist ? state[(size_t)src * c + ch] : __bfloat162float(p[(size_t)(src - hist) * c + ch]);
+        row[j] = j >= hist ? 0.0f : src < hist ? state[(size_t)src * c + ch] : p[(size_t)(src - hist) * c + ch];
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) if (j < hist) state[(size_t)j * c + ch] = row[j];
