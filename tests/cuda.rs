@@ -577,6 +577,11 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
     let xb = random_bf16(t * d, 1, 1.0);
     let w_gu = random_bf16(e * 2 * i * d, 2, 1.0 / (d as f32).sqrt());
     let w_down = random_bf16(e * d * i, 3, 1.0 / (i as f32).sqrt());
+    // moe_gemm7's tensor maps over the same weights.
+    let (gu_map, down_map) = (
+        gpu.moe_tensor_map(w_gu.ptr, e * 2 * i, d).unwrap(),
+        gpu.moe_tensor_map(w_down.ptr, e * d, i).unwrap(),
+    );
     // The scatter once (its order within an expert is not deterministic), then only re-plans.
     gpu.moe_plan(&plan, e, 64).unwrap();
     gpu.moe_scatter(
@@ -605,6 +610,7 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         out,
         ndim: 2 * i,
         kdim: d,
+        tmap: gu_map.ptr,
     };
     // down reads v1's act, so each down kernel sees the same input
     let down = |out: u64| Grouped {
@@ -614,6 +620,7 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         out,
         ndim: d,
         kdim: i,
+        tmap: down_map.ptr,
     };
     let time_ms = |f: &dyn Fn()| {
         f();
@@ -827,6 +834,26 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
                 .unwrap()
         });
         println!("{name} bf16 y: bf16(v6's f32 y) bitwise; down {t_dn16:.3} ms");
+        // v7 (clusters of two blocks on 256-row tiles, B rows by multicast tensor copy): the
+        // same wgmma steps per output, so bitwise v6's outputs, bf16 y too; and its times.
+        let name = "v7 moe_gemm7 m256";
+        let (gu7, act7, y7) = run(MoeGemm::V7, 256);
+        assert!(bits(&gu7) == bits(&gu6), "{name} gate_up != v6");
+        assert!(bits(&act7) == bits(&act6), "{name} act != v6");
+        assert!(bits(&y7) == bits(&y6), "{name} down != v6");
+        nan_bf16(&y, rows * d);
+        gpu.moe_grouped_bf16(MoeGemm::V7, 256, &plan, rows, e, &down(y.ptr))
+            .unwrap();
+        assert!(
+            bits(&bf16s(&y, rows * d)) == bits(&rounded),
+            "{name} bf16 y != bf16(v6's y)"
+        );
+        let t_dn16 = time_ms(&|| {
+            gpu.moe_grouped_bf16(MoeGemm::V7, 256, &plan, rows, e, &down(y.ptr))
+                .unwrap()
+        });
+        println!("{name}: bitwise equal to v6 (bf16 y too); bf16 down {t_dn16:.3} ms");
+        timings(MoeGemm::V7, 256, name);
     } else {
         println!(
             "v5 moe_gemm5: SKIPPED (compute capability {:?}, not 9.0)",

@@ -1,6 +1,8 @@
 // Small CPU emulation of the CUDA features Kestrel's kernels use, to run them without a GPU:
-// blocks one after another; per block an OS thread per warp and, inside it, a fiber (own stack,
-// cooperative switching) per lane. Barriers: __syncwarp, shuffles, ldmatrix and mma switch
+// blocks one after another (a thread-block cluster's blocks together, emu_launch_cluster); per
+// block an OS thread per warp and, inside it, a fiber (own stack, cooperative switching) per
+// lane. A block's per-thread state (stacks, cp.async and wgmma groups), dynamic shared memory,
+// mbarriers and named barriers sit in its slot (its rank in the cluster, t_slot). Barriers: __syncwarp, shuffles, ldmatrix and mma switch
 // between the warp's lanes; __syncthreads waits for the warp's lanes, then for the other warps.
 // Warp-collective operations exchange the lanes' values through the warp's buffers. cp.async
 // copies either at issue (eager) or at the wait that covers them (deferred).
@@ -15,6 +17,7 @@
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
+// emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -70,7 +73,8 @@ inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))  // GNU: may stand after `static` (__shared__)
-#define __shared__ static
+#define __shared__ static  // one copy for all blocks: a cluster kernel must use dynamic smem only
+#define __cluster_dims__(...)
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -123,7 +127,12 @@ emu_switch:
 )");
 #endif
 
-enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_DONE };
+enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_AT_CLUSTER_BAR, LANE_DONE };
+// Blocks of one cluster at most (their state slots).
+constexpr int EMU_MAX_CLUSTER = 2;
+inline thread_local int t_slot = 0;  // this block's rank in its cluster
+// The per-thread state index of the calling thread: its block's slot, then threadIdx.x.
+inline unsigned emu_tid();
 struct Lane {
     void* sp = nullptr;
 #if !defined(__x86_64__)
@@ -148,23 +157,24 @@ struct Warp {
     uint32_t ma[32][4], mb[32][2];
 };
 inline thread_local Warp* t_warp;
-// Named barriers (bar.sync id, threads) of the current block: made on first use, counting warps.
-inline std::unique_ptr<std::barrier<>> g_named[16];
-inline int g_named_threads[16];
+// Named barriers (bar.sync id, threads) of each block: made on first use, counting warps.
+inline std::unique_ptr<std::barrier<>> g_named[EMU_MAX_CLUSTER][16];
+inline int g_named_threads[EMU_MAX_CLUSTER][16];
 inline std::mutex g_named_mu;
 inline std::barrier<>* emu_named_bar(int id, int threads) {
     std::lock_guard<std::mutex> lk(g_named_mu);
     if (id <= 0 || id >= 16 || threads <= 0 || threads % 32) emu_fail("bad named barrier");
-    if (!g_named[id]) {
-        g_named[id].reset(new std::barrier<>(threads / 32));
-        g_named_threads[id] = threads;
-    } else if (g_named_threads[id] != threads) {
+    if (!g_named[t_slot][id]) {
+        g_named[t_slot][id].reset(new std::barrier<>(threads / 32));
+        g_named_threads[t_slot][id] = threads;
+    } else if (g_named_threads[t_slot][id] != threads) {
         emu_fail("named barrier used with two thread counts");
     }
-    return g_named[id].get();
+    return g_named[t_slot][id].get();
 }
 constexpr size_t EMU_STACK = 256 * 1024;
-inline std::unique_ptr<char[]> g_stacks[1024];
+constexpr int EMU_SLOTS = EMU_MAX_CLUSTER * 1024;
+inline std::unique_ptr<char[]> g_stacks[EMU_SLOTS];
 
 inline void emu_to_scheduler(LaneState s) {
     Warp* w = t_warp;
@@ -182,8 +192,8 @@ inline void emu_to_scheduler(LaneState s) {
 // cp.async: per-thread groups of pending copies.
 struct PendingCopy { void* dst; const void* src; bool valid; };
 inline bool g_cp_deferred = false;
-inline std::vector<std::vector<PendingCopy>> g_cp_groups[1024];
-inline std::vector<PendingCopy> g_cp_open[1024];
+inline std::vector<std::vector<PendingCopy>> g_cp_groups[EMU_SLOTS];
+inline std::vector<PendingCopy> g_cp_open[EMU_SLOTS];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
 // n: columns (32, 64 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
 // (16 k each) gathered from its quad at issue.
@@ -194,13 +204,14 @@ struct PendingWgmma {
     bool trans_b = false, a_reg = false, tf32 = false;  // tf32: k 8, 4-byte elements
     float a[2][16] = {};
 };
-inline std::vector<std::vector<PendingWgmma>> g_wg_groups[1024];
-inline std::vector<PendingWgmma> g_wg_open[1024];
+inline std::vector<std::vector<PendingWgmma>> g_wg_groups[EMU_SLOTS];
+inline std::vector<PendingWgmma> g_wg_open[EMU_SLOTS];
+inline unsigned emu_tid() { return (unsigned)t_slot * 1024 + threadIdx.x; }
 
 inline void emu_fiber_main() {
     Warp* w = t_warp;
     w->body(w->arg);
-    unsigned t = threadIdx.x;
+    unsigned t = emu_tid();
     // a real kernel may exit with copies in flight, but ours should not
     if (!g_cp_groups[t].empty() || !g_cp_open[t].empty()) emu_fail("cp.async groups left at exit");
     if (!g_wg_groups[t].empty() || !g_wg_open[t].empty()) emu_fail("wgmma groups left at exit");
@@ -219,8 +230,10 @@ inline void emu_resume(Warp* w, int l) {
 #endif
 }
 
-// Runs the lanes of warp `id` of the current block on this OS thread.
-inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*body)(void*), void* arg) {
+// Runs the lanes of warp `id` of the current block on this OS thread (cluster_bar: all warps of
+// the block's cluster, for cluster_sync).
+inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*body)(void*), void* arg,
+                         std::barrier<>* cluster_bar = nullptr) {
     Warp w;
     w.id = id;
     w.lanes = lanes;
@@ -228,7 +241,7 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
     w.arg = arg;
     t_warp = &w;
     for (int l = 0; l < lanes; l++) {
-        unsigned t = id * 32 + l;
+        unsigned t = (unsigned)t_slot * 1024 + id * 32 + l;
         if (!g_stacks[t]) g_stacks[t].reset(new char[EMU_STACK]);
         char* top = g_stacks[t].get() + EMU_STACK;
         g_cp_groups[t].clear();
@@ -255,16 +268,21 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
     for (;;) {
         for (int l = 0; l < lanes; l++)
             if (w.lane[l].state == LANE_READY) emu_resume(&w, l);
-        int done = 0, at_warp = 0, at_block = 0, at_named = 0;
+        int done = 0, at_warp = 0, at_block = 0, at_named = 0, at_cluster = 0;
         for (int l = 0; l < lanes; l++) {
             LaneState s = w.lane[l].state;
             done += s == LANE_DONE;
             at_warp += s == LANE_AT_WARP_BAR;
             at_block += s == LANE_AT_BLOCK_BAR;
             at_named += s == LANE_AT_NAMED_BAR;
+            at_cluster += s == LANE_AT_CLUSTER_BAR;
         }
         if (done == lanes) break;
-        if (at_warp && (at_block || done || at_named)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
+        if (at_warp && (at_block || done || at_named || at_cluster)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
+        if (at_cluster) {
+            if (at_cluster != lanes || !cluster_bar) emu_fail("cluster_sync without all lanes of the warp, or outside a cluster launch");
+            cluster_bar->arrive_and_wait();
+        }
         if (at_named) {
             if (at_named != lanes) emu_fail("a named barrier without all lanes of the warp");
             for (int l = 1; l < lanes; l++)
@@ -280,6 +298,7 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
             if (w.lane[l].state != LANE_DONE) w.lane[l].state = LANE_READY;
     }
     block_bar->arrive_and_drop();
+    if (cluster_bar) cluster_bar->arrive_and_drop();
     t_warp = nullptr;
 }
 
@@ -355,21 +374,21 @@ inline void emu_do_copy(const PendingCopy& c) { if (c.valid) memcpy(c.dst, c.src
 inline void cp_async16(void* smem, const void* gmem, bool valid) {
     if (((uintptr_t)smem & 15) || (valid && ((uintptr_t)gmem & 15))) emu_fail("cp.async misaligned");
     PendingCopy c{smem, gmem, valid};
-    if (g_cp_deferred) g_cp_open[threadIdx.x].push_back(c);
+    if (g_cp_deferred) g_cp_open[emu_tid()].push_back(c);
     else emu_do_copy(c);
 }
 inline void cp_async_commit() {
-    unsigned t = threadIdx.x;
+    unsigned t = emu_tid();
     g_cp_groups[t].push_back(g_cp_open[t]);
     g_cp_open[t].clear();
 }
 inline void cp_async_wait_n(size_t keep) {
-    auto& g = g_cp_groups[threadIdx.x];
+    auto& g = g_cp_groups[emu_tid()];
     while (g.size() > keep) { for (auto& c : g.front()) emu_do_copy(c); g.erase(g.begin()); }
 }
 inline void cp_async_wait_all() {
-    for (auto& c : g_cp_open[threadIdx.x]) emu_do_copy(c);
-    g_cp_open[threadIdx.x].clear();
+    for (auto& c : g_cp_open[emu_tid()]) emu_do_copy(c);
+    g_cp_open[emu_tid()].clear();
     cp_async_wait_n(0);
 }
 inline void cp_async_wait_one() { cp_async_wait_n(1); }
@@ -379,36 +398,60 @@ template <int N> inline void cp_async_wait() { cp_async_wait_n(N); }
 inline void emu_check_align(const void* p) {
     if ((uintptr_t)p & 15) emu_fail("misaligned float4 access");
 }
-inline std::vector<unsigned char> g_dyn_smem;
-inline float* emu_dyn_smem() { return reinterpret_cast<float*>(g_dyn_smem.data()); }
+inline std::vector<unsigned char> g_dyn_smem_slots[EMU_MAX_CLUSTER];
+// The calling block's dynamic shared memory.
+inline std::vector<unsigned char>& emu_smem() { return g_dyn_smem_slots[t_slot]; }
+inline float* emu_dyn_smem() { return reinterpret_cast<float*>(emu_smem().data()); }
 // Shared-window addresses: offsets into the dynamic shared memory (the only shared memory the
 // emulated ldmatrix/mma kernels address as numbers).
 inline unsigned smem_addr(const void* p) {
     const unsigned char* q = static_cast<const unsigned char*>(p);
-    if (q < g_dyn_smem.data() || q >= g_dyn_smem.data() + g_dyn_smem.size()) emu_fail("smem_addr outside dynamic shared memory");
-    return (unsigned)(q - g_dyn_smem.data());
+    if (q < emu_smem().data() || q >= emu_smem().data() + emu_smem().size()) emu_fail("smem_addr outside dynamic shared memory");
+    return (unsigned)(q - emu_smem().data());
 }
-inline void* emu_smem_ptr(unsigned a) { return g_dyn_smem.data() + a; }
+inline void* emu_smem_ptr(unsigned a) { return emu_smem().data() + a; }
 
 template <int N> inline void setmaxnreg_dec() {}
 template <int N> inline void setmaxnreg_inc() {}
-// ---- mbarrier: a host-side record per shared-memory word (by offset), under one lock ----
-struct EmuMbar { int count = 0, pending = 0; unsigned phase = 0; };
+// ---- mbarrier: a host-side record per shared-memory word (by block slot and offset), under one
+// lock. A phase completes once its arrivals are all in and its transaction bytes (expect_tx up,
+// complete_tx down, in either order) are back at zero.
+struct EmuMbar { int count = 0, pending = 0; unsigned phase = 0; long long tx = 0; };
 inline std::mutex g_mbar_mu;
-inline std::unordered_map<unsigned, EmuMbar> g_mbars;
+inline std::unordered_map<unsigned long long, EmuMbar> g_mbars;
+inline unsigned long long emu_mbar_key(int slot, unsigned off) { return (unsigned long long)slot << 32 | off; }
 inline void mbar_init(unsigned long long* bar, int count) {
     std::lock_guard<std::mutex> g(g_mbar_mu);
-    g_mbars[smem_addr(bar)] = {count, count, 0};
+    g_mbars[emu_mbar_key(t_slot, smem_addr(bar))] = {count, count, 0, 0};
+}
+// Under g_mbar_mu: arrivals and transaction bytes on block `slot`'s mbarrier at `off`.
+inline void emu_mbar_update(int slot, unsigned off, int arrivals, long long tx_up, long long tx_down) {
+    auto it = g_mbars.find(emu_mbar_key(slot, off));
+    if (it == g_mbars.end()) emu_fail("mbarrier used before init");
+    EmuMbar& m = it->second;
+    m.tx += tx_up - tx_down;
+    m.pending -= arrivals;
+    if (m.pending < 0) emu_fail("mbarrier: more arrivals than its count in a phase");
+    if (m.pending == 0 && m.tx == 0) m.pending = m.count, m.phase ^= 1;
 }
 inline void mbar_arrive(unsigned long long* bar) {
     std::lock_guard<std::mutex> g(g_mbar_mu);
-    auto it = g_mbars.find(smem_addr(bar));
-    if (it == g_mbars.end()) emu_fail("mbarrier arrive before init");
-    if (--it->second.pending == 0) it->second.pending = it->second.count, it->second.phase ^= 1;
+    emu_mbar_update(t_slot, smem_addr(bar), 1, 0, 0);
+}
+// An arrival that also expects `bytes` of transactions (the tensor copies) in this phase.
+inline void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    std::lock_guard<std::mutex> g(g_mbar_mu);
+    emu_mbar_update(t_slot, smem_addr(bar), 1, bytes, 0);
+}
+// An arrival on the mbarrier at the same offset in block `cta` of the cluster (mapa + arrive).
+inline void mbar_arrive_remote(unsigned long long* bar, unsigned cta) {
+    std::lock_guard<std::mutex> g(g_mbar_mu);
+    if (cta >= (unsigned)EMU_MAX_CLUSTER) emu_fail("mbar_arrive_remote: no such block in the cluster");
+    emu_mbar_update((int)cta, smem_addr(bar), 1, 0, 0);
 }
 // The thread's copies land now (deferred ones included), then it arrives.
 inline void cp_async_mbar_arrive(unsigned long long* bar) {
-    unsigned t = threadIdx.x;
+    unsigned t = emu_tid();
     for (auto& grp : g_cp_groups[t])
         for (auto& c : grp) emu_do_copy(c);
     for (auto& c : g_cp_open[t]) emu_do_copy(c);
@@ -423,7 +466,7 @@ inline void mbar_wait(unsigned long long* bar, unsigned parity) {
         int done = 0;
         if (emu_lane() == 0) {
             std::lock_guard<std::mutex> g(g_mbar_mu);
-            auto it = g_mbars.find(smem_addr(bar));
+            auto it = g_mbars.find(emu_mbar_key(t_slot, smem_addr(bar)));
             if (it == g_mbars.end()) emu_fail("mbarrier wait before init");
             done = it->second.phase != parity;
         }
@@ -454,17 +497,17 @@ inline EmuDesc emu_desc(unsigned long long desc) {
 // The bf16 at unswizzled shared offset `addr` of a 128-byte-swizzle operand.
 inline float emu_swizzled_bf16(unsigned addr) {
     addr ^= ((addr >> 7) & 7) << 4;
-    if (addr + 2 > g_dyn_smem.size()) emu_fail("wgmma operand outside shared memory");
+    if (addr + 2 > emu_smem().size()) emu_fail("wgmma operand outside shared memory");
     bf16 v;
-    memcpy(&v, g_dyn_smem.data() + addr, 2);
+    memcpy(&v, emu_smem().data() + addr, 2);
     return __bfloat162float(v);
 }
 // The tf32 operand at unswizzled shared offset `addr` (its top 19 bits, as the hardware reads).
 inline float emu_swizzled_tf32(unsigned addr) {
     addr ^= ((addr >> 7) & 7) << 4;
-    if (addr + 4 > g_dyn_smem.size()) emu_fail("wgmma operand outside shared memory");
+    if (addr + 4 > emu_smem().size()) emu_fail("wgmma operand outside shared memory");
     uint32_t v;
-    memcpy(&v, g_dyn_smem.data() + addr, 4);
+    memcpy(&v, emu_smem().data() + addr, 4);
     return emu_tf32_val(v);
 }
 // Element (row, k) of a K-major operand: 128-byte rows, 8-row groups at the stride offset.
@@ -501,7 +544,7 @@ inline void wgmma_fence_operand(float&) {}
 inline void wgmma_fence_operand(unsigned&) {}
 inline void wgmma_fence_operand(unsigned long long&) {}
 inline void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db, int scale_d) {
-    g_wg_open[threadIdx.x].push_back({d, da, db, scale_d});
+    g_wg_open[emu_tid()].push_back({d, da, db, scale_d});
 }
 inline unsigned long long wgmma_desc_sw128_mn(const void* p, unsigned lbo) {
     unsigned a = smem_addr(p);
@@ -511,7 +554,7 @@ inline unsigned long long wgmma_desc_sw128_mn(const void* p, unsigned lbo) {
 inline void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
     PendingWgmma op{d, da, db, scale_d};
     op.n = 64;
-    g_wg_open[threadIdx.x].push_back(op);
+    g_wg_open[emu_tid()].push_back(op);
 }
 // A from registers: the quad's four lanes hold a row pair's 16 k (a[0], a[2]: row g, k 2q.. and
 // 8 + 2q..; a[1], a[3]: row g + 8), gathered here as the hardware reads them at issue.
@@ -530,7 +573,7 @@ inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsi
             op.a[row][k] = __bfloat162float(lo);
             op.a[row][k + 1] = __bfloat162float(hi);
         }
-    g_wg_open[threadIdx.x].push_back(op);
+    g_wg_open[emu_tid()].push_back(op);
 }
 // tf32, A from registers: lane q of the quad holds (row g, k q), (g + 8, q), (g, q + 4),
 // (g + 8, q + 4), gathered here as the hardware reads them at issue.
@@ -544,7 +587,7 @@ inline void emu_wgmma_tf32_rs(float* d, int n, const unsigned (&a)[4], unsigned 
             unsigned v = __shfl_sync(0xffffffffu, a[r], quad + q);
             op.a[r & 1][q + (r >= 2 ? 4 : 0)] = emu_tf32_val(v);
         }
-    g_wg_open[threadIdx.x].push_back(op);
+    g_wg_open[emu_tid()].push_back(op);
 }
 inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int scale_d) {
     emu_wgmma_tf32_rs(d, 32, a, db, scale_d);
@@ -556,12 +599,12 @@ inline void wgmma_m64n128k8_tf32_rs(float (&d)[64], const unsigned (&a)[4], unsi
     emu_wgmma_tf32_rs(d, 128, a, db, scale_d);
 }
 inline void wgmma_commit() {
-    unsigned t = threadIdx.x;
+    unsigned t = emu_tid();
     g_wg_groups[t].push_back(g_wg_open[t]);
     g_wg_open[t].clear();
 }
 template <int N> inline void wgmma_wait() {
-    auto& g = g_wg_groups[threadIdx.x];
+    auto& g = g_wg_groups[emu_tid()];
     while (g.size() > (size_t)N) { for (auto& op : g.front()) emu_wgmma_run(op); g.erase(g.begin()); }
 }
 
@@ -656,28 +699,79 @@ inline void mma_tf32_1688(float (&d)[4], const unsigned (&a)[4], unsigned b0, un
     for (int e = 0; e < 4; e++) d[e] = out[e];
 }
 
+// ---- Thread-block clusters (sm_90) ----
+inline unsigned cluster_ctarank() { return (unsigned)t_slot; }
+// barrier.cluster.arrive + wait: every thread of the cluster.
+inline void cluster_sync() { emu_to_scheduler(LANE_AT_CLUSTER_BAR); }
+// The emulator's tensor map (the GPU's is the driver's opaque CUtensorMap, made on the host with
+// cuTensorMapEncodeTiled): a 2-D bf16 tensor of `rows` x `cols` elements, rows `row_stride`
+// elements apart, copied in boxes of box_rows x 64 (128-byte rows), 128-byte swizzle.
+struct EmuTmap { const bf16* base; unsigned long long rows, cols, row_stride; unsigned box_rows; };
+// cp.async.bulk.tensor.2d ... multicast::cluster: the box at (column c0, row c1) into the same
+// shared offset as `dst` in every block of `mask`, swizzled as the 128-byte mode lays it out
+// (16-byte chunk c of box row r at chunk c ^ (r % 8) of a 1024-byte aligned box), elements
+// outside the tensor zero; then its bytes complete on each block's mbarrier at bar's offset.
+inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar, unsigned short mask) {
+    const EmuTmap& m = *static_cast<const EmuTmap*>(tmap);
+    const unsigned off = smem_addr(dst), boff = smem_addr(bar);
+    if (off % 1024) emu_fail("tensor copy: shared destination not 1024-byte aligned");
+    const size_t bytes = (size_t)m.box_rows * 128;
+    std::lock_guard<std::mutex> g(g_mbar_mu);
+    for (int cta = 0; cta < EMU_MAX_CLUSTER; cta++) {
+        if (!(mask >> cta & 1)) continue;
+        std::vector<unsigned char>& sm = g_dyn_smem_slots[cta];
+        if (off + bytes > sm.size()) emu_fail("tensor copy outside shared memory");
+        for (unsigned r = 0; r < m.box_rows; r++)
+            for (int c = 0; c < 64; c++) {
+                const unsigned long long row = (unsigned long long)c1 + r, col = (unsigned long long)(c0 + c);
+                bf16 v{0};
+                if (c0 + c >= 0 && row < m.rows && col < m.cols) v = m.base[row * m.row_stride + col];
+                const unsigned at = off + r * 128 + ((((unsigned)c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+                memcpy(sm.data() + at, &v, 2);
+            }
+        emu_mbar_update(cta, boff, 0, 0, (long long)bytes);
+    }
+}
+
 // ---- Launch ----
-// Runs kernel() over the grid, one block at a time; dynamic shared memory starts as NaN.
+// Runs kernel() over the grid, one cluster of `cluster` consecutive blocks (along x) at a time,
+// a cluster's blocks together; dynamic shared memory starts as NaN.
 template <class F>
-void emu_launch(uint3_ grid, unsigned block, size_t smem, F kernel) {
+void emu_launch_cluster(uint3_ grid, unsigned cluster, unsigned block, size_t smem, F kernel) {
     if (block == 0 || block > 1024) emu_fail("bad block size");
+    if (cluster == 0 || cluster > (unsigned)EMU_MAX_CLUSTER || grid.x % cluster) emu_fail("bad cluster size");
     gridDim = grid;
     blockDim = {block, 1, 1};
-    g_dyn_smem.assign(smem + 16, 0xff);
     unsigned nw = (block + 31) / 32;
     auto body = [](void* f) { (*static_cast<F*>(f))(); };
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                std::fill(g_dyn_smem.begin(), g_dyn_smem.end(), 0xff);
-                for (auto& b : g_named) b.reset();
-                std::barrier<> bar(nw);
+            for (unsigned x0 = 0; x0 < grid.x; x0 += cluster) {
+                {
+                    std::lock_guard<std::mutex> g(g_mbar_mu);
+                    g_mbars.clear();
+                }
+                std::vector<std::unique_ptr<std::barrier<>>> bars;
+                std::barrier<> cluster_bar(nw * cluster);
                 std::vector<std::thread> th;
-                for (unsigned w = 0; w < nw; w++)
-                    th.emplace_back([&, w] {
-                        blockIdx = {x, y, z};
-                        emu_run_warp((int)w, (int)std::min(32u, block - 32 * w), &bar, body, &kernel);
-                    });
+                for (unsigned c = 0; c < cluster; c++) {
+                    g_dyn_smem_slots[c].assign(smem + 16, 0xff);
+                    for (auto& b : g_named[c]) b.reset();
+                    bars.emplace_back(new std::barrier<>(nw));
+                }
+                for (unsigned c = 0; c < cluster; c++)
+                    for (unsigned w = 0; w < nw; w++)
+                        th.emplace_back([&, c, w] {
+                            t_slot = (int)c;
+                            blockIdx = {x0 + c, y, z};
+                            emu_run_warp((int)w, (int)std::min(32u, block - 32 * w), bars[c].get(), body, &kernel,
+                                         cluster > 1 ? &cluster_bar : nullptr);
+                        });
                 for (auto& t : th) t.join();
             }
+}
+// Runs kernel() over the grid, one block at a time.
+template <class F>
+void emu_launch(uint3_ grid, unsigned block, size_t smem, F kernel) {
+    emu_launch_cluster(grid, 1, block, smem, kernel);
 }

@@ -219,6 +219,36 @@ static void run(const Shape& s, bool deferred) {
             for (int i = 0; i < nt[0]; i++) half += tn[i] <= 64;
             printf("%s %-22s v6 m128: act, gate_up, down %s moe_gemm5's (%d of %d tiles <= 64 rows)\n",
                    same6 ? "ok  " : "FAIL", s.name, same6 ? "bitwise equal to" : "DIFFER from", half, nt[0]);
+            // moe_gemm7 (clusters of two blocks on 256-row tiles, each block's half of the B rows
+            // multicast into both by tensor copy): the same wgmma steps per output, so bitwise
+            // moe_gemm6's outputs; 2 clusters walk all items, both blocks of a cluster in step.
+            plan(256);
+            int lone = 0;  // tiles whose second block has no rows
+            for (int i = 0; i < nt[0]; i++) lone += tn[i] <= 128;
+            using KG7 = void (*)(const bf16*, const int*, const void*, void*, const int*, const int*, const int*,
+                                 const int*, int, int, int);
+            auto launch7 = [&](KG7 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
+                               int kdim) {
+                const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
+                const EmuTmap tmap{w, (unsigned long long)E * ndim, (unsigned long long)kdim, (unsigned long long)kdim, 128};
+                emu_launch_cluster({4, 1, 1}, 2, 384, 4 * 384 * 128 + 64, [&] {
+                    k(a, gather, &tmap, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
+                });
+            };
+            std::vector<bf16> act7((size_t)rows * I, bf16{0x7fff}), y7b((size_t)rows * d, bf16{0x7fff});
+            std::vector<float> gu7((size_t)rows * 2 * I, NAN), y7((size_t)rows * d, NAN);
+            launch7(moe_gemm7_swiglu_m256, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
+            launch7(moe_gemm7_m256, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
+            launch7(moe_gemm7_m256, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
+            launch7(moe_gemm7_m256_bf16, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
+            const bool same7 = memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
+                               memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
+                               memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&
+                               memcmp(y7b.data(), y16.data(), y16.size() * 2) == 0;
+            fails += !same7;
+            printf("%s %-22s v7 m256 (clusters of 2, B multicast): act, gate_up, down, bf16 down %s moe_gemm6's "
+                   "(%d of %d tiles <= 128 rows)\n",
+                   same7 ? "ok  " : "FAIL", s.name, same7 ? "bitwise equal to" : "DIFFER from", lone, nt[0]);
         }
     }
 }

@@ -128,6 +128,9 @@ struct LayerW {
     shared_gate_up: DeviceBuf,
     shared_down: DeviceBuf,
     shared_gate: DeviceBuf,
+    /// Tensor maps of `gate_up` and `down` for `moe_gemm7` (compute capability 9.0, d and I
+    /// multiples of 8), else None.
+    moe_maps: Option<(DeviceBuf, DeviceBuf)>,
 }
 
 /// Scratch buffers for up to `max_chunk` tokens.
@@ -844,13 +847,24 @@ impl CudaModel {
             });
             let shared = moe.map(|m| &m.shared);
             let sh_gu = shared.map(|s: &ExpertWeights| cat(&[&s.gate, &s.up]));
+            let gate_up = mat(experts_gate_up, e * 2 * i, d, wstd(d))?;
+            let down = mat(experts_down, e * d, i, wstd(i))?;
+            let moe_maps = if gpu.compute_capability == (9, 0) && d % 8 == 0 && i % 8 == 0 {
+                Some((
+                    gpu.moe_tensor_map(gate_up.ptr, e * 2 * i, d)?,
+                    gpu.moe_tensor_map(down.ptr, e * d, i)?,
+                ))
+            } else {
+                None
+            };
             layers.push(LayerW {
                 input_norm: vecf(hl.map(|x| x.input_norm.as_slice()), d, 0.0, 0.1)?,
                 post_norm: vecf(hl.map(|x| x.post_attention_norm.as_slice()), d, 0.0, 0.1)?,
                 mixer,
                 router: mat(moe.map(|m| bf16_bytes(&m.router)), e, d, 0.1)?,
-                gate_up: mat(experts_gate_up, e * 2 * i, d, wstd(d))?,
-                down: mat(experts_down, e * d, i, wstd(i))?,
+                gate_up,
+                down,
+                moe_maps,
                 shared_gate_up: mat(sh_gu, 2 * is, d, wstd(d))?,
                 shared_down: mat(shared.map(|s| bf16_bytes(&s.down)), d, is, wstd(is))?,
                 shared_gate: vecf(moe.map(|m| m.shared_gate.as_slice()), d, 0.0, wstd(d))?,
@@ -1304,11 +1318,21 @@ impl CudaModel {
             ],
         )?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
-        let tile_m = self.moe_gemm.tile_m(rows, e, self.moe_tile_m);
-        // y in bf16 only from moe_gemm6's 128-row tiles (16-byte rows of 8 features).
+        let tile_m = match self.moe_gemm.tile_m(rows, e, self.moe_tile_m) {
+            256 if layer.moe_maps.is_none() => 128,
+            m => m,
+        };
+        let (gu_map, down_map) = layer
+            .moe_maps
+            .as_ref()
+            .map_or((0, 0), |(a, b)| (a.ptr, b.ptr));
+        // y in bf16 only from moe_gemm6's and moe_gemm7's tiles (16-byte rows of 8 features).
         let y_bf16 = self.moe_y_bf16
             && !gemv_path
-            && (self.moe_gemm, tile_m) == (MoeGemm::V6, 128)
+            && matches!(
+                (self.moe_gemm, tile_m),
+                (MoeGemm::V6 | MoeGemm::V7, 128) | (MoeGemm::V7, 256)
+            )
             && d % 8 == 0;
         let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
             g.launch(
@@ -1367,6 +1391,7 @@ impl CudaModel {
                 out: ws.gu.ptr,
                 ndim: 2 * i,
                 kdim: d,
+                tmap: gu_map,
             };
             if self.moe_gemm.fused_swiglu() {
                 let fused = Grouped {
@@ -1385,6 +1410,7 @@ impl CudaModel {
                 out: ws.y.ptr,
                 ndim: d,
                 kdim: i,
+                tmap: down_map,
             };
             if y_bf16 {
                 g.moe_grouped_bf16(self.moe_gemm, tile_m, &plan, rows, e, &down)?;

@@ -34,6 +34,11 @@ pub enum MoeGemm {
     /// ms, down 0.399 -> 0.364 ms; prefill 41.5k / 53.3k / 45.7k -> 42.4k / 54.3k / 46.4k tok/s
     /// at 2,048 / 8,192 / 32,768 tokens.
     V6,
+    /// `moe_gemm7_*` (`KESTREL_MOE_GEMM=v7`, compute capability 9.0): V6's products (bitwise
+    /// its outputs) on 256-row tiles by clusters of two blocks, each block 128 rows, each
+    /// stage's B rows copied once for both by a multicast tensor copy (half the weight bytes
+    /// from L2 a row); where experts average fewer than 192 rows, V6.
+    V7,
 }
 
 /// How a grouped kernel's grid covers the plan's (tile, column block) pairs.
@@ -47,13 +52,17 @@ enum GridOrder {
     /// One block an SM walking the pairs in TilesY's order (moe_gemm6; the column block count
     /// is its last argument).
     Persistent,
+    /// Persistent's order walked by clusters of two blocks, one cluster an SM pair (moe_gemm7;
+    /// `w` is the weights' tensor map).
+    Cluster2,
 }
 
 impl GridOrder {
     fn of(kind: MoeGemm, tile_m: usize) -> Self {
         match (kind, tile_m) {
-            (MoeGemm::V6, 128) => GridOrder::Persistent,
-            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6, _) => GridOrder::TilesY,
+            (MoeGemm::V7, 256) => GridOrder::Cluster2,
+            (MoeGemm::V6 | MoeGemm::V7, 128) => GridOrder::Persistent,
+            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7, _) => GridOrder::TilesY,
             _ => GridOrder::TilesX,
         }
     }
@@ -88,10 +97,13 @@ const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
 /// The `moe_gemm6` kernels, with their dynamic shared memory: `moe_gemm5`'s four stages and
 /// the stages' eight mbarriers.
-pub(super) const GEMM6_KERNELS: [(&str, usize); 3] = [
+pub(super) const GEMM6_KERNELS: [(&str, usize); 6] = [
     ("moe_gemm6_m128", GEMM6_SMEM),
     ("moe_gemm6_m128_bf16", GEMM6_SMEM),
     ("moe_gemm6_swiglu_m128", GEMM6_SMEM),
+    ("moe_gemm7_m256", GEMM6_SMEM),
+    ("moe_gemm7_m256_bf16", GEMM6_SMEM),
+    ("moe_gemm7_swiglu_m256", GEMM6_SMEM),
 ];
 const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8;
 
@@ -152,6 +164,7 @@ impl MoeGemm {
             "v3" => MoeGemm::V3,
             "v4" => MoeGemm::V4,
             "v5" => MoeGemm::V5,
+            "v7" => MoeGemm::V7,
             _ => MoeGemm::V6,
         }
     }
@@ -159,7 +172,7 @@ impl MoeGemm {
     /// The variant that runs on a GPU of compute capability `cc`: the wgmma kernels (V5, V6) need
     /// sm_90a (the kernels are built for compute_90a only there), elsewhere V4.
     pub fn on(self, cc: (i32, i32)) -> Self {
-        if matches!(self, MoeGemm::V5 | MoeGemm::V6) && cc != (9, 0) {
+        if matches!(self, MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7) && cc != (9, 0) {
             MoeGemm::V4
         } else {
             self
@@ -168,7 +181,10 @@ impl MoeGemm {
 
     /// Whether the gate/up kernel applies the SwiGLU itself (bf16 act out, no f32 gu).
     pub fn fused_swiglu(self) -> bool {
-        matches!(self, MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6)
+        matches!(
+            self,
+            MoeGemm::V3 | MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7
+        )
     }
 
     /// The plan's tile height: fixed by the WMMA kernels; for V3 and V4 `force` or
@@ -184,6 +200,11 @@ impl MoeGemm {
             MoeGemm::V3 | MoeGemm::V4 => force.unwrap_or_else(|| gemm3_tile_m(rows, experts)),
             MoeGemm::V5 => force.unwrap_or_else(|| gemm5_tile_m(rows, experts)),
             MoeGemm::V6 => force.unwrap_or(128),
+            MoeGemm::V7 => force.unwrap_or(if rows >= 192 * experts.max(1) {
+                256
+            } else {
+                128
+            }),
         }
     }
 }
@@ -213,6 +234,8 @@ pub struct Grouped {
     pub out: u64,
     pub ndim: usize,
     pub kdim: usize,
+    /// `w`'s tensor map ([`Gpu::moe_tensor_map`]) for V7's 256-row tiles, else 0.
+    pub tmap: u64,
 }
 
 impl Gpu {
@@ -283,11 +306,12 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
             (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
             (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6, 64) => {
+            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7, 64) => {
                 ("moe_gemm4_m64", 128, 128, gemm4_smem(64))
             }
             (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
-            (MoeGemm::V6, 128) => ("moe_gemm6_m128", 256, 384, GEMM6_SMEM),
+            (MoeGemm::V6 | MoeGemm::V7, 128) => ("moe_gemm6_m128", 256, 384, GEMM6_SMEM),
+            (MoeGemm::V7, 256) => ("moe_gemm7_m256", 256, 384, GEMM6_SMEM),
             _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         self.grouped_launch(
@@ -314,7 +338,12 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        if (kind, tile_m) != (MoeGemm::V6, 128) || !g.ndim.is_multiple_of(8) {
+        let name = match (kind, tile_m) {
+            (MoeGemm::V6 | MoeGemm::V7, 128) => "moe_gemm6_m128_bf16",
+            (MoeGemm::V7, 256) => "moe_gemm7_m256_bf16",
+            _ => "",
+        };
+        if name.is_empty() || !g.ndim.is_multiple_of(8) {
             bail!(
                 "no bf16-output {kind:?} grouped GEMM with {tile_m}-row tiles and {} columns",
                 g.ndim
@@ -322,16 +351,7 @@ impl Gpu {
         }
         let geometry = (tile_m, 256, 384, GEMM6_SMEM);
         let order = GridOrder::of(kind, tile_m);
-        self.grouped_launch(
-            "moe_gemm6_m128_bf16",
-            geometry,
-            p,
-            rows,
-            experts,
-            g,
-            g.ndim,
-            order,
-        )
+        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim, order)
     }
 
     /// The gate/up product with the SwiGLU fused (`kind` V3 or V4): `g.w` holds
@@ -350,11 +370,14 @@ impl Gpu {
             (MoeGemm::V3, 128) => ("moe_gemm3_swiglu_m128", (128, 64, 256, gemm3_smem(128))),
             (MoeGemm::V3, 64) => ("moe_gemm3_swiglu_m64", (64, 128, 256, gemm3_smem(64))),
             (MoeGemm::V4, 128) => ("moe_gemm4_swiglu_m128", (128, 64, 128, gemm4_smem(128))),
-            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6, 64) => {
+            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7, 64) => {
                 ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64)))
             }
             (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, GEMM5_SMEM)),
-            (MoeGemm::V6, 128) => ("moe_gemm6_swiglu_m128", (128, 128, 384, GEMM6_SMEM)),
+            (MoeGemm::V6 | MoeGemm::V7, 128) => {
+                ("moe_gemm6_swiglu_m128", (128, 128, 384, GEMM6_SMEM))
+            }
+            (MoeGemm::V7, 256) => ("moe_gemm7_swiglu_m256", (256, 128, 384, GEMM6_SMEM)),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         let order = GridOrder::of(kind, tile_m);
@@ -395,11 +418,24 @@ impl Gpu {
             GridOrder::TilesY => (blocks_n, tiles, 1),
             // One block an SM at most; the kernel walks the (tile, column block) items.
             GridOrder::Persistent => ((tiles * blocks_n).min(self.sm_count as u32), 1, 1),
+            // One cluster an SM pair at most.
+            GridOrder::Cluster2 => (
+                2 * (tiles * blocks_n).min(self.sm_count as u32 / 2).max(1),
+                1,
+                1,
+            ),
         };
+        if order == GridOrder::Cluster2 && g.tmap == 0 {
+            bail!("{name}: needs the weights' tensor map");
+        }
         let mut args = vec![
             Arg::Ptr(g.a),
             Arg::Ptr(g.gather),
-            Arg::Ptr(g.w),
+            Arg::Ptr(if order == GridOrder::Cluster2 {
+                g.tmap
+            } else {
+                g.w
+            }),
             Arg::Ptr(g.out),
             Arg::Ptr(p.tile_expert),
             Arg::Ptr(p.tile_row),
@@ -408,10 +444,49 @@ impl Gpu {
             Arg::I(g.ndim as i32),
             Arg::I(g.kdim as i32),
         ];
-        if order == GridOrder::Persistent {
+        if matches!(order, GridOrder::Persistent | GridOrder::Cluster2) {
             args.push(Arg::I(blocks_n as i32));
         }
         self.launch_dep(name, grid, block, smem as u32, &args)
+    }
+
+    /// The tensor map `moe_gemm7` copies B rows with, in device memory: `w` as a 2-D bf16
+    /// tensor of `rows` rows of `kdim` (`[E, ndim, kdim]` is `E * ndim` rows), boxes of 128 rows
+    /// x 64 in the 128-byte swizzle that the wgmma descriptors read, zeros outside.
+    pub fn moe_tensor_map(&self, w: u64, rows: usize, kdim: usize) -> Result<super::DeviceBuf> {
+        use cudarc::driver::sys;
+        if !kdim.is_multiple_of(8) || w % 16 != 0 {
+            bail!(
+                "a tensor map needs rows of a multiple of 16 bytes ({kdim} bf16) and an aligned base"
+            );
+        }
+        // SAFETY: plain data, filled by the driver below.
+        let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+        let dims = [kdim as u64, rows as u64];
+        let strides = [(kdim * 2) as u64];
+        let boxes = [64u32, 128];
+        let steps = [1u32, 1];
+        // SAFETY: the arrays have the rank's lengths; `w` is a device allocation of rows x kdim
+        // bf16 that outlives the map's uses.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                w as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        }
+        .result()
+        .map_err(|e| anyhow::anyhow!("cuTensorMapEncodeTiled ({rows} x {kdim} bf16): {e:?}"))?;
+        self.upload(&map.opaque)
     }
 
     /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`.
@@ -474,6 +549,15 @@ mod tests {
         assert_eq!(MoeGemm::V6.tile_m(2048 * 8, 256, Some(64)), 64);
         // moe_gemm6 is persistent only at its own tile height; 64-row tiles run moe_gemm4.
         assert_eq!(GridOrder::of(MoeGemm::V6, 128), GridOrder::Persistent);
+        // V7: 256-row tiles by clusters where experts average 192 rows, else V6's kernels.
+        assert_eq!(MoeGemm::parse("v7"), MoeGemm::V7);
+        assert_eq!(MoeGemm::V7.on((8, 9)), MoeGemm::V4);
+        assert!(MoeGemm::V7.fused_swiglu());
+        assert_eq!(MoeGemm::V7.tile_m(192 * 256, 256, None), 256);
+        assert_eq!(MoeGemm::V7.tile_m(191 * 256, 256, None), 128);
+        assert_eq!(GridOrder::of(MoeGemm::V7, 256), GridOrder::Cluster2);
+        assert_eq!(GridOrder::of(MoeGemm::V7, 128), GridOrder::Persistent);
+        assert_eq!(GridOrder::of(MoeGemm::V7, 64), GridOrder::TilesY);
         assert_eq!(GridOrder::of(MoeGemm::V6, 64), GridOrder::TilesY);
         assert_eq!(GridOrder::of(MoeGemm::V5, 128), GridOrder::TilesY);
         assert_eq!(GridOrder::of(MoeGemm::V3, 128), GridOrder::TilesX);

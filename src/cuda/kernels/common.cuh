@@ -489,6 +489,41 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 #else
 #define WGMMA_ASM(...) __trap()
 #endif
+// ---- Thread-block clusters and tensor copies (sm_90; used by sm_90a kernels only) ----
+// This block's rank in its cluster.
+__device__ __forceinline__ unsigned cluster_ctarank() {
+    unsigned r = 0;
+    WGMMA_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Every thread of the cluster: arrive (release), then wait (acquire).
+__device__ __forceinline__ void cluster_sync() {
+    WGMMA_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// One arrival on the mbarrier at the same shared offset in block `cta` of the cluster.
+__device__ __forceinline__ void mbar_arrive_remote(unsigned long long* bar, unsigned cta) {
+    WGMMA_ASM(
+        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_addr(bar)),
+        "r"(cta)
+        : "memory");
+}
+// One arrival that also expects `bytes` of tensor-copy transactions in the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    WGMMA_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// The box at (column c0, row c1) of the 2-D tensor map `tmap` (in global memory) into the same
+// shared offset as `dst` in every block of `mask`, each block's mbarrier at bar's offset
+// completing its bytes (the box layout, e.g. the 128-byte swizzle, is the map's).
+__device__ __forceinline__ void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar,
+                                               unsigned short mask) {
+    WGMMA_ASM(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(dst)),
+        "l"(tmap), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(mask)
+        : "memory");
+}
+
 // Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives registers back,
 // consumer warpgroups take them (per SM sub-partition, every warpgroup has one warp there).
 template <int N>

@@ -691,19 +691,25 @@ struct MoeStageCopier {
     // K tile kt into `stage` (A rows, then B rows); the caller commits.
     __device__ __forceinline__ void load(bf16* stage, int kt, const bf16* __restrict__ a, const bf16* __restrict__ w,
                                          const bf16* __restrict__ wx, int kdim) const {
+        load_a(stage, kt, a, kdim);
+        bf16* sb = stage + dst + BM * G4_BK;
+        const int k0 = kt * G4_BK;
+        const bool kin = k0 + kc < kdim;
+#pragma unroll
+        for (int q = 0; q < BV; q++) {
+            const bool v = boff[q] >= 0 && kin;
+            cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
+        }
+    }
+    // K tile kt of the A rows alone into the stage (moe_gemm7, whose B rows come by tensor copy).
+    __device__ __forceinline__ void load_a(bf16* stage, int kt, const bf16* __restrict__ a, int kdim) const {
         bf16* sa = stage + dst;
-        bf16* sb = sa + BM * G4_BK;
         const int k0 = kt * G4_BK;
         const bool kin = k0 + kc < kdim;
 #pragma unroll
         for (int q = 0; q < AV; q++) {
             const bool v = aoff[q] >= 0 && kin;
             cp_async16(sa + RPP * q * G4_BK, v ? a + aoff[q] + k0 : a, v);
-        }
-#pragma unroll
-        for (int q = 0; q < BV; q++) {
-            const bool v = boff[q] >= 0 && kin;
-            cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
         }
     }
 };
@@ -995,6 +1001,141 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
 MOE_GEMM6(moe_gemm6_m128, false, false)
 MOE_GEMM6(moe_gemm6_m128_bf16, false, true)
 MOE_GEMM6(moe_gemm6_swiglu_m128, true, false)
+
+// Grouped GEMM, seventh version (sm_90a; 256-row plan tiles, V7): moe_gemm6's stages, products
+// and epilogues (bitwise its outputs) in clusters of two blocks that share the B rows. The
+// kernels are bound by what streams from L2, and of a 128 x 256 tile's 48 KiB stage two thirds
+// are B rows, the same for every row tile of an expert: here block r of a cluster takes rows
+// 128 r .. 128 r + 127 of a 256-row tile and copies only its half of each stage's B rows (the
+// gate rows, or the up rows for SWIGLU; else columns 128 r ..) with one tensor copy multicast
+// into both blocks' shared memory, so each B byte leaves L2 once per 256 rows, not per 128. A
+// rows stay on the producer warpgroup's cp.async (they are gathered). A stage's `full` counts the
+// 128 producer threads' cp.async arrivals and one expect_tx arrival for the 32 KiB of B from
+// both blocks; its `empty` counts this block's 256 consumer threads and one arrival from each
+// warp of the other block's consumers (its tensor copy writes this block's stage too). The two
+// blocks walk the same (tile, column block) items in the same order, cluster c taking items c,
+// c + clusters, ..; a block without rows in a tile (its half of an expert's last tile) still
+// copies its B half and releases the stages. Block 384, cluster 2, grid 2 x clusters, dynamic
+// smem G6_SMEM; `tmap`: a 2-D tensor map over w as [E * ndim rows][kdim] bf16 with 128 x 64
+// boxes in the 128-byte swizzle (kdim % 8 == 0).
+template <bool SWIGLU, bool Y16>
+__device__ __forceinline__ void moe_gemm7_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                               const void* __restrict__ tmap, void* __restrict__ out,
+                                               const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                                               const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
+                                               int ndim, int kdim, int nblk) {
+    extern __shared__ __align__(1024) bf16 g7_smem[];
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(g7_smem + G6_STAGES * G6_STAGE);
+    unsigned long long* empty = full + G6_STAGES;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned rank = cluster_ctarank(), peer = rank ^ 1u;
+    const int items = nblk * *num_tiles, nk = (kdim + G4_BK - 1) / G4_BK;
+    const int cluster = blockIdx.x >> 1, clusters = gridDim.x >> 1;
+    constexpr int COLS = SWIGLU ? G5_BN / 2 : G5_BN;
+    if (tid == 0) {
+        for (int s = 0; s < G6_STAGES; s++) {
+            mbar_init(&full[s], 128 + 1);  // the producer threads' cp.async, the expect_tx
+            mbar_init(&empty[s], 256 + 8);  // this block's consumer threads, the peer's consumer warps
+        }
+    }
+    __syncthreads();
+    cluster_sync();  // both blocks' barriers initialised before either block's copies signal them
+    // This block's rows of the tile's 256 (none when the tile has <= 128 and rank is 1).
+    auto my_rows = [&](int tile) { return max(0, min(128, tile_rows[tile] - 128 * (int)rank)); };
+    if (warp >= 8) {  // the producer
+        setmaxnreg_dec<120>();
+        unsigned it = 0;
+        for (int q = cluster; q < items; q += clusters) {
+            const int tile = q / nblk, n0 = (q % nblk) * COLS, x = tile_expert[tile];
+            // This block's B half: gate rows n0.. (rank 0) or up rows inter + n0.. (rank 1) for
+            // SWIGLU, else rows n0 + 128 rank ..; rows of expert x are x * ndim + n.
+            const int brow = x * ndim + (SWIGLU ? (rank ? ndim / 2 : 0) + n0 : n0 + 128 * (int)rank);
+            const MoeStageCopier<G5_BM, G5_BN, 128, G5_BN, SWIGLU> copier(
+                gather, tile_row[tile] + 128 * (int)rank, my_rows(tile), n0, ndim, kdim, tid - 256);
+            for (int kt = 0; kt < nk; kt++, it++) {
+                const unsigned s = it % G6_STAGES;
+                if (it >= G6_STAGES) mbar_wait(&empty[s], (it / G6_STAGES - 1) & 1);
+                bf16* st = g7_smem + s * G6_STAGE;
+                copier.load_a(st, kt, a, kdim);
+                cp_async_mbar_arrive(&full[s]);
+                if (tid == 256) {
+                    mbar_arrive_expect_tx(&full[s], G5_BN * G4_BK * 2);
+                    tma_load_2d_mc(st + (G5_BM + 128 * rank) * G4_BK, tmap, kt * G4_BK, brow, &full[s], 3);
+                }
+            }
+        }
+    } else {
+        setmaxnreg_inc<192>();
+        const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+        unsigned it = 0;
+        float acc[128];  // never zeroed: an item's first product has scale-d 0 (moe_gemm6)
+        // Releases stage use `u`: this block's consumer threads, and one arrival a warp on the peer.
+        auto release = [&](unsigned u) {
+            mbar_arrive(&empty[u % G6_STAGES]);
+            __syncwarp();
+            if (lane == 0) mbar_arrive_remote(&empty[u % G6_STAGES], peer);
+        };
+        for (int q = cluster; q < items; q += clusters) {
+            const int tile = q / nblk, n0 = (q % nblk) * COLS, rows = my_rows(tile);
+            if (wg * 64 >= rows) {  // no rows of this warpgroup: release each stage once landed
+                for (int kt = 0; kt < nk; kt++, it++) {
+                    mbar_wait(&full[it % G6_STAGES], (it / G6_STAGES) & 1);
+                    release(it);
+                }
+                continue;
+            }
+            for (int kt = 0; kt < nk; kt++, it++) {
+                const unsigned s = it % G6_STAGES;
+                mbar_wait(&full[s], (it / G6_STAGES) & 1);
+                fence_proxy_async();
+                const bf16* st = g7_smem + s * G6_STAGE;
+                unsigned long long da = wgmma_desc_sw128(st + wg * 64 * G4_BK), db = wgmma_desc_sw128(st + G5_BM * G4_BK);
+                unsigned accumulate = kt > 0;
+                wgmma_fence_operand(da);
+                wgmma_fence_operand(db);
+                wgmma_fence_operand(accumulate);
+#pragma unroll
+                for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < G4_BK / 16; ks++)
+                    wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : accumulate);
+                wgmma_commit();
+                wgmma_wait<1>();
+#pragma unroll
+                for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+                if (kt > 0) release(it - 1);
+            }
+            wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+            release(it - 1);
+            const int r0 = tile_row[tile] + 128 * (int)rank;
+            if (Y16)
+                moe_tile_store_bf16(reinterpret_cast<const float(&)[32][4]>(acc), reinterpret_cast<bf16*>(out),
+                                    wg * 64 + (warp & 3) * 16, n0, r0, rows, ndim, lane);
+            else
+                moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out,
+                                              wg * 64 + (warp & 3) * 16, 0, n0, r0, rows, ndim, lane);
+        }
+    }
+    // Neither block leaves while the other may still copy into its shared memory or arrive on
+    // its barriers.
+    cluster_sync();
+}
+
+#define MOE_GEMM7(NAME, SWIGLU, Y16)                                                                            \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1) NAME(                      \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const void* __restrict__ tmap,             \
+        void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int nblk) {  \
+        PREFILL_KERNEL();                                                                                      \
+        moe_gemm7_impl<SWIGLU, Y16>(a, gather, tmap, out, tile_expert, tile_row, tile_rows, num_tiles, ndim,      \
+                                    kdim, nblk);                                                               \
+    }
+MOE_GEMM7(moe_gemm7_m256, false, false)
+MOE_GEMM7(moe_gemm7_m256_bf16, false, true)
+MOE_GEMM7(moe_gemm7_swiglu_m256, true, false)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
