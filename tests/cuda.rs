@@ -852,7 +852,13 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
             gpu.moe_grouped_bf16(MoeGemm::V7, 256, &plan, rows, e, &down(y.ptr))
                 .unwrap()
         });
-        println!("{name}: bitwise equal to v6 (bf16 y too); bf16 down {t_dn16:.3} ms");
+        let clusters = gpu
+            .max_active_clusters("moe_gemm7_m256", 384, 4 * 384 * 128 + 64, 2)
+            .unwrap();
+        println!(
+            "{name}: bitwise equal to v6 (bf16 y too); bf16 down {t_dn16:.3} ms; {clusters} clusters of 2 at once on {} SMs",
+            gpu.sm_count
+        );
         timings(MoeGemm::V7, 256, name);
     } else {
         println!(

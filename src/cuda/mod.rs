@@ -173,6 +173,9 @@ pub struct Gpu {
     pub max_smem_per_block: usize,
     /// Streaming multiprocessors (the persistent kernels' grid).
     pub sm_count: usize,
+    /// Clusters of a persistent cluster kernel that fit on the GPU at once, by kernel
+    /// ([`Gpu::max_active_clusters`]).
+    active_clusters: std::sync::Mutex<std::collections::HashMap<&'static str, u32>>,
     /// Programmatic dependent launch for the prefill kernels ([`Gpu::launch_dep`]): on
     /// compute capability 9.0 and not while profiling; `KESTREL_PREFILL_PDL=0` turns it off.
     prefill_pdl: bool,
@@ -429,6 +432,7 @@ impl Gpu {
             total_memory,
             max_smem_per_block,
             sm_count,
+            active_clusters: Default::default(),
             // the profile's events around each launch would sit between the two kernels
             prefill_pdl: cc >= (9, 0)
                 && profile.is_none()
@@ -721,6 +725,49 @@ impl Gpu {
             .record(&self.aux)
             .and_then(|_| self.stream.wait(&self.join_event))
             .map_err(|e| anyhow!("joining the second stream: {e:?}"))
+    }
+
+    /// How many clusters of kernel `name` (compile-time cluster dims) with `block` threads and
+    /// `smem` bytes of dynamic shared memory can run at once: a persistent cluster kernel's grid
+    /// (one larger than this runs its last clusters after the others, which with items
+    /// assigned by cluster index doubles their time). Cached per kernel.
+    pub fn max_active_clusters(
+        &self,
+        name: &str,
+        block: u32,
+        smem: u32,
+        cluster: u32,
+    ) -> Result<u32> {
+        use cudarc::driver::sys;
+        let (key, f) = self
+            .functions
+            .get_key_value(name)
+            .ok_or_else(|| anyhow!("unknown kernel {name}"))?;
+        if let Some(&n) = self.active_clusters.lock().unwrap().get(key) {
+            return Ok(n);
+        }
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: cluster * self.sm_count as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: std::ptr::null_mut(),
+            numAttrs: 0,
+        };
+        let mut n = 0i32;
+        // SAFETY: `cfg` describes a launch of `f`; `n` receives the count.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }
+            .result()
+            .map_err(|e| anyhow!("{name}: cuOccupancyMaxActiveClusters: {e:?}"))?;
+        if n < 1 {
+            bail!("{name}: no cluster of {cluster} blocks fits on this GPU");
+        }
+        self.active_clusters.lock().unwrap().insert(key, n as u32);
+        Ok(n as u32)
     }
 
     /// [`Gpu::launch_ex`] on `stream`.

@@ -418,9 +418,12 @@ impl Gpu {
             GridOrder::TilesY => (blocks_n, tiles, 1),
             // One block an SM at most; the kernel walks the (tile, column block) items.
             GridOrder::Persistent => ((tiles * blocks_n).min(self.sm_count as u32), 1, 1),
-            // One cluster an SM pair at most.
+            // As many clusters as run at once (fewer than half the SMs where a GPC has an odd
+            // number of free SMs).
             GridOrder::Cluster2 => (
-                2 * (tiles * blocks_n).min(self.sm_count as u32 / 2).max(1),
+                2 * (tiles * blocks_n)
+                    .min(self.max_active_clusters(name, block, smem as u32, 2)?)
+                    .max(1),
                 1,
                 1,
             ),
