@@ -860,6 +860,25 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
             gpu.sm_count
         );
         timings(MoeGemm::V7, 256, name);
+        // V7's 128-row kernels (moe_gemm6's tiles, B rows by tensor copy, no cluster).
+        let name = "v7 moe_gemm7 m128";
+        let (gu7, act7, y7) = run(MoeGemm::V7, 128);
+        assert!(bits(&gu7) == bits(&gu6), "{name} gate_up != v6");
+        assert!(bits(&act7) == bits(&act6), "{name} act != v6");
+        assert!(bits(&y7) == bits(&y6), "{name} down != v6");
+        nan_bf16(&y, rows * d);
+        gpu.moe_grouped_bf16(MoeGemm::V7, 128, &plan, rows, e, &down(y.ptr))
+            .unwrap();
+        assert!(
+            bits(&bf16s(&y, rows * d)) == bits(&rounded),
+            "{name} bf16 y != bf16(v6's y)"
+        );
+        let t_dn16 = time_ms(&|| {
+            gpu.moe_grouped_bf16(MoeGemm::V7, 128, &plan, rows, e, &down(y.ptr))
+                .unwrap()
+        });
+        println!("{name}: bitwise equal to v6 (bf16 y too); bf16 down {t_dn16:.3} ms");
+        timings(MoeGemm::V7, 128, name);
     } else {
         println!(
             "v5 moe_gemm5: SKIPPED (compute capability {:?}, not 9.0)",

@@ -17,7 +17,7 @@
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
-// emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc
+// emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -731,6 +731,10 @@ inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned
             }
         emu_mbar_update(cta, boff, 0, 0, (long long)bytes);
     }
+}
+
+inline void tma_load_2d(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
+    tma_load_2d_mc(dst, tmap, c0, c1, bar, (unsigned short)(1u << t_slot));
 }
 
 // ---- Launch ----

@@ -249,6 +249,31 @@ static void run(const Shape& s, bool deferred) {
             printf("%s %-22s v7 m256 (clusters of 2, B multicast): act, gate_up, down, bf16 down %s moe_gemm6's "
                    "(%d of %d tiles <= 128 rows)\n",
                    same7 ? "ok  " : "FAIL", s.name, same7 ? "bitwise equal to" : "DIFFER from", lone, nt[0]);
+            // moe_gemm7's 128-row kernels (no cluster, both B halves by tensor copy): the same bits.
+            plan(128);
+            auto launch7s = [&](KG7 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
+                                int kdim) {
+                const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
+                const EmuTmap tmap{w, (unsigned long long)E * ndim, (unsigned long long)kdim, (unsigned long long)kdim, 128};
+                emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64, [&] {
+                    k(a, gather, &tmap, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
+                });
+            };
+            std::fill(act7.begin(), act7.end(), bf16{0x7fff});
+            std::fill(y7b.begin(), y7b.end(), bf16{0x7fff});
+            std::fill(gu7.begin(), gu7.end(), NAN);
+            std::fill(y7.begin(), y7.end(), NAN);
+            launch7s(moe_gemm7_swiglu_m128, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
+            launch7s(moe_gemm7_m128, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
+            launch7s(moe_gemm7_m128, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
+            launch7s(moe_gemm7_m128_bf16, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
+            const bool same7s = memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
+                                memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
+                                memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&
+                                memcmp(y7b.data(), y16.data(), y16.size() * 2) == 0;
+            fails += !same7s;
+            printf("%s %-22s v7 m128 (B by tensor copy): act, gate_up, down, bf16 down %s moe_gemm6's\n",
+                   same7s ? "ok  " : "FAIL", s.name, same7s ? "bitwise equal to" : "DIFFER from");
         }
     }
 }

@@ -1318,9 +1318,16 @@ impl CudaModel {
             ],
         )?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
-        let tile_m = match self.moe_gemm.tile_m(rows, e, self.moe_tile_m) {
-            256 if layer.moe_maps.is_none() => 128,
-            m => m,
+        let tile_m = self.moe_gemm.tile_m(rows, e, self.moe_tile_m);
+        // V7 without tensor maps (d or I not a multiple of 8): V6's kernels.
+        let kind = match self.moe_gemm {
+            MoeGemm::V7 if layer.moe_maps.is_none() => MoeGemm::V6,
+            k => k,
+        };
+        let tile_m = if kind != self.moe_gemm && tile_m == 256 {
+            128
+        } else {
+            tile_m
         };
         let (gu_map, down_map) = layer
             .moe_maps
@@ -1330,7 +1337,7 @@ impl CudaModel {
         let y_bf16 = self.moe_y_bf16
             && !gemv_path
             && matches!(
-                (self.moe_gemm, tile_m),
+                (kind, tile_m),
                 (MoeGemm::V6 | MoeGemm::V7, 128) | (MoeGemm::V7, 256)
             )
             && d % 8 == 0;
@@ -1393,14 +1400,14 @@ impl CudaModel {
                 kdim: d,
                 tmap: gu_map,
             };
-            if self.moe_gemm.fused_swiglu() {
+            if kind.fused_swiglu() {
                 let fused = Grouped {
                     out: ws.act.ptr,
                     ..gate_up
                 };
-                g.moe_grouped_swiglu(self.moe_gemm, tile_m, &plan, rows, e, &fused)?;
+                g.moe_grouped_swiglu(kind, tile_m, &plan, rows, e, &fused)?;
             } else {
-                g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &gate_up)?;
+                g.moe_grouped(kind, tile_m, &plan, rows, e, &gate_up)?;
                 g.swiglu_bf16(ws.gu.ptr, ws.act.ptr, rows, i)?;
             }
             let down = Grouped {
@@ -1413,9 +1420,9 @@ impl CudaModel {
                 tmap: down_map,
             };
             if y_bf16 {
-                g.moe_grouped_bf16(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
+                g.moe_grouped_bf16(kind, tile_m, &plan, rows, e, &down)?;
             } else {
-                g.moe_grouped(self.moe_gemm, tile_m, &plan, rows, e, &down)?;
+                g.moe_grouped(kind, tile_m, &plan, rows, e, &down)?;
             }
         }
         g.join_aux()?;

@@ -55,13 +55,16 @@ enum GridOrder {
     /// Persistent's order walked by clusters of two blocks, one cluster an SM pair (moe_gemm7;
     /// `w` is the weights' tensor map).
     Cluster2,
+    /// Persistent, with the weights' tensor map for `w` (moe_gemm7's 128-row kernels).
+    PersistentTma,
 }
 
 impl GridOrder {
     fn of(kind: MoeGemm, tile_m: usize) -> Self {
         match (kind, tile_m) {
             (MoeGemm::V7, 256) => GridOrder::Cluster2,
-            (MoeGemm::V6 | MoeGemm::V7, 128) => GridOrder::Persistent,
+            (MoeGemm::V7, 128) => GridOrder::PersistentTma,
+            (MoeGemm::V6, 128) => GridOrder::Persistent,
             (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7, _) => GridOrder::TilesY,
             _ => GridOrder::TilesX,
         }
@@ -97,13 +100,16 @@ const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
 /// The `moe_gemm6` kernels, with their dynamic shared memory: `moe_gemm5`'s four stages and
 /// the stages' eight mbarriers.
-pub(super) const GEMM6_KERNELS: [(&str, usize); 6] = [
+pub(super) const GEMM6_KERNELS: [(&str, usize); 9] = [
     ("moe_gemm6_m128", GEMM6_SMEM),
     ("moe_gemm6_m128_bf16", GEMM6_SMEM),
     ("moe_gemm6_swiglu_m128", GEMM6_SMEM),
     ("moe_gemm7_m256", GEMM6_SMEM),
     ("moe_gemm7_m256_bf16", GEMM6_SMEM),
     ("moe_gemm7_swiglu_m256", GEMM6_SMEM),
+    ("moe_gemm7_m128", GEMM6_SMEM),
+    ("moe_gemm7_m128_bf16", GEMM6_SMEM),
+    ("moe_gemm7_swiglu_m128", GEMM6_SMEM),
 ];
 const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8;
 
@@ -310,7 +316,8 @@ impl Gpu {
                 ("moe_gemm4_m64", 128, 128, gemm4_smem(64))
             }
             (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
-            (MoeGemm::V6 | MoeGemm::V7, 128) => ("moe_gemm6_m128", 256, 384, GEMM6_SMEM),
+            (MoeGemm::V6, 128) => ("moe_gemm6_m128", 256, 384, GEMM6_SMEM),
+            (MoeGemm::V7, 128) => ("moe_gemm7_m128", 256, 384, GEMM6_SMEM),
             (MoeGemm::V7, 256) => ("moe_gemm7_m256", 256, 384, GEMM6_SMEM),
             _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
@@ -339,7 +346,8 @@ impl Gpu {
         g: &Grouped,
     ) -> Result<()> {
         let name = match (kind, tile_m) {
-            (MoeGemm::V6 | MoeGemm::V7, 128) => "moe_gemm6_m128_bf16",
+            (MoeGemm::V6, 128) => "moe_gemm6_m128_bf16",
+            (MoeGemm::V7, 128) => "moe_gemm7_m128_bf16",
             (MoeGemm::V7, 256) => "moe_gemm7_m256_bf16",
             _ => "",
         };
@@ -374,9 +382,8 @@ impl Gpu {
                 ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64)))
             }
             (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, GEMM5_SMEM)),
-            (MoeGemm::V6 | MoeGemm::V7, 128) => {
-                ("moe_gemm6_swiglu_m128", (128, 128, 384, GEMM6_SMEM))
-            }
+            (MoeGemm::V6, 128) => ("moe_gemm6_swiglu_m128", (128, 128, 384, GEMM6_SMEM)),
+            (MoeGemm::V7, 128) => ("moe_gemm7_swiglu_m128", (128, 128, 384, GEMM6_SMEM)),
             (MoeGemm::V7, 256) => ("moe_gemm7_swiglu_m256", (256, 128, 384, GEMM6_SMEM)),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
@@ -417,7 +424,9 @@ impl Gpu {
             GridOrder::TilesX => (tiles, blocks_n, 1),
             GridOrder::TilesY => (blocks_n, tiles, 1),
             // One block an SM at most; the kernel walks the (tile, column block) items.
-            GridOrder::Persistent => ((tiles * blocks_n).min(self.sm_count as u32), 1, 1),
+            GridOrder::Persistent | GridOrder::PersistentTma => {
+                ((tiles * blocks_n).min(self.sm_count as u32), 1, 1)
+            }
             // As many clusters as run at once (fewer than half the SMs where a GPC has an odd
             // number of free SMs).
             GridOrder::Cluster2 => (
@@ -428,17 +437,14 @@ impl Gpu {
                 1,
             ),
         };
-        if order == GridOrder::Cluster2 && g.tmap == 0 {
+        let tma = matches!(order, GridOrder::Cluster2 | GridOrder::PersistentTma);
+        if tma && g.tmap == 0 {
             bail!("{name}: needs the weights' tensor map");
         }
         let mut args = vec![
             Arg::Ptr(g.a),
             Arg::Ptr(g.gather),
-            Arg::Ptr(if order == GridOrder::Cluster2 {
-                g.tmap
-            } else {
-                g.w
-            }),
+            Arg::Ptr(if tma { g.tmap } else { g.w }),
             Arg::Ptr(g.out),
             Arg::Ptr(p.tile_expert),
             Arg::Ptr(p.tile_row),
@@ -447,7 +453,10 @@ impl Gpu {
             Arg::I(g.ndim as i32),
             Arg::I(g.kdim as i32),
         ];
-        if matches!(order, GridOrder::Persistent | GridOrder::Cluster2) {
+        if matches!(
+            order,
+            GridOrder::Persistent | GridOrder::Cluster2 | GridOrder::PersistentTma
+        ) {
             args.push(Arg::I(blocks_n as i32));
         }
         self.launch_dep(name, grid, block, smem as u32, &args)
@@ -559,7 +568,7 @@ mod tests {
         assert_eq!(MoeGemm::V7.tile_m(192 * 256, 256, None), 256);
         assert_eq!(MoeGemm::V7.tile_m(191 * 256, 256, None), 128);
         assert_eq!(GridOrder::of(MoeGemm::V7, 256), GridOrder::Cluster2);
-        assert_eq!(GridOrder::of(MoeGemm::V7, 128), GridOrder::Persistent);
+        assert_eq!(GridOrder::of(MoeGemm::V7, 128), GridOrder::PersistentTma);
         assert_eq!(GridOrder::of(MoeGemm::V7, 64), GridOrder::TilesY);
         assert_eq!(GridOrder::of(MoeGemm::V6, 64), GridOrder::TilesY);
         assert_eq!(GridOrder::of(MoeGemm::V5, 128), GridOrder::TilesY);

@@ -524,6 +524,14 @@ __device__ __forceinline__ void tma_load_2d_mc(void* dst, const void* tmap, int 
         : "memory");
 }
 
+// tma_load_2d_mc into this block only (no multicast).
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
+    WGMMA_ASM(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
+        "l"(tmap), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+        : "memory");
+}
 // Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives registers back,
 // consumer warpgroups take them (per SM sub-partition, every warpgroup has one warp there).
 template <int N>

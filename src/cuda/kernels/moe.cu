@@ -1018,7 +1018,9 @@ MOE_GEMM6(moe_gemm6_swiglu_m128, true, false)
 // copies its B half and releases the stages. Block 384, cluster 2, grid 2 x clusters, dynamic
 // smem G6_SMEM; `tmap`: a 2-D tensor map over w as [E * ndim rows][kdim] bf16 with 128 x 64
 // boxes in the 128-byte swizzle (kdim % 8 == 0).
-template <bool SWIGLU, bool Y16>
+// PAIR false (the _m128 kernels): no cluster; 128-row plan tiles as moe_gemm6, whose B rows
+// the block copies whole by two tensor copies of its own (the producer threads copy A only).
+template <bool SWIGLU, bool Y16, bool PAIR>
 __device__ __forceinline__ void moe_gemm7_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const void* __restrict__ tmap, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -1028,18 +1030,18 @@ __device__ __forceinline__ void moe_gemm7_impl(const bf16* __restrict__ a, const
     unsigned long long* full = reinterpret_cast<unsigned long long*>(g7_smem + G6_STAGES * G6_STAGE);
     unsigned long long* empty = full + G6_STAGES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const unsigned rank = cluster_ctarank(), peer = rank ^ 1u;
+    const unsigned rank = PAIR ? cluster_ctarank() : 0u, peer = rank ^ 1u;
     const int items = nblk * *num_tiles, nk = (kdim + G4_BK - 1) / G4_BK;
-    const int cluster = blockIdx.x >> 1, clusters = gridDim.x >> 1;
+    const int cluster = PAIR ? blockIdx.x >> 1 : blockIdx.x, clusters = PAIR ? gridDim.x >> 1 : gridDim.x;
     constexpr int COLS = SWIGLU ? G5_BN / 2 : G5_BN;
     if (tid == 0) {
         for (int s = 0; s < G6_STAGES; s++) {
             mbar_init(&full[s], 128 + 1);  // the producer threads' cp.async, the expect_tx
-            mbar_init(&empty[s], 256 + 8);  // this block's consumer threads, the peer's consumer warps
+            mbar_init(&empty[s], PAIR ? 256 + 8 : 256);  // this block's consumer threads, the peer's warps
         }
     }
     __syncthreads();
-    cluster_sync();  // both blocks' barriers initialised before either block's copies signal them
+    if (PAIR) cluster_sync();  // both blocks' barriers initialised before either block's copies signal them
     // This block's rows of the tile's 256 (none when the tile has <= 128 and rank is 1).
     auto my_rows = [&](int tile) { return max(0, min(128, tile_rows[tile] - 128 * (int)rank)); };
     if (warp >= 8) {  // the producer
@@ -1060,7 +1062,13 @@ __device__ __forceinline__ void moe_gemm7_impl(const bf16* __restrict__ a, const
                 cp_async_mbar_arrive(&full[s]);
                 if (tid == 256) {
                     mbar_arrive_expect_tx(&full[s], G5_BN * G4_BK * 2);
-                    tma_load_2d_mc(st + (G5_BM + 128 * rank) * G4_BK, tmap, kt * G4_BK, brow, &full[s], 3);
+                    if (PAIR) {
+                        tma_load_2d_mc(st + (G5_BM + 128 * rank) * G4_BK, tmap, kt * G4_BK, brow, &full[s], 3);
+                    } else {  // both halves (rank 1's rows as the pair's second block takes them)
+                        const int brow1 = x * ndim + (SWIGLU ? ndim / 2 + n0 : n0 + 128);
+                        tma_load_2d(st + G5_BM * G4_BK, tmap, kt * G4_BK, brow, &full[s]);
+                        tma_load_2d(st + (G5_BM + 128) * G4_BK, tmap, kt * G4_BK, brow1, &full[s]);
+                    }
                 }
             }
         }
@@ -1072,8 +1080,10 @@ __device__ __forceinline__ void moe_gemm7_impl(const bf16* __restrict__ a, const
         // Releases stage use `u`: this block's consumer threads, and one arrival a warp on the peer.
         auto release = [&](unsigned u) {
             mbar_arrive(&empty[u % G6_STAGES]);
-            __syncwarp();
-            if (lane == 0) mbar_arrive_remote(&empty[u % G6_STAGES], peer);
+            if (PAIR) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive_remote(&empty[u % G6_STAGES], peer);
+            }
         };
         for (int q = cluster; q < items; q += clusters) {
             const int tile = q / nblk, n0 = (q % nblk) * COLS, rows = my_rows(tile);
@@ -1121,21 +1131,24 @@ __device__ __forceinline__ void moe_gemm7_impl(const bf16* __restrict__ a, const
     }
     // Neither block leaves while the other may still copy into its shared memory or arrive on
     // its barriers.
-    cluster_sync();
+    if (PAIR) cluster_sync();
 }
 
-#define MOE_GEMM7(NAME, SWIGLU, Y16)                                                                            \
-    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1) NAME(                      \
+#define MOE_GEMM7(NAME, SWIGLU, Y16, PAIR)                                                                      \
+    extern "C" __global__ void __cluster_dims__((PAIR) ? 2 : 1, 1, 1) __launch_bounds__(384, 1) NAME(          \
         const bf16* __restrict__ a, const int* __restrict__ gather, const void* __restrict__ tmap,             \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
         const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int nblk) {  \
         PREFILL_KERNEL();                                                                                      \
-        moe_gemm7_impl<SWIGLU, Y16>(a, gather, tmap, out, tile_expert, tile_row, tile_rows, num_tiles, ndim,      \
-                                    kdim, nblk);                                                               \
+        moe_gemm7_impl<SWIGLU, Y16, PAIR>(a, gather, tmap, out, tile_expert, tile_row, tile_rows, num_tiles,      \
+                                          ndim, kdim, nblk);                                                   \
     }
-MOE_GEMM7(moe_gemm7_m256, false, false)
-MOE_GEMM7(moe_gemm7_m256_bf16, false, true)
-MOE_GEMM7(moe_gemm7_swiglu_m256, true, false)
+MOE_GEMM7(moe_gemm7_m256, false, false, true)
+MOE_GEMM7(moe_gemm7_m256_bf16, false, true, true)
+MOE_GEMM7(moe_gemm7_swiglu_m256, true, false, true)
+MOE_GEMM7(moe_gemm7_m128, false, false, false)
+MOE_GEMM7(moe_gemm7_m128_bf16, false, true, false)
+MOE_GEMM7(moe_gemm7_swiglu_m128, true, false, false)
 
 // ---- Decode (one token): three launches for the whole MoE block ----
 
