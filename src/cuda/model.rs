@@ -128,8 +128,8 @@ struct LayerW {
     shared_gate_up: DeviceBuf,
     shared_down: DeviceBuf,
     shared_gate: DeviceBuf,
-    /// Tensor maps of `gate_up` and `down` for `moe_gemm7` (compute capability 9.0, d and I
-    /// multiples of 8), else None.
+    /// Tensor maps of `gate_up` and `down` for `moe_gemm7` (`KESTREL_MOE_GEMM=v7` on compute
+    /// capability 9.0, d and I multiples of 8), else None.
     moe_maps: Option<(DeviceBuf, DeviceBuf)>,
 }
 
@@ -762,6 +762,7 @@ impl CudaModel {
             wstd(d),
         )?;
         let final_norm = vecf(host.map(|w| w.final_norm.as_slice()), d, 0.0, 0.1)?;
+        let moe_gemm = MoeGemm::from_env().on(gpu.compute_capability);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         let cat = |parts: &[&Mat]| -> Vec<u8> {
             let mut v = Vec::new();
@@ -849,7 +850,7 @@ impl CudaModel {
             let sh_gu = shared.map(|s: &ExpertWeights| cat(&[&s.gate, &s.up]));
             let gate_up = mat(experts_gate_up, e * 2 * i, d, wstd(d))?;
             let down = mat(experts_down, e * d, i, wstd(i))?;
-            let moe_maps = if gpu.compute_capability == (9, 0) && d % 8 == 0 && i % 8 == 0 {
+            let moe_maps = if moe_gemm == MoeGemm::V7 && d % 8 == 0 && i % 8 == 0 {
                 Some((
                     gpu.moe_tensor_map(gate_up.ptr, e * 2 * i, d)?,
                     gpu.moe_tensor_map(down.ptr, e * d, i)?,
@@ -880,7 +881,6 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
-        let moe_gemm = MoeGemm::from_env().on(gpu.compute_capability);
         Ok(CudaModel {
             config: cfg,
             gpu,
