@@ -124,6 +124,14 @@ pub fn run_model<E: Engine>(
     shared: Arc<Shared>,
     rx: Receiver<Job>,
 ) -> anyhow::Result<()> {
+    if engine.state_memory().is_some() {
+        // The GPU engine: a short prompt and a greedy step on a scratch state before the first
+        // request, so that it loads its kernels, picks its GEMM algorithms and captures its
+        // decode graph here and not in the first client's time to first token.
+        let mut scratch = engine.new_state();
+        engine.forward(&mut scratch, &[0; 16], crate::model::Logits::Last)?;
+        engine.forward_greedy_id(&mut scratch, 0, engine.config().vocab_size)?;
+    }
     let mut cache_cap = shared.config.cache_mem;
     if let Some(mem) = engine.state_memory() {
         let cap = worker::device_cache_budget(mem, shared.config.max_running.max(1), cache_cap)?;
