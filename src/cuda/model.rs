@@ -850,7 +850,8 @@ impl CudaModel {
             let sh_gu = shared.map(|s: &ExpertWeights| cat(&[&s.gate, &s.up]));
             let gate_up = mat(experts_gate_up, e * 2 * i, d, wstd(d))?;
             let down = mat(experts_down, e * d, i, wstd(i))?;
-            let moe_maps = if moe_gemm == MoeGemm::V7 && d % 8 == 0 && i % 8 == 0 {
+            let moe_maps = if moe_gemm == MoeGemm::V7 && d.is_multiple_of(8) && i.is_multiple_of(8)
+            {
                 Some((
                     gpu.moe_tensor_map(gate_up.ptr, e * 2 * i, d)?,
                     gpu.moe_tensor_map(down.ptr, e * d, i)?,

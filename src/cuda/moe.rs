@@ -467,7 +467,7 @@ impl Gpu {
     /// x 64 in the 128-byte swizzle that the wgmma descriptors read, zeros outside.
     pub fn moe_tensor_map(&self, w: u64, rows: usize, kdim: usize) -> Result<super::DeviceBuf> {
         use cudarc::driver::sys;
-        if !kdim.is_multiple_of(8) || w % 16 != 0 {
+        if !kdim.is_multiple_of(8) || !w.is_multiple_of(16) {
             bail!(
                 "a tensor map needs rows of a multiple of 16 bytes ({kdim} bf16) and an aligned base"
             );
