@@ -49,6 +49,12 @@ struct Key {
 /// prompt of a length near one seen before makes no heuristic searches (~15 ms a forward on the
 /// H200: its ~11 shapes). Power-of-two buckets measured 3.5% slower prefill at 5,000 tokens
 /// with 8,192's choice; a quarter octave keeps the rows within 25% of the chosen shape's.
+/// Up to [`SMALL_ROWS`] rows (decode steps, chat turns' short pieces, whose products read the
+/// weights and little else) share one bucket: there a quarter octave is one or two lengths, and
+/// a conversation's first few requests each paid the searches again.
+/// Row counts that share one algorithm bucket (see [`AlgoKey`]).
+const SMALL_ROWS: usize = 32;
+
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct AlgoKey {
     n: usize,
@@ -65,9 +71,11 @@ impl AlgoKey {
             k: key.k,
             ldy: key.ldy,
             accumulate: key.accumulate,
-            bucket: {
-                let step = (1usize << key.t.max(1).ilog2()) / 4;
-                key.t.div_ceil(step.max(1)) * step.max(1)
+            bucket: if key.t <= SMALL_ROWS {
+                SMALL_ROWS
+            } else {
+                let step = (1usize << key.t.ilog2()) / 4;
+                key.t.div_ceil(step) * step
             },
         }
     }
@@ -444,7 +452,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn row_buckets_are_quarter_octaves() {
+    fn row_buckets_are_quarter_octaves_above_32() {
         let bucket = |t| {
             AlgoKey::of(Key {
                 n: 8,
@@ -455,18 +463,24 @@ mod tests {
             })
             .bucket
         };
-        let got: Vec<usize> = [1, 3, 7, 65, 70, 80, 81, 200, 256, 5000, 8192, 8193]
+        let got: Vec<usize> = [1, 3, 7, 32, 33, 65, 70, 80, 81, 200, 256, 5000, 8192, 8193]
             .into_iter()
             .map(bucket)
             .collect();
-        assert_eq!(got, [1, 3, 7, 80, 80, 80, 96, 224, 256, 5120, 8192, 10240]);
-        // every t at most 25% below its bucket, and the bucket's own t maps to itself
+        assert_eq!(
+            got,
+            [32, 32, 32, 32, 40, 80, 80, 80, 96, 224, 256, 5120, 8192, 10240]
+        );
+        // up to 32 rows one bucket; above, every t at most 25% below its bucket; and a
+        // bucket's own t maps to itself
         for t in 1..20_000 {
             let b = bucket(t);
-            assert!(
-                b >= t && b * 4 <= t * 5 + 4 && bucket(b) == b,
-                "t {t} -> {b}"
-            );
+            let near = if t <= SMALL_ROWS {
+                b == SMALL_ROWS
+            } else {
+                b >= t && b * 4 <= t * 5 + 4
+            };
+            assert!(near && bucket(b) == b, "t {t} -> {b}");
         }
     }
 }
