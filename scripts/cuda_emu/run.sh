@@ -12,7 +12,8 @@
 #        norm.cu's rmsnorm_zc_bf16, bitwise); moe_plan + moe_scatter + moe_gemm3 (both tile
 #        sizes, SwiGLU-fused and plain) at the tiny fixtures' dims, a deep-K shape and a reduced
 #        real shape; moe_gemm4 bitwise against moe_gemm3; moe_gemm5 (wgmma, emulated through its
-#        descriptors) against the references; moe_plan over several warps of experts
+#        descriptors) against the references; moe_gemm6 and moe_gemm7 (clusters of two blocks,
+#        tensor copies) bitwise against moe_gemm5 / 6; moe_plan over several warps of experts
 # Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
