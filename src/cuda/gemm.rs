@@ -469,7 +469,9 @@ mod tests {
             .collect();
         assert_eq!(
             got,
-            [32, 32, 32, 32, 40, 80, 80, 80, 96, 224, 256, 5120, 8192, 10240]
+            [
+                32, 32, 32, 32, 40, 80, 80, 80, 96, 224, 256, 5120, 8192, 10240
+            ]
         );
         // up to 32 rows one bucket; above, every t at most 25% below its bucket; and a
         // bucket's own t maps to itself
