@@ -834,51 +834,36 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
                 .unwrap()
         });
         println!("{name} bf16 y: bf16(v6's f32 y) bitwise; down {t_dn16:.3} ms");
-        // v7 (clusters of two blocks on 256-row tiles, B rows by multicast tensor copy): the
-        // same wgmma steps per output, so bitwise v6's outputs, bf16 y too; and its times.
-        let name = "v7 moe_gemm7 m256";
-        let (gu7, act7, y7) = run(MoeGemm::V7, 256);
-        assert!(bits(&gu7) == bits(&gu6), "{name} gate_up != v6");
-        assert!(bits(&act7) == bits(&act6), "{name} act != v6");
-        assert!(bits(&y7) == bits(&y6), "{name} down != v6");
-        nan_bf16(&y, rows * d);
-        gpu.moe_grouped_bf16(MoeGemm::V7, 256, &plan, rows, e, &down(y.ptr))
-            .unwrap();
-        assert!(
-            bits(&bf16s(&y, rows * d)) == bits(&rounded),
-            "{name} bf16 y != bf16(v6's y)"
-        );
-        let t_dn16 = time_ms(&|| {
-            gpu.moe_grouped_bf16(MoeGemm::V7, 256, &plan, rows, e, &down(y.ptr))
-                .unwrap()
-        });
+        // v7 (opt-in): clusters of two blocks on 256-row tiles, B rows by multicast tensor copy;
+        // at 128-row tiles no cluster, B rows by tensor copy. The same wgmma steps per output,
+        // so bitwise v6's outputs, bf16 y too; and their times.
+        for tile_m in [256, 128] {
+            let name = format!("v7 moe_gemm7 m{tile_m}");
+            let (gu7, act7, y7) = run(MoeGemm::V7, tile_m);
+            assert!(bits(&gu7) == bits(&gu6), "{name} gate_up != v6");
+            assert!(bits(&act7) == bits(&act6), "{name} act != v6");
+            assert!(bits(&y7) == bits(&y6), "{name} down != v6");
+            nan_bf16(&y, rows * d);
+            gpu.moe_grouped_bf16(MoeGemm::V7, tile_m, &plan, rows, e, &down(y.ptr))
+                .unwrap();
+            assert!(
+                bits(&bf16s(&y, rows * d)) == bits(&rounded),
+                "{name} bf16 y != bf16(v6's y)"
+            );
+            let t_dn16 = time_ms(&|| {
+                gpu.moe_grouped_bf16(MoeGemm::V7, tile_m, &plan, rows, e, &down(y.ptr))
+                    .unwrap()
+            });
+            println!("{name}: bitwise equal to v6 (bf16 y too); bf16 down {t_dn16:.3} ms");
+            timings(MoeGemm::V7, tile_m, &name);
+        }
         let clusters = gpu
             .max_active_clusters("moe_gemm7_m256", 384, 4 * 384 * 128 + 64, 2)
             .unwrap();
         println!(
-            "{name}: bitwise equal to v6 (bf16 y too); bf16 down {t_dn16:.3} ms; {clusters} clusters of 2 at once on {} SMs",
+            "moe_gemm7_m256: {clusters} clusters of 2 at once on {} SMs",
             gpu.sm_count
         );
-        timings(MoeGemm::V7, 256, name);
-        // V7's 128-row kernels (moe_gemm6's tiles, B rows by tensor copy, no cluster).
-        let name = "v7 moe_gemm7 m128";
-        let (gu7, act7, y7) = run(MoeGemm::V7, 128);
-        assert!(bits(&gu7) == bits(&gu6), "{name} gate_up != v6");
-        assert!(bits(&act7) == bits(&act6), "{name} act != v6");
-        assert!(bits(&y7) == bits(&y6), "{name} down != v6");
-        nan_bf16(&y, rows * d);
-        gpu.moe_grouped_bf16(MoeGemm::V7, 128, &plan, rows, e, &down(y.ptr))
-            .unwrap();
-        assert!(
-            bits(&bf16s(&y, rows * d)) == bits(&rounded),
-            "{name} bf16 y != bf16(v6's y)"
-        );
-        let t_dn16 = time_ms(&|| {
-            gpu.moe_grouped_bf16(MoeGemm::V7, 128, &plan, rows, e, &down(y.ptr))
-                .unwrap()
-        });
-        println!("{name}: bitwise equal to v6 (bf16 y too); bf16 down {t_dn16:.3} ms");
-        timings(MoeGemm::V7, 128, name);
     } else {
         println!(
             "v5 moe_gemm5: SKIPPED (compute capability {:?}, not 9.0)",

@@ -227,20 +227,21 @@ static void run(const Shape& s, bool deferred) {
             for (int i = 0; i < nt[0]; i++) lone += tn[i] <= 128;
             using KG7 = void (*)(const bf16*, const int*, const void*, void*, const int*, const int*, const int*,
                                  const int*, int, int, int);
-            auto launch7 = [&](KG7 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
-                               int kdim) {
+            // cluster 2: 2 clusters of 2 blocks; cluster 1: 3 blocks
+            auto launch7 = [&](KG7 k, unsigned cluster, bool swiglu, const bf16* a, const int* gather, const bf16* w,
+                               void* out, int ndim, int kdim) {
                 const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
                 const EmuTmap tmap{w, (unsigned long long)E * ndim, (unsigned long long)kdim, (unsigned long long)kdim, 128};
-                emu_launch_cluster({4, 1, 1}, 2, 384, 4 * 384 * 128 + 64, [&] {
+                emu_launch_cluster({cluster == 2 ? 4u : 3u, 1, 1}, cluster, 384, 4 * 384 * 128 + 64, [&] {
                     k(a, gather, &tmap, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
                 });
             };
             std::vector<bf16> act7((size_t)rows * I, bf16{0x7fff}), y7b((size_t)rows * d, bf16{0x7fff});
             std::vector<float> gu7((size_t)rows * 2 * I, NAN), y7((size_t)rows * d, NAN);
-            launch7(moe_gemm7_swiglu_m256, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
-            launch7(moe_gemm7_m256, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
-            launch7(moe_gemm7_m256, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
-            launch7(moe_gemm7_m256_bf16, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
+            launch7(moe_gemm7_swiglu_m256, 2, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
+            launch7(moe_gemm7_m256, 2, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
+            launch7(moe_gemm7_m256, 2, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
+            launch7(moe_gemm7_m256_bf16, 2, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
             const bool same7 = memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
                                memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
                                memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&
@@ -251,22 +252,14 @@ static void run(const Shape& s, bool deferred) {
                    same7 ? "ok  " : "FAIL", s.name, same7 ? "bitwise equal to" : "DIFFER from", lone, nt[0]);
             // moe_gemm7's 128-row kernels (no cluster, both B halves by tensor copy): the same bits.
             plan(128);
-            auto launch7s = [&](KG7 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
-                                int kdim) {
-                const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
-                const EmuTmap tmap{w, (unsigned long long)E * ndim, (unsigned long long)kdim, (unsigned long long)kdim, 128};
-                emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64, [&] {
-                    k(a, gather, &tmap, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
-                });
-            };
             std::fill(act7.begin(), act7.end(), bf16{0x7fff});
             std::fill(y7b.begin(), y7b.end(), bf16{0x7fff});
             std::fill(gu7.begin(), gu7.end(), NAN);
             std::fill(y7.begin(), y7.end(), NAN);
-            launch7s(moe_gemm7_swiglu_m128, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
-            launch7s(moe_gemm7_m128, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
-            launch7s(moe_gemm7_m128, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
-            launch7s(moe_gemm7_m128_bf16, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
+            launch7(moe_gemm7_swiglu_m128, 1, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
+            launch7(moe_gemm7_m128, 1, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
+            launch7(moe_gemm7_m128, 1, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
+            launch7(moe_gemm7_m128_bf16, 1, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
             const bool same7s = memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
                                 memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
                                 memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&

@@ -894,6 +894,35 @@ MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 #define G6_STAGES 4
 #define G6_STAGE ((G5_BM + G5_BN) * G4_BK)  // bf16 elements of a stage (48 KiB)
 #define G6_SMEM (G6_STAGES * G6_STAGE * 2 + 2 * G6_STAGES * 8)
+
+// One landed K stage of a 128 x 256 tile (moe_gemm6, moe_gemm7): warpgroup wg's 64 A rows of the
+// stage at `st` times its 256 B rows (after the 128 A rows) into acc, scale-d 0 at kt 0 (acc is
+// never zeroed: a zeroing loop ptxas schedules inside a stage serializes every wgmma, C7513);
+// returns once the previous stage's products retired. Descriptors and scale-d are pinned before
+// the stage (C7513, as in attn_flash4).
+__device__ __forceinline__ void moe_stage_products(float (&acc)[128], const bf16* st, int wg, int kt) {
+    fence_proxy_async();  // the stage's cp.async copies visible to wgmma
+    unsigned long long da = wgmma_desc_sw128(st + wg * 64 * G4_BK), db = wgmma_desc_sw128(st + G5_BM * G4_BK);
+    unsigned accumulate = kt > 0;
+    wgmma_fence_operand(da);
+    wgmma_fence_operand(db);
+    wgmma_fence_operand(accumulate);
+#pragma unroll
+    for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < G4_BK / 16; ks++) wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : accumulate);
+    wgmma_commit();
+    wgmma_wait<1>();
+#pragma unroll
+    for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+}
+// The tile's last stage's products retired.
+__device__ __forceinline__ void moe_stage_drain(float (&acc)[128]) {
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+}
 template <bool SWIGLU, bool Y16>
 __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
                                                const bf16* __restrict__ w, void* __restrict__ out,
@@ -955,29 +984,10 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
         for (int kt = 0; kt < nk; kt++, it++) {
             const unsigned s = it % G6_STAGES;
             mbar_wait(&full[s], (it / G6_STAGES) & 1);  // the producer's copies of this stage landed
-            fence_proxy_async();                        // ... and are visible to wgmma
-            const bf16* st = g6_smem + s * G6_STAGE;
-            // Descriptors and scale-d pinned before the stage (C7513, as in attn_flash4).
-            unsigned long long da = wgmma_desc_sw128(st + wg * 64 * G4_BK), db = wgmma_desc_sw128(st + G5_BM * G4_BK);
-            unsigned accumulate = kt > 0;
-            wgmma_fence_operand(da);
-            wgmma_fence_operand(db);
-            wgmma_fence_operand(accumulate);
-#pragma unroll
-            for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < G4_BK / 16; ks++)
-                wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : accumulate);
-            wgmma_commit();
-            wgmma_wait<1>();  // the previous stage's products retired; this one's run on
-#pragma unroll
-            for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+            moe_stage_products(acc, g6_smem + s * G6_STAGE, wg, kt);
             if (kt > 0) mbar_arrive(&empty[(it - 1) % G6_STAGES]);
         }
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+        moe_stage_drain(acc);
         mbar_arrive(&empty[(it - 1) % G6_STAGES]);
         if (Y16)
             moe_tile_store_bf16(reinterpret_cast<const float(&)[32][4]>(acc), reinterpret_cast<bf16*>(out),
@@ -1097,28 +1107,10 @@ __device__ __forceinline__ void moe_gemm7_impl(const bf16* __restrict__ a, const
             for (int kt = 0; kt < nk; kt++, it++) {
                 const unsigned s = it % G6_STAGES;
                 mbar_wait(&full[s], (it / G6_STAGES) & 1);
-                fence_proxy_async();
-                const bf16* st = g7_smem + s * G6_STAGE;
-                unsigned long long da = wgmma_desc_sw128(st + wg * 64 * G4_BK), db = wgmma_desc_sw128(st + G5_BM * G4_BK);
-                unsigned accumulate = kt > 0;
-                wgmma_fence_operand(da);
-                wgmma_fence_operand(db);
-                wgmma_fence_operand(accumulate);
-#pragma unroll
-                for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
-                wgmma_fence();
-#pragma unroll
-                for (int ks = 0; ks < G4_BK / 16; ks++)
-                    wgmma_m64n256k16(acc, da + 2 * ks, db + 2 * ks, ks > 0 ? 1 : accumulate);
-                wgmma_commit();
-                wgmma_wait<1>();
-#pragma unroll
-                for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+                moe_stage_products(acc, g7_smem + s * G6_STAGE, wg, kt);
                 if (kt > 0) release(it - 1);
             }
-            wgmma_wait<0>();
-#pragma unroll
-            for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
+            moe_stage_drain(acc);
             release(it - 1);
             const int r0 = tile_row[tile] + 128 * (int)rank;
             if (Y16)
