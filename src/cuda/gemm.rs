@@ -43,6 +43,9 @@ struct Key {
     accumulate: bool,
 }
 
+/// Row counts that share one algorithm bucket (see [`AlgoKey`]).
+const SMALL_ROWS: usize = 32;
+
 /// A product's shape apart from its row count `t`, and `t`'s bucket (four to an octave, `t`
 /// rounded up to a quarter of its power of two): the algorithm chosen for the first product of a
 /// bucket serves the bucket's later ones (each checked with `cublasLtMatmulAlgoCheck`), so a
@@ -52,9 +55,6 @@ struct Key {
 /// Up to [`SMALL_ROWS`] rows (decode steps, chat turns' short pieces, whose products read the
 /// weights and little else) share one bucket: there a quarter octave is one or two lengths, and
 /// a conversation's first few requests each paid the searches again.
-/// Row counts that share one algorithm bucket (see [`AlgoKey`]).
-const SMALL_ROWS: usize = 32;
-
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct AlgoKey {
     n: usize,

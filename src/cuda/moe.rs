@@ -34,10 +34,13 @@ pub enum MoeGemm {
     /// ms, down 0.399 -> 0.364 ms; prefill 41.5k / 53.3k / 45.7k -> 42.4k / 54.3k / 46.4k tok/s
     /// at 2,048 / 8,192 / 32,768 tokens.
     V6,
-    /// `moe_gemm7_*` (`KESTREL_MOE_GEMM=v7`, compute capability 9.0): V6's products (bitwise
-    /// its outputs) on 256-row tiles by clusters of two blocks, each block 128 rows, each
-    /// stage's B rows copied once for both by a multicast tensor copy (half the weight bytes
-    /// from L2 a row); where experts average fewer than 192 rows, V6.
+    /// `moe_gemm7_*` (opt-in, `KESTREL_MOE_GEMM=v7`, compute capability 9.0): V6's products
+    /// (bitwise its outputs) on 256-row tiles by clusters of two blocks, each block 128 rows,
+    /// each stage's B rows copied once for both by a multicast tensor copy (a third fewer bytes
+    /// from L2 a row); where experts average fewer than 192 rows, V6's 128-row tiles with the B
+    /// rows by tensor copy. Slower than V6 on the H200 at 8,192 tokens (gate/up 0.82 / 0.64
+    /// against 0.58 ms; docs/KERNELS.md, "Seventeenth session"): kept as the base for cluster
+    /// and tensor-copy work.
     V7,
 }
 
@@ -98,8 +101,8 @@ pub(super) const GEMM5_KERNELS: [(&str, usize); 2] = [
 ];
 const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
-/// The `moe_gemm6` kernels, with their dynamic shared memory: `moe_gemm5`'s four stages and
-/// the stages' eight mbarriers.
+/// The `moe_gemm6` and `moe_gemm7` kernels, with their dynamic shared memory: `moe_gemm5`'s
+/// four stages and the stages' eight mbarriers.
 pub(super) const GEMM6_KERNELS: [(&str, usize); 9] = [
     ("moe_gemm6_m128", GEMM6_SMEM),
     ("moe_gemm6_m128_bf16", GEMM6_SMEM),
@@ -175,7 +178,7 @@ impl MoeGemm {
         }
     }
 
-    /// The variant that runs on a GPU of compute capability `cc`: the wgmma kernels (V5, V6) need
+    /// The variant that runs on a GPU of compute capability `cc`: the wgmma kernels (V5-V7) need
     /// sm_90a (the kernels are built for compute_90a only there), elsewhere V4.
     pub fn on(self, cc: (i32, i32)) -> Self {
         if matches!(self, MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7) && cc != (9, 0) {
@@ -240,7 +243,7 @@ pub struct Grouped {
     pub out: u64,
     pub ndim: usize,
     pub kdim: usize,
-    /// `w`'s tensor map ([`Gpu::moe_tensor_map`]) for V7's 256-row tiles, else 0.
+    /// `w`'s tensor map ([`Gpu::moe_tensor_map`]) for V7's kernels, else 0.
     pub tmap: u64,
 }
 

@@ -126,8 +126,9 @@ pub fn run_model<E: Engine>(
 ) -> anyhow::Result<()> {
     if engine.state_memory().is_some() {
         // The GPU engine: a short prompt and a greedy step on a scratch state before the first
-        // request, so that it loads its kernels, picks its GEMM algorithms and captures its
-        // decode graph here and not in the first client's time to first token.
+        // request, so that it loads its kernels and picks its GEMM algorithms (one for all
+        // products of up to 32 rows, a first chat turn's pieces included) here and not in the
+        // first client's time to first token.
         let mut scratch = engine.new_state();
         engine.forward(&mut scratch, &[0; 16], crate::model::Logits::Last)?;
         engine.forward_greedy_id(&mut scratch, 0, engine.config().vocab_size)?;

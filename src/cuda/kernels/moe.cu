@@ -1012,10 +1012,11 @@ MOE_GEMM6(moe_gemm6_m128, false, false)
 MOE_GEMM6(moe_gemm6_m128_bf16, false, true)
 MOE_GEMM6(moe_gemm6_swiglu_m128, true, false)
 
-// Grouped GEMM, seventh version (sm_90a; 256-row plan tiles, V7): moe_gemm6's stages, products
-// and epilogues (bitwise its outputs) in clusters of two blocks that share the B rows. The
-// kernels are bound by what streams from L2, and of a 128 x 256 tile's 48 KiB stage two thirds
-// are B rows, the same for every row tile of an expert: here block r of a cluster takes rows
+// Grouped GEMM, seventh version (sm_90a; 256-row plan tiles, V7, opt-in): moe_gemm6's stages,
+// products and epilogues (bitwise its outputs) in clusters of two blocks that share the B rows.
+// Built on the reading that moe_gemm6 is bound by what streams from L2, and measured slower than
+// it on the H200 (docs/KERNELS.md, seventeenth session). Of a 128 x 256 tile's 48 KiB stage two
+// thirds are B rows, the same for every row tile of an expert: here block r of a cluster takes rows
 // 128 r .. 128 r + 127 of a 256-row tile and copies only its half of each stage's B rows (the
 // gate rows, or the up rows for SWIGLU; else columns 128 r ..) with one tensor copy multicast
 // into both blocks' shared memory, so each B byte leaves L2 once per 256 rows, not per 128. A
