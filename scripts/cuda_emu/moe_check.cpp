@@ -236,34 +236,27 @@ static void run(const Shape& s, bool deferred) {
                     k(a, gather, &tmap, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
                 });
             };
-            std::vector<bf16> act7((size_t)rows * I, bf16{0x7fff}), y7b((size_t)rows * d, bf16{0x7fff});
-            std::vector<float> gu7((size_t)rows * 2 * I, NAN), y7((size_t)rows * d, NAN);
-            launch7(moe_gemm7_swiglu_m256, 2, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
-            launch7(moe_gemm7_m256, 2, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
-            launch7(moe_gemm7_m256, 2, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
-            launch7(moe_gemm7_m256_bf16, 2, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
-            const bool same7 = memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
-                               memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
-                               memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&
-                               memcmp(y7b.data(), y16.data(), y16.size() * 2) == 0;
+            // The four products of one moe_gemm7 form into fresh NaN-filled outputs: bitwise moe_gemm6's?
+            auto same_as_v6 = [&](KG7 k_swiglu, KG7 k_plain, KG7 k_bf16, unsigned cluster) {
+                std::vector<bf16> act7((size_t)rows * I, bf16{0x7fff}), y7b((size_t)rows * d, bf16{0x7fff});
+                std::vector<float> gu7((size_t)rows * 2 * I, NAN), y7((size_t)rows * d, NAN);
+                launch7(k_swiglu, cluster, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
+                launch7(k_plain, cluster, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
+                launch7(k_plain, cluster, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
+                launch7(k_bf16, cluster, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
+                return memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
+                       memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
+                       memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&
+                       memcmp(y7b.data(), y16.data(), y16.size() * 2) == 0;
+            };
+            const bool same7 = same_as_v6(moe_gemm7_swiglu_m256, moe_gemm7_m256, moe_gemm7_m256_bf16, 2);
             fails += !same7;
             printf("%s %-22s v7 m256 (clusters of 2, B multicast): act, gate_up, down, bf16 down %s moe_gemm6's "
                    "(%d of %d tiles <= 128 rows)\n",
                    same7 ? "ok  " : "FAIL", s.name, same7 ? "bitwise equal to" : "DIFFER from", lone, nt[0]);
             // moe_gemm7's 128-row kernels (no cluster, both B halves by tensor copy): the same bits.
             plan(128);
-            std::fill(act7.begin(), act7.end(), bf16{0x7fff});
-            std::fill(y7b.begin(), y7b.end(), bf16{0x7fff});
-            std::fill(gu7.begin(), gu7.end(), NAN);
-            std::fill(y7.begin(), y7.end(), NAN);
-            launch7(moe_gemm7_swiglu_m128, 1, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
-            launch7(moe_gemm7_m128, 1, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
-            launch7(moe_gemm7_m128, 1, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
-            launch7(moe_gemm7_m128_bf16, 1, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
-            const bool same7s = memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
-                                memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
-                                memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&
-                                memcmp(y7b.data(), y16.data(), y16.size() * 2) == 0;
+            const bool same7s = same_as_v6(moe_gemm7_swiglu_m128, moe_gemm7_m128, moe_gemm7_m128_bf16, 1);
             fails += !same7s;
             printf("%s %-22s v7 m128 (B by tensor copy): act, gate_up, down, bf16 down %s moe_gemm6's\n",
                    same7s ? "ok  " : "FAIL", s.name, same7s ? "bitwise equal to" : "DIFFER from");
