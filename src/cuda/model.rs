@@ -1319,17 +1319,12 @@ impl CudaModel {
             ],
         )?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
-        let tile_m = self.moe_gemm.tile_m(rows, e, self.moe_tile_m);
         // V7 without tensor maps (d or I not a multiple of 8): V6's kernels.
         let kind = match self.moe_gemm {
             MoeGemm::V7 if layer.moe_maps.is_none() => MoeGemm::V6,
             k => k,
         };
-        let tile_m = if kind != self.moe_gemm && tile_m == 256 {
-            128
-        } else {
-            tile_m
-        };
+        let tile_m = kind.tile_m(rows, e, self.moe_tile_m);
         let (gu_map, down_map) = layer
             .moe_maps
             .as_ref()

@@ -309,36 +309,12 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        let (name, tile_n, block, smem) = match (kind, tile_m) {
-            (MoeGemm::V1, 64) => ("moe_gemm", 64, 128, 0),
-            (MoeGemm::V2, 128) => ("moe_gemm2", 128, 256, 0),
-            (MoeGemm::V3, 128) => ("moe_gemm3_m128", 128, 256, gemm3_smem(128)),
-            (MoeGemm::V3, 64) => ("moe_gemm3_m64", 256, 256, gemm3_smem(64)),
-            (MoeGemm::V4, 128) => ("moe_gemm4_m128", 128, 128, gemm4_smem(128)),
-            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7, 64) => {
-                ("moe_gemm4_m64", 128, 128, gemm4_smem(64))
-            }
-            (MoeGemm::V5, 128) => ("moe_gemm5_m128", 256, 256, GEMM5_SMEM),
-            (MoeGemm::V6, 128) => ("moe_gemm6_m128", 256, 384, GEMM6_SMEM),
-            (MoeGemm::V7, 128) => ("moe_gemm7_m128", 256, 384, GEMM6_SMEM),
-            (MoeGemm::V7, 256) => ("moe_gemm7_m256", 256, 384, GEMM6_SMEM),
-            _ => bail!("no {kind:?} grouped GEMM with {tile_m}-row tiles"),
-        };
-        self.grouped_launch(
-            name,
-            (tile_m, tile_n, block, smem),
-            p,
-            rows,
-            experts,
-            g,
-            g.ndim,
-            GridOrder::of(kind, tile_m),
-        )
+        self.grouped_plain(kind, tile_m, p, rows, experts, g, false)
     }
 
     /// [`Gpu::moe_grouped`] with a bf16 `out [rows, ndim]` (the down product's y, half the
-    /// bytes to write and for `moe_combine_bf16` to read): `moe_gemm6_m128_bf16`, the V6 kernel
-    /// with 128-row tiles only, `g.ndim % 8 == 0`.
+    /// bytes to write and for `moe_combine_bf16` to read): the V6 / V7 kernels with 128-row
+    /// tiles, or V7's 256-row ones; `g.ndim % 8 == 0`.
     pub fn moe_grouped_bf16(
         &self,
         kind: MoeGemm,
@@ -348,21 +324,60 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        let name = match (kind, tile_m) {
-            (MoeGemm::V6, 128) => "moe_gemm6_m128_bf16",
-            (MoeGemm::V7, 128) => "moe_gemm7_m128_bf16",
-            (MoeGemm::V7, 256) => "moe_gemm7_m256_bf16",
-            _ => "",
+        self.grouped_plain(kind, tile_m, p, rows, experts, g, true)
+    }
+
+    /// The kernel of [`Gpu::moe_grouped`] (f32 out) or [`Gpu::moe_grouped_bf16`] (`y16`), and
+    /// its launch.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_plain(
+        &self,
+        kind: MoeGemm,
+        tile_m: usize,
+        p: &MoePlan,
+        rows: usize,
+        experts: usize,
+        g: &Grouped,
+        y16: bool,
+    ) -> Result<()> {
+        // (name, output columns a block, threads, smem bytes)
+        let kernel = match (kind, tile_m, y16) {
+            (MoeGemm::V1, 64, false) => Some(("moe_gemm", 64, 128, 0)),
+            (MoeGemm::V2, 128, false) => Some(("moe_gemm2", 128, 256, 0)),
+            (MoeGemm::V3, 128, false) => Some(("moe_gemm3_m128", 128, 256, gemm3_smem(128))),
+            (MoeGemm::V3, 64, false) => Some(("moe_gemm3_m64", 256, 256, gemm3_smem(64))),
+            (MoeGemm::V4, 128, false) => Some(("moe_gemm4_m128", 128, 128, gemm4_smem(128))),
+            (MoeGemm::V4 | MoeGemm::V5 | MoeGemm::V6 | MoeGemm::V7, 64, false) => {
+                Some(("moe_gemm4_m64", 128, 128, gemm4_smem(64)))
+            }
+            (MoeGemm::V5, 128, false) => Some(("moe_gemm5_m128", 256, 256, GEMM5_SMEM)),
+            (MoeGemm::V6, 128, false) => Some(("moe_gemm6_m128", 256, 384, GEMM6_SMEM)),
+            (MoeGemm::V7, 128, false) => Some(("moe_gemm7_m128", 256, 384, GEMM6_SMEM)),
+            (MoeGemm::V7, 256, false) => Some(("moe_gemm7_m256", 256, 384, GEMM6_SMEM)),
+            (MoeGemm::V6, 128, true) => Some(("moe_gemm6_m128_bf16", 256, 384, GEMM6_SMEM)),
+            (MoeGemm::V7, 128, true) => Some(("moe_gemm7_m128_bf16", 256, 384, GEMM6_SMEM)),
+            (MoeGemm::V7, 256, true) => Some(("moe_gemm7_m256_bf16", 256, 384, GEMM6_SMEM)),
+            _ => None,
         };
-        if name.is_empty() || !g.ndim.is_multiple_of(8) {
+        let Some((name, tile_n, block, smem)) = kernel.filter(|_| !y16 || g.ndim.is_multiple_of(8))
+        else {
             bail!(
-                "no bf16-output {kind:?} grouped GEMM with {tile_m}-row tiles and {} columns",
+                "no {}{kind:?} grouped GEMM with {tile_m}-row tiles and {} columns",
+                if y16 { "bf16-output " } else { "" },
                 g.ndim
             );
-        }
-        let geometry = (tile_m, 256, 384, GEMM6_SMEM);
+        };
         let order = GridOrder::of(kind, tile_m);
-        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim, order)
+        self.grouped_launch(
+            name,
+            (tile_m, tile_n, block, smem),
+            p,
+            rows,
+            experts,
+            g,
+            g.ndim,
+            order,
+        )
     }
 
     /// The gate/up product with the SwiGLU fused (`kind` V3 or V4): `g.w` holds
