@@ -557,6 +557,9 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
     let i32buf = |n: usize| gpu.alloc(n * 4).unwrap();
     let (counts_d, topk_d) = (gpu.upload(&counts).unwrap(), gpu.upload(&topk).unwrap());
     let (offsets, cursor, num_tiles) = (i32buf(e + 1), i32buf(e), i32buf(1));
+    // moe_gemm6's item counter: zero before the first launch, and each leaves it at zero
+    let claim = i32buf(1);
+    gpu.memset_zero(claim.ptr, 4).unwrap();
     let (tile_expert, tile_row, tile_rows) =
         (i32buf(max_tiles), i32buf(max_tiles), i32buf(max_tiles));
     let (sorted_token, slot_row) = (i32buf(rows), i32buf(rows));
@@ -568,6 +571,7 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         tile_row: tile_row.ptr,
         tile_rows: tile_rows.ptr,
         num_tiles: num_tiles.ptr,
+        claim: claim.ptr,
     };
     let random_bf16 = |n: usize, seed: u64, std: f32| {
         let b = gpu.alloc(n * 2).unwrap();
@@ -834,6 +838,11 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
                 .unwrap()
         });
         println!("{name} bf16 y: bf16(v6's f32 y) bitwise; down {t_dn16:.3} ms");
+        // Every moe_gemm6 launch (its blocks claim their items from the counter) left the
+        // counter at zero for the next.
+        let mut left = [-1i32];
+        gpu.copy_to_host(claim.ptr, &mut left).unwrap();
+        assert_eq!(left[0], 0, "moe_gemm6 left its item counter at {}", left[0]);
         // v7 (opt-in): clusters of two blocks on 256-row tiles, B rows by multicast tensor copy;
         // at 128-row tiles no cluster, B rows by tensor copy. The same wgmma steps per output,
         // so bitwise v6's outputs, bf16 y too; and their times.

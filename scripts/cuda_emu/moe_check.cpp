@@ -188,13 +188,19 @@ static void run(const Shape& s, bool deferred) {
             // moe_gemm5's outputs; a grid of 3 blocks walks all (tile, column block) items, so
             // the stages' mbarrier phases run on across tiles.
             using KG6 = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*,
-                                 const int*, int, int, int);
+                                 const int*, int, int, int, int*);
+            int claim = 0;  // the blocks' item counter: zero before a launch, and after it
             auto launch6 = [&](KG6 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
                                int kdim) {
                 const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
-                emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64, [&] {
-                    k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
+                emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64 + 48, [&] {
+                    k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk, &claim);
                 });
+                if (claim != 0) {
+                    printf("FAIL %-22s moe_gemm6 left its item counter at %d\n", s.name, claim);
+                    fails++;
+                    claim = 0;
+                }
             };
             std::vector<bf16> act6((size_t)rows * I, bf16{0x7fff});
             std::vector<float> gu6((size_t)rows * 2 * I, NAN), y6((size_t)rows * d, NAN);

@@ -546,7 +546,8 @@ impl CudaModel {
             ("q", t * nq * hd, 4),
             ("part", part, 4),
             ("router", t * e, 4),
-            ("counts", e, 4),
+            // rows per expert, then the grouped GEMMs' item counter (MoePlan::claim)
+            ("counts", e + 1, 4),
             ("offsets", e + 1, 4),
             ("cursor", e, 4),
             ("tile_expert", max_tiles, 4),
@@ -1299,7 +1300,7 @@ impl CudaModel {
             0.0,
         )?;
         g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
-        g.memset_zero(ws.counts.ptr, e * 4)?;
+        g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
         g.launch_dep(
             "moe_route",
             (t as u32, 1, 1),
@@ -1372,6 +1373,7 @@ impl CudaModel {
                 tile_row: ws.tile_row.ptr,
                 tile_rows: ws.tile_rows.ptr,
                 num_tiles: ws.num_tiles.ptr,
+                claim: ws.counts.ptr + (e * 4) as u64,
             };
             if tile_m < MIN_TILE_M {
                 bail!(

@@ -114,7 +114,7 @@ pub(super) const GEMM6_KERNELS: [(&str, usize); 9] = [
     ("moe_gemm7_m128_bf16", GEMM6_SMEM),
     ("moe_gemm7_swiglu_m128", GEMM6_SMEM),
 ];
-const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8;
+const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8 + 48;
 
 /// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
 /// of 64 bf16, unpadded.
@@ -220,7 +220,9 @@ impl MoeGemm {
 
 /// Device buffers (i32) of the expert plan: `counts [E]` in (rows per expert), then from
 /// `moe_plan`: `offsets [E + 1]`, `cursor [E]` (the scatter's per-expert write positions),
-/// the tile list `tile_expert`, `tile_row`, `tile_rows` (`max_tiles` each) and `num_tiles`.
+/// the tile list `tile_expert`, `tile_row`, `tile_rows` (`max_tiles` each) and `num_tiles`;
+/// `claim`, the persistent kernels' item counter (`moe_gemm6`): zero before the first grouped
+/// product, and each launch leaves it at zero.
 #[derive(Clone, Copy, Debug)]
 pub struct MoePlan {
     pub counts: u64,
@@ -230,6 +232,7 @@ pub struct MoePlan {
     pub tile_row: u64,
     pub tile_rows: u64,
     pub num_tiles: u64,
+    pub claim: u64,
 }
 
 /// One grouped product over the plan's tiles: `out[row] = A[gather[row]] · W_x[n]ᵀ` for the
@@ -476,6 +479,9 @@ impl Gpu {
             GridOrder::Persistent | GridOrder::Cluster2 | GridOrder::PersistentTma
         ) {
             args.push(Arg::I(blocks_n as i32));
+        }
+        if order == GridOrder::Persistent {
+            args.push(Arg::Ptr(p.claim));
         }
         self.launch_dep(name, grid, block, smem as u32, &args)
     }

@@ -887,13 +887,48 @@ MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 // stages with cp.async into G6_STAGES buffers guarded by `full` / `empty` mbarriers, running
 // up to G6_STAGES stages ahead across tile boundaries, so a tile's first stages land while the
 // consumers (setmaxnreg 192) still store the previous one; nothing makes the two consumer
-// warpgroups wait on each other. Grid: at most one block an SM; block b takes the work items
-// q = b, b + gridDim.x, .. of nblk column blocks x *num_tiles tiles (q = tile * nblk + column
-// block: a tile's column blocks run side by side and share its gathered A rows in L2).
-// Dynamic smem G6_SMEM (1024-byte aligned: the swizzle is a function of the address).
+// warpgroups wait on each other. Grid: at most one block an SM, walking the work items q of
+// nblk column blocks x *num_tiles tiles (q = tile * nblk + column block: a tile's column blocks
+// run side by side and share its gathered A rows in L2) in increasing q, each block claiming
+// its next item from the launch's counter `claim` (g6_next_item): items differ in cost (an
+// expert's last tile may hold a few rows), so a fixed share per block ended the kernel on its
+// slowest block. Dynamic smem G6_SMEM (1024-byte aligned: the swizzle is a function of the
+// address): the stages, their barriers, then the item hand-off (two slots).
 #define G6_STAGES 4
 #define G6_STAGE ((G5_BM + G5_BN) * G4_BK)  // bf16 elements of a stage (48 KiB)
-#define G6_SMEM (G6_STAGES * G6_STAGE * 2 + 2 * G6_STAGES * 8)
+#define G6_SMEM (G6_STAGES * G6_STAGE * 2 + 2 * G6_STAGES * 8 + 48)
+
+// The block's n-th work item, or -1 when none is left: lane 0 of warp `leader` (the whole
+// warp waits for the slot) claims it from `claim` (an i32 that is zero when the launch begins)
+// and hands it to the block's other threads through slot n % 2 (`full` count 1, `empty` count:
+// every thread of the block, so a slot is refilled only once all have read it). Each block
+// makes exactly one claim past the items;
+// the last of those (value items + gridDim.x - 1: every other claim came before it) sets the
+// counter back to zero for the next launch. With MOE_G6_STATIC, block b takes b, b +
+// gridDim.x, .. (the counter untouched).
+__device__ __forceinline__ int g6_next_item(int* claim, int items, int* slot_q, unsigned long long* item_full,
+                                            unsigned long long* item_empty, int n, bool leader) {
+    const int slot = n & 1;
+    if (leader && n >= 2) mbar_wait(&item_empty[slot], ((n >> 1) - 1) & 1);
+    if (leader && (threadIdx.x & 31) == 0) {
+#ifdef MOE_G6_STATIC
+        int q = blockIdx.x + n * gridDim.x;
+        if (q >= items) q = -1;
+#else
+        int q = atomicAdd(claim, 1);
+        if (q >= items) {
+            if (q == items + (int)gridDim.x - 1) *claim = 0;  // no block touches it again in this launch
+            q = -1;
+        }
+#endif
+        slot_q[slot] = q;
+        mbar_arrive(&item_full[slot]);
+    }
+    mbar_wait(&item_full[slot], (n >> 1) & 1);
+    const int q = slot_q[slot];
+    mbar_arrive(&item_empty[slot]);
+    return q;
+}
 
 // One landed K stage of a 128 x 256 tile (moe_gemm6, moe_gemm7): warpgroup wg's 64 A rows of the
 // stage at `st` times its 256 B rows (after the 128 A rows) into acc, scale-d 0 at kt 0 (acc is
@@ -928,10 +963,13 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
                                                const bf16* __restrict__ w, void* __restrict__ out,
                                                const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                                                const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,
-                                               int ndim, int kdim, int nblk) {
+                                               int ndim, int kdim, int nblk, int* __restrict__ claim) {
     extern __shared__ __align__(1024) bf16 g6_smem[];
     unsigned long long* full = reinterpret_cast<unsigned long long*>(g6_smem + G6_STAGES * G6_STAGE);
     unsigned long long* empty = full + G6_STAGES;
+    unsigned long long* item_full = empty + G6_STAGES;  // [2]
+    unsigned long long* item_empty = item_full + 2;     // [2]
+    int* slot_q = reinterpret_cast<int*>(item_empty + 2);  // [2]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int items = nblk * *num_tiles, nk = (kdim + G4_BK - 1) / G4_BK;
     constexpr int COLS = SWIGLU ? G5_BN / 2 : G5_BN;  // output columns of a column block
@@ -940,6 +978,10 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
             mbar_init(&full[s], 128);   // every producer thread's cp.async arrival
             mbar_init(&empty[s], 256);  // every consumer thread, once its products of s retired
         }
+        for (int s = 0; s < 2; s++) {
+            mbar_init(&item_full[s], 1);
+            mbar_init(&item_empty[s], 384);
+        }
     }
     __syncthreads();
     // Stage use `it` (counted over all of this block's K steps) sits in buffer it % G6_STAGES;
@@ -947,7 +989,9 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
     if (warp >= 8) {  // the producer
         setmaxnreg_dec<120>();
         unsigned it = 0;
-        for (int q = blockIdx.x; q < items; q += gridDim.x) {
+        for (int n = 0;; n++) {
+            const int q = g6_next_item(claim, items, slot_q, item_full, item_empty, n, warp == 8);
+            if (q < 0) break;
             const int tile = q / nblk, n0 = (q % nblk) * COLS;
             const bf16* wx = w + (size_t)tile_expert[tile] * ndim * kdim;
             const MoeStageCopier<G5_BM, G5_BN, 128, G5_BN, SWIGLU> copier(gather, tile_row[tile], tile_rows[tile], n0,
@@ -968,7 +1012,9 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
     // acc is never zeroed: a tile's first product overwrites it (scale-d 0); a zeroing loop
     // that ptxas schedules inside a wgmma stage serializes every wgmma of the kernel (C7513).
     float acc[128];
-    for (int q = blockIdx.x; q < items; q += gridDim.x) {
+    for (int n = 0;; n++) {
+        const int q = g6_next_item(claim, items, slot_q, item_full, item_empty, n, false);
+        if (q < 0) break;
         const int tile = q / nblk, n0 = (q % nblk) * COLS;
         if (wg * 64 >= tile_rows[tile]) {
             // No rows of this warpgroup (an expert's last tile of <= 64 rows): it releases each
@@ -1003,10 +1049,11 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                 \
         const bf16* __restrict__ a, const int* __restrict__ gather, const bf16* __restrict__ w,                \
         void* __restrict__ out, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,         \
-        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int nblk) {  \
+        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles, int ndim, int kdim, int nblk,    \
+        int* __restrict__ claim) {                                                                             \
         PREFILL_KERNEL();                                                                                      \
         moe_gemm6_impl<SWIGLU, Y16>(a, gather, w, out, tile_expert, tile_row, tile_rows, num_tiles, ndim, kdim,   \
-                                    nblk);                                                                     \
+                                    nblk, claim);                                                              \
     }
 MOE_GEMM6(moe_gemm6_m128, false, false)
 MOE_GEMM6(moe_gemm6_m128_bf16, false, true)
