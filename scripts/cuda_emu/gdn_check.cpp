@@ -93,7 +93,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
                 for (size_t i = 0; i < len; i++) big = std::max(big, (double)std::fabs(a[i]));
                 for (size_t i = 0; i < len; i++) {
                     double e = std::fabs((double)a[i] - b[i]);
-                    if (!(e <= d)) d = e;  // NaN sticks
+                    if (!(e <= d) && !std::isnan(d)) d = e;  // a NaN sticks
                 }
                 return d / std::max(big, 1e-30);
             };
@@ -242,7 +242,7 @@ void run_conv_prep(int t, int hk, int hv, int dv) {
         for (size_t i = 0; i < len; i++) big = std::max(big, (double)std::fabs(a[i]));
         for (size_t i = 0; i < len; i++) {
             double e = std::fabs((double)a[i] - b[i]);
-            if (!(e <= d)) d = e;
+            if (!(e <= d) && !std::isnan(d)) d = e;  // a NaN sticks
         }
         return d / std::max(big, 1e-30);
     };

@@ -473,9 +473,10 @@ __device__ __forceinline__ void gdn_conv8(const float* __restrict__ p, const flo
 
 // gdn_chunk_prep's input rows with the conv done here (CONV; gdn_conv_prefill's work, whose
 // pass over the projection output then goes): warp w's rows 8 w .. 8 w + 7 of the chunk, Q and K
-// (L2-normalised, Q times q_scale) into the shared tiles qs, ks, and K and V (after SiLU) into
-// the conv rows qkv_out, where the state pass reads K and this block's X step V. Both blocks of
-// a key head write the same K values.
+// (L2-normalised, Q times q_scale) into the shared tiles qs, ks, and all three (V after SiLU)
+// into the conv rows qkv_out, where this block reads them again once the tiles are reused (V
+// and K for X, Q for Q') and the state pass reads K. Both blocks of a key head write the same
+// Q and K values.
 template <int DK>
 __device__ __forceinline__ void gdn_prep_conv_rows(const float* __restrict__ p, const float* __restrict__ cstate,
                                                    const float* __restrict__ cw, float* qkv_out, int c, int c0,
@@ -500,7 +501,7 @@ __device__ __forceinline__ void gdn_prep_conv_rows(const float* __restrict__ p, 
                 if (i < DK) {
                     const float v = y[r][m] * inv;
                     dst[(r0 + r) * ldk + i] = v;
-                    if (h == 0 && r0 + r < n) qkv_out[(size_t)(s0 + r) * c + koff + i] = v;
+                    if (r0 + r < n) qkv_out[(size_t)(s0 + r) * c + (h == 0 ? koff : qoff) + i] = v;
                 }
             }
         }
