@@ -87,7 +87,6 @@ inline void st_release_gpu(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(
 inline void spin_pause(unsigned) {}
 template <class T> inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void griddep_launch() {}
 inline void griddep_wait() {}  // one kernel at a time here
 inline void griddep_wait_plain() {}

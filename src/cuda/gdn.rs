@@ -4,7 +4,7 @@
 
 use super::{Arg, Gpu, block_threads as block};
 use crate::config::TextConfig;
-use anyhow::{Result, bail};
+use anyhow::Result;
 
 /// Chunk length of the chunked delta rule (`GDN_C` in gdn.cu).
 pub const CHUNK: usize = 64;
@@ -31,15 +31,11 @@ const PREP_WG_THREADS: u32 = 256;
 /// Key head dims the delta-rule kernels are compiled for.
 pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 16] = [
+pub(super) const CHUNK_KERNELS: [&str; 12] = [
     "gdn_chunk_prep_16",
     "gdn_chunk_prep_32",
     "gdn_chunk_prep_64",
     "gdn_chunk_prep_128",
-    "gdn_chunk_prep_conv_16",
-    "gdn_chunk_prep_conv_32",
-    "gdn_chunk_prep_conv_64",
-    "gdn_chunk_prep_conv_128",
     "gdn_chunk_prep_wg_128",
     "gdn_chunk_state_16",
     "gdn_chunk_state_32",
@@ -60,23 +56,10 @@ pub struct GdnShape {
     pub dv: usize,
 }
 
-/// The causal conv's inputs when the chunk prep does the conv itself
-/// ([`Gpu::gdn_prep_takes_conv`]).
-#[derive(Clone, Copy, Debug)]
-pub struct ConvIn {
-    /// The projection rows `[t, c]` (the conv's input).
-    pub p: u64,
-    /// The conv state `[kern - 1, c]`, oldest row first; advanced after the prep.
-    pub state: u64,
-    /// The conv weights `[c, kern]`.
-    pub w: u64,
-}
-
 /// Device buffers (f32) of one delta-rule call.
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaBufs {
-    /// Conv output `[t, c]`: q heads, k heads, v heads; q and k L2-normalised. With a
-    /// [`ConvIn`], written by the prep (k and v only: nothing after it reads q).
+    /// Conv output `[t, c]`: q heads, k heads, v heads; q and k L2-normalised.
     pub qkv: u64,
     /// Log-decay `[t, hv]`.
     pub g: u64,
@@ -285,13 +268,6 @@ impl Gpu {
                 Arg::F(1.0 / (sh.dk as f32).sqrt()),
             ],
         )?;
-        self.gdn_conv_advance(sh, kern, p, conv_state)
-    }
-
-    /// The conv state after a prefill call of `sh.t` projection rows `p`: the last kern - 1
-    /// rows of [state ; p].
-    fn gdn_conv_advance(&self, sh: &GdnShape, kern: usize, p: u64, conv_state: u64) -> Result<()> {
-        let c = sh.channels();
         self.launch_dep(
             "gdn_conv_advance",
             (c.div_ceil(256) as u32, 1, 1),
@@ -305,17 +281,6 @@ impl Gpu {
                 Arg::I(kern as i32),
             ],
         )
-    }
-
-    /// Whether [`Gpu::gdn_delta_chunked`] can take the conv into its prep
-    /// (`gdn_chunk_prep_conv`: width-4 convs, the mma.sync prep, not `KESTREL_GDN_CONV=separate`).
-    pub fn gdn_prep_takes_conv(&self, sh: &GdnShape, kern: usize) -> bool {
-        kern == 4
-            && self
-                .gdn_prep_conv
-                .load(std::sync::atomic::Ordering::Relaxed)
-            && !(self.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed)
-                && sh.prep_wg_fits(self.max_smem_per_block))
     }
 
     /// The delta rule token by token: a block per value head, a thread per value column.
@@ -361,13 +326,7 @@ impl Gpu {
     /// 128).
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
     /// [`GdnShape::chunked_fits`].
-    pub fn gdn_delta_chunked(
-        &self,
-        sh: &GdnShape,
-        b: &DeltaBufs,
-        scratch: u64,
-        conv: Option<&ConvIn>,
-    ) -> Result<()> {
+    pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
         let tp = sh.chunks() * CHUNK;
         let w = scratch;
         let qp = w + (sh.hv * tp * sh.dk * 4) as u64;
@@ -402,21 +361,8 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        if let Some(cv) = conv {
-            if !self.gdn_prep_takes_conv(sh, 4) {
-                bail!("gdn_delta_chunked: this prep does not take the conv");
-            }
-            args.extend([
-                Arg::Ptr(cv.p),
-                Arg::Ptr(cv.state),
-                Arg::Ptr(cv.w),
-                Arg::F(1.0 / (sh.dk as f32).sqrt()),
-            ]);
-        }
         // the wgmma prep where it is on and takes the shape
-        let (name, threads, smem) = if conv.is_some() {
-            ("gdn_chunk_prep_conv", PREP_THREADS, sh.prep_smem_bytes())
-        } else if self.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed)
+        let (name, threads, smem) = if self.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed)
             && sh.prep_wg_fits(self.max_smem_per_block)
         {
             (
@@ -434,10 +380,6 @@ impl Gpu {
             smem as u32,
             &args,
         )?;
-        if let Some(cv) = conv {
-            // the prep read the conv state (tokens before this call): only now it moves on
-            self.gdn_conv_advance(sh, 4, cv.p, cv.state)?;
-        }
         let mut args = vec![
             Arg::Ptr(b.qkv),
             Arg::I(c),

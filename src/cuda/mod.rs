@@ -196,10 +196,6 @@ pub struct Gpu {
     /// compute capability 9.0 with `KESTREL_GDN_PREP=wg` (measured no faster yet than the
     /// mma.sync kernel, `gdn_chunk_prep`, the default; docs/KERNELS.md).
     pub gdn_prep_wg: std::sync::atomic::AtomicBool,
-    /// The chunked prefill's causal conv done inside the mma.sync chunk prep
-    /// (`gdn_chunk_prep_conv`) instead of its own pass (`gdn_conv_prefill`): the default;
-    /// `KESTREL_GDN_CONV=separate` keeps the pass.
-    pub gdn_prep_conv: std::sync::atomic::AtomicBool,
     /// Compute capability 9.0: the kernels are compiled for sm_90a (wgmma, setmaxnreg).
     pub sm90a: bool,
     /// Whether the last thing enqueued on the main stream was one of our kernels: only after
@@ -461,9 +457,6 @@ impl Gpu {
             gdn_prep_wg: (cc == (9, 0)
                 && std::env::var("KESTREL_GDN_PREP").is_ok_and(|v| v == "wg"))
             .into(),
-            gdn_prep_conv: std::env::var("KESTREL_GDN_CONV")
-                .map_or(true, |v| v != "separate")
-                .into(),
             sm90a: cc == (9, 0),
             profile,
             main_tail_is_kernel: Default::default(),

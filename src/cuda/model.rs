@@ -5,7 +5,7 @@
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
 use super::attention::{Flash, FlashCall, decode_mma_kernel, decode_mma_smem};
-use super::gdn::{ConvIn, DeltaBufs, GdnShape};
+use super::gdn::{DeltaBufs, GdnShape};
 use super::moe::{Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
 use crate::config::{LayerKind, TextConfig};
@@ -1067,29 +1067,20 @@ impl CudaModel {
                     g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
                     let chunked =
                         t > 1 && self.gdn_chunked && sh.chunked_fits(g.max_smem_per_block);
-                    // The chunk prep does the conv itself where it can (no pass over p here).
-                    let conv_in = ConvIn {
-                        p: ws.p.ptr,
-                        state: st_conv.ptr,
-                        w: w.conv.ptr,
+                    let conv = if chunked {
+                        Gpu::gdn_conv_prefill
+                    } else {
+                        Gpu::gdn_conv_sequential
                     };
-                    let fused_conv = chunked && g.gdn_prep_takes_conv(&sh, c.conv_kernel);
-                    if !fused_conv {
-                        let conv = if chunked {
-                            Gpu::gdn_conv_prefill
-                        } else {
-                            Gpu::gdn_conv_sequential
-                        };
-                        conv(
-                            g,
-                            &sh,
-                            c.conv_kernel,
-                            ws.p.ptr,
-                            st_conv.ptr,
-                            w.conv.ptr,
-                            ws.qkv.ptr,
-                        )?;
-                    }
+                    conv(
+                        g,
+                        &sh,
+                        c.conv_kernel,
+                        ws.p.ptr,
+                        st_conv.ptr,
+                        w.conv.ptr,
+                        ws.qkv.ptr,
+                    )?;
                     g.join_aux()?;
                     g.launch_dep(
                         "gdn_gates",
@@ -1116,12 +1107,7 @@ impl CudaModel {
                         o: ws.o.ptr,
                     };
                     if chunked {
-                        g.gdn_delta_chunked(
-                            &sh,
-                            &bufs,
-                            ws.gdn.ptr,
-                            fused_conv.then_some(&conv_in),
-                        )?;
+                        g.gdn_delta_chunked(&sh, &bufs, ws.gdn.ptr)?;
                     } else {
                         g.gdn_delta_recurrent(&sh, &bufs)?;
                     }

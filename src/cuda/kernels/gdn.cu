@@ -440,93 +440,12 @@ __device__ __forceinline__ void gdn_mma3(float (&acc)[4], float (&cor)[4], const
 // its γ is the last token's); O_intra into o [t, hv, dv]. Needs dv % 4 == 0 and c % 4 == 0.
 // Dynamic shared memory: see GdnShape::prep_smem_bytes on the host (108,288 bytes at
 // dk = dv = 128: two blocks per SM).
-// The causal conv (width 4) + SiLU of `width` channels from column col0 of the projection
-// rows p, for tokens s0 .. s0 + 7 (a warp; lane: channels lane, lane + 32, ..): y[r][m] for
-// token s0 + r, channel col0 + lane + 32 m; 0 past t or width. Tokens before 0 from the conv
-// state's 3 rows (oldest first). The same products in the same order as gdn_conv_prefill.
-template <int NCH>
-__device__ __forceinline__ void gdn_conv8(const float* __restrict__ p, const float* __restrict__ cstate,
-                                          const float* __restrict__ cw, int c, int col0, int width, int s0, int t,
-                                          float (&y)[8][NCH]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int m = 0; m < NCH; m++) {
-        const int i = lane + 32 * m, ch = col0 + i;
-        const bool on = i < width;
-        float wt[4], x[11];
-#pragma unroll
-        for (int j = 0; j < 4; j++) wt[j] = on ? cw[(size_t)ch * 4 + j] : 0.0f;
-#pragma unroll
-        for (int r = 0; r < 11; r++) {
-            const int src = s0 - 3 + r;
-            x[r] = !on || src >= t ? 0.0f : src >= 0 ? p[(size_t)src * c + ch] : cstate[(size_t)(3 + src) * c + ch];
-        }
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            float acc = wt[3] * x[r + 3];
-#pragma unroll
-            for (int j = 0; j < 3; j++) acc += wt[j] * x[r + j];
-            y[r][m] = on && s0 + r < t ? silu_f(acc) : 0.0f;
-        }
-    }
-}
-
-// gdn_chunk_prep's input rows with the conv done here (CONV; gdn_conv_prefill's work, whose
-// pass over the projection output then goes): warp w's rows 8 w .. 8 w + 7 of the chunk, Q and K
-// (L2-normalised, Q times q_scale) into the shared tiles qs, ks, and all three (V after SiLU)
-// into the conv rows qkv_out, where this block reads them again once the tiles are reused (V
-// and K for X, Q for Q') and the state pass reads K. Both blocks of a key head write the same
-// Q and K values.
 template <int DK>
-__device__ __forceinline__ void gdn_prep_conv_rows(const float* __restrict__ p, const float* __restrict__ cstate,
-                                                   const float* __restrict__ cw, float* qkv_out, int c, int c0,
-                                                   int n, int t, size_t qoff, size_t koff, size_t voff, int dv,
-                                                   float q_scale, float* qs, float* ks, int ldk) {
-    constexpr int NCH = (DK + 31) / 32;
-    const int lane = threadIdx.x & 31, r0 = (threadIdx.x >> 5) * 8, s0 = c0 + r0;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {  // K, then Q
-        float y[8][NCH];
-        gdn_conv8<NCH>(p, cstate, cw, c, (int)(h == 0 ? koff : qoff), DK, s0, t, y);
-        float* dst = h == 0 ? ks : qs;
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int m = 0; m < NCH; m++) ss += y[r][m] * y[r][m];
-            const float inv = rsqrtf(warp_sum(ss) + 1e-6f) * (h == 0 ? 1.0f : q_scale);
-#pragma unroll
-            for (int m = 0; m < NCH; m++) {
-                const int i = lane + 32 * m;
-                if (i < DK) {
-                    const float v = y[r][m] * inv;
-                    dst[(r0 + r) * ldk + i] = v;
-                    if (r0 + r < n) qkv_out[(size_t)(s0 + r) * c + (h == 0 ? koff : qoff) + i] = v;
-                }
-            }
-        }
-    }
-    for (int v0 = 0; v0 < dv; v0 += 32 * NCH) {
-        float y[8][NCH];
-        gdn_conv8<NCH>(p, cstate, cw, c, (int)voff + v0, dv - v0, s0, t, y);
-#pragma unroll
-        for (int r = 0; r < 8; r++)
-#pragma unroll
-            for (int m = 0; m < NCH; m++) {
-                const int i = v0 + lane + 32 * m;
-                if (i < dv && r0 + r < n) qkv_out[(size_t)(s0 + r) * c + voff + i] = y[r][m];
-            }
-    }
-}
-
-template <int DK, bool CONV = false>
-__device__ void gdn_chunk_prep_impl(const float* qkv, int c, const float* __restrict__ g,
+__device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const float* __restrict__ g,
                                     const float* __restrict__ beta, float* __restrict__ w_out,
                                     float* __restrict__ qp_out, float* __restrict__ u_out,
                                     float* __restrict__ gamma_out, float* __restrict__ o, int t, int hk,
-                                    int hv, int dv, const float* __restrict__ p = nullptr,
-                                    const float* __restrict__ cstate = nullptr, const float* __restrict__ cw = nullptr,
-                                    float q_scale = 1.0f) {
+                                    int hv, int dv) {
     extern __shared__ __align__(16) float gdn_smem[];
     constexpr int LDK = DK + 4;  // K and Q rows, ≡ 4 mod 32 like GDN_LDP: A and B loads conflict free
     constexpr int LDT = 20;      // T_d rows, the same
@@ -552,20 +471,14 @@ __device__ void gdn_chunk_prep_impl(const float* qkv, int c, const float* __rest
     float* qprows = qp_out + ((size_t)j * tp + c0) * DK;
     float* urows = u_out + ((size_t)j * tp + c0) * dv;
 
-    if (CONV) {
-        // the conv here (8 warps, 8 rows each); qkv is this kernel's output for K and V
-        gdn_prep_conv_rows<DK>(p, cstate, cw, const_cast<float*>(qkv), c, c0, n, t, qoff, koff, voff, dv, q_scale,
-                               qs, ks, LDK);
-        __threadfence_block();  // K and V stored before the barrier below, read back by the X step
-    } else {
-        for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
-            const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
-            const bool in = r < n;
-            cp_async16(ks + r * LDK + i, in ? rows + (size_t)r * c + koff + i : qkv, in);
-            cp_async16(qs + r * LDK + i, in ? rows + (size_t)r * c + qoff + i : qkv, in);
-        }
-        cp_async_commit();
-        // the V rows are read after L and P: into L2 meanwhile
+    for (int idx = tid; idx < GDN_C * DK / 4; idx += blockDim.x) {
+        const int r = idx / (DK / 4), i = (idx % (DK / 4)) * 4;
+        const bool in = r < n;
+        cp_async16(ks + r * LDK + i, in ? rows + (size_t)r * c + koff + i : qkv, in);
+        cp_async16(qs + r * LDK + i, in ? rows + (size_t)r * c + qoff + i : qkv, in);
+    }
+    cp_async_commit();
+    {  // the V rows are read after L and P: into L2 meanwhile
         const int lines = (dv + 31) / 32;
         for (int idx = tid; idx < n * lines; idx += blockDim.x)
             gdn_prefetch_l2(rows + (size_t)(idx / lines) * c + voff + 32 * (idx % lines));
@@ -1446,15 +1359,6 @@ GDN_STATE_ENTRY(gdn_chunk_state_wg, gdn_chunk_state_wg_impl, GDN_STATE_WG_THREAD
         float* u_out, float* gamma_out, float* o, int t, int hk, int hv, int dv) {                         \
         PREFILL_KERNEL();                                                                                  \
         gdn_chunk_prep_impl<DK>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);      \
-    }                                                                                                      \
-    /* the conv (width 4) fused: p the projection rows, qkv written (K, V) as well as read */             \
-    extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_conv_##DK(                        \
-        float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out, float* u_out,   \
-        float* gamma_out, float* o, int t, int hk, int hv, int dv, const float* p, const float* cstate,    \
-        const float* cw, float q_scale) {                                                                  \
-        PREFILL_KERNEL();                                                                                  \
-        gdn_chunk_prep_impl<DK, true>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv, \
-                                      p, cstate, cw, q_scale);                                             \
     }                                                                                                      \
     GDN_STATE_ENTRY(gdn_chunk_state, gdn_chunk_state_impl, GDN_STATE_THREADS, DK)
 GDN_CHUNKED(16)
