@@ -716,7 +716,7 @@ impl Gpu {
 
     /// The main stream, or with `aux` the second one (after [`Gpu::fork_aux`];
     /// [`Gpu::join_aux`] before the main stream reads what it wrote).
-    fn stream_of(&self, aux: bool) -> &CudaStream {
+    pub(super) fn stream_of(&self, aux: bool) -> &CudaStream {
         if aux { &self.aux } else { &self.stream }
     }
 
@@ -783,7 +783,7 @@ impl Gpu {
 
     /// [`Gpu::launch_ex`] on `stream`.
     #[allow(clippy::too_many_arguments)]
-    fn launch_on(
+    pub(super) fn launch_on(
         &self,
         stream: &CudaStream,
         name: &str,

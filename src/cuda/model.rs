@@ -6,7 +6,7 @@
 
 use super::attention::{Flash, FlashCall, decode_mma_kernel, decode_mma_smem};
 use super::gdn::{DeltaBufs, GdnShape};
-use super::moe::{Grouped, MIN_TILE_M, MoeGemm, MoePlan};
+use super::moe::{DensePlan, Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
 use crate::config::{LayerKind, TextConfig};
 use crate::model::{Engine, Logits, StateMemory};
@@ -162,6 +162,7 @@ struct Workspace {
     tile_row: DeviceBuf,
     tile_rows: DeviceBuf,
     num_tiles: DeviceBuf,
+    dense_plan: DeviceBuf,
     topk_ids: DeviceBuf,
     topk_w: DeviceBuf,
     /// The shared expert's gate per token (moe_route's, for moe_combine).
@@ -363,6 +364,10 @@ pub struct CudaModel {
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
     pub moe_y_bf16: bool,
+    /// The shared expert of a prefill call through `moe_gemm6` on the second stream (SwiGLU
+    /// fused, no f32 gate/up between) where the routed experts take `moe_gemm6` too;
+    /// `KESTREL_SHARED_GEMM=cublas` keeps cuBLAS and `swiglu_bf16`.
+    pub shared_gemm6: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of up to
@@ -554,6 +559,8 @@ impl CudaModel {
             ("tile_row", max_tiles, 4),
             ("tile_rows", max_tiles, 4),
             ("num_tiles", 1, 4),
+            // the shared expert's one-expert plan (DensePlan): tiles, their count, a counter
+            ("dense_plan", DensePlan::ints(t), 4),
             ("topk_ids", t * k, 4),
             ("topk_w", t * k, 4),
             ("sgate", t, 4),
@@ -918,6 +925,7 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
+            shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
         })
     }
 
@@ -959,6 +967,7 @@ impl CudaModel {
             tile_row: take("tile_row")?,
             tile_rows: take("tile_rows")?,
             num_tiles: take("num_tiles")?,
+            dense_plan: take("dense_plan")?,
             topk_ids: take("topk_ids")?,
             topk_w: take("topk_w")?,
             sgate: take("sgate")?,
@@ -1013,6 +1022,10 @@ impl CudaModel {
         let past = state.len;
         let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
         g.copy_to_device(ws.ids.ptr, &ids)?;
+        if self.shared_on_gemm6(t) {
+            let plan = DensePlan::contents(self.max_chunk, t)?;
+            g.copy_to_device(ws.dense_plan.ptr, &plan)?;
+        }
         let ti = t as i32;
         let block = block_threads;
 
@@ -1257,6 +1270,33 @@ impl CudaModel {
     /// The MoE block of `layer` on the `t` rows of `ws.xb`, added into `ws.h`; with
     /// `next_norm`, `ws.xb` then holds the next layer's normalised input (moe_combine's
     /// fused RMSNorm).
+    /// The grouped GEMM and its tile height for `rows` routed rows (V7 without tensor maps,
+    /// where d or I is not a multiple of 8: V6's kernels).
+    fn moe_kind(&self, layer: &LayerW, rows: usize) -> (MoeGemm, usize) {
+        let kind = match self.moe_gemm {
+            MoeGemm::V7 if layer.moe_maps.is_none() => MoeGemm::V6,
+            k => k,
+        };
+        let e = self.config.num_experts;
+        (kind, kind.tile_m(rows, e, self.moe_tile_m))
+    }
+
+    /// Whether a prefill call of `t` tokens runs the shared expert through `moe_gemm6`
+    /// ([`Gpu::dense_mlp_aux`]): where the routed experts run on it too (not the GEMV path).
+    fn shared_on_gemm6(&self, t: usize) -> bool {
+        let c = &self.config;
+        let rows = t * c.experts_per_token;
+        self.shared_gemm6
+            && self.gpu.sm90a
+            && rows > MOE_GEMV_MAX_ROWS
+            && self.layers.first().is_some_and(|l| {
+                matches!(
+                    self.moe_kind(l, rows),
+                    (MoeGemm::V6 | MoeGemm::V7, 128 | 256)
+                )
+            })
+    }
+
     fn moe(
         &self,
         ws: &Workspace,
@@ -1278,27 +1318,51 @@ impl CudaModel {
         // reading the experts' weights bounds the routed products (short prompts) its small
         // GEMMs fill the SMs' idle issue slots. Joined before moe_combine reads ys.
         g.fork_aux()?;
-        g.gemm_aux(
-            layer.shared_gate_up.ptr,
-            2 * is,
-            d,
-            ws.xb.ptr,
-            t,
-            ws.sgu.ptr,
-            2 * is,
-            0.0,
-        )?;
-        g.swiglu_bf16_on(true, ws.sgu.ptr, ws.sact.ptr, t, is)?;
-        g.gemm_aux(
-            layer.shared_down.ptr,
-            d,
-            is,
-            ws.sact.ptr,
-            t,
-            ws.ys.ptr,
-            d,
-            0.0,
-        )?;
+        if self.shared_on_gemm6(t) {
+            // moe_gemm6 with the SwiGLU fused, over the dense plan forward_chunk uploaded
+            let plan = DensePlan::plan(ws.dense_plan.ptr, self.max_chunk);
+            let gu = Grouped {
+                a: ws.xb.ptr,
+                gather: 0,
+                w: layer.shared_gate_up.ptr,
+                out: ws.sact.ptr,
+                ndim: 2 * is,
+                kdim: d,
+                tmap: 0,
+            };
+            let down = Grouped {
+                a: ws.sact.ptr,
+                gather: 0,
+                w: layer.shared_down.ptr,
+                out: ws.ys.ptr,
+                ndim: d,
+                kdim: is,
+                tmap: 0,
+            };
+            g.dense_mlp_aux(&plan, t, &gu, &down)?;
+        } else {
+            g.gemm_aux(
+                layer.shared_gate_up.ptr,
+                2 * is,
+                d,
+                ws.xb.ptr,
+                t,
+                ws.sgu.ptr,
+                2 * is,
+                0.0,
+            )?;
+            g.swiglu_bf16_on(true, ws.sgu.ptr, ws.sact.ptr, t, is)?;
+            g.gemm_aux(
+                layer.shared_down.ptr,
+                d,
+                is,
+                ws.sact.ptr,
+                t,
+                ws.ys.ptr,
+                d,
+                0.0,
+            )?;
+        }
         g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
         g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
         g.launch_dep(
@@ -1320,12 +1384,7 @@ impl CudaModel {
             ],
         )?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
-        // V7 without tensor maps (d or I not a multiple of 8): V6's kernels.
-        let kind = match self.moe_gemm {
-            MoeGemm::V7 if layer.moe_maps.is_none() => MoeGemm::V6,
-            k => k,
-        };
-        let tile_m = kind.tile_m(rows, e, self.moe_tile_m);
+        let (kind, tile_m) = self.moe_kind(layer, rows);
         let (gu_map, down_map) = layer
             .moe_maps
             .as_ref()

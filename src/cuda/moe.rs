@@ -235,6 +235,63 @@ pub struct MoePlan {
     pub claim: u64,
 }
 
+/// The plan of a dense product over rows taken in order, as one expert's 128-row tiles, for
+/// the persistent grouped kernels ([`Gpu::dense_mlp_aux`], the shared expert), in one i32
+/// buffer of [`DensePlan::ints`]: `cap` tile experts (all 0), first rows and row counts, then
+/// the tile count and the kernels' item counter.
+pub struct DensePlan {
+    cap: usize,
+}
+
+impl DensePlan {
+    /// Rows of a tile.
+    pub const TILE_M: usize = 128;
+
+    fn new(max_rows: usize) -> Self {
+        DensePlan {
+            cap: max_rows.div_ceil(Self::TILE_M).max(1),
+        }
+    }
+
+    /// Length of the buffer for up to `max_rows` rows.
+    pub fn ints(max_rows: usize) -> usize {
+        3 * Self::new(max_rows).cap + 2
+    }
+
+    /// The buffer's contents for `rows` rows (the counter zero), in a buffer sized for
+    /// `max_rows`.
+    pub fn contents(max_rows: usize, rows: usize) -> Result<Vec<i32>> {
+        let cap = Self::new(max_rows).cap;
+        let n = rows.div_ceil(Self::TILE_M);
+        if n > cap {
+            bail!("a dense plan of {rows} rows in a buffer for {max_rows}");
+        }
+        let mut v = vec![0i32; 3 * cap + 2];
+        for j in 0..n {
+            v[cap + j] = (j * Self::TILE_M) as i32;
+            v[2 * cap + j] = (rows - j * Self::TILE_M).min(Self::TILE_M) as i32;
+        }
+        v[3 * cap] = n as i32;
+        Ok(v)
+    }
+
+    /// The [`MoePlan`] over such a buffer at `base` (for up to `max_rows` rows): its tile list,
+    /// count and counter (the other fields are not used without `moe_plan`).
+    pub fn plan(base: u64, max_rows: usize) -> MoePlan {
+        let cap = Self::new(max_rows).cap as u64;
+        MoePlan {
+            counts: 0,
+            offsets: 0,
+            cursor: 0,
+            tile_expert: base,
+            tile_row: base + 4 * cap,
+            tile_rows: base + 8 * cap,
+            num_tiles: base + 12 * cap,
+            claim: base + 12 * cap + 4,
+        }
+    }
+}
+
 /// One grouped product over the plan's tiles: `out[row] = A[gather[row]] · W_x[n]ᵀ` for the
 /// sorted rows of expert x. `a` bf16 `[*, kdim]`, `gather` i32 per sorted row (0: row itself),
 /// `w` bf16 `[E, ndim, kdim]`.
@@ -380,6 +437,7 @@ impl Gpu {
             g,
             g.ndim,
             order,
+            false,
         )
     }
 
@@ -409,7 +467,55 @@ impl Gpu {
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         let order = GridOrder::of(kind, tile_m);
-        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, order)
+        self.grouped_launch(
+            name,
+            geometry,
+            p,
+            rows,
+            experts,
+            g,
+            g.ndim / 2,
+            order,
+            false,
+        )
+    }
+
+    /// A dense SwiGLU MLP (the shared expert) of `rows` rows on the second stream through
+    /// `moe_gemm6`: `act` = bf16(SiLU(x · gateᵀ) * (x · upᵀ)) for `gu` (`gu.w` = [gate; up],
+    /// `gu.out` = act), then `down.out` (f32) = act · downᵀ, over `p`, a plan of one expert with
+    /// all the rows in order (`dense_plan_tiles`). Needs sm_90a (`moe_gemm6`).
+    pub fn dense_mlp_aux(
+        &self,
+        p: &MoePlan,
+        rows: usize,
+        gu: &Grouped,
+        down: &Grouped,
+    ) -> Result<()> {
+        let geometry = (128, 128, 384, GEMM6_SMEM);
+        let order = GridOrder::Persistent;
+        self.grouped_launch(
+            "moe_gemm6_swiglu_m128",
+            geometry,
+            p,
+            rows,
+            1,
+            gu,
+            gu.ndim / 2,
+            order,
+            true,
+        )?;
+        let geometry = (128, 256, 384, GEMM6_SMEM);
+        self.grouped_launch(
+            "moe_gemm6_m128",
+            geometry,
+            p,
+            rows,
+            1,
+            down,
+            down.ndim,
+            order,
+            true,
+        )
     }
 
     /// Launches a grouped kernel: (tile_m, output columns per block, threads, smem bytes),
@@ -425,6 +531,7 @@ impl Gpu {
         g: &Grouped,
         out_cols: usize,
         order: GridOrder,
+        aux: bool,
     ) -> Result<()> {
         let (tiles, blocks_n) = (
             max_tiles(rows, experts, tile_m) as u32,
@@ -483,7 +590,19 @@ impl Gpu {
         if order == GridOrder::Persistent {
             args.push(Arg::Ptr(p.claim));
         }
-        self.launch_dep(name, grid, block, smem as u32, &args)
+        if aux {
+            self.launch_on(
+                self.stream_of(true),
+                name,
+                grid,
+                block,
+                smem as u32,
+                &args,
+                false,
+            )
+        } else {
+            self.launch_dep(name, grid, block, smem as u32, &args)
+        }
     }
 
     /// The tensor map `moe_gemm7` copies B rows with, in device memory: `w` as a 2-D bf16
@@ -616,5 +735,29 @@ mod tests {
             assert!(super::super::KERNELS.contains(name), "{name} not loaded");
             assert!(*smem <= 227 * 1024, "{name}");
         }
+    }
+
+    /// The shared expert's plan: 128-row tiles of one expert covering the rows in order, the
+    /// last one partial, the count and a zero counter after them; the MoePlan's pointers at
+    /// those places; too many rows for the buffer an error.
+    #[test]
+    fn dense_plan_covers_the_rows_in_order() {
+        let (max, rows) = (1000, 300);
+        let v = DensePlan::contents(max, rows).unwrap();
+        let cap = 8; // ceil(1000 / 128)
+        assert_eq!(v.len(), DensePlan::ints(max));
+        assert_eq!(v.len(), 3 * cap + 2);
+        assert!(v[..cap].iter().all(|&x| x == 0), "one expert");
+        assert_eq!(&v[cap..cap + 3], &[0, 128, 256]);
+        assert_eq!(&v[2 * cap..2 * cap + 3], &[128, 128, 44]);
+        assert_eq!(v[3 * cap], 3, "tiles");
+        assert_eq!(v[3 * cap + 1], 0, "the counter starts at zero");
+        let p = DensePlan::plan(1 << 20, max);
+        assert_eq!(p.tile_row, (1 << 20) + 4 * cap as u64);
+        assert_eq!(p.tile_rows, (1 << 20) + 8 * cap as u64);
+        assert_eq!(p.num_tiles, (1 << 20) + 12 * cap as u64);
+        assert_eq!(p.claim, p.num_tiles + 4);
+        assert_eq!(DensePlan::contents(max, 1024).unwrap()[3 * cap], 8);
+        assert!(DensePlan::contents(max, 1025).is_err());
     }
 }
