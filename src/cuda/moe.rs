@@ -437,7 +437,7 @@ impl Gpu {
             g,
             g.ndim,
             order,
-            false,
+            None,
         )
     }
 
@@ -467,29 +467,21 @@ impl Gpu {
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         let order = GridOrder::of(kind, tile_m);
-        self.grouped_launch(
-            name,
-            geometry,
-            p,
-            rows,
-            experts,
-            g,
-            g.ndim / 2,
-            order,
-            false,
-        )
+        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, order, None)
     }
 
     /// A dense SwiGLU MLP (the shared expert) of `rows` rows on the second stream through
     /// `moe_gemm6`: `act` = bf16(SiLU(x · gateᵀ) * (x · upᵀ)) for `gu` (`gu.w` = [gate; up],
     /// `gu.out` = act), then `down.out` (f32) = act · downᵀ, over `p`, a plan of one expert with
-    /// all the rows in order (`dense_plan_tiles`). Needs sm_90a (`moe_gemm6`).
+    /// all the rows in order ([`DensePlan`]), on at most `blocks` SMs (the others left to the
+    /// main stream's kernels). Needs sm_90a (`moe_gemm6`).
     pub fn dense_mlp_aux(
         &self,
         p: &MoePlan,
         rows: usize,
         gu: &Grouped,
         down: &Grouped,
+        blocks: u32,
     ) -> Result<()> {
         let geometry = (128, 128, 384, GEMM6_SMEM);
         let order = GridOrder::Persistent;
@@ -502,7 +494,7 @@ impl Gpu {
             gu,
             gu.ndim / 2,
             order,
-            true,
+            Some(blocks),
         )?;
         let geometry = (128, 256, 384, GEMM6_SMEM);
         self.grouped_launch(
@@ -514,7 +506,7 @@ impl Gpu {
             down,
             down.ndim,
             order,
-            true,
+            Some(blocks),
         )
     }
 
@@ -531,7 +523,7 @@ impl Gpu {
         g: &Grouped,
         out_cols: usize,
         order: GridOrder,
-        aux: bool,
+        aux: Option<u32>,
     ) -> Result<()> {
         let (tiles, blocks_n) = (
             max_tiles(rows, experts, tile_m) as u32,
@@ -553,7 +545,8 @@ impl Gpu {
             GridOrder::TilesY => (blocks_n, tiles, 1),
             // One block an SM at most; the kernel walks the (tile, column block) items.
             GridOrder::Persistent | GridOrder::PersistentTma => {
-                ((tiles * blocks_n).min(self.sm_count as u32), 1, 1)
+                let most = aux.map_or(self.sm_count as u32, |b| b.clamp(1, self.sm_count as u32));
+                ((tiles * blocks_n).min(most), 1, 1)
             }
             // As many clusters as run at once (fewer than half the SMs where a GPC has an odd
             // number of free SMs).
@@ -590,7 +583,7 @@ impl Gpu {
         if order == GridOrder::Persistent {
             args.push(Arg::Ptr(p.claim));
         }
-        if aux {
+        if aux.is_some() {
             self.launch_on(
                 self.stream_of(true),
                 name,
