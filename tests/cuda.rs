@@ -15,7 +15,7 @@
 //! scale) see `fullwidth_checkpoint_matches_hf`.
 
 use kestrel::cuda::attention::{Flash, FlashCall};
-use kestrel::cuda::gdn::{DeltaBufs, GdnShape};
+use kestrel::cuda::gdn::{ConvRows, DeltaBufs, GdnShape};
 use kestrel::cuda::gemm::GemmPath;
 use kestrel::cuda::model::CudaModel;
 use kestrel::cuda::moe::{self, Grouped, MoeGemm, MoePlan};
@@ -1180,23 +1180,26 @@ fn gdn_chunked_kernel_matches_recurrent() {
 
 /// The token-parallel prefill conv (SiLU and q/k norm fused, state advanced by a second
 /// kernel) against the sequential conv and norm kernels, including calls shorter than the
-/// conv's history; the same sums in the same order, so equal up to the last bits.
+/// conv's history; the same sums in the same order, so equal up to the last bits. The inputs
+/// in rows wider than the channels (the whole in-projection's output, as prefill has them)
+/// where `pad` > 0.
 #[test]
 fn gdn_conv_prefill_matches_sequential() {
     let Some(gpu) = gpu() else { return };
     let kern = 4;
-    for (t, hk, hv, dk, dv) in [
-        (2, 16, 32, 128, 128),
-        (300, 16, 32, 128, 128),
-        (1, 2, 4, 16, 24),
-        (5, 2, 4, 16, 24),
-        (70, 4, 8, 32, 32),
+    for (t, hk, hv, dk, dv, pad) in [
+        (2, 16, 32, 128, 128, 4160),
+        (300, 16, 32, 128, 128, 4160),
+        (300, 16, 32, 128, 128, 0),
+        (1, 2, 4, 16, 24, 0),
+        (5, 2, 4, 16, 24, 13),
+        (70, 4, 8, 32, 32, 0),
     ] {
         let sh = GdnShape { t, hk, hv, dk, dv };
         let c = sh.channels();
         let mut rng = Lcg(t as u64 + 7);
         let (p, w, st0) = (
-            gpu.upload(&rng.vec(t * c, 2.0)).unwrap(),
+            gpu.upload(&rng.vec(t * (c + pad), 2.0)).unwrap(),
             gpu.upload(&rng.vec(c * kern, 1.0)).unwrap(),
             rng.vec((kern - 1) * c, 2.0),
         );
@@ -1208,7 +1211,11 @@ fn gdn_conv_prefill_matches_sequential() {
             } else {
                 Gpu::gdn_conv_sequential
             };
-            f(&gpu, &sh, kern, p.ptr, st.ptr, w.ptr, out.ptr).unwrap();
+            let rows = ConvRows {
+                ptr: p.ptr,
+                ld: c + pad,
+            };
+            f(&gpu, &sh, kern, rows, st.ptr, w.ptr, out.ptr).unwrap();
             let mut o_h = vec![0f32; t * c];
             let mut s_h = vec![0f32; (kern - 1) * c];
             gpu.copy_to_host(out.ptr, &mut o_h).unwrap();
@@ -1512,13 +1519,13 @@ fn gdn_prefill_kernel_timing_full_shape() {
     let chunked = chunked_by_pass;
     let recurrent = time_ms(2, &|| gpu.gdn_delta_recurrent(&sh, &bufs).unwrap());
     // The conv reads the normalised qkv as its input: any finite numbers do for timing.
-    let conv = |f: fn(&Gpu, &GdnShape, usize, u64, u64, u64, u64) -> anyhow::Result<()>| {
+    let conv = |f: fn(&Gpu, &GdnShape, usize, ConvRows, u64, u64, u64) -> anyhow::Result<()>| {
         time_ms(10, &|| {
             f(
                 &gpu,
                 &sh,
                 4,
-                qkv.ptr,
+                ConvRows::packed(qkv.ptr),
                 conv_state.ptr,
                 conv_w.ptr,
                 conv_out.ptr,

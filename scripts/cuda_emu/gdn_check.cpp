@@ -171,43 +171,56 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     if (!ok || !same) exit(1);
 }
 
-void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4) {
-    const int c = 2 * hk * dk + hv * dv, hist = kern - 1;
+// pad: p's rows are c + pad floats apart (the conv's channels the first c of the whole
+// in-projection's row); the padding holds values that would show if read.
+void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4, int pad = 0) {
+    const int c = 2 * hk * dk + hv * dv, hist = kern - 1, ldp = c + pad;
     Rng rng{std::mt19937_64(7 + t)};
-    std::vector<float> p((size_t)t * c), w((size_t)c * kern), st((size_t)hist * c);
-    for (auto& x : p) x = rng.uni(-2, 2);
+    std::vector<float> p((size_t)t * ldp), w((size_t)c * kern), st((size_t)hist * c);
+    for (size_t i = 0; i < p.size(); i++) p[i] = (int)(i % ldp) < c ? rng.uni(-2, 2) : 1e30f;
     for (auto& x : w) x = rng.uni(-1, 1);
     for (auto& x : st) x = rng.uni(-2, 2);
     std::vector<float> st_a = st, st_b = st, out_a((size_t)t * c, 1e30f), out_b((size_t)t * c, 1e30f);
     float qs = 1.0f / std::sqrt((float)dk);
-    emu_launch({(unsigned)((c + 127) / 128), 1, 1}, 128, 0, [&] { gdn_conv(p.data(), st_a.data(), w.data(), out_a.data(), t, c, kern); });
+    emu_launch({(unsigned)((c + 127) / 128), 1, 1}, 128, 0, [&] { gdn_conv(p.data(), st_a.data(), w.data(), out_a.data(), t, c, ldp, kern); });
     emu_launch({(unsigned)t, (unsigned)(2 * hk), 1}, (dk + 31) / 32 * 32, 0, [&] { gdn_qk_l2norm(out_a.data(), c, hk, dk, qs); });
     emu_launch({(unsigned)((t + 31) / 32), (unsigned)(2 * hk + (hv * dv + 127) / 128), 1}, 128, 0,
-               [&] { gdn_conv_prefill(p.data(), st_b.data(), w.data(), out_b.data(), t, c, kern, hk, dk, qs); });
-    emu_launch({(unsigned)((c + 255) / 256), 1, 1}, 256, 0, [&] { gdn_conv_advance(p.data(), st_b.data(), t, c, kern); });
+               [&] { gdn_conv_prefill(p.data(), st_b.data(), w.data(), out_b.data(), t, c, ldp, kern, hk, dk, qs); });
+    emu_launch({(unsigned)((c + 255) / 256), 1, 1}, 256, 0, [&] { gdn_conv_advance(p.data(), st_b.data(), t, c, ldp, kern); });
+    // the state's last rows are the last inputs (or, t < hist, the old rows shifted)
+    bool st_ok = true;
+    for (int j = 0; j < hist; j++)
+        for (int ch = 0; ch < c; ch++) {
+            const int src = t + j;  // row of [state ; p]
+            const float want = src < hist ? st[(size_t)src * c + ch] : p[(size_t)(src - hist) * ldp + ch];
+            st_ok = st_ok && st_b[(size_t)j * c + ch] == want;
+        }
     double eo = 0, es = 0;
     for (size_t i = 0; i < out_a.size(); i++) eo = std::max(eo, (double)std::fabs(out_a[i] - out_b[i]));
     for (size_t i = 0; i < st_a.size(); i++) es = std::max(es, (double)std::fabs(st_a[i] - st_b[i]));
-    bool ok = eo < 1e-6 && es == 0;
-    printf("%s conv t=%d c=%d kern=%d: out max diff %.1e, state max diff %.1e\n", ok ? "ok  " : "FAIL", t, c, kern, eo, es);
+    bool ok = eo < 1e-6 && es == 0 && st_ok;
+    printf("%s conv t=%d c=%d ldp=%d kern=%d: out max diff %.1e, state max diff %.1e%s\n", ok ? "ok  " : "FAIL", t, c, ldp,
+           kern, eo, es, st_ok ? "" : ", state not the last inputs");
     if (!ok) exit(1);
 }
 
 static const double TOL = 1e-5;
 
 // gdn_gated_norm against a double reference (o / rms(o) * w * SiLU(z), then bf16): vector
-// (dv % 4 == 0) and scalar rows; within the bf16 rounding.
-static void run_gated_norm(int rows, int dv) {
-    std::mt19937 rng(rows * 131 + dv);
+// (dv and z's row stride % 4 == 0) and scalar rows; within the bf16 rounding. z: t tokens of hv
+// heads in rows of hv * dv + pad floats (the in-projection's output; the padding would show).
+static void run_gated_norm(int t, int hv, int dv, int pad) {
+    const int rows = t * hv, ldz = hv * dv + pad;
+    std::mt19937 rng(rows * 131 + dv + pad);
     std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-    std::vector<float> o((size_t)rows * dv), z(o.size()), w(dv);
+    std::vector<float> o((size_t)rows * dv), z((size_t)t * ldz), w(dv);
     for (auto& x : o) x = u(rng);
-    for (auto& x : z) x = u(rng);
+    for (size_t i = 0; i < z.size(); i++) z[i] = (int)(i % ldz) < hv * dv ? u(rng) : NAN;
     for (auto& x : w) x = u(rng);
     std::vector<bf16> out(o.size());
     const float eps = 1e-6f;
     emu_launch({(unsigned)((rows + 7) / 8), 1, 1}, 256, 0,
-               [&] { gdn_gated_norm(o.data(), z.data(), w.data(), out.data(), rows, dv, eps); });
+               [&] { gdn_gated_norm(o.data(), z.data(), w.data(), out.data(), rows, dv, hv, ldz, eps); });
     double worst = 0;
     for (int r = 0; r < rows; r++) {
         double ss = 0;
@@ -215,23 +228,30 @@ static void run_gated_norm(int rows, int dv) {
         const double inv = 1.0 / std::sqrt(ss / dv + eps);
         for (int i = 0; i < dv; i++) {
             const size_t j = (size_t)r * dv + i;
-            const double ref = o[j] * inv * w[i] * (z[j] / (1.0 + std::exp(-(double)z[j])));
+            const double zj = z[(size_t)(r / hv) * ldz + (size_t)(r % hv) * dv + i];
+            const double ref = o[j] * inv * w[i] * (zj / (1.0 + std::exp(-zj)));
             const double e = std::fabs(__bfloat162float(out[j]) - ref) / (std::fabs(ref) * 0.00390625 + 1e-6);
             if (!(e <= worst)) worst = e;
         }
     }
     const bool ok = worst <= 1.0;
-    printf("gdn_gated_norm rows %d dv %d: %.2f of the bf16 bound %s\n", rows, dv, worst, ok ? "ok" : "FAILED");
+    printf("gdn_gated_norm t %d hv %d dv %d ldz %d: %.2f of the bf16 bound %s\n", t, hv, dv, ldz, worst, ok ? "ok" : "FAILED");
     if (!ok) exit(1);
 }
 
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
     if (const char* gs = getenv("G_SCALE")) G_SCALE = atof(gs);
-    for (int dv : {128, 24, 18, 256}) run_gated_norm(21, dv);
+    for (int dv : {128, 24, 18, 256}) run_gated_norm(21, 1, dv, 0);
+    run_gated_norm(7, 3, 128, 64);  // z in the in-projection's rows: the vector path
+    run_gated_norm(7, 3, 128, 2);   // a row stride not a multiple of 4: the scalar path
+    run_gated_norm(5, 2, 18, 3);
     for (int t : {1, 2, 5, 70}) run_conv(t, 2, 16, 4, 24);
     run_conv(9, 4, 32, 8, 32);
     run_conv(33, 4, 128, 8, 128);
+    run_conv(33, 4, 128, 8, 128, 4, 4160);  // p in the whole in-projection's rows (z, b|a after)
+    run_conv(2, 2, 16, 4, 24, 4, 13);
+    run_conv(70, 2, 16, 4, 24, 4, 13);
     for (int t : {2, 40}) run_conv(t, 2, 16, 4, 24, 3);
     for (bool d : {true, false}) {
         run_delta<16>(37, 2, 4, 24, d, TOL);

@@ -56,6 +56,25 @@ pub struct GdnShape {
     pub dv: usize,
 }
 
+/// The conv's input rows `[t, c]` (f32): at `ptr`, `ld` floats apart (0: packed, `c`), so
+/// that they can be the first columns of the whole in-projection's output.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvRows {
+    pub ptr: u64,
+    pub ld: usize,
+}
+
+impl ConvRows {
+    /// Rows of exactly the shape's channels.
+    pub fn packed(ptr: u64) -> Self {
+        ConvRows { ptr, ld: 0 }
+    }
+
+    fn ld(&self, sh: &GdnShape) -> i32 {
+        (if self.ld == 0 { sh.channels() } else { self.ld }) as i32
+    }
+}
+
 /// Device buffers (f32) of one delta-rule call.
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaBufs {
@@ -197,7 +216,7 @@ impl Gpu {
         &self,
         sh: &GdnShape,
         kern: usize,
-        p: u64,
+        p: ConvRows,
         conv_state: u64,
         conv_w: u64,
         out: u64,
@@ -209,12 +228,13 @@ impl Gpu {
             128,
             0,
             &[
-                Arg::Ptr(p),
+                Arg::Ptr(p.ptr),
                 Arg::Ptr(conv_state),
                 Arg::Ptr(conv_w),
                 Arg::Ptr(out),
                 Arg::I(sh.t as i32),
                 Arg::I(c as i32),
+                Arg::I(p.ld(sh)),
                 Arg::I(kern as i32),
             ],
         )?;
@@ -239,7 +259,7 @@ impl Gpu {
         &self,
         sh: &GdnShape,
         kern: usize,
-        p: u64,
+        p: ConvRows,
         conv_state: u64,
         conv_w: u64,
         out: u64,
@@ -256,12 +276,13 @@ impl Gpu {
             128,
             0,
             &[
-                Arg::Ptr(p),
+                Arg::Ptr(p.ptr),
                 Arg::Ptr(conv_state),
                 Arg::Ptr(conv_w),
                 Arg::Ptr(out),
                 Arg::I(sh.t as i32),
                 Arg::I(c as i32),
+                Arg::I(p.ld(sh)),
                 Arg::I(kern as i32),
                 Arg::I(sh.hk as i32),
                 Arg::I(sh.dk as i32),
@@ -274,10 +295,11 @@ impl Gpu {
             256,
             0,
             &[
-                Arg::Ptr(p),
+                Arg::Ptr(p.ptr),
                 Arg::Ptr(conv_state),
                 Arg::I(sh.t as i32),
                 Arg::I(c as i32),
+                Arg::I(p.ld(sh)),
                 Arg::I(kern as i32),
             ],
         )

@@ -5,7 +5,7 @@
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
 use super::attention::{Flash, FlashCall, decode_mma_kernel, decode_mma_smem};
-use super::gdn::{DeltaBufs, GdnShape};
+use super::gdn::{ConvRows, DeltaBufs, GdnShape};
 use super::moe::{DensePlan, Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
 use crate::config::{LayerKind, TextConfig};
@@ -371,6 +371,9 @@ pub struct CudaModel {
     /// SMs the shared expert's `moe_gemm6` launches take at most (`KESTREL_SHARED_BLOCKS`),
     /// so that the routing kernels find SMs free beside them.
     pub shared_blocks: u32,
+    /// The GDN prefill in-projection as one GEMM (q|k|v, z and b|a side by side in p);
+    /// `KESTREL_GDN_INPROJ=split` runs z and b|a on the second stream beside q|k|v.
+    pub gdn_inproj_merged: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of up to
@@ -539,7 +542,12 @@ impl CudaModel {
             ("ids", t, 4),
             ("h", t * d, 4),
             ("xb", t * d.max(cfg.gdn_v_width()).max(nq * hd), 2),
-            ("p", t * cfg.gdn_conv_channels(), 4),
+            // the GDN in-projection's output: q|k|v, z, b|a (or q|k|v alone, split)
+            (
+                "p",
+                t * (cfg.gdn_conv_channels() + cfg.gdn_v_width() + 2 * cfg.gdn_num_value_heads),
+                4,
+            ),
             ("qkv", t * cfg.gdn_conv_channels(), 4),
             ("z", t * cfg.gdn_v_width(), 4),
             ("ba", t * 2 * hv, 4),
@@ -933,6 +941,7 @@ impl CudaModel {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(u32::MAX),
+            gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
         })
     }
 
@@ -1078,13 +1087,36 @@ impl CudaModel {
                     let sh = GdnShape::of(c, t);
                     let (hv, dv) = (sh.hv, sh.dv);
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
-                    let (in_qkv, in_z, in_ba) = w.in_parts(c);
-                    // z and b|a on the second stream beside the q|k|v product and the conv
-                    // (joined before the gates read b|a).
-                    g.fork_aux()?;
-                    g.gemm_aux(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
-                    g.gemm_aux(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
-                    g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
+                    // The in-projection's q|k|v, z and b|a: (merged) one GEMM into p, whose
+                    // rows the conv, the gates and the gated norm read in place; or (split,
+                    // KESTREL_GDN_INPROJ=split) q|k|v into p with z and b|a on the second
+                    // stream beside it and the conv (joined before the gates read b|a).
+                    let rows_all = ch + vw + 2 * hv;
+                    let (conv_in, z, ldz, ba, ldba) = if self.gdn_inproj_merged {
+                        g.gemm(
+                            w.in_proj.ptr,
+                            rows_all,
+                            d,
+                            ws.xb.ptr,
+                            t,
+                            ws.p.ptr,
+                            rows_all,
+                            0.0,
+                        )?;
+                        let at = |col: usize| ws.p.ptr + (col * 4) as u64;
+                        let conv_in = ConvRows {
+                            ptr: ws.p.ptr,
+                            ld: rows_all,
+                        };
+                        (conv_in, at(ch), rows_all, at(ch + vw), rows_all)
+                    } else {
+                        let (in_qkv, in_z, in_ba) = w.in_parts(c);
+                        g.fork_aux()?;
+                        g.gemm_aux(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
+                        g.gemm_aux(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
+                        g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
+                        (ConvRows::packed(ws.p.ptr), ws.z.ptr, vw, ws.ba.ptr, 2 * hv)
+                    };
                     let chunked =
                         t > 1 && self.gdn_chunked && sh.chunked_fits(g.max_smem_per_block);
                     let conv = if chunked {
@@ -1096,21 +1128,23 @@ impl CudaModel {
                         g,
                         &sh,
                         c.conv_kernel,
-                        ws.p.ptr,
+                        conv_in,
                         st_conv.ptr,
                         w.conv.ptr,
                         ws.qkv.ptr,
                     )?;
-                    g.join_aux()?;
+                    if !self.gdn_inproj_merged {
+                        g.join_aux()?;
+                    }
                     g.launch_dep(
                         "gdn_gates",
                         ((t * hv).div_ceil(256) as u32, 1, 1),
                         256,
                         0,
                         &[
-                            Arg::Ptr(ws.ba.ptr),
-                            Arg::Ptr(ws.ba.ptr + (hv * 4) as u64),
-                            Arg::I(2 * hv as i32),
+                            Arg::Ptr(ba),
+                            Arg::Ptr(ba + (hv * 4) as u64),
+                            Arg::I(ldba as i32),
                             Arg::Ptr(w.a_log.ptr),
                             Arg::Ptr(w.dt_bias.ptr),
                             Arg::Ptr(ws.beta.ptr),
@@ -1138,11 +1172,13 @@ impl CudaModel {
                         0,
                         &[
                             Arg::Ptr(ws.o.ptr),
-                            Arg::Ptr(ws.z.ptr),
+                            Arg::Ptr(z),
                             Arg::Ptr(w.norm.ptr),
                             Arg::Ptr(ws.ob.ptr),
                             Arg::I((t * hv) as i32),
                             Arg::I(dv as i32),
+                            Arg::I(hv as i32),
+                            Arg::I(ldz as i32),
                             Arg::F(eps),
                         ],
                     )?;

@@ -2,11 +2,11 @@
 // (one thread per value column, the state column in registers), and the gated RMSNorm.
 
 // Causal depthwise conv + SiLU, one thread per channel, tokens in order.
-// p: [t, c] pre-conv inputs; state: [kern-1, c] (oldest first), advanced in place;
-// w: [c, kern]; out: [t, c].
+// p: [t, c] pre-conv inputs in rows of ldp; state: [kern-1, c] (oldest first), advanced in
+// place; w: [c, kern]; out: [t, c].
 extern "C" __global__ void gdn_conv(const float* __restrict__ p, float* __restrict__ state,
                                     const float* __restrict__ w, float* __restrict__ out,
-                                    int t, int c, int kern) {
+                                    int t, int c, int ldp, int kern) {
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= c) return;
     int hist = kern - 1;
@@ -17,7 +17,7 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ p, float* __restri
 #pragma unroll
     for (int j = 0; j < 9; j++) wt[j] = j < kern ? w[(size_t)ch * kern + j] : 0.0f;
     for (int s = 0; s < t; s++) {
-        float x = p[(size_t)s * c + ch];
+        float x = p[(size_t)s * ldp + ch];
         float acc = wt[hist] * x;
 #pragma unroll
         for (int j = 0; j < 8; j++) if (j < hist) acc += wt[j] * win[j];
@@ -112,17 +112,19 @@ GDN_RECURRENT(64)
 GDN_RECURRENT(128)
 
 // Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), bf16 out. A warp per (token, head)
-// row of dv, so the norm is one shuffle reduction; 4 values a lane a load when dv % 4 == 0.
-// grid ceil(rows / 8), block 256.
-extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const float* __restrict__ z,
+// row of dv, so the norm is one shuffle reduction; 4 values a lane a load when dv and ldz are
+// multiples of 4. z: a token's hv heads of dv in rows of ldz floats (where the in-projection
+// wrote them). grid ceil(rows / 8), block 256.
+extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const float* __restrict__ z_in,
                                           const float* __restrict__ w, bf16* __restrict__ out, int rows, int dv,
-                                          float eps) {
+                                          int hv, int ldz, float eps) {
     PREFILL_KERNEL();
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= rows) return;  // warp-uniform
     const size_t base = (size_t)row * dv;
+    const float* z = z_in + (size_t)(row / hv) * ldz + (size_t)(row % hv) * dv;  // this row's z
     float ss = 0.0f;
-    if ((dv & 3) == 0) {
+    if ((dv & 3) == 0 && (ldz & 3) == 0 && (reinterpret_cast<size_t>(z_in) & 15) == 0) {
         for (int i = 4 * lane; i < dv; i += 128) {
             const float4 v = *reinterpret_cast<const float4*>(o + base + i);
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
@@ -130,7 +132,7 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const flo
         const float inv = rsqrtf(warp_sum(ss) / dv + eps);
         for (int i = 4 * lane; i < dv; i += 128) {
             const float4 v = *reinterpret_cast<const float4*>(o + base + i);
-            const float4 g = *reinterpret_cast<const float4*>(z + base + i);
+            const float4 g = *reinterpret_cast<const float4*>(z + i);
             const float4 wv = *reinterpret_cast<const float4*>(w + i);
             *reinterpret_cast<uint2*>(out + base + i) =
                 make_uint2(pack_bf16x2(v.x * inv * wv.x * silu_f(g.x), v.y * inv * wv.y * silu_f(g.y)),
@@ -140,7 +142,7 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const flo
     }
     for (int i = lane; i < dv; i += 32) ss += o[base + i] * o[base + i];
     const float inv = rsqrtf(warp_sum(ss) / dv + eps);
-    for (int i = lane; i < dv; i += 32) out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(z[base + i]));
+    for (int i = lane; i < dv; i += 32) out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(z[i]));
 }
 
 // ---- Decode (one token): two launches between the in- and out-projections ----
@@ -275,7 +277,7 @@ GDN_STEP_DEC(128)
 template <int KERN>
 __device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, const float* __restrict__ state,
                                                   const float* __restrict__ w, float* __restrict__ out, int t,
-                                                  int c, int ch, bool valid, bool qk, float scale) {
+                                                  int c, int ldp, int ch, bool valid, bool qk, float scale) {
     constexpr int H = KERN - 1;
     const int s0 = blockIdx.x * GDN_CONV_TT, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float v[GDN_CONV_TT];
@@ -286,10 +288,10 @@ __device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, c
 #pragma unroll
         for (int j = 0; j < H; j++) {  // inputs of tokens s0-H .. s0-1
             int src = s0 - H + j;
-            win[j] = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(H + src) * c + ch];
+            win[j] = src >= 0 ? p[(size_t)src * ldp + ch] : state[(size_t)(H + src) * c + ch];
         }
 #pragma unroll
-        for (int i = 0; i < GDN_CONV_TT; i++) x[i] = s0 + i < t ? p[(size_t)(s0 + i) * c + ch] : 0.0f;
+        for (int i = 0; i < GDN_CONV_TT; i++) x[i] = s0 + i < t ? p[(size_t)(s0 + i) * ldp + ch] : 0.0f;
 #pragma unroll
         for (int i = 0; i < GDN_CONV_TT; i++) {
             float acc = wt[H] * x[i];
@@ -321,24 +323,24 @@ __device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, c
 
 extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
     const float* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
-    float* __restrict__ out, int t, int c, int kern, int hk, int dk, float q_scale) {
+    float* __restrict__ out, int t, int c, int ldp, int kern, int hk, int dk, float q_scale) {
     PREFILL_KERNEL();
     const int y = blockIdx.y, hist = kern - 1;
     const bool qk = y < 2 * hk;
     const int ch = qk ? y * dk + threadIdx.x : 2 * hk * dk + (y - 2 * hk) * blockDim.x + threadIdx.x;
     const bool valid = qk ? (int)threadIdx.x < dk : ch < c;
     const float scale = qk && y < hk ? q_scale : 1.0f;
-    if (kern == 4) return conv_prefill_tile<4>(p, state, w, out, t, c, ch, valid, qk, scale);
+    if (kern == 4) return conv_prefill_tile<4>(p, state, w, out, t, c, ldp, ch, valid, qk, scale);
     // Other widths: token by token (taps read from global memory, a block sum per q/k norm).
     const int s_end = min(t, (int)(blockIdx.x + 1) * GDN_CONV_TT);
     for (int s = blockIdx.x * GDN_CONV_TT; s < s_end; s++) {
         float v = 0.0f;
         if (valid) {
             const float* wc = w + (size_t)ch * kern;
-            float acc = wc[hist] * p[(size_t)s * c + ch];
+            float acc = wc[hist] * p[(size_t)s * ldp + ch];
             for (int j = 0; j < hist; j++) {
                 int src = s - hist + j;  // token of tap j; negative: conv state row hist + src
-                float x = src >= 0 ? p[(size_t)src * c + ch] : state[(size_t)(hist + src) * c + ch];
+                float x = src >= 0 ? p[(size_t)src * ldp + ch] : state[(size_t)(hist + src) * c + ch];
                 acc += wc[j] * x;
             }
             v = silu_f(acc);
@@ -352,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
 // thread per channel reads all its rows before writing any, so no row is read after being
 // overwritten (t < kern-1 keeps some old rows, shifted).
 extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* __restrict__ state,
-                                            int t, int c, int kern) {
+                                            int t, int c, int ldp, int kern) {
     PREFILL_KERNEL();
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= c) return;
@@ -361,7 +363,7 @@ extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* 
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         int src = t + j;  // row of [state ; p]
-        row[j] = j >= hist ? 0.0f : src < hist ? state[(size_t)src * c + ch] : p[(size_t)(src - hist) * c + ch];
+        row[j] = j >= hist ? 0.0f : src < hist ? state[(size_t)src * c + ch] : p[(size_t)(src - hist) * ldp + ch];
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) if (j < hist) state[(size_t)j * c + ch] = row[j];
