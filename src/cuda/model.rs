@@ -368,9 +368,6 @@ pub struct CudaModel {
     /// fused, no f32 gate/up between) where the routed experts take `moe_gemm6` too;
     /// `KESTREL_SHARED_GEMM=cublas` keeps cuBLAS and `swiglu_bf16`.
     pub shared_gemm6: bool,
-    /// SMs the shared expert's `moe_gemm6` launches take at most (`KESTREL_SHARED_BLOCKS`),
-    /// so that the routing kernels find SMs free beside them.
-    pub shared_blocks: u32,
     /// The GDN prefill in-projection as one GEMM (q|k|v, z and b|a side by side in p);
     /// `KESTREL_GDN_INPROJ=split` runs z and b|a on the second stream beside q|k|v.
     pub gdn_inproj_merged: bool,
@@ -937,10 +934,6 @@ impl CudaModel {
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
-            shared_blocks: std::env::var("KESTREL_SHARED_BLOCKS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(u32::MAX),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
         })
     }
@@ -1382,7 +1375,7 @@ impl CudaModel {
                 kdim: is,
                 tmap: 0,
             };
-            g.dense_mlp_aux(&plan, t, &gu, &down, self.shared_blocks)?;
+            g.dense_mlp_aux(&plan, t, &gu, &down)?;
         } else {
             g.gemm_aux(
                 layer.shared_gate_up.ptr,

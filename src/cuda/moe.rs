@@ -437,7 +437,7 @@ impl Gpu {
             g,
             g.ndim,
             order,
-            None,
+            false,
         )
     }
 
@@ -467,21 +467,29 @@ impl Gpu {
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         let order = GridOrder::of(kind, tile_m);
-        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, order, None)
+        self.grouped_launch(
+            name,
+            geometry,
+            p,
+            rows,
+            experts,
+            g,
+            g.ndim / 2,
+            order,
+            false,
+        )
     }
 
     /// A dense SwiGLU MLP (the shared expert) of `rows` rows on the second stream through
     /// `moe_gemm6`: `act` = bf16(SiLU(x · gateᵀ) * (x · upᵀ)) for `gu` (`gu.w` = [gate; up],
     /// `gu.out` = act), then `down.out` (f32) = act · downᵀ, over `p`, a plan of one expert with
-    /// all the rows in order ([`DensePlan`]), on at most `blocks` SMs (the others left to the
-    /// main stream's kernels). Needs sm_90a (`moe_gemm6`).
+    /// all the rows in order (`dense_plan_tiles`). Needs sm_90a (`moe_gemm6`).
     pub fn dense_mlp_aux(
         &self,
         p: &MoePlan,
         rows: usize,
         gu: &Grouped,
         down: &Grouped,
-        blocks: u32,
     ) -> Result<()> {
         let geometry = (128, 128, 384, GEMM6_SMEM);
         let order = GridOrder::Persistent;
@@ -494,7 +502,7 @@ impl Gpu {
             gu,
             gu.ndim / 2,
             order,
-            Some(blocks),
+            true,
         )?;
         let geometry = (128, 256, 384, GEMM6_SMEM);
         self.grouped_launch(
@@ -506,7 +514,7 @@ impl Gpu {
             down,
             down.ndim,
             order,
-            Some(blocks),
+            true,
         )
     }
 
@@ -523,7 +531,7 @@ impl Gpu {
         g: &Grouped,
         out_cols: usize,
         order: GridOrder,
-        aux: Option<u32>,
+        aux: bool,
     ) -> Result<()> {
         let (tiles, blocks_n) = (
             max_tiles(rows, experts, tile_m) as u32,
@@ -545,8 +553,7 @@ impl Gpu {
             GridOrder::TilesY => (blocks_n, tiles, 1),
             // One block an SM at most; the kernel walks the (tile, column block) items.
             GridOrder::Persistent | GridOrder::PersistentTma => {
-                let most = aux.map_or(self.sm_count as u32, |b| b.clamp(1, self.sm_count as u32));
-                ((tiles * blocks_n).min(most), 1, 1)
+                ((tiles * blocks_n).min(self.sm_count as u32), 1, 1)
             }
             // As many clusters as run at once (fewer than half the SMs where a GPC has an odd
             // number of free SMs).
@@ -583,7 +590,7 @@ impl Gpu {
         if order == GridOrder::Persistent {
             args.push(Arg::Ptr(p.claim));
         }
-        if aux.is_some() {
+        if aux {
             self.launch_on(
                 self.stream_of(true),
                 name,
