@@ -152,9 +152,10 @@ pub struct Gpu {
     blas: CudaBlas,
     /// cuBLASLt with its plans (`gemm.rs`), and how `gemm` runs (`KESTREL_GEMM`).
     lt: gemm::Lt,
-    /// A second stream (by default of higher priority) for work that can run beside the main stream's (in
-    /// prefill: the shared expert beside the routed experts, the GDN z and b|a and attention
-    /// k and v products beside the main in-projection), with its own cuBLASLt handle and
+    /// A second, higher-priority stream for work that can run beside the main stream's (in
+    /// prefill: the shared expert beside the routed experts, the attention k and v products
+    /// (and with `KESTREL_GDN_INPROJ=split` the GDN z and b|a) beside the main in-projection),
+    /// with its own cuBLASLt handle and
     /// workspace; [`Gpu::fork_aux`] and [`Gpu::join_aux`] order it against the main stream
     /// (every fork is joined in the same layer, before the main stream reads the results).
     aux: Arc<CudaStream>,
@@ -374,19 +375,9 @@ impl Gpu {
             );
         }
         let total_memory = ctx.total_mem().unwrap_or(0);
-        let (least, highest) = cudarc::driver::result::stream::get_priority_range()
-            .map_err(|e| anyhow!("cannot query stream priorities: {e:?}"))?;
-        // Which stream's blocks the scheduler dispatches first when both have some waiting:
-        // the second stream's (the default), or with KESTREL_AUX_PRIORITY=low the main one's.
-        let main_first = std::env::var("KESTREL_AUX_PRIORITY").is_ok_and(|v| v == "low");
-        let (main_priority, aux_priority) = if main_first {
-            (highest, least)
-        } else {
-            (least, highest)
-        };
         // A created stream, not the legacy default one, which cannot be captured into graphs.
         let stream = ctx
-            .new_stream_with_priority(main_priority)
+            .new_stream()
             .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
         let blas = quiet_catch(|| CudaBlas::new(stream.clone()))
             .ok_or_else(|| anyhow!("cuBLAS could not be loaded (libcublas.so)"))?
@@ -395,8 +386,10 @@ impl Gpu {
         let gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
             .context("allocating cuBLASLt's workspace")?;
         let lt = gemm::Lt::new(gemm_workspace.ptr, gemm_workspace.bytes)?;
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(|e| anyhow!("cannot query stream priorities: {e:?}"))?;
         let aux = ctx
-            .new_stream_with_priority(aux_priority)
+            .new_stream_with_priority(highest)
             .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
         let aux_gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
             .context("allocating the second stream's cuBLASLt workspace")?;
