@@ -171,10 +171,10 @@ int main(int argc, char** argv) {
         run_flash<128>("attn_flash3_hd128", attn_flash3_hd128, flash3_smem(128), 33, 100, 4, 1);
         // wgmma (emulated through its descriptors: Q/K K-major, V N-major, P from registers), a producer
         // warpgroup and mbarriers: block 384
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 130, 70, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 64, 0, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 100, 29, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, 6 * 32768 + 32, 5, 190, 16, 2, 384);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 130, 70, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 64, 0, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 100, 29, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 5, 190, 16, 2, 384);
     }
     for (bool d : {false, true}) {
         g_cp_deferred = d;

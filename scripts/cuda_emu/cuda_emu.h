@@ -13,7 +13,7 @@
 // emu-provides: trace_now trace_sm
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
 // emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
-// emu-provides: wgmma_m64n64k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
+// emu-provides: wgmma_m64n64k16 wgmma_m64n80k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
@@ -554,6 +554,11 @@ inline unsigned long long wgmma_desc_sw128_mn(const void* p, unsigned lbo) {
 inline void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
     PendingWgmma op{d, da, db, scale_d};
     op.n = 64;
+    g_wg_open[emu_tid()].push_back(op);
+}
+inline void wgmma_m64n80k16(float (&d)[40], unsigned long long da, unsigned long long db, int scale_d) {
+    PendingWgmma op{d, da, db, scale_d};
+    op.n = 80;
     g_wg_open[emu_tid()].push_back(op);
 }
 // A from registers: the quad's four lanes hold a row pair's 16 k (a[0], a[2]: row g, k 2q.. and

@@ -53,9 +53,10 @@ const fn mma3_smem(hd: usize) -> usize {
     mma_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16
 }
 
-/// `attn_flash4_hd256` with its dynamic shared memory (F4_SMEM): Q of two heads and two stages
-/// of K and V, each a 64-row tile of 256 bf16 in the 128-byte swizzle (192 KiB), 4 mbarriers.
-const WGMMA_KERNEL: (&str, usize) = ("attn_flash4_hd256", 6 * 64 * 256 * 2 + 32);
+/// `attn_flash4_hd256` with its dynamic shared memory (F4_SMEM): Q of two heads (64 rows of
+/// 256 bf16 each) and two stages of K and V (80 rows each), in the 128-byte swizzle (224 KiB),
+/// 4 mbarriers. (A build with the kernel define F4_BK=64 uses 192 KiB of it.)
+const WGMMA_KERNEL: (&str, usize) = ("attn_flash4_hd256", (2 * 64 + 4 * 80) * 256 * 2 + 32);
 
 /// `attn_flash4_hd256`'s block: two consumer warpgroups and a producer warpgroup.
 const WGMMA_THREADS: u32 = 384;

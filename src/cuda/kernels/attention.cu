@@ -893,23 +893,39 @@ ATTN_FLASH_ENTRY(3, 256)
 // `empty` one (the 256 consumer threads arrive when done with it). So the consumers never wait
 // for each other and drift apart: one's softmax runs while the other's products use the tensor
 // cores. The producer gives registers back (setmaxnreg) so the consumers can hold O. A
-// consumer warpgroup, per K/V tile j of 64 keys:
-//   S = Q Kᵀ: 16 wgmma m64n64k16 straight from shared memory (Q and K in the 128-byte swizzle,
-//      four 64-dim column blocks each);
+// consumer warpgroup, per K/V tile j of F4_BK = 80 keys (F4_BK=64 by a kernel define):
+//   S = Q Kᵀ: 16 wgmma m64n80k16 straight from shared memory (Q and K in the 128-byte swizzle,
+//      four 64-dim column blocks each; at 80 keys a k16 step reads 5 KB for 40 of the tensor
+//      cores' clocks where 64 keys read 4 KB for 32: less shared-memory bandwidth a FLOP);
 //   the online softmax (base 2) on the accumulators, rows in the lanes of a quad as in the
 //      mma.sync kernels; O is rescaled only when a row's max moved;
 //   O += P V: 4 wgmma m64n256k16 with P from registers (S's accumulators packed to bf16 are the
 //      A fragments) and V read N-major from its swizzled tile (no transposing copy).
-// Registers: O 128, S 32 floats a consumer thread. Block 384. Dynamic smem F4_SMEM (1024-byte
-// aligned: the swizzle is a function of the address): Q 2 x 32 KiB, 2 stages of K 32 KiB +
-// V 32 KiB, then the four mbarriers.
+// Registers: O 128, S 40 floats a consumer thread. Block 384. Dynamic smem F4_SMEM (1024-byte
+// aligned: the swizzle is a function of the address): Q 2 x 32 KiB, 2 stages of K 40 KiB +
+// V 40 KiB, then the four mbarriers (229,408 bytes).
 #define F4_HD 256
-#define F4_BK 64
-#define F4_TILE (64 * F4_HD * 2)  // bytes of a 64-row tile: 4 column blocks of 64 rows x 128 B
-#define F4_SMEM (6 * F4_TILE + 32)
+#ifndef F4_BK
+#define F4_BK 80  // keys a K/V tile (64 or 80)
+#endif
+#define F4_TILE (64 * F4_HD * 2)       // bytes of a Q tile: 4 column blocks of 64 rows x 128 B
+#define F4_KV (F4_BK * F4_HD * 2)      // bytes of a K or V tile: 4 column blocks of F4_BK rows
+#define F4_SMEM (2 * F4_TILE + 4 * F4_KV + 32)
 
-// Byte offset of (row r, 16-byte chunk c of the HD / 8) in a swizzled 64-row tile.
-__device__ __forceinline__ int f4_off(int r, int c) { return (c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
+// Byte offset of (row r, 16-byte chunk c of the HD / 8) in a swizzled tile of ROWS rows.
+template <int ROWS>
+__device__ __forceinline__ int f4_off(int r, int c) {
+    return (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+// S (64 x F4_BK) += Q (64 x 16) Kᵀ from descriptors: the wgmma of the key tile's width.
+__device__ __forceinline__ void f4_qk(float (&s)[F4_BK / 2], unsigned long long dq, unsigned long long dk,
+                                      int scale_d) {
+#if F4_BK == 80
+    wgmma_m64n80k16(s, dq, dk, scale_d);
+#else
+    wgmma_m64n64k16(s, dq, dk, scale_d);
+#endif
+}
 
 extern "C" __global__ void __launch_bounds__(384, 1)
     attn_flash4_hd256(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
@@ -919,7 +935,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     extern __shared__ __align__(1024) unsigned char f4_smem[];
     unsigned char* qs = f4_smem;                 // [2 heads]
     unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(f4_smem + 6 * F4_TILE);  // [2]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + 4 * F4_KV);  // [2]
     unsigned long long* empty = full + 2;                                                      // [2]
     const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest query tiles first (flash_grid)
     const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
@@ -940,14 +956,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < ntiles; j++) {
             const int st = j & 1;
             if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
-            unsigned char* ks = kvs + st * 2 * F4_TILE;
+            unsigned char* ks = kvs + st * 2 * F4_KV;
 #pragma unroll 4
             for (int r = r0; r < F4_BK; r += 4) {
                 const int kp = j * F4_BK + r;
                 const bool ok = kp < n_valid;
                 const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + lane * 8;
-                cp_async16(ks + f4_off(r, lane), kc + off, ok);
-                cp_async16(ks + F4_TILE + f4_off(r, lane), vc + off, ok);
+                cp_async16(ks + f4_off<F4_BK>(r, lane), kc + off, ok);
+                cp_async16(ks + F4_KV + f4_off<F4_BK>(r, lane), vc + off, ok);
             }
             cp_async_mbar_arrive(&full[st]);
         }
@@ -969,7 +985,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                 x0 = *reinterpret_cast<const float4*>(src);
                 x1 = *reinterpret_cast<const float4*>(src + 4);
             }
-            *reinterpret_cast<uint4*>(qw + f4_off(r, c)) = make_uint4(
+            *reinterpret_cast<uint4*>(qw + f4_off<64>(r, c)) = make_uint4(
                 pack_bf16x2(x0.x * scale_log2, x0.y * scale_log2), pack_bf16x2(x0.z * scale_log2, x0.w * scale_log2),
                 pack_bf16x2(x1.x * scale_log2, x1.y * scale_log2), pack_bf16x2(x1.z * scale_log2, x1.w * scale_log2));
         }
@@ -991,29 +1007,29 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         const int st = j & 1;
         mbar_wait(&full[st], (j >> 1) & 1);  // the producer's copies of tile j landed
         fence_proxy_async();                 // ... and are visible to wgmma
-        const unsigned char* kt = kvs + st * 2 * F4_TILE;
+        const unsigned char* kt = kvs + st * 2 * F4_KV;
         // Descriptors pinned (an empty asm) before each stage, so their arithmetic is not sunk
         // into it nor all 16 hoisted out of the loop (out of uniform registers, the copies back
         // inside the stage serialize every wgmma: C7513).
-        unsigned long long dq = dq_wg, dk = wgmma_desc_sw128(kt), dv = wgmma_desc_sw128_mn(kt + F4_TILE, 64 * 128);
+        unsigned long long dq = dq_wg, dk = wgmma_desc_sw128(kt), dv = wgmma_desc_sw128_mn(kt + F4_KV, F4_BK * 128);
         unsigned accumulate = j > 0;  // the first P V product overwrites o
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dk);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(accumulate);
         const int k0 = j * F4_BK;
-        float s[32];
+        float s[F4_BK / 2];
         bar_sync_named(3 + wg, 256);  // this warpgroup's turn
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < F4_HD / 16; kk++)  // column block kk / 4, 32 bytes a k16 step inside it
-            wgmma_m64n64k16(s, dq + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3), dk + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3),
-                            kk > 0);
+            f4_qk(s, dq + (kk >> 2) * (8192 >> 4) + 2 * (kk & 3), dk + (kk >> 2) * ((F4_BK * 128) >> 4) + 2 * (kk & 3),
+                  kk > 0);
         wgmma_commit();
         if (wg == 0 || j + 1 < ntiles) bar_arrive_named(4 - wg, 256);  // the other's turn
         wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 32; i++) wgmma_fence_operand(s[i]);
+        for (int i = 0; i < F4_BK / 2; i++) wgmma_fence_operand(s[i]);
         // Causal / cache-end mask, only on tiles that reach past this warp's first row.
         auto& s4 = reinterpret_cast<float(&)[F4_BK / 8][4]>(s);
         if (k0 + F4_BK - 1 > qpos0 - g || k0 + F4_BK > n_valid) warp_causal_mask<F4_BK>(s4, k0, qpos0, n_valid, cq);

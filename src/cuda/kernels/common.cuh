@@ -626,6 +626,22 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long lo
         : WGMMA_D32_OUT(d)
         : "l"(da), "l"(db), "r"(scale_d));
 }
+// The same at N = 80 (40 registers a thread, 10 n8 blocks): attn_flash4's key tiles of 80.
+__device__ __forceinline__ void wgmma_m64n80k16(float (&d)[40], unsigned long long da, unsigned long long db,
+                                                int scale_d) {
+    WGMMA_ASM(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,"
+        "%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}, "
+        "%40, %41, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : WGMMA_D32_OUT(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+          "+f"(d[38]), "+f"(d[39])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
 // D[64 x 32] (16 registers a thread, wgmma_m64n256k16's layout over 4 n8 blocks) =
 // (scale_d ? D : 0) + A[64 x 8] * B[32 x 8]^T in tf32 (the hardware reads a register's top 19
 // bits), A from registers (thread t: a[0] = row 16 (t / 32) + (t % 32) / 4, column t % 4; a[1]
