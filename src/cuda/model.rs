@@ -140,8 +140,6 @@ struct Workspace {
     xb: DeviceBuf,
     p: DeviceBuf,
     qkv: DeviceBuf,
-    z: DeviceBuf,
-    ba: DeviceBuf,
     beta: DeviceBuf,
     g: DeviceBuf,
     o: DeviceBuf,
@@ -539,15 +537,13 @@ impl CudaModel {
             ("ids", t, 4),
             ("h", t * d, 4),
             ("xb", t * d.max(cfg.gdn_v_width()).max(nq * hd), 2),
-            // the GDN in-projection's output: q|k|v, z, b|a (or q|k|v alone, split)
+            // the GDN in-projection's output: q|k|v, z, b|a side by side
             (
                 "p",
                 t * (cfg.gdn_conv_channels() + cfg.gdn_v_width() + 2 * cfg.gdn_num_value_heads),
                 4,
             ),
             ("qkv", t * cfg.gdn_conv_channels(), 4),
-            ("z", t * cfg.gdn_v_width(), 4),
-            ("ba", t * 2 * hv, 4),
             ("beta", t * hv, 4),
             ("g", t * hv, 4),
             ("o", t * cfg.gdn_v_width(), 4),
@@ -955,8 +951,6 @@ impl CudaModel {
             xb: take("xb")?,
             p: take("p")?,
             qkv: take("qkv")?,
-            z: take("z")?,
-            ba: take("ba")?,
             beta: take("beta")?,
             g: take("g")?,
             o: take("o")?,
@@ -1080,36 +1074,24 @@ impl CudaModel {
                     let sh = GdnShape::of(c, t);
                     let (hv, dv) = (sh.hv, sh.dv);
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
-                    // The in-projection's q|k|v, z and b|a: (merged) one GEMM into p, whose
-                    // rows the conv, the gates and the gated norm read in place; or (split,
-                    // KESTREL_GDN_INPROJ=split) q|k|v into p with z and b|a on the second
-                    // stream beside it and the conv (joined before the gates read b|a).
+                    // The in-projection's q|k|v, z and b|a side by side in p's rows (the conv,
+                    // the gates and the gated norm read them in place): one GEMM, or
+                    // (KESTREL_GDN_INPROJ=split) q|k|v with z and b|a on the second stream
+                    // beside it and the conv (joined before the gates read b|a).
                     let rows_all = ch + vw + 2 * hv;
-                    let (conv_in, z, ldz, ba, ldba) = if self.gdn_inproj_merged {
-                        g.gemm(
-                            w.in_proj.ptr,
-                            rows_all,
-                            d,
-                            ws.xb.ptr,
-                            t,
-                            ws.p.ptr,
-                            rows_all,
-                            0.0,
-                        )?;
-                        let at = |col: usize| ws.p.ptr + (col * 4) as u64;
-                        let conv_in = ConvRows {
-                            ptr: ws.p.ptr,
-                            ld: rows_all,
-                        };
-                        (conv_in, at(ch), rows_all, at(ch + vw), rows_all)
+                    let at = |col: usize| ws.p.ptr + (col * 4) as u64;
+                    let (xb, ld) = (ws.xb.ptr, rows_all);
+                    if self.gdn_inproj_merged {
+                        g.gemm(w.in_proj.ptr, rows_all, d, xb, t, ws.p.ptr, ld, 0.0)?;
                     } else {
                         let (in_qkv, in_z, in_ba) = w.in_parts(c);
                         g.fork_aux()?;
-                        g.gemm_aux(in_z, vw, d, ws.xb.ptr, t, ws.z.ptr, vw, 0.0)?;
-                        g.gemm_aux(in_ba, 2 * hv, d, ws.xb.ptr, t, ws.ba.ptr, 2 * hv, 0.0)?;
-                        g.gemm(in_qkv, ch, d, ws.xb.ptr, t, ws.p.ptr, ch, 0.0)?;
-                        (ConvRows::packed(ws.p.ptr), ws.z.ptr, vw, ws.ba.ptr, 2 * hv)
-                    };
+                        g.gemm_aux(in_z, vw, d, xb, t, at(ch), ld, 0.0)?;
+                        g.gemm_aux(in_ba, 2 * hv, d, xb, t, at(ch + vw), ld, 0.0)?;
+                        g.gemm(in_qkv, ch, d, xb, t, ws.p.ptr, ld, 0.0)?;
+                    }
+                    let conv_in = ConvRows { ptr: ws.p.ptr, ld };
+                    let (z, ba) = (at(ch), at(ch + vw));
                     let chunked =
                         t > 1 && self.gdn_chunked && sh.chunked_fits(g.max_smem_per_block);
                     let conv = if chunked {
@@ -1137,7 +1119,7 @@ impl CudaModel {
                         &[
                             Arg::Ptr(ba),
                             Arg::Ptr(ba + (hv * 4) as u64),
-                            Arg::I(ldba as i32),
+                            Arg::I(ld as i32),
                             Arg::Ptr(w.a_log.ptr),
                             Arg::Ptr(w.dt_bias.ptr),
                             Arg::Ptr(ws.beta.ptr),
@@ -1171,7 +1153,7 @@ impl CudaModel {
                             Arg::I((t * hv) as i32),
                             Arg::I(dv as i32),
                             Arg::I(hv as i32),
-                            Arg::I(ldz as i32),
+                            Arg::I(ld as i32),
                             Arg::F(eps),
                         ],
                     )?;

@@ -483,7 +483,7 @@ impl Gpu {
     /// A dense SwiGLU MLP (the shared expert) of `rows` rows on the second stream through
     /// `moe_gemm6`: `act` = bf16(SiLU(x · gateᵀ) * (x · upᵀ)) for `gu` (`gu.w` = [gate; up],
     /// `gu.out` = act), then `down.out` (f32) = act · downᵀ, over `p`, a plan of one expert with
-    /// all the rows in order (`dense_plan_tiles`). Needs sm_90a (`moe_gemm6`).
+    /// all the rows in order ([`DensePlan`]). Needs sm_90a (`moe_gemm6`).
     pub fn dense_mlp_aux(
         &self,
         p: &MoePlan,
