@@ -890,10 +890,12 @@ MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 // warpgroups wait on each other. Grid: at most one block an SM, walking the work items q of
 // nblk column blocks x *num_tiles tiles (q = tile * nblk + column block: a tile's column blocks
 // run side by side and share its gathered A rows in L2) in increasing q, each block claiming
-// its next item from the launch's counter `claim` (g6_next_item): items differ in cost (an
-// expert's last tile may hold a few rows), so a fixed share per block ended the kernel on its
-// slowest block. Dynamic smem G6_SMEM (1024-byte aligned: the swizzle is a function of the
-// address): the stages, their barriers, then the item hand-off (two slots).
+// its next item from the launch's counter `claim` (g6_next_item), since items differ in cost
+// (an expert's last tile may hold a few rows) and a launch may share the SMs with another
+// stream's (the shared expert's); against a fixed share per block it measured level on the
+// H200 (docs/KERNELS.md, eighteenth session). Dynamic smem G6_SMEM (1024-byte aligned: the
+// swizzle is a function of the address): the stages, their barriers, then the item hand-off
+// (two slots).
 #define G6_STAGES 4
 #define G6_STAGE ((G5_BM + G5_BN) * G4_BK)  // bf16 elements of a stage (48 KiB)
 #define G6_SMEM (G6_STAGES * G6_STAGE * 2 + 2 * G6_STAGES * 8 + 48)
@@ -902,10 +904,9 @@ MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 // warp waits for the slot) claims it from `claim` (an i32 that is zero when the launch begins)
 // and hands it to the block's other threads through slot n % 2 (`full` count 1, `empty` count:
 // every thread of the block, so a slot is refilled only once all have read it). Each block
-// makes exactly one claim past the items;
-// the last of those (value items + gridDim.x - 1: every other claim came before it) sets the
-// counter back to zero for the next launch. With MOE_G6_STATIC, block b takes b, b +
-// gridDim.x, .. (the counter untouched).
+// makes exactly one claim past the items; the last of those (value items + gridDim.x - 1: every
+// other claim came before it) sets the counter back to zero for the next launch. With
+// MOE_G6_STATIC, block b takes b, b + gridDim.x, .. (the counter untouched).
 __device__ __forceinline__ int g6_next_item(int* claim, int items, int* slot_q, unsigned long long* item_full,
                                             unsigned long long* item_empty, int n, bool leader) {
     const int slot = n & 1;
