@@ -70,7 +70,8 @@ const FLASH_MIN_TOKENS: usize = 16;
 
 struct GdnW {
     /// `[C + Hv*Dv + 2*Hv, D]`: the qkv conv inputs, z, b, a rows in one matrix, so decode
-    /// reads them in one GEMV (prefill multiplies the three parts).
+    /// reads them in one GEMV and prefill in one GEMM (the three parts with
+    /// `KESTREL_GDN_INPROJ=split`).
     in_proj: DeviceBuf,
     conv: DeviceBuf,
     a_log: DeviceBuf,

@@ -369,7 +369,7 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        self.grouped_plain(kind, tile_m, p, rows, experts, g, false)
+        self.grouped_plain(kind, tile_m, p, rows, experts, g, false, false)
     }
 
     /// [`Gpu::moe_grouped`] with a bf16 `out [rows, ndim]` (the down product's y, half the
@@ -384,11 +384,11 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
-        self.grouped_plain(kind, tile_m, p, rows, experts, g, true)
+        self.grouped_plain(kind, tile_m, p, rows, experts, g, true, false)
     }
 
     /// The kernel of [`Gpu::moe_grouped`] (f32 out) or [`Gpu::moe_grouped_bf16`] (`y16`), and
-    /// its launch.
+    /// its launch (on the second stream with `aux`).
     #[allow(clippy::too_many_arguments)]
     fn grouped_plain(
         &self,
@@ -399,6 +399,7 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
         y16: bool,
+        aux: bool,
     ) -> Result<()> {
         // (name, output columns a block, threads, smem bytes)
         let kernel = match (kind, tile_m, y16) {
@@ -437,7 +438,7 @@ impl Gpu {
             g,
             g.ndim,
             order,
-            false,
+            aux,
         )
     }
 
@@ -453,6 +454,22 @@ impl Gpu {
         experts: usize,
         g: &Grouped,
     ) -> Result<()> {
+        self.grouped_swiglu(kind, tile_m, p, rows, experts, g, false)
+    }
+
+    /// The kernel of [`Gpu::moe_grouped_swiglu`] and its launch (on the second stream with
+    /// `aux`).
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_swiglu(
+        &self,
+        kind: MoeGemm,
+        tile_m: usize,
+        p: &MoePlan,
+        rows: usize,
+        experts: usize,
+        g: &Grouped,
+        aux: bool,
+    ) -> Result<()> {
         let (name, geometry) = match (kind, tile_m) {
             (MoeGemm::V3, 128) => ("moe_gemm3_swiglu_m128", (128, 64, 256, gemm3_smem(128))),
             (MoeGemm::V3, 64) => ("moe_gemm3_swiglu_m64", (64, 128, 256, gemm3_smem(64))),
@@ -467,17 +484,7 @@ impl Gpu {
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),
         };
         let order = GridOrder::of(kind, tile_m);
-        self.grouped_launch(
-            name,
-            geometry,
-            p,
-            rows,
-            experts,
-            g,
-            g.ndim / 2,
-            order,
-            false,
-        )
+        self.grouped_launch(name, geometry, p, rows, experts, g, g.ndim / 2, order, aux)
     }
 
     /// A dense SwiGLU MLP (the shared expert) of `rows` rows on the second stream through
@@ -491,31 +498,9 @@ impl Gpu {
         gu: &Grouped,
         down: &Grouped,
     ) -> Result<()> {
-        let geometry = (128, 128, 384, GEMM6_SMEM);
-        let order = GridOrder::Persistent;
-        self.grouped_launch(
-            "moe_gemm6_swiglu_m128",
-            geometry,
-            p,
-            rows,
-            1,
-            gu,
-            gu.ndim / 2,
-            order,
-            true,
-        )?;
-        let geometry = (128, 256, 384, GEMM6_SMEM);
-        self.grouped_launch(
-            "moe_gemm6_m128",
-            geometry,
-            p,
-            rows,
-            1,
-            down,
-            down.ndim,
-            order,
-            true,
-        )
+        let (v6, m) = (MoeGemm::V6, DensePlan::TILE_M);
+        self.grouped_swiglu(v6, m, p, rows, 1, gu, true)?;
+        self.grouped_plain(v6, m, p, rows, 1, down, false, true)
     }
 
     /// Launches a grouped kernel: (tile_m, output columns per block, threads, smem bytes),
