@@ -14,7 +14,7 @@
 //! greedy choices wherever the reference's top-2 margin exceeds 5% of the logit scale. Against transformers at full width (healthy
 //! scale) see `fullwidth_checkpoint_matches_hf`.
 
-use kestrel::cuda::attention::{Flash, FlashCall};
+use kestrel::cuda::attention::{Flash, FlashCall, QPrep};
 use kestrel::cuda::gdn::{ConvRows, DeltaBufs, GdnShape};
 use kestrel::cuda::gemm::GemmPath;
 use kestrel::cuda::model::CudaModel;
@@ -1757,6 +1757,7 @@ impl AttnCase {
         let (k, v) = (gpu.upload(&self.k).unwrap(), gpu.upload(&self.v).unwrap());
         let out = gpu.alloc_zeroed(self.t * ATT_NQ * ATT_HD * 2).unwrap();
         let call = FlashCall {
+            q_prep: None,
             q: q.ptr,
             k_cache: k.ptr,
             v_cache: v.ptr,
@@ -1783,6 +1784,187 @@ impl AttnCase {
         let mut host = vec![half::bf16::ZERO; self.t * ATT_NQ * ATT_HD];
         gpu.copy_to_host(out.ptr, &mut host).unwrap();
         (host.iter().map(|x| x.to_f32()).collect(), ms)
+    }
+}
+
+/// One layer's prefill attention the two ways: attn_prep_rows on all heads writing q, then
+/// attn_flash4 reading it; or attn_prep_rows on the KV heads only and attn_flash4 preparing the
+/// queries from qg itself (`FlashCall::q_prep`). Returns the output, the caches, the separate
+/// way's q and, with `reps`, the milliseconds of prep + attention.
+struct QPrepCase {
+    t: usize,
+    past: usize,
+    qg: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    inv_freq: Vec<f32>,
+    cache: Vec<half::bf16>,
+}
+
+/// Output, K cache, V cache, q, ms.
+type QPrepRun = (Vec<f32>, Vec<half::bf16>, Vec<half::bf16>, Vec<f32>, f64);
+
+impl QPrepCase {
+    const ROT_HALF: usize = 32;
+
+    fn new(t: usize, past: usize, seed: u64) -> Self {
+        let mut r = Lcg(seed);
+        let (nq, nkv, hd) = (ATT_NQ, ATT_NKV, ATT_HD);
+        let rh = Self::ROT_HALF;
+        QPrepCase {
+            t,
+            past,
+            qg: r.vec(t * nq * 2 * hd, 2.0),
+            k: r.vec(t * nkv * hd, 2.0),
+            v: r.vec(t * nkv * hd, 1.0),
+            q_norm: r.vec(hd, 0.5),
+            k_norm: r.vec(hd, 0.5),
+            inv_freq: (0..rh)
+                .map(|i| 10_000f32.powf(-(i as f32) / rh as f32))
+                .collect(),
+            cache: r
+                .vec((past + t) * nkv * hd, 1.0)
+                .into_iter()
+                .map(half::bf16::from_f32)
+                .collect(),
+        }
+    }
+
+    fn run(&self, gpu: &Gpu, fused: bool, reps: usize) -> QPrepRun {
+        let (t, nq, nkv, hd) = (self.t, ATT_NQ, ATT_NKV, ATT_HD);
+        let up = |v: &[f32]| gpu.upload(v).unwrap();
+        let (qg, k, v) = (up(&self.qg), up(&self.k), up(&self.v));
+        let (qn, kn, invf) = (up(&self.q_norm), up(&self.k_norm), up(&self.inv_freq));
+        let (kc, vc) = (
+            gpu.upload(&self.cache).unwrap(),
+            gpu.upload(&self.cache).unwrap(),
+        );
+        // NaN: the fused way must not read q
+        let q = up(&vec![f32::NAN; t * nq * hd]);
+        let out = gpu.alloc_zeroed(t * nq * hd * 2).unwrap();
+        let h0 = if fused { nq } else { 0 };
+        let eps = 1e-6f32;
+        let once = || {
+            let args = [
+                Arg::Ptr(qg.ptr),
+                Arg::Ptr(k.ptr),
+                Arg::Ptr(v.ptr),
+                Arg::Ptr(qn.ptr),
+                Arg::Ptr(kn.ptr),
+                Arg::Ptr(invf.ptr),
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kc.ptr),
+                Arg::Ptr(vc.ptr),
+                Arg::I(self.past as i32),
+                Arg::I(t as i32),
+                Arg::I(nq as i32),
+                Arg::I(nkv as i32),
+                Arg::I(hd as i32),
+                Arg::I(Self::ROT_HALF as i32),
+                Arg::F(eps),
+                Arg::I(h0 as i32),
+            ];
+            let grid = ((t * (nq + nkv - h0)).div_ceil(8) as u32, 1, 1);
+            gpu.launch("attn_prep_rows", grid, 256, (8 * hd * 4) as u32, &args)
+                .unwrap();
+            let call = FlashCall {
+                q_prep: fused.then_some(QPrep {
+                    q_norm: qn.ptr,
+                    inv_freq: invf.ptr,
+                    rot_half: Self::ROT_HALF,
+                    eps,
+                }),
+                q: q.ptr,
+                k_cache: kc.ptr,
+                v_cache: vc.ptr,
+                qg: qg.ptr,
+                out: out.ptr,
+                t,
+                past: self.past,
+                nq,
+                nkv,
+                hd,
+            };
+            gpu.attn_flash(Flash::Wgmma, &call).unwrap();
+        };
+        once();
+        gpu.sync().unwrap();
+        let mut ms = 0.0;
+        if reps > 0 {
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                once();
+            }
+            gpu.sync().unwrap();
+            ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        }
+        let mut o = vec![half::bf16::ZERO; t * nq * hd];
+        gpu.copy_to_host(out.ptr, &mut o).unwrap();
+        let mut kh = vec![half::bf16::ZERO; self.cache.len()];
+        let mut vh = kh.clone();
+        gpu.copy_to_host(kc.ptr, &mut kh).unwrap();
+        gpu.copy_to_host(vc.ptr, &mut vh).unwrap();
+        let mut qh = vec![0f32; t * nq * hd];
+        gpu.copy_to_host(q.ptr, &mut qh).unwrap();
+        (o.iter().map(|x| x.to_f32()).collect(), kh, vh, qh, ms)
+    }
+}
+
+/// attn_flash4 preparing the query heads itself (RMSNorm and partial rotation on the way into
+/// shared memory; `FlashCall::q_prep`) against attn_prep_rows writing q for it: the KV cache
+/// rows bitwise equal, the outputs within 1e-3 of each other (the same sums in the same order,
+/// so equal unless the compiler contracts a product differently), both within 1e-2 of the f64
+/// attention of the separate way's q (chunked: after cached positions, ragged lengths); then
+/// both ways timed at 8,192 tokens.
+#[test]
+fn attn_flash4_fused_q_prep_matches_separate() {
+    let Some(gpu) = gpu() else { return };
+    let rh = QPrepCase::ROT_HALF;
+    if !gpu.flash_preps_q(Flash::Wgmma, ATT_NQ, ATT_NKV, ATT_HD, rh) {
+        println!("SKIPPED: attn_flash4 needs sm_90a");
+        return;
+    }
+    for (t, past) in [(77, 190), (300, 0), (8192, 0)] {
+        let case = QPrepCase::new(t, past, 40 + t as u64);
+        let reps = if t >= 4096 { 5 } else { 0 };
+        let (a, ka, va, q, ms_a) = case.run(&gpu, false, reps);
+        let (b, kb, vb, q_b, ms_b) = case.run(&gpu, true, reps);
+        assert!(q.iter().all(|x| x.is_finite()), "t {t}: separate q");
+        assert!(
+            q_b.iter().all(|x| x.is_nan()),
+            "t {t}: the fused way wrote q"
+        );
+        assert!(
+            ka == kb && va == vb,
+            "t {t} past {past}: KV cache rows differ"
+        );
+        let diff = norm_rel_err(&b, &a);
+        let differing = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+        print!(
+            "t {t} past {past}: fused vs separate {diff:.2e} ({differing} of {} outputs differ)",
+            a.len()
+        );
+        assert!(diff <= 1e-3, "t {t} past {past}: {diff}");
+        if t <= 512 {
+            let reference = AttnCase {
+                t,
+                past,
+                q,
+                qg: case.qg.clone(),
+                k: ka,
+                v: va,
+            }
+            .reference();
+            let (ea, eb) = (norm_rel_err(&a, &reference), norm_rel_err(&b, &reference));
+            print!(", vs f64 {ea:.2e} / {eb:.2e}");
+            assert!(ea <= 1e-2 && eb <= 1e-2, "t {t} past {past}: {ea} / {eb}");
+        }
+        if reps > 0 {
+            print!(", prep + attention {ms_a:.3} ms separate, {ms_b:.3} ms fused");
+        }
+        println!();
     }
 }
 

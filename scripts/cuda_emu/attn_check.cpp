@@ -4,6 +4,7 @@
 // per KV head) and the fixtures' (hd 32, 2 per KV head), with partial tiles and splits.
 #include "kernels_emu.inc"
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 
@@ -115,6 +116,58 @@ static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, 
     fails += !ok;
 }
 
+// attn_flash4 reading q prepared by attn_prep_rows (the FlashKernel signature, no fused prep).
+static void flash4_plain(const float* q, const bf16* kc, const bf16* vc, const float* qg, bf16* out, int t, int past,
+                         int nq, int nkv, int hd, float scale) {
+    attn_flash4_hd256(q, kc, vc, qg, out, t, past, nq, nkv, hd, scale, nullptr, nullptr, 0, 0.0f);
+}
+
+// attn_flash4 preparing the query heads itself (q_norm set; attn_prep_rows on the KV heads only)
+// against attn_prep_rows on all heads then attn_flash4 on its q: the same sums in the same order,
+// so the caches and the outputs bitwise equal.
+static void run_flash4_prep(int t, int past, int nq, int nkv, int rot_half) {
+    const int hd = 256, n = past + t;
+    std::vector<float> qg((size_t)t * nq * 2 * hd), k((size_t)t * nkv * hd), v(k.size()), qn(hd), kn(hd), invf(rot_half);
+    for (auto* a : {&qg, &k, &v}) for (auto& x : *a) x = uni(-2, 2);
+    for (auto* a : {&qn, &kn}) for (auto& x : *a) x = uni(-0.5, 0.5);
+    for (int i = 0; i < rot_half; i++) invf[i] = std::pow(10000.0f, -(float)i / rot_half);
+    std::vector<bf16> cache((size_t)n * nkv * hd);
+    for (auto& x : cache) x = __float2bfloat16(uni(-1, 1));
+    const float scale = 1.0f / 16.0f;
+    std::vector<bf16> out[2], kc[2], vc[2];
+    for (int fused = 0; fused < 2; fused++) {
+        std::vector<float> q((size_t)t * nq * hd, NAN);
+        kc[fused] = cache, vc[fused] = cache;
+        out[fused].assign((size_t)t * nq * hd, __float2bfloat16(std::nanf("")));
+        const int h0 = fused ? nq : 0;
+        emu_launch({(unsigned)((t * (nq + nkv - h0) + 7) / 8), 1, 1}, 256, (size_t)8 * hd * 4, [&] {
+            attn_prep_rows(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q.data(), kc[fused].data(),
+                           vc[fused].data(), past, t, nq, nkv, hd, rot_half, 1e-6f, h0);
+        });
+        emu_launch({(unsigned)(nq / 2), (unsigned)((t + 63) / 64), 1}, 384, F4_SMEM, [&] {
+            attn_flash4_hd256(q.data(), kc[fused].data(), vc[fused].data(), qg.data(), out[fused].data(), t, past, nq,
+                              nkv, hd, scale, fused ? qn.data() : nullptr, fused ? invf.data() : nullptr, rot_half,
+                              1e-6f);
+        });
+    }
+    size_t diff = 0, nan = 0;
+    for (size_t i = 0; i < out[0].size(); i++) {
+        const float a = __bfloat162float(out[0][i]), b = __bfloat162float(out[1][i]);
+        nan += !std::isfinite(a) || !std::isfinite(b);
+        diff += a != b;
+    }
+    auto same = [](const std::vector<bf16>& a, const std::vector<bf16>& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
+    };
+    const bool caches = same(kc[0], kc[1]) && same(vc[0], vc[1]);
+    const bool ok = nan == 0 && diff == 0 && caches;
+    printf("%s attn_flash4 fused q prep t=%d past=%d rot=%d: %zu of %zu outputs differ from the separate prep, %zu "
+           "non-finite, caches %s\n",
+           ok ? "ok  " : "FAIL", t, past, 2 * rot_half, diff, out[0].size(), nan,
+           caches ? "equal" : "DIFFER");
+    fails += !ok;
+}
+
 static size_t flash2_smem(int hd) { return (size_t)(2 * 64 + 4 * 64) * (hd + 8) * 2; }
 static size_t flash3_smem(int hd) { return flash2_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16; }
 
@@ -133,7 +186,7 @@ static void run_prep(int t, int past, int nq, int nkv, int hd, int rot_half) {
     });
     emu_launch({(unsigned)((t * (nq + nkv) + 7) / 8), 1, 1}, 256, (size_t)8 * hd * 4, [&] {
         attn_prep_rows(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q_b.data(), kc_b.data(),
-                       vc_b.data(), past, t, nq, nkv, hd, rot_half, 1e-6f);
+                       vc_b.data(), past, t, nq, nkv, hd, rot_half, 1e-6f, 0);
     });
     double eq = 0;
     for (size_t i = 0; i < q_a.size(); i++) eq = std::isnan(q_b[i]) ? INFINITY : std::max(eq, (double)std::fabs(q_a[i] - q_b[i]));
@@ -171,10 +224,12 @@ int main(int argc, char** argv) {
         run_flash<128>("attn_flash3_hd128", attn_flash3_hd128, flash3_smem(128), 33, 100, 4, 1);
         // wgmma (emulated through its descriptors: Q/K K-major, V N-major, P from registers), a producer
         // warpgroup and mbarriers: block 384
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 130, 70, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 64, 0, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 100, 29, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", attn_flash4_hd256, F4_SMEM, 5, 190, 16, 2, 384);
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 130, 70, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 64, 0, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 100, 29, 4, 2, 384);
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 5, 190, 16, 2, 384);
+        run_flash4_prep(130, 70, 4, 2, 32);
+        run_flash4_prep(70, 0, 4, 1, 16);
     }
     for (bool d : {false, true}) {
         g_cp_deferred = d;

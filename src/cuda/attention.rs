@@ -118,11 +118,23 @@ fn mma_kernel(hd: usize, group: usize, v2: bool) -> Option<(&'static str, usize)
     group.is_multiple_of(2).then_some(FLASH_KERNELS[table + i])
 }
 
-/// One prefill attention call: `q` f32 `[t, nq, hd]`, the bf16 caches `[positions, nkv, hd]`
-/// holding `past + t` positions, `qg` f32 `[t, nq, 2 * hd]` (the output gate in the second
-/// half), `out` bf16 `[t, nq * hd]`.
+/// The query heads' RMSNorm and partial rotation (attn_prep's), done by `attn_flash4` as it
+/// loads Q from `qg`'s first half: `q_norm` f32 `[hd]`, `inv_freq` f32 `[rot_half]`.
+#[derive(Clone, Copy, Debug)]
+pub struct QPrep {
+    pub q_norm: u64,
+    pub inv_freq: u64,
+    pub rot_half: usize,
+    pub eps: f32,
+}
+
+/// One prefill attention call: `q` f32 `[t, nq, hd]` (unused with `q_prep`), the bf16 caches
+/// `[positions, nkv, hd]` holding `past + t` positions, `qg` f32 `[t, nq, 2 * hd]` (the output
+/// gate in the second half; with `q_prep` also the raw queries in the first), `out` bf16
+/// `[t, nq * hd]`.
 #[derive(Clone, Copy, Debug)]
 pub struct FlashCall {
+    pub q_prep: Option<QPrep>,
     pub q: u64,
     pub k_cache: u64,
     pub v_cache: u64,
@@ -136,11 +148,40 @@ pub struct FlashCall {
 }
 
 impl Gpu {
+    /// Whether `kind` runs `attn_flash4` for this shape: the kernel that can take a `QPrep`.
+    fn flash_is_wgmma(&self, kind: Flash, nq: usize, nkv: usize, hd: usize) -> bool {
+        kind == Flash::Wgmma
+            && self.compute_capability == (9, 0)
+            && hd == 256
+            && (nq / nkv).is_multiple_of(2)
+    }
+
+    /// Whether `attn_flash` can prepare the queries itself (`FlashCall::q_prep`) for this
+    /// kernel and shape: `attn_flash4`, a rotation of at most 64 dims in steps of 8.
+    pub fn flash_preps_q(
+        &self,
+        kind: Flash,
+        nq: usize,
+        nkv: usize,
+        hd: usize,
+        rot_half: usize,
+    ) -> bool {
+        self.flash_is_wgmma(kind, nq, nkv, hd) && rot_half <= 32 && rot_half.is_multiple_of(4)
+    }
+
     /// Causal attention of the `t` new positions over the cache, sigmoid output gate fused,
     /// through `kind` (head dim a multiple of 32 up to 256).
     pub fn attn_flash(&self, kind: Flash, a: &FlashCall) -> Result<()> {
         let group = a.nq / a.nkv;
-        let wgmma = self.compute_capability == (9, 0) && a.hd == 256 && group.is_multiple_of(2);
+        let wgmma = self.flash_is_wgmma(kind, a.nq, a.nkv, a.hd);
+        if let Some(p) = a.q_prep {
+            anyhow::ensure!(
+                self.flash_preps_q(kind, a.nq, a.nkv, a.hd, p.rot_half),
+                "attention: the query prep fused for a kernel or shape without it ({kind:?}, head dim {}, rotation {})",
+                a.hd,
+                2 * p.rot_half
+            );
+        }
         // (kernel, dynamic smem, threads); every one but the WMMA kernel takes two heads a block
         let two_heads = match kind {
             Flash::Wgmma if wgmma => Some((WGMMA_KERNEL, WGMMA_THREADS)),
@@ -163,25 +204,30 @@ impl Gpu {
         } else {
             (q_tiles, head_blocks, 1)
         };
-        self.launch_dep(
-            name,
-            grid,
-            threads,
-            smem as u32,
-            &[
-                Arg::Ptr(a.q),
-                Arg::Ptr(a.k_cache),
-                Arg::Ptr(a.v_cache),
-                Arg::Ptr(a.qg),
-                Arg::Ptr(a.out),
-                Arg::I(a.t as i32),
-                Arg::I(a.past as i32),
-                Arg::I(a.nq as i32),
-                Arg::I(a.nkv as i32),
-                Arg::I(a.hd as i32),
-                Arg::F(1.0 / (a.hd as f32).sqrt()),
-            ],
-        )
+        let mut args = vec![
+            Arg::Ptr(a.q),
+            Arg::Ptr(a.k_cache),
+            Arg::Ptr(a.v_cache),
+            Arg::Ptr(a.qg),
+            Arg::Ptr(a.out),
+            Arg::I(a.t as i32),
+            Arg::I(a.past as i32),
+            Arg::I(a.nq as i32),
+            Arg::I(a.nkv as i32),
+            Arg::I(a.hd as i32),
+            Arg::F(1.0 / (a.hd as f32).sqrt()),
+        ];
+        if name == WGMMA_KERNEL.0 {
+            // attn_flash4's fused query prep (a null q_norm: q is read prepared)
+            let p = a.q_prep;
+            args.extend([
+                Arg::Ptr(p.map_or(0, |p| p.q_norm)),
+                Arg::Ptr(p.map_or(0, |p| p.inv_freq)),
+                Arg::I(p.map_or(0, |p| p.rot_half as i32)),
+                Arg::F(p.map_or(0.0, |p| p.eps)),
+            ]);
+        }
+        self.launch_dep(name, grid, threads, smem as u32, &args)
     }
 }
 

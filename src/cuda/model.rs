@@ -4,7 +4,7 @@
 //! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
-use super::attention::{Flash, FlashCall, decode_mma_kernel, decode_mma_smem};
+use super::attention::{Flash, FlashCall, QPrep, decode_mma_kernel, decode_mma_smem};
 use super::gdn::{ConvRows, DeltaBufs, GdnShape};
 use super::moe::{DensePlan, Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
@@ -370,6 +370,10 @@ pub struct CudaModel {
     /// The GDN prefill in-projection as one GEMM (q|k|v, z and b|a side by side in p);
     /// `KESTREL_GDN_INPROJ=split` runs z and b|a on the second stream beside q|k|v.
     pub gdn_inproj_merged: bool,
+    /// Prefill attention prepares the query heads (RMSNorm, rotation) as it loads them where
+    /// the kernel can (`attn_flash4`; attn_prep_rows then does the KV heads only);
+    /// `KESTREL_ATTN_QPREP=separate` keeps attn_prep_rows writing q for all heads.
+    pub flash_q_prep: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of up to
@@ -932,6 +936,7 @@ impl CudaModel {
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
+            flash_q_prep: !std::env::var("KESTREL_ATTN_QPREP").is_ok_and(|v| v == "separate"),
         })
     }
 
@@ -1183,43 +1188,56 @@ impl CudaModel {
                     g.join_aux()?;
                     // A warp per (token, head) row (attn_prep_rows, 16-byte loads: hd % 4 ==
                     // 0), else attn_prep's block per row; the same arguments but the one
-                    // before nq (the token count, or attn_prep's device-position pointer).
+                    // before nq (the token count, or attn_prep's device-position pointer)
+                    // and attn_prep_rows' first head (nq where attn_flash4 preps the queries).
+                    let flash = t >= FLASH_MIN_TOKENS;
+                    let rot_half = c.rotary_dim / 2;
+                    let q_prep = (flash
+                        && self.flash_q_prep
+                        && hd % 4 == 0
+                        && g.flash_preps_q(self.flash, nq, nkv, hd, rot_half))
+                    .then_some(QPrep {
+                        q_norm: w.q_norm.ptr,
+                        inv_freq: self.inv_freq.ptr,
+                        rot_half,
+                        eps,
+                    });
                     let rows = hd % 4 == 0;
+                    let h0 = if q_prep.is_some() { nq } else { 0 };
                     let (name, grid, block_dim, smem) = if rows {
-                        let grid = ((t * (nq + nkv)).div_ceil(8) as u32, 1, 1);
+                        let grid = ((t * (nq + nkv - h0)).div_ceil(8) as u32, 1, 1);
                         ("attn_prep_rows", grid, 256, 8 * hd * 4)
                     } else {
                         let grid = (t as u32, (nq + nkv) as u32, 1);
                         ("attn_prep", grid, block(hd), hd * 4)
                     };
-                    g.launch_dep(
-                        name,
-                        grid,
-                        block_dim,
-                        smem as u32,
-                        &[
-                            Arg::Ptr(ws.qg.ptr),
-                            Arg::Ptr(ws.k.ptr),
-                            Arg::Ptr(ws.v.ptr),
-                            Arg::Ptr(w.q_norm.ptr),
-                            Arg::Ptr(w.k_norm.ptr),
-                            Arg::Ptr(self.inv_freq.ptr),
-                            Arg::Ptr(ws.q.ptr),
-                            Arg::Ptr(kc.ptr),
-                            Arg::Ptr(vc.ptr),
-                            Arg::I(past as i32),
-                            if rows { Arg::I(t as i32) } else { Arg::Ptr(0) },
-                            Arg::I(nq as i32),
-                            Arg::I(nkv as i32),
-                            Arg::I(hd as i32),
-                            Arg::I((c.rotary_dim / 2) as i32),
-                            Arg::F(eps),
-                        ],
-                    )?;
-                    if t >= FLASH_MIN_TOKENS {
+                    let mut args = vec![
+                        Arg::Ptr(ws.qg.ptr),
+                        Arg::Ptr(ws.k.ptr),
+                        Arg::Ptr(ws.v.ptr),
+                        Arg::Ptr(w.q_norm.ptr),
+                        Arg::Ptr(w.k_norm.ptr),
+                        Arg::Ptr(self.inv_freq.ptr),
+                        Arg::Ptr(ws.q.ptr),
+                        Arg::Ptr(kc.ptr),
+                        Arg::Ptr(vc.ptr),
+                        Arg::I(past as i32),
+                        if rows { Arg::I(t as i32) } else { Arg::Ptr(0) },
+                        Arg::I(nq as i32),
+                        Arg::I(nkv as i32),
+                        Arg::I(hd as i32),
+                        Arg::I(rot_half as i32),
+                        Arg::F(eps),
+                    ];
+                    if rows {
+                        args.push(Arg::I(h0 as i32));
+                    }
+                    g.launch_dep(name, grid, block_dim, smem as u32, &args)?;
+                    if flash {
                         g.attn_flash(
                             self.flash,
                             &FlashCall {
+                                q_prep,
                                 q: ws.q.ptr,
                                 k_cache: kc.ptr,
                                 v_cache: vc.ptr,

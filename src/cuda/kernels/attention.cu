@@ -47,18 +47,20 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
 // 8 rows a block, 16-byte loads and a shuffle reduction, the normalised row staged in the warp's
 // shared memory for the rotation's partner reads. attn_prep's block of hd threads per row (147k
 // blocks, each with two block barriers, at 8,192 tokens) was latency-bound. Needs hd % 4 == 0.
-// grid ceil(t (nq + nkv) / 8), block 256, dynamic smem 8 hd floats.
+// Heads h0.. of each row only: h0 = nq leaves the query heads to attn_flash4's fused prep.
+// grid ceil(t (nq + nkv - h0) / 8), block 256, dynamic smem 8 hd floats.
 extern "C" __global__ void __launch_bounds__(256)
     attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k, const float* __restrict__ v,
                    const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                    const float* __restrict__ inv_freq, float* __restrict__ q_out, bf16* __restrict__ k_cache,
-                   bf16* __restrict__ v_cache, int past, int t, int nq, int nkv, int hd, int rot_half, float eps) {
+                   bf16* __restrict__ v_cache, int past, int t, int nq, int nkv, int hd, int rot_half, float eps,
+                   int h0) {
     PREFILL_KERNEL();
     extern __shared__ float prep_rows[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nh = nq + nkv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nh = nq + nkv - h0;
     const int r = blockIdx.x * 8 + warp;
     if (r >= t * nh) return;  // warp-uniform; no block barrier below
-    const int s = r / nh, head = r % nh, kvh = head - nq;
+    const int s = r / nh, head = h0 + r % nh, kvh = head - nq;
     const bool is_q = head < nq;
     const float* src = is_q ? qg + ((size_t)s * nq + head) * 2 * hd : k + ((size_t)s * nkv + kvh) * hd;
     const float* wn = is_q ? q_norm : k_norm;
@@ -904,6 +906,12 @@ ATTN_FLASH_ENTRY(3, 256)
 // Registers: O 128, S 40 floats a consumer thread. Block 384. Dynamic smem F4_SMEM (1024-byte
 // aligned: the swizzle is a function of the address): Q 2 x 32 KiB, 2 stages of K 40 KiB +
 // V 40 KiB, then the four mbarriers (229,408 bytes).
+// With q_norm set, Q comes straight from qg's first half with attn_prep_rows' RMSNorm and
+// partial rotation applied on the way into shared memory (the same sums, in the same order), so
+// attn_prep_rows does only the KV heads and no f32 q round trip is written and read (~250 MB at
+// 8,192 tokens a layer). Needs rot_half % 4 == 0 and rot_half <= 32: lane l holds dims
+// [4l, 4l + 4) and [128 + 4l, ..) as attn_prep_rows sums them, the rotation partner is lane
+// l ± rot_half / 4 and lane f computes frequency f's sincos for the whole row.
 #define F4_HD 256
 #ifndef F4_BK
 #define F4_BK 80  // keys a K/V tile (64 or 80)
@@ -930,7 +938,8 @@ __device__ __forceinline__ void f4_qk(float (&s)[F4_BK / 2], unsigned long long 
 extern "C" __global__ void __launch_bounds__(384, 1)
     attn_flash4_hd256(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
                       const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,
-                      float scale) {
+                      float scale, const float* __restrict__ q_norm, const float* __restrict__ inv_freq, int rot_half,
+                      float eps) {
     PREFILL_KERNEL();
     extern __shared__ __align__(1024) unsigned char f4_smem[];
     unsigned char* qs = f4_smem;                 // [2 heads]
@@ -974,7 +983,48 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     // warp-uniform and keeps the Q descriptor in uniform registers.
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const float scale_log2 = scale * 1.4426950408889634f;
-    {  // this warpgroup's Q, times scale·log2 e, as bf16 (rows past t zero)
+    if (q_norm) {  // grid-uniform: this warpgroup's Q prepared here (a warp a row), as bf16
+        unsigned char* qw = qs + wg * F4_TILE;
+        const int rh4 = rot_half >> 2, rot = lane < 2 * rh4;
+        const int partner = lane < rh4 ? lane + rh4 : lane - rh4, f0 = 4 * (lane < rh4 ? lane : lane - rh4);
+        const float4 w0 = *reinterpret_cast<const float4*>(q_norm + 4 * lane);
+        const float4 w1 = *reinterpret_cast<const float4*>(q_norm + 128 + 4 * lane);
+        const float freq = lane < rot_half ? inv_freq[lane] : 0.0f;
+#pragma unroll 2
+        for (int r = wi; r < 64; r += 4) {
+            float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+            if (q0 + r < t) {  // warp-uniform
+                const float* src = qg + ((size_t)(q0 + r) * nq + h0 + wg) * 2 * F4_HD;
+                x0 = *reinterpret_cast<const float4*>(src + 4 * lane);
+                x1 = *reinterpret_cast<const float4*>(src + 128 + 4 * lane);
+            }
+            float ss = 0.0f;
+            ss += x0.x * x0.x + x0.y * x0.y + x0.z * x0.z + x0.w * x0.w;
+            ss += x1.x * x1.x + x1.y * x1.y + x1.z * x1.z + x1.w * x1.w;
+            const float inv = rsqrtf(warp_sum(ss) / F4_HD + eps);
+            float y[4] = {x0.x * inv * (1.0f + w0.x), x0.y * inv * (1.0f + w0.y), x0.z * inv * (1.0f + w0.z),
+                          x0.w * inv * (1.0f + w0.w)};
+            float sn_f, cs_f;  // this lane's frequency, at the row's position
+            sincosf((float)(past + q0 + r) * freq, &sn_f, &cs_f);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float pj = __shfl_sync(0xffffffffu, y[e], partner & 31);
+                const float sn = __shfl_sync(0xffffffffu, sn_f, (f0 + e) & 31);
+                const float cs = __shfl_sync(0xffffffffu, cs_f, (f0 + e) & 31);
+                if (rot) y[e] = lane < rh4 ? y[e] * cs - pj * sn : y[e] * cs + pj * sn;
+            }
+            const float4 z1 = make_float4(x1.x * inv * (1.0f + w1.x), x1.y * inv * (1.0f + w1.y),
+                                          x1.z * inv * (1.0f + w1.z), x1.w * inv * (1.0f + w1.w));
+            *reinterpret_cast<uint2*>(qw + f4_off<64>(r, lane >> 1) + (lane & 1) * 8) =
+                make_uint2(pack_bf16x2(y[0] * scale_log2, y[1] * scale_log2),
+                           pack_bf16x2(y[2] * scale_log2, y[3] * scale_log2));
+            *reinterpret_cast<uint2*>(qw + f4_off<64>(r, 16 + (lane >> 1)) + (lane & 1) * 8) =
+                make_uint2(pack_bf16x2(z1.x * scale_log2, z1.y * scale_log2),
+                           pack_bf16x2(z1.z * scale_log2, z1.w * scale_log2));
+        }
+        fence_proxy_async();  // the stores visible to wgmma
+        bar_sync_named(1 + wg, 128);
+    } else {  // this warpgroup's Q, times scale·log2 e, as bf16 (rows past t zero)
         const int wt = tid & 127;
         unsigned char* qw = qs + wg * F4_TILE;
         for (int v = wt; v < 64 * (F4_HD / 8); v += 128) {
