@@ -969,7 +969,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 #pragma unroll 4
             for (int r = r0; r < F4_BK; r += 4) {
                 const int kp = j * F4_BK + r;
+#ifdef F4_PROBE_NO_KV  // diagnostic (timing only, outputs wrong): K/V zero-filled, no cache reads
+                const bool ok = false;
+#else
                 const bool ok = kp < n_valid;
+#endif
                 const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + lane * 8;
                 cp_async16(ks + f4_off<F4_BK>(r, lane), kc + off, ok);
                 cp_async16(ks + F4_KV + f4_off<F4_BK>(r, lane), vc + off, ok);

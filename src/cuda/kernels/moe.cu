@@ -697,7 +697,11 @@ struct MoeStageCopier {
         const bool kin = k0 + kc < kdim;
 #pragma unroll
         for (int q = 0; q < BV; q++) {
+#ifdef MOE_PROBE_NO_B  // diagnostic (timing only, outputs wrong): B zero-filled, no weight reads
+            const bool v = false;
+#else
             const bool v = boff[q] >= 0 && kin;
+#endif
             cp_async16(sb + RPP * q * G4_BK, v ? wx + boff[q] + k0 : w, v);
         }
     }
