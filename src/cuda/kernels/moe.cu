@@ -465,7 +465,11 @@ __device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], vo
                     int col = n0 + (wn / 2) + j * 8 + c2;
                     const float* gt = acc[i][j] + 2 * h;
                     const float* up = acc[i][j + NJ / 2] + 2 * h;
+#ifdef MOE_PROBE_NO_STORE  // diagnostic (timing only, outputs wrong): no epilogue stores
+                    if (col < 0)
+#else
                     if (col < inter)
+#endif
                         *reinterpret_cast<unsigned*>(act + row * inter + col) =
                             pack_bf16x2(silu_f(gt[0]) * up[0], silu_f(gt[1]) * up[1]);
                 }
@@ -511,7 +515,11 @@ __device__ __forceinline__ void moe_tile_store_bf16(const float (&acc)[32][4], b
                 for (int jj = 0; jj < 4; jj++) r[jj] = jj == i ? got : r[jj];
             }
             const int col = n0 + 8 * (4 * m + q);
+#ifdef MOE_PROBE_NO_STORE
+            if (col < 0)
+#else
             if (rr < rows && col < ndim)
+#endif
                 *reinterpret_cast<uint4*>(out + (size_t)(r0 + rr) * ndim + col) = make_uint4(r[0], r[1], r[2], r[3]);
         }
     }
