@@ -18,7 +18,6 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
-// emu-provides: bulk_store bulk_commit bulk_wait_read bulk_wait
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -195,11 +194,6 @@ struct PendingCopy { void* dst; const void* src; bool valid; };
 inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[EMU_SLOTS];
 inline std::vector<PendingCopy> g_cp_open[EMU_SLOTS];
-// cp.async.bulk shared -> global: per-thread bulk groups, copied at issue or (g_cp_deferred) at
-// the wait that covers them, so shared memory rewritten before that wait is caught.
-struct PendingBulk { void* dst; const void* src; unsigned bytes; };
-inline std::vector<std::vector<PendingBulk>> g_bulk_groups[EMU_SLOTS];
-inline std::vector<PendingBulk> g_bulk_open[EMU_SLOTS];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
 // n: columns (32, 64 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
 // (16 k each) gathered from its quad at issue.
@@ -221,7 +215,6 @@ inline void emu_fiber_main() {
     // a real kernel may exit with copies in flight, but ours should not
     if (!g_cp_groups[t].empty() || !g_cp_open[t].empty()) emu_fail("cp.async groups left at exit");
     if (!g_wg_groups[t].empty() || !g_wg_open[t].empty()) emu_fail("wgmma groups left at exit");
-    if (!g_bulk_groups[t].empty() || !g_bulk_open[t].empty()) emu_fail("bulk copy groups left at exit");
     emu_to_scheduler(LANE_DONE);
     abort();  // a finished lane is never resumed
 }
@@ -417,28 +410,6 @@ inline unsigned smem_addr(const void* p) {
     return (unsigned)(q - emu_smem().data());
 }
 inline void* emu_smem_ptr(unsigned a) { return emu_smem().data() + a; }
-
-// ---- cp.async.bulk (shared -> global) ----
-inline void bulk_store(void* gdst, const void* ssrc, unsigned bytes) {
-    if (((uintptr_t)gdst & 15) || ((uintptr_t)ssrc & 15) || (bytes & 15) || bytes == 0) emu_fail("bulk copy misaligned");
-    smem_addr(ssrc), smem_addr(static_cast<const unsigned char*>(ssrc) + bytes - 1);  // inside shared memory
-    if (g_cp_deferred) g_bulk_open[emu_tid()].push_back({gdst, ssrc, bytes});
-    else memcpy(gdst, ssrc, bytes);
-}
-inline void bulk_commit() {
-    unsigned t = emu_tid();
-    g_bulk_groups[t].push_back(g_bulk_open[t]);
-    g_bulk_open[t].clear();
-}
-inline void emu_bulk_wait(size_t keep) {
-    auto& g = g_bulk_groups[emu_tid()];
-    while (g.size() > keep) {
-        for (auto& c : g.front()) memcpy(c.dst, c.src, c.bytes);
-        g.erase(g.begin());
-    }
-}
-template <int N> inline void bulk_wait_read() { emu_bulk_wait(N); }
-template <int N> inline void bulk_wait() { emu_bulk_wait(N); }
 
 template <int N> inline void setmaxnreg_dec() {}
 template <int N> inline void setmaxnreg_inc() {}

@@ -193,7 +193,7 @@ static void run(const Shape& s, bool deferred) {
             auto launch6 = [&](KG6 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
                                int kdim) {
                 const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
-                emu_launch({3, 1, 1}, 384, G6_SMEM + (swiglu ? G6_ACT_SMEM : 0), [&] {
+                emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64 + 48, [&] {
                     k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk, &claim);
                 });
                 if (claim != 0) {

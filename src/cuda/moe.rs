@@ -102,11 +102,11 @@ pub(super) const GEMM5_KERNELS: [(&str, usize); 2] = [
 const GEMM5_SMEM: usize = 4 * (128 + 256) * 64 * 2;
 
 /// The `moe_gemm6` and `moe_gemm7` kernels, with their dynamic shared memory: `moe_gemm5`'s
-/// four stages and the stages' eight mbarriers (and `moe_gemm6`'s SwiGLU epilogue staging).
+/// four stages and the stages' eight mbarriers.
 pub(super) const GEMM6_KERNELS: [(&str, usize); 9] = [
     ("moe_gemm6_m128", GEMM6_SMEM),
     ("moe_gemm6_m128_bf16", GEMM6_SMEM),
-    ("moe_gemm6_swiglu_m128", GEMM6_SWIGLU_SMEM),
+    ("moe_gemm6_swiglu_m128", GEMM6_SMEM),
     ("moe_gemm7_m256", GEMM6_SMEM),
     ("moe_gemm7_m256_bf16", GEMM6_SMEM),
     ("moe_gemm7_swiglu_m256", GEMM6_SMEM),
@@ -115,9 +115,6 @@ pub(super) const GEMM6_KERNELS: [(&str, usize); 9] = [
     ("moe_gemm7_swiglu_m128", GEMM6_SMEM),
 ];
 const GEMM6_SMEM: usize = GEMM5_SMEM + 2 * 4 * 8 + 48;
-/// `moe_gemm6_swiglu_m128`: then the act tile staged for its bulk copies out (G6_ACT_SMEM:
-/// 128 rows of 136 bf16).
-const GEMM6_SWIGLU_SMEM: usize = GEMM6_SMEM + 128 * 136 * 2;
 
 /// Dynamic shared memory of `moe_gemm4` with `tile_m`-row tiles: 3 stages of (BM + 128) rows
 /// of 64 bf16, unpadded.
@@ -481,7 +478,7 @@ impl Gpu {
                 ("moe_gemm4_swiglu_m64", (64, 64, 128, gemm4_smem(64)))
             }
             (MoeGemm::V5, 128) => ("moe_gemm5_swiglu_m128", (128, 128, 256, GEMM5_SMEM)),
-            (MoeGemm::V6, 128) => ("moe_gemm6_swiglu_m128", (128, 128, 384, GEMM6_SWIGLU_SMEM)),
+            (MoeGemm::V6, 128) => ("moe_gemm6_swiglu_m128", (128, 128, 384, GEMM6_SMEM)),
             (MoeGemm::V7, 128) => ("moe_gemm7_swiglu_m128", (128, 128, 384, GEMM6_SMEM)),
             (MoeGemm::V7, 256) => ("moe_gemm7_swiglu_m256", (256, 128, 384, GEMM6_SMEM)),
             _ => bail!("no fused-SwiGLU {kind:?} grouped GEMM with {tile_m}-row tiles"),

@@ -559,24 +559,6 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128_mn(const void* sm
     return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
            ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
-// Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared to global
-// memory by the async proxy, in this thread's current bulk group (bulk_commit closes it).
-__device__ __forceinline__ void bulk_store(void* gdst, const void* ssrc, unsigned bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gdst), "r"(smem_addr(ssrc)),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// This thread's bulk groups but the newest N have read their shared memory (it may be rewritten).
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-// ... and have completed (their global writes done).
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-}
 // Writes by the generic proxy (st.shared, cp.async) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving accumulator reads/writes across in-flight wgmma.

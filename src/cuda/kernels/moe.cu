@@ -911,43 +911,6 @@ MOE_GEMM5(moe_gemm5_swiglu_m128, true)
 #define G6_STAGES 4
 #define G6_STAGE ((G5_BM + G5_BN) * G4_BK)  // bf16 elements of a stage (48 KiB)
 #define G6_SMEM (G6_STAGES * G6_STAGE * 2 + 2 * G6_STAGES * 8 + 48)
-// The SwiGLU kernel's staged epilogue (after G6_SMEM): a tile's 128 x 128 bf16 act rows, 272
-// bytes apart (a quad's 4-byte writes of 8 rows land on 32 distinct banks; 16-byte aligned rows
-// for the bulk copies out).
-#define G6_ACT_LD 136
-#define G6_ACT_SMEM (G5_BM * G6_ACT_LD * 2)
-
-// The SwiGLU epilogue of warpgroup wg's 64 rows through shared memory: each thread writes its
-// act pairs into the staging rows, then warp 0 of the warpgroup copies every row out with a bulk
-// copy (async proxy) and the warpgroup goes on to its next item's products while those drain;
-// with direct stores (moe_tile_store) the tensor cores idled for the whole epilogue (a probe
-// without any epilogue stores ran an 8,192-token prompt 3.4% faster). The next item's staging
-// waits for this one's copies to have read it. Needs inter % 8 == 0 (16-byte rows).
-__device__ __forceinline__ void moe_act_store_staged(const float (&acc)[32][4], bf16* __restrict__ stage,
-                                                     bf16* __restrict__ act, int wg, int n0, int r0, int rows,
-                                                     int inter, int warp, int lane) {
-    const int g = lane >> 2, c2 = (lane & 3) * 2, lead = (warp & 3) == 0;
-    bf16* st = stage + wg * 64 * G6_ACT_LD;
-    if (lead) bulk_wait_read<0>();  // the previous item's copies are done reading st
-    bar_sync_named(1 + wg, 128);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int rr = (warp & 3) * 16 + g + 8 * h;
-#pragma unroll
-        for (int j = 0; j < 16; j++)
-            *reinterpret_cast<unsigned*>(st + rr * G6_ACT_LD + j * 8 + c2) =
-                pack_bf16x2(silu_f(acc[j][2 * h]) * acc[j + 16][2 * h], silu_f(acc[j][2 * h + 1]) * acc[j + 16][2 * h + 1]);
-    }
-    fence_proxy_async();  // the staging writes visible to the bulk copies
-    bar_sync_named(1 + wg, 128);
-    if (lead) {
-        const int here = min(64, rows - wg * 64);
-        const unsigned bytes = (unsigned)min(128, inter - n0) * 2;
-        for (int r = lane; r < here; r += 32)
-            bulk_store(act + (size_t)(r0 + wg * 64 + r) * inter + n0, st + r * G6_ACT_LD, bytes);
-        bulk_commit();
-    }
-}
 
 // The block's n-th work item, or -1 when none is left: lane 0 of warp `leader` (the whole
 // warp waits for the slot) claims it from `claim` (an i32 that is zero when the launch begins)
@@ -1023,12 +986,6 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int items = nblk * *num_tiles, nk = (kdim + G4_BK - 1) / G4_BK;
     constexpr int COLS = SWIGLU ? G5_BN / 2 : G5_BN;  // output columns of a column block
-#ifdef MOE_G6_DIRECT_STORE  // A/B: the SwiGLU epilogue's direct stores
-    const bool staged = false;
-#else
-    const bool staged = SWIGLU && (ndim / 2) % 8 == 0;  // grid-uniform
-#endif
-    bf16* act_stage = reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(g6_smem) + G6_SMEM);
     if (tid == 0) {
         for (int s = 0; s < G6_STAGES; s++) {
             mbar_init(&full[s], 128);   // every producer thread's cp.async arrival
@@ -1091,17 +1048,13 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
         }
         moe_stage_drain(acc);
         mbar_arrive(&empty[(it - 1) % G6_STAGES]);
-        if (staged)
-            moe_act_store_staged(reinterpret_cast<const float(&)[32][4]>(acc), act_stage, reinterpret_cast<bf16*>(out),
-                                 wg, n0, tile_row[tile], tile_rows[tile], ndim / 2, warp, lane);
-        else if (Y16)
+        if (Y16)
             moe_tile_store_bf16(reinterpret_cast<const float(&)[32][4]>(acc), reinterpret_cast<bf16*>(out),
                                 wg * 64 + (warp & 3) * 16, n0, tile_row[tile], tile_rows[tile], ndim, lane);
         else
             moe_tile_store<1, 32, SWIGLU>(reinterpret_cast<const float(&)[1][32][4]>(acc), out, wg * 64 + (warp & 3) * 16,
                                           0, n0, tile_row[tile], tile_rows[tile], ndim, lane);
     }
-    if (staged && (warp & 3) == 0) bulk_wait<0>();  // the last copies out done before the block exits
 }
 
 // _bf16: the output as bf16 (moe_tile_store_bf16; ndim % 8 == 0), for the down product's y.
