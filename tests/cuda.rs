@@ -1753,6 +1753,17 @@ impl AttnCase {
     /// Runs the `kind` kernel; returns the output and, with `reps > 0`, the mean
     /// milliseconds per call.
     fn run(&self, gpu: &Gpu, kind: Flash, reps: usize) -> (Vec<f32>, f64) {
+        self.run_clustered(gpu, kind, 1, reps)
+    }
+
+    /// [`AttnCase::run`] with `attn_flash4` in clusters of `cluster` blocks.
+    fn run_clustered(
+        &self,
+        gpu: &Gpu,
+        kind: Flash,
+        cluster: usize,
+        reps: usize,
+    ) -> (Vec<f32>, f64) {
         let (q, qg) = (gpu.upload(&self.q).unwrap(), gpu.upload(&self.qg).unwrap());
         let (k, v) = (gpu.upload(&self.k).unwrap(), gpu.upload(&self.v).unwrap());
         let out = gpu.alloc_zeroed(self.t * ATT_NQ * ATT_HD * 2).unwrap();
@@ -1769,7 +1780,7 @@ impl AttnCase {
             nkv: ATT_NKV,
             hd: ATT_HD,
         };
-        let launch = || gpu.attn_flash(kind, &call).unwrap();
+        let launch = || gpu.attn_flash_clustered(kind, &call, cluster).unwrap();
         launch();
         gpu.sync().unwrap();
         let mut ms = 0.0;
@@ -1784,6 +1795,55 @@ impl AttnCase {
         let mut host = vec![half::bf16::ZERO; self.t * ATT_NQ * ATT_HD];
         gpu.copy_to_host(out.ptr, &mut host).unwrap();
         (host.iter().map(|x| x.to_f32()).collect(), ms)
+    }
+}
+
+/// `attn_flash4` in clusters of 2 and 4 head pairs (each K/V tile copied once a cluster by
+/// multicast tensor copies) against single blocks (every block copying its tiles): the same
+/// tiles in shared memory, so the outputs bitwise equal, from an empty cache, after cached
+/// positions, ragged; then the time of each at 8,192 tokens from 0 and 4,096 after 4,096.
+#[test]
+fn attn_flash4_clusters_match_single_blocks() {
+    let Some(gpu) = gpu() else { return };
+    if !gpu.flash_preps_q(Flash::Wgmma, ATT_NQ, ATT_NKV, ATT_HD, 32) {
+        println!("SKIPPED: attn_flash4 needs sm_90a");
+        return;
+    }
+    for (t, past) in [(77, 190), (300, 0), (129, 64)] {
+        let case = AttnCase::new(t, past, 70 + t as u64);
+        let (one, _) = case.run_clustered(&gpu, Flash::Wgmma, 1, 0);
+        for cs in [2, 4] {
+            let (c, _) = case.run_clustered(&gpu, Flash::Wgmma, cs, 0);
+            let differ = one
+                .iter()
+                .zip(&c)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            println!(
+                "t {t} past {past}: clusters of {cs}: {differ} of {} outputs differ",
+                one.len()
+            );
+            assert_eq!(differ, 0, "t {t} past {past} clusters of {cs}");
+        }
+    }
+    for (t, past) in [(8192, 0), (4096, 4096)] {
+        let case = AttnCase::new(t, past, 5);
+        let pairs: usize = (0..t).map(|s| past + s + 1).sum();
+        let flop = (4 * ATT_HD * ATT_NQ * pairs) as f64;
+        let mut line = format!("t {t} past {past}:");
+        let (one, _) = case.run_clustered(&gpu, Flash::Wgmma, 1, 0);
+        for cs in [1, 2, 4] {
+            let (c, ms) = case.run_clustered(&gpu, Flash::Wgmma, cs, 5);
+            assert!(
+                one == c,
+                "t {t} past {past} clusters of {cs}: outputs differ"
+            );
+            line += &format!(
+                " clusters of {cs} {ms:.3} ms ({:.0} TFLOP/s);",
+                flop / ms / 1e9
+            );
+        }
+        println!("{line}");
     }
 }
 

@@ -168,6 +168,50 @@ static void run_flash4_prep(int t, int past, int nq, int nkv, int rot_half) {
     fails += !ok;
 }
 
+// attn_flash4c<CS>_hd256 (clusters of CS head pairs, K/V by multicast tensor copies through
+// 3-D maps over the caches) against attn_flash4_hd256 (cp.async by every block): the same
+// tiles in shared memory, so the outputs bitwise equal.
+template <int CS>
+static void run_flash4c(int t, int past, int nq, int nkv) {
+    const int hd = 256, n = past + t;
+    std::vector<float> q((size_t)t * nq * hd), qg((size_t)t * nq * 2 * hd);
+    std::vector<bf16> kc((size_t)n * nkv * hd), vc(kc.size());
+    for (auto& x : q) x = uni(-1, 1);
+    for (auto& x : qg) x = uni(-2, 2);
+    for (auto& x : kc) x = __float2bfloat16(uni(-2, 2));
+    for (auto& x : vc) x = __float2bfloat16(uni(-1, 1));
+    const float scale = 1.0f / 16.0f;
+    std::vector<bf16> a((size_t)t * nq * hd, __float2bfloat16(std::nanf(""))), b(a);
+    const uint3_ grid{(unsigned)(nq / 2), (unsigned)((t + 63) / 64), 1};
+    emu_launch(grid, 384, F4_SMEM, [&] {
+        attn_flash4_hd256(q.data(), kc.data(), vc.data(), qg.data(), a.data(), t, past, nq, nkv, hd, scale, nullptr,
+                          nullptr, 0, 0.0f);
+    });
+    auto map = [&](const bf16* base) {
+        TmaParam p{};
+        const EmuTmap3 m{base, (unsigned long long)hd, (unsigned long long)nkv, (unsigned long long)n,
+                         (unsigned long long)hd, (unsigned long long)(nkv * hd), (unsigned)F4_BK};
+        memcpy(&p, &m, sizeof m);
+        return p;
+    };
+    const TmaParam km = map(kc.data()), vm = map(vc.data());
+    auto kernel = CS == 2 ? attn_flash4c2_hd256 : attn_flash4c4_hd256;
+    emu_launch_cluster(grid, CS, 384, F4_SMEM, [&] {
+        kernel(q.data(), kc.data(), vc.data(), qg.data(), b.data(), t, past, nq, nkv, hd, scale, nullptr, nullptr, 0, 0.0f,
+               km, vm, F4_BK);
+    });
+    size_t diff = 0, bad = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+        bad += !std::isfinite(x) || !std::isfinite(y);
+        diff += std::memcmp(&a[i], &b[i], sizeof(bf16)) != 0;
+    }
+    const bool ok = diff == 0 && bad == 0;
+    printf("%s attn_flash4c%d t=%d past=%d nq=%d nkv=%d: %zu of %zu outputs differ from attn_flash4, %zu non-finite\n",
+           ok ? "ok  " : "FAIL", CS, t, past, nq, nkv, diff, a.size(), bad);
+    fails += !ok;
+}
+
 static size_t flash2_smem(int hd) { return (size_t)(2 * 64 + 4 * 64) * (hd + 8) * 2; }
 static size_t flash3_smem(int hd) { return flash2_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16; }
 
@@ -228,6 +272,9 @@ int main(int argc, char** argv) {
         run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 64, 0, 4, 2, 384);
         run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 100, 29, 4, 2, 384);
         run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 5, 190, 16, 2, 384);
+        run_flash4c<2>(130, 70, 4, 1);   // ragged, after cached positions: 2 head pairs a KV head
+        run_flash4c<4>(100, 29, 16, 2);  // the model's grouping (4 head pairs a KV head)
+        run_flash4c<4>(5, 190, 8, 1);    // a short chunk after many cached positions
         run_flash4_prep(130, 70, 4, 2, 32);
         run_flash4_prep(70, 0, 4, 1, 16);
     }

@@ -18,6 +18,7 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
+// emu-provides: tma_load_3d_mc
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -75,6 +76,7 @@ inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.
 #define __align__(n) __attribute__((aligned(n)))  // GNU: may stand after `static` (__shared__)
 #define __shared__ static  // one copy for all blocks: a cluster kernel must use dynamic smem only
 #define __cluster_dims__(...)
+#define __grid_constant__
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -95,6 +97,7 @@ inline void griddep_wait_plain() {}
     fprintf(stderr, "cuda_emu: %s (block %u,%u,%u thread %u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
     abort();
 }
+inline void __trap() { emu_fail("__trap"); }
 
 // ---- Fibers: a lane runs until it reaches a barrier, then the warp's scheduler runs the next ----
 #if defined(__x86_64__)
@@ -129,7 +132,7 @@ emu_switch:
 
 enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_AT_CLUSTER_BAR, LANE_DONE };
 // Blocks of one cluster at most (their state slots).
-constexpr int EMU_MAX_CLUSTER = 2;
+constexpr int EMU_MAX_CLUSTER = 4;
 inline thread_local int t_slot = 0;  // this block's rank in its cluster
 // The per-thread state index of the calling thread: its block's slot, then threadIdx.x.
 inline unsigned emu_tid();
@@ -731,6 +734,34 @@ inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned
                 const unsigned long long row = (unsigned long long)c1 + r, col = (unsigned long long)(c0 + c);
                 bf16 v{0};
                 if (c0 + c >= 0 && row < m.rows && col < m.cols) v = m.base[row * m.row_stride + col];
+                const unsigned at = off + r * 128 + ((((unsigned)c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+                memcpy(sm.data() + at, &v, 2);
+            }
+        emu_mbar_update(cta, boff, 0, 0, (long long)bytes);
+    }
+}
+
+// A 3-D bf16 tensor map: element (i0, i1, i2) at base[i2 * stride2 + i1 * stride1 + i0], boxes of
+// 64 x 1 x box_rows (a box's rows run along the third dimension), 128-byte swizzle.
+struct EmuTmap3 { const bf16* base; unsigned long long d0, d1, d2, stride1, stride2; unsigned box_rows; };
+inline void tma_load_3d_mc(void* dst, const void* tmap, int c0, int c1, int c2, unsigned long long* bar,
+                           unsigned short mask) {
+    const EmuTmap3& m = *static_cast<const EmuTmap3*>(tmap);
+    const unsigned off = smem_addr(dst), boff = smem_addr(bar);
+    if (off % 1024) emu_fail("tensor copy: shared destination not 1024-byte aligned");
+    const size_t bytes = (size_t)m.box_rows * 128;
+    std::lock_guard<std::mutex> g(g_mbar_mu);
+    for (int cta = 0; cta < EMU_MAX_CLUSTER; cta++) {
+        if (!(mask >> cta & 1)) continue;
+        std::vector<unsigned char>& sm = g_dyn_smem_slots[cta];
+        if (off + bytes > sm.size()) emu_fail("tensor copy outside shared memory");
+        for (unsigned r = 0; r < m.box_rows; r++)
+            for (int c = 0; c < 64; c++) {
+                const long long i0 = (long long)c0 + c, i1 = c1, i2 = (long long)c2 + r;
+                bf16 v{0};
+                if (i0 >= 0 && i1 >= 0 && i2 >= 0 && (unsigned long long)i0 < m.d0 && (unsigned long long)i1 < m.d1 &&
+                    (unsigned long long)i2 < m.d2)
+                    v = m.base[i2 * m.stride2 + i1 * m.stride1 + i0];
                 const unsigned at = off + r * 128 + ((((unsigned)c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
                 memcpy(sm.data() + at, &v, 2);
             }

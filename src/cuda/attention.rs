@@ -61,9 +61,42 @@ const WGMMA_KERNEL: (&str, usize) = ("attn_flash4_hd256", (2 * 64 + 4 * 80) * 25
 /// `attn_flash4_hd256`'s block: two consumer warpgroups and a producer warpgroup.
 const WGMMA_THREADS: u32 = 384;
 
+/// `attn_flash4` by clusters of 2 and of 4 head pairs of one KV head, each K/V tile copied
+/// once a cluster by multicast tensor copies (the same shared memory).
+const WGMMA_CLUSTER_KERNELS: [(&str, usize); 2] = [
+    ("attn_flash4c2_hd256", WGMMA_KERNEL.1),
+    ("attn_flash4c4_hd256", WGMMA_KERNEL.1),
+];
+
+/// K/V rows a tile of `attn_flash4` (F4_BK, the tensor maps' box height).
+const WGMMA_TILE_KEYS: usize = 80;
+
+/// The cluster size of `attn_flash4`'s K/V sharing: `KESTREL_ATTN_CLUSTER` (1: none, 2 or 4),
+/// by default 4; read once. A size the shape cannot take falls back to the largest it can.
+fn cluster_setting() -> usize {
+    static CS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CS.get_or_init(|| {
+        std::env::var("KESTREL_ATTN_CLUSTER")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|c| [1, 2, 4].contains(c))
+            .unwrap_or(4)
+    })
+}
+
+/// The cluster size `attn_flash4` runs with for `group` query heads per KV head: `want` (1, 2
+/// or 4), halved until it divides the head pairs of a group.
+fn cluster_size(want: usize, group: usize) -> usize {
+    let mut cs = want.clamp(1, 4);
+    while cs > 1 && !(group / 2).is_multiple_of(cs) {
+        cs /= 2;
+    }
+    cs
+}
+
 /// The flash kernels with the dynamic shared memory each may use (set at `Gpu::open`; the
 /// WMMA kernel at the largest head dim it takes).
-pub(super) const FLASH_KERNELS: [(&str, usize); 10] = [
+pub(super) const FLASH_KERNELS: [(&str, usize); 12] = [
     ("attn_flash", wmma_smem(256)),
     ("attn_flash2_hd32", mma_smem(32)),
     ("attn_flash2_hd64", mma_smem(64)),
@@ -74,6 +107,8 @@ pub(super) const FLASH_KERNELS: [(&str, usize); 10] = [
     ("attn_flash3_hd128", mma3_smem(128)),
     ("attn_flash3_hd256", mma3_smem(256)),
     WGMMA_KERNEL,
+    WGMMA_CLUSTER_KERNELS[0],
+    WGMMA_CLUSTER_KERNELS[1],
 ];
 
 /// Dynamic shared memory of `attn_decode_mma_hd*`: Q (16 rows) and double-buffered K and V
@@ -172,6 +207,12 @@ impl Gpu {
     /// Causal attention of the `t` new positions over the cache, sigmoid output gate fused,
     /// through `kind` (head dim a multiple of 32 up to 256).
     pub fn attn_flash(&self, kind: Flash, a: &FlashCall) -> Result<()> {
+        self.attn_flash_clustered(kind, a, cluster_setting())
+    }
+
+    /// [`Gpu::attn_flash`] with `attn_flash4` in clusters of at most `cluster` blocks (1, 2 or
+    /// 4; `KESTREL_ATTN_CLUSTER` sets it for `attn_flash`).
+    pub fn attn_flash_clustered(&self, kind: Flash, a: &FlashCall, cluster: usize) -> Result<()> {
         let group = a.nq / a.nkv;
         let wgmma = self.flash_is_wgmma(kind, a.nq, a.nkv, a.hd);
         if let Some(p) = a.q_prep {
@@ -189,7 +230,16 @@ impl Gpu {
             Flash::Mma2 => mma_kernel(a.hd, group, true).map(|k| (k, 256)),
             Flash::Wmma => None,
         };
+        let cs = if wgmma {
+            cluster_size(cluster, group)
+        } else {
+            1
+        };
         let (name, heads_per_block, threads, smem) = match two_heads {
+            Some(_) if wgmma && cs > 1 => {
+                let (k, smem) = WGMMA_CLUSTER_KERNELS[cs / 4];
+                (k, 2, WGMMA_THREADS, smem)
+            }
             Some(((k, smem), threads)) => (k, 2, threads, smem),
             None => ("attn_flash", 1, 128, wmma_smem(a.hd)),
         };
@@ -217,7 +267,7 @@ impl Gpu {
             Arg::I(a.hd as i32),
             Arg::F(1.0 / (a.hd as f32).sqrt()),
         ];
-        if name == WGMMA_KERNEL.0 {
+        if name == WGMMA_KERNEL.0 || cs > 1 {
             // attn_flash4's fused query prep (a null q_norm: q is read prepared)
             let p = a.q_prep;
             args.extend([
@@ -227,8 +277,54 @@ impl Gpu {
                 Arg::F(p.map_or(0.0, |p| p.eps)),
             ]);
         }
+        if cs > 1 {
+            let n = a.past + a.t;
+            args.extend([
+                Arg::Map(kv_tensor_map(a.k_cache, n, a.nkv, a.hd)?),
+                Arg::Map(kv_tensor_map(a.v_cache, n, a.nkv, a.hd)?),
+                Arg::I(WGMMA_TILE_KEYS as i32),
+            ]);
+        }
         self.launch_dep(name, grid, threads, smem as u32, &args)
     }
+}
+
+/// A 3-D tensor map over the first `n` positions of a bf16 KV cache `[positions, nkv, hd]`:
+/// boxes of `WGMMA_TILE_KEYS` positions x 64 of one KV head in the 128-byte swizzle (the
+/// layout `attn_flash4`'s descriptors read), positions past `n` zero.
+fn kv_tensor_map(cache: u64, n: usize, nkv: usize, hd: usize) -> Result<[u64; 16]> {
+    use cudarc::driver::sys;
+    anyhow::ensure!(
+        cache.is_multiple_of(16) && hd.is_multiple_of(64),
+        "attention: a KV tensor map needs an aligned cache and head dim a multiple of 64"
+    );
+    // SAFETY: plain data, filled by the driver below.
+    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    let dims = [hd as u64, nkv as u64, n as u64];
+    let strides = [(hd * 2) as u64, (nkv * hd * 2) as u64];
+    let boxes = [64u32, 1, WGMMA_TILE_KEYS as u32];
+    let steps = [1u32; 3];
+    // SAFETY: the arrays have the rank's lengths; `cache` is a device allocation of at least
+    // n x nkv x hd bf16 that outlives the launch using the map.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            3,
+            cache as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| anyhow::anyhow!("cuTensorMapEncodeTiled (KV cache, {n} positions): {e:?}"))?;
+    Ok(map.opaque)
 }
 
 #[cfg(test)]
@@ -268,6 +364,14 @@ mod tests {
             "a block takes two heads of a group"
         );
         assert_eq!(mma_kernel(80, 2, false), None);
+        assert_eq!(cluster_size(4, 8), 4, "the model: 4 head pairs a KV head");
+        assert_eq!(cluster_size(4, 4), 2);
+        assert_eq!(cluster_size(4, 2), 1);
+        assert_eq!(cluster_size(2, 6), 1, "3 head pairs: no cluster of 2");
+        assert_eq!(
+            WGMMA_CLUSTER_KERNELS[cluster_size(2, 8) / 4].0,
+            "attn_flash4c2_hd256"
+        );
         assert_eq!(mma_kernel(64, 2, false).map(|k| k.1), Some(mma3_smem(64)));
     }
 }

@@ -71,6 +71,8 @@ const KERNELS: &[&str] = &[
     "attn_flash3_hd128",
     "attn_flash3_hd256",
     "attn_flash4_hd256",
+    "attn_flash4c2_hd256",
+    "attn_flash4c4_hd256",
     "attn_decode_mma_hd32",
     "attn_decode_mma_hd64",
     "attn_decode_mma_hd128",
@@ -144,6 +146,8 @@ pub enum Arg {
     I(i32),
     F(f32),
     U(u64),
+    /// A 128-byte parameter passed by value (a `CUtensorMap`, the kernels' `TmaParam`).
+    Map([u64; 16]),
 }
 
 pub struct Gpu {
@@ -807,11 +811,16 @@ impl Gpu {
                 Arg::Ptr(p) | Arg::U(p) => *p,
                 Arg::I(i) => *i as u32 as u64,
                 Arg::F(x) => x.to_bits() as u64,
+                Arg::Map(_) => 0,
             };
         }
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
-        for (p, v) in params.iter_mut().zip(slots.iter_mut()) {
-            *p = v as *mut u64 as *mut std::ffi::c_void;
+        for ((p, v), a) in params.iter_mut().zip(slots.iter_mut()).zip(args) {
+            *p = match a {
+                // the driver copies the parameter's 128 bytes from `args`, borrowed for the call
+                Arg::Map(m) => m.as_ptr() as *mut std::ffi::c_void,
+                _ => v as *mut u64 as *mut std::ffi::c_void,
+            };
         }
         // SAFETY: a zeroed attribute is valid plain data; we set its id and value.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };

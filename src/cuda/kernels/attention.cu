@@ -935,12 +935,35 @@ __device__ __forceinline__ void f4_qk(float (&s)[F4_BK / 2], unsigned long long 
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-    attn_flash4_hd256(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-                      const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,
-                      float scale, const float* __restrict__ q_norm, const float* __restrict__ inv_freq, int rot_half,
-                      float eps) {
-    PREFILL_KERNEL();
+// A tensor map passed by value (cuTensorMapEncodeTiled's 128 opaque bytes; `__grid_constant__`
+// so the copy instructions can take its address).
+struct alignas(64) TmaParam {
+    unsigned long long v[16];
+};
+
+// CS > 1 (attn_flash4c*): clusters of CS blocks along x, the CS head pairs of one KV head that
+// share a query tile and so every K/V tile: lane 0 of the producer's first warp in rank r
+// copies column blocks r, r + CS, .. of each K and V tile with a multicast tensor copy
+// (`kmap`, `vmap`: 3-D maps [positions][nkv][hd] with boxes of F4_BK rows x 64, the 128-byte
+// swizzle the descriptors read, rows past n_valid zero) into all CS blocks, so each tile
+// streams from L2 once a cluster instead of once a block (a probe without the K/V reads ran
+// 8,192 / 32,768-token prompts 1.5% / 8% faster, docs/KERNELS.md). `full` = the local
+// expect_tx arrival + the tile's bytes from all ranks; `empty` = one arrival from every
+// consumer warp of the cluster, sent only for tiles whose stage is loaded again.
+template <int CS>
+__device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q, const float* __restrict__ qg,
+                                                     bf16* __restrict__ out, int t, int past, int nq, float scale,
+                                                     const float* __restrict__ q_norm,
+                                                     const float* __restrict__ inv_freq, int rot_half, float eps,
+                                                     unsigned char* qs, unsigned char* kvs, unsigned long long* full,
+                                                     unsigned long long* empty, int q0, int h0, int ntiles,
+                                                     int n_valid);
+template <int CS>
+__device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, const bf16* __restrict__ kc,
+                                                 const bf16* __restrict__ vc, const float* __restrict__ qg,
+                                                 bf16* __restrict__ out, int t, int past, int nq, int nkv, float scale,
+                                                 const float* __restrict__ q_norm, const float* __restrict__ inv_freq,
+                                                 int rot_half, float eps, const void* kmap, const void* vmap) {
     extern __shared__ __align__(1024) unsigned char f4_smem[];
     unsigned char* qs = f4_smem;                 // [2 heads]
     unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
@@ -948,18 +971,39 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     unsigned long long* empty = full + 2;                                                      // [2]
     const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest query tiles first (flash_grid)
     const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wi = warp & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n_valid = past + t;
     const int n_end = min(n_valid, past + q0 + 64);
     const int ntiles = (n_end + F4_BK - 1) / F4_BK;
+    const unsigned rank = CS > 1 ? cluster_ctarank() : 0u;
     if (tid == 0) {
-        mbar_init(&full[0], 128);
-        mbar_init(&full[1], 128);
-        mbar_init(&empty[0], 256);
-        mbar_init(&empty[1], 256);
+        mbar_init(&full[0], CS > 1 ? 1 : 128);
+        mbar_init(&full[1], CS > 1 ? 1 : 128);
+        mbar_init(&empty[0], CS > 1 ? 8 * CS : 256);
+        mbar_init(&empty[1], CS > 1 ? 8 * CS : 256);
     }
     __syncthreads();
-    if (warp >= 8) {  // the producer: tile j into stage j % 2 once the consumers released it
+    if (CS > 1) cluster_sync();  // every block's barriers initialised before any copy signals them
+    if (CS > 1 && warp >= 8) {  // the producer: one thread, multicast tensor copies
+        setmaxnreg_dec<40>();
+        if (warp == 8) {  // the warp waits, its lane 0 issues
+            for (int j = 0; j < ntiles; j++) {
+                const int st = j & 1;
+                if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
+                unsigned char* ks = kvs + st * 2 * F4_KV;
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(&full[st], 2 * F4_KV);
+                    for (int cb = rank; cb < F4_HD / 64; cb += CS) {
+                        tma_load_3d_mc(ks + cb * (F4_BK * 128), kmap, cb * 64, kvh, j * F4_BK, &full[st],
+                                       (1u << CS) - 1);
+                        tma_load_3d_mc(ks + F4_KV + cb * (F4_BK * 128), vmap, cb * 64, kvh, j * F4_BK, &full[st],
+                                       (1u << CS) - 1);
+                    }
+                }
+                __syncwarp();
+            }
+        }
+    } else if (warp >= 8) {  // the producer: tile j into stage j % 2 once the consumers released it
         setmaxnreg_dec<40>();
         const int r0 = (tid >> 5) & 3;  // rows r0, r0 + 4, ..; the lane is the 16-byte chunk
         for (int j = 0; j < ntiles; j++) {
@@ -980,8 +1024,25 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             }
             cp_async_mbar_arrive(&full[st]);
         }
-        return;
+    } else {
+        attn_flash4_consumer<CS>(q, qg, out, t, past, nq, scale, q_norm, inv_freq, rot_half, eps, qs, kvs, full, empty,
+                                 q0, h0, ntiles, n_valid);
     }
+    // With clusters no block leaves while another may still copy into its shared memory or
+    // arrive on its barriers.
+    if (CS > 1) cluster_sync();
+}
+
+// attn_flash4's consumer warpgroups (see attn_flash4_body).
+template <int CS>
+__device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q, const float* __restrict__ qg,
+                                                     bf16* __restrict__ out, int t, int past, int nq, float scale,
+                                                     const float* __restrict__ q_norm,
+                                                     const float* __restrict__ inv_freq, int rot_half, float eps,
+                                                     unsigned char* qs, unsigned char* kvs, unsigned long long* full,
+                                                     unsigned long long* empty, int q0, int h0, int ntiles,
+                                                     int n_valid) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wi = warp & 3;
     setmaxnreg_inc<232>();
     // Consumers. The warpgroup through a shuffle from lane 0: ptxas then knows it is
     // warp-uniform and keeps the Q descriptor in uniform registers.
@@ -1101,11 +1162,42 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
-        mbar_arrive(&empty[st]);  // this thread is done with stage st
+        if (CS == 1) {
+            mbar_arrive(&empty[st]);  // this thread is done with stage st
+        } else if (j + 2 < ntiles) {  // this warp is done with stage st, which tile j + 2 reuses
+            __syncwarp();
+            if (lane == 0)
+                for (int r = 0; r < CS; r++) mbar_arrive_remote(&empty[st], r);
+        }
     }
     flash_store_rows<F4_HD>(reinterpret_cast<const float(&)[F4_HD / 8][4]>(o), l0, l1, q0 + wi * 16 + g, t, h0 + wg, nq,
                             qg, out, cq);
 }
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    attn_flash4_hd256(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                      const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,
+                      float scale, const float* __restrict__ q_norm, const float* __restrict__ inv_freq, int rot_half,
+                      float eps) {
+    PREFILL_KERNEL();
+    attn_flash4_body<1>(q, kc, vc, qg, out, t, past, nq, nkv, scale, q_norm, inv_freq, rot_half, eps, nullptr, nullptr);
+}
+
+// attn_flash4 by clusters of CS (2 or 4) head pairs sharing each K/V tile's copy; box_rows: the
+// maps' box height, which must be F4_BK (a build with another F4_BK traps here).
+#define ATTN_FLASH4C(CS)                                                                                               \
+    extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(384, 1) attn_flash4c##CS##_hd256(         \
+        const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,                          \
+        const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd, float scale,    \
+        const float* __restrict__ q_norm, const float* __restrict__ inv_freq, int rot_half, float eps,                  \
+        const __grid_constant__ TmaParam kmap, const __grid_constant__ TmaParam vmap, int box_rows) {                   \
+        PREFILL_KERNEL();                                                                                               \
+        if (box_rows != F4_BK) __trap();                                                                                \
+        attn_flash4_body<CS>(q, kc, vc, qg, out, t, past, nq, nkv, scale, q_norm, inv_freq, rot_half, eps, &kmap,       \
+                             &vmap);                                                                                    \
+    }
+ATTN_FLASH4C(2)
+ATTN_FLASH4C(4)
 
 // ---- Decode on tensor cores ----
 

@@ -524,6 +524,17 @@ __device__ __forceinline__ void tma_load_2d_mc(void* dst, const void* tmap, int 
         : "memory");
 }
 
+// The box at (c0, c1, c2) of the 3-D tensor map `tmap` (in global or grid-constant parameter
+// memory) into every block of `mask`, as tma_load_2d_mc.
+__device__ __forceinline__ void tma_load_3d_mc(void* dst, const void* tmap, int c0, int c1, int c2,
+                                               unsigned long long* bar, unsigned short mask) {
+    WGMMA_ASM(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(smem_addr(dst)),
+        "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)), "h"(mask)
+        : "memory");
+}
+
 // tma_load_2d_mc into this block only (no multicast).
 __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
     WGMMA_ASM(
