@@ -71,8 +71,11 @@ const WGMMA_CLUSTER_KERNELS: [(&str, usize); 2] = [
 /// K/V rows a tile of `attn_flash4` (F4_BK, the tensor maps' box height).
 const WGMMA_TILE_KEYS: usize = 80;
 
-/// The cluster size of `attn_flash4`'s K/V sharing: `KESTREL_ATTN_CLUSTER` (1: none, 2 or 4),
-/// by default 4; read once. A size the shape cannot take falls back to the largest it can.
+/// The cluster size of `attn_flash4`'s K/V sharing: `KESTREL_ATTN_CLUSTER` (1: none, the
+/// default; 2 or 4), read once. A size the shape cannot take falls back to the largest it can.
+/// Measured on the H200 (docs/KERNELS.md, nineteenth session): clusters of 2 level with single
+/// blocks end to end, of 4 2% slower at 8,192 tokens and 5% at 32,768 (a cluster's blocks wait
+/// for each other's release of every stage, two stages deep).
 fn cluster_setting() -> usize {
     static CS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CS.get_or_init(|| {
@@ -80,7 +83,7 @@ fn cluster_setting() -> usize {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|c| [1, 2, 4].contains(c))
-            .unwrap_or(4)
+            .unwrap_or(1)
     })
 }
 

@@ -949,7 +949,10 @@ struct alignas(64) TmaParam {
 // streams from L2 once a cluster instead of once a block (a probe without the K/V reads ran
 // 8,192 / 32,768-token prompts 1.5% / 8% faster, docs/KERNELS.md). `full` = the local
 // expect_tx arrival + the tile's bytes from all ranks; `empty` = one arrival from every
-// consumer warp of the cluster, sent only for tiles whose stage is loaded again.
+// consumer warp of the cluster, sent only for tiles whose stage is loaded again. Opt-in
+// (KESTREL_ATTN_CLUSTER=2|4): on the H200 clusters of 2 measured level with single blocks, of 4
+// slower (468 -> 354 TFLOP/s at 8,192 tokens): with two stages a cluster's blocks wait for the
+// slowest one's release of every stage.
 template <int CS>
 __device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q, const float* __restrict__ qg,
                                                      bf16* __restrict__ out, int t, int past, int nq, float scale,
