@@ -891,7 +891,7 @@ ATTN_FLASH_ENTRY(3, 256)
 // x 2 heads of one KV group a block, heaviest blocks first) on wgmma, warp-specialised.
 // Warpgroups 0 and 1 are consumers, warpgroup w owning head h0 + w (its 64 rows a wgmma tile);
 // warpgroup 2 is the producer, alone issuing the K/V copies (cp.async) into two stages, each
-// stage's K and V tiles with a `full` mbarrier each (the producer's 128 threads arrive as their
+// stage's K and V tiles with a `full` mbarrier each (the producer's 64 K or V threads arrive as their
 // copies land) and an `empty` one each (the 256 consumer threads arrive when done with it: K
 // after the S product, V after the P V product, so K tile j + 2 loads while tile j's softmax and
 // P V run). So the consumers never wait
@@ -985,7 +985,7 @@ __device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, co
     const unsigned rank = CS > 1 ? cluster_ctarank() : 0u;
     if (tid == 0) {
         for (int b = 0; b < 4; b++) {
-            mbar_init(&full[b], CS > 1 ? 1 : 128);
+            mbar_init(&full[b], CS > 1 ? 1 : 64);
             mbar_init(&empty[b], CS > 1 ? 8 * CS : 256);
         }
     }
@@ -1011,15 +1011,17 @@ __device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, co
         }
     } else if (warp >= 8) {  // the producer: tile j into stage j % 2 once the consumers released it
         setmaxnreg_dec<40>();
-        const int r0 = (tid >> 5) & 3;  // rows r0, r0 + 4, ..; the lane is the 16-byte chunk
+        // Warps 8 and 9 copy the K tiles, 10 and 11 the V tiles, each pair in its own loop so a
+        // K tile never waits behind a V tile's release.
+        const int kv = (tid >> 6) & 1, r0 = (tid >> 5) & 1;  // rows r0, r0 + 2, ..; the lane: the 16-byte chunk
+        const bf16* src = kv ? vc : kc;
         for (int j = 0; j < ntiles; j++) {
             const int st = j & 1;
-            for (int kv = 0; kv < 2; kv++) {  // K, then V
+            {
                 if (j >= 2) mbar_wait(&empty[2 * kv + st], ((j >> 1) - 1) & 1);
                 unsigned char* dst = kvs + st * 2 * F4_KV + kv * F4_KV;
-                const bf16* src = kv ? vc : kc;
 #pragma unroll 4
-                for (int r = r0; r < F4_BK; r += 4) {
+                for (int r = r0; r < F4_BK; r += 2) {
                     const int kp = j * F4_BK + r;
 #ifdef F4_PROBE_NO_KV  // diagnostic (timing only, outputs wrong): K/V zero-filled, no cache reads
                     const bool ok = false;
