@@ -55,9 +55,8 @@ const fn mma3_smem(hd: usize) -> usize {
 
 /// `attn_flash4_hd256` with its dynamic shared memory (F4_SMEM): Q of two heads (64 rows of
 /// 256 bf16 each) and two stages of K and V (80 rows each), in the 128-byte swizzle (224 KiB),
-/// 8 mbarriers (full and empty for K and for V). (A build with the kernel define F4_BK=64 uses
-/// 192 KiB of it.)
-const WGMMA_KERNEL: (&str, usize) = ("attn_flash4_hd256", (2 * 64 + 4 * 80) * 256 * 2 + 64);
+/// 4 mbarriers. (A build with the kernel define F4_BK=64 uses 192 KiB of it.)
+const WGMMA_KERNEL: (&str, usize) = ("attn_flash4_hd256", (2 * 64 + 4 * 80) * 256 * 2 + 32);
 
 /// `attn_flash4_hd256`'s block: two consumer warpgroups and a producer warpgroup.
 const WGMMA_THREADS: u32 = 384;

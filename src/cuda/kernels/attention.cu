@@ -891,10 +891,8 @@ ATTN_FLASH_ENTRY(3, 256)
 // x 2 heads of one KV group a block, heaviest blocks first) on wgmma, warp-specialised.
 // Warpgroups 0 and 1 are consumers, warpgroup w owning head h0 + w (its 64 rows a wgmma tile);
 // warpgroup 2 is the producer, alone issuing the K/V copies (cp.async) into two stages, each
-// stage's K and V tiles with a `full` mbarrier each (the producer's 64 K or V threads arrive as their
-// copies land) and an `empty` one each (the 256 consumer threads arrive when done with it: K
-// after the S product, V after the P V product, so K tile j + 2 loads while tile j's softmax and
-// P V run). So the consumers never wait
+// with a `full` mbarrier (the producer's 128 threads arrive as their copies land) and an
+// `empty` one (the 256 consumer threads arrive when done with it). So the consumers never wait
 // for each other and drift apart: one's softmax runs while the other's products use the tensor
 // cores. The producer gives registers back (setmaxnreg) so the consumers can hold O. A
 // consumer warpgroup, per K/V tile j of F4_BK = 80 keys (F4_BK=64 by a kernel define):
@@ -907,7 +905,7 @@ ATTN_FLASH_ENTRY(3, 256)
 //      A fragments) and V read N-major from its swizzled tile (no transposing copy).
 // Registers: O 128, S 40 floats a consumer thread. Block 384. Dynamic smem F4_SMEM (1024-byte
 // aligned: the swizzle is a function of the address): Q 2 x 32 KiB, 2 stages of K 40 KiB +
-// V 40 KiB, then the eight mbarriers (229,440 bytes).
+// V 40 KiB, then the four mbarriers (229,408 bytes).
 // With q_norm set, Q comes straight from qg's first half with attn_prep_rows' RMSNorm and
 // partial rotation applied on the way into shared memory (the same sums, in the same order), so
 // attn_prep_rows does only the KV heads and no f32 q round trip is written and read (~250 MB at
@@ -920,7 +918,7 @@ ATTN_FLASH_ENTRY(3, 256)
 #endif
 #define F4_TILE (64 * F4_HD * 2)       // bytes of a Q tile: 4 column blocks of 64 rows x 128 B
 #define F4_KV (F4_BK * F4_HD * 2)      // bytes of a K or V tile: 4 column blocks of F4_BK rows
-#define F4_SMEM (2 * F4_TILE + 4 * F4_KV + 64)
+#define F4_SMEM (2 * F4_TILE + 4 * F4_KV + 32)
 
 // Byte offset of (row r, 16-byte chunk c of the HD / 8) in a swizzled tile of ROWS rows.
 template <int ROWS>
@@ -972,10 +970,8 @@ __device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, co
     extern __shared__ __align__(1024) unsigned char f4_smem[];
     unsigned char* qs = f4_smem;                 // [2 heads]
     unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
-    // K and V each with their own barriers, so a stage's K tile is loaded again as soon as both
-    // warpgroups' S products have read it, while its V tile still waits for the P V products.
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + 4 * F4_KV);  // K [2], V [2]
-    unsigned long long* empty = full + 4;                                                      // K [2], V [2]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + 4 * F4_KV);  // [2]
+    unsigned long long* empty = full + 2;                                                      // [2]
     const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest query tiles first (flash_grid)
     const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -984,10 +980,10 @@ __device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, co
     const int ntiles = (n_end + F4_BK - 1) / F4_BK;
     const unsigned rank = CS > 1 ? cluster_ctarank() : 0u;
     if (tid == 0) {
-        for (int b = 0; b < 4; b++) {
-            mbar_init(&full[b], CS > 1 ? 1 : 64);
-            mbar_init(&empty[b], CS > 1 ? 8 * CS : 256);
-        }
+        mbar_init(&full[0], CS > 1 ? 1 : 128);
+        mbar_init(&full[1], CS > 1 ? 1 : 128);
+        mbar_init(&empty[0], CS > 1 ? 8 * CS : 256);
+        mbar_init(&empty[1], CS > 1 ? 8 * CS : 256);
     }
     __syncthreads();
     if (CS > 1) cluster_sync();  // every block's barriers initialised before any copy signals them
@@ -996,43 +992,40 @@ __device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, co
         if (warp == 8) {  // the warp waits, its lane 0 issues
             for (int j = 0; j < ntiles; j++) {
                 const int st = j & 1;
-                for (int kv = 0; kv < 2; kv++) {  // K, then V
-                    if (j >= 2) mbar_wait(&empty[2 * kv + st], ((j >> 1) - 1) & 1);
-                    unsigned char* dst = kvs + st * 2 * F4_KV + kv * F4_KV;
-                    if (lane == 0) {
-                        mbar_arrive_expect_tx(&full[2 * kv + st], F4_KV);
-                        for (int cb = rank; cb < F4_HD / 64; cb += CS)
-                            tma_load_3d_mc(dst + cb * (F4_BK * 128), kv ? vmap : kmap, cb * 64, kvh, j * F4_BK,
-                                           &full[2 * kv + st], (1u << CS) - 1);
+                if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
+                unsigned char* ks = kvs + st * 2 * F4_KV;
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(&full[st], 2 * F4_KV);
+                    for (int cb = rank; cb < F4_HD / 64; cb += CS) {
+                        tma_load_3d_mc(ks + cb * (F4_BK * 128), kmap, cb * 64, kvh, j * F4_BK, &full[st],
+                                       (1u << CS) - 1);
+                        tma_load_3d_mc(ks + F4_KV + cb * (F4_BK * 128), vmap, cb * 64, kvh, j * F4_BK, &full[st],
+                                       (1u << CS) - 1);
                     }
-                    __syncwarp();
                 }
+                __syncwarp();
             }
         }
     } else if (warp >= 8) {  // the producer: tile j into stage j % 2 once the consumers released it
         setmaxnreg_dec<40>();
-        // Warps 8 and 9 copy the K tiles, 10 and 11 the V tiles, each pair in its own loop so a
-        // K tile never waits behind a V tile's release.
-        const int kv = (tid >> 6) & 1, r0 = (tid >> 5) & 1;  // rows r0, r0 + 2, ..; the lane: the 16-byte chunk
-        const bf16* src = kv ? vc : kc;
+        const int r0 = (tid >> 5) & 3;  // rows r0, r0 + 4, ..; the lane is the 16-byte chunk
         for (int j = 0; j < ntiles; j++) {
             const int st = j & 1;
-            {
-                if (j >= 2) mbar_wait(&empty[2 * kv + st], ((j >> 1) - 1) & 1);
-                unsigned char* dst = kvs + st * 2 * F4_KV + kv * F4_KV;
+            if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
+            unsigned char* ks = kvs + st * 2 * F4_KV;
 #pragma unroll 4
-                for (int r = r0; r < F4_BK; r += 2) {
-                    const int kp = j * F4_BK + r;
+            for (int r = r0; r < F4_BK; r += 4) {
+                const int kp = j * F4_BK + r;
 #ifdef F4_PROBE_NO_KV  // diagnostic (timing only, outputs wrong): K/V zero-filled, no cache reads
-                    const bool ok = false;
+                const bool ok = false;
 #else
-                    const bool ok = kp < n_valid;
+                const bool ok = kp < n_valid;
 #endif
-                    const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + lane * 8;
-                    cp_async16(dst + f4_off<F4_BK>(r, lane), src + off, ok);
-                }
-                cp_async_mbar_arrive(&full[2 * kv + st]);
+                const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + lane * 8;
+                cp_async16(ks + f4_off<F4_BK>(r, lane), kc + off, ok);
+                cp_async16(ks + F4_KV + f4_off<F4_BK>(r, lane), vc + off, ok);
             }
+            cp_async_mbar_arrive(&full[st]);
         }
     } else {
         attn_flash4_consumer<CS>(q, qg, out, t, past, nq, scale, q_norm, inv_freq, rot_half, eps, qs, kvs, full, empty,
@@ -1127,21 +1120,10 @@ __device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q
     // The warpgroups take turns issuing S = Q Kᵀ (named barriers 3 + w, 256 threads: the other
     // warpgroup arrives when it has issued its own), so one's softmax runs under the other's
     // products. Warpgroup 0 goes first; the arrivals balance (warpgroup 1 skips its last).
-    // Tile j's K or V buffer read by this thread: one arrival each, or with clusters one a warp
-    // on every block's barrier, and only where tile j + 2 loads that buffer again.
-    auto release = [&](unsigned long long* bar, int j) {
-        if (CS == 1) {
-            mbar_arrive(bar);
-        } else if (j + 2 < ntiles) {
-            __syncwarp();
-            if (lane == 0)
-                for (int r = 0; r < CS; r++) mbar_arrive_remote(bar, r);
-        }
-    };
     if (wg == 1) bar_arrive_named(3, 256);
     for (int j = 0; j < ntiles; j++) {
         const int st = j & 1;
-        mbar_wait(&full[st], (j >> 1) & 1);  // the producer's copies of K tile j landed
+        mbar_wait(&full[st], (j >> 1) & 1);  // the producer's copies of tile j landed
         fence_proxy_async();                 // ... and are visible to wgmma
         const unsigned char* kt = kvs + st * 2 * F4_KV;
         // Descriptors pinned (an empty asm) before each stage, so their arithmetic is not sunk
@@ -1166,7 +1148,6 @@ __device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < F4_BK / 2; i++) wgmma_fence_operand(s[i]);
-        release(empty + st, j);  // K tile j read
         // Causal / cache-end mask, only on tiles that reach past this warp's first row.
         auto& s4 = reinterpret_cast<float(&)[F4_BK / 8][4]>(s);
         if (k0 + F4_BK - 1 > qpos0 - g || k0 + F4_BK > n_valid) warp_causal_mask<F4_BK>(s4, k0, qpos0, n_valid, cq);
@@ -1176,8 +1157,6 @@ __device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q
         for (int kk = 0; kk < F4_BK / 16; kk++) p_frag<F4_BK>(s4, kk, p[kk]);
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
-        mbar_wait(&full[2 + st], (j >> 1) & 1);  // V tile j landed
-        fence_proxy_async();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < F4_BK / 16; kk++)  // keys 16 kk..: 16 rows of 128 B down the V tile
@@ -1186,7 +1165,13 @@ __device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < 128; i++) wgmma_fence_operand(o[i]);
-        release(empty + 2 + st, j);  // V tile j read
+        if (CS == 1) {
+            mbar_arrive(&empty[st]);  // this thread is done with stage st
+        } else if (j + 2 < ntiles) {  // this warp is done with stage st, which tile j + 2 reuses
+            __syncwarp();
+            if (lane == 0)
+                for (int r = 0; r < CS; r++) mbar_arrive_remote(&empty[st], r);
+        }
     }
     flash_store_rows<F4_HD>(reinterpret_cast<const float(&)[F4_HD / 8][4]>(o), l0, l1, q0 + wi * 16 + g, t, h0 + wg, nq,
                             qg, out, cq);
