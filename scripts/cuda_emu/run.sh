@@ -28,7 +28,7 @@ build() {  # build NAME KERNEL_FILES...
   local n=$1
   shift
   python3 "$here/build.py" "$tmp/kernels_emu.inc" "$@"
-  g++ -std=c++20 -O2 -fno-strict-aliasing -Wno-unknown-pragmas -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
+  g++ -std=c++20 -O2 -fno-strict-aliasing -Wno-unknown-pragmas -Wno-psabi -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
 }
 for n in mma gdn attn gemv moe; do
   [ "$what" = all ] || [ "$what" = "$n" ] || continue
