@@ -5,7 +5,9 @@
 #   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv (`gdn full`: also the full
 #        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
 #   attn attention.cu: the prefill flash kernels (attn_flash4 on emulated wgmma, mbarriers and
-#        a producer warpgroup), the tensor-core decode attention and its combine
+#        a producer warpgroup; its fused query prep and its clusters of 2 / 4 with multicast
+#        3-D tensor copies, both bitwise the plain kernel), the tensor-core decode attention and
+#        its combine
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
 #   moe  moe.cu: the routing top-k (ties included); the decode MoE block (router, gate/up,
 #        down) at small and reduced real shapes; moe_combine (and its fused RMSNorm against
