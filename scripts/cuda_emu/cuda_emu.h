@@ -715,32 +715,6 @@ inline void cluster_sync() { emu_to_scheduler(LANE_AT_CLUSTER_BAR); }
 // cuTensorMapEncodeTiled): a 2-D bf16 tensor of `rows` x `cols` elements, rows `row_stride`
 // elements apart, copied in boxes of box_rows x 64 (128-byte rows), 128-byte swizzle.
 struct EmuTmap { const bf16* base; unsigned long long rows, cols, row_stride; unsigned box_rows; };
-// cp.async.bulk.tensor.2d ... multicast::cluster: the box at (column c0, row c1) into the same
-// shared offset as `dst` in every block of `mask`, swizzled as the 128-byte mode lays it out
-// (16-byte chunk c of box row r at chunk c ^ (r % 8) of a 1024-byte aligned box), elements
-// outside the tensor zero; then its bytes complete on each block's mbarrier at bar's offset.
-inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar, unsigned short mask) {
-    const EmuTmap& m = *static_cast<const EmuTmap*>(tmap);
-    const unsigned off = smem_addr(dst), boff = smem_addr(bar);
-    if (off % 1024) emu_fail("tensor copy: shared destination not 1024-byte aligned");
-    const size_t bytes = (size_t)m.box_rows * 128;
-    std::lock_guard<std::mutex> g(g_mbar_mu);
-    for (int cta = 0; cta < EMU_MAX_CLUSTER; cta++) {
-        if (!(mask >> cta & 1)) continue;
-        std::vector<unsigned char>& sm = g_dyn_smem_slots[cta];
-        if (off + bytes > sm.size()) emu_fail("tensor copy outside shared memory");
-        for (unsigned r = 0; r < m.box_rows; r++)
-            for (int c = 0; c < 64; c++) {
-                const unsigned long long row = (unsigned long long)c1 + r, col = (unsigned long long)(c0 + c);
-                bf16 v{0};
-                if (c0 + c >= 0 && row < m.rows && col < m.cols) v = m.base[row * m.row_stride + col];
-                const unsigned at = off + r * 128 + ((((unsigned)c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
-                memcpy(sm.data() + at, &v, 2);
-            }
-        emu_mbar_update(cta, boff, 0, 0, (long long)bytes);
-    }
-}
-
 // A 3-D bf16 tensor map: element (i0, i1, i2) at base[i2 * stride2 + i1 * stride1 + i0], boxes of
 // 64 x 1 x box_rows (a box's rows run along the third dimension), 128-byte swizzle.
 struct EmuTmap3 { const bf16* base; unsigned long long d0, d1, d2, stride1, stride2; unsigned box_rows; };
@@ -767,6 +741,16 @@ inline void tma_load_3d_mc(void* dst, const void* tmap, int c0, int c1, int c2, 
             }
         emu_mbar_update(cta, boff, 0, 0, (long long)bytes);
     }
+}
+
+// cp.async.bulk.tensor.2d ... multicast::cluster: the box at (column c0, row c1) into the same
+// shared offset as `dst` in every block of `mask`, swizzled as the 128-byte mode lays it out
+// (16-byte chunk c of box row r at chunk c ^ (r % 8) of a 1024-byte aligned box), elements
+// outside the tensor zero; then its bytes complete on each block's mbarrier at bar's offset.
+inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar, unsigned short mask) {
+    const EmuTmap& m = *static_cast<const EmuTmap*>(tmap);
+    const EmuTmap3 m3{m.base, m.cols, 1, m.rows, 0, m.row_stride, m.box_rows};  // rows as the third dimension
+    tma_load_3d_mc(dst, &m3, c0, 0, c1, bar, mask);
 }
 
 inline void tma_load_2d(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {

@@ -296,38 +296,17 @@ impl Gpu {
 /// boxes of `WGMMA_TILE_KEYS` positions x 64 of one KV head in the 128-byte swizzle (the
 /// layout `attn_flash4`'s descriptors read), positions past `n` zero.
 fn kv_tensor_map(cache: u64, n: usize, nkv: usize, hd: usize) -> Result<[u64; 16]> {
-    use cudarc::driver::sys;
     anyhow::ensure!(
-        cache.is_multiple_of(16) && hd.is_multiple_of(64),
-        "attention: a KV tensor map needs an aligned cache and head dim a multiple of 64"
+        hd.is_multiple_of(64),
+        "attention: a KV tensor map needs a head dim multiple of 64"
     );
-    // SAFETY: plain data, filled by the driver below.
-    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
-    let dims = [hd as u64, nkv as u64, n as u64];
-    let strides = [(hd * 2) as u64, (nkv * hd * 2) as u64];
-    let boxes = [64u32, 1, WGMMA_TILE_KEYS as u32];
-    let steps = [1u32; 3];
-    // SAFETY: the arrays have the rank's lengths; `cache` is a device allocation of at least
-    // n x nkv x hd bf16 that outlives the launch using the map.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            3,
-            cache as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .map_err(|e| anyhow::anyhow!("cuTensorMapEncodeTiled (KV cache, {n} positions): {e:?}"))?;
-    Ok(map.opaque)
+    super::tensor_map_bf16(
+        cache,
+        &[hd as u64, nkv as u64, n as u64],
+        &[(hd * 2) as u64, (nkv * hd * 2) as u64],
+        &[64, 1, WGMMA_TILE_KEYS as u32],
+        &format!("KV cache, {n} positions"),
+    )
 }
 
 #[cfg(test)]

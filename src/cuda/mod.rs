@@ -139,6 +139,51 @@ impl Drop for DeviceBuf {
     }
 }
 
+/// A tiled tensor map (`cuTensorMapEncodeTiled`) over the bf16 tensor at device address `base`:
+/// `dims` elements per dimension (innermost first), `strides` the byte strides of the outer
+/// dimensions, `boxes` the box a copy moves, in the 128-byte swizzle that wgmma's descriptors read
+/// (innermost box 64 bf16), elements outside the tensor zero. `what` names it in errors.
+pub fn tensor_map_bf16(
+    base: u64,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+    what: &str,
+) -> Result<[u64; 16]> {
+    use cudarc::driver::sys;
+    let rank = dims.len();
+    if !(2..=5).contains(&rank) || strides.len() + 1 != rank || boxes.len() != rank {
+        bail!("tensor map for {what}: inconsistent ranks");
+    }
+    if !base.is_multiple_of(16) || strides.iter().any(|s| !s.is_multiple_of(16)) {
+        bail!("tensor map for {what}: the base and strides must be multiples of 16 bytes");
+    }
+    // SAFETY: plain data, filled by the driver below.
+    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    let steps = [1u32; 5];
+    // SAFETY: dims, boxes and steps have `rank` entries, strides `rank - 1`; `base` is a device
+    // allocation the caller keeps alive while the map is used.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            rank as u32,
+            base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| anyhow!("cuTensorMapEncodeTiled ({what}): {e:?}"))?;
+    Ok(map.opaque)
+}
+
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
 pub enum Arg {

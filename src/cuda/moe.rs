@@ -594,39 +594,17 @@ impl Gpu {
     /// tensor of `rows` rows of `kdim` (`[E, ndim, kdim]` is `E * ndim` rows), boxes of 128 rows
     /// x 64 in the 128-byte swizzle that the wgmma descriptors read, zeros outside.
     pub fn moe_tensor_map(&self, w: u64, rows: usize, kdim: usize) -> Result<super::DeviceBuf> {
-        use cudarc::driver::sys;
-        if !kdim.is_multiple_of(8) || !w.is_multiple_of(16) {
-            bail!(
-                "a tensor map needs rows of a multiple of 16 bytes ({kdim} bf16) and an aligned base"
-            );
+        if !kdim.is_multiple_of(8) {
+            bail!("a tensor map needs rows of a multiple of 16 bytes ({kdim} bf16)");
         }
-        // SAFETY: plain data, filled by the driver below.
-        let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
-        let dims = [kdim as u64, rows as u64];
-        let strides = [(kdim * 2) as u64];
-        let boxes = [64u32, 128];
-        let steps = [1u32, 1];
-        // SAFETY: the arrays have the rank's lengths; `w` is a device allocation of rows x kdim
-        // bf16 that outlives the map's uses.
-        unsafe {
-            sys::cuTensorMapEncodeTiled(
-                &mut map,
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                2,
-                w as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                steps.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        }
-        .result()
-        .map_err(|e| anyhow::anyhow!("cuTensorMapEncodeTiled ({rows} x {kdim} bf16): {e:?}"))?;
-        self.upload(&map.opaque)
+        let map = super::tensor_map_bf16(
+            w,
+            &[kdim as u64, rows as u64],
+            &[(kdim * 2) as u64],
+            &[64, 128],
+            &format!("{rows} x {kdim} bf16"),
+        )?;
+        self.upload(&map)
     }
 
     /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`.

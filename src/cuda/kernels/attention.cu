@@ -941,101 +941,6 @@ struct alignas(64) TmaParam {
     unsigned long long v[16];
 };
 
-// CS > 1 (attn_flash4c*): clusters of CS blocks along x, the CS head pairs of one KV head that
-// share a query tile and so every K/V tile: lane 0 of the producer's first warp in rank r
-// copies column blocks r, r + CS, .. of each K and V tile with a multicast tensor copy
-// (`kmap`, `vmap`: 3-D maps [positions][nkv][hd] with boxes of F4_BK rows x 64, the 128-byte
-// swizzle the descriptors read, rows past n_valid zero) into all CS blocks, so each tile
-// streams from L2 once a cluster instead of once a block (a probe without the K/V reads ran
-// 8,192 / 32,768-token prompts 1.5% / 8% faster, docs/KERNELS.md). `full` = the local
-// expect_tx arrival + the tile's bytes from all ranks; `empty` = one arrival from every
-// consumer warp of the cluster, sent only for tiles whose stage is loaded again. Opt-in
-// (KESTREL_ATTN_CLUSTER=2|4): on the H200 clusters of 2 measured level with single blocks, of 4
-// slower (468 -> 354 TFLOP/s at 8,192 tokens): with two stages a cluster's blocks wait for the
-// slowest one's release of every stage.
-template <int CS>
-__device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q, const float* __restrict__ qg,
-                                                     bf16* __restrict__ out, int t, int past, int nq, float scale,
-                                                     const float* __restrict__ q_norm,
-                                                     const float* __restrict__ inv_freq, int rot_half, float eps,
-                                                     unsigned char* qs, unsigned char* kvs, unsigned long long* full,
-                                                     unsigned long long* empty, int q0, int h0, int ntiles,
-                                                     int n_valid);
-template <int CS>
-__device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, const bf16* __restrict__ kc,
-                                                 const bf16* __restrict__ vc, const float* __restrict__ qg,
-                                                 bf16* __restrict__ out, int t, int past, int nq, int nkv, float scale,
-                                                 const float* __restrict__ q_norm, const float* __restrict__ inv_freq,
-                                                 int rot_half, float eps, const void* kmap, const void* vmap) {
-    extern __shared__ __align__(1024) unsigned char f4_smem[];
-    unsigned char* qs = f4_smem;                 // [2 heads]
-    unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + 4 * F4_KV);  // [2]
-    unsigned long long* empty = full + 2;                                                      // [2]
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest query tiles first (flash_grid)
-    const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n_valid = past + t;
-    const int n_end = min(n_valid, past + q0 + 64);
-    const int ntiles = (n_end + F4_BK - 1) / F4_BK;
-    const unsigned rank = CS > 1 ? cluster_ctarank() : 0u;
-    if (tid == 0) {
-        mbar_init(&full[0], CS > 1 ? 1 : 128);
-        mbar_init(&full[1], CS > 1 ? 1 : 128);
-        mbar_init(&empty[0], CS > 1 ? 8 * CS : 256);
-        mbar_init(&empty[1], CS > 1 ? 8 * CS : 256);
-    }
-    __syncthreads();
-    if (CS > 1) cluster_sync();  // every block's barriers initialised before any copy signals them
-    if (CS > 1 && warp >= 8) {  // the producer: one thread, multicast tensor copies
-        setmaxnreg_dec<40>();
-        if (warp == 8) {  // the warp waits, its lane 0 issues
-            for (int j = 0; j < ntiles; j++) {
-                const int st = j & 1;
-                if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
-                unsigned char* ks = kvs + st * 2 * F4_KV;
-                if (lane == 0) {
-                    mbar_arrive_expect_tx(&full[st], 2 * F4_KV);
-                    for (int cb = rank; cb < F4_HD / 64; cb += CS) {
-                        tma_load_3d_mc(ks + cb * (F4_BK * 128), kmap, cb * 64, kvh, j * F4_BK, &full[st],
-                                       (1u << CS) - 1);
-                        tma_load_3d_mc(ks + F4_KV + cb * (F4_BK * 128), vmap, cb * 64, kvh, j * F4_BK, &full[st],
-                                       (1u << CS) - 1);
-                    }
-                }
-                __syncwarp();
-            }
-        }
-    } else if (warp >= 8) {  // the producer: tile j into stage j % 2 once the consumers released it
-        setmaxnreg_dec<40>();
-        const int r0 = (tid >> 5) & 3;  // rows r0, r0 + 4, ..; the lane is the 16-byte chunk
-        for (int j = 0; j < ntiles; j++) {
-            const int st = j & 1;
-            if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
-            unsigned char* ks = kvs + st * 2 * F4_KV;
-#pragma unroll 4
-            for (int r = r0; r < F4_BK; r += 4) {
-                const int kp = j * F4_BK + r;
-#ifdef F4_PROBE_NO_KV  // diagnostic (timing only, outputs wrong): K/V zero-filled, no cache reads
-                const bool ok = false;
-#else
-                const bool ok = kp < n_valid;
-#endif
-                const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + lane * 8;
-                cp_async16(ks + f4_off<F4_BK>(r, lane), kc + off, ok);
-                cp_async16(ks + F4_KV + f4_off<F4_BK>(r, lane), vc + off, ok);
-            }
-            cp_async_mbar_arrive(&full[st]);
-        }
-    } else {
-        attn_flash4_consumer<CS>(q, qg, out, t, past, nq, scale, q_norm, inv_freq, rot_half, eps, qs, kvs, full, empty,
-                                 q0, h0, ntiles, n_valid);
-    }
-    // With clusters no block leaves while another may still copy into its shared memory or
-    // arrive on its barriers.
-    if (CS > 1) cluster_sync();
-}
-
 // attn_flash4's consumer warpgroups (see attn_flash4_body).
 template <int CS>
 __device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q, const float* __restrict__ qg,
@@ -1175,6 +1080,93 @@ __device__ __forceinline__ void attn_flash4_consumer(const float* __restrict__ q
     }
     flash_store_rows<F4_HD>(reinterpret_cast<const float(&)[F4_HD / 8][4]>(o), l0, l1, q0 + wi * 16 + g, t, h0 + wg, nq,
                             qg, out, cq);
+}
+
+// CS > 1 (attn_flash4c*): clusters of CS blocks along x, the CS head pairs of one KV head that
+// share a query tile and so every K/V tile: lane 0 of the producer's first warp in rank r
+// copies column blocks r, r + CS, .. of each K and V tile with a multicast tensor copy
+// (`kmap`, `vmap`: 3-D maps [positions][nkv][hd] with boxes of F4_BK rows x 64, the 128-byte
+// swizzle the descriptors read, rows past n_valid zero) into all CS blocks, so each tile
+// streams from L2 once a cluster instead of once a block (a probe without the K/V reads ran
+// 8,192 / 32,768-token prompts 1.5% / 8% faster, docs/KERNELS.md). `full` = the local
+// expect_tx arrival + the tile's bytes from all ranks; `empty` = one arrival from every
+// consumer warp of the cluster, sent only for tiles whose stage is loaded again. Opt-in
+// (KESTREL_ATTN_CLUSTER=2|4): on the H200 clusters of 2 measured level with single blocks, of 4
+// slower (468 -> 354 TFLOP/s at 8,192 tokens): with two stages a cluster's blocks wait for the
+// slowest one's release of every stage.
+template <int CS>
+__device__ __forceinline__ void attn_flash4_body(const float* __restrict__ q, const bf16* __restrict__ kc,
+                                                 const bf16* __restrict__ vc, const float* __restrict__ qg,
+                                                 bf16* __restrict__ out, int t, int past, int nq, int nkv, float scale,
+                                                 const float* __restrict__ q_norm, const float* __restrict__ inv_freq,
+                                                 int rot_half, float eps, const void* kmap, const void* vmap) {
+    extern __shared__ __align__(1024) unsigned char f4_smem[];
+    unsigned char* qs = f4_smem;                 // [2 heads]
+    unsigned char* kvs = f4_smem + 2 * F4_TILE;  // [2 stages][K tile | V tile]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(kvs + 4 * F4_KV);  // [2]
+    unsigned long long* empty = full + 2;                                                      // [2]
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest query tiles first (flash_grid)
+    const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int n_valid = past + t;
+    const int n_end = min(n_valid, past + q0 + 64);
+    const int ntiles = (n_end + F4_BK - 1) / F4_BK;
+    const unsigned rank = CS > 1 ? cluster_ctarank() : 0u;
+    if (tid == 0) {
+        mbar_init(&full[0], CS > 1 ? 1 : 128);
+        mbar_init(&full[1], CS > 1 ? 1 : 128);
+        mbar_init(&empty[0], CS > 1 ? 8 * CS : 256);
+        mbar_init(&empty[1], CS > 1 ? 8 * CS : 256);
+    }
+    __syncthreads();
+    if (CS > 1) cluster_sync();  // every block's barriers initialised before any copy signals them
+    if (CS > 1 && warp >= 8) {  // the producer: one thread, multicast tensor copies
+        setmaxnreg_dec<40>();
+        if (warp == 8) {  // the warp waits, its lane 0 issues
+            for (int j = 0; j < ntiles; j++) {
+                const int st = j & 1;
+                if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
+                unsigned char* ks = kvs + st * 2 * F4_KV;
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(&full[st], 2 * F4_KV);
+                    for (int cb = rank; cb < F4_HD / 64; cb += CS) {
+                        tma_load_3d_mc(ks + cb * (F4_BK * 128), kmap, cb * 64, kvh, j * F4_BK, &full[st],
+                                       (1u << CS) - 1);
+                        tma_load_3d_mc(ks + F4_KV + cb * (F4_BK * 128), vmap, cb * 64, kvh, j * F4_BK, &full[st],
+                                       (1u << CS) - 1);
+                    }
+                }
+                __syncwarp();
+            }
+        }
+    } else if (warp >= 8) {  // the producer: tile j into stage j % 2 once the consumers released it
+        setmaxnreg_dec<40>();
+        const int r0 = (tid >> 5) & 3;  // rows r0, r0 + 4, ..; the lane is the 16-byte chunk
+        for (int j = 0; j < ntiles; j++) {
+            const int st = j & 1;
+            if (j >= 2) mbar_wait(&empty[st], ((j >> 1) - 1) & 1);
+            unsigned char* ks = kvs + st * 2 * F4_KV;
+#pragma unroll 4
+            for (int r = r0; r < F4_BK; r += 4) {
+                const int kp = j * F4_BK + r;
+#ifdef F4_PROBE_NO_KV  // diagnostic (timing only, outputs wrong): K/V zero-filled, no cache reads
+                const bool ok = false;
+#else
+                const bool ok = kp < n_valid;
+#endif
+                const size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * F4_HD + lane * 8;
+                cp_async16(ks + f4_off<F4_BK>(r, lane), kc + off, ok);
+                cp_async16(ks + F4_KV + f4_off<F4_BK>(r, lane), vc + off, ok);
+            }
+            cp_async_mbar_arrive(&full[st]);
+        }
+    } else {
+        attn_flash4_consumer<CS>(q, qg, out, t, past, nq, scale, q_norm, inv_freq, rot_half, eps, qs, kvs, full, empty,
+                                 q0, h0, ntiles, n_valid);
+    }
+    // With clusters no block leaves while another may still copy into its shared memory or
+    // arrive on its barriers.
+    if (CS > 1) cluster_sync();
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1)
