@@ -1192,9 +1192,9 @@ impl CudaModel {
                     // and attn_prep_rows' first head (nq where attn_flash4 preps the queries).
                     let flash = t >= FLASH_MIN_TOKENS;
                     let rot_half = c.rotary_dim / 2;
+                    // (flash_preps_q implies head dim 256, so attn_prep_rows runs below)
                     let q_prep = (flash
                         && self.flash_q_prep
-                        && hd % 4 == 0
                         && g.flash_preps_q(self.flash, nq, nkv, hd, rot_half))
                     .then_some(QPrep {
                         q_norm: w.q_norm.ptr,
