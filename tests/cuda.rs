@@ -516,22 +516,49 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
 #[test]
 fn moe_grouped_gemm_full_shape() {
     let Some(gpu) = gpu() else { return };
-    // 4,096 and 8,192 tokens (the default prefill chunk): ~128 and ~256 rows per expert.
-    for t in [4096, 8192] {
-        moe_grouped_gemm_case(&gpu, t);
+    // 4,096 and 8,192 tokens (the default prefill chunk): ~128 and ~256 rows per expert,
+    // skewed; then 8,192 routed uniformly (256 +- 16 rows: about half the experts have a
+    // last tile of <= 64 rows) and exactly 256 rows each (two full tiles, no partial one), so
+    // the times show what partial tiles cost.
+    for (t, routing) in [
+        (4096, Routing::Skewed),
+        (8192, Routing::Skewed),
+        (8192, Routing::Uniform),
+        (8192, Routing::Balanced),
+    ] {
+        moe_grouped_gemm_case(&gpu, t, routing);
     }
 }
 
+/// How [`moe_grouped_gemm_case`] routes its tokens.
+#[derive(Clone, Copy, Debug)]
+enum Routing {
+    /// Random, ~9:1 from the first expert to the last.
+    Skewed,
+    /// Random, every expert equally likely.
+    Uniform,
+    /// Token n's slots j take experts (8 n + j) mod e: every expert the same count.
+    Balanced,
+}
+
 /// One chunk of `t` tokens for [`moe_grouped_gemm_full_shape`].
-fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
+fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize, routing: Routing) {
     let (d, i, e, k) = (2048usize, 512usize, 256usize, 8usize);
     let rows = t * k;
     let mut rng = Lcg(23 + t as u64);
-    let weight: Vec<f32> = (0..e).map(|x| 1.0 / (1.0 + x as f32 / 32.0)).collect();
+    let weight: Vec<f32> = (0..e)
+        .map(|x| match routing {
+            Routing::Skewed => 1.0 / (1.0 + x as f32 / 32.0),
+            _ => 1.0,
+        })
+        .collect();
     let total: f32 = weight.iter().sum();
     let (mut topk, mut counts) = (Vec::with_capacity(rows), vec![0i32; e]);
-    for _ in 0..t {
+    for n in 0..t {
         let mut chosen: Vec<usize> = Vec::with_capacity(k);
+        if let Routing::Balanced = routing {
+            chosen.extend((0..k).map(|j| (k * n + j) % e));
+        }
         while chosen.len() < k {
             let mut u = (rng.next() + 1.0) * 0.5 * total;
             let mut x = 0;
@@ -549,7 +576,7 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize) {
         }
     }
     println!(
-        "{t} tokens, {rows} rows over {e} experts: {} to {} per expert",
+        "{t} tokens ({routing:?}), {rows} rows over {e} experts: {} to {} per expert",
         counts.iter().min().unwrap(),
         counts.iter().max().unwrap()
     );

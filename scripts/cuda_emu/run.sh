@@ -17,6 +17,7 @@
 #        descriptors) against the references; moe_gemm6 and moe_gemm7 (clusters of two blocks,
 #        tensor copies) bitwise against moe_gemm5 / 6; moe_plan over several warps of experts
 # Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
+# EMU_DEFINES="A B=1": preprocessor defines for the kernels (as KESTREL_KERNEL_DEFINES on the GPU).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 what=${1:-all}
@@ -30,7 +31,9 @@ build() {  # build NAME KERNEL_FILES...
   local n=$1
   shift
   python3 "$here/build.py" "$tmp/kernels_emu.inc" "$@"
-  g++ -std=c++20 -O2 -fno-strict-aliasing -Wno-unknown-pragmas -Wno-psabi -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
+  local defs=()
+  for d in ${EMU_DEFINES:-}; do defs+=("-D$d"); done
+  g++ -std=c++20 -O2 "${defs[@]}" -fno-strict-aliasing -Wno-unknown-pragmas -Wno-psabi -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
 }
 for n in mma gdn attn gemv moe; do
   [ "$what" = all ] || [ "$what" = "$n" ] || continue
