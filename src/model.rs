@@ -79,9 +79,8 @@ pub struct CpuModel {
     pub config: TextConfig,
     pub weights: ModelWeights,
     pub gdn_mode: GdnMode,
-    /// Round every GEMM input, the GDN in-projection's outputs and the KV cache to bf16, as
-    /// the GPU backend does (so the two can be compared tightly); off by default (pure f32
-    /// reference).
+    /// Round every GEMM input and the KV cache to bf16, as the GPU backend does (so the two
+    /// can be compared tightly); off by default (pure f32 reference).
     pub bf16_activations: bool,
     inv_freq: Vec<f32>,
 }
@@ -136,20 +135,11 @@ impl CpuModel {
             c.gdn_value_dim,
         );
         let (qk, ch) = (c.gdn_qk_width(), c.gdn_conv_channels());
-        // 1. projections (at the GPU's precision rounded to bf16, as its in-projection stores
-        // them and transformers' bf16 projections give them)
-        let proj = |w| {
-            let y = self.mm(x, t, w);
-            if self.bf16_activations {
-                round_bf16(&y)
-            } else {
-                y
-            }
-        };
-        let p = proj(&w.in_qkv);
-        let z = proj(&w.in_z);
-        let b = proj(&w.in_b);
-        let a = proj(&w.in_a);
+        // 1. projections
+        let p = self.mm(x, t, &w.in_qkv);
+        let z = self.mm(x, t, &w.in_z);
+        let b = self.mm(x, t, &w.in_b);
+        let a = self.mm(x, t, &w.in_a);
         // 2. causal conv over pre-conv inputs (state carries the last kernel-1), SiLU
         let p = causal_conv_silu(&p, t, ch, &mut st.conv, &w.conv, c.conv_kernel);
         // 3-5. split, L2-normalise q and k, scale q

@@ -171,14 +171,13 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
     if (!ok || !same) exit(1);
 }
 
-// pad: p's rows are c + pad elements apart (the conv's channels the first c of the whole
-// in-projection's row, bf16 as it stores them); the padding holds values that would show if read.
+// pad: p's rows are c + pad floats apart (the conv's channels the first c of the whole
+// in-projection's row); the padding holds values that would show if read.
 void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4, int pad = 0) {
     const int c = 2 * hk * dk + hv * dv, hist = kern - 1, ldp = c + pad;
     Rng rng{std::mt19937_64(7 + t)};
-    std::vector<bf16> p((size_t)t * ldp);
-    std::vector<float> w((size_t)c * kern), st((size_t)hist * c);
-    for (size_t i = 0; i < p.size(); i++) p[i] = __float2bfloat16((int)(i % ldp) < c ? rng.uni(-2, 2) : 1e30f);
+    std::vector<float> p((size_t)t * ldp), w((size_t)c * kern), st((size_t)hist * c);
+    for (size_t i = 0; i < p.size(); i++) p[i] = (int)(i % ldp) < c ? rng.uni(-2, 2) : 1e30f;
     for (auto& x : w) x = rng.uni(-1, 1);
     for (auto& x : st) x = rng.uni(-2, 2);
     std::vector<float> st_a = st, st_b = st, out_a((size_t)t * c, 1e30f), out_b((size_t)t * c, 1e30f);
@@ -193,7 +192,7 @@ void run_conv(int t, int hk, int dk, int hv, int dv, int kern = 4, int pad = 0) 
     for (int j = 0; j < hist; j++)
         for (int ch = 0; ch < c; ch++) {
             const int src = t + j;  // row of [state ; p]
-            const float want = src < hist ? st[(size_t)src * c + ch] : __bfloat162float(p[(size_t)(src - hist) * ldp + ch]);
+            const float want = src < hist ? st[(size_t)src * c + ch] : p[(size_t)(src - hist) * ldp + ch];
             st_ok = st_ok && st_b[(size_t)j * c + ch] == want;
         }
     double eo = 0, es = 0;
@@ -209,15 +208,14 @@ static const double TOL = 1e-5;
 
 // gdn_gated_norm against a double reference (o / rms(o) * w * SiLU(z), then bf16): vector
 // (dv and z's row stride % 4 == 0) and scalar rows; within the bf16 rounding. z: t tokens of hv
-// heads in bf16 rows of hv * dv + pad (the in-projection's output; the padding would show).
+// heads in rows of hv * dv + pad floats (the in-projection's output; the padding would show).
 static void run_gated_norm(int t, int hv, int dv, int pad) {
     const int rows = t * hv, ldz = hv * dv + pad;
     std::mt19937 rng(rows * 131 + dv + pad);
     std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-    std::vector<float> o((size_t)rows * dv), w(dv);
-    std::vector<bf16> z((size_t)t * ldz);
+    std::vector<float> o((size_t)rows * dv), z((size_t)t * ldz), w(dv);
     for (auto& x : o) x = u(rng);
-    for (size_t i = 0; i < z.size(); i++) z[i] = __float2bfloat16((int)(i % ldz) < hv * dv ? u(rng) : NAN);
+    for (size_t i = 0; i < z.size(); i++) z[i] = (int)(i % ldz) < hv * dv ? u(rng) : NAN;
     for (auto& x : w) x = u(rng);
     std::vector<bf16> out(o.size());
     const float eps = 1e-6f;
@@ -230,7 +228,7 @@ static void run_gated_norm(int t, int hv, int dv, int pad) {
         const double inv = 1.0 / std::sqrt(ss / dv + eps);
         for (int i = 0; i < dv; i++) {
             const size_t j = (size_t)r * dv + i;
-            const double zj = __bfloat162float(z[(size_t)(r / hv) * ldz + (size_t)(r % hv) * dv + i]);
+            const double zj = z[(size_t)(r / hv) * ldz + (size_t)(r % hv) * dv + i];
             const double ref = o[j] * inv * w[i] * (zj / (1.0 + std::exp(-zj)));
             const double e = std::fabs(__bfloat162float(out[j]) - ref) / (std::fabs(ref) * 0.00390625 + 1e-6);
             if (!(e <= worst)) worst = e;

@@ -1,7 +1,6 @@
 // Runs gemv.cu's decode GEMVs on the CPU emulator (through run.sh): gemv_dec and gemv_dec_w
 // (k = 4096 a warp per whole row) against a double-precision y = y0 + W·x with bf16 inputs, at
-// the model's inner dimensions and ragged row counts, and their bf16-rounded store (beta =
-// GEMV_ROUND_BF16); and the RMSNorm input path.
+// the model's inner dimensions and ragged row counts; and the RMSNorm input path.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -34,22 +33,8 @@ int main() {
                 for (int i = 0; i < k; i++) ref += (double)__bfloat162float(w[(size_t)r * k + i]) * __bfloat162float(x[i]);
                 err = std::max(err, std::fabs(y[r] - ref) / (1.0 + std::fabs(ref)));
             }
-            // beta = GEMV_ROUND_BF16: the same products stored rounded to bf16 (y0 not added)
-            std::vector<float> yr(n, NAN), yp(n, NAN);
-            for (auto [out, beta] : {std::pair{&yr, GEMV_ROUND_BF16}, {&yp, 0.0f}})
-                emu_launch({(unsigned)((n + rows - 1) / rows), 1, 1}, 256, (size_t)k * 4, [&] {
-                    if (whole)
-                        gemv_dec_w(w.data(), n, k, x.data(), nullptr, nullptr, 0.0f, nullptr, out->data(), beta,
-                                   nullptr, nullptr, nullptr, 0, nullptr, nullptr);
-                    else
-                        gemv_dec(w.data(), n, k, x.data(), nullptr, nullptr, 0.0f, nullptr, out->data(), beta, nullptr,
-                                 nullptr, nullptr, 0, nullptr, nullptr);
-                });
-            bool rounded = true;
-            for (int r = 0; r < n; r++) rounded &= yr[r] == __bfloat162float(__float2bfloat16(yp[r]));
-            bool ok = err <= 1e-5 && rounded;
-            printf("%s %s n=%d k=%d: max err %.2e, bf16-rounded store %s\n", ok ? "ok  " : "FAIL",
-                   whole ? "gemv_dec_w" : "gemv_dec  ", n, k, err, rounded ? "ok" : "WRONG");
+            bool ok = err <= 1e-5;
+            printf("%s %s n=%d k=%d: max err %.2e\n", ok ? "ok  " : "FAIL", whole ? "gemv_dec_w" : "gemv_dec  ", n, k, err);
             fails += !ok;
         }
     }

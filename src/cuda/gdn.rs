@@ -56,9 +56,8 @@ pub struct GdnShape {
     pub dv: usize,
 }
 
-/// The conv's input rows `[t, c]` (bf16, as the in-projection rounds them): at `ptr`, `ld`
-/// elements apart (0: packed, `c`), so that they can be the first columns of the whole
-/// in-projection's output.
+/// The conv's input rows `[t, c]` (f32): at `ptr`, `ld` floats apart (0: packed, `c`), so
+/// that they can be the first columns of the whole in-projection's output.
 #[derive(Clone, Copy, Debug)]
 pub struct ConvRows {
     pub ptr: u64,

@@ -1,6 +1,5 @@
-//! Dense projections `y[t, n] = x[t, k] · W[n, k]ᵀ (+ y)`: bf16 in, f32 out (or bf16:
-//! [`Gpu::gemm_bf16`]), f32 accumulation, through cuBLASLt with a plan (descriptors +
-//! algorithm) cached per shape.
+//! Dense projections `y[t, n] = x[t, k] · W[n, k]ᵀ (+ y)`: bf16 in, f32 out, f32 accumulation,
+//! through cuBLASLt with a plan (descriptors + algorithm) cached per shape.
 //!
 //! cuBLASLt rather than `cublasGemmEx` because it is where the epilogues (bias, bf16 out) and
 //! the block-scaled FP8 products of the coming checkpoints live; on the H200 both run the
@@ -42,8 +41,6 @@ struct Key {
     t: usize,
     ldy: usize,
     accumulate: bool,
-    /// y in bf16 (else f32).
-    out_bf16: bool,
 }
 
 /// Row counts that share one algorithm bucket (see [`AlgoKey`]).
@@ -64,7 +61,6 @@ struct AlgoKey {
     k: usize,
     ldy: usize,
     accumulate: bool,
-    out_bf16: bool,
     bucket: usize,
 }
 
@@ -75,7 +71,6 @@ impl AlgoKey {
             k: key.k,
             ldy: key.ldy,
             accumulate: key.accumulate,
-            out_bf16: key.out_bf16,
             bucket: if key.t <= SMALL_ROWS {
                 SMALL_ROWS
             } else {
@@ -166,11 +161,7 @@ impl Plan {
             x: lt::create_matrix_layout(bf16, key.k as u64, key.t as u64, key.k as i64)
                 .map_err(lt_err("layout"))?,
             y: lt::create_matrix_layout(
-                if key.out_bf16 {
-                    bf16
-                } else {
-                    sys::cudaDataType::CUDA_R_32F
-                },
+                sys::cudaDataType::CUDA_R_32F,
                 key.n as u64,
                 key.t as u64,
                 key.ldy as i64,
@@ -305,44 +296,7 @@ impl Gpu {
         ldy: usize,
         beta: f32,
     ) -> Result<()> {
-        self.gemm_on(false, false, w, n, k, x, t, y, ldy, beta)
-    }
-
-    /// `y[t, n] = x[t, k] · W[n, k]ᵀ` rounded to bf16 (y bf16 with row stride `ldy`; f32
-    /// accumulation): where the consumers take a projection's output at bf16, as transformers
-    /// does, and half the bytes are written and read back.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bf16(
-        &self,
-        w: u64,
-        n: usize,
-        k: usize,
-        x: u64,
-        t: usize,
-        y: u64,
-        ldy: usize,
-    ) -> Result<()> {
-        self.gemm_on(false, true, w, n, k, x, t, y, ldy, 0.0)
-    }
-
-    /// [`Gpu::gemm_bf16`] on the second stream, as [`Gpu::gemm_aux`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_aux_bf16(
-        &self,
-        w: u64,
-        n: usize,
-        k: usize,
-        x: u64,
-        t: usize,
-        y: u64,
-        ldy: usize,
-    ) -> Result<()> {
-        if self.gemm_path() != GemmPath::Lt {
-            self.join_aux()?;
-            self.gemm_on(false, true, w, n, k, x, t, y, ldy, 0.0)?;
-            return self.fork_aux();
-        }
-        self.gemm_on(true, true, w, n, k, x, t, y, ldy, 0.0)
+        self.gemm_on(false, w, n, k, x, t, y, ldy, beta)
     }
 
     /// [`Gpu::gemm`] on the second stream (after [`Gpu::fork_aux`]): cuBLASLt with that
@@ -362,17 +316,16 @@ impl Gpu {
     ) -> Result<()> {
         if self.gemm_path() != GemmPath::Lt {
             self.join_aux()?;
-            self.gemm_on(false, false, w, n, k, x, t, y, ldy, beta)?;
+            self.gemm_on(false, w, n, k, x, t, y, ldy, beta)?;
             return self.fork_aux();
         }
-        self.gemm_on(true, false, w, n, k, x, t, y, ldy, beta)
+        self.gemm_on(true, w, n, k, x, t, y, ldy, beta)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn gemm_on(
         &self,
         aux: bool,
-        out_bf16: bool,
         w: u64,
         n: usize,
         k: usize,
@@ -388,7 +341,6 @@ impl Gpu {
             t,
             ldy,
             accumulate: beta != 0.0,
-            out_bf16,
         };
         let (stream, lt) = if aux {
             (&*self.aux, &self.aux_lt)
@@ -398,13 +350,7 @@ impl Gpu {
         };
         self.timed(
             stream,
-            || {
-                format!(
-                    "gemm {n}x{k} t={t}{}{}",
-                    if out_bf16 { " bf16" } else { "" },
-                    if aux { " (aux)" } else { "" }
-                )
-            },
+            || format!("gemm {n}x{k} t={t}{}", if aux { " (aux)" } else { "" }),
             || match self.gemm_path() {
                 GemmPath::Ex => self.gemm_ex(key, w, x, y, beta),
                 GemmPath::Lt => self.lt_matmul(lt, stream, key, w, x, y, beta),
@@ -491,11 +437,7 @@ impl Gpu {
                 k,
                 &beta as *const f32 as *const _,
                 y as *mut _,
-                if key.out_bf16 {
-                    cublas_sys::cudaDataType::CUDA_R_16BF
-                } else {
-                    cublas_sys::cudaDataType::CUDA_R_32F
-                },
+                cublas_sys::cudaDataType::CUDA_R_32F,
                 key.ldy as i32,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -518,7 +460,6 @@ mod tests {
                 t,
                 ldy: 8,
                 accumulate: false,
-                out_bf16: false,
             })
             .bucket
         };

@@ -50,8 +50,6 @@ fn gemv_rows_per_block(k: usize, whole_rows: bool) -> usize {
 /// At most this many blocks per decode GEMV (8 per SM of an H200): each stages its input
 /// once, then walks row groups, so a tall matrix (lm_head) does not restage it per 16 rows.
 const GEMV_MAX_BLOCKS: usize = 132 * 8;
-/// The decode GEMVs' beta that stores the product rounded to bf16 (`GEMV_ROUND_BF16`, common.cuh).
-const GEMV_ROUND_BF16: f32 = -1.0;
 
 /// Dynamic shared memory of `attn_decode`: two stages of 32-position K and V tiles, and the
 /// group's queries.
@@ -544,11 +542,11 @@ impl CudaModel {
             ("ids", t, 4),
             ("h", t * d, 4),
             ("xb", t * d.max(cfg.gdn_v_width()).max(nq * hd), 2),
-            // the GDN in-projection's output: q|k|v, z, b|a side by side, bf16
+            // the GDN in-projection's output: q|k|v, z, b|a side by side
             (
                 "p",
                 t * (cfg.gdn_conv_channels() + cfg.gdn_v_width() + 2 * cfg.gdn_num_value_heads),
-                2,
+                4,
             ),
             ("qkv", t * cfg.gdn_conv_channels(), 4),
             ("beta", t * hv, 4),
@@ -1082,21 +1080,21 @@ impl CudaModel {
                     let sh = GdnShape::of(c, t);
                     let (hv, dv) = (sh.hv, sh.dv);
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
-                    // The in-projection's q|k|v, z and b|a side by side in p's rows, bf16 (the
-                    // conv, the gates and the gated norm read them in place): one GEMM, or
+                    // The in-projection's q|k|v, z and b|a side by side in p's rows (the conv,
+                    // the gates and the gated norm read them in place): one GEMM, or
                     // (KESTREL_GDN_INPROJ=split) q|k|v with z and b|a on the second stream
                     // beside it and the conv (joined before the gates read b|a).
                     let rows_all = ch + vw + 2 * hv;
-                    let at = |col: usize| ws.p.ptr + (col * 2) as u64;
+                    let at = |col: usize| ws.p.ptr + (col * 4) as u64;
                     let (xb, ld) = (ws.xb.ptr, rows_all);
                     if self.gdn_inproj_merged {
-                        g.gemm_bf16(w.in_proj.ptr, rows_all, d, xb, t, ws.p.ptr, ld)?;
+                        g.gemm(w.in_proj.ptr, rows_all, d, xb, t, ws.p.ptr, ld, 0.0)?;
                     } else {
                         let (in_qkv, in_z, in_ba) = w.in_parts(c);
                         g.fork_aux()?;
-                        g.gemm_aux_bf16(in_z, vw, d, xb, t, at(ch), ld)?;
-                        g.gemm_aux_bf16(in_ba, 2 * hv, d, xb, t, at(ch + vw), ld)?;
-                        g.gemm_bf16(in_qkv, ch, d, xb, t, ws.p.ptr, ld)?;
+                        g.gemm_aux(in_z, vw, d, xb, t, at(ch), ld, 0.0)?;
+                        g.gemm_aux(in_ba, 2 * hv, d, xb, t, at(ch + vw), ld, 0.0)?;
+                        g.gemm(in_qkv, ch, d, xb, t, ws.p.ptr, ld, 0.0)?;
                     }
                     let conv_in = ConvRows { ptr: ws.p.ptr, ld };
                     let (z, ba) = (at(ch), at(ch + vw));
@@ -1126,7 +1124,7 @@ impl CudaModel {
                         0,
                         &[
                             Arg::Ptr(ba),
-                            Arg::Ptr(ba + (hv * 2) as u64),
+                            Arg::Ptr(ba + (hv * 4) as u64),
                             Arg::I(ld as i32),
                             Arg::Ptr(w.a_log.ptr),
                             Arg::Ptr(w.dt_bias.ptr),
@@ -1662,10 +1660,10 @@ impl CudaModel {
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
         for layer in &self.layers {
-            // The mixer's fused input projection (GDN: qkv|z|b|a, rounded to bf16 as prefill's
-            // GEMM stores it; attention: q+gate|k|v) of RMSNorm(h) into dw.proj.
-            let in_proj = |w: u64, rows: usize, beta: f32| {
-                gemv(w, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, beta, None)
+            // The mixer's fused input projection (GDN: qkv|z|b|a; attention: q+gate|k|v) of
+            // RMSNorm(h) into dw.proj.
+            let in_proj = |w: u64, rows: usize| {
+                gemv(w, rows, d, 0, layer.input_norm.ptr, dw.proj.ptr, 0.0, None)
             };
             match &layer.mixer {
                 MixerW::Gdn(w) => {
@@ -1679,7 +1677,7 @@ impl CudaModel {
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
-                    in_proj(w.in_proj.ptr, rows, GEMV_ROUND_BF16)?;
+                    in_proj(w.in_proj.ptr, rows)?;
                     launch(
                         "gdn_conv_dec",
                         ((2 * hk + hv) as u32, 1, 1),
@@ -1731,7 +1729,7 @@ impl CudaModel {
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     let rows = nq * 2 * hd + 2 * nkv * hd;
-                    in_proj(w.qkv.ptr, rows, 0.0)?;
+                    in_proj(w.qkv.ptr, rows)?;
                     let kp = dw.proj.ptr + (nq * 2 * hd * 4) as u64;
                     launch(
                         "attn_prep",

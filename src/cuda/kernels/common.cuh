@@ -290,14 +290,6 @@ __device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ 
     else stage_rmsnorm(xs, h, nw, k, eps, xb_out, ws);
 }
 
-// A GEMV row's result into y[r] for beta 0 (store) or 1 (accumulate); beta = GEMV_ROUND_BF16
-// stores it rounded to bf16 (the GDN in-projection, whose readers take p at bf16 as prefill's
-// bf16 GEMM output gives it).
-#define GEMV_ROUND_BF16 -1.0f
-__device__ __forceinline__ void gemv_store(float* __restrict__ y, int r, float a, float beta) {
-    y[r] = beta == 0.0f ? a : beta == GEMV_ROUND_BF16 ? __bfloat162float(__float2bfloat16(a)) : beta * y[r] + a;
-}
-
 template <int R, int VPL>
 __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
                                                  const bf16* x, const float* h, const float* nw, float eps,
@@ -320,7 +312,7 @@ __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int
 #pragma unroll
     for (int q = 0; q < R; q++) {
         float a = warp_sum(acc[q]);
-        if (lane == q && r0 + q < n) gemv_store(y, r0 + q, a, beta);
+        if (lane == q && r0 + q < n) y[r0 + q] = beta == 0.0f ? a : beta * y[r0 + q] + a;
     }
 }
 
@@ -346,7 +338,8 @@ __device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, in
     if (lane == 0) halves[warp] = a;
     __syncthreads();
     if (half == 0 && lane == 0 && r < n) {
-        gemv_store(y, r, halves[warp] + halves[warp + 1], beta);
+        float t = halves[warp] + halves[warp + 1];
+        y[r] = beta == 0.0f ? t : beta * y[r] + t;
     }
     __syncthreads();  // halves reused by the next row group
 }

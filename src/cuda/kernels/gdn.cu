@@ -1,15 +1,10 @@
 // Gated DeltaNet: causal conv with state, q/k L2 norms and gates, the delta-rule recurrence
 // (one thread per value column, the state column in registers), and the gated RMSNorm.
 
-// The prefill kernels read the in-projection's output p (q|k|v, z, b|a side by side in rows of
-// ldp) as bf16, the rounding point of transformers' bf16 projections (the decode GEMV rounds its
-// p the same way); the conv state and everything after the conv stay f32.
-__device__ __forceinline__ float ldp_f(const bf16* p, size_t i) { return __bfloat162float(p[i]); }
-
 // Causal depthwise conv + SiLU, one thread per channel, tokens in order.
 // p: [t, c] pre-conv inputs in rows of ldp; state: [kern-1, c] (oldest first), advanced in
 // place; w: [c, kern]; out: [t, c].
-extern "C" __global__ void gdn_conv(const bf16* __restrict__ p, float* __restrict__ state,
+extern "C" __global__ void gdn_conv(const float* __restrict__ p, float* __restrict__ state,
                                     const float* __restrict__ w, float* __restrict__ out,
                                     int t, int c, int ldp, int kern) {
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
@@ -22,7 +17,7 @@ extern "C" __global__ void gdn_conv(const bf16* __restrict__ p, float* __restric
 #pragma unroll
     for (int j = 0; j < 9; j++) wt[j] = j < kern ? w[(size_t)ch * kern + j] : 0.0f;
     for (int s = 0; s < t; s++) {
-        float x = ldp_f(p, (size_t)s * ldp + ch);
+        float x = p[(size_t)s * ldp + ch];
         float acc = wt[hist] * x;
 #pragma unroll
         for (int j = 0; j < 8; j++) if (j < hist) acc += wt[j] * win[j];
@@ -49,16 +44,16 @@ extern "C" __global__ void gdn_qk_l2norm(float* __restrict__ qkv, int c, int hk,
     if (threadIdx.x < dk) x[threadIdx.x] = v * inv * scale;
 }
 
-// beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); b, a: bf16 rows of ld (in p).
-extern "C" __global__ void gdn_gates(const bf16* __restrict__ b, const bf16* __restrict__ a, int ld,
+// beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); ba: [t, 2*hv] = [b | a].
+extern "C" __global__ void gdn_gates(const float* __restrict__ b, const float* __restrict__ a, int ld,
                                      const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                      float* __restrict__ beta, float* __restrict__ g, int t, int hv) {
     PREFILL_KERNEL();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= t * hv) return;
     int s = i / hv, j = i % hv;
-    beta[i] = sigmoid_f(ldp_f(b, (size_t)s * ld + j));
-    g[i] = -expf(a_log[j]) * softplus_f(ldp_f(a, (size_t)s * ld + j) + dt_bias[j]);
+    beta[i] = sigmoid_f(b[(size_t)s * ld + j]);
+    g[i] = -expf(a_log[j]) * softplus_f(a[(size_t)s * ld + j] + dt_bias[j]);
 }
 
 // Delta rule, token by token. Block = one value head, thread m = value column m, which keeps
@@ -118,18 +113,18 @@ GDN_RECURRENT(128)
 
 // Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), bf16 out. A warp per (token, head)
 // row of dv, so the norm is one shuffle reduction; 4 values a lane a load when dv and ldz are
-// multiples of 4. z: a token's hv heads of dv in bf16 rows of ldz (where the in-projection
-// wrote them, in p). grid ceil(rows / 8), block 256.
-extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const bf16* __restrict__ z_in,
+// multiples of 4. z: a token's hv heads of dv in rows of ldz floats (where the in-projection
+// wrote them). grid ceil(rows / 8), block 256.
+extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const float* __restrict__ z_in,
                                           const float* __restrict__ w, bf16* __restrict__ out, int rows, int dv,
                                           int hv, int ldz, float eps) {
     PREFILL_KERNEL();
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= rows) return;  // warp-uniform
     const size_t base = (size_t)row * dv;
-    const bf16* z = z_in + (size_t)(row / hv) * ldz + (size_t)(row % hv) * dv;  // this row's z
+    const float* z = z_in + (size_t)(row / hv) * ldz + (size_t)(row % hv) * dv;  // this row's z
     float ss = 0.0f;
-    if ((dv & 3) == 0 && (ldz & 3) == 0 && (reinterpret_cast<size_t>(z_in) & 7) == 0) {
+    if ((dv & 3) == 0 && (ldz & 3) == 0 && (reinterpret_cast<size_t>(z_in) & 15) == 0) {
         for (int i = 4 * lane; i < dv; i += 128) {
             const float4 v = *reinterpret_cast<const float4*>(o + base + i);
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
@@ -137,9 +132,7 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const bf1
         const float inv = rsqrtf(warp_sum(ss) / dv + eps);
         for (int i = 4 * lane; i < dv; i += 128) {
             const float4 v = *reinterpret_cast<const float4*>(o + base + i);
-            const uint2 zb = *reinterpret_cast<const uint2*>(z + i);  // 4 bf16
-            const float4 g = make_float4(__uint_as_float(zb.x << 16), __uint_as_float(zb.x & 0xffff0000u),
-                                         __uint_as_float(zb.y << 16), __uint_as_float(zb.y & 0xffff0000u));
+            const float4 g = *reinterpret_cast<const float4*>(z + i);
             const float4 wv = *reinterpret_cast<const float4*>(w + i);
             *reinterpret_cast<uint2*>(out + base + i) =
                 make_uint2(pack_bf16x2(v.x * inv * wv.x * silu_f(g.x), v.y * inv * wv.y * silu_f(g.y)),
@@ -149,8 +142,7 @@ extern "C" __global__ void gdn_gated_norm(const float* __restrict__ o, const bf1
     }
     for (int i = lane; i < dv; i += 32) ss += o[base + i] * o[base + i];
     const float inv = rsqrtf(warp_sum(ss) / dv + eps);
-    for (int i = lane; i < dv; i += 32)
-        out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(__bfloat162float(z[i])));
+    for (int i = lane; i < dv; i += 32) out[base + i] = __float2bfloat16(o[base + i] * inv * w[i] * silu_f(z[i]));
 }
 
 // ---- Decode (one token): two launches between the in- and out-projections ----
@@ -283,7 +275,7 @@ GDN_STEP_DEC(128)
 #define GDN_CONV_TT 32
 
 template <int KERN>
-__device__ __forceinline__ void conv_prefill_tile(const bf16* __restrict__ p, const float* __restrict__ state,
+__device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, const float* __restrict__ state,
                                                   const float* __restrict__ w, float* __restrict__ out, int t,
                                                   int c, int ldp, int ch, bool valid, bool qk, float scale) {
     constexpr int H = KERN - 1;
@@ -296,10 +288,10 @@ __device__ __forceinline__ void conv_prefill_tile(const bf16* __restrict__ p, co
 #pragma unroll
         for (int j = 0; j < H; j++) {  // inputs of tokens s0-H .. s0-1
             int src = s0 - H + j;
-            win[j] = src >= 0 ? ldp_f(p, (size_t)src * ldp + ch) : state[(size_t)(H + src) * c + ch];
+            win[j] = src >= 0 ? p[(size_t)src * ldp + ch] : state[(size_t)(H + src) * c + ch];
         }
 #pragma unroll
-        for (int i = 0; i < GDN_CONV_TT; i++) x[i] = s0 + i < t ? ldp_f(p, (size_t)(s0 + i) * ldp + ch) : 0.0f;
+        for (int i = 0; i < GDN_CONV_TT; i++) x[i] = s0 + i < t ? p[(size_t)(s0 + i) * ldp + ch] : 0.0f;
 #pragma unroll
         for (int i = 0; i < GDN_CONV_TT; i++) {
             float acc = wt[H] * x[i];
@@ -330,7 +322,7 @@ __device__ __forceinline__ void conv_prefill_tile(const bf16* __restrict__ p, co
 }
 
 extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
-    const bf16* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
+    const float* __restrict__ p, const float* __restrict__ state, const float* __restrict__ w,
     float* __restrict__ out, int t, int c, int ldp, int kern, int hk, int dk, float q_scale) {
     PREFILL_KERNEL();
     const int y = blockIdx.y, hist = kern - 1;
@@ -345,10 +337,10 @@ extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
         float v = 0.0f;
         if (valid) {
             const float* wc = w + (size_t)ch * kern;
-            float acc = wc[hist] * ldp_f(p, (size_t)s * ldp + ch);
+            float acc = wc[hist] * p[(size_t)s * ldp + ch];
             for (int j = 0; j < hist; j++) {
                 int src = s - hist + j;  // token of tap j; negative: conv state row hist + src
-                float x = src >= 0 ? ldp_f(p, (size_t)src * ldp + ch) : state[(size_t)(hist + src) * c + ch];
+                float x = src >= 0 ? p[(size_t)src * ldp + ch] : state[(size_t)(hist + src) * c + ch];
                 acc += wc[j] * x;
             }
             v = silu_f(acc);
@@ -361,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_conv_prefill(
 // After gdn_conv_prefill: the conv state becomes the last kern-1 rows of [state ; p]. One
 // thread per channel reads all its rows before writing any, so no row is read after being
 // overwritten (t < kern-1 keeps some old rows, shifted).
-extern "C" __global__ void gdn_conv_advance(const bf16* __restrict__ p, float* __restrict__ state,
+extern "C" __global__ void gdn_conv_advance(const float* __restrict__ p, float* __restrict__ state,
                                             int t, int c, int ldp, int kern) {
     PREFILL_KERNEL();
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
@@ -371,7 +363,7 @@ extern "C" __global__ void gdn_conv_advance(const bf16* __restrict__ p, float* _
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         int src = t + j;  // row of [state ; p]
-        row[j] = j >= hist ? 0.0f : src < hist ? state[(size_t)src * c + ch] : ldp_f(p, (size_t)(src - hist) * ldp + ch);
+        row[j] = j >= hist ? 0.0f : src < hist ? state[(size_t)src * c + ch] : p[(size_t)(src - hist) * ldp + ch];
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) if (j < hist) state[(size_t)j * c + ch] = row[j];
