@@ -284,8 +284,8 @@ static void route_check(int t, int e, int k, int d) {
     std::vector<float> w((size_t)t * k, NAN), sgate(t, NAN), w_sg(d);
     auto x = rand_bf16((size_t)t * d, 1.0f);
     for (auto& v : w_sg) v = uni(-0.5f, 0.5f);
-    emu_launch({(unsigned)t, 1, 1}, 32, (size_t)e * 4, [&] {
-        moe_route(logits.data(), e, k, ids.data(), w.data(), counts.data(), x.data(), w_sg.data(), sgate.data(), d);
+    emu_launch({(unsigned)((t + ROUTE_WARPS - 1) / ROUTE_WARPS), 1, 1}, 32 * ROUTE_WARPS, (size_t)ROUTE_WARPS * e * 4, [&] {
+        moe_route(logits.data(), e, k, ids.data(), w.data(), counts.data(), x.data(), w_sg.data(), sgate.data(), d, t);
     });
     double worst = 0, worst_g = 0;
     bool ok = true;
@@ -307,9 +307,14 @@ static void route_check(int t, int e, int k, int d) {
         const double dg = std::fabs(sgate[tok] - 1.0 / (1.0 + std::exp(-dot)));
         if (!(dg <= worst_g)) worst_g = dg;
     }
-    ok &= worst < 1e-6 && worst_g < 1e-6;
-    printf("moe_route t %d e %d k %d d %d: ids %s, weights max err %.1e, shared gates %.1e %s\n", t, e, k, d,
-           ok ? "equal" : "DIFFER", worst, worst_g, ok ? "ok" : "FAILED");
+    // counts: every choice counted once
+    std::vector<int> want(e, 0);
+    for (int i = 0; i < t * k; i++)
+        if (ids[i] >= 0 && ids[i] < e) want[ids[i]]++;
+    const bool counted = want == counts;
+    ok &= worst < 1e-6 && worst_g < 1e-6 && counted;
+    printf("moe_route t %d e %d k %d d %d: ids %s, weights max err %.1e, shared gates %.1e, counts %s %s\n", t, e, k, d,
+           ok ? "equal" : "DIFFER", worst, worst_g, counted ? "equal" : "WRONG", ok ? "ok" : "FAILED");
     fails += !ok;
 }
 
@@ -504,7 +509,7 @@ int main(int argc, char** argv) {
     }
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
-            if (k <= e) route_check(12, e, k, k % 2 ? 36 : 64);
+            if (k <= e) route_check(k % 2 ? 12 : 21, e, k, k % 2 ? 36 : 64);
     for (bool sorted : {true, false}) {
         combine_check(5, 8, 2048, sorted);
         combine_check(3, 10, 36, sorted);

@@ -18,6 +18,8 @@ use std::sync::Arc;
 
 /// Rows of logits computed per lm_head call in `Logits::All` mode.
 const LOGITS_ROWS: usize = 64;
+/// Tokens (a warp each) per block of `moe_route` (moe.cu's ROUTE_WARPS).
+const ROUTE_WARPS: usize = 8;
 /// Router rows per block of `moe_router_dec` (moe.cu's ROUTER_ROWS).
 const ROUTER_ROWS: usize = 2;
 
@@ -1404,9 +1406,9 @@ impl CudaModel {
         g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
         g.launch_dep(
             "moe_route",
-            (t as u32, 1, 1),
-            32,
-            (e * 4) as u32,
+            (t.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+            32 * ROUTE_WARPS as u32,
+            (ROUTE_WARPS * e * 4) as u32,
             &[
                 Arg::Ptr(ws.router.ptr),
                 Arg::I(e as i32),
@@ -1418,6 +1420,7 @@ impl CudaModel {
                 Arg::Ptr(layer.shared_gate.ptr),
                 Arg::Ptr(ws.sgate.ptr),
                 Arg::I(d as i32),
+                Arg::I(t as i32),
             ],
         )?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
