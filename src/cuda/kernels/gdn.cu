@@ -304,24 +304,12 @@ __device__ __forceinline__ void conv_prefill_tile(const float* __restrict__ p, c
         for (int i = 0; i < GDN_CONV_TT; i++) v[i] = 0.0f;
     }
     if (qk) {  // block-uniform: one barrier for the tile's 32 norms
-        // The warp's sums of squares by a reduce-scatter: each halving step a lane keeps half
-        // its tokens (the upper half where its lane bit is set) and adds the partner's copy of
-        // them, so after five steps lane l holds token l's sum: 31 shuffles, not 32 x 5.
-        static_assert(GDN_CONV_TT == 32, "one token a lane");
         __shared__ float part[4][GDN_CONV_TT];
-        float a[GDN_CONV_TT];
 #pragma unroll
-        for (int i = 0; i < GDN_CONV_TT; i++) a[i] = v[i] * v[i];
-#pragma unroll
-        for (int half = GDN_CONV_TT / 2; half >= 1; half >>= 1) {
-            const bool upper = lane & half;
-#pragma unroll
-            for (int j = 0; j < half; j++) {
-                const float send = upper ? a[j] : a[j + half], keep = upper ? a[j + half] : a[j];
-                a[j] = keep + __shfl_xor_sync(0xffffffffu, send, half);
-            }
+        for (int i = 0; i < GDN_CONV_TT; i++) {
+            float ss = warp_sum(v[i] * v[i]);
+            if (lane == 0) part[warp][i] = ss;
         }
-        part[warp][lane] = a[0];
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < GDN_CONV_TT; i++)

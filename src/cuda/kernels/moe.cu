@@ -496,16 +496,14 @@ __device__ __forceinline__ void moe_tile_store(const float (&acc)[MI][NJ][4], vo
 // lane & 3, g = lane >> 2), so a direct store writes 4 bytes a thread, 16 a row; instead the
 // quad's four threads swap their bf16 pairs (a 4x4 transpose, three shuffles) until each holds 8
 // consecutive columns, and one warp store writes 64 contiguous bytes of each of its 8 rows.
-// NB: the accumulator's n8 blocks (32 for m64n256; 16 for a split tile's 128 columns).
-template <int NB = 32>
-__device__ __forceinline__ void moe_tile_store_bf16(const float (&acc)[NB][4], bf16* __restrict__ out, int wm, int n0,
+__device__ __forceinline__ void moe_tile_store_bf16(const float (&acc)[32][4], bf16* __restrict__ out, int wm, int n0,
                                                     int r0, int rows, int ndim, int lane) {
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int rr = wm + g + 8 * h;
 #pragma unroll
-        for (int m = 0; m < NB / 4; m++) {
+        for (int m = 0; m < 8; m++) {
             unsigned w[4], r[4];
 #pragma unroll
             for (int jj = 0; jj < 4; jj++) w[jj] = pack_bf16x2(acc[4 * m + jj][2 * h], acc[4 * m + jj][2 * h + 1]);
@@ -972,37 +970,6 @@ __device__ __forceinline__ void moe_stage_products(float (&acc)[128], const bf16
 #pragma unroll
     for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
 }
-// One landed K stage of a tile of <= 64 rows with its 256 B rows split between the two
-// warpgroups (MOE_G6_SPLIT): warpgroup wg multiplies A rows 0..63 by B rows [b0, b0 + 64) and
-// [b1, b1 + 64) into acc's first 32 and next 32 accumulators (acc[0..63] is then an m64n128
-// accumulator: for SWIGLU its gate columns 64 wg.. then the same up columns, else columns
-// 128 wg..), so a short tile's products run on both warpgroups instead of one.
-template <bool SWIGLU>
-__device__ __forceinline__ void moe_stage_products_split(float (&acc)[128], const bf16* st, int wg, int kt) {
-    fence_proxy_async();
-    const int b0 = SWIGLU ? 64 * wg : 128 * wg, b1 = b0 + (SWIGLU ? G5_BN / 2 : 64);
-    unsigned long long da = wgmma_desc_sw128(st), d0 = wgmma_desc_sw128(st + (G5_BM + b0) * G4_BK),
-                       d1 = wgmma_desc_sw128(st + (G5_BM + b1) * G4_BK);
-    float(&lo)[32] = *reinterpret_cast<float(*)[32]>(&acc[0]);
-    float(&hi)[32] = *reinterpret_cast<float(*)[32]>(&acc[32]);
-    unsigned accumulate = kt > 0;
-    wgmma_fence_operand(da);
-    wgmma_fence_operand(d0);
-    wgmma_fence_operand(d1);
-    wgmma_fence_operand(accumulate);
-#pragma unroll
-    for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < G4_BK / 16; ks++) {
-        wgmma_m64n64k16(lo, da + 2 * ks, d0 + 2 * ks, ks > 0 ? 1 : accumulate);
-        wgmma_m64n64k16(hi, da + 2 * ks, d1 + 2 * ks, ks > 0 ? 1 : accumulate);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();
-#pragma unroll
-    for (int i = 0; i < 128; i++) wgmma_fence_operand(acc[i]);
-}
 // The tile's last stage's products retired.
 __device__ __forceinline__ void moe_stage_drain(float (&acc)[128]) {
     wgmma_wait<0>();
@@ -1067,26 +1034,6 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
         const int q = g6_next_item(claim, items, slot_q, item_full, item_empty, n, false);
         if (q < 0) break;
         const int tile = q / nblk, n0 = (q % nblk) * COLS;
-#ifdef MOE_G6_SPLIT
-        if (tile_rows[tile] <= 64) {
-            // An expert's last tile of <= 64 rows: both warpgroups on its rows, half the B rows each.
-            for (int kt = 0; kt < nk; kt++, it++) {
-                const unsigned s = it % G6_STAGES;
-                mbar_wait(&full[s], (it / G6_STAGES) & 1);
-                moe_stage_products_split<SWIGLU>(acc, g6_smem + s * G6_STAGE, wg, kt);
-                if (kt > 0) mbar_arrive(&empty[(it - 1) % G6_STAGES]);
-            }
-            moe_stage_drain(acc);
-            mbar_arrive(&empty[(it - 1) % G6_STAGES]);
-            if (Y16)
-                moe_tile_store_bf16<16>(reinterpret_cast<const float(&)[16][4]>(acc), reinterpret_cast<bf16*>(out),
-                                        (warp & 3) * 16, n0 + 128 * wg, tile_row[tile], tile_rows[tile], ndim, lane);
-            else
-                moe_tile_store<1, 16, SWIGLU>(reinterpret_cast<const float(&)[1][16][4]>(acc), out, (warp & 3) * 16,
-                                              128 * wg, n0, tile_row[tile], tile_rows[tile], ndim, lane);
-            continue;
-        }
-#endif
         if (wg * 64 >= tile_rows[tile]) {
             // No rows of this warpgroup (an expert's last tile of <= 64 rows): it releases each
             // stage once it has landed (so its arrival counts toward this use, not the last),
