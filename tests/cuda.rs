@@ -504,8 +504,8 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
 }
 
 /// The grouped MoE GEMMs at the real model's shape, kernels driven directly: 4,096 and 8,192
-/// tokens routed top-8 over 256 experts (random, skewed ~9:1 from the first expert to the last),
-/// d 2,048, i 512, random bf16 weights and inputs. moe_gemm3 at both tile heights, plain
+/// tokens routed top-8 over 256 experts (random, skewed ~9:1 from the first expert to the last;
+/// then 8,192 routed uniformly and exactly balanced, see [`Routing`]), d 2,048, i 512, random bf16 weights and inputs. moe_gemm3 at both tile heights, plain
 /// (f32 gate/up and down) and SwiGLU-fused (bf16 act), against moe_gemm (v1) on the same
 /// expert-sorted rows: f32 outputs within 1e-5 of the output scale (the same products summed
 /// in f32 in the same k steps), act within one bf16 rounding (max 1e-2 of the scale, norm
