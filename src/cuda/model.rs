@@ -376,6 +376,10 @@ pub struct CudaModel {
     /// the kernel can (`attn_flash4`; attn_prep_rows then does the KV heads only);
     /// `KESTREL_ATTN_QPREP=separate` keeps attn_prep_rows writing q for all heads.
     pub flash_q_prep: bool,
+    /// A diagnostic (`KESTREL_MOE_STATS=1`; it synchronizes every MoE layer, so timings taken
+    /// with it are not the engine's): each prefill MoE layer's rows per expert and tiles, full
+    /// and partial, on standard error.
+    pub moe_stats: bool,
 }
 
 /// A sequence's state on the GPU: f32 GDN conv/recurrent states, bf16 KV cache of up to
@@ -939,6 +943,7 @@ impl CudaModel {
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
             flash_q_prep: !std::env::var("KESTREL_ATTN_QPREP").is_ok_and(|v| v == "separate"),
+            moe_stats: std::env::var("KESTREL_MOE_STATS").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -1311,6 +1316,31 @@ impl CudaModel {
     /// fused RMSNorm).
     /// The grouped GEMM and its tile height for `rows` routed rows (V7 without tensor maps,
     /// where d or I is not a multiple of 8: V6's kernels).
+    /// [`CudaModel::moe_stats`]' line for one prefill MoE layer, after its `moe_plan`.
+    fn print_moe_stats(&self, ws: &Workspace, e: usize, rows: usize, tile_m: usize) -> Result<()> {
+        let g = &*self.gpu;
+        g.sync()?;
+        let (mut counts, mut tiles) = (vec![0i32; e], [0i32]);
+        g.copy_to_host(ws.counts.ptr, &mut counts)?;
+        g.copy_to_host(ws.num_tiles.ptr, &mut tiles)?;
+        let tiles = tiles[0].max(0) as usize;
+        let mut tile_rows = vec![0i32; tiles];
+        g.copy_to_host(ws.tile_rows.ptr, &mut tile_rows)?;
+        let partial = tile_rows
+            .iter()
+            .filter(|&&r| 2 * r as usize <= tile_m)
+            .count();
+        eprintln!(
+            "moe stats: {rows} rows over {e} experts ({} to {} an expert), {tiles} tiles of {tile_m} \
+             ({partial} of <= {} rows; {} if every tile were full)",
+            counts.iter().min().unwrap_or(&0),
+            counts.iter().max().unwrap_or(&0),
+            tile_m / 2,
+            rows.div_ceil(tile_m)
+        );
+        Ok(())
+    }
+
     fn moe_kind(&self, layer: &LayerW, rows: usize) -> (MoeGemm, usize) {
         let kind = match self.moe_gemm {
             MoeGemm::V7 if layer.moe_maps.is_none() => MoeGemm::V6,
@@ -1480,6 +1510,9 @@ impl CudaModel {
                 );
             }
             g.moe_plan(&plan, e, tile_m)?;
+            if self.moe_stats {
+                self.print_moe_stats(ws, e, rows, tile_m)?;
+            }
             g.moe_scatter(
                 ws.topk_ids.ptr,
                 rows,
