@@ -497,6 +497,22 @@ fn moe_gemm_v2_matches_v1() {
 }
 
 /// bf16 bits to f32.
+/// Runs `f` once (warm-up) and waits for it, then (reps > 0) the mean milliseconds of `reps`
+/// more calls, the GPU drained before and after; 0 when reps is 0.
+fn gpu_time_ms(gpu: &Gpu, reps: usize, f: impl Fn()) -> f64 {
+    f();
+    gpu.sync().unwrap();
+    if reps == 0 {
+        return 0.0;
+    }
+    let t0 = std::time::Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    gpu.sync().unwrap();
+    t0.elapsed().as_secs_f64() * 1e3 / reps as f64
+}
+
 fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
     v.iter()
         .map(|&b| f32::from_bits((b as u32) << 16))
@@ -653,16 +669,7 @@ fn moe_grouped_gemm_case(gpu: &Arc<Gpu>, t: usize, routing: Routing) {
         kdim: i,
         tmap: down_map.ptr,
     };
-    let time_ms = |f: &dyn Fn()| {
-        f();
-        gpu.sync().unwrap();
-        let t0 = std::time::Instant::now();
-        for _ in 0..20 {
-            f();
-        }
-        gpu.sync().unwrap();
-        t0.elapsed().as_secs_f64() * 1e3 / 20.0
-    };
+    let time_ms = |f: &dyn Fn()| gpu_time_ms(gpu, 20, f);
     let tflops = |ms: f64, ndim: usize, kdim: usize| 2.0 * (rows * ndim * kdim) as f64 / ms / 1e9;
     let f32s = |b: &kestrel::cuda::DeviceBuf, n: usize| {
         let mut v = vec![0f32; n];
@@ -1506,16 +1513,7 @@ fn gdn_prefill_kernel_timing_full_shape() {
         state: state.ptr,
         o: o.ptr,
     };
-    let time_ms = |reps: usize, f: &dyn Fn()| {
-        f();
-        gpu.sync().unwrap();
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps {
-            f();
-        }
-        gpu.sync().unwrap();
-        t0.elapsed().as_secs_f64() * 1e3 / reps as f64
-    };
+    let time_ms = |reps: usize, f: &dyn Fn()| gpu_time_ms(&gpu, reps, f);
     use std::sync::atomic::Ordering::Relaxed;
     let default_wg = gpu.gdn_state_wg.load(Relaxed);
     let default_t64 = gpu.gdn_state_t64.load(Relaxed);
@@ -1807,18 +1805,9 @@ impl AttnCase {
             nkv: ATT_NKV,
             hd: ATT_HD,
         };
-        let launch = || gpu.attn_flash_clustered(kind, &call, cluster).unwrap();
-        launch();
-        gpu.sync().unwrap();
-        let mut ms = 0.0;
-        if reps > 0 {
-            let t0 = std::time::Instant::now();
-            for _ in 0..reps {
-                launch();
-            }
-            gpu.sync().unwrap();
-            ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
-        }
+        let ms = gpu_time_ms(gpu, reps, || {
+            gpu.attn_flash_clustered(kind, &call, cluster).unwrap()
+        });
         let mut host = vec![half::bf16::ZERO; self.t * ATT_NQ * ATT_HD];
         gpu.copy_to_host(out.ptr, &mut host).unwrap();
         (host.iter().map(|x| x.to_f32()).collect(), ms)
@@ -1976,17 +1965,7 @@ impl QPrepCase {
             };
             gpu.attn_flash(Flash::Wgmma, &call).unwrap();
         };
-        once();
-        gpu.sync().unwrap();
-        let mut ms = 0.0;
-        if reps > 0 {
-            let t0 = std::time::Instant::now();
-            for _ in 0..reps {
-                once();
-            }
-            gpu.sync().unwrap();
-            ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
-        }
+        let ms = gpu_time_ms(gpu, reps, once);
         let mut o = vec![half::bf16::ZERO; t * nq * hd];
         gpu.copy_to_host(out.ptr, &mut o).unwrap();
         let mut kh = vec![half::bf16::ZERO; self.cache.len()];
