@@ -18,7 +18,7 @@ from collections import defaultdict
 
 TAGS = {1: "embed_gather", 2: "gemv", 3: "gdn_conv_dec", 4: "gdn_step_dec", 5: "attn_prep",
         6: "attn_decode", 7: "attn_combine", 8: "moe_router_dec", 9: "moe_gate_up_dec",
-        10: "moe_down_dec"}
+        10: "moe_down_dec", 11: "moe_block_dec"}
 # What the GEMV grids are at the full shape (rows / rows per block).
 GEMV = {772: "gemv in-proj GDN", 576: "gemv in-proj attn", 256: "gemv out-proj", 1056: "gemv lm_head"}
 

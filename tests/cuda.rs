@@ -281,6 +281,7 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     assert_eq!(cfg.num_attention_layers(), 1, "{:?}", cfg.layer_kinds);
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
+    let moe_block = cuda.moe_block;
     let mut run = |graph: bool, ids: Option<&[u32]>| {
         cuda.decode_graph = graph;
         cuda.decode_pdl = graph;
@@ -306,11 +307,27 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let (a, ids) = run(true, None);
     let (b, _) = run(true, Some(&ids));
     let (direct, _) = run(false, Some(&ids));
+    // The MoE block in one launch (moe_block_dec, the default where it fits) against the three
+    // launches: the same sums in the same order, so the same logits bit for bit.
+    cuda.moe_block = !moe_block;
+    let (other_moe, _) = run(true, Some(&ids));
+    cuda.moe_block = moe_block;
     let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
     println!(
-        "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}",
+        "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}, MoE in {} launch(es) {:?}",
         first_diff(&b),
-        first_diff(&direct)
+        first_diff(&direct),
+        if moe_block { 3 } else { 1 },
+        first_diff(&other_moe)
+    );
+    assert!(
+        moe_block,
+        "moe_block_dec is off at the full-width shape (KESTREL_MOE_DECODE=three, or it does not fit)"
+    );
+    assert_eq!(
+        first_diff(&other_moe),
+        None,
+        "the MoE block in one launch differs from the three launches"
     );
     assert_eq!(
         first_diff(&b),

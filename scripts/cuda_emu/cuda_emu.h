@@ -86,8 +86,9 @@ template <class T> inline T __ldcg(const T* p) { return *p; }
 // so a waiter's publishing block has finished).
 inline unsigned ld_acquire_gpu(const unsigned* p) { return std::atomic_ref<const unsigned>(*p).load(std::memory_order_acquire); }
 inline void st_release_gpu(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(*p).store(v, std::memory_order_release); }
-inline void spin_pause(unsigned) {}
+inline void spin_pause(unsigned) { std::this_thread::yield(); }  // a spinning block waits on other blocks' threads
 template <class T> inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+template <class T> inline T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void griddep_launch() {}
 inline void griddep_wait() {}  // one kernel at a time here

@@ -415,6 +415,33 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         moe_down_dec(act.data(), act_ld, early ? nullptr : topk_ids.data(), topk_w.data(), logits.data(), e, early, k,
                      sgate.data(), dn.data(), inter, sdn.data(), s_inter, h_out.data(), d);
     });
+    // moe_block_dec (the same math in one launch of g blocks, run together: its grid barriers
+    // need every block resident) must give the three launches' h, act, logits and ids bitwise.
+    if (d == 2048 && inter == 512 && s_inter == 512 && early)
+        for (int g : {3, 4}) {
+            std::vector<float> hb = h, lb(e, NAN), sb(1, NAN), ab((size_t)(k + 1) * act_ld, NAN), wb(k, NAN);
+            std::vector<int> ib(k, -1);
+            std::vector<unsigned> counter(1, 0);
+            emu_launch_cluster({(unsigned)g, 1, 1}, g, 256, (size_t)blk_smem(e, k, g), [&] {
+                moe_block_dec(hb.data(), nw.data(), eps, wr.data(), e, k, w_sg.data(), gu.data(), sgu.data(), dn.data(),
+                              sdn.data(), lb.data(), sb.data(), ab.data(), ib.data(), wb.data(), counter.data(), 2);
+            });
+            const bool same = memcmp(hb.data(), h_out.data(), d * 4) == 0 && memcmp(ab.data(), act.data(), ab.size() * 4) == 0 &&
+                              memcmp(lb.data(), logits.data(), e * 4) == 0 && ib == topk_ids && sb[0] == sgate[0] &&
+                              counter[0] == 0;
+            int diff = 0;
+            for (int r = 0; r < d; r++) diff += hb[r] != h_out[r];
+            if (!same) {
+                int first = -1;
+                for (int r = 0; r < d; r++) if (hb[r] != h_out[r] && first < 0) first = r;
+                printf("  act %d logits %d ids %d sgate %d; first h row %d: %g vs %g\n",
+                       memcmp(ab.data(), act.data(), ab.size() * 4) == 0, memcmp(lb.data(), logits.data(), e * 4) == 0,
+                       ib == topk_ids, sb[0] == sgate[0], first, first >= 0 ? hb[first] : 0.f, first >= 0 ? h_out[first] : 0.f);
+            }
+            printf("%s decode MoE in one launch (moe_block_dec, %d blocks) e=%d k=%d: %s (%d of %d h rows differ, counter %u)\n",
+                   same ? "ok  " : "FAIL", g, e, k, same ? "bitwise the three launches" : "DIFFERS", diff, d, counter[0]);
+            fails += !same;
+        }
     // Reference.
     double ss = 0;
     for (float v : h) ss += (double)v * v;

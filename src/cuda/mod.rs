@@ -109,6 +109,7 @@ const KERNELS: &[&str] = &[
     "moe_router_dec",
     "moe_gate_up_dec",
     "moe_down_dec",
+    "moe_block_dec",
     "trace_set",
 ];
 

@@ -198,6 +198,8 @@ struct DecodeWs {
     sgate: DeviceBuf,
     /// The lm_head argmax's last-block counter (zero between launches).
     done: DeviceBuf,
+    /// `moe_block_dec`'s grid-barrier counter (zero between launches).
+    moe_barrier: DeviceBuf,
     /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
     part: DeviceBuf,
@@ -236,6 +238,7 @@ impl DecodeWs {
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
             ("done", 4),
+            ("moe_barrier", 4),
             ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
@@ -264,6 +267,7 @@ impl DecodeWs {
             topk_w: take("topk_w")?,
             sgate: take("sgate")?,
             done: take("done")?,
+            moe_barrier: take("moe_barrier")?,
             act: take("act")?,
             part: take("part")?,
             logits: take("logits")?,
@@ -307,6 +311,40 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
     } else {
         0
     }
+}
+
+/// `moe_block_dec`'s shape (moe.cu's BLK_D, BLK_I) and its limits on the experts.
+const MOE_BLOCK_D: usize = 2048;
+const MOE_BLOCK_I: usize = 512;
+/// Where `moe_block_dec`'s blocks let the next kernel start: 0 at once, 1 after the router's
+/// barrier, 2 after the gate/up barrier.
+const MOE_BLOCK_LAUNCH_AT: i32 = 2;
+
+/// Shared memory of `moe_block_dec` in bytes over `g` blocks (moe.cu's blk_smem): a ring of
+/// BLK_NS (2) 8 KiB stages a warp, then the staged vectors and partials.
+fn moe_block_smem(c: &TextConfig, g: usize) -> usize {
+    let (e, k, d, i) = (c.num_experts, c.experts_per_token, MOE_BLOCK_D, MOE_BLOCK_I);
+    let rr = (e + 1).div_ceil(g);
+    let floats = 3 * d
+        + rr * d / 2
+        + ((e + 2 * k + 3) & !3)
+        + ((8 * rr + 3) & !3)
+        + 36
+        + (k + 1) * i
+        + ((d.div_ceil(g) * (k + 1) + 3) & !3);
+    8 * 2 * 512 * 16 + floats * 4
+}
+
+/// Whether the one-launch decode MoE block (`moe_block_dec`) has a kernel for `c` and fits one
+/// block on every SM of `gpu` (its grid barriers need all blocks resident).
+fn moe_block_fits(c: &TextConfig, gpu: &Gpu) -> bool {
+    c.hidden_size == MOE_BLOCK_D
+        && c.moe_intermediate == MOE_BLOCK_I
+        && c.shared_intermediate == MOE_BLOCK_I
+        && c.num_experts <= 256
+        && c.experts_per_token < 32
+        && c.experts_per_token <= c.num_experts
+        && moe_block_smem(c, gpu.sm_count) <= gpu.max_smem_per_block
 }
 
 pub struct CudaModel {
@@ -361,6 +399,12 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
+    /// The decode MoE block in one launch (`moe_block_dec`: one block an SM, grid barriers
+    /// between router, gate/up and down) where the shape has it; `KESTREL_MOE_DECODE=three`
+    /// keeps the three launches. `KESTREL_MOE_BLOCK_LAUNCH_AT` (0, 1, 2; default
+    /// `MOE_BLOCK_LAUNCH_AT`): after which barrier its blocks let the next kernel start.
+    pub moe_block: bool,
+    pub moe_block_launch_at: i32,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -905,6 +949,11 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
+        let moe_block = moe_block_fits(&cfg, &gpu)
+            && std::env::var("KESTREL_MOE_DECODE").map_or(true, |v| v != "three");
+        if moe_block {
+            gpu.set_max_dynamic_smem("moe_block_dec", moe_block_smem(&cfg, gpu.sm_count))?;
+        }
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -939,6 +988,12 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
+            moe_block,
+            moe_block_launch_at: std::env::var("KESTREL_MOE_BLOCK_LAUNCH_AT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|a| (0..=2).contains(a))
+                .unwrap_or(MOE_BLOCK_LAUNCH_AT),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -1884,6 +1939,35 @@ impl CudaModel {
             c.moe_intermediate,
             c.shared_intermediate,
         );
+        if self.moe_block {
+            let g = self.gpu.sm_count;
+            return launch(
+                "moe_block_dec",
+                (g as u32, 1, 1),
+                256,
+                moe_block_smem(c, g) as u32,
+                &[
+                    Arg::Ptr(dw.h.ptr),
+                    Arg::Ptr(layer.post_norm.ptr),
+                    Arg::F(c.rms_norm_eps),
+                    Arg::Ptr(layer.router.ptr),
+                    Arg::I(e as i32),
+                    Arg::I(k as i32),
+                    Arg::Ptr(layer.shared_gate.ptr),
+                    Arg::Ptr(layer.gate_up.ptr),
+                    Arg::Ptr(layer.shared_gate_up.ptr),
+                    Arg::Ptr(layer.down.ptr),
+                    Arg::Ptr(layer.shared_down.ptr),
+                    Arg::Ptr(dw.router.ptr),
+                    Arg::Ptr(dw.sgate.ptr),
+                    Arg::Ptr(dw.act.ptr),
+                    Arg::Ptr(dw.topk_ids.ptr),
+                    Arg::Ptr(dw.topk_w.ptr),
+                    Arg::Ptr(dw.moe_barrier.ptr),
+                    Arg::I(self.moe_block_launch_at),
+                ],
+            );
+        }
         launch(
             "moe_router_dec",
             (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),

@@ -124,6 +124,7 @@ __device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define TAG_ROUTER 8
 #define TAG_GATE_UP 9
 #define TAG_DOWN 10
+#define TAG_MOE_BLOCK 11
 
 // Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
 // Every lane gets the result.
