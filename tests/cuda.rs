@@ -282,9 +282,10 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
     let moe_block = cuda.moe_block;
-    let mut run = |graph: bool, ids: Option<&[u32]>| {
+    let mut run = |graph: bool, ids: Option<&[u32]>, one_launch_moe: bool| {
         cuda.decode_graph = graph;
         cuda.decode_pdl = graph;
+        cuda.moe_block = one_launch_moe;
         let mut st = cuda.new_state();
         let first = cuda.forward(&mut st, &prompt, Logits::Last).unwrap();
         let mut tok = argmax(&first).unwrap() as u32;
@@ -304,14 +305,12 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
         }
         (logits, chosen)
     };
-    let (a, ids) = run(true, None);
-    let (b, _) = run(true, Some(&ids));
-    let (direct, _) = run(false, Some(&ids));
+    let (a, ids) = run(true, None, moe_block);
+    let (b, _) = run(true, Some(&ids), moe_block);
+    let (direct, _) = run(false, Some(&ids), moe_block);
     // The MoE block in one launch (moe_block_dec, the default where it fits) against the three
     // launches: the same sums in the same order, so the same logits bit for bit.
-    cuda.moe_block = !moe_block;
-    let (other_moe, _) = run(true, Some(&ids));
-    cuda.moe_block = moe_block;
+    let (other_moe, _) = run(true, Some(&ids), !moe_block);
     let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
     println!(
         "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}, MoE in {} launch(es) {:?}",
