@@ -96,6 +96,20 @@ __device__ __forceinline__ void griddep_wait() {
     griddep_wait_plain();
     if (threadIdx.x == 0) g_trace_t1 = trace_now();
 }
+// A second record for a block TraceBlock samples (thread 0): three more %globaltimer stamps
+// of its inside (a persistent kernel's phases) under their own tag.
+__device__ __forceinline__ void trace_stamps(unsigned tag, u64 a, u64 b, u64 c) {
+    if (threadIdx.x != 0 || !g_trace || ((blockIdx.x & 7) && blockIdx.x + 1 != gridDim.x)) return;
+    const unsigned i = atomicAdd(&g_trace_n, 1u);
+    if (i >= g_trace_cap) return;
+    u64* r = g_trace + 5 * (size_t)i;
+    r[0] = (u64)tag << 48 | (u64)gridDim.x << 24 | blockIdx.x;
+    r[1] = trace_sm();
+    r[2] = a;
+    r[3] = b;
+    r[4] = c;
+}
+#define TRACE_NOW() trace_now()
 #define DECODE_KERNEL(tag) \
     griddep_launch();      \
     TraceBlock trace_block_(tag)
@@ -104,6 +118,8 @@ __device__ __forceinline__ void griddep_wait() {
 __device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define DECODE_KERNEL(tag) griddep_launch()
 #define DECODE_KERNEL_NO_LAUNCH(tag)
+#define TRACE_NOW() 0ull
+__device__ __forceinline__ void trace_stamps(unsigned, u64, u64, u64) {}
 #endif
 // Prefill kernels, launched with programmatic dependent launch by Gpu::launch_dep: wait for the
 // previous kernel and its writes before anything else (reads and writes alike), then let the
@@ -125,6 +141,7 @@ __device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define TAG_GATE_UP 9
 #define TAG_DOWN 10
 #define TAG_MOE_BLOCK 11
+#define TAG_MOE_BLOCK_PHASES 12  // moe_block_dec: first barrier passed, top-k done, second passed
 
 // Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
 // Every lane gets the result.

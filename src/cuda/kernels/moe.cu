@@ -1472,7 +1472,12 @@ extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
 // Shapes: d = BLK_D, routed and shared intermediate BLK_I, e <= 256, k + 1 <= 32.
 #define BLK_D 2048
 #define BLK_I 512
-#define BLK_NS 2  // the host's moe_block_smem assumes 2 (3 would not fit beside the rest)
+#ifndef BLK_NS
+#define BLK_NS 2  // the host's moe_block_smem allocates for 2 (3 would not fit beside the rest)
+#endif
+#ifndef BLK_SPIN_NS
+#define BLK_SPIN_NS 32
+#endif
 #define BLK_UNIT 512  // uint4 of a unit: 8 KiB
 __host__ __device__ __forceinline__ int blk_router_rows(int e, int g) { return (e + 1 + g - 1) / g; }
 __host__ __device__ __forceinline__ int blk_out_rows(int g) { return (BLK_D + g - 1) / g; }
@@ -1516,7 +1521,7 @@ __device__ __forceinline__ void blk_grid_barrier(unsigned* counter, unsigned tar
     if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(counter, 1u);
-        while (ld_acquire_gpu(counter) < target) spin_pause(32);
+        while (ld_acquire_gpu(counter) < target) spin_pause(BLK_SPIN_NS);
     }
     __syncthreads();
 }
@@ -1667,8 +1672,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
         fill(true);
     }
     if (tid == 0)
-        while (ld_acquire_gpu(counter) < (unsigned)g) spin_pause(32);
+        while (ld_acquire_gpu(counter) < (unsigned)g) spin_pause(BLK_SPIN_NS);
     __syncthreads();
+    const u64 t_b1 = TRACE_NOW();
     if (launch_at == 1) griddep_launch();
 
     // GU: the top-k (as moe_gate_up_dec's warps pick it), then the rest of the pairs.
@@ -1682,12 +1688,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
         }
     }
     __syncthreads();
+    const u64 t_topk = TRACE_NOW();
     for (; used < ngu_w; used++) {
         fill(false);
         consume_gate_up(used);
     }
     fill(false);  // the first down units
     blk_grid_barrier(counter, 2u * g);
+    trace_stamps(TAG_MOE_BLOCK_PHASES, t_b1, t_topk, TRACE_NOW());
     if (launch_at == 2) griddep_launch();
 
     // D: every slot's act (from all blocks), then the block's down units (as moe_down_dec).
