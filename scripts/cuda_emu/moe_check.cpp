@@ -422,9 +422,10 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
             std::vector<float> hb = h, lb(e, NAN), sb(1, NAN), ab((size_t)(k + 1) * act_ld, NAN), wb(k, NAN);
             std::vector<int> ib(k, -1);
             std::vector<unsigned> counter(1, 0);
-            emu_launch_cluster({(unsigned)g, 1, 1}, g, 256, (size_t)blk_smem(e, k, g), [&] {
+            const int ns = g == 3 ? 2 : 3;  // ring stages a warp
+            emu_launch_cluster({(unsigned)g, 1, 1}, g, 256, (size_t)blk_smem(e, k, g, ns), [&] {
                 moe_block_dec(hb.data(), nw.data(), eps, wr.data(), e, k, w_sg.data(), gu.data(), sgu.data(), dn.data(),
-                              sdn.data(), lb.data(), sb.data(), ab.data(), ib.data(), wb.data(), counter.data(), 2);
+                              sdn.data(), lb.data(), sb.data(), ab.data(), ib.data(), wb.data(), counter.data(), 2, ns);
             });
             const bool same = memcmp(hb.data(), h_out.data(), d * 4) == 0 && memcmp(ab.data(), act.data(), ab.size() * 4) == 0 &&
                               memcmp(lb.data(), logits.data(), e * 4) == 0 && ib == topk_ids && sb[0] == sgate[0] &&
@@ -438,8 +439,8 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
                        memcmp(ab.data(), act.data(), ab.size() * 4) == 0, memcmp(lb.data(), logits.data(), e * 4) == 0,
                        ib == topk_ids, sb[0] == sgate[0], first, first >= 0 ? hb[first] : 0.f, first >= 0 ? h_out[first] : 0.f);
             }
-            printf("%s decode MoE in one launch (moe_block_dec, %d blocks) e=%d k=%d: %s (%d of %d h rows differ, counter %u)\n",
-                   same ? "ok  " : "FAIL", g, e, k, same ? "bitwise the three launches" : "DIFFERS", diff, d, counter[0]);
+            printf("%s decode MoE in one launch (moe_block_dec, %d blocks, %d stages) e=%d k=%d: %s (%d of %d h rows differ, counter %u)\n",
+                   same ? "ok  " : "FAIL", g, ns, e, k, same ? "bitwise the three launches" : "DIFFERS", diff, d, counter[0]);
             fails += !same;
         }
     // Reference.

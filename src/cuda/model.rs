@@ -319,20 +319,23 @@ const MOE_BLOCK_I: usize = 512;
 /// Where `moe_block_dec`'s blocks let the next kernel start: 0 at once, 1 after the router's
 /// barrier, 2 after the gate/up barrier.
 const MOE_BLOCK_LAUNCH_AT: i32 = 2;
+/// `moe_block_dec`'s default ring stages a warp.
+const MOE_BLOCK_STAGES: usize = 2;
 
-/// Shared memory of `moe_block_dec` in bytes over `g` blocks (moe.cu's blk_smem): a ring of
-/// BLK_NS (2) 8 KiB stages a warp, then the staged vectors and partials.
-fn moe_block_smem(c: &TextConfig, g: usize) -> usize {
+/// Shared memory of `moe_block_dec` in bytes over `g` blocks with a ring of `ns` 8 KiB stages
+/// a warp (moe.cu's blk_smem): the ring, then the staged vectors and partials (the router's
+/// buffers and the staged act in one place).
+fn moe_block_smem(c: &TextConfig, g: usize, ns: usize) -> usize {
     let (e, k, d, i) = (c.num_experts, c.experts_per_token, MOE_BLOCK_D, MOE_BLOCK_I);
     let rr = (e + 1).div_ceil(g);
-    let floats = 3 * d
-        + rr * d / 2
+    let union = (2 * d + rr * d / 2).max((k + 1) * i);
+    let floats = d
+        + union
         + ((e + 2 * k + 3) & !3)
         + ((8 * rr + 3) & !3)
         + 36
-        + (k + 1) * i
         + ((d.div_ceil(g) * (k + 1) + 3) & !3);
-    8 * 2 * 512 * 16 + floats * 4
+    8 * ns * 512 * 16 + floats * 4
 }
 
 /// Whether the one-launch decode MoE block (`moe_block_dec`) has a kernel for `c` and fits one
@@ -344,7 +347,18 @@ fn moe_block_fits(c: &TextConfig, gpu: &Gpu) -> bool {
         && c.num_experts <= 256
         && c.experts_per_token < 32
         && c.experts_per_token <= c.num_experts
-        && moe_block_smem(c, gpu.sm_count) <= gpu.max_smem_per_block
+        && moe_block_smem(c, gpu.sm_count, 2) <= gpu.max_smem_per_block
+}
+
+/// `moe_block_dec`'s ring stages a warp: `KESTREL_MOE_BLOCK_NS` (2 to 4) where that fits, else 2.
+fn moe_block_stages(c: &TextConfig, gpu: &Gpu) -> usize {
+    std::env::var("KESTREL_MOE_BLOCK_NS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| {
+            (2..=4).contains(&n) && moe_block_smem(c, gpu.sm_count, n) <= gpu.max_smem_per_block
+        })
+        .unwrap_or(MOE_BLOCK_STAGES)
 }
 
 pub struct CudaModel {
@@ -404,6 +418,8 @@ pub struct CudaModel {
     /// keeps the three launches. `KESTREL_MOE_BLOCK_LAUNCH_AT` (0, 1, 2; default
     /// `MOE_BLOCK_LAUNCH_AT`): after which barrier its blocks let the next kernel start.
     pub moe_block: bool,
+    /// `moe_block_dec`'s ring stages a warp (`moe_block_stages`).
+    pub moe_block_ns: usize,
     pub moe_block_launch_at: i32,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
@@ -951,8 +967,12 @@ impl CudaModel {
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         let moe_block = moe_block_fits(&cfg, &gpu)
             && std::env::var("KESTREL_MOE_DECODE").map_or(true, |v| v != "three");
+        let moe_block_ns = moe_block_stages(&cfg, &gpu);
         if moe_block {
-            gpu.set_max_dynamic_smem("moe_block_dec", moe_block_smem(&cfg, gpu.sm_count))?;
+            gpu.set_max_dynamic_smem(
+                "moe_block_dec",
+                moe_block_smem(&cfg, gpu.sm_count, moe_block_ns),
+            )?;
         }
         Ok(CudaModel {
             config: cfg,
@@ -989,6 +1009,7 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_block,
+            moe_block_ns,
             moe_block_launch_at: std::env::var("KESTREL_MOE_BLOCK_LAUNCH_AT")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -1945,7 +1966,7 @@ impl CudaModel {
                 "moe_block_dec",
                 (g as u32, 1, 1),
                 256,
-                moe_block_smem(c, g) as u32,
+                moe_block_smem(c, g, self.moe_block_ns) as u32,
                 &[
                     Arg::Ptr(dw.h.ptr),
                     Arg::Ptr(layer.post_norm.ptr),
@@ -1965,6 +1986,7 @@ impl CudaModel {
                     Arg::Ptr(dw.topk_w.ptr),
                     Arg::Ptr(dw.moe_barrier.ptr),
                     Arg::I(self.moe_block_launch_at),
+                    Arg::I(self.moe_block_ns as i32),
                 ],
             );
         }

@@ -1458,7 +1458,7 @@ extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
 //       pairs, SwiGLU into act; arrive, wait for all;
 //   D   the block's output rows: all k + 1 slots' down rows, combined into h.
 // Each warp streams its units (8 KiB: a gate/up row pair, or 8 down rows of one slot) through
-// a private ring of BLK_NS stages with cp.async, issuing ahead across the phase boundaries: the
+// a private ring of ns (2 to 4) stages with cp.async, issuing ahead across the phase boundaries: the
 // shared expert's pairs before griddep_wait, the down rows while the last gate/up pairs are
 // multiplied. So the weight stream does not ramp up and drain three times, which is what the
 // three launches pay (docs/KERNELS.md, "Next for decode"). Each lane reads back only what it
@@ -1472,24 +1472,27 @@ extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
 // Shapes: d = BLK_D, routed and shared intermediate BLK_I, e <= 256, k + 1 <= 32.
 #define BLK_D 2048
 #define BLK_I 512
-#ifndef BLK_NS
-#define BLK_NS 2  // the host's moe_block_smem allocates for 2 (3 would not fit beside the rest)
-#endif
 #ifndef BLK_SPIN_NS
 #define BLK_SPIN_NS 32
 #endif
 #define BLK_UNIT 512  // uint4 of a unit: 8 KiB
 __host__ __device__ __forceinline__ int blk_router_rows(int e, int g) { return (e + 1 + g - 1) / g; }
 __host__ __device__ __forceinline__ int blk_out_rows(int g) { return (BLK_D + g - 1) / g; }
-// Shared memory of moe_block_dec in bytes for e experts, k chosen, a grid of g blocks: the ring,
-// then (in floats) x, the RMSNorm weight, the shared gate's row, the router rows (bf16), the
-// logits with ids and weights, the router partials (8 a row) and a block-sum scratch, the
-// staged act, the down partials (k + 1 a row).
-__host__ __device__ __forceinline__ int blk_smem(int e, int k, int g) {
+// Floats of the phase-R buffers (RMSNorm weight, shared gate's row, router rows as bf16), which
+// the staged act of phase D reuses.
+__host__ __device__ __forceinline__ int blk_union(int e, int k, int g) {
+    const int r = 2 * BLK_D + blk_router_rows(e, g) * BLK_D / 2, d = (k + 1) * BLK_I;
+    return r > d ? r : d;
+}
+// Shared memory of moe_block_dec in bytes for e experts, k chosen, a grid of g blocks and a ring
+// of ns stages a warp: the ring, then (in floats) x, the union above, the logits with ids and
+// weights, the router partials (8 a row) and a block-sum scratch, the down partials (k + 1 a
+// row). The host computes the same (moe_block_smem).
+__host__ __device__ __forceinline__ int blk_smem(int e, int k, int g, int ns) {
     const int rr = blk_router_rows(e, g);
-    const int floats = 3 * BLK_D + rr * BLK_D / 2 + ((e + 2 * k + 3) & ~3) + ((8 * rr + 3) & ~3) + 36 +
-                       (k + 1) * BLK_I + ((blk_out_rows(g) * (k + 1) + 3) & ~3);
-    return 8 * BLK_NS * BLK_UNIT * 16 + floats * 4;
+    const int floats = BLK_D + blk_union(e, k, g) + ((e + 2 * k + 3) & ~3) + ((8 * rr + 3) & ~3) + 36 +
+                       ((blk_out_rows(g) * (k + 1) + 3) & ~3);
+    return 8 * ns * BLK_UNIT * 16 + floats * 4;
 }
 // Block sum (as block_sum, in the same order) through `scratch` (33 floats of dynamic shared
 // memory: block_sum's static arrays would be one copy for the emulator's concurrent blocks).
@@ -1530,24 +1533,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
     float* h, const float* __restrict__ nw, float eps, const bf16* __restrict__ wr, int e, int k,
     const float* __restrict__ w_sg, const bf16* __restrict__ gate_up, const bf16* __restrict__ shared_gate_up,
     const bf16* __restrict__ down, const bf16* __restrict__ shared_down, float* logits, float* sgate, float* act,
-    int* topk_ids, float* topk_w, unsigned* counter, int launch_at) {
+    int* topk_ids, float* topk_w, unsigned* counter, int launch_at, int ns) {
     DECODE_KERNEL_NO_LAUNCH(TAG_MOE_BLOCK);
     if (launch_at == 0) griddep_launch();
     extern __shared__ __align__(16) float blk_sm[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, g = gridDim.x;
     const int rr = blk_router_rows(e, g), slots = k + 1;
-    uint4* ring = reinterpret_cast<uint4*>(blk_sm) + warp * BLK_NS * BLK_UNIT;
-    float* xs = blk_sm + 8 * BLK_NS * BLK_UNIT * 4;
-    float* nws = xs + BLK_D;
+    uint4* ring = reinterpret_cast<uint4*>(blk_sm) + warp * ns * BLK_UNIT;
+    float* xs = blk_sm + 8 * ns * BLK_UNIT * 4;
+    float* nws = xs + BLK_D;  // phase R: nws, sgw, rrows; phase D: acts in the same place
     float* sgw = nws + BLK_D;
     uint4* rrows = reinterpret_cast<uint4*>(sgw + BLK_D);
-    float* rl = sgw + BLK_D + rr * BLK_D / 2;
+    float* acts = nws;
+    float* rl = nws + blk_union(e, k, g);
     int* ids = reinterpret_cast<int*>(rl + e);
     float* wts = rl + e + k;
     float* part = rl + ((e + 2 * k + 3) & ~3);
     float* scratch = part + ((8 * rr + 3) & ~3);
-    float* acts = scratch + 36;
-    float* red = acts + slots * BLK_I;
+    float* red = scratch + 36;
 
     // This block's work. Router rows b, b + g, ... (row e: the shared gate). Gate/up: shared
     // pairs [sp0, sp1) and routed pairs [rp0, rp1) of the k * BLK_I numbered slot * BLK_I + j;
@@ -1567,7 +1570,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
         return u < ngu_w ? warp + 8 * u < nsp : (warp + 8 * (u - ngu_w)) % slots == k;
     };
     auto issue = [&](int u) {
-        uint4* st = ring + (u % BLK_NS) * BLK_UNIT;
+        uint4* st = ring + (u % ns) * BLK_UNIT;
         if (u < ngu_w) {
             const int t = warp + 8 * u;
             int slot = k, j = sp0 + t;
@@ -1599,11 +1602,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
     };
     int issued = 0, used = 0;
     auto fill = [&](bool early_only) {
-        while (issued < nu_w && issued < used + BLK_NS && (!early_only || known_early(issued))) issue(issued++);
+        while (issued < nu_w && issued < used + ns && (!early_only || known_early(issued))) issue(issued++);
     };
     auto consume_gate_up = [&](int u) {
         cp_async_wait_upto(issued - 1 - u);
-        const uint4* st = ring + (u % BLK_NS) * BLK_UNIT;
+        const uint4* st = ring + (u % ns) * BLK_UNIT;
         const int t = warp + 8 * u;
         int slot = k, j = sp0 + t;
         if (t >= nsp) {
@@ -1706,7 +1709,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
     for (; used < nu_w; used++) {
         fill(false);
         cp_async_wait_upto(issued - 1 - used);
-        const uint4* st = ring + (used % BLK_NS) * BLK_UNIT;
+        const uint4* st = ring + (used % ns) * BLK_UNIT;
         const int t = warp + 8 * (used - ngu_w), s = t % slots, r = o0 + 8 * (t / slots);
         const float coef = s == k ? sg : wts[s];
         const float* xa = acts + s * BLK_I;
