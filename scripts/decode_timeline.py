@@ -18,7 +18,7 @@ from collections import defaultdict
 
 TAGS = {1: "embed_gather", 2: "gemv", 3: "gdn_conv_dec", 4: "gdn_step_dec", 5: "attn_prep",
         6: "attn_decode", 7: "attn_combine", 8: "moe_router_dec", 9: "moe_gate_up_dec",
-        10: "moe_down_dec", 11: "moe_block_dec", 12: "moe_block_dec phases"}
+        10: "moe_down_dec", 11: "moe_block_dec"}
 # What the GEMV grids are at the full shape (rows / rows per block).
 GEMV = {772: "gemv in-proj GDN", 576: "gemv in-proj attn", 256: "gemv out-proj", 1056: "gemv lm_head"}
 
@@ -34,6 +34,8 @@ def main():
     by_kernel = defaultdict(list)
     for r in rows:
         rec = {k: int(v) for k, v in r.items()}
+        if rec["tag"] in (12, 13):  # moe_block_dec's phase stamps (phases() below), not launches
+            continue
         by_kernel[(rec["tag"], rec["grid"])].append(rec)
     launches = []
     for (tag, grid), recs in by_kernel.items():
@@ -101,6 +103,13 @@ def phases(rows):
         spans["-> top-k done"].append(topk - b1)
         spans["-> second barrier passed (gate/up)"].append(b2 - topk)
         spans["-> end (down, combine)"].append(o["end_ns"] - b2)
+        d = [r for r in recs if r["tag"] == 13 and r["block"] == m["block"] and b2 <= r["start_ns"] <= o["end_ns"]]
+        if d:
+            d = d[0]
+            spans["   of which: act staged"].append(d["start_ns"] - b2)
+            spans["   of which: down units (thread 0 waiting on their bytes: next)"].append(d["wait_ns"] - d["start_ns"])
+            spans["   thread 0 waiting on the down units' bytes"].append(d["end_ns"])
+            spans["   of which: combine and exit"].append(o["end_ns"] - d["wait_ns"])
     print(f"\nmoe_block_dec phases (mean over {len(spans['-> top-k done'])} sampled blocks of the step), µs:")
     for k, v in spans.items():
         print(f"  {k:<62} {sum(v) / len(v) / 1e3:7.2f}  (min {min(v) / 1e3:.2f}, max {max(v) / 1e3:.2f})")

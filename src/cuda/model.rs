@@ -1013,7 +1013,7 @@ impl CudaModel {
             moe_block_launch_at: std::env::var("KESTREL_MOE_BLOCK_LAUNCH_AT")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .filter(|a| (0..=2).contains(a))
+                .filter(|a| (0..=3).contains(a))
                 .unwrap_or(MOE_BLOCK_LAUNCH_AT),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),

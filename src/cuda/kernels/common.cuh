@@ -142,6 +142,7 @@ __device__ __forceinline__ void trace_stamps(unsigned, u64, u64, u64) {}
 #define TAG_DOWN 10
 #define TAG_MOE_BLOCK 11
 #define TAG_MOE_BLOCK_PHASES 12  // moe_block_dec: first barrier passed, top-k done, second passed
+#define TAG_MOE_BLOCK_PHASES_D 13  // moe_block_dec: act staged, down units done, thread 0's ns waiting on them
 
 // Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
 // Every lane gets the result.

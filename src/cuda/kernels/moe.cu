@@ -1468,7 +1468,7 @@ extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
 // counter: zero before the launch; the last block out sets it back to zero. It is touched only
 // after griddep_wait, when every earlier decode kernel has finished.
 // launch_at: where the blocks let the next kernel start (0 at once, 1 after the first barrier,
-// 2 after the second).
+// 2 after the second, 3 never: the next kernel starts when this one has finished).
 // Shapes: d = BLK_D, routed and shared intermediate BLK_I, e <= 256, k + 1 <= 32.
 #define BLK_D 2048
 #define BLK_I 512
@@ -1706,9 +1706,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
         reinterpret_cast<float4*>(acts)[c] = __ldcg(reinterpret_cast<const float4*>(act) + c);
     const float sg = __ldcg(sgate);
     __syncthreads();
+    const u64 t_act = TRACE_NOW();
+    int waited_ns = 0;
     for (; used < nu_w; used++) {
         fill(false);
+#ifdef KESTREL_TRACE
+        const u64 tw = trace_now();
         cp_async_wait_upto(issued - 1 - used);
+        waited_ns += (int)(trace_now() - tw);
+#else
+        cp_async_wait_upto(issued - 1 - used);
+#endif
         const uint4* st = ring + (used % ns) * BLK_UNIT;
         const int t = warp + 8 * (used - ngu_w), s = t % slots, r = o0 + 8 * (t / slots);
         const float coef = s == k ? sg : wts[s];
@@ -1724,6 +1732,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
         }
     }
     __syncthreads();
+    trace_stamps(TAG_MOE_BLOCK_PHASES_D, t_act, TRACE_NOW(), (u64)waited_ns);
     for (int r = tid; r < o1 - o0; r += 256) {
         float t = 0.0f;
         for (int s = 0; s < slots; s++) t += red[r * slots + s];
