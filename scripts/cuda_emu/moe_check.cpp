@@ -403,7 +403,7 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
     std::vector<int> topk_ids(k, -1);
     emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)router_smem(d) * 4, [&] {
         moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb.data(), logits.data(),
-                       sgate.data());
+                       sgate.data(), gu.data(), gu.size() * 2);  // an L2 prefetch (a no-op here)
     });
     emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256,
                (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {

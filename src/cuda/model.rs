@@ -414,10 +414,17 @@ pub struct CudaModel {
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
     /// The decode MoE block in one launch (`moe_block_dec`: one block an SM, grid barriers
-    /// between router, gate/up and down) where the shape has it; `KESTREL_MOE_DECODE=three`
-    /// keeps the three launches. `KESTREL_MOE_BLOCK_LAUNCH_AT` (0, 1, 2; default
-    /// `MOE_BLOCK_LAUNCH_AT`): after which barrier its blocks let the next kernel start.
+    /// between router, gate/up and down; `KESTREL_MOE_DECODE=block`) instead of three. It
+    /// gives the three launches' output bit for bit but measured 12% slower end to end (H200,
+    /// docs/KERNELS.md, twenty-first session), so it is off by default; set it only where
+    /// `moe_block_fits`. `KESTREL_MOE_BLOCK_LAUNCH_AT` (0 to 3; default `MOE_BLOCK_LAUNCH_AT`):
+    /// after which barrier its blocks let the next kernel start (3: never).
     pub moe_block: bool,
+    /// Whether `moe_block_dec` has a kernel for this shape and fits one block on every SM.
+    pub moe_block_fits: bool,
+    /// Bytes of the next layer's in-projection that each decode MoE router prefetches into L2
+    /// (evict-last) during its chain (`KESTREL_L2_PREFETCH_KIB`; 0: none).
+    pub l2_prefetch_bytes: usize,
     /// `moe_block_dec`'s ring stages a warp (`moe_block_stages`).
     pub moe_block_ns: usize,
     pub moe_block_launch_at: i32,
@@ -965,10 +972,11 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
-        let moe_block = moe_block_fits(&cfg, &gpu)
-            && std::env::var("KESTREL_MOE_DECODE").map_or(true, |v| v != "three");
+        let moe_block_fits = moe_block_fits(&cfg, &gpu);
+        let moe_block =
+            moe_block_fits && std::env::var("KESTREL_MOE_DECODE").is_ok_and(|v| v == "block");
         let moe_block_ns = moe_block_stages(&cfg, &gpu);
-        if moe_block {
+        if moe_block_fits {
             gpu.set_max_dynamic_smem(
                 "moe_block_dec",
                 moe_block_smem(&cfg, gpu.sm_count, moe_block_ns),
@@ -1009,6 +1017,11 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_block,
+            moe_block_fits,
+            l2_prefetch_bytes: std::env::var("KESTREL_L2_PREFETCH_KIB")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .map_or(0, |k| k << 10),
             moe_block_ns,
             moe_block_launch_at: std::env::var("KESTREL_MOE_BLOCK_LAUNCH_AT")
                 .ok()
@@ -1771,7 +1784,7 @@ impl CudaModel {
             self.gemv_dec(w, n, k, x, dw.h.ptr, norm, y, beta, greedy, self.decode_pdl)
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
-        for layer in &self.layers {
+        for (li, layer) in self.layers.iter().enumerate() {
             // The mixer's fused input projection (GDN: qkv|z|b|a; attention: q+gate|k|v) of
             // RMSNorm(h) into dw.proj.
             let in_proj = |w: u64, rows: usize| {
@@ -1927,7 +1940,7 @@ impl CudaModel {
                     gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
             }
-            self.moe_decode(layer)?;
+            self.moe_decode(layer, self.layers.get(li + 1))?;
         }
         // Final norm + lm_head with the greedy argmax fused.
         gemv(
@@ -1946,7 +1959,7 @@ impl CudaModel {
     /// expert's gate), the top-k (picked by every gate/up warp from the logits) with the chosen
     /// and shared experts' gate/up and SwiGLU, and their down projections combined into the
     /// residual.
-    fn moe_decode(&self, layer: &LayerW) -> Result<()> {
+    fn moe_decode(&self, layer: &LayerW, next: Option<&LayerW>) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
         let launch = |name: &str, grid, block, smem, args: &[Arg]| {
@@ -1990,6 +2003,15 @@ impl CudaModel {
                 ],
             );
         }
+        // The last `l2_prefetch_bytes` of the next layer's in-projection, prefetched into L2 by
+        // the router's blocks (its later row blocks: the first ones load before their wait).
+        let (pf, pf_bytes) = match next.map(|l| &l.mixer) {
+            Some(MixerW::Gdn(g)) => (g.in_proj.ptr, g.in_proj.bytes),
+            Some(MixerW::Attn(a)) => (a.qkv.ptr, a.qkv.bytes),
+            None => (0, 0),
+        };
+        let take = self.l2_prefetch_bytes.min(pf_bytes) & !15;
+        let (pf, pf_bytes) = (pf + (pf_bytes - take) as u64, take);
         launch(
             "moe_router_dec",
             (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
@@ -2006,6 +2028,8 @@ impl CudaModel {
                 Arg::Ptr(dw.xb.ptr),
                 Arg::Ptr(dw.router.ptr),
                 Arg::Ptr(dw.sgate.ptr),
+                Arg::Ptr(pf),
+                Arg::U(pf_bytes as u64),
             ],
         )?;
         launch(

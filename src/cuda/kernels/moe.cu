@@ -1221,9 +1221,13 @@ MOE_GEMM7(moe_gemm7_swiglu_m128, true, false, false)
 // Shared memory of moe_router_dec in floats: the input, the RMSNorm weight and the shared
 // gate's row (d each). The host computes the same.
 __host__ __device__ __forceinline__ int router_smem(int d) { return 3 * d; }
+// pf, pf_bytes: weights of a later kernel (the next layer's in-projection) that the router's
+// blocks prefetch into L2 (evict-last, a slice each, after the wait) while the DRAM would
+// otherwise idle through the router -> top-k chain; pf_bytes 0: none.
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
-    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate) {
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
+    const bf16* __restrict__ pf, unsigned long long pf_bytes) {
     DECODE_KERNEL(TAG_ROUTER);
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
@@ -1240,6 +1244,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
         }
         const float* wn = preload_norm(ws, nw, d);
         griddep_wait();
+        if (pf_bytes && warp == 0) {
+            // This block's slice of pf in 32 KiB requests, one a lane.
+            const u64 slice = (pf_bytes / gridDim.x + 15) & ~15ull, lo = slice * blockIdx.x;
+            const u64 hi = lo + slice < pf_bytes ? lo + slice : pf_bytes;
+            const u64 pol = l2_policy_evict_last();
+            for (u64 o = lo + (u64)lane * 32768; o < hi; o += 32 * 32768)
+                l2_prefetch_bulk(reinterpret_cast<const char*>(pf) + o, (unsigned)(hi - o < 32768 ? hi - o : 32768), pol);
+        }
         stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, wn);
         float acc[ROUTER_ROWS];
 #pragma unroll
@@ -1399,9 +1411,15 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         for (int q = 0; q < 4; q++)
 #pragma unroll
             for (int j = 0; j < NV; j++)
+#ifdef DECODE_EVICT_FIRST
+                cp_async16_hint(stage + (q * NV + j) * 32 + lane,
+                                rows[q] ? reinterpret_cast<const uint4*>(rows[q]) + lane + 32 * j : (const uint4*)base,
+                                rows[q] != nullptr, l2_policy_evict_first());
+#else
                 cp_async16(stage + (q * NV + j) * 32 + lane,
                            rows[q] ? reinterpret_cast<const uint4*>(rows[q]) + lane + 32 * j : (const uint4*)base,
                            rows[q] != nullptr);
+#endif
         cp_async_commit();
         griddep_wait();  // act and sgate come from the previous kernels
         cp_async_wait_all();
