@@ -386,7 +386,7 @@ static void combine_check(int t, int k, int d, bool sorted) {
 // the k chosen and the shared expert, h += sum_s w_s down_s act_s + sgate shared_down act.
 // d 2048 / inter 512 take the kernels' register-preloaded paths, the small shape the generic ones.
 // early: moe_down_dec picks the experts from the logits itself (before its griddep_wait).
-static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early) {
+static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early, int rows = 4) {
     const float eps = 1e-6f;
     std::vector<float> h(d), nw(d), w_sg(d);
     for (auto& v : h) v = uni(-2, 2);
@@ -411,9 +411,9 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
                         sgu.data(), s_inter, act.data(), act_ld, early);
     });
     if (early) std::fill(topk_w.begin(), topk_w.end(), NAN);  // the early down must not read them
-    emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early), [&] {
+    emu_launch({(unsigned)((d + rows - 1) / rows), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early, rows), [&] {
         moe_down_dec(act.data(), act_ld, early ? nullptr : topk_ids.data(), topk_w.data(), logits.data(), e, early, k,
-                     sgate.data(), dn.data(), inter, sdn.data(), s_inter, h_out.data(), d);
+                     sgate.data(), dn.data(), inter, sdn.data(), s_inter, h_out.data(), d, rows);
     });
     // moe_block_dec (the same math in one launch of g blocks, run together: its grid barriers
     // need every block resident) must give the three launches' h, act, logits and ids bitwise.
@@ -504,8 +504,8 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         scale = std::max(scale, std::fabs(y));
     }
     const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
-    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
-           ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER",
+    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s, %d rows a block: ids %s, h max err %.1e (scale %.2f)\n",
+           ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, early ? "early" : "after the wait", rows, ids_ok ? "equal" : "DIFFER",
            err, scale);
     fails += !ok;
 }
@@ -534,6 +534,7 @@ int main(int argc, char** argv) {
         decode_moe_check(96, 16, 4, 40, 24, early);
         decode_moe_check(2048, 16, 8, 512, 512, early);
         decode_moe_check(2048, 256, 8, 512, 512, early);
+        decode_moe_check(2048, 256, 8, 512, 512, early, 8);
     }
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})

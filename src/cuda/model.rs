@@ -292,6 +292,7 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
             c.moe_intermediate,
             c.shared_intermediate,
             true,
+            4,
         ) <= smem
         && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
@@ -300,9 +301,16 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
 
 /// Shared memory of `moe_down_dec` in bytes (moe.cu's down_dec_smem): with `early`, the
 /// router's logits, the ids and weights, then (expert widths 512) the block's weight rows.
-fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) -> usize {
+fn down_dec_smem(
+    e: usize,
+    k: usize,
+    inter: usize,
+    s_inter: usize,
+    early: bool,
+    block_rows: usize,
+) -> usize {
     let rows = if inter == 512 && s_inter == 512 {
-        (k + 1) * 4 * 2 * 32 * 16
+        (k + 1) * block_rows * 2 * 32 * 16
     } else {
         0
     };
@@ -413,6 +421,9 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
+    /// Output rows a `moe_down_dec` block: 4, or with `KESTREL_MOE_DOWN_ROWS=8` (expert widths
+    /// 512 only) 8, half the blocks with twice the rows each in flight.
+    pub moe_down_rows: usize,
     /// The decode MoE block in one launch (`moe_block_dec`: one block an SM, grid barriers
     /// between router, gate/up and down; `KESTREL_MOE_DECODE=block`) instead of three. It
     /// gives the three launches' output bit for bit but measured 12% slower end to end (H200,
@@ -972,6 +983,26 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
+        let moe_down_rows = if cfg.moe_intermediate == 512
+            && cfg.shared_intermediate == 512
+            && std::env::var("KESTREL_MOE_DOWN_ROWS").is_ok_and(|v| v == "8")
+        {
+            8
+        } else {
+            4
+        };
+        gpu.set_max_dynamic_smem(
+            "moe_down_dec",
+            down_dec_smem(
+                cfg.num_experts,
+                cfg.experts_per_token,
+                cfg.moe_intermediate,
+                cfg.shared_intermediate,
+                true,
+                moe_down_rows,
+            )
+            .max(48 * 1024),
+        )?;
         let moe_block_fits = moe_block_fits(&cfg, &gpu);
         let moe_block =
             moe_block_fits && std::env::var("KESTREL_MOE_DECODE").is_ok_and(|v| v == "block");
@@ -1016,6 +1047,7 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
+            moe_down_rows,
             moe_block,
             moe_block_fits,
             l2_prefetch_bytes: std::env::var("KESTREL_L2_PREFETCH_KIB")
@@ -2056,9 +2088,9 @@ impl CudaModel {
         )?;
         launch(
             "moe_down_dec",
-            (d.div_ceil(4) as u32, 1, 1),
+            (d.div_ceil(self.moe_down_rows) as u32, 1, 1),
             (32 * (k + 1)) as u32,
-            down_dec_smem(e, k, i, is, self.moe_down_early) as u32,
+            down_dec_smem(e, k, i, is, self.moe_down_early, self.moe_down_rows) as u32,
             &[
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(DecodeWs::act_ld(c) as i32),
@@ -2075,6 +2107,7 @@ impl CudaModel {
                 Arg::I(is as i32),
                 Arg::Ptr(dw.h.ptr),
                 Arg::I(d as i32),
+                Arg::I(self.moe_down_rows as i32),
             ],
         )
     }

@@ -1367,10 +1367,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
 // had finished). act and sgate are not __restrict__: ptxas hoisted read-only loads of them above
 // the wait (SASS). grid ceil(d / 4), block 32 * (k + 1), smem (early) down_dec_smem bytes: the
 // logits, ids and weights, then (inter = s_inter = 512) the block's weight rows.
-__host__ __device__ __forceinline__ int down_dec_smem(int e, int k, int inter, int s_inter, int early) {
-    return early ? ((e + 2 * k + 3) & ~3) * 4 + (inter == 512 && s_inter == 512 ? (k + 1) * 4 * 2 * 32 * 16 : 0) : 0;
+// rows: output rows a block (4 or 8; the host's KESTREL_MOE_DOWN_ROWS).
+__host__ __device__ __forceinline__ int down_dec_smem(int e, int k, int inter, int s_inter, int early, int rows) {
+    return early ? ((e + 2 * k + 3) & ~3) * 4 + (inter == 512 && s_inter == 512 ? (k + 1) * rows * 2 * 32 * 16 : 0)
+                 : 0;
 }
-template <int VPL>
+template <int VPL, int ROWS>
 __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
                                                   const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
                                                   const float* logits, int e, int early, int k,
@@ -1379,10 +1381,10 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
                                                   const bf16* __restrict__ shared_down, int s_inter,
                                                   float* __restrict__ h, int d) {
     constexpr int NV = VPL > 0 ? VPL : 1;
-    __shared__ float red[17][4];
+    __shared__ float red[17][ROWS];
     extern __shared__ float rl[];  // early: e logits, k ids, k weights
     DECODE_KERNEL(TAG_DOWN);
-    int s = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * 4;
+    int s = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * ROWS;
     int* ids = reinterpret_cast<int*>(rl + e);
     float* wts = rl + e + k;
     if (early) {
@@ -1397,18 +1399,18 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
     }
     int kk = s == k ? s_inter : inter;
     const bf16* base = s == k ? shared_down : down + (size_t)(early ? ids[s] : topk_ids[s]) * d * inter;
-    const bf16* rows[4];
+    const bf16* rows[ROWS];
 #pragma unroll
-    for (int q = 0; q < 4; q++) rows[q] = r0 + q < d ? base + (size_t)(r0 + q) * kk : nullptr;
+    for (int q = 0; q < ROWS; q++) rows[q] = r0 + q < d ? base + (size_t)(r0 + q) * kk : nullptr;
     const float* xs = act + (size_t)s * act_ld;
-    float acc[4];
+    float acc[ROWS];
     if (VPL > 0 && early) {
         // The rows go to shared memory by cp.async: ptxas sinks plain read-only loads whose
         // values are used only after griddep_wait to after it (seen in the SASS), which would
         // put their trip to DRAM back on the critical path.
-        uint4* stage = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3)) + (size_t)s * 4 * NV * 32;
+        uint4* stage = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3)) + (size_t)s * ROWS * NV * 32;
 #pragma unroll
-        for (int q = 0; q < 4; q++)
+        for (int q = 0; q < ROWS; q++)
 #pragma unroll
             for (int j = 0; j < NV; j++)
 #ifdef DECODE_EVICT_FIRST
@@ -1423,30 +1425,30 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         cp_async_commit();
         griddep_wait();  // act and sgate come from the previous kernels
         cp_async_wait_all();
-        uint4 v[4][NV];
+        uint4 v[ROWS][NV];
 #pragma unroll
-        for (int q = 0; q < 4; q++)
+        for (int q = 0; q < ROWS; q++)
 #pragma unroll
             for (int j = 0; j < NV; j++) v[q][j] = stage[(q * NV + j) * 32 + lane];
-        dot_rows<4, NV>(v, xs, acc);
+        dot_rows<ROWS, NV>(v, xs, acc);
     } else if (VPL > 0) {
-        uint4 v[4][NV];
-        load_rows<4, NV>(v, rows);
-        dot_rows<4, NV>(v, xs, acc);
+        uint4 v[ROWS][NV];
+        load_rows<ROWS, NV>(v, rows);
+        dot_rows<ROWS, NV>(v, xs, acc);
     } else {
         if (early) griddep_wait();
-        dot_rows_any<4>(rows, xs, kk, acc);
+        dot_rows_any<ROWS>(rows, xs, kk, acc);
     }
     float coef = s == k ? *sgate : early ? wts[s] : topk_w[s];
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < ROWS; q++) {
         float a = warp_sum(acc[q]);
         // A routed expert's output rounded to bf16, as prefill's y (moe_gemm6_m128_bf16).
         if (s != k) a = __bfloat162float(__float2bfloat16(a));
         if (lane == 0) red[s][q] = coef * a;
     }
     __syncthreads();
-    if (threadIdx.x < 4 && r0 + threadIdx.x < d) {
+    if (threadIdx.x < ROWS && r0 + threadIdx.x < d) {
         float t = 0.0f;
         for (int i = 0; i <= k; i++) t += red[i][threadIdx.x];
         h[r0 + threadIdx.x] += t;
@@ -1456,13 +1458,16 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
 extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
     const float* act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     const float* logits, int e, int early, int k, const float* sgate, const bf16* __restrict__ down,
-    int inter, const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
-    if (inter == 512 && s_inter == 512)
-        moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
-                             s_inter, h, d);
+    int inter, const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d, int rows) {
+    if (inter == 512 && s_inter == 512 && rows == 8)
+        moe_down_dec_impl<2, 8>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
+                                s_inter, h, d);
+    else if (inter == 512 && s_inter == 512)
+        moe_down_dec_impl<2, 4>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
+                                s_inter, h, d);
     else
-        moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
-                             s_inter, h, d);
+        moe_down_dec_impl<0, 4>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
+                                s_inter, h, d);
 }
 
 // ---- Decode (one token): the whole MoE block in one launch ----
