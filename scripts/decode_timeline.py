@@ -18,7 +18,7 @@ from collections import defaultdict
 
 TAGS = {1: "embed_gather", 2: "gemv", 3: "gdn_conv_dec", 4: "gdn_step_dec", 5: "attn_prep",
         6: "attn_decode", 7: "attn_combine", 8: "moe_router_dec", 9: "moe_gate_up_dec",
-        10: "moe_down_dec", 11: "moe_block_dec"}
+        10: "moe_down_dec"}
 # What the GEMV grids are at the full shape (rows / rows per block).
 GEMV = {772: "gemv in-proj GDN", 576: "gemv in-proj attn", 256: "gemv out-proj", 1056: "gemv lm_head"}
 
@@ -34,8 +34,6 @@ def main():
     by_kernel = defaultdict(list)
     for r in rows:
         rec = {k: int(v) for k, v in r.items()}
-        if rec["tag"] in (12, 13):  # moe_block_dec's phase stamps (phases() below), not launches
-            continue
         by_kernel[(rec["tag"], rec["grid"])].append(rec)
     launches = []
     for (tag, grid), recs in by_kernel.items():
@@ -75,44 +73,10 @@ def main():
     for k, (n, cost, bnd, body) in sorted(per_kind.items(), key=lambda kv: -kv[1][1]):
         print(f"{k:<22} {n:>8} {cost / 1e3:>9.1f} {100 * cost / total:>5.1f}% {cost / n / 1e3:>10.2f} "
               f"{bnd / n / 1e3:>9.2f} {body / n / 1e3:>7.2f}")
-    phases(rows)
     if "--launches" in sys.argv:
         print(f"\n{'kernel':<22} {'first start':>11} {'release':>9} {'last end':>9} {'cost':>7}  (µs)")
         for k, a, b, c, cost in detail:
             print(f"{k:<22} {a / 1e3:>11.2f} {b / 1e3:>9.2f} {c / 1e3:>9.2f} {cost / 1e3:>7.2f}")
-
-
-def phases(rows):
-    """moe_block_dec's phases: each sampled block's phase record (tag 12: first barrier passed,
-    top-k done, second barrier passed) against its own record (tag 11: start, wait release, end),
-    mean µs of each stretch over the blocks and launches of the step."""
-    recs = [{k: int(v) for k, v in r.items()} for r in rows]
-    own = [r for r in recs if r["tag"] == 11]
-    marks = [r for r in recs if r["tag"] == 12]
-    if not marks:
-        return
-    spans = defaultdict(list)
-    for m in marks:
-        b1, topk, b2 = m["start_ns"], m["wait_ns"], m["end_ns"]
-        o = [r for r in own if r["block"] == m["block"] and r["start_ns"] <= b1 <= r["end_ns"]]
-        if not o:
-            continue
-        o = o[0]
-        spans["start -> wait release"].append(o["wait_ns"] - o["start_ns"])
-        spans["release -> first barrier passed (norm, router, shared pairs)"].append(b1 - o["wait_ns"])
-        spans["-> top-k done"].append(topk - b1)
-        spans["-> second barrier passed (gate/up)"].append(b2 - topk)
-        spans["-> end (down, combine)"].append(o["end_ns"] - b2)
-        d = [r for r in recs if r["tag"] == 13 and r["block"] == m["block"] and b2 <= r["start_ns"] <= o["end_ns"]]
-        if d:
-            d = d[0]
-            spans["   of which: act staged"].append(d["start_ns"] - b2)
-            spans["   of which: down units (thread 0 waiting on their bytes: next)"].append(d["wait_ns"] - d["start_ns"])
-            spans["   thread 0 waiting on the down units' bytes"].append(d["end_ns"])
-            spans["   of which: combine and exit"].append(o["end_ns"] - d["wait_ns"])
-    print(f"\nmoe_block_dec phases (mean over {len(spans['-> top-k done'])} sampled blocks of the step), µs:")
-    for k, v in spans.items():
-        print(f"  {k:<62} {sum(v) / len(v) / 1e3:7.2f}  (min {min(v) / 1e3:.2f}, max {max(v) / 1e3:.2f})")
 
 
 if __name__ == "__main__":

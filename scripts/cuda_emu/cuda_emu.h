@@ -18,8 +18,7 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
-// emu-provides: tma_load_3d_mc l2_policy_evict_first l2_policy_evict_last ldg_hint cp_async16_hint
-// emu-provides: l2_prefetch_bulk
+// emu-provides: tma_load_3d_mc
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -87,14 +86,8 @@ template <class T> inline T __ldcg(const T* p) { return *p; }
 // so a waiter's publishing block has finished).
 inline unsigned ld_acquire_gpu(const unsigned* p) { return std::atomic_ref<const unsigned>(*p).load(std::memory_order_acquire); }
 inline void st_release_gpu(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(*p).store(v, std::memory_order_release); }
-// L2 policies and prefetches: nothing to model here; the hinted accesses are plain ones.
-inline unsigned long long l2_policy_evict_first() { return 1; }
-inline unsigned long long l2_policy_evict_last() { return 2; }
-inline uint4 ldg_hint(const uint4* p, unsigned long long) { return *p; }
-inline void l2_prefetch_bulk(const void*, unsigned, unsigned long long) {}
-inline void spin_pause(unsigned) { std::this_thread::yield(); }  // a spinning block waits on other blocks' threads
+inline void spin_pause(unsigned) {}
 template <class T> inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
-template <class T> inline T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void griddep_launch() {}
 inline void griddep_wait() {}  // one kernel at a time here
@@ -387,7 +380,6 @@ inline void cp_async16(void* smem, const void* gmem, bool valid) {
     if (g_cp_deferred) g_cp_open[emu_tid()].push_back(c);
     else emu_do_copy(c);
 }
-inline void cp_async16_hint(void* smem, const void* gmem, bool valid, unsigned long long) { cp_async16(smem, gmem, valid); }
 inline void cp_async_commit() {
     unsigned t = emu_tid();
     g_cp_groups[t].push_back(g_cp_open[t]);

@@ -109,7 +109,6 @@ const KERNELS: &[&str] = &[
     "moe_router_dec",
     "moe_gate_up_dec",
     "moe_down_dec",
-    "moe_block_dec",
     "trace_set",
 ];
 
@@ -463,19 +462,6 @@ impl Gpu {
             let f = module
                 .load_function(k)
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
-            // An A/B knob: every kernel's preferred shared-memory carveout (percent), so that
-            // kernels of different shared-memory needs do not make an SM switch its L1/shared
-            // split (which waits for the SM to drain) between neighbours.
-            if let Some(pct) = std::env::var("KESTREL_CARVEOUT")
-                .ok()
-                .and_then(|v| v.parse::<i32>().ok())
-            {
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    pct,
-                )
-                .map_err(|e| anyhow!("KESTREL_CARVEOUT={pct} for {k}: {e:?}"))?;
-            }
             functions.insert(*k, f);
         }
         let profile = std::env::var("KESTREL_PROFILE")

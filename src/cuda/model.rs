@@ -198,8 +198,6 @@ struct DecodeWs {
     sgate: DeviceBuf,
     /// The lm_head argmax's last-block counter (zero between launches).
     done: DeviceBuf,
-    /// `moe_block_dec`'s grid-barrier counter (zero between launches).
-    moe_barrier: DeviceBuf,
     /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
     part: DeviceBuf,
@@ -238,7 +236,6 @@ impl DecodeWs {
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
             ("done", 4),
-            ("moe_barrier", 4),
             ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
@@ -267,7 +264,6 @@ impl DecodeWs {
             topk_w: take("topk_w")?,
             sgate: take("sgate")?,
             done: take("done")?,
-            moe_barrier: take("moe_barrier")?,
             act: take("act")?,
             part: take("part")?,
             logits: take("logits")?,
@@ -292,7 +288,6 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
             c.moe_intermediate,
             c.shared_intermediate,
             true,
-            4,
         ) <= smem
         && attn_decode_smem(c) <= 200 * 1024
         && c.num_attention_heads / c.num_kv_heads <= 32
@@ -301,16 +296,9 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
 
 /// Shared memory of `moe_down_dec` in bytes (moe.cu's down_dec_smem): with `early`, the
 /// router's logits, the ids and weights, then (expert widths 512) the block's weight rows.
-fn down_dec_smem(
-    e: usize,
-    k: usize,
-    inter: usize,
-    s_inter: usize,
-    early: bool,
-    block_rows: usize,
-) -> usize {
+fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) -> usize {
     let rows = if inter == 512 && s_inter == 512 {
-        (k + 1) * block_rows * 2 * 32 * 16
+        (k + 1) * 4 * 2 * 32 * 16
     } else {
         0
     };
@@ -319,54 +307,6 @@ fn down_dec_smem(
     } else {
         0
     }
-}
-
-/// `moe_block_dec`'s shape (moe.cu's BLK_D, BLK_I) and its limits on the experts.
-const MOE_BLOCK_D: usize = 2048;
-const MOE_BLOCK_I: usize = 512;
-/// Where `moe_block_dec`'s blocks let the next kernel start: 0 at once, 1 after the router's
-/// barrier, 2 after the gate/up barrier.
-const MOE_BLOCK_LAUNCH_AT: i32 = 2;
-/// `moe_block_dec`'s default ring stages a warp.
-const MOE_BLOCK_STAGES: usize = 2;
-
-/// Shared memory of `moe_block_dec` in bytes over `g` blocks with a ring of `ns` 8 KiB stages
-/// a warp (moe.cu's blk_smem): the ring, then the staged vectors and partials (the router's
-/// buffers and the staged act in one place).
-fn moe_block_smem(c: &TextConfig, g: usize, ns: usize) -> usize {
-    let (e, k, d, i) = (c.num_experts, c.experts_per_token, MOE_BLOCK_D, MOE_BLOCK_I);
-    let rr = (e + 1).div_ceil(g);
-    let union = (2 * d + rr * d / 2).max((k + 1) * i);
-    let floats = d
-        + union
-        + ((e + 2 * k + 3) & !3)
-        + ((8 * rr + 3) & !3)
-        + 36
-        + ((d.div_ceil(g) * (k + 1) + 3) & !3);
-    8 * ns * 512 * 16 + floats * 4
-}
-
-/// Whether the one-launch decode MoE block (`moe_block_dec`) has a kernel for `c` and fits one
-/// block on every SM of `gpu` (its grid barriers need all blocks resident).
-fn moe_block_fits(c: &TextConfig, gpu: &Gpu) -> bool {
-    c.hidden_size == MOE_BLOCK_D
-        && c.moe_intermediate == MOE_BLOCK_I
-        && c.shared_intermediate == MOE_BLOCK_I
-        && c.num_experts <= 256
-        && c.experts_per_token < 32
-        && c.experts_per_token <= c.num_experts
-        && moe_block_smem(c, gpu.sm_count, 2) <= gpu.max_smem_per_block
-}
-
-/// `moe_block_dec`'s ring stages a warp: `KESTREL_MOE_BLOCK_NS` (2 to 4) where that fits, else 2.
-fn moe_block_stages(c: &TextConfig, gpu: &Gpu) -> usize {
-    std::env::var("KESTREL_MOE_BLOCK_NS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n: &usize| {
-            (2..=4).contains(&n) && moe_block_smem(c, gpu.sm_count, n) <= gpu.max_smem_per_block
-        })
-        .unwrap_or(MOE_BLOCK_STAGES)
 }
 
 pub struct CudaModel {
@@ -421,24 +361,6 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
-    /// Output rows a `moe_down_dec` block: 4, or with `KESTREL_MOE_DOWN_ROWS=8` (expert widths
-    /// 512 only) 8, half the blocks with twice the rows each in flight.
-    pub moe_down_rows: usize,
-    /// The decode MoE block in one launch (`moe_block_dec`: one block an SM, grid barriers
-    /// between router, gate/up and down; `KESTREL_MOE_DECODE=block`) instead of three. It
-    /// gives the three launches' output bit for bit but measured 12% slower end to end (H200,
-    /// docs/KERNELS.md, twenty-first session), so it is off by default; set it only where
-    /// `moe_block_fits`. `KESTREL_MOE_BLOCK_LAUNCH_AT` (0 to 3; default `MOE_BLOCK_LAUNCH_AT`):
-    /// after which barrier its blocks let the next kernel start (3: never).
-    pub moe_block: bool,
-    /// Whether `moe_block_dec` has a kernel for this shape and fits one block on every SM.
-    pub moe_block_fits: bool,
-    /// Bytes of the next layer's in-projection that each decode MoE router prefetches into L2
-    /// (evict-last) during its chain (`KESTREL_L2_PREFETCH_KIB`; 0: none).
-    pub l2_prefetch_bytes: usize,
-    /// `moe_block_dec`'s ring stages a warp (`moe_block_stages`).
-    pub moe_block_ns: usize,
-    pub moe_block_launch_at: i32,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -983,36 +905,6 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
-        let moe_down_rows = if cfg.moe_intermediate == 512
-            && cfg.shared_intermediate == 512
-            && std::env::var("KESTREL_MOE_DOWN_ROWS").is_ok_and(|v| v == "8")
-        {
-            8
-        } else {
-            4
-        };
-        gpu.set_max_dynamic_smem(
-            "moe_down_dec",
-            down_dec_smem(
-                cfg.num_experts,
-                cfg.experts_per_token,
-                cfg.moe_intermediate,
-                cfg.shared_intermediate,
-                true,
-                moe_down_rows,
-            )
-            .max(48 * 1024),
-        )?;
-        let moe_block_fits = moe_block_fits(&cfg, &gpu);
-        let moe_block =
-            moe_block_fits && std::env::var("KESTREL_MOE_DECODE").is_ok_and(|v| v == "block");
-        let moe_block_ns = moe_block_stages(&cfg, &gpu);
-        if moe_block_fits {
-            gpu.set_max_dynamic_smem(
-                "moe_block_dec",
-                moe_block_smem(&cfg, gpu.sm_count, moe_block_ns),
-            )?;
-        }
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -1047,19 +939,6 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
-            moe_down_rows,
-            moe_block,
-            moe_block_fits,
-            l2_prefetch_bytes: std::env::var("KESTREL_L2_PREFETCH_KIB")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .map_or(0, |k| k << 10),
-            moe_block_ns,
-            moe_block_launch_at: std::env::var("KESTREL_MOE_BLOCK_LAUNCH_AT")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|a| (0..=3).contains(a))
-                .unwrap_or(MOE_BLOCK_LAUNCH_AT),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -1816,7 +1695,7 @@ impl CudaModel {
             self.gemv_dec(w, n, k, x, dw.h.ptr, norm, y, beta, greedy, self.decode_pdl)
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
-        for (li, layer) in self.layers.iter().enumerate() {
+        for layer in &self.layers {
             // The mixer's fused input projection (GDN: qkv|z|b|a; attention: q+gate|k|v) of
             // RMSNorm(h) into dw.proj.
             let in_proj = |w: u64, rows: usize| {
@@ -1972,7 +1851,7 @@ impl CudaModel {
                     gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
             }
-            self.moe_decode(layer, self.layers.get(li + 1))?;
+            self.moe_decode(layer)?;
         }
         // Final norm + lm_head with the greedy argmax fused.
         gemv(
@@ -1991,7 +1870,7 @@ impl CudaModel {
     /// expert's gate), the top-k (picked by every gate/up warp from the logits) with the chosen
     /// and shared experts' gate/up and SwiGLU, and their down projections combined into the
     /// residual.
-    fn moe_decode(&self, layer: &LayerW, next: Option<&LayerW>) -> Result<()> {
+    fn moe_decode(&self, layer: &LayerW) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
         let launch = |name: &str, grid, block, smem, args: &[Arg]| {
@@ -2005,45 +1884,6 @@ impl CudaModel {
             c.moe_intermediate,
             c.shared_intermediate,
         );
-        if self.moe_block {
-            let g = self.gpu.sm_count;
-            return launch(
-                "moe_block_dec",
-                (g as u32, 1, 1),
-                256,
-                moe_block_smem(c, g, self.moe_block_ns) as u32,
-                &[
-                    Arg::Ptr(dw.h.ptr),
-                    Arg::Ptr(layer.post_norm.ptr),
-                    Arg::F(c.rms_norm_eps),
-                    Arg::Ptr(layer.router.ptr),
-                    Arg::I(e as i32),
-                    Arg::I(k as i32),
-                    Arg::Ptr(layer.shared_gate.ptr),
-                    Arg::Ptr(layer.gate_up.ptr),
-                    Arg::Ptr(layer.shared_gate_up.ptr),
-                    Arg::Ptr(layer.down.ptr),
-                    Arg::Ptr(layer.shared_down.ptr),
-                    Arg::Ptr(dw.router.ptr),
-                    Arg::Ptr(dw.sgate.ptr),
-                    Arg::Ptr(dw.act.ptr),
-                    Arg::Ptr(dw.topk_ids.ptr),
-                    Arg::Ptr(dw.topk_w.ptr),
-                    Arg::Ptr(dw.moe_barrier.ptr),
-                    Arg::I(self.moe_block_launch_at),
-                    Arg::I(self.moe_block_ns as i32),
-                ],
-            );
-        }
-        // The last `l2_prefetch_bytes` of the next layer's in-projection, prefetched into L2 by
-        // the router's blocks (its later row blocks: the first ones load before their wait).
-        let (pf, pf_bytes) = match next.map(|l| &l.mixer) {
-            Some(MixerW::Gdn(g)) => (g.in_proj.ptr, g.in_proj.bytes),
-            Some(MixerW::Attn(a)) => (a.qkv.ptr, a.qkv.bytes),
-            None => (0, 0),
-        };
-        let take = self.l2_prefetch_bytes.min(pf_bytes) & !15;
-        let (pf, pf_bytes) = (pf + (pf_bytes - take) as u64, take);
         launch(
             "moe_router_dec",
             (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
@@ -2060,8 +1900,6 @@ impl CudaModel {
                 Arg::Ptr(dw.xb.ptr),
                 Arg::Ptr(dw.router.ptr),
                 Arg::Ptr(dw.sgate.ptr),
-                Arg::Ptr(pf),
-                Arg::U(pf_bytes as u64),
             ],
         )?;
         launch(
@@ -2088,9 +1926,9 @@ impl CudaModel {
         )?;
         launch(
             "moe_down_dec",
-            (d.div_ceil(self.moe_down_rows) as u32, 1, 1),
+            (d.div_ceil(4) as u32, 1, 1),
             (32 * (k + 1)) as u32,
-            down_dec_smem(e, k, i, is, self.moe_down_early, self.moe_down_rows) as u32,
+            down_dec_smem(e, k, i, is, self.moe_down_early) as u32,
             &[
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(DecodeWs::act_ld(c) as i32),
@@ -2107,7 +1945,6 @@ impl CudaModel {
                 Arg::I(is as i32),
                 Arg::Ptr(dw.h.ptr),
                 Arg::I(d as i32),
-                Arg::I(self.moe_down_rows as i32),
             ],
         )
     }

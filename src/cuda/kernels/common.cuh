@@ -96,20 +96,6 @@ __device__ __forceinline__ void griddep_wait() {
     griddep_wait_plain();
     if (threadIdx.x == 0) g_trace_t1 = trace_now();
 }
-// A second record for a block TraceBlock samples (thread 0): three more %globaltimer stamps
-// of its inside (a persistent kernel's phases) under their own tag.
-__device__ __forceinline__ void trace_stamps(unsigned tag, u64 a, u64 b, u64 c) {
-    if (threadIdx.x != 0 || !g_trace || ((blockIdx.x & 7) && blockIdx.x + 1 != gridDim.x)) return;
-    const unsigned i = atomicAdd(&g_trace_n, 1u);
-    if (i >= g_trace_cap) return;
-    u64* r = g_trace + 5 * (size_t)i;
-    r[0] = (u64)tag << 48 | (u64)gridDim.x << 24 | blockIdx.x;
-    r[1] = trace_sm();
-    r[2] = a;
-    r[3] = b;
-    r[4] = c;
-}
-#define TRACE_NOW() trace_now()
 #define DECODE_KERNEL(tag) \
     griddep_launch();      \
     TraceBlock trace_block_(tag)
@@ -118,8 +104,6 @@ __device__ __forceinline__ void trace_stamps(unsigned tag, u64 a, u64 b, u64 c) 
 __device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define DECODE_KERNEL(tag) griddep_launch()
 #define DECODE_KERNEL_NO_LAUNCH(tag)
-#define TRACE_NOW() 0ull
-__device__ __forceinline__ void trace_stamps(unsigned, u64, u64, u64) {}
 #endif
 // Prefill kernels, launched with programmatic dependent launch by Gpu::launch_dep: wait for the
 // previous kernel and its writes before anything else (reads and writes alike), then let the
@@ -140,9 +124,6 @@ __device__ __forceinline__ void trace_stamps(unsigned, u64, u64, u64) {}
 #define TAG_ROUTER 8
 #define TAG_GATE_UP 9
 #define TAG_DOWN 10
-#define TAG_MOE_BLOCK 11
-#define TAG_MOE_BLOCK_PHASES 12  // moe_block_dec: first barrier passed, top-k done, second passed
-#define TAG_MOE_BLOCK_PHASES_D 13  // moe_block_dec: act staged, down units done, thread 0's ns waiting on them
 
 // Arg-max of (value, index) pairs over the warp: the larger value, the smaller index on ties.
 // Every lane gets the result.
@@ -181,42 +162,6 @@ __device__ __forceinline__ float dot8(uint4 v, const float* x) {
     return a.x * x0.x + a.y * x0.y + b.x * x0.z + b.y * x0.w + c.x * x1.x + c.y * x1.y + d.x * x1.z + d.y * x1.w;
 }
 
-// L2 eviction priorities (createpolicy) and the accesses that take them. The decode MoE's
-// weight streams can be marked evict-first (MOE_EVICT_FIRST), so that weights prefetched into
-// L2 for a later kernel with evict-last (l2_prefetch_bulk) outlive the 57 MB that stream
-// through L2 in between.
-__device__ __forceinline__ u64 l2_policy_evict_first() {
-    u64 p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ u64 l2_policy_evict_last() {
-    u64 p;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
-    return p;
-}
-// A read-only 16-byte load with an L2 policy.
-__device__ __forceinline__ uint4 ldg_hint(const uint4* p, u64 pol) {
-    uint4 v;
-    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
-    return v;
-}
-// cp_async16 with an L2 policy.
-__device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, bool valid, u64 pol) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(s), "l"(gmem), "r"(n),
-                 "l"(pol));
-}
-// Prefetch bytes (a multiple of 16, 16-byte aligned) at p into L2 with an L2 policy: one bulk
-// request, no registers or shared memory held.
-__device__ __forceinline__ void l2_prefetch_bulk(const void* p, unsigned bytes, u64 pol) {
-    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(p), "r"(bytes), "l"(pol)
-                 : "memory");
-}
-
 // ---- Decode GEMV machinery: a warp owns R weight rows, each lane streams 16-byte vectors
 // c = lane + 32*j of them. With VPL (vectors per lane) known at compile time, all R*VPL loads
 // are issued before the input is staged, so the staging latency hides behind the weight fetch.
@@ -228,24 +173,14 @@ __host__ __device__ __forceinline__ int gemv_rows_per_block(int k, bool whole_ro
     return k <= 2048 ? 16 : k == 4096 ? (whole_rows ? 8 : 4) : 8;
 }
 
-// With DECODE_EVICT_FIRST (a kernel define) the rows are read evict-first in L2 (read once a
-// step), so that weights another kernel prefetched into L2 (evict-last) stay there.
 template <int R, int VPL>
 __device__ __forceinline__ void load_rows(uint4 (&v)[R][VPL], const bf16* const* row) {
     int lane = threadIdx.x & 31;
-#ifdef DECODE_EVICT_FIRST
-    const u64 pol = l2_policy_evict_first();
-#endif
 #pragma unroll
     for (int q = 0; q < R; q++)
 #pragma unroll
         for (int j = 0; j < VPL; j++)
-#ifdef DECODE_EVICT_FIRST
-            v[q][j] = row[q] ? ldg_hint(reinterpret_cast<const uint4*>(row[q]) + lane + 32 * j, pol)
-                             : make_uint4(0, 0, 0, 0);
-#else
             v[q][j] = row[q] ? __ldg(reinterpret_cast<const uint4*>(row[q]) + lane + 32 * j) : make_uint4(0, 0, 0, 0);
-#endif
 }
 
 // Per-lane partial dots of loaded rows with xs (not yet summed over the warp).

@@ -1221,13 +1221,9 @@ MOE_GEMM7(moe_gemm7_swiglu_m128, true, false, false)
 // Shared memory of moe_router_dec in floats: the input, the RMSNorm weight and the shared
 // gate's row (d each). The host computes the same.
 __host__ __device__ __forceinline__ int router_smem(int d) { return 3 * d; }
-// pf, pf_bytes: weights of a later kernel (the next layer's in-projection) that the router's
-// blocks prefetch into L2 (evict-last, a slice each, after the wait) while the DRAM would
-// otherwise idle through the router -> top-k chain; pf_bytes 0: none.
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
-    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
-    const bf16* __restrict__ pf, unsigned long long pf_bytes) {
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate) {
     DECODE_KERNEL(TAG_ROUTER);
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
@@ -1244,14 +1240,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
         }
         const float* wn = preload_norm(ws, nw, d);
         griddep_wait();
-        if (pf_bytes && warp == 0) {
-            // This block's slice of pf in 32 KiB requests, one a lane.
-            const u64 slice = (pf_bytes / gridDim.x + 15) & ~15ull, lo = slice * blockIdx.x;
-            const u64 hi = lo + slice < pf_bytes ? lo + slice : pf_bytes;
-            const u64 pol = l2_policy_evict_last();
-            for (u64 o = lo + (u64)lane * 32768; o < hi; o += 32 * 32768)
-                l2_prefetch_bulk(reinterpret_cast<const char*>(pf) + o, (unsigned)(hi - o < 32768 ? hi - o : 32768), pol);
-        }
         stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, wn);
         float acc[ROUTER_ROWS];
 #pragma unroll
@@ -1367,12 +1355,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
 // had finished). act and sgate are not __restrict__: ptxas hoisted read-only loads of them above
 // the wait (SASS). grid ceil(d / 4), block 32 * (k + 1), smem (early) down_dec_smem bytes: the
 // logits, ids and weights, then (inter = s_inter = 512) the block's weight rows.
-// rows: output rows a block (4 or 8; the host's KESTREL_MOE_DOWN_ROWS).
-__host__ __device__ __forceinline__ int down_dec_smem(int e, int k, int inter, int s_inter, int early, int rows) {
-    return early ? ((e + 2 * k + 3) & ~3) * 4 + (inter == 512 && s_inter == 512 ? (k + 1) * rows * 2 * 32 * 16 : 0)
-                 : 0;
+__host__ __device__ __forceinline__ int down_dec_smem(int e, int k, int inter, int s_inter, int early) {
+    return early ? ((e + 2 * k + 3) & ~3) * 4 + (inter == 512 && s_inter == 512 ? (k + 1) * 4 * 2 * 32 * 16 : 0) : 0;
 }
-template <int VPL, int ROWS>
+template <int VPL>
 __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
                                                   const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
                                                   const float* logits, int e, int early, int k,
@@ -1381,10 +1367,10 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
                                                   const bf16* __restrict__ shared_down, int s_inter,
                                                   float* __restrict__ h, int d) {
     constexpr int NV = VPL > 0 ? VPL : 1;
-    __shared__ float red[17][ROWS];
+    __shared__ float red[17][4];
     extern __shared__ float rl[];  // early: e logits, k ids, k weights
     DECODE_KERNEL(TAG_DOWN);
-    int s = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * ROWS;
+    int s = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.x * 4;
     int* ids = reinterpret_cast<int*>(rl + e);
     float* wts = rl + e + k;
     if (early) {
@@ -1399,56 +1385,50 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
     }
     int kk = s == k ? s_inter : inter;
     const bf16* base = s == k ? shared_down : down + (size_t)(early ? ids[s] : topk_ids[s]) * d * inter;
-    const bf16* rows[ROWS];
+    const bf16* rows[4];
 #pragma unroll
-    for (int q = 0; q < ROWS; q++) rows[q] = r0 + q < d ? base + (size_t)(r0 + q) * kk : nullptr;
+    for (int q = 0; q < 4; q++) rows[q] = r0 + q < d ? base + (size_t)(r0 + q) * kk : nullptr;
     const float* xs = act + (size_t)s * act_ld;
-    float acc[ROWS];
+    float acc[4];
     if (VPL > 0 && early) {
         // The rows go to shared memory by cp.async: ptxas sinks plain read-only loads whose
         // values are used only after griddep_wait to after it (seen in the SASS), which would
         // put their trip to DRAM back on the critical path.
-        uint4* stage = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3)) + (size_t)s * ROWS * NV * 32;
+        uint4* stage = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3)) + (size_t)s * 4 * NV * 32;
 #pragma unroll
-        for (int q = 0; q < ROWS; q++)
+        for (int q = 0; q < 4; q++)
 #pragma unroll
             for (int j = 0; j < NV; j++)
-#ifdef DECODE_EVICT_FIRST
-                cp_async16_hint(stage + (q * NV + j) * 32 + lane,
-                                rows[q] ? reinterpret_cast<const uint4*>(rows[q]) + lane + 32 * j : (const uint4*)base,
-                                rows[q] != nullptr, l2_policy_evict_first());
-#else
                 cp_async16(stage + (q * NV + j) * 32 + lane,
                            rows[q] ? reinterpret_cast<const uint4*>(rows[q]) + lane + 32 * j : (const uint4*)base,
                            rows[q] != nullptr);
-#endif
         cp_async_commit();
         griddep_wait();  // act and sgate come from the previous kernels
         cp_async_wait_all();
-        uint4 v[ROWS][NV];
+        uint4 v[4][NV];
 #pragma unroll
-        for (int q = 0; q < ROWS; q++)
+        for (int q = 0; q < 4; q++)
 #pragma unroll
             for (int j = 0; j < NV; j++) v[q][j] = stage[(q * NV + j) * 32 + lane];
-        dot_rows<ROWS, NV>(v, xs, acc);
+        dot_rows<4, NV>(v, xs, acc);
     } else if (VPL > 0) {
-        uint4 v[ROWS][NV];
-        load_rows<ROWS, NV>(v, rows);
-        dot_rows<ROWS, NV>(v, xs, acc);
+        uint4 v[4][NV];
+        load_rows<4, NV>(v, rows);
+        dot_rows<4, NV>(v, xs, acc);
     } else {
         if (early) griddep_wait();
-        dot_rows_any<ROWS>(rows, xs, kk, acc);
+        dot_rows_any<4>(rows, xs, kk, acc);
     }
     float coef = s == k ? *sgate : early ? wts[s] : topk_w[s];
 #pragma unroll
-    for (int q = 0; q < ROWS; q++) {
+    for (int q = 0; q < 4; q++) {
         float a = warp_sum(acc[q]);
         // A routed expert's output rounded to bf16, as prefill's y (moe_gemm6_m128_bf16).
         if (s != k) a = __bfloat162float(__float2bfloat16(a));
         if (lane == 0) red[s][q] = coef * a;
     }
     __syncthreads();
-    if (threadIdx.x < ROWS && r0 + threadIdx.x < d) {
+    if (threadIdx.x < 4 && r0 + threadIdx.x < d) {
         float t = 0.0f;
         for (int i = 0; i <= k; i++) t += red[i][threadIdx.x];
         h[r0 + threadIdx.x] += t;
@@ -1458,309 +1438,11 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
 extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
     const float* act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     const float* logits, int e, int early, int k, const float* sgate, const bf16* __restrict__ down,
-    int inter, const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d, int rows) {
-    if (inter == 512 && s_inter == 512 && rows == 8)
-        moe_down_dec_impl<2, 8>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
-                                s_inter, h, d);
-    else if (inter == 512 && s_inter == 512)
-        moe_down_dec_impl<2, 4>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
-                                s_inter, h, d);
+    int inter, const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
+    if (inter == 512 && s_inter == 512)
+        moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
+                             s_inter, h, d);
     else
-        moe_down_dec_impl<0, 4>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
-                                s_inter, h, d);
-}
-
-// ---- Decode (one token): the whole MoE block in one launch ----
-// moe_block_dec does what moe_router_dec, moe_gate_up_dec and moe_down_dec do, in one grid of
-// one block an SM (all resident: the host launches at most one block an SM and this block's
-// shared memory allows no second), in three phases separated by grid-wide barriers on one
-// counter:
-//   R   every block stages RMSNorm(h) itself and computes its rows of the router's logits (the
-//       block owning row e the shared expert's gate); arrive, wait for all;
-//   GU  warp 0 picks the top-k from the logits; the block's share of the (slot, j) gate/up row
-//       pairs, SwiGLU into act; arrive, wait for all;
-//   D   the block's output rows: all k + 1 slots' down rows, combined into h.
-// Each warp streams its units (8 KiB: a gate/up row pair, or 8 down rows of one slot) through
-// a private ring of ns (2 to 4) stages with cp.async, issuing ahead across the phase boundaries: the
-// shared expert's pairs before griddep_wait, the down rows while the last gate/up pairs are
-// multiplied. So the weight stream does not ramp up and drain three times, which is what the
-// three launches pay (docs/KERNELS.md, "Next for decode"). Each lane reads back only what it
-// copied, so the ring needs no warp barrier; a stage is refilled only after the warp sums of
-// what it held (a data dependence on its loads). Sums run in the three kernels' order: h, act,
-// the logits and the ids come out bitwise theirs.
-// counter: zero before the launch; the last block out sets it back to zero. It is touched only
-// after griddep_wait, when every earlier decode kernel has finished.
-// launch_at: where the blocks let the next kernel start (0 at once, 1 after the first barrier,
-// 2 after the second, 3 never: the next kernel starts when this one has finished).
-// Shapes: d = BLK_D, routed and shared intermediate BLK_I, e <= 256, k + 1 <= 32.
-#define BLK_D 2048
-#define BLK_I 512
-#ifndef BLK_SPIN_NS
-#define BLK_SPIN_NS 32
-#endif
-#define BLK_UNIT 512  // uint4 of a unit: 8 KiB
-__host__ __device__ __forceinline__ int blk_router_rows(int e, int g) { return (e + 1 + g - 1) / g; }
-__host__ __device__ __forceinline__ int blk_out_rows(int g) { return (BLK_D + g - 1) / g; }
-// Floats of the phase-R buffers (RMSNorm weight, shared gate's row, router rows as bf16), which
-// the staged act of phase D reuses.
-__host__ __device__ __forceinline__ int blk_union(int e, int k, int g) {
-    const int r = 2 * BLK_D + blk_router_rows(e, g) * BLK_D / 2, d = (k + 1) * BLK_I;
-    return r > d ? r : d;
-}
-// Shared memory of moe_block_dec in bytes for e experts, k chosen, a grid of g blocks and a ring
-// of ns stages a warp: the ring, then (in floats) x, the union above, the logits with ids and
-// weights, the router partials (8 a row) and a block-sum scratch, the down partials (k + 1 a
-// row). The host computes the same (moe_block_smem).
-__host__ __device__ __forceinline__ int blk_smem(int e, int k, int g, int ns) {
-    const int rr = blk_router_rows(e, g);
-    const int floats = BLK_D + blk_union(e, k, g) + ((e + 2 * k + 3) & ~3) + ((8 * rr + 3) & ~3) + 36 +
-                       ((blk_out_rows(g) * (k + 1) + 3) & ~3);
-    return 8 * ns * BLK_UNIT * 16 + floats * 4;
-}
-// Block sum (as block_sum, in the same order) through `scratch` (33 floats of dynamic shared
-// memory: block_sum's static arrays would be one copy for the emulator's concurrent blocks).
-__device__ __forceinline__ float blk_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float s = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.0f;
-        s = warp_sum(s);
-        if (lane == 0) scratch[32] = s;
-    }
-    __syncthreads();
-    return scratch[32];
-}
-// Wait until at most n (0 .. 3) committed cp.async groups are in flight.
-__device__ __forceinline__ void cp_async_wait_upto(int n) {
-    if (n <= 0) cp_async_wait<0>();
-    else if (n == 1) cp_async_wait<1>();
-    else if (n == 2) cp_async_wait<2>();
-    else cp_async_wait<3>();
-}
-// Arrive at the grid barrier and wait until `target` blocks have (thread 0 spins; the block
-// barrier after it passes what it saw to the other threads).
-__device__ __forceinline__ void blk_grid_barrier(unsigned* counter, unsigned target) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counter, 1u);
-        while (ld_acquire_gpu(counter) < target) spin_pause(BLK_SPIN_NS);
-    }
-    __syncthreads();
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) moe_block_dec(
-    float* h, const float* __restrict__ nw, float eps, const bf16* __restrict__ wr, int e, int k,
-    const float* __restrict__ w_sg, const bf16* __restrict__ gate_up, const bf16* __restrict__ shared_gate_up,
-    const bf16* __restrict__ down, const bf16* __restrict__ shared_down, float* logits, float* sgate, float* act,
-    int* topk_ids, float* topk_w, unsigned* counter, int launch_at, int ns) {
-    DECODE_KERNEL_NO_LAUNCH(TAG_MOE_BLOCK);
-    if (launch_at == 0) griddep_launch();
-    extern __shared__ __align__(16) float blk_sm[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, g = gridDim.x;
-    const int rr = blk_router_rows(e, g), slots = k + 1;
-    uint4* ring = reinterpret_cast<uint4*>(blk_sm) + warp * ns * BLK_UNIT;
-    float* xs = blk_sm + 8 * ns * BLK_UNIT * 4;
-    float* nws = xs + BLK_D;  // phase R: nws, sgw, rrows; phase D: acts in the same place
-    float* sgw = nws + BLK_D;
-    uint4* rrows = reinterpret_cast<uint4*>(sgw + BLK_D);
-    float* acts = nws;
-    float* rl = nws + blk_union(e, k, g);
-    int* ids = reinterpret_cast<int*>(rl + e);
-    float* wts = rl + e + k;
-    float* part = rl + ((e + 2 * k + 3) & ~3);
-    float* scratch = part + ((8 * rr + 3) & ~3);
-    float* red = scratch + 36;
-
-    // This block's work. Router rows b, b + g, ... (row e: the shared gate). Gate/up: shared
-    // pairs [sp0, sp1) and routed pairs [rp0, rp1) of the k * BLK_I numbered slot * BLK_I + j;
-    // the block's unit t < nsp is shared pair sp0 + t, then the routed ones. Down: output rows
-    // [o0, o1) in groups of 8, unit t = group * (k + 1) + slot. Warp w takes units w, w + 8, ...
-    // of the gate/up list, then of the down list.
-    const int sp0 = BLK_I * b / g, sp1 = BLK_I * (b + 1) / g;
-    const int rp0 = (int)((long long)k * BLK_I * b / g), rp1 = (int)((long long)k * BLK_I * (b + 1) / g);
-    const int o0 = BLK_D * b / g, o1 = BLK_D * (b + 1) / g;
-    const int nsp = sp1 - sp0, ngu = nsp + rp1 - rp0, nd = (o1 - o0 + 7) / 8 * slots;
-    const int ngu_w = ngu > warp ? (ngu - warp + 7) / 8 : 0, nd_w = nd > warp ? (nd - warp + 7) / 8 : 0;
-    const int nu_w = ngu_w + nd_w;
-    const bool owns_sg = e % g == b;
-
-    // Is unit u of this warp known before the top-k (the shared expert's)?
-    auto known_early = [&](int u) {
-        return u < ngu_w ? warp + 8 * u < nsp : (warp + 8 * (u - ngu_w)) % slots == k;
-    };
-    auto issue = [&](int u) {
-        uint4* st = ring + (u % ns) * BLK_UNIT;
-        if (u < ngu_w) {
-            const int t = warp + 8 * u;
-            int slot = k, j = sp0 + t;
-            if (t >= nsp) {
-                const int p = rp0 + t - nsp;
-                slot = p / BLK_I;
-                j = p % BLK_I;
-            }
-            const bf16* base = slot == k ? shared_gate_up : gate_up + (size_t)ids[slot] * 2 * BLK_I * BLK_D;
-            const uint4* c0 = reinterpret_cast<const uint4*>(base + (size_t)j * BLK_D);
-            const uint4* c1 = reinterpret_cast<const uint4*>(base + (size_t)(BLK_I + j) * BLK_D);
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                cp_async16(st + lane + 32 * i, c0 + lane + 32 * i, true);
-                cp_async16(st + 256 + lane + 32 * i, c1 + lane + 32 * i, true);
-            }
-        } else {
-            const int t = warp + 8 * (u - ngu_w), s = t % slots, r = o0 + 8 * (t / slots);
-            const bf16* base = s == k ? shared_down : down + (size_t)ids[s] * BLK_D * BLK_I;
-            const uint4* c0 = reinterpret_cast<const uint4*>(base + (size_t)r * BLK_I);
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                const int idx = lane + 32 * i;  // row idx / 64 of the 8
-                const bool ok = r + (idx >> 6) < o1;
-                cp_async16(st + idx, ok ? c0 + idx : c0, ok);
-            }
-        }
-        cp_async_commit();
-    };
-    int issued = 0, used = 0;
-    auto fill = [&](bool early_only) {
-        while (issued < nu_w && issued < used + ns && (!early_only || known_early(issued))) issue(issued++);
-    };
-    auto consume_gate_up = [&](int u) {
-        cp_async_wait_upto(issued - 1 - u);
-        const uint4* st = ring + (u % ns) * BLK_UNIT;
-        const int t = warp + 8 * u;
-        int slot = k, j = sp0 + t;
-        if (t >= nsp) {
-            const int p = rp0 + t - nsp;
-            slot = p / BLK_I;
-            j = p % BLK_I;
-        }
-        float ag = 0.0f, au = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) ag += dot8(st[lane + 32 * i], xs + (lane + 32 * i) * 8);
-#pragma unroll
-        for (int i = 0; i < 8; i++) au += dot8(st[256 + lane + 32 * i], xs + (lane + 32 * i) * 8);
-        const float gs = warp_sum(ag), us = warp_sum(au);
-        if (lane == 0) act[slot * BLK_I + j] = __bfloat162float(__float2bfloat16(silu_f(gs) * us));
-    };
-
-    // Before the wait: the RMSNorm weight, the router rows, the shared gate's row, then the
-    // shared expert's first units.
-    for (int c = tid; c < BLK_D / 4; c += 256) cp_async16(nws + 4 * c, nw + 4 * c, true);
-    for (int q = 0; q < rr; q++) {
-        const int r = b + g * q;
-        if (r < e) cp_async16(rrows + q * (BLK_D / 8) + tid, wr + (size_t)r * BLK_D + tid * 8, true);
-    }
-    if (owns_sg)
-        for (int c = tid; c < BLK_D / 4; c += 256) cp_async16(sgw + 4 * c, w_sg + 4 * c, true);
-    cp_async_commit();
-    fill(true);
-    griddep_wait();
-
-    // R: x = bf16(RMSNorm(h)) as stage_rmsnorm, then the block's router rows.
-    cp_async_wait_upto(issued);
-    float ss = 0.0f;
-    for (int c = tid; c < BLK_D / 4; c += 256) {
-        const float4 v = reinterpret_cast<const float4*>(h)[c];
-        reinterpret_cast<float4*>(xs)[c] = v;
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    const float inv = rsqrtf(blk_sum(ss, scratch) / BLK_D + eps);
-    for (int i = tid; i < BLK_D; i += 256) xs[i] = __bfloat162float(__float2bfloat16(xs[i] * inv * (1.0f + nws[i])));
-    __syncthreads();
-    for (int q = 0; q < rr; q++) {
-        if (b + g * q >= e) break;
-        const float a = warp_sum(dot8(rrows[q * (BLK_D / 8) + tid], xs + tid * 8));
-        if (lane == 0) part[warp * rr + q] = a;
-    }
-    __syncthreads();
-    if (tid < rr && b + g * tid < e) {
-        float t = 0.0f;
-        for (int i = 0; i < 8; i++) t += part[i * rr + tid];
-        logits[b + g * tid] = t;
-    }
-    if (owns_sg) {
-        float dot = 0.0f;
-        for (int i = tid; i < BLK_D; i += 256) dot += xs[i] * sgw[i];
-        dot = blk_sum(dot, scratch);
-        if (tid == 0) *sgate = sigmoid_f(dot);
-    }
-    // Arrive; the shared expert's pairs need no top-k, so they are multiplied before the wait.
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        atomicAdd(counter, 1u);
-    }
-    while (used < ngu_w && used < issued && known_early(used)) {
-        consume_gate_up(used++);
-        fill(true);
-    }
-    if (tid == 0)
-        while (ld_acquire_gpu(counter) < (unsigned)g) spin_pause(BLK_SPIN_NS);
-    __syncthreads();
-    const u64 t_b1 = TRACE_NOW();
-    if (launch_at == 1) griddep_launch();
-
-    // GU: the top-k (as moe_gate_up_dec's warps pick it), then the rest of the pairs.
-    if (warp == 0) {
-        for (int i = lane; i < e; i += 32) rl[i] = __ldcg(logits + i);
-        __syncwarp();
-        route_topk_warp(rl, e, k, ids, wts);
-        if (b == 0 && lane < k) {
-            topk_ids[lane] = ids[lane];
-            topk_w[lane] = wts[lane];
-        }
-    }
-    __syncthreads();
-    const u64 t_topk = TRACE_NOW();
-    for (; used < ngu_w; used++) {
-        fill(false);
-        consume_gate_up(used);
-    }
-    fill(false);  // the first down units
-    blk_grid_barrier(counter, 2u * g);
-    trace_stamps(TAG_MOE_BLOCK_PHASES, t_b1, t_topk, TRACE_NOW());
-    if (launch_at == 2) griddep_launch();
-
-    // D: every slot's act (from all blocks), then the block's down units (as moe_down_dec).
-    for (int c = tid; c < slots * BLK_I / 4; c += 256)
-        reinterpret_cast<float4*>(acts)[c] = __ldcg(reinterpret_cast<const float4*>(act) + c);
-    const float sg = __ldcg(sgate);
-    __syncthreads();
-    const u64 t_act = TRACE_NOW();
-    int waited_ns = 0;
-    for (; used < nu_w; used++) {
-        fill(false);
-#ifdef KESTREL_TRACE
-        const u64 tw = trace_now();
-        cp_async_wait_upto(issued - 1 - used);
-        waited_ns += (int)(trace_now() - tw);
-#else
-        cp_async_wait_upto(issued - 1 - used);
-#endif
-        const uint4* st = ring + (used % ns) * BLK_UNIT;
-        const int t = warp + 8 * (used - ngu_w), s = t % slots, r = o0 + 8 * (t / slots);
-        const float coef = s == k ? sg : wts[s];
-        const float* xa = acts + s * BLK_I;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            float acc = 0.0f;
-            acc += dot8(st[q * 64 + lane], xa + lane * 8);
-            acc += dot8(st[q * 64 + 32 + lane], xa + (lane + 32) * 8);
-            float a = warp_sum(acc);
-            if (s != k) a = __bfloat162float(__float2bfloat16(a));
-            if (lane == 0 && r + q < o1) red[(r + q - o0) * slots + s] = coef * a;
-        }
-    }
-    __syncthreads();
-    trace_stamps(TAG_MOE_BLOCK_PHASES_D, t_act, TRACE_NOW(), (u64)waited_ns);
-    for (int r = tid; r < o1 - o0; r += 256) {
-        float t = 0.0f;
-        for (int s = 0; s < slots; s++) t += red[r * slots + s];
-        h[o0 + r] += t;
-    }
-    // The last block out resets the counter (all have passed both waits by then).
-    if (tid == 0 && atomicAdd(counter, 1u) == 3u * g - 1) atomicExch(counter, 0u);
+        moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
+                             s_inter, h, d);
 }
