@@ -1290,6 +1290,45 @@ fn weight_stream_bandwidth_by_layout() {
     assert!(gpu.measure_weight_stream(items, 12).is_err());
 }
 
+/// How fast a short burst of weight reads can come from DRAM at best (a decode kernel streams
+/// 17-50 MB in 5-18 µs): `window_probe` over windows of 4 MiB to 1 GiB with 1, 2 and 5 stages of
+/// 32 KiB in flight a block, timed inside the kernel (no launch latency). Prints TB/s to the
+/// first and to the last block's end; asserts only that the windows ran and that a long one
+/// streams faster than a short one (ramp and tail weigh less).
+#[test]
+fn weight_window_bandwidth() {
+    let Some(gpu) = gpu() else { return };
+    let buf = gpu.alloc_zeroed(4 << 30).unwrap();
+    let mut rates = Vec::new();
+    for depth in [1, 2, 5] {
+        for mib in [4usize, 8, 16, 32, 48, 64, 128, 1024] {
+            let bytes = mib << 20;
+            let (first, last) = gpu.measure_weight_window(&buf, bytes, depth, 7).unwrap();
+            println!(
+                "window {mib:>5} MiB, {depth} stage(s) in flight a block: last block done {:6.2} µs ({:.2} TB/s), first {:6.2} µs",
+                last * 1e6,
+                bytes as f64 / last / 1e12,
+                first * 1e6
+            );
+            assert!(
+                last > 0.0 && first > 0.0 && first <= last,
+                "{mib} MiB: {first} {last}"
+            );
+            rates.push((depth, mib, bytes as f64 / last));
+        }
+    }
+    for depth in [1, 2, 5] {
+        let r = |m: usize| rates.iter().find(|x| x.0 == depth && x.1 == m).unwrap().2;
+        assert!(
+            r(1024) > r(4),
+            "depth {depth}: 1 GiB at {} vs 4 MiB at {}",
+            r(1024),
+            r(4)
+        );
+    }
+    assert!(gpu.measure_weight_window(&buf, 1 << 20, 6, 1).is_err());
+}
+
 /// What one grid-wide barrier costs (a persistent decode kernel would pay ~7 a layer where the
 /// step now has launch boundaries): one and two blocks an SM, 2,000 barriers a launch, the time
 /// per barrier printed (it includes two memsets and a launch spread over the 2,000); every

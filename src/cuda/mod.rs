@@ -36,6 +36,7 @@ const KERNELS: &[&str] = &[
     "fill_random_f32",
     "copy_probe",
     "read_probe",
+    "window_probe",
     "grid_barrier_probe",
     "gdn_phase_read",
     "gemv_dec",
@@ -958,6 +959,66 @@ impl Gpu {
             )
         })?;
         Ok((items << 20) as f64 / secs)
+    }
+
+    /// How fast a burst of `bytes` of weight reads comes from DRAM (`window_probe`, misc.cu:
+    /// one block an SM, contiguous shares, at most `depth` 32 KiB stages in flight a block),
+    /// timed inside the kernel from the first block's start to the last block's end, so without
+    /// the launch's latency. Each of `reps` launches reads another part of `buf` (so nothing is
+    /// in L2 from the one before); returns the median (seconds to the first block's end, seconds
+    /// to the last block's end).
+    pub fn measure_weight_window(
+        &self,
+        buf: &DeviceBuf,
+        bytes: usize,
+        depth: i32,
+        reps: usize,
+    ) -> Result<(f64, f64)> {
+        if !(1..=5).contains(&depth) || bytes == 0 || bytes % 16 != 0 || bytes > buf.bytes {
+            bail!(
+                "window_probe: depth {depth} (1-5), {bytes} bytes (16-byte multiple, at most the buffer's {})",
+                buf.bytes
+            );
+        }
+        let g = self.sm_count;
+        let sink = self.alloc(g * 4)?;
+        let times = self.alloc(g * 16)?;
+        self.set_max_dynamic_smem("window_probe", 6 * 32 * 1024)?;
+        let slots = (buf.bytes / bytes).max(1);
+        let mut first = Vec::new();
+        let mut last = Vec::new();
+        for r in 0..reps + 1 {
+            let off = (r % slots) * bytes;
+            self.launch(
+                "window_probe",
+                (g as u32, 1, 1),
+                256,
+                6 * 32 * 1024,
+                &[
+                    Arg::Ptr(buf.ptr + off as u64),
+                    Arg::U((bytes / 16) as u64),
+                    Arg::I(depth),
+                    Arg::Ptr(sink.ptr),
+                    Arg::Ptr(times.ptr),
+                ],
+            )?;
+            self.sync()?;
+            let mut t = vec![0u64; 2 * g];
+            self.copy_to_host(times.ptr, &mut t)?;
+            if r == 0 {
+                continue; // the first launch loads the module's code and warms the clocks
+            }
+            let start = t.iter().step_by(2).min().copied().unwrap_or(0);
+            let end_first = t.iter().skip(1).step_by(2).min().copied().unwrap_or(0);
+            let end_last = t.iter().skip(1).step_by(2).max().copied().unwrap_or(0);
+            first.push(end_first.saturating_sub(start) as f64 * 1e-9);
+            last.push(end_last.saturating_sub(start) as f64 * 1e-9);
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        Ok((median(&mut first), median(&mut last)))
     }
 
     /// Seconds per grid-wide barrier (`grid_barrier_probe`, misc.cu) over `blocks` resident

@@ -77,6 +77,43 @@ extern "C" __global__ void __launch_bounds__(128) read_probe(const uint4* __rest
     if (tid == 0) xs_out[blockIdx.x] = probe_smem[0].x ^ probe_smem[4095].y;
 }
 
+// Weight-window probe: how fast a short burst of weight reads (a decode kernel's 10-50 MB) can
+// come from DRAM at best. One 256-thread block an SM streams its contiguous share of n16 16-byte
+// chunks through a 6-stage ring of 32 KiB cp.async stages with at most `depth` (1-5) stages in
+// flight; nothing consumes them. Thread 0 of each block writes %globaltimer at its start and after
+// its last copy landed into times[2 block], times[2 block + 1], so the host sees the window from
+// the first block's start to the last block's end without the launch's own latency.
+extern "C" __global__ void __launch_bounds__(256) window_probe(const uint4* __restrict__ w, u64 n16, int depth,
+                                                               unsigned* __restrict__ sink, u64* __restrict__ times) {
+    extern __shared__ __align__(16) uint4 probe_smem[];  // [6][2048]
+    u64 t0, t1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    const u64 lo = n16 * blockIdx.x / gridDim.x, hi = n16 * (blockIdx.x + 1) / gridDim.x;
+    unsigned it = 0;
+    for (u64 c = lo; c < hi; c += 2048, it++) {
+        uint4* st = probe_smem + (it % 6) * 2048;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const u64 i = c + threadIdx.x + 256 * j;
+            cp_async16(st + threadIdx.x + 256 * j, w + (i < hi ? i : lo), i < hi);
+        }
+        cp_async_commit();
+        if (depth <= 1) cp_async_wait<0>();
+        else if (depth == 2) cp_async_wait<1>();
+        else if (depth == 3) cp_async_wait<2>();
+        else if (depth == 4) cp_async_wait<3>();
+        else cp_async_wait<4>();
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    if (threadIdx.x == 0) {
+        times[2 * blockIdx.x] = t0;
+        times[2 * blockIdx.x + 1] = t1;
+        sink[blockIdx.x] = probe_smem[0].x ^ probe_smem[2048 * 6 - 1].y;
+    }
+}
+
 // Grid-wide barrier probe, for the question a persistent decode kernel raises: what one barrier
 // across every SM costs. Every block must be resident (the host launches one wave of small
 // blocks). Per round: thread 0 of each block stores the round into seen[block], arrives on
