@@ -974,7 +974,8 @@ impl Gpu {
         depth: i32,
         reps: usize,
     ) -> Result<(f64, f64)> {
-        if !(1..=5).contains(&depth) || bytes == 0 || bytes % 16 != 0 || bytes > buf.bytes {
+        if !(1..=5).contains(&depth) || bytes == 0 || !bytes.is_multiple_of(16) || bytes > buf.bytes
+        {
             bail!(
                 "window_probe: depth {depth} (1-5), {bytes} bytes (16-byte multiple, at most the buffer's {})",
                 buf.bytes
