@@ -1,9 +1,12 @@
 // Runs gemv.cu's decode GEMVs on the CPU emulator (through run.sh): gemv_dec and gemv_dec_w
 // (k = 4096 a warp per whole row) against a double-precision y = y0 + W·x with bf16 inputs, at
-// the model's inner dimensions and ragged row counts; and the RMSNorm input path.
+// the model's inner dimensions and ragged row counts; the RMSNorm input path; gemv_dec_stream
+// bitwise against gemv_dec.
 #include "kernels_emu.inc"
 #include <cstdio>
+#include <cstring>
 #include <random>
+#include <tuple>
 
 static std::mt19937_64 rng(9);
 static float uni(float a, float b) { return std::uniform_real_distribution<float>(a, b)(rng); }
@@ -71,6 +74,37 @@ int main() {
         printf("%s gemv_dec   n=%d k=%d RMSNorm input, 2 blocks walking rows: max err %.2e, bf16 input %s\n",
                ok ? "ok  " : "FAIL", n, k, err, xb_ok ? "stored" : "WRONG");
         fails += !ok;
+    }
+    // gemv_dec_stream (k = 2048, one stream a block through per-warp rings) must give gemv_dec's
+    // y bit for bit, with the RMSNorm input and the bf16 one, odd row counts, any ring depth and
+    // early count, and more blocks than some have rows for.
+    for (auto [n, blocks, ns, early] : {std::tuple{12352, 4, 2, 2}, {9217, 3, 3, 0}, {37, 5, 2, 1}, {5, 4, 3, 3}}) {
+        const int k = 2048;
+        std::vector<bf16> w((size_t)n * k), xb(k), xb2(k), xin(k);
+        std::vector<float> h(k), nw(k), y0(n);
+        for (auto& v : w) v = __float2bfloat16(uni(-1, 1));
+        for (auto& v : h) v = uni(-2, 2);
+        for (auto& v : nw) v = uni(-0.3f, 0.3f);
+        for (auto& v : xin) v = __float2bfloat16(uni(-1, 1));
+        for (auto& v : y0) v = uni(-1, 1);
+        const float eps = 1e-6f;
+        bool same = true;
+        for (bool norm : {true, false}) {
+            const float beta = norm ? 0.0f : 1.0f;
+            std::vector<float> ya = y0, yb = y0;
+            emu_launch({(unsigned)((n + 15) / 16), 1, 1}, 256, (size_t)k * 8, [&] {
+                gemv_dec(w.data(), n, k, norm ? nullptr : xin.data(), h.data(), nw.data(), eps, xb.data(), ya.data(),
+                         beta, nullptr, nullptr, nullptr, 0, nullptr, nullptr);
+            });
+            emu_launch({(unsigned)blocks, 1, 1}, 256, (size_t)gemv_stream_smem(ns), [&] {
+                gemv_dec_stream(w.data(), n, norm ? nullptr : xin.data(), h.data(), nw.data(), eps, xb2.data(),
+                                yb.data(), beta, ns, early);
+            });
+            same &= memcmp(ya.data(), yb.data(), n * 4) == 0 && (!norm || memcmp(xb.data(), xb2.data(), k * 2) == 0);
+        }
+        printf("%s gemv_dec_stream n=%d, %d blocks, %d stages, %d early: %s\n", same ? "ok  " : "FAIL", n, blocks, ns,
+               early, same ? "y (and the bf16 input) bitwise gemv_dec's" : "DIFFERS from gemv_dec");
+        fails += !same;
     }
     return fails ? 1 : 0;
 }

@@ -41,6 +41,7 @@ const KERNELS: &[&str] = &[
     "gdn_phase_read",
     "gemv_dec",
     "gemv_dec_w",
+    "gemv_dec_stream",
     "rmsnorm_zc_bf16",
     "gdn_conv",
     "gdn_qk_l2norm",

@@ -309,6 +309,12 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
     }
 }
 
+/// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
+/// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages.
+fn gemv_stream_smem(ns: usize) -> usize {
+    2 * 2048 * 4 + 8 * ns * 8192
+}
+
 pub struct CudaModel {
     pub config: TextConfig,
     pub gpu: Arc<Gpu>,
@@ -339,6 +345,11 @@ pub struct CudaModel {
     /// three, at 132 the next kernel's blocks fit beside one GEMV block per SM. H200 A/B at
     /// f27aa6c: 132 slower (348 -> 320 tok/s at 256), 264 the same (348 -> 345); default kept.
     pub gemv_max_blocks: usize,
+    /// The k = 2048 decode GEMVs without argmax (the in-projections) as one stream a block
+    /// (`gemv_dec_stream`, one block an SM, per-warp cp.async rings): `KESTREL_GEMV_STREAM=NS,EARLY`
+    /// with NS ring stages a warp (2 or 3) and EARLY (0 to NS) of them requested before the
+    /// kernel's wait; None (the default): `gemv_dec`'s blocks of 16 rows.
+    pub gemv_stream: Option<(usize, usize)>,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -905,6 +916,14 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
+        let gemv_stream = std::env::var("KESTREL_GEMV_STREAM").ok().and_then(|v| {
+            let (ns, early) = v.split_once(',')?;
+            let (ns, early): (usize, usize) = (ns.trim().parse().ok()?, early.trim().parse().ok()?);
+            ((2..=3).contains(&ns) && early <= ns).then_some((ns, early))
+        });
+        if gemv_stream.is_some() {
+            gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
+        }
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -929,6 +948,7 @@ impl CudaModel {
                 .and_then(|v| v.parse().ok())
                 .filter(|&b: &usize| b >= 1)
                 .unwrap_or(GEMV_MAX_BLOCKS),
+            gemv_stream,
             moe_gemm,
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -1601,6 +1621,28 @@ impl CudaModel {
         pdl: bool,
     ) -> Result<()> {
         let dw = &self.dws;
+        if let (Some((ns, early)), 2048, None) = (self.gemv_stream, k, greedy) {
+            return self.gpu.launch_ex(
+                "gemv_dec_stream",
+                (n.div_ceil(2).min(self.gpu.sm_count) as u32, 1, 1),
+                256,
+                gemv_stream_smem(ns) as u32,
+                &[
+                    Arg::Ptr(w),
+                    Arg::I(n as i32),
+                    Arg::Ptr(x),
+                    Arg::Ptr(h),
+                    Arg::Ptr(norm),
+                    Arg::F(self.config.rms_norm_eps),
+                    Arg::Ptr(0),
+                    Arg::Ptr(y),
+                    Arg::F(beta),
+                    Arg::I(ns as i32),
+                    Arg::I(early as i32),
+                ],
+                pdl,
+            );
+        }
         let (val, idx, done, limit, out, out2) = match greedy {
             Some((limit, out2)) => (
                 dw.arg_val.ptr,

@@ -238,6 +238,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+// Wait until at most N of the committed cp.async groups are still in flight (a pipeline of
+// N + 2 stages keeps N loads going while one stage is read).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Copies the RMSNorm weight w [k] into shared memory `ws` with cp.async, to be issued before
 // griddep_wait (weights are immutable), so that the weight's trip to DRAM is not on the critical
@@ -255,9 +259,17 @@ __device__ __forceinline__ float* preload_norm(float* ws, const float* __restric
 // weight comes from `ws` when preload_norm put it there (this thread's copies are waited for
 // here; the block barrier in block_sum makes all of them visible), else from w. Ends with a
 // block barrier.
+// ws_pending: cp.async groups this thread committed after preload_norm's, which may stay in
+// flight (0 to 3; gemv_dec_stream's first weight stages).
 __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
-                                              int k, float eps, bf16* __restrict__ xb_out, const float* ws) {
-    if (ws) cp_async_wait_all();
+                                              int k, float eps, bf16* __restrict__ xb_out, const float* ws,
+                                              int ws_pending = 0) {
+    if (ws) {
+        if (ws_pending <= 0) cp_async_wait_all();
+        else if (ws_pending == 1) cp_async_wait<1>();
+        else if (ws_pending == 2) cp_async_wait<2>();
+        else cp_async_wait<3>();
+    }
     float ss = 0.0f;
     if ((k & 3) == 0) {
         for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
@@ -285,9 +297,9 @@ __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict
 // preloaded into xs + k (the GEMVs' smem is 2k floats then).
 __device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ x, const float* __restrict__ h,
                                             const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out,
-                                            const float* ws) {
+                                            const float* ws, int ws_pending = 0) {
     if (x) stage_bf16(xs, x, k);
-    else stage_rmsnorm(xs, h, nw, k, eps, xb_out, ws);
+    else stage_rmsnorm(xs, h, nw, k, eps, xb_out, ws, ws_pending);
 }
 
 template <int R, int VPL>
@@ -408,10 +420,6 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
 }
-// Wait until at most N of the committed cp.async groups are still in flight (a pipeline of
-// N + 2 stages keeps N loads going while one stage is read).
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // ---- Tensor-core fragments (mma.sync m16n8k8, tf32 in, f32 accumulate) ----
 // Fragment layouts (PTX ISA "mma.m16n8k8" .tf32), g = lane / 4, c = lane % 4:

@@ -64,3 +64,67 @@ __device__ __forceinline__ void gemv_dec_impl(
     }
 GEMV_DEC(gemv_dec, false)
 GEMV_DEC(gemv_dec_w, true)
+
+// gemv_dec for k = 2048 as one stream a block: one 256-thread block an SM takes a contiguous run
+// of row pairs, and each warp streams its pairs (8 KiB: two rows) through a private ring of
+// `ns` (2-3) cp.async stages, so every SM keeps loads in flight from its first pair to its last
+// instead of in three waves of blocks that each load, then compute, then give way. `early` (0 to
+// ns) of each warp's first pairs are requested before griddep_wait (weights only), the rest as
+// stages free up. A lane reads back only what it copied (the layout of load_rows<2, 8>), and the
+// sums are gemv_dec's, so y is bitwise the same. No argmax (the in-projections only).
+// grid <= ceil(n / 2), block 256, dynamic smem gemv_stream_smem(ns) bytes.
+__host__ __device__ __forceinline__ int gemv_stream_smem(int ns) { return 2 * 2048 * 4 + 8 * ns * 8192; }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
+    const bf16* __restrict__ w, int n, const bf16* __restrict__ x, const float* __restrict__ h,
+    const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta, int ns,
+    int early) {
+    DECODE_KERNEL(TAG_GEMV);
+    constexpr int K = 2048;
+    extern __shared__ __align__(16) float xs[];  // x [K], the RMSNorm weight [K], then the rings
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint4* ring = reinterpret_cast<uint4*>(xs + 2 * K) + warp * ns * 512;
+    const int pairs = (n + 1) / 2, p0 = (int)((long long)pairs * blockIdx.x / gridDim.x),
+              p1 = (int)((long long)pairs * (blockIdx.x + 1) / gridDim.x);
+    const int mine = p1 - p0 > warp ? (p1 - p0 - warp + 7) / 8 : 0;  // pairs p0 + warp + 8 u
+    int issued = 0;
+    auto issue = [&](int u) {
+        const int r = 2 * (p0 + warp + 8 * u);
+        uint4* st = ring + (u % ns) * 512;
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const bool ok = r + q < n;
+            const uint4* src = reinterpret_cast<const uint4*>(w + (size_t)(ok ? r + q : r) * K);
+#pragma unroll
+            for (int j = 0; j < 8; j++) cp_async16(st + q * 256 + lane + 32 * j, src + lane + 32 * j, ok);
+        }
+        cp_async_commit();
+    };
+    const float* ws = x ? nullptr : preload_norm(xs + K, nw, K);  // its group first: see below
+    while (issued < mine && issued < early && issued < ns) issue(issued++);
+    griddep_wait();
+    while (issued < mine && issued < ns) issue(issued++);
+    // The RMSNorm weight's copies were committed before every ring stage: wait for them only.
+    stage_input(xs, x, h, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws, issued);
+    for (int u = 0; u < mine; u++) {
+        const int pend = issued - 1 - u;  // groups committed after u's
+        if (pend <= 0) cp_async_wait<0>();
+        else if (pend == 1) cp_async_wait<1>();
+        else cp_async_wait<2>();
+        const uint4* st = ring + (u % ns) * 512;
+        const int r = 2 * (p0 + warp + 8 * u);
+        float acc[2];
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            acc[q] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[q] += dot8(st[q * 256 + lane + 32 * j], xs + (lane + 32 * j) * 8);
+        }
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const float a = warp_sum(acc[q]);
+            if (lane == q && r + q < n) y[r + q] = beta == 0.0f ? a : beta * y[r + q] + a;
+        }
+        // The stage is refilled only after the warp sums of what it held (their loads are done).
+        if (issued < mine) issue(issued++);
+    }
+}
