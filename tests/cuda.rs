@@ -281,9 +281,11 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     assert_eq!(cfg.num_attention_layers(), 1, "{:?}", cfg.layer_kinds);
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
-    let mut run = |graph: bool, ids: Option<&[u32]>| {
+    let stream = cuda.gemv_stream;
+    let mut run = |graph: bool, ids: Option<&[u32]>, gemv_stream: Option<(usize, usize)>| {
         cuda.decode_graph = graph;
         cuda.decode_pdl = graph;
+        cuda.gemv_stream = gemv_stream;
         let mut st = cuda.new_state();
         let first = cuda.forward(&mut st, &prompt, Logits::Last).unwrap();
         let mut tok = argmax(&first).unwrap() as u32;
@@ -303,14 +305,25 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
         }
         (logits, chosen)
     };
-    let (a, ids) = run(true, None);
-    let (b, _) = run(true, Some(&ids));
-    let (direct, _) = run(false, Some(&ids));
+    let (a, ids) = run(true, None, stream);
+    let (b, _) = run(true, Some(&ids), stream);
+    let (direct, _) = run(false, Some(&ids), stream);
+    // The in-projections as one stream a block (gemv_dec_stream, the default) or gemv_dec's
+    // blocks: the same sums, so the same logits bit for bit.
+    let other = if stream.is_some() { None } else { Some((2, 2)) };
+    let (other_gemv, _) = run(true, Some(&ids), other);
     let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
     println!(
-        "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}",
+        "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}, in-projections {:?} instead of {stream:?}: {:?}",
         first_diff(&b),
-        first_diff(&direct)
+        first_diff(&direct),
+        other,
+        first_diff(&other_gemv)
+    );
+    assert_eq!(
+        first_diff(&other_gemv),
+        None,
+        "gemv_dec_stream and gemv_dec give different logits"
     );
     assert_eq!(
         first_diff(&b),

@@ -309,6 +309,11 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
     }
 }
 
+/// `gemv_dec_stream`'s default (ring stages a warp, stages requested before its wait): H200 A/B
+/// at 2adc1c1 against `gemv_dec`, decode +2.8% at 256 and +2.4% at 4,096
+/// (`bench/results/2026-12-01-h200-gemv-stream-ab-2adc1c1.log`).
+const GEMV_STREAM: (usize, usize) = (2, 2);
+
 /// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
 /// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages.
 fn gemv_stream_smem(ns: usize) -> usize {
@@ -346,9 +351,10 @@ pub struct CudaModel {
     /// f27aa6c: 132 slower (348 -> 320 tok/s at 256), 264 the same (348 -> 345); default kept.
     pub gemv_max_blocks: usize,
     /// The k = 2048 decode GEMVs without argmax (the in-projections) as one stream a block
-    /// (`gemv_dec_stream`, one block an SM, per-warp cp.async rings): `KESTREL_GEMV_STREAM=NS,EARLY`
-    /// with NS ring stages a warp (2 or 3) and EARLY (0 to NS) of them requested before the
-    /// kernel's wait; None (the default): `gemv_dec`'s blocks of 16 rows.
+    /// (`gemv_dec_stream`, one block an SM, per-warp cp.async rings; the same sums as
+    /// `gemv_dec`): (ring stages a warp, how many of them are requested before the kernel's
+    /// wait), default `GEMV_STREAM`; `KESTREL_GEMV_STREAM=NS,EARLY` (NS 2 or 3, EARLY 0 to NS)
+    /// sets them, `KESTREL_GEMV_STREAM=off` keeps `gemv_dec`'s blocks of 16 rows (None).
     pub gemv_stream: Option<(usize, usize)>,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
@@ -916,14 +922,16 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
-        let gemv_stream = std::env::var("KESTREL_GEMV_STREAM").ok().and_then(|v| {
-            let (ns, early) = v.split_once(',')?;
-            let (ns, early): (usize, usize) = (ns.trim().parse().ok()?, early.trim().parse().ok()?);
-            ((2..=3).contains(&ns) && early <= ns).then_some((ns, early))
-        });
-        if gemv_stream.is_some() {
-            gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
-        }
+        let gemv_stream = match std::env::var("KESTREL_GEMV_STREAM") {
+            Ok(v) if v == "off" => None,
+            Ok(v) => v.split_once(',').and_then(|(ns, early)| {
+                let (ns, early): (usize, usize) =
+                    (ns.trim().parse().ok()?, early.trim().parse().ok()?);
+                ((2..=3).contains(&ns) && early <= ns).then_some((ns, early))
+            }),
+            Err(_) => Some(GEMV_STREAM),
+        };
+        gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
         Ok(CudaModel {
             config: cfg,
             gpu,
