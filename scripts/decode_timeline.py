@@ -20,7 +20,8 @@ TAGS = {1: "embed_gather", 2: "gemv", 3: "gdn_conv_dec", 4: "gdn_step_dec", 5: "
         6: "attn_decode", 7: "attn_combine", 8: "moe_router_dec", 9: "moe_gate_up_dec",
         10: "moe_down_dec"}
 # What the GEMV grids are at the full shape (rows / rows per block).
-GEMV = {772: "gemv in-proj GDN", 576: "gemv in-proj attn", 256: "gemv out-proj", 1056: "gemv lm_head"}
+GEMV = {772: "gemv in-proj GDN", 576: "gemv in-proj attn", 256: "gemv out-proj", 1056: "gemv lm_head",
+        132: "gemv_dec_stream in-proj"}
 
 
 def kind(tag, grid):
