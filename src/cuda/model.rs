@@ -310,8 +310,9 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
 }
 
 /// `gemv_dec_stream`'s default (ring stages a warp, stages requested before its wait): H200 A/B
-/// at 2adc1c1 against `gemv_dec`, decode +2.8% at 256 and +2.4% at 4,096
-/// (`bench/results/2026-12-01-h200-gemv-stream-ab-2adc1c1.log`).
+/// at 58f3f64 against `gemv_dec`, decode +2.8% / +2.6% / +3.3% at 256 / 4,096 / 32,768
+/// (`bench/results/2026-12-01-h200-gemv-stream-default-ab-58f3f64.log`; other settings in
+/// `...-gemv-stream-ab-2adc1c1.log`).
 const GEMV_STREAM: (usize, usize) = (2, 2);
 
 /// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
@@ -353,8 +354,9 @@ pub struct CudaModel {
     /// The k = 2048 decode GEMVs without argmax (the in-projections) as one stream a block
     /// (`gemv_dec_stream`, one block an SM, per-warp cp.async rings; the same sums as
     /// `gemv_dec`): (ring stages a warp, how many of them are requested before the kernel's
-    /// wait), default `GEMV_STREAM`; `KESTREL_GEMV_STREAM=NS,EARLY` (NS 2 or 3, EARLY 0 to NS)
-    /// sets them, `KESTREL_GEMV_STREAM=off` keeps `gemv_dec`'s blocks of 16 rows (None).
+    /// wait), default `GEMV_STREAM`; `KESTREL_GEMV_STREAM=NS,EARLY` (NS 2 or 3, EARLY 0 to NS;
+    /// anything else: the default) sets them, `KESTREL_GEMV_STREAM=off` keeps `gemv_dec`'s
+    /// blocks of 16 rows (None).
     pub gemv_stream: Option<(usize, usize)>,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
@@ -924,11 +926,14 @@ impl CudaModel {
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         let gemv_stream = match std::env::var("KESTREL_GEMV_STREAM") {
             Ok(v) if v == "off" => None,
-            Ok(v) => v.split_once(',').and_then(|(ns, early)| {
-                let (ns, early): (usize, usize) =
-                    (ns.trim().parse().ok()?, early.trim().parse().ok()?);
-                ((2..=3).contains(&ns) && early <= ns).then_some((ns, early))
-            }),
+            Ok(v) => v
+                .split_once(',')
+                .and_then(|(ns, early)| {
+                    let (ns, early): (usize, usize) =
+                        (ns.trim().parse().ok()?, early.trim().parse().ok()?);
+                    ((2..=3).contains(&ns) && early <= ns).then_some((ns, early))
+                })
+                .or(Some(GEMV_STREAM)), // not NS,EARLY in range: the default
             Err(_) => Some(GEMV_STREAM),
         };
         gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
