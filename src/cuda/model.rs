@@ -1634,25 +1634,29 @@ impl CudaModel {
         pdl: bool,
     ) -> Result<()> {
         let dw = &self.dws;
+        // Both kernels' arguments after the matrix's shape: the input (bf16 x, or RMSNorm(h)
+        // with weight norm), no bf16 copy of it, y = beta * y + W . input.
+        let io = [
+            Arg::Ptr(x),
+            Arg::Ptr(h),
+            Arg::Ptr(norm),
+            Arg::F(self.config.rms_norm_eps),
+            Arg::Ptr(0),
+            Arg::Ptr(y),
+            Arg::F(beta),
+        ];
         if let (Some((ns, early)), 2048, None) = (self.gemv_stream, k, greedy) {
+            let args: Vec<Arg> = [Arg::Ptr(w), Arg::I(n as i32)]
+                .into_iter()
+                .chain(io)
+                .chain([Arg::I(ns as i32), Arg::I(early as i32)])
+                .collect();
             return self.gpu.launch_ex(
                 "gemv_dec_stream",
                 (n.div_ceil(2).min(self.gpu.sm_count) as u32, 1, 1),
                 256,
                 gemv_stream_smem(ns) as u32,
-                &[
-                    Arg::Ptr(w),
-                    Arg::I(n as i32),
-                    Arg::Ptr(x),
-                    Arg::Ptr(h),
-                    Arg::Ptr(norm),
-                    Arg::F(self.config.rms_norm_eps),
-                    Arg::Ptr(0),
-                    Arg::Ptr(y),
-                    Arg::F(beta),
-                    Arg::I(ns as i32),
-                    Arg::I(early as i32),
-                ],
+                &args,
                 pdl,
             );
         }
@@ -1667,6 +1671,18 @@ impl CudaModel {
             ),
             None => (0, 0, 0, 0, 0, 0),
         };
+        let args: Vec<Arg> = [Arg::Ptr(w), Arg::I(n as i32), Arg::I(k as i32)]
+            .into_iter()
+            .chain(io)
+            .chain([
+                Arg::Ptr(val),
+                Arg::Ptr(idx),
+                Arg::Ptr(done),
+                Arg::I(limit),
+                Arg::Ptr(out),
+                Arg::Ptr(out2),
+            ])
+            .collect();
         self.gpu.launch_ex(
             if self.gemv_whole_rows {
                 "gemv_dec_w"
@@ -1682,24 +1698,7 @@ impl CudaModel {
             256,
             // k floats of staged input, and with the RMSNorm (x = 0) its weight after them
             (k * 4 * if x == 0 { 2 } else { 1 }) as u32,
-            &[
-                Arg::Ptr(w),
-                Arg::I(n as i32),
-                Arg::I(k as i32),
-                Arg::Ptr(x),
-                Arg::Ptr(h),
-                Arg::Ptr(norm),
-                Arg::F(self.config.rms_norm_eps),
-                Arg::Ptr(0),
-                Arg::Ptr(y),
-                Arg::F(beta),
-                Arg::Ptr(val),
-                Arg::Ptr(idx),
-                Arg::Ptr(done),
-                Arg::I(limit),
-                Arg::Ptr(out),
-                Arg::Ptr(out2),
-            ],
+            &args,
             pdl,
         )
     }

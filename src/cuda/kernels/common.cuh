@@ -242,6 +242,14 @@ __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wai
 // N + 2 stages keeps N loads going while one stage is read).
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// The same for an n known only at run time (0 to 4; more waits as for 4).
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+    if (n <= 0) cp_async_wait<0>();
+    else if (n == 1) cp_async_wait<1>();
+    else if (n == 2) cp_async_wait<2>();
+    else if (n == 3) cp_async_wait<3>();
+    else cp_async_wait<4>();
+}
 
 // Copies the RMSNorm weight w [k] into shared memory `ws` with cp.async, to be issued before
 // griddep_wait (weights are immutable), so that the weight's trip to DRAM is not on the critical
@@ -260,16 +268,11 @@ __device__ __forceinline__ float* preload_norm(float* ws, const float* __restric
 // here; the block barrier in block_sum makes all of them visible), else from w. Ends with a
 // block barrier.
 // ws_pending: cp.async groups this thread committed after preload_norm's, which may stay in
-// flight (0 to 3; gemv_dec_stream's first weight stages).
+// flight (gemv_dec_stream's first weight stages).
 __device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
                                               int k, float eps, bf16* __restrict__ xb_out, const float* ws,
                                               int ws_pending = 0) {
-    if (ws) {
-        if (ws_pending <= 0) cp_async_wait_all();
-        else if (ws_pending == 1) cp_async_wait<1>();
-        else if (ws_pending == 2) cp_async_wait<2>();
-        else cp_async_wait<3>();
-    }
+    if (ws) cp_async_wait_dyn(ws_pending);
     float ss = 0.0f;
     if ((k & 3) == 0) {
         for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {

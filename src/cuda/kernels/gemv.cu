@@ -106,10 +106,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
     // The RMSNorm weight's copies were committed before every ring stage: wait for them only.
     stage_input(xs, x, h, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws, issued);
     for (int u = 0; u < mine; u++) {
-        const int pend = issued - 1 - u;  // groups committed after u's
-        if (pend <= 0) cp_async_wait<0>();
-        else if (pend == 1) cp_async_wait<1>();
-        else cp_async_wait<2>();
+        cp_async_wait_dyn(issued - 1 - u);  // the groups committed after u's may stay in flight
         const uint4* st = ring + (u % ns) * 512;
         const int r = 2 * (p0 + warp + 8 * u);
         float acc[2];

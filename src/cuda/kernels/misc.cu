@@ -98,11 +98,7 @@ extern "C" __global__ void __launch_bounds__(256) window_probe(const uint4* __re
             cp_async16(st + threadIdx.x + 256 * j, w + (i < hi ? i : lo), i < hi);
         }
         cp_async_commit();
-        if (depth <= 1) cp_async_wait<0>();
-        else if (depth == 2) cp_async_wait<1>();
-        else if (depth == 3) cp_async_wait<2>();
-        else if (depth == 4) cp_async_wait<3>();
-        else cp_async_wait<4>();
+        cp_async_wait_dyn(depth - 1);
     }
     cp_async_wait_all();
     __syncthreads();
