@@ -1342,6 +1342,102 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
                                 act_ld, xs, late_launch);
 }
 
+// moe_gate_up_dec for d = 2048 as one stream a block (gemv_dec_stream's form): one 256-thread
+// block an SM. The s_inter + k * inter units (unit = gate row j and up row j of one slot, 8 KiB)
+// are numbered shared expert first, then routed slot by slot; warp g of the grid's W warps takes
+// units g, g + W, .. through a private ring of `ns` cp.async stages (refilled as soon as the warp
+// has summed a stage), so every SM keeps loads in flight from its first unit to its last instead
+// of moe_gate_up_dec's waves of 8-row blocks. Shared units among a warp's first `early` are
+// requested before griddep_wait (the shared expert is known), the routed ones once the warp has
+// picked the top-k itself (route_topk_warp, as moe_gate_up_dec's warps). A lane reads back only
+// what it copied, in load_rows<2, 8>'s layout, so act is bitwise moe_gate_up_dec's.
+// launch_tail: a warp lets moe_down_dec start once it has at most this many units left to issue
+// (-1: right after its wait); always after its wait, so the router has finished when any down
+// block runs (moe_down_dec's early form reads the logits before its own wait). Warp 0 of block 0
+// stores the ids and weights. grid <= #SMs, block 256, smem gate_up_stream_smem(e, k, ns) bytes.
+__host__ __device__ __forceinline__ int gate_up_stream_smem(int e, int k, int ns) {
+    return gate_up_dec_smem(2048, e, k) * 4 + 8 * ns * 8192;
+}
+extern "C" __global__ void __launch_bounds__(256, 1) moe_gate_up_dec_stream(
+    const bf16* __restrict__ xb, const float* logits, int e, int k, int* __restrict__ topk_ids,
+    float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
+    int s_inter, float* __restrict__ act, int act_ld, int ns, int early, int launch_tail) {
+    DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
+    constexpr int D = 2048;
+    extern __shared__ __align__(16) float xs[];  // x [D], per warp (logits, ids, weights), the rings
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, ld = (e + 2 * k + 3) & ~3;
+    float* rl = xs + D + warp * ld;
+    int* ids = reinterpret_cast<int*>(rl + e);
+    float* wts = rl + e + k;
+    uint4* ring = reinterpret_cast<uint4*>(xs + D + 8 * ld) + warp * ns * 512;
+    const int nw = gridDim.x * 8, g = blockIdx.x * 8 + warp, units = s_inter + k * inter;
+    const int mine = g < units ? (units - g + nw - 1) / nw : 0;  // units g + nw u, u < mine
+    // Unit u's slot, row j and expert matrix (ids must hold the top-k for a routed unit).
+    auto unit = [&](int u, int& slot, int& j, const bf16*& w, int& n) {
+        const int t = g + nw * u;
+        if (t < s_inter) {
+            slot = k, j = t, w = shared_gate_up, n = s_inter;
+        } else {
+            slot = (t - s_inter) / inter, j = (t - s_inter) % inter, n = inter;
+            w = gate_up + (size_t)ids[slot] * 2 * inter * D;
+        }
+    };
+    int issued = 0;
+    auto issue = [&](int u) {
+        int slot, j, n;
+        const bf16* w;
+        unit(u, slot, j, w, n);
+        uint4* st = ring + (u % ns) * 512;
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const uint4* src = reinterpret_cast<const uint4*>(w + (size_t)(q * n + j) * D);
+#pragma unroll
+            for (int c = 0; c < 8; c++) cp_async16(st + q * 256 + lane + 32 * c, src + lane + 32 * c, true);
+        }
+        cp_async_commit();
+    };
+    auto maybe_launch = [&] {
+        if (launch_tail < 0 || mine - issued <= launch_tail) griddep_launch();
+    };
+    while (issued < mine && issued < early && issued < ns && g + nw * issued < s_inter) issue(issued++);
+    griddep_wait();  // the logits and xb come from the router
+    maybe_launch();
+    for (int i = lane; i < e; i += 32) rl[i] = logits[i];
+    __syncwarp();
+    route_topk_warp(rl, e, k, ids, wts);
+    __syncwarp();  // lanes < k wrote the choices
+    if (g == 0 && lane < k) {
+        topk_ids[lane] = ids[lane];
+        topk_w[lane] = wts[lane];
+    }
+    while (issued < mine && issued < ns) {
+        issue(issued++);
+        maybe_launch();
+    }
+    stage_bf16(xs, xb, D);
+    for (int u = 0; u < mine; u++) {
+        cp_async_wait_dyn(issued - 1 - u);  // the groups committed after u's may stay in flight
+        const uint4* st = ring + (u % ns) * 512;
+        float acc[2];
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            acc[q] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 8; c++) acc[q] += dot8(st[q * 256 + lane + 32 * c], xs + (lane + 32 * c) * 8);
+        }
+        const float gs = warp_sum(acc[0]), us = warp_sum(acc[1]);
+        int slot, j, n;
+        const bf16* w;
+        unit(u, slot, j, w, n);
+        if (lane == 0) act[(size_t)slot * act_ld + j] = __bfloat162float(__float2bfloat16(silu_f(gs) * us));
+        // The stage is refilled only after the warp sums of what it held (their loads are done).
+        if (issued < mine) {
+            issue(issued++);
+            maybe_launch();
+        }
+    }
+}
+
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
 // shared_down[r, :] . act_k. Warp s = slot s (k routed, then the shared expert) over the block's
 // 4 rows, its weight rows in flight at once; the slots' sums meet in shared memory.
