@@ -1343,11 +1343,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
 }
 
 // moe_gate_up_dec for d = 2048 as one stream a block (gemv_dec_stream's form): one 256-thread
-// block an SM. The s_inter + k * inter units (unit = gate row j and up row j of one slot, 8 KiB)
-// are numbered shared expert first, then routed slot by slot; warp g of the grid's W warps takes
-// units g, g + W, .. through a private ring of `ns` cp.async stages (refilled as soon as the warp
-// has summed a stage), so every SM keeps loads in flight from its first unit to its last instead
-// of moe_gate_up_dec's waves of 8-row blocks. Shared units among a warp's first `early` are
+// block an SM. Of the units (unit = gate row j and up row j of one slot, 8 KiB; the shared
+// expert's s_inter, then the k routed slots' inter each, numbered slot by slot) block b takes a
+// contiguous run of the shared ones and one of the routed ones, its b-th share of each (so the
+// SMs read far-apart windows at any moment, as gemv_dec_stream's blocks do), and its warp w the
+// list's entries w, w + 8, .. (shared first) through a private ring of `ns` cp.async stages
+// (refilled as soon as the warp has summed a stage), so every SM keeps loads in flight from its
+// first unit to its last instead of moe_gate_up_dec's waves of 8-row blocks. Shared units among
+// a warp's first `early` are
 // requested before griddep_wait (the shared expert is known), the routed ones once the warp has
 // picked the top-k itself (route_topk_warp, as moe_gate_up_dec's warps). A lane reads back only
 // what it copied, in load_rows<2, 8>'s layout, so act is bitwise moe_gate_up_dec's.
@@ -1370,15 +1373,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_gate_up_dec_stream(
     int* ids = reinterpret_cast<int*>(rl + e);
     float* wts = rl + e + k;
     uint4* ring = reinterpret_cast<uint4*>(xs + D + 8 * ld) + warp * ns * 512;
-    const int nw = gridDim.x * 8, g = blockIdx.x * 8 + warp, units = s_inter + k * inter;
-    const int mine = g < units ? (units - g + nw - 1) / nw : 0;  // units g + nw u, u < mine
+    const int b = blockIdx.x, nb = gridDim.x, routed = k * inter;
+    const int s0 = (int)((long long)s_inter * b / nb), nsh = (int)((long long)s_inter * (b + 1) / nb) - s0;
+    const int r0 = (int)((long long)routed * b / nb), nr = (int)((long long)routed * (b + 1) / nb) - r0;
+    const int mine = nsh + nr > warp ? (nsh + nr - warp + 7) / 8 : 0;  // list entries warp + 8 u
     // Unit u's slot, row j and expert matrix (ids must hold the top-k for a routed unit).
     auto unit = [&](int u, int& slot, int& j, const bf16*& w, int& n) {
-        const int t = g + nw * u;
-        if (t < s_inter) {
-            slot = k, j = t, w = shared_gate_up, n = s_inter;
+        const int i = warp + 8 * u;
+        if (i < nsh) {
+            slot = k, j = s0 + i, w = shared_gate_up, n = s_inter;
         } else {
-            slot = (t - s_inter) / inter, j = (t - s_inter) % inter, n = inter;
+            const int t = r0 + i - nsh;
+            slot = t / inter, j = t % inter, n = inter;
             w = gate_up + (size_t)ids[slot] * 2 * inter * D;
         }
     };
@@ -1399,14 +1405,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) moe_gate_up_dec_stream(
     auto maybe_launch = [&] {
         if (launch_tail < 0 || mine - issued <= launch_tail) griddep_launch();
     };
-    while (issued < mine && issued < early && issued < ns && g + nw * issued < s_inter) issue(issued++);
+    while (issued < mine && issued < early && issued < ns && warp + 8 * issued < nsh) issue(issued++);
     griddep_wait();  // the logits and xb come from the router
     maybe_launch();
     for (int i = lane; i < e; i += 32) rl[i] = logits[i];
     __syncwarp();
     route_topk_warp(rl, e, k, ids, wts);
     __syncwarp();  // lanes < k wrote the choices
-    if (g == 0 && lane < k) {
+    if (b == 0 && warp == 0 && lane < k) {
         topk_ids[lane] = ids[lane];
         topk_w[lane] = wts[lane];
     }
