@@ -26,8 +26,6 @@ GEMV = {772: "gemv in-proj GDN", 576: "gemv in-proj attn", 256: "gemv out-proj",
 
 def kind(tag, grid):
     name = TAGS.get(tag, f"tag{tag}")
-    if tag == 9 and grid == 132:
-        return "moe_gate_up_dec_stream"
     return GEMV.get(grid, f"gemv grid {grid}") if tag == 2 else name
 
 

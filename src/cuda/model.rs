@@ -321,21 +321,6 @@ fn gemv_stream_smem(ns: usize) -> usize {
     2 * 2048 * 4 + 8 * ns * 8192
 }
 
-/// `moe_gate_up_dec_stream`'s default (ring stages a warp, stages requested before its wait,
-/// units left to issue when a warp lets `moe_down_dec` start; -1: right after its wait).
-const MOE_GATE_UP_STREAM: (usize, usize, i32) = (2, 1, 1);
-
-/// Shared memory of `moe_gate_up_dec_stream` in bytes (moe.cu's gate_up_stream_smem): the
-/// staged input, each warp's logits, ids and weights, then 8 warps' rings of `ns` 8 KiB stages.
-fn gate_up_stream_smem(e: usize, k: usize, ns: usize) -> usize {
-    gate_up_dec_smem(2048, e, k) * 4 + 8 * ns * 8192
-}
-
-/// Whether `moe_gate_up_dec_stream`'s shared memory with `ns` stages fits an H100/H200 block.
-fn gate_up_stream_fits(e: usize, k: usize, ns: usize) -> bool {
-    gate_up_stream_smem(e, k, ns) <= 227 * 1024
-}
-
 pub struct CudaModel {
     pub config: TextConfig,
     pub gpu: Arc<Gpu>,
@@ -373,13 +358,6 @@ pub struct CudaModel {
     /// anything else: the default) sets them, `KESTREL_GEMV_STREAM=off` keeps `gemv_dec`'s
     /// blocks of 16 rows (None).
     pub gemv_stream: Option<(usize, usize)>,
-    /// The decode experts' gate/up at hidden 2,048 as one stream a block
-    /// (`moe_gate_up_dec_stream`, one block an SM, per-warp cp.async rings; the same sums as
-    /// `moe_gate_up_dec`): (ring stages a warp, how many are requested before its wait, units
-    /// left when it lets `moe_down_dec` start), default `MOE_GATE_UP_STREAM`;
-    /// `KESTREL_MOE_STREAM=NS,EARLY,TAIL` (NS 2 or 3, EARLY 0 to NS, TAIL -1 to 8; anything else:
-    /// the default) sets them, `KESTREL_MOE_STREAM=off` keeps `moe_gate_up_dec` (None).
-    pub moe_gate_up_stream: Option<(usize, usize, i32)>,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -959,33 +937,6 @@ impl CudaModel {
             Err(_) => Some(GEMV_STREAM),
         };
         gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
-        let moe_gate_up_stream = match std::env::var("KESTREL_MOE_STREAM") {
-            Ok(v) if v == "off" => None,
-            Ok(v) => {
-                let f: Vec<&str> = v.split(',').map(str::trim).collect();
-                let parsed = match f[..] {
-                    [ns, early, tail] => ns
-                        .parse::<usize>()
-                        .ok()
-                        .zip(early.parse::<usize>().ok())
-                        .zip(tail.parse::<i32>().ok())
-                        .map(|((ns, early), tail)| (ns, early, tail))
-                        .filter(|&(ns, early, tail)| {
-                            (2..=3).contains(&ns) && early <= ns && (-1..=8).contains(&tail)
-                        }),
-                    _ => None,
-                };
-                parsed.or(Some(MOE_GATE_UP_STREAM)) // malformed: the default
-            }
-            Err(_) => Some(MOE_GATE_UP_STREAM),
-        };
-        if cfg.hidden_size == 2048 {
-            // The largest ring that fits (the launch checks the same bound).
-            let (e, k) = (cfg.num_experts, cfg.experts_per_token);
-            if let Some(ns) = [3, 2].into_iter().find(|&ns| gate_up_stream_fits(e, k, ns)) {
-                gpu.set_max_dynamic_smem("moe_gate_up_dec_stream", gate_up_stream_smem(e, k, ns))?;
-            }
-        }
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -1011,7 +962,6 @@ impl CudaModel {
                 .filter(|&b: &usize| b >= 1)
                 .unwrap_or(GEMV_MAX_BLOCKS),
             gemv_stream,
-            moe_gate_up_stream,
             moe_gemm,
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -2006,58 +1956,28 @@ impl CudaModel {
                 Arg::Ptr(dw.sgate.ptr),
             ],
         )?;
-        let stream = self
-            .moe_gate_up_stream
-            .filter(|&(ns, ..)| d == 2048 && gate_up_stream_fits(e, k, ns));
-        if let Some((ns, early, tail)) = stream {
-            // Its trigger always comes after its wait, as `late_launch` asks.
-            launch(
-                "moe_gate_up_dec_stream",
-                (self.gpu.sm_count as u32, 1, 1),
-                256,
-                gate_up_stream_smem(e, k, ns) as u32,
-                &[
-                    Arg::Ptr(dw.xb.ptr),
-                    Arg::Ptr(dw.router.ptr),
-                    Arg::I(e as i32),
-                    Arg::I(k as i32),
-                    Arg::Ptr(dw.topk_ids.ptr),
-                    Arg::Ptr(dw.topk_w.ptr),
-                    Arg::Ptr(layer.gate_up.ptr),
-                    Arg::I(i as i32),
-                    Arg::Ptr(layer.shared_gate_up.ptr),
-                    Arg::I(is as i32),
-                    Arg::Ptr(dw.act.ptr),
-                    Arg::I(DecodeWs::act_ld(c) as i32),
-                    Arg::I(ns as i32),
-                    Arg::I(early as i32),
-                    Arg::I(tail),
-                ],
-            )?;
-        } else {
-            launch(
-                "moe_gate_up_dec",
-                (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
-                256,
-                (gate_up_dec_smem(d, e, k) * 4) as u32,
-                &[
-                    Arg::Ptr(dw.xb.ptr),
-                    Arg::I(d as i32),
-                    Arg::Ptr(dw.router.ptr),
-                    Arg::I(e as i32),
-                    Arg::I(k as i32),
-                    Arg::Ptr(dw.topk_ids.ptr),
-                    Arg::Ptr(dw.topk_w.ptr),
-                    Arg::Ptr(layer.gate_up.ptr),
-                    Arg::I(i as i32),
-                    Arg::Ptr(layer.shared_gate_up.ptr),
-                    Arg::I(is as i32),
-                    Arg::Ptr(dw.act.ptr),
-                    Arg::I(DecodeWs::act_ld(c) as i32),
-                    Arg::I(self.moe_down_early as i32),
-                ],
-            )?;
-        }
+        launch(
+            "moe_gate_up_dec",
+            (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
+            256,
+            (gate_up_dec_smem(d, e, k) * 4) as u32,
+            &[
+                Arg::Ptr(dw.xb.ptr),
+                Arg::I(d as i32),
+                Arg::Ptr(dw.router.ptr),
+                Arg::I(e as i32),
+                Arg::I(k as i32),
+                Arg::Ptr(dw.topk_ids.ptr),
+                Arg::Ptr(dw.topk_w.ptr),
+                Arg::Ptr(layer.gate_up.ptr),
+                Arg::I(i as i32),
+                Arg::Ptr(layer.shared_gate_up.ptr),
+                Arg::I(is as i32),
+                Arg::Ptr(dw.act.ptr),
+                Arg::I(DecodeWs::act_ld(c) as i32),
+                Arg::I(self.moe_down_early as i32),
+            ],
+        )?;
         launch(
             "moe_down_dec",
             (d.div_ceil(4) as u32, 1, 1),
