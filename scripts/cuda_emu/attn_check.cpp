@@ -247,57 +247,6 @@ static void run_prep(int t, int past, int nq, int nkv, int hd, int rot_half) {
     fails += !ok;
 }
 
-// attn_decode_prep_mma_hd256 (attn_prep folded into the decode attention) against
-// attn_prep_rows + attn_decode_mma_hd256 (+ attn_combine_dec for both): the new position's
-// cache rows bitwise, the output bitwise (the same q rows: the same sums in the same order);
-// the other cache rows untouched. n keys after the append, nsplit splits.
-static void run_decode_prep(int nq, int nkv, int n, int nsplit, int rot_half) {
-    constexpr int HD = 256;
-    const int pos = n - 1;
-    std::vector<float> qg((size_t)nq * 2 * HD), k((size_t)nkv * HD), v(k.size()), qn(HD), kn(HD), invf(rot_half);
-    for (auto* a : {&qg, &k, &v, &qn, &kn}) for (auto& x : *a) x = uni(-1, 1);
-    for (int i = 0; i < rot_half; i++) invf[i] = std::pow(10000.0f, -(float)i / rot_half);
-    std::vector<bf16> kc_a((size_t)n * nkv * HD), vc_a(kc_a.size());
-    for (auto& x : kc_a) x = __float2bfloat16(uni(-2, 2));
-    for (auto& x : vc_a) x = __float2bfloat16(uni(-1, 1));
-    for (size_t i = (size_t)pos * nkv * HD; i < kc_a.size(); i++) kc_a[i] = vc_a[i] = __float2bfloat16(std::nanf(""));
-    std::vector<bf16> kc_b(kc_a), vc_b(vc_a);
-    std::vector<float> q((size_t)nq * HD, NAN), part_a((size_t)nq * nsplit * (HD + 2), NAN), part_b(part_a);
-    std::vector<bf16> out_a((size_t)nq * HD), out_b(out_a);
-    const float scale = 1.0f / std::sqrt((float)HD);
-    const size_t smem = (16 + 4 * 32) * (HD + 8) * 2;
-    int past = pos;
-    emu_launch({(unsigned)((nq + nkv + 7) / 8), 1, 1}, 256, (size_t)8 * HD * 4, [&] {
-        attn_prep_rows(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q.data(), kc_a.data(),
-                       vc_a.data(), pos, 1, nq, nkv, HD, rot_half, 1e-6f, 0);
-    });
-    emu_launch({(unsigned)nkv, (unsigned)nsplit, 1}, 32, smem, [&] {
-        attn_decode_mma_hd256(q.data(), kc_a.data(), vc_a.data(), part_a.data(), &past, nq, nkv, nsplit, scale);
-    });
-    emu_launch({(unsigned)nkv, (unsigned)nsplit, 1}, 32, smem, [&] {
-        attn_decode_prep_mma_hd256(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), kc_b.data(),
-                                   vc_b.data(), part_b.data(), &past, nq, nkv, nsplit, rot_half, 1e-6f, scale);
-    });
-    for (auto [part, out] : {std::pair{&part_a, &out_a}, std::pair{&part_b, &out_b}})
-        emu_launch({(unsigned)nq, (unsigned)(HD / 32), 1}, 256, 0,
-                   [&] { attn_combine_dec(part->data(), qg.data(), out->data(), &past, nq, HD, nsplit); });
-    const bool caches = std::memcmp(kc_a.data(), kc_b.data(), kc_a.size() * 2) == 0 &&
-                        std::memcmp(vc_a.data(), vc_b.data(), vc_a.size() * 2) == 0;
-    bool outs = true;
-    double diff = 0;
-    for (size_t i = 0; i < out_a.size(); i++) {
-        const float a = __bfloat162float(out_a[i]), b = __bfloat162float(out_b[i]);
-        outs &= std::memcmp(&out_a[i], &out_b[i], 2) == 0 && a == a;
-        diff = std::max(diff, (double)std::fabs(a - b));
-    }
-    const bool ok = caches && outs;
-    printf("%s attn_decode_prep_mma_hd256 nq=%d nkv=%d n=%d nsplit=%d rot %d: caches %s, output %s (max diff %.1e) vs "
-           "attn_prep_rows + attn_decode_mma_hd256\n",
-           ok ? "ok  " : "FAIL", nq, nkv, n, nsplit, 2 * rot_half, caches ? "bitwise" : "DIFFER",
-           outs ? "bitwise" : "DIFFERS", diff);
-    fails += !ok;
-}
-
 int main(int argc, char** argv) {
     run_prep(37, 5, 16, 2, 256, 32);
     run_prep(9, 0, 4, 2, 32, 8);
@@ -339,10 +288,6 @@ int main(int argc, char** argv) {
         run<32>(4, 2, 200, 16, attn_decode_mma_hd32);
         run<64>(8, 8, 130, 4, attn_decode_mma_hd64);     // no GQA sharing
         run<128>(16, 2, 4097, 64, attn_decode_mma_hd128);
-        run_decode_prep(16, 2, 300, 4, 32);  // the new key in the last split's third tile
-        run_decode_prep(16, 2, 65, 4, 32);   // the new key alone in the second split
-        run_decode_prep(16, 2, 1, 4, 32);    // the first decoded token: the new key only
-        run_decode_prep(16, 2, 257, 16, 16); // the model's context-256 bucket, a smaller rotation
     }
     return fails ? 1 : 0;
 }

@@ -120,25 +120,13 @@ pub const fn decode_mma_smem(hd: usize) -> usize {
     (16 + 4 * 32) * (hd + 8) * 2
 }
 
-/// The decode kernels on tensor cores with their dynamic shared memory (set at `Gpu::open`);
-/// the last also prepares the query heads and the new K/V row (attn_prep folded in).
-pub(super) const DECODE_KERNELS: [(&str, usize); 5] = [
+/// The decode kernels on tensor cores with their dynamic shared memory (set at `Gpu::open`).
+pub(super) const DECODE_KERNELS: [(&str, usize); 4] = [
     ("attn_decode_mma_hd32", decode_mma_smem(32)),
     ("attn_decode_mma_hd64", decode_mma_smem(64)),
     ("attn_decode_mma_hd128", decode_mma_smem(128)),
     ("attn_decode_mma_hd256", decode_mma_smem(256)),
-    (DECODE_PREP_KERNEL, decode_mma_smem(256)),
 ];
-
-/// `attn_decode_mma_hd256` with attn_prep folded in: the query heads' RMSNorm and rotation,
-/// and the new position's K/V row into the caches, in the attention launch.
-pub const DECODE_PREP_KERNEL: &str = "attn_decode_prep_mma_hd256";
-
-/// Whether `DECODE_PREP_KERNEL` fits the shape: head dim 256, at most 8 query heads a KV head,
-/// and a rotation within the first 128 dims in whole float4s (`rot_half` = rotary dims / 2).
-pub fn decode_prep_fits(hd: usize, group: usize, rot_half: usize) -> bool {
-    hd == 256 && group <= 8 && rot_half.is_multiple_of(4) && 2 * rot_half <= 128
-}
 
 /// The tensor-core decode kernel for head dim `hd` and `group` query heads per KV head, if
 /// there is one (a group's heads are rows of one 16-row tile, of which the kernel writes 8).

@@ -79,7 +79,6 @@ const KERNELS: &[&str] = &[
     "attn_decode_mma_hd64",
     "attn_decode_mma_hd128",
     "attn_decode_mma_hd256",
-    "attn_decode_prep_mma_hd256",
     "attn_decode",
     "moe_route",
     "moe_plan",

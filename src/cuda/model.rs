@@ -4,10 +4,7 @@
 //! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
-use super::attention::{
-    DECODE_PREP_KERNEL, Flash, FlashCall, QPrep, decode_mma_kernel, decode_mma_smem,
-    decode_prep_fits,
-};
+use super::attention::{Flash, FlashCall, QPrep, decode_mma_kernel, decode_mma_smem};
 use super::gdn::{ConvRows, DeltaBufs, GdnShape};
 use super::moe::{DensePlan, Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
@@ -343,10 +340,6 @@ pub struct CudaModel {
     /// Decode attention on tensor cores (`attn_decode_mma_hd*` + `attn_combine_dec`) where the
     /// shape has a kernel; `KESTREL_ATTN_DECODE=simt` keeps the scalar `attn_decode`.
     pub decode_attn_mma: bool,
-    /// Decode attention prepares the query heads and the new K/V row itself
-    /// (`attn_decode_prep_mma_hd256`, one launch fewer a layer) where it fits;
-    /// `KESTREL_ATTN_DECODE_PREP=separate` keeps `attn_prep` before `attn_decode_mma_hd*`.
-    pub decode_attn_prep_fused: bool,
     /// Decode GEMVs with k = 4096 (the out-projections): a warp per whole row, 8 rows a block
     /// (`gemv_dec_w`, the default: H200 A/B at f667003, decode 316.5 -> 334.5 tok/s at 256,
     /// 287.5 -> 297.8 at 32,768), or with `KESTREL_GEMV=split` two warps per row, 4 rows a
@@ -962,8 +955,6 @@ impl CudaModel {
                 _ => Flash::Wgmma,
             },
             decode_attn_mma: !std::env::var("KESTREL_ATTN_DECODE").is_ok_and(|v| v == "simt"),
-            decode_attn_prep_fused: !std::env::var("KESTREL_ATTN_DECODE_PREP")
-                .is_ok_and(|v| v == "separate"),
             gemv_whole_rows: !std::env::var("KESTREL_GEMV").is_ok_and(|v| v == "split"),
             gemv_max_blocks: std::env::var("KESTREL_GEMV_MAX_BLOCKS")
                 .ok()
@@ -1830,90 +1821,57 @@ impl CudaModel {
                     let rows = nq * 2 * hd + 2 * nkv * hd;
                     in_proj(w.qkv.ptr, rows)?;
                     let kp = dw.proj.ptr + (nq * 2 * hd * 4) as u64;
-                    let (vp, rot_half) = (kp + (nkv * hd * 4) as u64, c.rotary_dim / 2);
-                    let scale = Arg::F(1.0 / (hd as f32).sqrt());
-                    // Split-K attention into dw.part: on tensor cores where the shape has a
-                    // kernel (its head dim is compiled in), else the scalar kernel; with the
-                    // query and new K/V preparation folded in where that kernel fits.
-                    let mma = decode_mma_kernel(hd, nq / nkv).filter(|_| self.decode_attn_mma);
-                    if mma.is_some()
-                        && self.decode_attn_prep_fused
-                        && decode_prep_fits(hd, nq / nkv, rot_half)
-                    {
-                        launch(
-                            DECODE_PREP_KERNEL,
-                            (nkv as u32, nsplit as u32, 1),
-                            32,
-                            decode_mma_smem(hd) as u32,
-                            &[
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(kp),
-                                Arg::Ptr(vp),
-                                Arg::Ptr(w.q_norm.ptr),
-                                Arg::Ptr(w.k_norm.ptr),
-                                Arg::Ptr(self.inv_freq.ptr),
-                                Arg::Ptr(kc.ptr),
-                                Arg::Ptr(vc.ptr),
-                                Arg::Ptr(dw.part.ptr),
-                                Arg::Ptr(pos),
-                                Arg::I(nq as i32),
-                                Arg::I(nkv as i32),
-                                Arg::I(nsplit as i32),
-                                Arg::I(rot_half as i32),
-                                Arg::F(eps),
-                                scale,
-                            ],
-                        )?;
-                    } else {
-                        launch(
-                            "attn_prep",
-                            (1, (nq + nkv) as u32, 1),
-                            block(hd),
-                            (hd * 4) as u32,
-                            &[
-                                Arg::Ptr(dw.proj.ptr),
-                                Arg::Ptr(kp),
-                                Arg::Ptr(vp),
-                                Arg::Ptr(w.q_norm.ptr),
-                                Arg::Ptr(w.k_norm.ptr),
-                                Arg::Ptr(self.inv_freq.ptr),
-                                Arg::Ptr(dw.q.ptr),
-                                Arg::Ptr(kc.ptr),
-                                Arg::Ptr(vc.ptr),
-                                Arg::I(0),
-                                Arg::Ptr(pos),
-                                Arg::I(nq as i32),
-                                Arg::I(nkv as i32),
-                                Arg::I(hd as i32),
-                                Arg::I(rot_half as i32),
-                                Arg::F(eps),
-                            ],
-                        )?;
-                        let (kernel, threads, smem) = match mma {
-                            Some(k) => (k, 32, decode_mma_smem(hd)),
-                            None => ("attn_decode", 32 * (nq / nkv) as u32, attn_decode_smem(c)),
-                        };
-                        let mut args = vec![
+                    launch(
+                        "attn_prep",
+                        (1, (nq + nkv) as u32, 1),
+                        block(hd),
+                        (hd * 4) as u32,
+                        &[
+                            Arg::Ptr(dw.proj.ptr),
+                            Arg::Ptr(kp),
+                            Arg::Ptr(kp + (nkv * hd * 4) as u64),
+                            Arg::Ptr(w.q_norm.ptr),
+                            Arg::Ptr(w.k_norm.ptr),
+                            Arg::Ptr(self.inv_freq.ptr),
                             Arg::Ptr(dw.q.ptr),
                             Arg::Ptr(kc.ptr),
                             Arg::Ptr(vc.ptr),
-                            Arg::Ptr(dw.part.ptr),
+                            Arg::I(0),
                             Arg::Ptr(pos),
                             Arg::I(nq as i32),
                             Arg::I(nkv as i32),
-                        ];
-                        if mma.is_none() {
-                            args.push(Arg::I(hd as i32));
-                        }
-                        args.extend([Arg::I(nsplit as i32), scale]);
-                        launch(
-                            kernel,
-                            (nkv as u32, nsplit as u32, 1),
-                            threads,
-                            smem as u32,
-                            &args,
-                        )?;
+                            Arg::I(hd as i32),
+                            Arg::I((c.rotary_dim / 2) as i32),
+                            Arg::F(eps),
+                        ],
+                    )?;
+                    // Split-K attention into dw.part: on tensor cores where the shape has a
+                    // kernel (its head dim is compiled in), else the scalar kernel.
+                    let mma = decode_mma_kernel(hd, nq / nkv).filter(|_| self.decode_attn_mma);
+                    let (kernel, threads, smem) = match mma {
+                        Some(k) => (k, 32, decode_mma_smem(hd)),
+                        None => ("attn_decode", 32 * (nq / nkv) as u32, attn_decode_smem(c)),
+                    };
+                    let mut args = vec![
+                        Arg::Ptr(dw.q.ptr),
+                        Arg::Ptr(kc.ptr),
+                        Arg::Ptr(vc.ptr),
+                        Arg::Ptr(dw.part.ptr),
+                        Arg::Ptr(pos),
+                        Arg::I(nq as i32),
+                        Arg::I(nkv as i32),
+                    ];
+                    if mma.is_none() {
+                        args.push(Arg::I(hd as i32));
                     }
+                    args.extend([Arg::I(nsplit as i32), Arg::F(1.0 / (hd as f32).sqrt())]);
+                    launch(
+                        kernel,
+                        (nkv as u32, nsplit as u32, 1),
+                        threads,
+                        smem as u32,
+                        &args,
+                    )?;
                     // Merge the splits, normalise, gate: a block per head and 32 dims, or
                     // (scalar path, other head dims) a block per head.
                     let head = [

@@ -1205,93 +1205,29 @@ ATTN_FLASH4C(4)
 // attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
 // load above griddep_wait.
-//
-// PREP (attn_decode_prep_mma_hd*): attn_prep folded in, one launch fewer a layer. The block
-// prepares its group's query heads from qg's first half (RMSNorm with (1 + w), rotation of the
-// dims below 2 rot_half) as attn_prep_rows does (lane l holds dims 4l + 128m, so the same sums
-// in the same order: the same rows), and the block whose split holds the new position n - 1
-// prepares that position's K row and V row, writes them to the caches and into its own tile.
-// Every other cached row is final before this step, so the first tile is requested before
-// griddep_wait, and the weights and the rotation's angles are read there too. Needs HD % 128
-// == 0, rot_half % 4 == 0 and 2 rot_half <= 128.
 #define AD_TK 32
 
-struct AttnDecodePrep {
-    const float* qg;  // [nq, 2 HD]: query | gate a head (the in-projection's output)
-    const float* k;   // [nkv, HD] new key (f32, before its norm)
-    const float* v;   // [nkv, HD] new value
-    const float* q_norm;
-    const float* k_norm;
-    const float* inv_freq;
-    bf16* k_cache;  // written at position n - 1 (the tile reads it from kc)
-    bf16* v_cache;
-    int rot_half;
-    float eps;
-};
-
-// The lane's share (dims 4 lane + 128 m) of one row normalised with (1 + w) and rotated: the
-// rotation partner of dim i < 2 rot_half is dim i +- rot_half, lane +- rot_half / 4.
-template <int QM>
-__device__ __forceinline__ void decode_prep_row(float4 (&x)[QM], const float4 (&w)[QM], const float (&cs)[4],
-                                                const float (&sn)[4], int rot_half, float eps, int hd) {
-    const int lane = threadIdx.x & 31, rq = rot_half / 4;
-    float ss = 0.0f;
-#pragma unroll
-    for (int m = 0; m < QM; m++) ss += x[m].x * x[m].x + x[m].y * x[m].y + x[m].z * x[m].z + x[m].w * x[m].w;
-    const float inv = rsqrtf(warp_sum(ss) / hd + eps);
-#pragma unroll
-    for (int m = 0; m < QM; m++) {
-        x[m].x = x[m].x * inv * (1.0f + w[m].x);
-        x[m].y = x[m].y * inv * (1.0f + w[m].y);
-        x[m].z = x[m].z * inv * (1.0f + w[m].z);
-        x[m].w = x[m].w * inv * (1.0f + w[m].w);
-    }
-    const int partner = lane < rq ? lane + rq : lane - rq;
-    float4 p;
-    p.x = __shfl_sync(0xffffffffu, x[0].x, partner & 31);
-    p.y = __shfl_sync(0xffffffffu, x[0].y, partner & 31);
-    p.z = __shfl_sync(0xffffffffu, x[0].z, partner & 31);
-    p.w = __shfl_sync(0xffffffffu, x[0].w, partner & 31);
-    if (lane < rq) {
-        x[0].x = x[0].x * cs[0] - p.x * sn[0];
-        x[0].y = x[0].y * cs[1] - p.y * sn[1];
-        x[0].z = x[0].z * cs[2] - p.z * sn[2];
-        x[0].w = x[0].w * cs[3] - p.w * sn[3];
-    } else if (lane < 2 * rq) {
-        x[0].x = x[0].x * cs[0] + p.x * sn[0];
-        x[0].y = x[0].y * cs[1] + p.y * sn[1];
-        x[0].z = x[0].z * cs[2] + p.z * sn[2];
-        x[0].w = x[0].w * cs[3] + p.w * sn[3];
-    }
-}
-
-template <int HD, bool PREP>
+template <int HD>
 __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16* __restrict__ kc,
                                                      const bf16* __restrict__ vc, float* __restrict__ part,
                                                      const int* __restrict__ past_dev, int nq, int nkv, int nsplit,
-                                                     float scale_log2, const AttnDecodePrep& pr) {
+                                                     float scale_log2) {
     constexpr int LD = HD + 8;  // padded rows: an ldmatrix's 8 row addresses hit distinct banks
-    constexpr int QM = PREP ? HD / 128 : 1;
     extern __shared__ __align__(128) unsigned char ad_smem[];
     bf16* qs = reinterpret_cast<bf16*>(ad_smem);  // [16][LD]
     bf16* kv = qs + 16 * LD;                      // [2 stages][K | V][AD_TK][LD]
     DECODE_KERNEL(TAG_ATTN_DECODE);
-    if (!PREP) griddep_wait();
+    griddep_wait();
     const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
-    const int n = *past_dev + 1, pos = n - 1;  // the host writes the position before the step
+    const int n = *past_dev + 1;
     const int chunk = max(64, (n + nsplit - 1) / nsplit);
     const int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // beyond the context: attn_combine_dec ignores this split
-    // PREP: the new position's row is not in the cache yet; this block puts it into its tile.
-    const bool has_new = PREP && pos < end;
     auto load_tile = [&](int t0, int stage) {
         bf16* ks = kv + stage * 2 * AD_TK * LD;
         constexpr int VPR = HD / 8;
         for (int v = lane; v < AD_TK * VPR; v += 32) {
             int r = v / VPR, c = (v % VPR) * 8, kp = t0 + r;
-            // No copy at all into the new position's row: a zero-fill from another lane could
-            // land after this block's own store of the row.
-            if (PREP && kp == pos) continue;
             bool ok = kp < end;
             size_t off = ((size_t)(ok ? kp : start) * nkv + kvh) * HD + c;
             cp_async16(ks + r * LD + c, kc + off, ok);
@@ -1300,79 +1236,24 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         cp_async_commit();
     };
     load_tile(start, 0);
-    uint2 knew[QM], vnew[QM];  // PREP: the new position's K and V (bf16) at the lane's dims
-    if (PREP) {
-        float4 wq[QM], wk[QM];
-        float cs[4] = {1.0f, 1.0f, 1.0f, 1.0f}, sn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // The group's queries (rows < group <= 8) scaled into the tile's bf16 rows, rows 8..15 zero.
+    // Every load is issued before any store: a loop storing each before the next load made
+    // them ~8 serial trips to L2.
+    constexpr int QV = 8 * (HD / 4) / 32;
+    float4 xq[QV];
 #pragma unroll
-        for (int m = 0; m < QM; m++) {
-            wq[m] = *reinterpret_cast<const float4*>(pr.q_norm + 4 * lane + 128 * m);
-            wk[m] = *reinterpret_cast<const float4*>(pr.k_norm + 4 * lane + 128 * m);
-        }
-        if (lane < pr.rot_half / 2)
+    for (int it = 0; it < QV; it++) {
+        const int v = lane + 32 * it, r = v / (HD / 4), c = (v % (HD / 4)) * 4;
+        xq[it] = r < group ? *reinterpret_cast<const float4*>(q + (size_t)(kvh * group + r) * HD + c)
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i = 4 * lane + e;
-                sincosf((float)pos * pr.inv_freq[i < pr.rot_half ? i : i - pr.rot_half], &sn[e], &cs[e]);
-            }
-        griddep_wait();  // qg, k and v come from the in-projection
-        float4 xq[8][QM], xk[QM], xv[QM];
-#pragma unroll
-        for (int r = 0; r < 8; r++)
-#pragma unroll
-            for (int m = 0; m < QM; m++)
-                xq[r][m] = r < group ? *reinterpret_cast<const float4*>(pr.qg + (size_t)(kvh * group + r) * 2 * HD +
-                                                                        4 * lane + 128 * m)
-                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int m = 0; m < QM; m++) {
-            xk[m] = has_new ? *reinterpret_cast<const float4*>(pr.k + (size_t)kvh * HD + 4 * lane + 128 * m)
-                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            xv[m] = has_new ? *reinterpret_cast<const float4*>(pr.v + (size_t)kvh * HD + 4 * lane + 128 * m)
-                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int r = 0; r < 16; r++) {
-            if (r < 8 && r < group) decode_prep_row<QM>(xq[r], wq, cs, sn, pr.rot_half, pr.eps, HD);
-#pragma unroll
-            for (int m = 0; m < QM; m++) {
-                const float4 x = r < 8 && r < group ? xq[r][m] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                unsigned* d = reinterpret_cast<unsigned*>(qs + r * LD + 4 * lane + 128 * m);
-                d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
-                d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
-            }
-        }
-        if (has_new) {
-            decode_prep_row<QM>(xk, wk, cs, sn, pr.rot_half, pr.eps, HD);
-#pragma unroll
-            for (int m = 0; m < QM; m++) {
-                knew[m] = make_uint2(pack_bf16x2(xk[m].x, xk[m].y), pack_bf16x2(xk[m].z, xk[m].w));
-                vnew[m] = make_uint2(pack_bf16x2(xv[m].x, xv[m].y), pack_bf16x2(xv[m].z, xv[m].w));
-                const size_t off = ((size_t)pos * nkv + kvh) * HD + 4 * lane + 128 * m;
-                *reinterpret_cast<uint2*>(pr.k_cache + off) = knew[m];
-                *reinterpret_cast<uint2*>(pr.v_cache + off) = vnew[m];
-            }
-        }
-    } else {
-        // The group's queries (rows < group <= 8) scaled into the tile's bf16 rows, rows 8..15
-        // zero. Every load is issued before any store: a loop storing each before the next load
-        // made them ~8 serial trips to L2 on the step's critical path.
-        constexpr int QV = 8 * (HD / 4) / 32;
-        float4 xq[QV];
-#pragma unroll
-        for (int it = 0; it < QV; it++) {
-            const int v = lane + 32 * it, r = v / (HD / 4), c = (v % (HD / 4)) * 4;
-            xq[it] = r < group ? *reinterpret_cast<const float4*>(q + (size_t)(kvh * group + r) * HD + c)
-                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int it = 0; it < 2 * QV; it++) {
-            const int v = lane + 32 * it, r = v / (HD / 4), c = (v % (HD / 4)) * 4;
-            const float4 x = it < QV ? xq[it] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            unsigned* d = reinterpret_cast<unsigned*>(qs + r * LD + c);
-            d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
-            d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
-        }
+    for (int it = 0; it < 2 * QV; it++) {
+        const int v = lane + 32 * it, r = v / (HD / 4), c = (v % (HD / 4)) * 4;
+        const float4 x = it < QV ? xq[it] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        unsigned* d = reinterpret_cast<unsigned*>(qs + r * LD + c);
+        d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
+        d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
     }
     const int g = lane >> 2, cq = 2 * (lane & 3);
     float o[HD / 8][4];
@@ -1386,14 +1267,6 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
             cp_async_wait_one();
         } else {
             cp_async_wait_all();
-        }
-        if (has_new && pos >= t0 && pos < t0 + AD_TK) {  // the new row into this tile (its copy was skipped)
-            bf16* row = kv + stage * 2 * AD_TK * LD + (pos - t0) * LD;
-#pragma unroll
-            for (int m = 0; m < QM; m++) {
-                *reinterpret_cast<uint2*>(row + 4 * lane + 128 * m) = knew[m];
-                *reinterpret_cast<uint2*>(row + AD_TK * LD + 4 * lane + 128 * m) = vnew[m];
-            }
         }
         __syncthreads();  // every lane's copies (and Q, the first time) visible to the warp
         const bf16* kt = kv + stage * 2 * AD_TK * LD;
@@ -1428,19 +1301,8 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     extern "C" __global__ void __launch_bounds__(32) attn_decode_mma_hd##HD(                                  \
         const float* q, const bf16* __restrict__ kc, const bf16* __restrict__ vc, float* __restrict__ part,     \
         const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale) {                         \
-        attn_decode_mma_body<HD, false>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f, \
-                                        AttnDecodePrep{});                                                    \
+        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f);    \
     }
-// grid (nkv, nsplit), block 32, smem as attn_decode_mma_hd256.
-extern "C" __global__ void __launch_bounds__(32) attn_decode_prep_mma_hd256(
-    const float* qg, const float* k, const float* v, const float* __restrict__ q_norm,
-    const float* __restrict__ k_norm, const float* __restrict__ inv_freq, bf16* k_cache, bf16* v_cache,
-    float* __restrict__ part, const int* __restrict__ past_dev, int nq, int nkv, int nsplit, int rot_half, float eps,
-    float scale) {
-    attn_decode_mma_body<256, true>(nullptr, k_cache, v_cache, part, past_dev, nq, nkv, nsplit,
-                                    scale * 1.4426950408889634f,
-                                    AttnDecodePrep{qg, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, rot_half, eps});
-}
 ATTN_DECODE_MMA(32)
 ATTN_DECODE_MMA(64)
 ATTN_DECODE_MMA(128)
