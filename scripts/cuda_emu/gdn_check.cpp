@@ -239,9 +239,68 @@ static void run_gated_norm(int t, int hv, int dv, int pad) {
     if (!ok) exit(1);
 }
 
+// gdn_step_dec (the decode step: gates, delta rule on the f32 state, gated RMSNorm) against a
+// double-precision step from the same state: S *= decay, u = beta (v - S^T k), S += k u^T,
+// o = S^T q, out = bf16(o / rms(o) * w * SiLU(z)). Inputs as the decode graph lays them out.
+template <int DK>
+static void run_step_dec(int hk, int hv, int dv, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> qkv((size_t)2 * hk * DK + (size_t)hv * dv), ba(2 * hv), a_log(hv), dt_bias(hv),
+        z((size_t)hv * dv), nw(dv), state((size_t)hv * DK * dv);
+    for (auto* a : {&qkv, &ba, &a_log, &dt_bias, &z, &nw, &state}) for (auto& x : *a) x = u(rng);
+    for (int i = 0; i < 2 * hk * DK; i++) qkv[i] *= 0.1f;  // unit-ish q, k as after the L2 norms
+    const float eps = 1e-6f;
+    std::vector<double> st_ref(state.begin(), state.end()), out_ref((size_t)hv * dv);
+    for (int j = 0; j < hv; j++) {
+        const int kh = j / (hv / hk);
+        const double sp = ba[hv + j] + dt_bias[j] > 20 ? ba[hv + j] + dt_bias[j] : std::log1p(std::exp((double)ba[hv + j] + dt_bias[j]));
+        const double decay = std::exp(-std::exp((double)a_log[j]) * sp), bt = 1.0 / (1.0 + std::exp(-(double)ba[j]));
+        std::vector<double> o(dv);
+        for (int m = 0; m < dv; m++) {
+            double r = 0;
+            for (int i = 0; i < DK; i++) {
+                double& sv = st_ref[((size_t)j * DK + i) * dv + m];
+                sv *= decay;
+                r += sv * qkv[(size_t)(hk + kh) * DK + i];
+            }
+            const double uu = bt * (qkv[(size_t)2 * hk * DK + (size_t)j * dv + m] - r);
+            for (int i = 0; i < DK; i++) {
+                double& sv = st_ref[((size_t)j * DK + i) * dv + m];
+                sv += qkv[(size_t)(hk + kh) * DK + i] * uu;
+                o[m] += sv * qkv[(size_t)kh * DK + i];
+            }
+        }
+        double ss = 0;
+        for (double x : o) ss += x * x;
+        const double inv = 1.0 / std::sqrt(ss / dv + eps);
+        for (int m = 0; m < dv; m++) {
+            const double zm = z[(size_t)j * dv + m];
+            out_ref[(size_t)j * dv + m] = o[m] * inv * nw[m] * zm / (1.0 + std::exp(-zm));
+        }
+    }
+    std::vector<bf16> out((size_t)hv * dv);
+    const unsigned block = (unsigned)((4 * dv + 31) / 32 * 32);
+    emu_launch({(unsigned)hv, 1, 1}, block, 0, [&] {
+        if constexpr (DK == 128) gdn_step_dec_128(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(), out.data(), hk, hv, dv, eps);
+        else gdn_step_dec_32(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(), out.data(), hk, hv, dv, eps);
+    });
+    double es = max_rel(state, st_ref), eo = 0;
+    for (size_t i = 0; i < out.size(); i++) {
+        const double e = std::fabs(__bfloat162float(out[i]) - out_ref[i]) / (std::fabs(out_ref[i]) * 0.0078125 + 1e-5);
+        if (!(e <= eo)) eo = e;
+    }
+    const bool ok = es < 1e-5 && eo <= 1.0 && !any_nan(state);
+    printf("%s gdn_step_dec dk=%d hk=%d hv=%d dv=%d: state max rel %.1e, out %.2f of a bf16 step\n", ok ? "ok  " : "FAIL", DK, hk,
+           hv, dv, es, eo);
+    if (!ok) exit(1);
+}
+
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
     if (const char* gs = getenv("G_SCALE")) G_SCALE = atof(gs);
+    run_step_dec<128>(2, 4, 128, 1);  // the model's head shape (block 512)
+    run_step_dec<32>(2, 4, 24, 2);    // a narrow one (block 96: a column's lanes across warps)
     for (int dv : {128, 24, 18, 256}) run_gated_norm(21, 1, dv, 0);
     run_gated_norm(7, 3, 128, 64);  // z in the in-projection's rows: the vector path
     run_gated_norm(7, 3, 128, 2);   // a row stride not a multiple of 4: the scalar path
