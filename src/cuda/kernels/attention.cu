@@ -1311,10 +1311,8 @@ ATTN_DECODE_MMA(256)
 // Decode combine: merges the splits of attn_decode(_mma), normalises, applies sigmoid(gate) and
 // writes bf16 [nq * hd]. grid (nq, hd / 32), block 256: warp w sums splits w, w + 8, ... for the
 // block's 32 dims (lane = dim), so each thread has many independent loads in flight.
-// part and qg are not __restrict__: this step's earlier kernels write them (a read-only load
-// may be hoisted above griddep_wait).
-extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* part, const float* qg,
-                                                                   bf16* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* __restrict__ part,
+                                                                   const float* __restrict__ qg, bf16* __restrict__ out,
                                                                    const int* __restrict__ past_dev, int nq, int hd,
                                                                    int nsplit) {
     DECODE_KERNEL(TAG_ATTN_COMBINE);
@@ -1326,35 +1324,29 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* 
     const float* base = part + (size_t)h * nsplit * (hd + 2);
     __shared__ float wsp[256];  // the splits' weights exp(m_sp - max m) (nsplit <= 256)
     __shared__ float red[8][32];
-    // Every load at once, one trip to L2 (loads after a barrier would wait for it): thread sp's
-    // split's max and sum, the warp's splits' values at this dim (splits warp + 8 i), the gate.
-    const float m_sp = tid < used ? base[tid * (hd + 2) + hd] : -INFINITY;
-    const float l_sp = tid < used ? base[tid * (hd + 2) + hd + 1] : 0.0f;
-    float val[32];
-#pragma unroll
-    for (int i = 0; i < 32; i++) val[i] = warp + 8 * i < used ? base[(warp + 8 * i) * (hd + 2) + dim] : 0.0f;
-    const float gate = warp == 0 ? qg[(size_t)h * 2 * hd + hd + dim] : 0.0f;
-    float m = warp_max(m_sp);
+    float m = -INFINITY;
+    for (int sp = tid; sp < used; sp += 256) m = fmaxf(m, base[sp * (hd + 2) + hd]);
+    m = warp_max(m);
     if (lane == 0) red[warp][0] = m;
     __syncthreads();
     m = red[0][0];
     for (int w = 1; w < 8; w++) m = fmaxf(m, red[w][0]);
     float lpart = 0.0f;
-    if (tid < used) {
-        const float w = expf(m_sp - m);
-        wsp[tid] = w;
-        lpart = l_sp * w;
+    for (int sp = tid; sp < used; sp += 256) {
+        float w = expf(base[sp * (hd + 2) + hd] - m);
+        wsp[sp] = w;
+        lpart += base[sp * (hd + 2) + hd + 1] * w;
     }
     const float l = block_sum(lpart);  // (its barriers also publish wsp)
     float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 32; i++)
-        if (warp + 8 * i < used) acc += wsp[warp + 8 * i] * val[i];
+#pragma unroll 8
+    for (int sp = warp; sp < used; sp += 8) acc += wsp[sp] * base[sp * (hd + 2) + dim];
     red[warp][lane] = acc;
     __syncthreads();
     if (warp == 0) {
         float a = 0.0f;
         for (int w = 0; w < 8; w++) a += red[w][lane];
+        float gate = qg[(size_t)h * 2 * hd + hd + dim];
         out[(size_t)h * hd + dim] = __float2bfloat16(a / l * sigmoid_f(gate));
     }
 }

@@ -154,15 +154,12 @@ __device__ void block_argmax(float& v, int& id) {
 }
 
 // Dot of 8 bf16 weights (one 16-byte load) with 8 staged f32 inputs.
-// (dot8v: the same with the 8 inputs already in registers.)
-__device__ __forceinline__ float dot8v(uint4 v, float4 x0, float4 x1) {
+__device__ __forceinline__ float dot8(uint4 v, const float* x) {
     const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+    float4 x0 = reinterpret_cast<const float4*>(x)[0], x1 = reinterpret_cast<const float4*>(x)[1];
     float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
     float2 c = __bfloat1622float2(p[2]), d = __bfloat1622float2(p[3]);
     return a.x * x0.x + a.y * x0.y + b.x * x0.z + b.y * x0.w + c.x * x1.x + c.y * x1.y + d.x * x1.z + d.y * x1.w;
-}
-__device__ __forceinline__ float dot8(uint4 v, const float* x) {
-    return dot8v(v, reinterpret_cast<const float4*>(x)[0], reinterpret_cast<const float4*>(x)[1]);
 }
 
 // ---- Decode GEMV machinery: a warp owns R weight rows, each lane streams 16-byte vectors

@@ -188,12 +188,11 @@ extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __re
 // Gates + delta-rule step + gated RMSNorm: block per value head; four neighbouring lanes share
 // value column m, each keeping a quarter of S[:, m] in registers (read and written once), and
 // combine their partial dot products with two shuffles. ba: [b (hv) | a (hv)]; z: [hv, dv];
-// out bf16. grid hv, block 4 * dv rounded up to 32 (<= 1024). qkv, ba and z are not
-// __restrict__: the step's earlier kernels write them, and ptxas hoisted a read-only load of ba
-// above griddep_wait once the loads were reordered (SASS).
+// out bf16. grid hv, block 4 * dv rounded up to 32 (<= 1024).
 template <int DK>
-__device__ void gdn_step_dec_impl(const float* qkv, const float* ba, const float* __restrict__ a_log,
-                                  const float* __restrict__ dt_bias, const float* z, const float* __restrict__ nw,
+__device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __restrict__ ba,
+                                  const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                  const float* __restrict__ z, const float* __restrict__ nw,
                                   float* __restrict__ state, bf16* __restrict__ out, int hk, int hv, int dv,
                                   float eps) {
     constexpr int RQ = DK / 4;  // state rows per lane
@@ -214,23 +213,15 @@ __device__ void gdn_step_dec_impl(const float* qkv, const float* ba, const float
     // at the same i (16-byte loads), which the padding puts in four different bank groups
     // (unpadded, every read of the two loops below was a 4-way bank conflict).
     __shared__ __align__(16) float qs[4 * (RQ + 4)], ks[4 * (RQ + 4)];
-    // (Unconditional loads of a clamped column, the gates' inputs first: with v and z loaded
-    // under `active`, ptxas issued them only after the gates' exponentials, which wait for ba:
-    // two round trips.)
-    const int mc = active ? m : 0, t = threadIdx.x, tq = t < DK ? t : 0;
-    const float b_in = ba[j], a_in = ba[hv + j];
-    const float v_in = qkv[(size_t)2 * hk * DK + (size_t)j * dv + mc], z_in = z[(size_t)j * dv + mc];
-    const float q_in = qkv[(size_t)kh * DK + tq], k_in = qkv[(size_t)(hk + kh) * DK + tq];
-    auto at = [](int i) { return (i / RQ) * (RQ + 4) + i % RQ; };
-    if (t < DK) qs[at(t)] = q_in, ks[at(t)] = k_in;
-    for (int i = t + blockDim.x; i < DK; i += blockDim.x) {  // a block smaller than DK only
-        qs[at(i)] = qkv[(size_t)kh * DK + i];
-        ks[at(i)] = qkv[(size_t)(hk + kh) * DK + i];
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+        const int at = (i / RQ) * (RQ + 4) + i % RQ;
+        qs[at] = qkv[(size_t)kh * DK + i];
+        ks[at] = qkv[(size_t)(hk + kh) * DK + i];
     }
-    const float v = active ? v_in : 0.0f;
-    const float zm = active && part == 0 ? z_in : 0.0f;
-    float bt = sigmoid_f(b_in);
-    float decay = expf(-a_j * softplus_f(a_in + dtb));
+    const float v = active ? qkv[(size_t)2 * hk * DK + (size_t)j * dv + m] : 0.0f;
+    const float zm = active && part == 0 ? z[(size_t)j * dv + m] : 0.0f;
+    float bt = sigmoid_f(ba[j]);
+    float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
     const float* kq = ks + part * (RQ + 4);
     const float* qq = qs + part * (RQ + 4);

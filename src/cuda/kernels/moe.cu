@@ -1404,20 +1404,13 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
                            rows[q] != nullptr);
         cp_async_commit();
         griddep_wait();  // act and sgate come from the previous kernels
-        // The lane's act values before waiting for the rows: their trip to L2 overlaps the rows'
-        // last arrivals instead of following them.
-        float4 xa[NV][2];
-#pragma unroll
-        for (int j = 0; j < NV; j++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) xa[j][h] = reinterpret_cast<const float4*>(xs + (lane + 32 * j) * 8)[h];
         cp_async_wait_all();
+        uint4 v[4][NV];
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            acc[q] = 0.0f;
+        for (int q = 0; q < 4; q++)
 #pragma unroll
-            for (int j = 0; j < NV; j++) acc[q] += dot8v(stage[(q * NV + j) * 32 + lane], xa[j][0], xa[j][1]);
-        }
+            for (int j = 0; j < NV; j++) v[q][j] = stage[(q * NV + j) * 32 + lane];
+        dot_rows<4, NV>(v, xs, acc);
     } else if (VPL > 0) {
         uint4 v[4][NV];
         load_rows<4, NV>(v, rows);
