@@ -254,8 +254,9 @@ static void run_step_dec(int hk, int hv, int dv, unsigned seed) {
     std::vector<double> st_ref(state.begin(), state.end()), out_ref((size_t)hv * dv);
     for (int j = 0; j < hv; j++) {
         const int kh = j / (hv / hk);
-        const double sp = ba[hv + j] + dt_bias[j] > 20 ? ba[hv + j] + dt_bias[j] : std::log1p(std::exp((double)ba[hv + j] + dt_bias[j]));
-        const double decay = std::exp(-std::exp((double)a_log[j]) * sp), bt = 1.0 / (1.0 + std::exp(-(double)ba[j]));
+        const double x = (double)ba[hv + j] + dt_bias[j], sp = x > 20 ? x : std::log1p(std::exp(x));
+        const double decay = std::exp(-std::exp((double)a_log[j]) * sp);
+        const double bt = 1.0 / (1.0 + std::exp(-(double)ba[j]));
         std::vector<double> o(dv);
         for (int m = 0; m < dv; m++) {
             double r = 0;
@@ -282,17 +283,19 @@ static void run_step_dec(int hk, int hv, int dv, unsigned seed) {
     std::vector<bf16> out((size_t)hv * dv);
     const unsigned block = (unsigned)((4 * dv + 31) / 32 * 32);
     emu_launch({(unsigned)hv, 1, 1}, block, 0, [&] {
-        if constexpr (DK == 128) gdn_step_dec_128(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(), out.data(), hk, hv, dv, eps);
-        else gdn_step_dec_32(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(), out.data(), hk, hv, dv, eps);
+        auto step = DK == 128 ? gdn_step_dec_128 : gdn_step_dec_32;
+        step(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(), out.data(), hk, hv,
+             dv, eps);
     });
     double es = max_rel(state, st_ref), eo = 0;
     for (size_t i = 0; i < out.size(); i++) {
-        const double e = std::fabs(__bfloat162float(out[i]) - out_ref[i]) / (std::fabs(out_ref[i]) * 0.0078125 + 1e-5);
+        const double e =
+            std::fabs(__bfloat162float(out[i]) - out_ref[i]) / (std::fabs(out_ref[i]) * 0.0078125 + 1e-5);
         if (!(e <= eo)) eo = e;
     }
     const bool ok = es < 1e-5 && eo <= 1.0 && !any_nan(state);
-    printf("%s gdn_step_dec dk=%d hk=%d hv=%d dv=%d: state max rel %.1e, out %.2f of a bf16 step\n", ok ? "ok  " : "FAIL", DK, hk,
-           hv, dv, es, eo);
+    printf("%s gdn_step_dec dk=%d hk=%d hv=%d dv=%d: state max rel %.1e, out %.2f of a bf16 step\n",
+           ok ? "ok  " : "FAIL", DK, hk, hv, dv, es, eo);
     if (!ok) exit(1);
 }
 

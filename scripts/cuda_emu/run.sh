@@ -2,8 +2,8 @@
 # Runs Kestrel's kernels on the CPU (no GPU needed) through the small CUDA emulator in
 # cuda_emu.h and checks them against double-precision references:
 #   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
-#   gdn  gdn.cu: chunked and recurrent delta rule, prefill conv, the decode step (`gdn full`: also the full
-#        model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
+#   gdn  gdn.cu: the decode step, chunked and recurrent delta rule, prefill conv (`gdn full`: also
+#        the full model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
 #   attn attention.cu: the prefill flash kernels (attn_flash4 on emulated wgmma, mbarriers and
 #        a producer warpgroup; its fused query prep and its clusters of 2 / 4 with multicast
 #        3-D tensor copies, both bitwise the plain kernel), the tensor-core decode attention and

@@ -1237,8 +1237,8 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     };
     load_tile(start, 0);
     // The group's queries (rows < group <= 8) scaled into the tile's bf16 rows, rows 8..15 zero.
-    // Every load is issued before any store: a loop storing each before the next load made
-    // them ~8 serial trips to L2.
+    // Every load is issued before any store (a loop storing each before the next load issued
+    // them in ~8 dependent rounds); the block's time at context 256 measured the same.
     constexpr int QV = 8 * (HD / 4) / 32;
     float4 xq[QV];
 #pragma unroll
