@@ -2,7 +2,7 @@
 """Summarises a decode-step timeline written by `kestrel bench` with
 KESTREL_KERNEL_DEFINES=KESTREL_TRACE KESTREL_TRACE_OUT=PREFIX (PREFIX-CONTEXT.csv: one row per
 sampled block, every 8th and the last of each kernel: tag, grid, block, y, sm, start, wait,
-end in ns of %globaltimer).
+end in ns of %globaltimer, then up to three phase stamps a kernel takes, 0 when not taken).
 
 Blocks are grouped into launches (same kernel and grid; a new launch when a block starts after
 every earlier block of that kernel has ended), the launches ordered by their first start. A
@@ -74,6 +74,23 @@ def main():
     for k, (n, cost, bnd, body) in sorted(per_kind.items(), key=lambda kv: -kv[1][1]):
         print(f"{k:<22} {n:>8} {cost / 1e3:>9.1f} {100 * cost / total:>5.1f}% {cost / n / 1e3:>10.2f} "
               f"{bnd / n / 1e3:>9.2f} {body / n / 1e3:>7.2f}")
+    # Phase stamps (TRACE_PHASE in a kernel): per kernel and grid row y, the mean time from a
+    # block's wait release to each phase and to its end, over the blocks that waited and took
+    # the phase (a split of the decode attention is a y).
+    phased = defaultdict(list)
+    for tag, grid, recs in launches:
+        for r in recs:
+            if r.get("ph0_ns", 0) and r["wait_ns"]:
+                phased[(kind(tag, grid), r["y"])].append(r)
+    if phased:
+        print(f"\n{'kernel':<22} {'y':>3} {'blocks':>6}  µs after the wait release: "
+              f"{'phase 0':>8} {'phase 1':>8} {'phase 2':>8} {'end':>7}")
+        for (k, y), recs in sorted(phased.items()):
+            def mean(col):
+                xs = [r[col] - r["wait_ns"] for r in recs if r[col]]
+                return f"{sum(xs) / len(xs) / 1e3:>8.2f}" if xs else f"{'-':>8}"
+            print(f"{k:<22} {y:>3} {len(recs):>6}  {'':<26}{mean('ph0_ns')} {mean('ph1_ns')} "
+                  f"{mean('ph2_ns')} {mean('end_ns')[1:]}")
     if "--launches" in sys.argv:
         print(f"\n{'kernel':<22} {'first start':>11} {'release':>9} {'last end':>9} {'cost':>7}  (µs)")
         for k, a, b, c, cost in detail:

@@ -1263,10 +1263,11 @@ fn trace_decode(
         );
     }
     let path = format!("{prefix}-{context}.csv");
-    let mut out = String::from("tag,grid,block,y,sm,start_ns,wait_ns,end_ns\n");
+    let mut out =
+        String::from("tag,grid,block,y,sm,start_ns,wait_ns,end_ns,ph0_ns,ph1_ns,ph2_ns\n");
     for r in &recs {
         out += &format!(
-            "{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{},{}\n",
             r[0] >> 48,
             (r[0] >> 24) & 0xff_ffff,
             r[0] & 0xff_ffff,
@@ -1274,7 +1275,10 @@ fn trace_decode(
             r[1] & 0xffff_ffff,
             r[2],
             r[3],
-            r[4]
+            r[4],
+            r[5],
+            r[6],
+            r[7]
         );
     }
     std::fs::write(&path, out).map_err(|e| anyhow::anyhow!("writing {path}: {e}"))?;

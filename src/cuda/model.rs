@@ -2041,19 +2041,19 @@ impl CudaModel {
 
     /// One fused decode step of `token` with the decode timeline on: the records of every
     /// 8th and the last block of each decode kernel, `[tag << 48 | grid << 24 | block,
-    /// y << 32 | SM, start, wait released (0: none), end]`, times in ns of %globaltimer (see
-    /// common.cuh). Empty unless the kernels were compiled with
-    /// `KESTREL_KERNEL_DEFINES=KESTREL_TRACE`.
+    /// y << 32 | SM, start, wait released (0: none), end, phase 0, 1, 2 (0: not taken)]`, times
+    /// in ns of %globaltimer (see common.cuh's TRACE_RECORD). Empty unless the kernels were
+    /// compiled with `KESTREL_KERNEL_DEFINES=KESTREL_TRACE`.
     pub fn trace_decode_step(
         &self,
         state: &mut CudaState,
         token: u32,
         vocab_limit: usize,
-    ) -> Result<Vec<[u64; 5]>> {
+    ) -> Result<Vec<[u64; 8]>> {
         const CAP: usize = 1 << 16;
         self.gpu.bind()?;
         self.admit_tokens(state, &[token])?;
-        let buf = self.gpu.alloc_zeroed(CAP * 40)?;
+        let buf = self.gpu.alloc_zeroed(CAP * 64)?;
         let set = |ptr: u64, cap: usize| {
             self.gpu.launch(
                 "trace_set",
@@ -2066,12 +2066,12 @@ impl CudaModel {
         set(buf.ptr, CAP)?;
         self.decode_step(state, token, vocab_limit)?;
         set(0, 0)?;
-        let mut raw = vec![0u64; CAP * 5];
+        let mut raw = vec![0u64; CAP * 8];
         self.gpu.copy_to_host(buf.ptr, &mut raw)?;
         Ok(raw
-            .chunks_exact(5)
+            .chunks_exact(8)
             .filter(|r| r[2] != 0)
-            .map(|r| [r[0], r[1], r[2], r[3], r[4]])
+            .map(|r| r.try_into().expect("chunks of 8"))
             .collect())
     }
 

@@ -1255,6 +1255,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
         d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
     }
+    TRACE_PHASE(0);  // the timeline's phases: queries staged, first tile in, products done
     const int g = lane >> 2, cq = 2 * (lane & 3);
     float o[HD / 8][4];
 #pragma unroll
@@ -1269,6 +1270,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
             cp_async_wait_all();
         }
         __syncthreads();  // every lane's copies (and Q, the first time) visible to the warp
+        if (t0 == start) TRACE_PHASE(1);
         const bf16* kt = kv + stage * 2 * AD_TK * LD;
         const bf16* vt = kt + AD_TK * LD;
         float s[AD_TK / 8][4];
@@ -1285,6 +1287,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         warp_pv<HD, AD_TK, LD>(o, s, vt, lane);
         __syncthreads();  // done with this stage before the next iteration refills it
     }
+    TRACE_PHASE(2);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     if (g >= group) return;  // padding rows (8..15 are never a head: group <= 8 here)

@@ -55,7 +55,10 @@ __device__ __forceinline__ void griddep_wait_plain() { asm volatile("griddepcont
 // CudaModel::trace_decode_step and scripts/decode_timeline.py): thread 0 of every 8th block and
 // of the last block of each decode kernel appends one record of five u64 to the buffer trace_set
 // gave: tag << 48 | grid << 24 | block, SM, then %globaltimer (ns) at the block's start, when its
-// griddep_wait returned (0: never waited) and at its end. Without the define the hooks are empty.
+// griddep_wait returned (0: never waited) and at its end, then up to three phase stamps a kernel
+// may take on thread 0 (TRACE_PHASE(k), k < 3; 0: not taken). Without the define the hooks are
+// empty.
+#define TRACE_RECORD 8  // u64 a record (CudaModel::trace_decode_step reads the same)
 __device__ u64* g_trace;
 __device__ unsigned g_trace_n, g_trace_cap;
 extern "C" __global__ void trace_set(u64* buf, unsigned cap) {
@@ -65,6 +68,7 @@ extern "C" __global__ void trace_set(u64* buf, unsigned cap) {
 }
 #ifdef KESTREL_TRACE
 __shared__ u64 g_trace_t0, g_trace_t1;  // this block's start and wait release
+__shared__ u64 g_trace_ph[3];           // its phase stamps
 __device__ __forceinline__ u64 trace_now() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -78,20 +82,25 @@ __device__ __forceinline__ unsigned trace_sm() {
 struct TraceBlock {
     unsigned tag;
     __device__ explicit TraceBlock(unsigned t) : tag(t) {
-        if (threadIdx.x == 0) g_trace_t0 = trace_now(), g_trace_t1 = 0;
+        if (threadIdx.x == 0) g_trace_t0 = trace_now(), g_trace_t1 = 0, g_trace_ph[0] = g_trace_ph[1] = g_trace_ph[2] = 0;
     }
     __device__ ~TraceBlock() {
         if (threadIdx.x != 0 || !g_trace || ((blockIdx.x & 7) && blockIdx.x + 1 != gridDim.x)) return;
         const unsigned i = atomicAdd(&g_trace_n, 1u);
         if (i >= g_trace_cap) return;
-        u64* r = g_trace + 5 * (size_t)i;
+        u64* r = g_trace + TRACE_RECORD * (size_t)i;
         r[0] = (u64)tag << 48 | (u64)gridDim.x << 24 | blockIdx.x;
         r[1] = (u64)blockIdx.y << 32 | trace_sm();
         r[2] = g_trace_t0;
         r[3] = g_trace_t1;
         r[4] = trace_now();
+        for (int k = 0; k < 3; k++) r[5 + k] = g_trace_ph[k];
     }
 };
+#define TRACE_PHASE(k)                                 \
+    do {                                               \
+        if (threadIdx.x == 0) g_trace_ph[k] = trace_now(); \
+    } while (0)
 __device__ __forceinline__ void griddep_wait() {
     griddep_wait_plain();
     if (threadIdx.x == 0) g_trace_t1 = trace_now();
@@ -104,6 +113,9 @@ __device__ __forceinline__ void griddep_wait() {
 __device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define DECODE_KERNEL(tag) griddep_launch()
 #define DECODE_KERNEL_NO_LAUNCH(tag)
+#define TRACE_PHASE(k) \
+    do {               \
+    } while (0)
 #endif
 // Prefill kernels, launched with programmatic dependent launch by Gpu::launch_dep: wait for the
 // previous kernel and its writes before anything else (reads and writes alike), then let the

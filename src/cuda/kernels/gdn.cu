@@ -223,6 +223,7 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     float bt = sigmoid_f(ba[j]);
     float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
     __syncthreads();
+    TRACE_PHASE(0);  // the timeline's phases: inputs in, state updated, output norm summed
     const float* kq = ks + part * (RQ + 4);
     const float* qq = qs + part * (RQ + 4);
     float r = 0.0f;
@@ -242,12 +243,14 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     }
     o += __shfl_xor_sync(0xffffffffu, o, 1);
     o += __shfl_xor_sync(0xffffffffu, o, 2);
+    TRACE_PHASE(1);
     if (active) {
 #pragma unroll
         for (int i = 0; i < RQ; i++) st[(size_t)i * dv] = S[i];
     }
     if (!active) o = 0.0f;
     float inv = rsqrtf(block_sum(part == 0 ? o * o : 0.0f) / dv + eps);
+    TRACE_PHASE(2);
     if (active && part == 0)
         out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(zm));
 }

@@ -1405,6 +1405,7 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         cp_async_commit();
         griddep_wait();  // act and sgate come from the previous kernels
         cp_async_wait_all();
+        TRACE_PHASE(0);  // the timeline's phases: rows in, partial sums done, slots summed
         uint4 v[4][NV];
 #pragma unroll
         for (int q = 0; q < 4; q++)
@@ -1427,7 +1428,9 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         if (s != k) a = __bfloat162float(__float2bfloat16(a));
         if (lane == 0) red[s][q] = coef * a;
     }
+    TRACE_PHASE(1);
     __syncthreads();
+    TRACE_PHASE(2);
     if (threadIdx.x < 4 && r0 + threadIdx.x < d) {
         float t = 0.0f;
         for (int i = 0; i <= k; i++) t += red[i][threadIdx.x];
