@@ -1204,9 +1204,7 @@ ATTN_FLASH4C(4)
 // from S's registers. Writes attn_decode's partials (unnormalised O, natural-log max, sum) for
 // attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
-// load above griddep_wait. The first tile's cached rows are requested before the wait (the
-// phase stamps showed the tile arriving ~5 us after the release when requested after it);
-// kernel define AD_TILE_AFTER_WAIT requests it after the wait, as before.
+// load above griddep_wait.
 #define AD_TK 32
 
 template <int HD>
@@ -1219,20 +1217,17 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     bf16* qs = reinterpret_cast<bf16*>(ad_smem);  // [16][LD]
     bf16* kv = qs + 16 * LD;                      // [2 stages][K | V][AD_TK][LD]
     DECODE_KERNEL(TAG_ATTN_DECODE);
+    griddep_wait();
     const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
-    // The host writes the position before the step; of the cache, only row n - 1 is this
-    // step's (attn_prep's), every row below it was final before the step began.
-    const int n = *past_dev + 1, pos = n - 1;
+    const int n = *past_dev + 1;
     const int chunk = max(64, (n + nsplit - 1) / nsplit);
     const int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // beyond the context: attn_combine_dec ignores this split
-    constexpr int VPR = HD / 8;  // 16-byte pieces a row
-    // Tile t0 into `stage`; no copy at all into row `skip` (so none can land after its own).
-    auto load_tile = [&](int t0, int stage, int skip) {
+    auto load_tile = [&](int t0, int stage) {
         bf16* ks = kv + stage * 2 * AD_TK * LD;
+        constexpr int VPR = HD / 8;
         for (int v = lane; v < AD_TK * VPR; v += 32) {
             int r = v / VPR, c = (v % VPR) * 8, kp = t0 + r;
-            if (kp == skip) continue;
             bool ok = kp < end;
             size_t off = ((size_t)(ok ? kp : start) * nkv + kvh) * HD + c;
             cp_async16(ks + r * LD + c, kc + off, ok);
@@ -1240,22 +1235,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         }
         cp_async_commit();
     };
-#ifdef AD_TILE_AFTER_WAIT
-    griddep_wait();
-    load_tile(start, 0, -1);
-#else
-    // The first tile's cached rows stream in while attn_prep runs; the new row after the wait.
-    load_tile(start, 0, pos);
-    griddep_wait();
-    if (pos < start + AD_TK) {
-        const size_t off = ((size_t)pos * nkv + kvh) * HD;
-        for (int v = lane; v < VPR; v += 32) {
-            cp_async16(kv + (pos - start) * LD + v * 8, kc + off + v * 8, true);
-            cp_async16(kv + (AD_TK + pos - start) * LD + v * 8, vc + off + v * 8, true);
-        }
-        cp_async_commit();
-    }
-#endif
+    load_tile(start, 0);
     // The group's queries (rows < group <= 8) scaled into the tile's bf16 rows, rows 8..15 zero.
     // Every load is issued before any store (a loop storing each before the next load issued
     // them in ~8 dependent rounds); the block's time at context 256 measured the same.
@@ -1284,7 +1264,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     int stage = 0;
     for (int t0 = start; t0 < end; t0 += AD_TK, stage ^= 1) {
         if (t0 + AD_TK < end) {
-            load_tile(t0 + AD_TK, stage ^ 1, -1);
+            load_tile(t0 + AD_TK, stage ^ 1);
             cp_async_wait_one();
         } else {
             cp_async_wait_all();
