@@ -53,11 +53,11 @@ __device__ __forceinline__ void griddep_wait_plain() { asm volatile("griddepcont
 
 // ---- Decode timeline (compiled in with KESTREL_KERNEL_DEFINES=KESTREL_TRACE; see
 // CudaModel::trace_decode_step and scripts/decode_timeline.py): thread 0 of every 8th block and
-// of the last block of each decode kernel appends one record of five u64 to the buffer trace_set
-// gave: tag << 48 | grid << 24 | block, SM, then %globaltimer (ns) at the block's start, when its
-// griddep_wait returned (0: never waited) and at its end, then up to three phase stamps a kernel
-// may take on thread 0 (TRACE_PHASE(k), k < 3; 0: not taken). Without the define the hooks are
-// empty.
+// of the last block of each decode kernel appends one record of TRACE_RECORD u64 to the buffer
+// trace_set gave: tag << 48 | grid << 24 | block, SM, then %globaltimer (ns) at the block's start,
+// when its griddep_wait returned (0: never waited) and at its end, then up to three phase stamps a
+// kernel may take on thread 0 (TRACE_PHASE(k), k < 3; 0: not taken). Without the define the hooks
+// are empty.
 #define TRACE_RECORD 8  // u64 a record (CudaModel::trace_decode_step reads the same)
 __device__ u64* g_trace;
 __device__ unsigned g_trace_n, g_trace_cap;
@@ -82,7 +82,10 @@ __device__ __forceinline__ unsigned trace_sm() {
 struct TraceBlock {
     unsigned tag;
     __device__ explicit TraceBlock(unsigned t) : tag(t) {
-        if (threadIdx.x == 0) g_trace_t0 = trace_now(), g_trace_t1 = 0, g_trace_ph[0] = g_trace_ph[1] = g_trace_ph[2] = 0;
+        if (threadIdx.x == 0) {
+            g_trace_t0 = trace_now(), g_trace_t1 = 0;
+            g_trace_ph[0] = g_trace_ph[1] = g_trace_ph[2] = 0;
+        }
     }
     __device__ ~TraceBlock() {
         if (threadIdx.x != 0 || !g_trace || ((blockIdx.x & 7) && blockIdx.x + 1 != gridDim.x)) return;
