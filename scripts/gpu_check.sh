@@ -17,7 +17,7 @@
 #   outputs are wrong, timing only), the baseline first and last, into $OUT/ablate.log: a
 #   kernel's cost on the critical path of the graph-launched step.
 #   timeline: one decode step's per-kernel cost on the critical path from a %globaltimer trace
-#   (KESTREL_TRACE), tables into $OUT/timeline-CONTEXT.txt.
+#   (KESTREL_TRACE), and the kernels' phase stamps, tables into $OUT/timeline-CONTEXT.txt.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -107,6 +107,7 @@ while [ $# -gt 0 ]; do
       for f in "$OUT"/timeline-*.csv; do
         python3 scripts/decode_timeline.py "$f" --launches > "${f%.csv}.txt" 2>&1 || status=1
         head -24 "${f%.csv}.txt" | tee -a "$OUT/timeline.log"
+        sed -n '/after the wait release/,/^$/p' "${f%.csv}.txt" | tee -a "$OUT/timeline.log"  # phases
       done
       shift ;;
     abbin)
