@@ -82,15 +82,15 @@ def main():
         for r in recs:
             if r.get("ph0_ns", 0) and r["wait_ns"]:
                 phased[(kind(tag, grid), r["y"])].append(r)
+    def mean_after_wait(recs, col, width):
+        xs = [r[col] - r["wait_ns"] for r in recs if r[col]]
+        return f"{sum(xs) / len(xs) / 1e3:>{width}.2f}" if xs else f"{'-':>{width}}"
     if phased:
         print(f"\n{'kernel':<22} {'y':>3} {'blocks':>6}  µs after the wait release: "
               f"{'phase 0':>8} {'phase 1':>8} {'phase 2':>8} {'end':>7}")
         for (k, y), recs in sorted(phased.items()):
-            def mean(col, width=8):
-                xs = [r[col] - r["wait_ns"] for r in recs if r[col]]
-                return f"{sum(xs) / len(xs) / 1e3:>{width}.2f}" if xs else f"{'-':>{width}}"
-            print(f"{k:<22} {y:>3} {len(recs):>6}  {'':<26}{mean('ph0_ns')} {mean('ph1_ns')} "
-                  f"{mean('ph2_ns')} {mean('end_ns', 7)}")
+            cols = " ".join(mean_after_wait(recs, c, 8) for c in ("ph0_ns", "ph1_ns", "ph2_ns"))
+            print(f"{k:<22} {y:>3} {len(recs):>6}  {'':<26}{cols} {mean_after_wait(recs, 'end_ns', 7)}")
     if "--launches" in sys.argv:
         print(f"\n{'kernel':<22} {'first start':>11} {'release':>9} {'last end':>9} {'cost':>7}  (µs)")
         for k, a, b, c, cost in detail:

@@ -1340,6 +1340,7 @@ fn weight_window_bandwidth() {
         );
     }
     assert!(gpu.measure_weight_window(&buf, 1 << 20, 6, 1).is_err());
+    assert!(gpu.measure_weight_window(&buf, 1 << 20, 2, 0).is_err());
 }
 
 /// What one grid-wide barrier costs (a persistent decode kernel would pay ~7 a layer where the

@@ -975,10 +975,14 @@ impl Gpu {
         depth: i32,
         reps: usize,
     ) -> Result<(f64, f64)> {
-        if !(1..=5).contains(&depth) || bytes == 0 || !bytes.is_multiple_of(16) || bytes > buf.bytes
+        if !(1..=5).contains(&depth)
+            || bytes == 0
+            || !bytes.is_multiple_of(16)
+            || bytes > buf.bytes
+            || reps == 0
         {
             bail!(
-                "window_probe: depth {depth} (1-5), {bytes} bytes (16-byte multiple, at most the buffer's {})",
+                "window_probe: depth {depth} (1-5), {bytes} bytes (16-byte multiple, at most the buffer's {}), {reps} repetitions (at least 1)",
                 buf.bytes
             );
         }

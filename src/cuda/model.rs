@@ -321,6 +321,10 @@ fn gemv_stream_smem(ns: usize) -> usize {
     2 * 2048 * 4 + 8 * ns * 8192
 }
 
+/// u64 a decode-timeline record (common.cuh's TRACE_RECORD): block id, SM, start, wait release,
+/// end, three phase stamps.
+pub const TRACE_RECORD: usize = 8;
+
 pub struct CudaModel {
     pub config: TextConfig,
     pub gpu: Arc<Gpu>,
@@ -2049,11 +2053,11 @@ impl CudaModel {
         state: &mut CudaState,
         token: u32,
         vocab_limit: usize,
-    ) -> Result<Vec<[u64; 8]>> {
+    ) -> Result<Vec<[u64; TRACE_RECORD]>> {
         const CAP: usize = 1 << 16;
         self.gpu.bind()?;
         self.admit_tokens(state, &[token])?;
-        let buf = self.gpu.alloc_zeroed(CAP * 64)?;
+        let buf = self.gpu.alloc_zeroed(CAP * TRACE_RECORD * 8)?;
         let set = |ptr: u64, cap: usize| {
             self.gpu.launch(
                 "trace_set",
@@ -2066,12 +2070,12 @@ impl CudaModel {
         set(buf.ptr, CAP)?;
         self.decode_step(state, token, vocab_limit)?;
         set(0, 0)?;
-        let mut raw = vec![0u64; CAP * 8];
+        let mut raw = vec![0u64; CAP * TRACE_RECORD];
         self.gpu.copy_to_host(buf.ptr, &mut raw)?;
         Ok(raw
-            .chunks_exact(8)
+            .chunks_exact(TRACE_RECORD)
+            .filter_map(|r| <[u64; TRACE_RECORD]>::try_from(r).ok())
             .filter(|r| r[2] != 0)
-            .map(|r| r.try_into().expect("chunks of 8"))
             .collect())
     }
 
