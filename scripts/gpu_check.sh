@@ -6,6 +6,7 @@
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [variants CONTEXTS 'SET;SET;...']
 #          [abbin BINARY[,BINARY..] CONTEXTS] [ablate CONTEXT 'SET;SET;...'] [timeline CONTEXTS]
+#          [warm 'DEFINES;DEFINES;...']
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   ab: the bench without and with one environment setting, alternating, two rounds each, rows
 #   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
@@ -102,13 +103,23 @@ while [ $# -gt 0 ]; do
     timeline)
       # one decode step's timeline per context (every 8th and the last block of each decode
       # kernel, %globaltimer), summarised per kernel by scripts/decode_timeline.py
-      KESTREL_KERNEL_DEFINES=KESTREL_TRACE KESTREL_TRACE_OUT="$OUT/timeline" .device/bin/kestrel bench --synthetic full \
+      # (TRACE_DEFINES: more kernel defines for the traced build, e.g. TRACE_EVERY=1)
+      KESTREL_KERNEL_DEFINES="KESTREL_TRACE ${TRACE_DEFINES:-}" KESTREL_TRACE_OUT="$OUT/timeline" .device/bin/kestrel bench --synthetic full \
         --contexts "$2" ${KESTREL_BENCH_ARGS:-} 2>&1 | tail -3 | tee -a "$OUT/timeline.log" || status=1
       for f in "$OUT"/timeline-*.csv; do
         python3 scripts/decode_timeline.py "$f" --launches > "${f%.csv}.txt" 2>&1 || status=1
         head -24 "${f%.csv}.txt" | tee -a "$OUT/timeline.log"
         sed -n '/after the wait release/,/^$/p' "${f%.csv}.txt" | tee -a "$OUT/timeline.log"  # phases
       done
+      shift ;;
+    warm)
+      # compile the kernels under several define sets at once (NVRTC is one thread a build), so
+      # later steps find them in the cache: 'DEFINES;DEFINES;...' (each as KESTREL_KERNEL_DEFINES)
+      IFS=';' read -ra sets <<< "$2"
+      for v in "${sets[@]}"; do
+        KESTREL_KERNEL_DEFINES="$v" .device/bin/kestrel bench --synthetic demo --contexts 16 > /dev/null 2>&1 &
+      done
+      wait
       shift ;;
     abbin)
       ab_rounds "$3" ${2//,/ } .device/bin/kestrel

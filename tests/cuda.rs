@@ -282,7 +282,7 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
     let stream = cuda.gemv_stream;
-    let mut run = |graph: bool, ids: Option<&[u32]>, gemv_stream: Option<(usize, usize)>| {
+    let mut run = |graph: bool, ids: Option<&[u32]>, gemv_stream: Option<(usize, usize, usize)>| {
         cuda.decode_graph = graph;
         cuda.decode_pdl = graph;
         cuda.gemv_stream = gemv_stream;
@@ -310,7 +310,11 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let (direct, _) = run(false, Some(&ids), stream);
     // The in-projections as one stream a block (gemv_dec_stream, the default) or gemv_dec's
     // blocks: the same sums, so the same logits bit for bit.
-    let other = if stream.is_some() { None } else { Some((2, 2)) };
+    let other = if stream.is_some() {
+        None
+    } else {
+        Some((2, 2, 3))
+    };
     let (other_gemv, _) = run(true, Some(&ids), other);
     let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
     println!(

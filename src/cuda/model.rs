@@ -313,7 +313,10 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
 /// at 58f3f64 against `gemv_dec`, decode +2.8% / +2.6% / +3.3% at 256 / 4,096 / 32,768
 /// (`bench/results/2026-12-01-h200-gemv-stream-default-ab-58f3f64.log`; other settings in
 /// `...-gemv-stream-ab-2adc1c1.log`).
-const GEMV_STREAM: (usize, usize) = (2, 2);
+/// The third number: how many units before a warp's end the next kernels may start (0: at the
+/// start): A/B at 16d8f5c (`...-gemv-stream-launch-variants-16d8f5c.log`), 3 or 4 against 0
+/// +1.5-2.5% at 256, +0.5-2% at 4,096, level at 32,768.
+const GEMV_STREAM: (usize, usize, usize) = (2, 2, 3);
 
 /// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
 /// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages.
@@ -358,10 +361,11 @@ pub struct CudaModel {
     /// The k = 2048 decode GEMVs without argmax (the in-projections) as one stream a block
     /// (`gemv_dec_stream`, one block an SM, per-warp cp.async rings; the same sums as
     /// `gemv_dec`): (ring stages a warp, how many of them are requested before the kernel's
-    /// wait), default `GEMV_STREAM`; `KESTREL_GEMV_STREAM=NS,EARLY` (NS 2 or 3, EARLY 0 to NS;
-    /// anything else: the default) sets them, `KESTREL_GEMV_STREAM=off` keeps `gemv_dec`'s
-    /// blocks of 16 rows (None).
-    pub gemv_stream: Option<(usize, usize)>,
+    /// wait, how many units before its end the next kernels may start), default `GEMV_STREAM`;
+    /// `KESTREL_GEMV_STREAM=NS,EARLY[,LAUNCH]` (NS 2 or 3, EARLY 0 to NS, LAUNCH 0 to 16, the
+    /// default's when left out; anything else: the default) sets them, `KESTREL_GEMV_STREAM=off`
+    /// keeps `gemv_dec`'s blocks of 16 rows (None).
+    pub gemv_stream: Option<(usize, usize, usize)>,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -666,6 +670,14 @@ impl CudaModel {
         {
             bail!("the CUDA MoE kernels need hidden and expert sizes that are multiples of 8");
         }
+        // The decode GEMVs stage their input as 16-byte words of 8 bf16 (the out-projections'
+        // k is the GDN value width; the attention's is a multiple of 32 already).
+        if !(cfg.gdn_num_value_heads * cfg.gdn_value_dim).is_multiple_of(8) {
+            bail!(
+                "the CUDA decode kernels need the GDN value width (heads x dim) a multiple of 8, not {}",
+                cfg.gdn_num_value_heads * cfg.gdn_value_dim
+            );
+        }
         if cfg.conv_kernel > 9
             || cfg.experts_per_token > 16
             || cfg.gdn_value_dim > 1024
@@ -930,14 +942,16 @@ impl CudaModel {
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         let gemv_stream = match std::env::var("KESTREL_GEMV_STREAM") {
             Ok(v) if v == "off" => None,
-            Ok(v) => v
-                .split_once(',')
-                .and_then(|(ns, early)| {
-                    let (ns, early): (usize, usize) =
-                        (ns.trim().parse().ok()?, early.trim().parse().ok()?);
-                    ((2..=3).contains(&ns) && early <= ns).then_some((ns, early))
-                })
-                .or(Some(GEMV_STREAM)), // not NS,EARLY in range: the default
+            Ok(v) => {
+                let n: Vec<Option<usize>> = v.split(',').map(|p| p.trim().parse().ok()).collect();
+                match n[..] {
+                    [Some(ns), Some(early)] => Some((ns, early, GEMV_STREAM.2)),
+                    [Some(ns), Some(early), Some(at)] => Some((ns, early, at)),
+                    _ => None,
+                }
+                .filter(|&(ns, early, at)| (2..=3).contains(&ns) && early <= ns && at <= 16)
+                .or(Some(GEMV_STREAM)) // not NS,EARLY[,LAUNCH] in range: the default
+            }
             Err(_) => Some(GEMV_STREAM),
         };
         gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
@@ -1649,11 +1663,11 @@ impl CudaModel {
             Arg::Ptr(y),
             Arg::F(beta),
         ];
-        if let (Some((ns, early)), 2048, None) = (self.gemv_stream, k, greedy) {
+        if let (Some((ns, early, at)), 2048, None) = (self.gemv_stream, k, greedy) {
             let args: Vec<Arg> = [Arg::Ptr(w), Arg::I(n as i32)]
                 .into_iter()
                 .chain(io)
-                .chain([Arg::I(ns as i32), Arg::I(early as i32)])
+                .chain([Arg::I(ns as i32), Arg::I(early as i32), Arg::I(at as i32)])
                 .collect();
             return self.gpu.launch_ex(
                 "gemv_dec_stream",

@@ -67,6 +67,9 @@ extern "C" __global__ void trace_set(u64* buf, unsigned cap) {
     g_trace_cap = cap;
 }
 #ifdef KESTREL_TRACE
+#ifndef TRACE_EVERY
+#define TRACE_EVERY 8  // blocks sampled: every TRACE_EVERY-th and the last (1: all; more atomics)
+#endif
 __shared__ u64 g_trace_t0, g_trace_t1;  // this block's start and wait release
 __shared__ u64 g_trace_ph[3];           // its phase stamps
 __device__ __forceinline__ u64 trace_now() {
@@ -88,7 +91,7 @@ struct TraceBlock {
         }
     }
     __device__ ~TraceBlock() {
-        if (threadIdx.x != 0 || !g_trace || ((blockIdx.x & 7) && blockIdx.x + 1 != gridDim.x)) return;
+        if (threadIdx.x != 0 || !g_trace || ((blockIdx.x % TRACE_EVERY) && blockIdx.x + 1 != gridDim.x)) return;
         const unsigned i = atomicAdd(&g_trace_n, 1u);
         if (i >= g_trace_cap) return;
         u64* r = g_trace + TRACE_RECORD * (size_t)i;
@@ -177,6 +180,21 @@ __device__ __forceinline__ float dot8(uint4 v, const float* x) {
     return a.x * x0.x + a.y * x0.y + b.x * x0.z + b.y * x0.w + c.x * x1.x + c.y * x1.y + d.x * x1.z + d.y * x1.w;
 }
 
+// 8 bf16 values (one 16-byte word) as f32 pairs, and their dot with 8 bf16 weights in dot8's
+// order (so the sum is bitwise dot8's with the same values staged as f32).
+struct X8 {
+    float2 a, b, c, d;
+};
+__device__ __forceinline__ X8 unpack8(uint4 v) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+    return {__bfloat1622float2(p[0]), __bfloat1622float2(p[1]), __bfloat1622float2(p[2]), __bfloat1622float2(p[3])};
+}
+__device__ __forceinline__ float dot8(uint4 v, const X8& x) {
+    const X8 w = unpack8(v);
+    return w.a.x * x.a.x + w.a.y * x.a.y + w.b.x * x.b.x + w.b.y * x.b.y + w.c.x * x.c.x + w.c.y * x.c.y +
+           w.d.x * x.d.x + w.d.y * x.d.y;
+}
+
 // ---- Decode GEMV machinery: a warp owns R weight rows, each lane streams 16-byte vectors
 // c = lane + 32*j of them. With VPL (vectors per lane) known at compile time, all R*VPL loads
 // are issued before the input is staged, so the staging latency hides behind the weight fetch.
@@ -198,7 +216,38 @@ __device__ __forceinline__ void load_rows(uint4 (&v)[R][VPL], const bf16* const*
             v[q][j] = row[q] ? __ldg(reinterpret_cast<const uint4*>(row[q]) + lane + 32 * j) : make_uint4(0, 0, 0, 0);
 }
 
-// Per-lane partial dots of loaded rows with xs (not yet summed over the warp).
+// Per-lane partial dots of loaded rows with the input staged in shared memory as bf16 (xb:
+// 16-byte words of 8; not yet summed over the warp). A lane reads word lane + 32 j once for
+// all R rows: 4 shared-memory wavefronts a warp, where f32 staging took 16 (two 16-byte reads
+// at a 32-byte stride, 2-way bank conflicts), which bounded the short GEMVs' dot phase.
+template <int R, int VPL>
+__device__ __forceinline__ void dot_rows(const uint4 (&v)[R][VPL], const uint4* xb, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        const X8 x = unpack8(xb[lane + 32 * j]);
+#pragma unroll
+        for (int q = 0; q < R; q++) acc[q] += dot8(v[q][j], x);
+    }
+}
+
+// dot_rows for any k (% 8 == 0) with the bf16-staged input: the runtime-length fallback.
+template <int R>
+__device__ __forceinline__ void dot_rows_any(const bf16* const* row, const uint4* xb, int k, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+    for (int c = lane; c < (k >> 3); c += 32) {
+        const X8 x = unpack8(xb[c]);
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (row[q]) acc[q] += dot8(__ldg(reinterpret_cast<const uint4*>(row[q]) + c), x);
+    }
+}
+
+// Per-lane partial dots of loaded rows with f32 inputs xs (not yet summed over the warp).
 template <int R, int VPL>
 __device__ __forceinline__ void dot_rows(const uint4 (&v)[R][VPL], const float* xs, float* acc) {
     int lane = threadIdx.x & 31;
@@ -223,23 +272,10 @@ __device__ __forceinline__ void dot_rows_any(const bf16* const* row, const float
     }
 }
 
-// Stage a bf16 vector of k values into shared memory as f32 (then a block barrier); 16-byte
-// loads when k % 8 == 0, so one round trip.
-__device__ __forceinline__ void stage_bf16(float* xs, const bf16* __restrict__ x, int k) {
-    if ((k & 7) == 0) {
-        for (int c = threadIdx.x; c < (k >> 3); c += blockDim.x) {
-            uint4 raw = reinterpret_cast<const uint4*>(x)[c];
-            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float2 f = __bfloat1622float2(p[e]);
-                xs[c * 8 + 2 * e] = f.x;
-                xs[c * 8 + 2 * e + 1] = f.y;
-            }
-        }
-    } else {
-        for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = __bfloat162float(x[i]);
-    }
+// Stage a bf16 vector of k values (k % 8 == 0) into shared memory as it is (xb: 16-byte words
+// of 8), then a block barrier.
+__device__ __forceinline__ void stage_bf16(uint4* xb, const bf16* __restrict__ x, int k) {
+    for (int c = threadIdx.x; c < (k >> 3); c += blockDim.x) xb[c] = reinterpret_cast<const uint4*>(x)[c];
     __syncthreads();
 }
 
@@ -277,47 +313,47 @@ __device__ __forceinline__ float* preload_norm(float* ws, const float* __restric
     return ws;
 }
 
-// Stage the zero-centred RMSNorm (1 + w) of the f32 residual h, rounded to bf16 like every GEMM
-// input; `xb_out` (may be null) also receives it as bf16. 16-byte loads when k % 4 == 0. The
-// weight comes from `ws` when preload_norm put it there (this thread's copies are waited for
-// here; the block barrier in block_sum makes all of them visible), else from w. Ends with a
-// block barrier.
+// Stage the zero-centred RMSNorm (1 + w) of the f32 residual h into shared memory as bf16 (xb,
+// k % 8 == 0; every GEMM input is rounded to bf16); `xb_out` (may be null) also receives it.
+// h is read twice (the sum of squares, then the scaling), not kept in registers: the GEMVs
+// hold their weight rows in registers across this. The weight comes from `ws` when
+// preload_norm put it there (this thread's copies are waited for here; the block barrier in
+// block_sum makes all of them visible), else from w. Ends with a block barrier.
 // ws_pending: cp.async groups this thread committed after preload_norm's, which may stay in
 // flight (gemv_dec_stream's first weight stages).
-__device__ __forceinline__ void stage_rmsnorm(float* xs, const float* __restrict__ h, const float* __restrict__ w,
+__device__ __forceinline__ void stage_rmsnorm(uint4* xb, const float* __restrict__ h, const float* __restrict__ w,
                                               int k, float eps, bf16* __restrict__ xb_out, const float* ws,
                                               int ws_pending = 0) {
     if (ws) cp_async_wait_dyn(ws_pending);
+    const float4* h4 = reinterpret_cast<const float4*>(h);
     float ss = 0.0f;
-    if ((k & 3) == 0) {
-        for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
-            float4 v = reinterpret_cast<const float4*>(h)[c];
-            reinterpret_cast<float4*>(xs)[c] = v;
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-    } else {
-        for (int i = threadIdx.x; i < k; i += blockDim.x) {
-            float v = h[i];
-            xs[i] = v;
-            ss += v * v;
-        }
+    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
+        const float4 v = h4[c];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    float inv = rsqrtf(block_sum(ss) / k + eps);
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        bf16 b = __float2bfloat16(xs[i] * inv * (1.0f + (ws ? ws[i] : w[i])));
-        xs[i] = __bfloat162float(b);
-        if (xb_out) xb_out[i] = b;
+    const float inv = rsqrtf(block_sum(ss) / k + eps);
+    const float* wn = ws ? ws : w;
+    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
+        const float4 v = h4[c], g = reinterpret_cast<const float4*>(wn)[c];  // h again: an L1 hit
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y));
+        __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w));
+        uint2 o;
+        o.x = *reinterpret_cast<unsigned*>(&lo);
+        o.y = *reinterpret_cast<unsigned*>(&hi);
+        reinterpret_cast<uint2*>(xb)[c] = o;
+        if (xb_out) reinterpret_cast<uint2*>(xb_out)[c] = o;
     }
     __syncthreads();
 }
 
-// Stage the decode GEMV input: the bf16 vector x, or (x null) RMSNorm(h) with weight nw,
-// preloaded into xs + k (the GEMVs' smem is 2k floats then).
-__device__ __forceinline__ void stage_input(float* xs, const bf16* __restrict__ x, const float* __restrict__ h,
+// Stage the decode GEMV input into shared memory as bf16 (xb): the bf16 vector x, or (x null)
+// RMSNorm(h) with weight nw, preloaded into ws (the GEMVs' smem is 2k floats: the input in the
+// first k, the weight in the second).
+__device__ __forceinline__ void stage_input(uint4* xb, const bf16* __restrict__ x, const float* __restrict__ h,
                                             const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out,
                                             const float* ws, int ws_pending = 0) {
-    if (x) stage_bf16(xs, x, k);
-    else stage_rmsnorm(xs, h, nw, k, eps, xb_out, ws, ws_pending);
+    if (x) stage_bf16(xb, x, k);
+    else stage_rmsnorm(xb, h, nw, k, eps, xb_out, ws, ws_pending);
 }
 
 template <int R, int VPL>
@@ -329,16 +365,19 @@ __device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int
 #pragma unroll
     for (int q = 0; q < R; q++) rows[q] = r0 + q < n ? w + (size_t)(r0 + q) * k : nullptr;
     constexpr int NV = VPL > 0 ? VPL : 1;  // VPL 0: runtime-length fallback, nothing preloaded
+    uint4* xb = reinterpret_cast<uint4*>(xs);  // the input as bf16
     uint4 v[R][NV];
     if (VPL > 0) load_rows<R, NV>(v, rows);
     if (!staged) {
         const float* ws = x ? nullptr : preload_norm(xs + k, nw, k);
         griddep_wait();
-        stage_input(xs, x, h, nw, k, eps, xb_out, ws);
+        stage_input(xb, x, h, nw, k, eps, xb_out, ws);
+        TRACE_PHASE(0);  // the timeline's phases: input staged, dot products done
     }
     float acc[R];
-    if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
-    else dot_rows_any<R>(rows, xs, k, acc);
+    if (VPL > 0) dot_rows<R, NV>(v, xb, acc);
+    else dot_rows_any<R>(rows, xb, k, acc);
+    TRACE_PHASE(1);
 #pragma unroll
     for (int q = 0; q < R; q++) {
         float a = warp_sum(acc[q]);
@@ -360,10 +399,10 @@ __device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, in
     if (!staged) {
         const float* ws = x ? nullptr : preload_norm(xs + k, nw, k);
         griddep_wait();
-        stage_input(xs, x, h, nw, k, eps, xb_out, ws);
+        stage_input(reinterpret_cast<uint4*>(xs), x, h, nw, k, eps, xb_out, ws);
     }
     float acc[1];
-    dot_rows<1, 8>(v, xs + half * (k / 2), acc);
+    dot_rows<1, 8>(v, reinterpret_cast<const uint4*>(xs) + half * (k / 16), acc);
     float a = warp_sum(acc[0]);
     if (lane == 0) halves[warp] = a;
     __syncthreads();

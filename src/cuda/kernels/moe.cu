@@ -1229,6 +1229,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     __shared__ float part[8][ROUTER_ROWS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* ws = xs + d;  // the RMSNorm weight, then the shared gate's row
+    uint4* xv = reinterpret_cast<uint4*>(xs);  // the input as bf16
     if (blockIdx.x + 1 < gridDim.x) {
         const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
         const uint4* rows[ROUTER_ROWS];
@@ -1240,17 +1241,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
         }
         const float* wn = preload_norm(ws, nw, d);
         griddep_wait();
-        stage_rmsnorm(xs, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, wn);
+        stage_rmsnorm(xv, h, nw, d, eps, blockIdx.x == 0 ? xb : nullptr, wn);
+        TRACE_PHASE(0);  // the timeline's phases: input staged, block's sums met
         float acc[ROUTER_ROWS];
+        const X8 x0 = unpack8(tid < nv ? xv[tid] : make_uint4(0, 0, 0, 0));
 #pragma unroll
         for (int q = 0; q < ROUTER_ROWS; q++) {
-            acc[q] = tid < nv ? dot8(w[q], xs + tid * 8) : 0.0f;
+            acc[q] = tid < nv ? dot8(w[q], x0) : 0.0f;
             for (int c = tid + 256; c < nv; c += 256)  // d > 2048 only
-                if (rows[q]) acc[q] += dot8(__ldg(rows[q] + c), xs + c * 8);
+                if (rows[q]) acc[q] += dot8(__ldg(rows[q] + c), unpack8(xv[c]));
             float a = warp_sum(acc[q]);
             if (lane == 0) part[warp][q] = a;
         }
         __syncthreads();
+        TRACE_PHASE(1);
         if (tid < ROUTER_ROWS && r0 + tid < e) {
             float t = 0.0f;
             for (int i = 0; i < 8; i++) t += part[i][tid];
@@ -1260,9 +1264,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
         const float* wn = preload_norm(ws, nw, d);
         const float* wg = preload_norm(ws + d, w_sg, d);
         griddep_wait();
-        stage_rmsnorm(xs, h, nw, d, eps, nullptr, wn);  // waits for both copies
+        stage_rmsnorm(xv, h, nw, d, eps, nullptr, wn);  // waits for both copies
+        const bf16* xh = reinterpret_cast<const bf16*>(xv);
         float dot = 0.0f;
-        for (int i = tid; i < d; i += blockDim.x) dot += xs[i] * (wg ? wg[i] : w_sg[i]);
+        for (int i = tid; i < d; i += blockDim.x) dot += __bfloat162float(xh[i]) * (wg ? wg[i] : w_sg[i]);
         dot = block_sum(dot);
         if (tid == 0) *sgate = sigmoid_f(dot);
     }
@@ -1321,10 +1326,10 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
         griddep_wait();  // xb, the normalised input, comes from the router too
         if (late_launch) griddep_launch();
     }
-    stage_bf16(xs, xb, d);
+    stage_bf16(reinterpret_cast<uint4*>(xs), xb, d);
     float acc[2];
-    if (VPL > 0) dot_rows<2, NV>(v, xs, acc);
-    else dot_rows_any<2>(rows, xs, d, acc);
+    if (VPL > 0) dot_rows<2, NV>(v, reinterpret_cast<const uint4*>(xs), acc);
+    else dot_rows_any<2>(rows, reinterpret_cast<const uint4*>(xs), d, acc);
     float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     if (lane == 0 && j < n) act[(size_t)slot * act_ld + j] = __bfloat162float(__float2bfloat16(silu_f(g) * u));
 }
