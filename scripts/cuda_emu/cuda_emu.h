@@ -18,7 +18,7 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
-// emu-provides: tma_load_3d_mc
+// emu-provides: tma_load_3d_mc bulk_load
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -751,6 +751,17 @@ inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned
     const EmuTmap& m = *static_cast<const EmuTmap*>(tmap);
     const EmuTmap3 m3{m.base, m.cols, 1, m.rows, 0, m.row_stride, m.box_rows};  // rows as the third dimension
     tma_load_3d_mc(dst, &m3, c0, 0, c1, bar, mask);
+}
+
+// cp.async.bulk (1-D): the bytes land at issue, then complete on the mbarrier.
+inline void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    const unsigned off = smem_addr(dst);
+    if (off % 16 || (uintptr_t)src % 16 || bytes % 16) emu_fail("bulk copy: unaligned address or size");
+    std::vector<unsigned char>& sm = g_dyn_smem_slots[t_slot];
+    if (off + bytes > sm.size()) emu_fail("bulk copy outside shared memory");
+    memcpy(sm.data() + off, src, bytes);
+    std::lock_guard<std::mutex> g(g_mbar_mu);
+    emu_mbar_update(t_slot, smem_addr(bar), 0, 0, (long long)bytes);
 }
 
 inline void tma_load_2d(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {

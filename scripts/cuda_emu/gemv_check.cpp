@@ -90,6 +90,7 @@ int main() {
         const float eps = 1e-6f;
         const int launch_at = blocks & 1 ? 3 : 0;  // where the next kernel may start: no effect on y
         bool same = true;
+        for (int bulk = 0; bulk < 2; bulk++)  // ring stages by cp.async a lane, or a bulk copy
         for (bool norm : {true, false}) {
             const float beta = norm ? 0.0f : 1.0f;
             std::vector<float> ya = y0, yb = y0;
@@ -99,11 +100,12 @@ int main() {
             });
             emu_launch({(unsigned)blocks, 1, 1}, 256, (size_t)gemv_stream_smem(ns), [&] {
                 gemv_dec_stream(w.data(), n, norm ? nullptr : xin.data(), h.data(), nw.data(), eps, xb2.data(),
-                                yb.data(), beta, ns, early, launch_at);
+                                yb.data(), beta, ns, early, launch_at, bulk);
             });
             same &= memcmp(ya.data(), yb.data(), n * 4) == 0 && (!norm || memcmp(xb.data(), xb2.data(), k * 2) == 0);
         }
-        printf("%s gemv_dec_stream n=%d, %d blocks, %d stages, %d early, next kernel %d units before the end: %s\n",
+        printf("%s gemv_dec_stream n=%d, %d blocks, %d stages, %d early, next kernel %d units before the end, "
+               "cp.async and bulk stages: %s\n",
                same ? "ok  " : "FAIL", n, blocks, ns, early, launch_at,
                same ? "y (and the bf16 input) bitwise gemv_dec's" : "DIFFERS from gemv_dec");
         fails += !same;

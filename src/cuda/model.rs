@@ -298,7 +298,7 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
 /// router's logits, the ids and weights, then (expert widths 512) the block's weight rows.
 fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) -> usize {
     let rows = if inter == 512 && s_inter == 512 {
-        (k + 1) * 4 * 2 * 32 * 16
+        (k + 1) * (4 * 2 * 32 * 16 + 8) // and a bulk copy's mbarrier a warp
     } else {
         0
     };
@@ -319,9 +319,10 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
 const GEMV_STREAM: (usize, usize, usize) = (2, 2, 3);
 
 /// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
-/// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages.
+/// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages and their
+/// mbarriers.
 fn gemv_stream_smem(ns: usize) -> usize {
-    2 * 2048 * 4 + 8 * ns * 8192
+    2 * 2048 * 4 + 8 * ns * (8192 + 8)
 }
 
 /// u64 a decode-timeline record (common.cuh's TRACE_RECORD): block id, SM, start, wait release,
@@ -366,6 +367,10 @@ pub struct CudaModel {
     /// default's when left out; anything else: the default) sets them, `KESTREL_GEMV_STREAM=off`
     /// keeps `gemv_dec`'s blocks of 16 rows (None).
     pub gemv_stream: Option<(usize, usize, usize)>,
+    /// `gemv_dec_stream` fills its ring stages by bulk copies (sm_90: one a stage, completing on
+    /// an mbarrier) rather than cp.async a lane: default on Hopper; `KESTREL_GEMV_STREAM_BULK=0`
+    /// turns it off.
+    pub gemv_stream_bulk: bool,
     /// The prefill MoE's grouped GEMM: `moe_gemm4` (default), or with `KESTREL_MOE_GEMM=v3`
     /// `moe_gemm3`, with `v2` / `v1` the WMMA kernels.
     pub moe_gemm: MoeGemm,
@@ -388,6 +393,10 @@ pub struct CudaModel {
     /// before its griddep_wait (`moe_gate_up_dec` then lets it start only after the router is
     /// done); off (`KESTREL_MOE_DOWN=late`) it reads the ids after the wait.
     pub moe_down_early: bool,
+    /// With `moe_down_early`, its rows come as one bulk copy a warp (sm_90; `early` = 2 in the
+    /// kernel) rather than cp.async a lane: default on Hopper; `KESTREL_MOE_DOWN_BULK=0` turns
+    /// it off.
+    pub moe_down_bulk: bool,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -955,6 +964,8 @@ impl CudaModel {
             Err(_) => Some(GEMV_STREAM),
         };
         gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
+        let gemv_stream_bulk =
+            gpu.sm90a && std::env::var("KESTREL_GEMV_STREAM_BULK").map_or(true, |v| v != "0");
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -980,6 +991,7 @@ impl CudaModel {
                 .filter(|&b: &usize| b >= 1)
                 .unwrap_or(GEMV_MAX_BLOCKS),
             gemv_stream,
+            gemv_stream_bulk,
             moe_gemm,
             moe_tile_m: std::env::var("KESTREL_MOE_TILE_M")
                 .ok()
@@ -990,6 +1002,8 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
+            moe_down_bulk: gemv_stream_bulk
+                && std::env::var("KESTREL_MOE_DOWN_BULK").map_or(true, |v| v != "0"),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -1667,7 +1681,12 @@ impl CudaModel {
             let args: Vec<Arg> = [Arg::Ptr(w), Arg::I(n as i32)]
                 .into_iter()
                 .chain(io)
-                .chain([Arg::I(ns as i32), Arg::I(early as i32), Arg::I(at as i32)])
+                .chain([
+                    Arg::I(ns as i32),
+                    Arg::I(early as i32),
+                    Arg::I(at as i32),
+                    Arg::I(self.gemv_stream_bulk as i32),
+                ])
                 .collect();
             return self.gpu.launch_ex(
                 "gemv_dec_stream",
@@ -2008,7 +2027,11 @@ impl CudaModel {
                 Arg::Ptr(dw.topk_w.ptr),
                 Arg::Ptr(dw.router.ptr),
                 Arg::I(e as i32),
-                Arg::I(self.moe_down_early as i32),
+                Arg::I(match (self.moe_down_early, self.moe_down_bulk) {
+                    (false, _) => 0,
+                    (true, false) => 1,
+                    (true, true) => 2,
+                }),
                 Arg::I(k as i32),
                 Arg::Ptr(dw.sgate.ptr),
                 Arg::Ptr(layer.down.ptr),

@@ -608,6 +608,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, int c0,
         "l"(tmap), "r"(c0), "r"(c1), "r"(smem_addr(bar))
         : "memory");
 }
+// `bytes` (a multiple of 16) from global `src` into shared `dst` (both 16-byte aligned) as one
+// bulk copy (cp.async.bulk, sm_90), completing its bytes on `bar`: the copy engine moves them,
+// so the block's own load path (its outstanding-request slots) stays free for other loads.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    WGMMA_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                  smem_addr(dst)),
+              "l"(src), "r"(bytes), "r"(smem_addr(bar))
+              : "memory");
+}
 // Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives registers back,
 // consumer warpgroups take them (per SM sub-partition, every warpgroup has one warp there).
 template <int N>

@@ -77,18 +77,30 @@ GEMV_DEC(gemv_dec_w, true)
 // GDN conv, step and out-projection (or the attention's prep, decode and combine) then take their
 // SMs and request their weights and state while this stream ends, not from its start, where
 // their requests slowed it (decode +1.5-2.5% at 256, H200).
+// bulk (sm_90): lane 0 fills a stage with one bulk copy (its two rows are contiguous) that
+// completes on the stage's mbarrier, instead of 16 cp.async a lane: the SM's load path then
+// holds none of the ring's requests, which otherwise queue the input's loads after the wait
+// behind up to 128 KiB of weight requests an SM (the timeline: staging 2.3 µs after release).
 // grid <= ceil(n / 2), block 256, dynamic smem gemv_stream_smem(ns) bytes.
-__host__ __device__ __forceinline__ int gemv_stream_smem(int ns) { return 2 * 2048 * 4 + 8 * ns * 8192; }
+__host__ __device__ __forceinline__ int gemv_stream_smem(int ns) { return 2 * 2048 * 4 + 8 * ns * (8192 + 8); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
     const bf16* __restrict__ w, int n, const bf16* __restrict__ x, const float* __restrict__ h,
     const float* __restrict__ nw, float eps, bf16* __restrict__ xb_out, float* __restrict__ y, float beta, int ns,
-    int early, int launch_at) {
+    int early, int launch_at, int bulk) {
     DECODE_KERNEL_NO_LAUNCH(TAG_GEMV);
     if (launch_at <= 0) griddep_launch();
     constexpr int K = 2048;
-    extern __shared__ __align__(16) float xs[];  // x [K], the RMSNorm weight [K], then the rings
+    extern __shared__ __align__(16) float xs[];  // x [K], the RMSNorm weight [K], the rings, their mbarriers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint4* ring = reinterpret_cast<uint4*>(xs + 2 * K) + warp * ns * 512;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(xs + 2 * K + 8 * ns * 2048) + warp * ns;
+    if (bulk) {
+        if (lane == 0) {
+            for (int s = 0; s < ns; s++) mbar_init(&full[s], 1);
+            fence_proxy_async();  // the initialised barriers visible to the copy engine
+        }
+        __syncwarp();
+    }
     const int pairs = (n + 1) / 2, p0 = (int)((long long)pairs * blockIdx.x / gridDim.x),
               p1 = (int)((long long)pairs * (blockIdx.x + 1) / gridDim.x);
     const int mine = p1 - p0 > warp ? (p1 - p0 - warp + 7) / 8 : 0;  // pairs p0 + warp + 8 u
@@ -96,6 +108,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
     auto issue = [&](int u) {
         const int r = 2 * (p0 + warp + 8 * u);
         uint4* st = ring + (u % ns) * 512;
+        if (bulk) {
+            if (lane == 0) {
+                const unsigned bytes = (r + 1 < n ? 2 : 1) * K * 2;  // the last pair may be one row
+                mbar_arrive_expect_tx(&full[u % ns], bytes);
+                bulk_load(st, w + (size_t)r * K, bytes, &full[u % ns]);
+            }
+            return;
+        }
 #pragma unroll
         for (int q = 0; q < 2; q++) {
             const bool ok = r + q < n;
@@ -111,11 +131,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
     while (issued < mine && issued < ns) issue(issued++);
     // The RMSNorm weight's copies were committed before every ring stage: wait for them only.
     const uint4* xb = reinterpret_cast<const uint4*>(xs);  // the input as bf16
-    stage_input(reinterpret_cast<uint4*>(xs), x, h, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws, issued);
+    stage_input(reinterpret_cast<uint4*>(xs), x, h, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws,
+                bulk ? 0 : issued);
     TRACE_PHASE(0);  // the timeline's phases: input staged, first unit summed, last unit summed
     for (int u = 0; u < mine; u++) {
         if (launch_at > 0 && u == (mine > launch_at ? mine - launch_at : 0)) griddep_launch();
-        cp_async_wait_dyn(issued - 1 - u);  // the groups committed after u's may stay in flight
+        if (bulk) mbar_wait(&full[u % ns], (u / ns) & 1);
+        else cp_async_wait_dyn(issued - 1 - u);  // the groups committed after u's may stay in flight
         const uint4* st = ring + (u % ns) * 512;
         const int r = 2 * (p0 + warp + 8 * u);
         float acc[2] = {0.0f, 0.0f};
@@ -130,7 +152,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
             const float a = warp_sum(acc[q]);
             if (lane == q && r + q < n) y[r + q] = beta == 0.0f ? a : beta * y[r + q] + a;
         }
-        // The stage is refilled only after the warp sums of what it held (their loads are done).
+        // The stage is refilled only after the warp sums of what it held (their loads are done;
+        // with bulk, lane 0 refills what every lane read).
         if (issued < mine) issue(issued++);
         if (u == 0) TRACE_PHASE(1);
     }

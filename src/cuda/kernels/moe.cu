@@ -1360,8 +1360,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
 // had finished). act and sgate are not __restrict__: ptxas hoisted read-only loads of them above
 // the wait (SASS). grid ceil(d / 4), block 32 * (k + 1), smem (early) down_dec_smem bytes: the
 // logits, ids and weights, then (inter = s_inter = 512) the block's weight rows.
+// early = 2 (sm_90): each warp's 4 rows (contiguous) come as one bulk copy completing on the
+// warp's mbarrier (after the stages), not 8 cp.async a lane: the SM's load path stays free for
+// the activations' loads after the wait.
 __host__ __device__ __forceinline__ int down_dec_smem(int e, int k, int inter, int s_inter, int early) {
-    return early ? ((e + 2 * k + 3) & ~3) * 4 + (inter == 512 && s_inter == 512 ? (k + 1) * 4 * 2 * 32 * 16 : 0) : 0;
+    return early ? ((e + 2 * k + 3) & ~3) * 4 +
+                       (inter == 512 && s_inter == 512 ? (k + 1) * (4 * 2 * 32 * 16 + 8) : 0)
+                 : 0;
 }
 template <int VPL>
 __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
@@ -1399,17 +1404,32 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         // The rows go to shared memory by cp.async: ptxas sinks plain read-only loads whose
         // values are used only after griddep_wait to after it (seen in the SASS), which would
         // put their trip to DRAM back on the critical path.
-        uint4* stage = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3)) + (size_t)s * 4 * NV * 32;
+        uint4* stages = reinterpret_cast<uint4*>(rl + ((e + 2 * k + 3) & ~3));
+        uint4* stage = stages + (size_t)s * 4 * NV * 32;
+        if (early == 2) {
+            unsigned long long* bar = reinterpret_cast<unsigned long long*>(stages + (size_t)(k + 1) * 4 * NV * 32) + s;
+            if (lane == 0) {
+                const unsigned bytes = (unsigned)(d - r0 < 4 ? d - r0 : 4) * NV * 512;  // rows[0] exists: r0 < d
+                mbar_init(bar, 1);
+                fence_proxy_async();  // the initialised barrier visible to the copy engine
+                mbar_arrive_expect_tx(bar, bytes);
+                bulk_load(stage, rows[0], bytes, bar);
+            }
+            __syncwarp();
+            griddep_wait();  // act and sgate come from the previous kernels
+            mbar_wait(bar, 0);
+        } else {
 #pragma unroll
-        for (int q = 0; q < 4; q++)
+            for (int q = 0; q < 4; q++)
 #pragma unroll
-            for (int j = 0; j < NV; j++)
-                cp_async16(stage + (q * NV + j) * 32 + lane,
-                           rows[q] ? reinterpret_cast<const uint4*>(rows[q]) + lane + 32 * j : (const uint4*)base,
-                           rows[q] != nullptr);
-        cp_async_commit();
-        griddep_wait();  // act and sgate come from the previous kernels
-        cp_async_wait_all();
+                for (int j = 0; j < NV; j++)
+                    cp_async16(stage + (q * NV + j) * 32 + lane,
+                               rows[q] ? reinterpret_cast<const uint4*>(rows[q]) + lane + 32 * j : (const uint4*)base,
+                               rows[q] != nullptr);
+            cp_async_commit();
+            griddep_wait();  // act and sgate come from the previous kernels
+            cp_async_wait_all();
+        }
         TRACE_PHASE(0);  // the timeline's phases: rows in, partial sums done, slots summed
         uint4 v[4][NV];
 #pragma unroll
