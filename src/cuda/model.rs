@@ -315,8 +315,10 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
 /// `...-gemv-stream-ab-2adc1c1.log`).
 /// The third number: how many units before a warp's end the next kernels may start (0: at the
 /// start): A/B at 16d8f5c (`...-gemv-stream-launch-variants-16d8f5c.log`), 3 or 4 against 0
-/// +1.5-2.5% at 256, +0.5-2% at 4,096, level at 32,768.
-const GEMV_STREAM: (usize, usize, usize) = (2, 2, 3);
+/// +1.5-2.5% at 256, +0.5-2% at 4,096, level at 32,768. With bulk stages and h loaded before
+/// the stages left to request after the wait, one stage early instead of two: +1.4% / +0.6% at
+/// 256 / 4,096 (`...-stream-h-first-variants.log`).
+const GEMV_STREAM: (usize, usize, usize) = (2, 1, 3);
 
 /// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
 /// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages and their

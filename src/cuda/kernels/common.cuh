@@ -313,6 +313,19 @@ __device__ __forceinline__ float* preload_norm(float* ws, const float* __restric
     return ws;
 }
 
+// Float4 c of the RMSNorm's output: bf16(h * inv * (1 + w)) into xb (and xb_out if given).
+__device__ __forceinline__ void rmsnorm_put(uint4* xb, bf16* __restrict__ xb_out, int c, float4 v, const float* wn,
+                                            float inv) {
+    const float4 g = reinterpret_cast<const float4*>(wn)[c];
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y));
+    __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w));
+    uint2 o;
+    o.x = *reinterpret_cast<unsigned*>(&lo);
+    o.y = *reinterpret_cast<unsigned*>(&hi);
+    reinterpret_cast<uint2*>(xb)[c] = o;
+    if (xb_out) reinterpret_cast<uint2*>(xb_out)[c] = o;
+}
+
 // Stage the zero-centred RMSNorm (1 + w) of the f32 residual h into shared memory as bf16 (xb,
 // k % 8 == 0; every GEMM input is rounded to bf16); `xb_out` (may be null) also receives it.
 // h is read twice (the sum of squares, then the scaling), not kept in registers: the GEMVs
@@ -332,17 +345,24 @@ __device__ __forceinline__ void stage_rmsnorm(uint4* xb, const float* __restrict
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     const float inv = rsqrtf(block_sum(ss) / k + eps);
-    const float* wn = ws ? ws : w;
-    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
-        const float4 v = h4[c], g = reinterpret_cast<const float4*>(wn)[c];  // h again: an L1 hit
-        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y));
-        __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w));
-        uint2 o;
-        o.x = *reinterpret_cast<unsigned*>(&lo);
-        o.y = *reinterpret_cast<unsigned*>(&hi);
-        reinterpret_cast<uint2*>(xb)[c] = o;
-        if (xb_out) reinterpret_cast<uint2*>(xb_out)[c] = o;
-    }
+    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x)
+        rmsnorm_put(xb, xb_out, c, h4[c], ws ? ws : w, inv);  // h again: an L1 hit
+    __syncthreads();
+}
+
+// stage_rmsnorm with this thread's float4s of h already loaded (hv[u] = h4[threadIdx.x + u *
+// blockDim.x]; k = 4 * HV * blockDim.x), so that their loads could be issued before anything
+// else the kernel requests after its wait.
+template <int HV>
+__device__ __forceinline__ void stage_rmsnorm_held(uint4* xb, const float4 (&hv)[HV], const float* __restrict__ w,
+                                                   int k, float eps, bf16* __restrict__ xb_out, const float* ws) {
+    if (ws) cp_async_wait_all();
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < HV; u++) ss += hv[u].x * hv[u].x + hv[u].y * hv[u].y + hv[u].z * hv[u].z + hv[u].w * hv[u].w;
+    const float inv = rsqrtf(block_sum(ss) / k + eps);
+#pragma unroll
+    for (int u = 0; u < HV; u++) rmsnorm_put(xb, xb_out, threadIdx.x + u * blockDim.x, hv[u], ws ? ws : w, inv);
     __syncthreads();
 }
 
