@@ -70,8 +70,9 @@ GEMV_DEC(gemv_dec_w, true)
 // `ns` (2-3) cp.async stages, so every SM keeps loads in flight from its first pair to its last
 // instead of in three waves of blocks that each load, then compute, then give way. `early` (0 to
 // ns) of each warp's first pairs are requested before griddep_wait (weights only), the rest as
-// stages free up. A lane reads back only what it copied (the layout of load_rows<2, 8>), and the
-// sums are gemv_dec's, so y is bitwise the same. No argmax (the in-projections only).
+// stages free up. A stage holds the pair's two rows as they are in memory, which is the layout
+// of load_rows<2, 8> (with cp.async a lane reads back only what it copied), and the sums are
+// gemv_dec's, so y is bitwise the same. No argmax (the in-projections only).
 // launch_at: the kernels after this one may start (griddepcontrol.launch_dependents) once each
 // warp has launch_at units left (or at its first unit when it has fewer); 0: at the start. The
 // GDN conv, step and out-projection (or the attention's prep, decode and combine) then take their
