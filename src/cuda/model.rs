@@ -362,7 +362,7 @@ pub struct CudaModel {
     /// f27aa6c: 132 slower (348 -> 320 tok/s at 256), 264 the same (348 -> 345); default kept.
     pub gemv_max_blocks: usize,
     /// The k = 2048 decode GEMVs without argmax (the in-projections) as one stream a block
-    /// (`gemv_dec_stream`, one block an SM, per-warp cp.async rings; the same sums as
+    /// (`gemv_dec_stream`, one block an SM, per-warp rings of stages; the same sums as
     /// `gemv_dec`): (ring stages a warp, how many of them are requested before the kernel's
     /// wait, how many units before its end the next kernels may start), default `GEMV_STREAM`;
     /// `KESTREL_GEMV_STREAM=NS,EARLY[,LAUNCH]` (NS 2 or 3, EARLY 0 to NS, LAUNCH 0 to 16, the

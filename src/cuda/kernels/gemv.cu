@@ -67,7 +67,7 @@ GEMV_DEC(gemv_dec_w, true)
 
 // gemv_dec for k = 2048 as one stream a block: one 256-thread block an SM takes a contiguous run
 // of row pairs, and each warp streams its pairs (8 KiB: two rows) through a private ring of
-// `ns` (2-3) cp.async stages, so every SM keeps loads in flight from its first pair to its last
+// `ns` (2-3) stages (see `bulk`), so every SM keeps loads in flight from its first pair to its last
 // instead of in three waves of blocks that each load, then compute, then give way. `early` (0 to
 // ns) of each warp's first pairs are requested before griddep_wait (weights only), the rest as
 // stages free up. A stage holds the pair's two rows as they are in memory, which is the layout
