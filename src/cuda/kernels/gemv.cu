@@ -79,9 +79,9 @@ GEMV_DEC(gemv_dec_w, true)
 // SMs and request their weights and state while this stream ends, not from its start, where
 // their requests slowed it (decode +1.5-2.5% at 256, H200).
 // bulk (sm_90): lane 0 fills a stage with one bulk copy (its two rows are contiguous) that
-// completes on the stage's mbarrier, instead of 16 cp.async a lane: the SM's load path then
-// holds none of the ring's requests, which otherwise queue the input's loads after the wait
-// behind up to 128 KiB of weight requests an SM (the timeline: staging 2.3 µs after release).
+// completes on the stage's mbarrier, instead of 16 cp.async a lane, so the ring's requests do
+// not occupy the SM's load path (decode +2% on the H200; the input's staging after the wait
+// stayed ~3.5 µs, so what it bought is not established).
 // grid <= ceil(n / 2), block 256, dynamic smem gemv_stream_smem(ns) bytes.
 __host__ __device__ __forceinline__ int gemv_stream_smem(int ns) { return 2 * 2048 * 4 + 8 * ns * (8192 + 8); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
