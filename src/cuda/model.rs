@@ -320,6 +320,25 @@ fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) 
 /// 256 / 4,096 (`...-stream-h-first-variants.log`).
 const GEMV_STREAM: (usize, usize, usize) = (2, 1, 3);
 
+/// `CudaModel::gemv_stream` from `KESTREL_GEMV_STREAM`: unset, or not NS,EARLY[,LAUNCH] in
+/// range, the default; `off`: no stream (None).
+fn gemv_stream_setting(v: Option<&str>) -> Option<(usize, usize, usize)> {
+    let Some(v) = v else {
+        return Some(GEMV_STREAM);
+    };
+    if v == "off" {
+        return None;
+    }
+    let n: Vec<Option<usize>> = v.split(',').map(|p| p.trim().parse().ok()).collect();
+    match n[..] {
+        [Some(ns), Some(early)] => Some((ns, early, GEMV_STREAM.2)),
+        [Some(ns), Some(early), Some(at)] => Some((ns, early, at)),
+        _ => None,
+    }
+    .filter(|&(ns, early, at)| (2..=3).contains(&ns) && early <= ns && at <= 16)
+    .or(Some(GEMV_STREAM))
+}
+
 /// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
 /// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages and their
 /// mbarriers.
@@ -951,20 +970,7 @@ impl CudaModel {
         gpu.sync()?;
         let fused_decode = fused_decode_fits(&cfg)
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
-        let gemv_stream = match std::env::var("KESTREL_GEMV_STREAM") {
-            Ok(v) if v == "off" => None,
-            Ok(v) => {
-                let n: Vec<Option<usize>> = v.split(',').map(|p| p.trim().parse().ok()).collect();
-                match n[..] {
-                    [Some(ns), Some(early)] => Some((ns, early, GEMV_STREAM.2)),
-                    [Some(ns), Some(early), Some(at)] => Some((ns, early, at)),
-                    _ => None,
-                }
-                .filter(|&(ns, early, at)| (2..=3).contains(&ns) && early <= ns && at <= 16)
-                .or(Some(GEMV_STREAM)) // not NS,EARLY[,LAUNCH] in range: the default
-            }
-            Err(_) => Some(GEMV_STREAM),
-        };
+        let gemv_stream = gemv_stream_setting(std::env::var("KESTREL_GEMV_STREAM").ok().as_deref());
         gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
         let gemv_stream_bulk =
             gpu.sm90a && std::env::var("KESTREL_GEMV_STREAM_BULK").map_or(true, |v| v != "0");
@@ -2299,5 +2305,25 @@ impl Engine for CudaModel {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_stream_setting_parses_and_falls_back() {
+        assert_eq!(gemv_stream_setting(None), Some(GEMV_STREAM));
+        assert_eq!(gemv_stream_setting(Some("off")), None);
+        assert_eq!(
+            gemv_stream_setting(Some("3,2")),
+            Some((3, 2, GEMV_STREAM.2))
+        );
+        assert_eq!(gemv_stream_setting(Some("2, 0, 5")), Some((2, 0, 5)));
+        // Out of range or malformed: the default, not an error (a timing knob).
+        for bad in ["4,1", "2,3", "2,1,17", "2", "2,1,3,4", "x,1", ""] {
+            assert_eq!(gemv_stream_setting(Some(bad)), Some(GEMV_STREAM), "{bad:?}");
+        }
     }
 }
