@@ -972,8 +972,10 @@ impl CudaModel {
             && std::env::var("KESTREL_DECODE").map_or(true, |v| v != "unfused");
         let gemv_stream = gemv_stream_setting(std::env::var("KESTREL_GEMV_STREAM").ok().as_deref());
         gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(3))?;
-        let gemv_stream_bulk =
-            gpu.sm90a && std::env::var("KESTREL_GEMV_STREAM_BULK").map_or(true, |v| v != "0");
+        // Bulk copies (cp.async.bulk) are sm_90 instructions; each use has its own switch.
+        let bulk_on = |var: &str| gpu.sm90a && std::env::var(var).map_or(true, |v| v != "0");
+        let gemv_stream_bulk = bulk_on("KESTREL_GEMV_STREAM_BULK");
+        let moe_down_bulk = bulk_on("KESTREL_MOE_DOWN_BULK");
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -1010,8 +1012,7 @@ impl CudaModel {
             decode_pdl: std::env::var("KESTREL_DECODE_PDL").map_or(true, |v| v != "0"),
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
-            moe_down_bulk: gemv_stream_bulk
-                && std::env::var("KESTREL_MOE_DOWN_BULK").map_or(true, |v| v != "0"),
+            moe_down_bulk,
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),

@@ -129,18 +129,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
     const float* ws = x ? nullptr : preload_norm(xs + K, nw, K);  // its group first: see below
     while (issued < mine && issued < early && issued < ns) issue(issued++);
     griddep_wait();
-    const uint4* xb = reinterpret_cast<const uint4*>(xs);  // the input as bf16
+    uint4* xb = reinterpret_cast<uint4*>(xs);  // the input as bf16
     if (!x && bulk) {
         // h's loads go out before the stages this warp still has to request, not behind them.
         float4 hv[2];
 #pragma unroll
         for (int u = 0; u < 2; u++) hv[u] = reinterpret_cast<const float4*>(h)[threadIdx.x + 256 * u];
         while (issued < mine && issued < ns) issue(issued++);
-        stage_rmsnorm_held<2>(reinterpret_cast<uint4*>(xs), hv, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws);
+        stage_rmsnorm_held<2>(xb, hv, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws);
     } else {
         while (issued < mine && issued < ns) issue(issued++);
         // The RMSNorm weight's copies were committed before every ring stage: wait for them only.
-        stage_input(reinterpret_cast<uint4*>(xs), x, h, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws,
+        stage_input(xb, x, h, nw, K, eps, blockIdx.x == 0 ? xb_out : nullptr, ws,
                     bulk ? 0 : issued);
     }
     TRACE_PHASE(0);  // the timeline's phases: input staged, first unit summed, last unit summed
