@@ -1205,13 +1205,19 @@ ATTN_FLASH4C(4)
 // attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
 // load above griddep_wait.
+// fold (for few splits, short contexts): the last block of each KV head to finish (a ticket on
+// done[kvh], reset by that block) merges the group's splits, normalises and applies
+// sigmoid(gate) as attn_combine_dec does, writing out, so attn_combine_dec is not launched.
+// gate: the projection's [q | gate] rows (attn_combine_dec's qg). done: nkv counters, zero
+// between launches.
 #define AD_TK 32
 
 template <int HD>
 __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16* __restrict__ kc,
-                                                     const bf16* __restrict__ vc, float* __restrict__ part,
+                                                     const bf16* __restrict__ vc, float* part,
                                                      const int* __restrict__ past_dev, int nq, int nkv, int nsplit,
-                                                     float scale_log2) {
+                                                     float scale_log2, int fold, const float* gate,
+                                                     bf16* __restrict__ out, unsigned* done) {
     constexpr int LD = HD + 8;  // padded rows: an ldmatrix's 8 row addresses hit distinct banks
     extern __shared__ __align__(128) unsigned char ad_smem[];
     bf16* qs = reinterpret_cast<bf16*>(ad_smem);  // [16][LD]
@@ -1290,21 +1296,56 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     TRACE_PHASE(2);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    if (g >= group) return;  // padding rows (8..15 are never a head: group <= 8 here)
-    float* out = part + ((size_t)(kvh * group + g) * nsplit + sp) * (HD + 2);
+    if (g < group) {  // padding rows (8..15 are never a head: group <= 8 here) write nothing
+        float* dst = part + ((size_t)(kvh * group + g) * nsplit + sp) * (HD + 2);
 #pragma unroll
-    for (int nn = 0; nn < HD / 8; nn++) *reinterpret_cast<float2*>(out + nn * 8 + cq) = make_float2(o[nn][0], o[nn][1]);
-    if ((lane & 3) == 0) {
-        out[HD] = m0 * 0.6931471805599453f;  // base-2 max back to natural log
-        out[HD + 1] = l0;
+        for (int nn = 0; nn < HD / 8; nn++)
+            *reinterpret_cast<float2*>(dst + nn * 8 + cq) = make_float2(o[nn][0], o[nn][1]);
+        if ((lane & 3) == 0) {
+            dst[HD] = m0 * 0.6931471805599453f;  // base-2 max back to natural log
+            dst[HD + 1] = l0;
+        }
+    }
+    if (!fold) return;
+    __threadfence();  // this lane's partials visible to the block that takes the last ticket
+    __syncwarp();
+    unsigned ticket = 0;
+    if (lane == 0) ticket = atomicAdd(&done[kvh], 1u);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    const int used = min(nsplit, (n + chunk - 1) / chunk);
+    if ((int)ticket != used - 1) return;
+    if (lane == 0) done[kvh] = 0;  // for the next launch
+    __threadfence();
+    for (int r = 0; r < group; r++) {  // attn_combine_dec's merge, a lane per 32nd dim
+        const int h = kvh * group + r;
+        const float* base = part + (size_t)h * nsplit * (HD + 2);
+        float m = -INFINITY;
+        for (int s2 = 0; s2 < used; s2++) m = fmaxf(m, __ldcg(base + s2 * (HD + 2) + HD));
+        float l = 0.0f, acc[HD / 32];
+#pragma unroll
+        for (int i = 0; i < HD / 32; i++) acc[i] = 0.0f;
+        for (int s2 = 0; s2 < used; s2++) {
+            const float* ps = base + s2 * (HD + 2);
+            const float w = expf(__ldcg(ps + HD) - m);
+            l += __ldcg(ps + HD + 1) * w;
+#pragma unroll
+            for (int i = 0; i < HD / 32; i++) acc[i] += w * __ldcg(ps + lane + 32 * i);
+        }
+#pragma unroll
+        for (int i = 0; i < HD / 32; i++) {
+            const int dim = lane + 32 * i;
+            out[(size_t)h * HD + dim] = __float2bfloat16(acc[i] / l * sigmoid_f(gate[(size_t)h * 2 * HD + HD + dim]));
+        }
     }
 }
 
 #define ATTN_DECODE_MMA(HD)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32) attn_decode_mma_hd##HD(                                  \
-        const float* q, const bf16* __restrict__ kc, const bf16* __restrict__ vc, float* __restrict__ part,     \
-        const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale) {                         \
-        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f);    \
+        const float* q, const bf16* __restrict__ kc, const bf16* __restrict__ vc, float* part,                 \
+        const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale, int fold, const float* gate, \
+        bf16* __restrict__ out, unsigned* done) {                                                             \
+        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f, fold, \
+                                 gate, out, done);                                                            \
     }
 ATTN_DECODE_MMA(32)
 ATTN_DECODE_MMA(64)
