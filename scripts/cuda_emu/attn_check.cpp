@@ -27,7 +27,7 @@ static void run(int nq, int nkv, int n, int nsplit,
     std::vector<float> part((size_t)nq * nsplit * (HD + 2), std::nanf(""));
     std::vector<bf16> out((size_t)nq * HD, __float2bfloat16(std::nanf("")));
     int past = n - 1;
-    const size_t smem = (16 + 4 * 32) * (HD + 8) * 2;
+    const size_t smem = 16 * (HD + 8) * 2 + std::max(4 * 32 * (HD + 8) * 2, 8 * 16 * (HD + 2) * 4);
     double err = 0, mag = 0;
     std::vector<unsigned> done(nkv, 0);
     emu_launch({(unsigned)nkv, (unsigned)nsplit, 1}, 32, smem, [&] {
@@ -299,6 +299,8 @@ int main(int argc, char** argv) {
         // The splits merged by each KV head's last block (no attn_combine_dec).
         run<256>(16, 2, 300, 16, attn_decode_mma_hd256, 1);  // 5 of 16 splits used
         run<256>(16, 2, 70, 4, attn_decode_mma_hd256, 1);
+        run<256>(16, 2, 1024, 16, attn_decode_mma_hd256, 1);  // all 16 splits: the most staged
+        run<128>(16, 2, 700, 16, attn_decode_mma_hd128, 1);   // 11 splits, an odd count
         run<32>(4, 2, 1, 4, attn_decode_mma_hd32, 1);        // one split
         run<64>(8, 8, 130, 4, attn_decode_mma_hd64, 1);
     }

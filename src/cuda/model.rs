@@ -4,7 +4,9 @@
 //! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
-use super::attention::{Flash, FlashCall, QPrep, decode_mma_kernel, decode_mma_smem};
+use super::attention::{
+    Flash, FlashCall, QPrep, decode_mma_fold_smem, decode_mma_kernel, decode_mma_smem,
+};
 use super::gdn::{ConvRows, DeltaBufs, GdnShape};
 use super::moe::{DensePlan, Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
@@ -1922,8 +1924,13 @@ impl CudaModel {
                         args.push(Arg::I(hd as i32));
                     }
                     args.extend([Arg::I(nsplit as i32), Arg::F(1.0 / (hd as f32).sqrt())]);
-                    // Few splits: the last split block of each KV head merges them itself.
-                    let fold = self.attn_fold && mma.is_some() && nsplit <= ATTN_FOLD_MAX_SPLITS;
+                    // Few splits: the last split block of each KV head merges them itself
+                    // (staging the partials in shared memory: an even split count, <= 16).
+                    let fold = self.attn_fold
+                        && mma.is_some()
+                        && nsplit <= ATTN_FOLD_MAX_SPLITS
+                        && nsplit.is_multiple_of(2);
+                    let smem = if fold { decode_mma_fold_smem(hd) } else { smem };
                     if mma.is_some() {
                         args.extend([
                             Arg::I(fold as i32),

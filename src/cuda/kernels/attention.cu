@@ -1202,7 +1202,8 @@ ATTN_FLASH4C(4)
 // instead of 8 scalar FMAs per head. Per tile of AD_TK keys (cp.async, double-buffered):
 // S = Q Kᵀ (mma m16n8k16), online softmax in base 2 on the accumulators, O += P V with P packed
 // from S's registers. Writes attn_decode's partials (unnormalised O, natural-log max, sum) for
-// attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
+// attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2,
+// folded 16 * (HD + 8) * 2 + max(4 * AD_TK * (HD + 8) * 2, 8 * 16 * (HD + 2) * 4).
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
 // load above griddep_wait.
 // fold (for few splits, short contexts): the last block of each KV head to finish (a ticket on
@@ -1211,6 +1212,10 @@ ATTN_FLASH4C(4)
 // gate: the projection's [q | gate] rows (attn_combine_dec's qg). done: nkv counters, zero
 // between launches.
 #define AD_TK 32
+// The fewest positions a split takes (attn_combine_dec derives the same chunk).
+#ifndef AD_MIN_CHUNK
+#define AD_MIN_CHUNK 64
+#endif
 
 template <int HD>
 __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16* __restrict__ kc,
@@ -1226,7 +1231,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     griddep_wait();
     const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
     const int n = *past_dev + 1;
-    const int chunk = max(64, (n + nsplit - 1) / nsplit);
+    const int chunk = max(AD_MIN_CHUNK, (n + nsplit - 1) / nsplit);
     const int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // beyond the context: attn_combine_dec ignores this split
     auto load_tile = [&](int t0, int stage) {
@@ -1316,25 +1321,44 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     if ((int)ticket != used - 1) return;
     if (lane == 0) done[kvh] = 0;  // for the next launch
     __threadfence();
-    for (int r = 0; r < group; r++) {  // attn_combine_dec's merge, a lane per 32nd dim
-        const int h = kvh * group + r;
-        const float* base = part + (size_t)h * nsplit * (HD + 2);
+    // attn_combine_dec's merge from shared memory: this KV head's partials (group heads x used
+    // splits, contiguous a head) and gate rows arrive by cp.async in one round trip; the merge
+    // then reads shared memory only (a loop of dependent L2 reads a head took ~2 per head).
+    // Head rows start 16-byte aligned because nsplit is even (hd + 2 is 2 mod 4); a row's
+    // last word may take 8 bytes of the next (unused) split.
+    const int row = used * (HD + 2), row4 = (row + 3) & ~3;
+    float* ps = reinterpret_cast<float*>(ad_smem + 16 * LD * 2);  // [group][row4]
+    float* gs = reinterpret_cast<float*>(ad_smem);                 // [group][HD] (qs is dead)
+    for (int r = 0; r < group; r++) {
+        const float* src = part + (size_t)(kvh * group + r) * nsplit * (HD + 2);
+        for (int w = lane; w < row4 / 4; w += 32) cp_async16(ps + r * row4 + 4 * w, src + 4 * w, true);
+    }
+    for (int w = lane; w < group * HD / 4; w += 32) {
+        const int r = w / (HD / 4), c = 4 * (w % (HD / 4));
+        cp_async16(gs + r * HD + c, gate + (size_t)(kvh * group + r) * 2 * HD + HD + c, true);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncwarp();
+    for (int r = 0; r < group; r++) {  // a lane per 32nd dim
+        const float* base = ps + r * row4;
         float m = -INFINITY;
-        for (int s2 = 0; s2 < used; s2++) m = fmaxf(m, __ldcg(base + s2 * (HD + 2) + HD));
+        for (int s2 = 0; s2 < used; s2++) m = fmaxf(m, base[s2 * (HD + 2) + HD]);
         float l = 0.0f, acc[HD / 32];
 #pragma unroll
         for (int i = 0; i < HD / 32; i++) acc[i] = 0.0f;
         for (int s2 = 0; s2 < used; s2++) {
-            const float* ps = base + s2 * (HD + 2);
-            const float w = expf(__ldcg(ps + HD) - m);
-            l += __ldcg(ps + HD + 1) * w;
+            const float* p2 = base + s2 * (HD + 2);
+            const float w = expf(p2[HD] - m);
+            l += p2[HD + 1] * w;
 #pragma unroll
-            for (int i = 0; i < HD / 32; i++) acc[i] += w * __ldcg(ps + lane + 32 * i);
+            for (int i = 0; i < HD / 32; i++) acc[i] += w * p2[lane + 32 * i];
         }
+        const int h = kvh * group + r;
 #pragma unroll
         for (int i = 0; i < HD / 32; i++) {
             const int dim = lane + 32 * i;
-            out[(size_t)h * HD + dim] = __float2bfloat16(acc[i] / l * sigmoid_f(gate[(size_t)h * 2 * HD + HD + dim]));
+            out[(size_t)h * HD + dim] = __float2bfloat16(acc[i] / l * sigmoid_f(gs[r * HD + dim]));
         }
     }
 }
@@ -1362,7 +1386,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* 
     DECODE_KERNEL(TAG_ATTN_COMBINE);
     griddep_wait();
     const int n = *past_dev + 1;
-    const int chunk = max(64, (n + nsplit - 1) / nsplit);
+    const int chunk = max(AD_MIN_CHUNK, (n + nsplit - 1) / nsplit);
     const int used = min(nsplit, (n + chunk - 1) / chunk);
     const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, dim = blockIdx.y * 32 + lane;
     const float* base = part + (size_t)h * nsplit * (hd + 2);
