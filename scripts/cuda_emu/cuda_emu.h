@@ -18,7 +18,7 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
-// emu-provides: tma_load_3d_mc bulk_load prefetch_l2_bulk
+// emu-provides: tma_load_3d_mc bulk_load
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -751,11 +751,6 @@ inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned
     const EmuTmap& m = *static_cast<const EmuTmap*>(tmap);
     const EmuTmap3 m3{m.base, m.cols, 1, m.rows, 0, m.row_stride, m.box_rows};  // rows as the third dimension
     tma_load_3d_mc(dst, &m3, c0, 0, c1, bar, mask);
-}
-
-// cp.async.bulk.prefetch.L2: nothing to do, but the address and size rules are checked.
-inline void prefetch_l2_bulk(const void* src, unsigned bytes) {
-    if ((uintptr_t)src % 16 || bytes % 16) emu_fail("bulk prefetch: unaligned address or size");
 }
 
 // cp.async.bulk (1-D): the bytes land at issue, then complete on the mbarrier.

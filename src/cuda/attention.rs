@@ -120,19 +120,12 @@ pub const fn decode_mma_smem(hd: usize) -> usize {
     (16 + 4 * 32) * (hd + 8) * 2
 }
 
-/// The same kernel's shared memory when it folds the combine (`CudaModel::attn_fold`): its
-/// last block stages the partials of up to 8 heads x 16 splits where the K/V stages were.
-pub const fn decode_mma_fold_smem(hd: usize) -> usize {
-    let (stages, partials) = (4 * 32 * (hd + 8) * 2, 8 * 16 * (hd + 2) * 4);
-    16 * (hd + 8) * 2 + if stages > partials { stages } else { partials }
-}
-
 /// The decode kernels on tensor cores with their dynamic shared memory (set at `Gpu::open`).
 pub(super) const DECODE_KERNELS: [(&str, usize); 4] = [
-    ("attn_decode_mma_hd32", decode_mma_fold_smem(32)),
-    ("attn_decode_mma_hd64", decode_mma_fold_smem(64)),
-    ("attn_decode_mma_hd128", decode_mma_fold_smem(128)),
-    ("attn_decode_mma_hd256", decode_mma_fold_smem(256)),
+    ("attn_decode_mma_hd32", decode_mma_smem(32)),
+    ("attn_decode_mma_hd64", decode_mma_smem(64)),
+    ("attn_decode_mma_hd128", decode_mma_smem(128)),
+    ("attn_decode_mma_hd256", decode_mma_smem(256)),
 ];
 
 /// The tensor-core decode kernel for head dim `hd` and `group` query heads per KV head, if

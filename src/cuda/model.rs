@@ -4,9 +4,7 @@
 //! bf16 run), accumulation f32. The GDN recurrent and conv states are f32, the KV cache bf16.
 //! Workspace is allocated once for `max_chunk` tokens: no allocation inside a step.
 
-use super::attention::{
-    Flash, FlashCall, QPrep, decode_mma_fold_smem, decode_mma_kernel, decode_mma_smem,
-};
+use super::attention::{Flash, FlashCall, QPrep, decode_mma_kernel, decode_mma_smem};
 use super::gdn::{ConvRows, DeltaBufs, GdnShape};
 use super::moe::{DensePlan, Grouped, MIN_TILE_M, MoeGemm, MoePlan};
 use super::{Arg, DeviceBuf, Gpu, block_threads};
@@ -69,8 +67,6 @@ fn decode_splits(n: usize) -> usize {
         .find(|&b| b * 64 >= n)
         .unwrap_or(DECODE_SPLITS)
 }
-/// The most splits a folded decode attention merges in its last block (`CudaModel::attn_fold`).
-const ATTN_FOLD_MAX_SPLITS: usize = 16;
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
 
@@ -202,8 +198,6 @@ struct DecodeWs {
     sgate: DeviceBuf,
     /// The lm_head argmax's last-block counter (zero between launches).
     done: DeviceBuf,
-    /// The folded decode attention's last-split counters, one a KV head (zero between launches).
-    attn_done: DeviceBuf,
     /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
     part: DeviceBuf,
@@ -242,7 +236,6 @@ impl DecodeWs {
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
             ("done", 4),
-            ("attn_done", nkv * 4),
             ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
@@ -271,7 +264,6 @@ impl DecodeWs {
             topk_w: take("topk_w")?,
             sgate: take("sgate")?,
             done: take("done")?,
-            attn_done: take("attn_done")?,
             act: take("act")?,
             part: take("part")?,
             logits: take("logits")?,
@@ -426,10 +418,6 @@ pub struct CudaModel {
     /// kernel) rather than cp.async a lane: default on Hopper; `KESTREL_MOE_DOWN_BULK=0` turns
     /// it off.
     pub moe_down_bulk: bool,
-    /// The decode attention on tensor cores merges its splits in its last block of each KV
-    /// head, without `attn_combine_dec`, where a context has at most `ATTN_FOLD_MAX_SPLITS`
-    /// splits (up to 1,024 positions): `KESTREL_ATTN_FOLD=1` (opt-in while unmeasured).
-    pub attn_fold: bool,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -1025,7 +1013,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_down_bulk,
-            attn_fold: std::env::var("KESTREL_ATTN_FOLD").is_ok_and(|v| v == "1"),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -1924,21 +1911,6 @@ impl CudaModel {
                         args.push(Arg::I(hd as i32));
                     }
                     args.extend([Arg::I(nsplit as i32), Arg::F(1.0 / (hd as f32).sqrt())]);
-                    // Few splits: the last split block of each KV head merges them itself
-                    // (staging the partials in shared memory: an even split count, <= 16).
-                    let fold = self.attn_fold
-                        && mma.is_some()
-                        && nsplit <= ATTN_FOLD_MAX_SPLITS
-                        && nsplit.is_multiple_of(2);
-                    let smem = if fold { decode_mma_fold_smem(hd) } else { smem };
-                    if mma.is_some() {
-                        args.extend([
-                            Arg::I(fold as i32),
-                            Arg::Ptr(dw.proj.ptr),
-                            Arg::Ptr(dw.ob.ptr),
-                            Arg::Ptr(dw.attn_done.ptr),
-                        ]);
-                    }
                     launch(
                         kernel,
                         (nkv as u32, nsplit as u32, 1),
@@ -1954,9 +1926,7 @@ impl CudaModel {
                         Arg::Ptr(dw.ob.ptr),
                     ];
                     let tail = [Arg::I(nq as i32), Arg::I(hd as i32), Arg::I(nsplit as i32)];
-                    if fold {
-                        // merged by each KV head's last split block
-                    } else if self.decode_attn_mma && hd.is_multiple_of(32) {
+                    if self.decode_attn_mma && hd.is_multiple_of(32) {
                         let args: Vec<Arg> = head
                             .into_iter()
                             .chain([Arg::Ptr(pos)])

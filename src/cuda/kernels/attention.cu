@@ -1202,27 +1202,21 @@ ATTN_FLASH4C(4)
 // instead of 8 scalar FMAs per head. Per tile of AD_TK keys (cp.async, double-buffered):
 // S = Q Kᵀ (mma m16n8k16), online softmax in base 2 on the accumulators, O += P V with P packed
 // from S's registers. Writes attn_decode's partials (unnormalised O, natural-log max, sum) for
-// attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2,
-// folded 16 * (HD + 8) * 2 + max(4 * AD_TK * (HD + 8) * 2, 8 * 16 * (HD + 2) * 4).
+// attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
 // load above griddep_wait.
-// fold (for few splits, short contexts): the last block of each KV head to finish (a ticket on
-// done[kvh], reset by that block) merges the group's splits, normalises and applies
-// sigmoid(gate) as attn_combine_dec does, writing out, so attn_combine_dec is not launched.
-// gate: the projection's [q | gate] rows (attn_combine_dec's qg). done: nkv counters, zero
-// between launches.
 #define AD_TK 32
-// The fewest positions a split takes (attn_combine_dec derives the same chunk).
+// The fewest positions a split takes (attn_combine_dec derives the same chunk): 32, one tile,
+// so a short context spreads over more one-warp blocks (64 measured 0.7-1.2% slower at 256).
 #ifndef AD_MIN_CHUNK
-#define AD_MIN_CHUNK 64
+#define AD_MIN_CHUNK 32
 #endif
 
 template <int HD>
 __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16* __restrict__ kc,
-                                                     const bf16* __restrict__ vc, float* part,
+                                                     const bf16* __restrict__ vc, float* __restrict__ part,
                                                      const int* __restrict__ past_dev, int nq, int nkv, int nsplit,
-                                                     float scale_log2, int fold, const float* gate,
-                                                     bf16* __restrict__ out, unsigned* done) {
+                                                     float scale_log2) {
     constexpr int LD = HD + 8;  // padded rows: an ldmatrix's 8 row addresses hit distinct banks
     extern __shared__ __align__(128) unsigned char ad_smem[];
     bf16* qs = reinterpret_cast<bf16*>(ad_smem);  // [16][LD]
@@ -1301,75 +1295,21 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     TRACE_PHASE(2);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    if (g < group) {  // padding rows (8..15 are never a head: group <= 8 here) write nothing
-        float* dst = part + ((size_t)(kvh * group + g) * nsplit + sp) * (HD + 2);
+    if (g >= group) return;  // padding rows (8..15 are never a head: group <= 8 here)
+    float* out = part + ((size_t)(kvh * group + g) * nsplit + sp) * (HD + 2);
 #pragma unroll
-        for (int nn = 0; nn < HD / 8; nn++)
-            *reinterpret_cast<float2*>(dst + nn * 8 + cq) = make_float2(o[nn][0], o[nn][1]);
-        if ((lane & 3) == 0) {
-            dst[HD] = m0 * 0.6931471805599453f;  // base-2 max back to natural log
-            dst[HD + 1] = l0;
-        }
-    }
-    if (!fold) return;
-    __threadfence();  // this lane's partials visible to the block that takes the last ticket
-    __syncwarp();
-    unsigned ticket = 0;
-    if (lane == 0) ticket = atomicAdd(&done[kvh], 1u);
-    ticket = __shfl_sync(0xffffffffu, ticket, 0);
-    const int used = min(nsplit, (n + chunk - 1) / chunk);
-    if ((int)ticket != used - 1) return;
-    if (lane == 0) done[kvh] = 0;  // for the next launch
-    __threadfence();
-    // attn_combine_dec's merge from shared memory: this KV head's partials (group heads x used
-    // splits, contiguous a head) and gate rows arrive by cp.async in one round trip; the merge
-    // then reads shared memory only (a loop of dependent L2 reads a head took ~2 per head).
-    // Head rows start 16-byte aligned because nsplit is even (hd + 2 is 2 mod 4); a row's
-    // last word may take 8 bytes of the next (unused) split.
-    const int row = used * (HD + 2), row4 = (row + 3) & ~3;
-    float* ps = reinterpret_cast<float*>(ad_smem + 16 * LD * 2);  // [group][row4]
-    float* gs = reinterpret_cast<float*>(ad_smem);                 // [group][HD] (qs is dead)
-    for (int r = 0; r < group; r++) {
-        const float* src = part + (size_t)(kvh * group + r) * nsplit * (HD + 2);
-        for (int w = lane; w < row4 / 4; w += 32) cp_async16(ps + r * row4 + 4 * w, src + 4 * w, true);
-    }
-    for (int w = lane; w < group * HD / 4; w += 32) {
-        const int r = w / (HD / 4), c = 4 * (w % (HD / 4));
-        cp_async16(gs + r * HD + c, gate + (size_t)(kvh * group + r) * 2 * HD + HD + c, true);
-    }
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncwarp();
-    for (int r = 0; r < group; r++) {  // a lane per 32nd dim
-        const float* base = ps + r * row4;
-        float m = -INFINITY;
-        for (int s2 = 0; s2 < used; s2++) m = fmaxf(m, base[s2 * (HD + 2) + HD]);
-        float l = 0.0f, acc[HD / 32];
-#pragma unroll
-        for (int i = 0; i < HD / 32; i++) acc[i] = 0.0f;
-        for (int s2 = 0; s2 < used; s2++) {
-            const float* p2 = base + s2 * (HD + 2);
-            const float w = expf(p2[HD] - m);
-            l += p2[HD + 1] * w;
-#pragma unroll
-            for (int i = 0; i < HD / 32; i++) acc[i] += w * p2[lane + 32 * i];
-        }
-        const int h = kvh * group + r;
-#pragma unroll
-        for (int i = 0; i < HD / 32; i++) {
-            const int dim = lane + 32 * i;
-            out[(size_t)h * HD + dim] = __float2bfloat16(acc[i] / l * sigmoid_f(gs[r * HD + dim]));
-        }
+    for (int nn = 0; nn < HD / 8; nn++) *reinterpret_cast<float2*>(out + nn * 8 + cq) = make_float2(o[nn][0], o[nn][1]);
+    if ((lane & 3) == 0) {
+        out[HD] = m0 * 0.6931471805599453f;  // base-2 max back to natural log
+        out[HD + 1] = l0;
     }
 }
 
 #define ATTN_DECODE_MMA(HD)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32) attn_decode_mma_hd##HD(                                  \
-        const float* q, const bf16* __restrict__ kc, const bf16* __restrict__ vc, float* part,                 \
-        const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale, int fold, const float* gate, \
-        bf16* __restrict__ out, unsigned* done) {                                                             \
-        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f, fold, \
-                                 gate, out, done);                                                            \
+        const float* q, const bf16* __restrict__ kc, const bf16* __restrict__ vc, float* __restrict__ part,     \
+        const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale) {                         \
+        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f);    \
     }
 ATTN_DECODE_MMA(32)
 ATTN_DECODE_MMA(64)

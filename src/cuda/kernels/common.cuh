@@ -637,11 +637,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
               "l"(src), "r"(bytes), "r"(smem_addr(bar))
               : "memory");
 }
-// `bytes` (a multiple of 16, 16-byte aligned) from global memory into L2 only (sm_90): no
-// register or shared memory holds them, a later load finds them there.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes) {
-    WGMMA_ASM("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 // Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives registers back,
 // consumer warpgroups take them (per SM sub-partition, every warpgroup has one warp there).
 template <int N>

@@ -1322,17 +1322,6 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
     constexpr int NV = VPL > 0 ? VPL : 1;
     uint4 v[2][NV];
     if (VPL > 0) load_rows<2, NV>(v, rows);
-#if defined(GU_PREFETCH) && __CUDA_ARCH__ >= 900
-    // The grid is more blocks than fit at once (576 at 80 registers, 3 an SM): the last slots'
-    // blocks would request their rows only as the first wave leaves. Slot s < GU_PREFETCH
-    // prefetches slot k - GU_PREFETCH + s's same rows into L2 right after its own loads.
-    if (!shared && slot < GU_PREFETCH && lane == 0 && j < n && (d * 2) % 16 == 0) {
-        int* ids = reinterpret_cast<int*>(xs + d + warp * ((e + 2 * k + 3) & ~3) + e);
-        const bf16* wp = gate_up + (size_t)ids[k - GU_PREFETCH + slot] * 2 * inter * d;
-        prefetch_l2_bulk(wp + (size_t)j * d, d * 2);
-        prefetch_l2_bulk(wp + (size_t)(n + j) * d, d * 2);
-    }
-#endif
     if (shared) {
         griddep_wait();  // xb, the normalised input, comes from the router too
         if (late_launch) griddep_launch();
