@@ -1240,7 +1240,9 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         }
         cp_async_commit();
     };
+#ifndef AD_Q_FIRST
     load_tile(start, 0);
+#endif
     // The group's queries (rows < group <= 8) scaled into the tile's bf16 rows, rows 8..15 zero.
     // Every load is issued before any store (a loop storing each before the next load issued
     // them in ~8 dependent rounds); the block's time at context 256 measured the same.
@@ -1252,6 +1254,9 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         xq[it] = r < group ? *reinterpret_cast<const float4*>(q + (size_t)(kvh * group + r) * HD + c)
                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+#ifdef AD_Q_FIRST  // (A/B) the queries' loads issued ahead of the first tile's copies
+    load_tile(start, 0);
+#endif
 #pragma unroll
     for (int it = 0; it < 2 * QV; it++) {
         const int v = lane + 32 * it, r = v / (HD / 4), c = (v % (HD / 4)) * 4;
