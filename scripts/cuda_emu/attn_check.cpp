@@ -289,6 +289,7 @@ int main(int argc, char** argv) {
         run<32>(4, 2, 200, 16, attn_decode_mma_hd32);
         run<64>(8, 8, 130, 4, attn_decode_mma_hd64);     // no GQA sharing
         run<128>(16, 2, 4097, 64, attn_decode_mma_hd128);
+        run<128>(16, 2, 3000, 256, attn_decode_mma_hd128);  // many splits: 47 of 64 positions
     }
     return fails ? 1 : 0;
 }

@@ -1206,11 +1206,16 @@ ATTN_FLASH4C(4)
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
 // load above griddep_wait.
 #define AD_TK 32
-// The fewest positions a split takes (attn_combine_dec derives the same chunk): 32, one tile,
-// so a short context spreads over more one-warp blocks (64 measured 0.7-1.2% slower at 256).
+// Positions a split takes (attn_combine_dec derives the same): at least AD_MIN_CHUNK (one tile)
+// where the step has at most 16 splits, so a short context spreads over more one-warp blocks
+// (64 there measured 0.6-1.2% slower at context 256); at least 64 with more splits, where a
+// smaller chunk doubles the blocks and the partials (32 measured 3% slower at 8,192).
 #ifndef AD_MIN_CHUNK
 #define AD_MIN_CHUNK 32
 #endif
+__device__ __forceinline__ int attn_dec_chunk(int n, int nsplit) {
+    return max(nsplit <= 16 ? AD_MIN_CHUNK : 64, (n + nsplit - 1) / nsplit);
+}
 
 template <int HD>
 __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16* __restrict__ kc,
@@ -1225,7 +1230,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
     griddep_wait();
     const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
     const int n = *past_dev + 1;
-    const int chunk = max(AD_MIN_CHUNK, (n + nsplit - 1) / nsplit);
+    const int chunk = attn_dec_chunk(n, nsplit);
     const int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // beyond the context: attn_combine_dec ignores this split
     auto load_tile = [&](int t0, int stage) {
@@ -1240,9 +1245,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         }
         cp_async_commit();
     };
-#ifndef AD_Q_FIRST
     load_tile(start, 0);
-#endif
     // The group's queries (rows < group <= 8) scaled into the tile's bf16 rows, rows 8..15 zero.
     // Every load is issued before any store (a loop storing each before the next load issued
     // them in ~8 dependent rounds); the block's time at context 256 measured the same.
@@ -1254,9 +1257,6 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         xq[it] = r < group ? *reinterpret_cast<const float4*>(q + (size_t)(kvh * group + r) * HD + c)
                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
-#ifdef AD_Q_FIRST  // (A/B) the queries' loads issued ahead of the first tile's copies
-    load_tile(start, 0);
-#endif
 #pragma unroll
     for (int it = 0; it < 2 * QV; it++) {
         const int v = lane + 32 * it, r = v / (HD / 4), c = (v % (HD / 4)) * 4;
@@ -1331,7 +1331,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* 
     DECODE_KERNEL(TAG_ATTN_COMBINE);
     griddep_wait();
     const int n = *past_dev + 1;
-    const int chunk = max(AD_MIN_CHUNK, (n + nsplit - 1) / nsplit);
+    const int chunk = attn_dec_chunk(n, nsplit);
     const int used = min(nsplit, (n + chunk - 1) / chunk);
     const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, dim = blockIdx.y * 32 + lane;
     const float* base = part + (size_t)h * nsplit * (hd + 2);
