@@ -284,6 +284,7 @@ int main(int argc, char** argv) {
         g_cp_deferred = d;
         run<256>(16, 2, 300, 4, attn_decode_mma_hd256);   // splits of 75 keys: 3 tiles, the last partial
         run<256>(16, 2, 300, 16, attn_decode_mma_hd256);  // the bench at 256: 10 splits of 32
+        run<256>(16, 2, 530, 16, attn_decode_mma_hd256);  // 9 splits of 64 (ceil(530 / 16) = 34 rounded up)
         run<256>(16, 2, 70, 4, attn_decode_mma_hd256);    // splits of 32, 32 and 6 keys, one empty
         run<32>(4, 2, 1, 4, attn_decode_mma_hd32);       // the first decoded token
         run<32>(4, 2, 200, 16, attn_decode_mma_hd32);

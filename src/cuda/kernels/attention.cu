@@ -1206,15 +1206,23 @@ ATTN_FLASH4C(4)
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
 // load above griddep_wait.
 #define AD_TK 32
-// Positions a split takes (attn_combine_dec derives the same): at least AD_MIN_CHUNK (one tile)
-// where the step has at most 16 splits, so a short context spreads over more one-warp blocks
-// (64 there measured 0.6-1.2% slower at context 256); at least 64 with more splits, where a
-// smaller chunk doubles the blocks and the partials (32 measured 3% slower at 8,192).
+// Positions a split takes (attn_combine_dec derives the same). Where the step has at most 16
+// splits: whole AD_TK-key tiles, at least one, so a short context spreads over more one-warp
+// blocks (64 there measured 0.6-1.2% slower at context 256) and no split ends in a tile of a few
+// keys (ceil(n / 16) = 33..36 at 512 made 16 splits of a full and a nearly empty tile).
+// With more splits at least 64 (32 measured 3% slower at 8,192: twice the blocks and
+// partials). AD_CHUNK_TILES=0: the plain max(AD_MIN_CHUNK, ceil(n / nsplit)) (A/B).
 #ifndef AD_MIN_CHUNK
 #define AD_MIN_CHUNK 32
 #endif
+#ifndef AD_CHUNK_TILES
+#define AD_CHUNK_TILES 1
+#endif
 __device__ __forceinline__ int attn_dec_chunk(int n, int nsplit) {
-    return max(nsplit <= 16 ? AD_MIN_CHUNK : 64, (n + nsplit - 1) / nsplit);
+    const int even = (n + nsplit - 1) / nsplit;
+    if (nsplit > 16) return max(64, even);
+    if (!AD_CHUNK_TILES) return max(AD_MIN_CHUNK, even);
+    return max(AD_MIN_CHUNK, (even + AD_TK - 1) / AD_TK * AD_TK);
 }
 
 template <int HD>
