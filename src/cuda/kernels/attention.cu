@@ -1207,22 +1207,13 @@ ATTN_FLASH4C(4)
 // load above griddep_wait.
 #define AD_TK 32
 // Positions a split takes (attn_combine_dec derives the same). Where the step has at most 16
-// splits: whole AD_TK-key tiles, at least one, so a short context spreads over more one-warp
-// blocks (64 there measured 0.6-1.2% slower at context 256) and no split ends in a tile of a few
-// keys (ceil(n / 16) = 33..36 at 512 made 16 splits of a full and a nearly empty tile).
-// With more splits at least 64 (32 measured 3% slower at 8,192: twice the blocks and
-// partials). AD_CHUNK_TILES=0: the plain max(AD_MIN_CHUNK, ceil(n / nsplit)) (A/B).
-#ifndef AD_MIN_CHUNK
-#define AD_MIN_CHUNK 32
-#endif
-#ifndef AD_CHUNK_TILES
-#define AD_CHUNK_TILES 1
-#endif
+// splits: whole AD_TK-key tiles, so a short context spreads over more one-warp blocks (at least
+// 64 positions there measured 0.6-1.2% slower at context 256) and no split ends in a tile of a
+// few keys (ceil(n / 16) = 33..36 at 512 had made 16 splits of a full and a nearly empty tile).
+// With more splits at least 64 (32 measured 3% slower at 8,192: twice the blocks and partials).
 __device__ __forceinline__ int attn_dec_chunk(int n, int nsplit) {
-    const int even = (n + nsplit - 1) / nsplit;
-    if (nsplit > 16) return max(64, even);
-    if (!AD_CHUNK_TILES) return max(AD_MIN_CHUNK, even);
-    return max(AD_MIN_CHUNK, (even + AD_TK - 1) / AD_TK * AD_TK);
+    const int even = (n + nsplit - 1) / nsplit;  // >= 1: n counts the new position
+    return nsplit > 16 ? max(64, even) : (even + AD_TK - 1) / AD_TK * AD_TK;
 }
 
 template <int HD>
