@@ -33,11 +33,6 @@ fn router_smem(d: usize) -> usize {
 fn gate_up_dec_smem(d: usize, e: usize, k: usize) -> usize {
     d + 8 * (e + 2 * k).next_multiple_of(4)
 }
-/// Shared memory of `moe_gate_up_dec_split` in floats (moe.cu's gate_up_split_smem): the same,
-/// then each warp's 4 KB stage of its up row and the 8 warps' mbarriers.
-fn gate_up_split_smem(d: usize, e: usize, k: usize) -> usize {
-    gate_up_dec_smem(d, e, k) + 4 * d + 16
-}
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
 const MOE_GEMV_MAX_ROWS: usize = 64;
@@ -423,10 +418,6 @@ pub struct CudaModel {
     /// kernel) rather than cp.async a lane: default on Hopper; `KESTREL_MOE_DOWN_BULK=0` turns
     /// it off.
     pub moe_down_bulk: bool,
-    /// `moe_gate_up_dec_split`: each warp's up row by a bulk copy into shared memory, its gate
-    /// row in registers, so all routed blocks are resident at once (sm_90, hidden size 2,048;
-    /// `KESTREL_MOE_GATE_UP=regs` keeps both rows in registers).
-    pub moe_gate_up_split: bool,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -985,13 +976,6 @@ impl CudaModel {
         let bulk_on = |var: &str| gpu.sm90a && std::env::var(var).map_or(true, |v| v != "0");
         let gemv_stream_bulk = bulk_on("KESTREL_GEMV_STREAM_BULK");
         let moe_down_bulk = bulk_on("KESTREL_MOE_DOWN_BULK");
-        let moe_gate_up_split = gpu.sm90a
-            && cfg.hidden_size == 2048
-            && !std::env::var("KESTREL_MOE_GATE_UP").is_ok_and(|v| v == "regs");
-        if moe_gate_up_split {
-            let (d, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.experts_per_token);
-            gpu.set_max_dynamic_smem("moe_gate_up_dec_split", gate_up_split_smem(d, e, k) * 4)?;
-        }
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -1029,7 +1013,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_down_bulk,
-            moe_gate_up_split,
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -2019,16 +2002,11 @@ impl CudaModel {
                 Arg::Ptr(dw.sgate.ptr),
             ],
         )?;
-        let (gate_up_kernel, gate_up_smem) = if self.moe_gate_up_split {
-            ("moe_gate_up_dec_split", gate_up_split_smem(d, e, k))
-        } else {
-            ("moe_gate_up_dec", gate_up_dec_smem(d, e, k))
-        };
         launch(
-            gate_up_kernel,
+            "moe_gate_up_dec",
             (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
             256,
-            (gate_up_smem * 4) as u32,
+            (gate_up_dec_smem(d, e, k) * 4) as u32,
             &[
                 Arg::Ptr(dw.xb.ptr),
                 Arg::I(d as i32),

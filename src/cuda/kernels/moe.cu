@@ -1286,16 +1286,7 @@ __host__ __device__ __forceinline__ int gate_up_dec_smem(int d, int e, int k) { 
 // late_launch: let moe_down_dec start only once every block has passed its griddep_wait, so that
 // the router has finished when any of moe_down_dec's blocks runs (it picks the experts from the
 // logits before its own wait).
-// SPLIT (VPL 8, sm_90): a warp's gate row comes into registers, its up row by one bulk copy into
-// the warp's 4 KB stage in shared memory (completing on the warp's mbarrier), so a block holds
-// half the registers and 4 blocks an SM fit (moe_gate_up_dec_split): the 512 routed blocks are
-// all resident at once and request their rows as soon as the router is done, where 3 blocks an
-// SM left ~1.45 waves whose last blocks requested theirs only as earlier ones left.
-// smem gate_up_split_smem(d, e, k) floats: gate_up_dec_smem's, then the 8 stages, 8 mbarriers.
-__host__ __device__ __forceinline__ int gate_up_split_smem(int d, int e, int k) {
-    return gate_up_dec_smem(d, e, k) + 4 * d + 16;
-}
-template <int VPL, bool SPLIT = false>
+template <int VPL>
 __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const float* logits, int e,
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                                      const bf16* __restrict__ gate_up, int inter,
@@ -1329,45 +1320,16 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
     int j = blockIdx.x * 8 + warp;
     const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
     constexpr int NV = VPL > 0 ? VPL : 1;
-    float acc[2];
-    if (SPLIT) {
-        static_assert(!SPLIT || VPL > 0, "the split form has the register path's fixed width");
-        uint4* stage = reinterpret_cast<uint4*>(xs + gate_up_dec_smem(d, e, k)) + warp * (d >> 3);
-        unsigned long long* bar = reinterpret_cast<unsigned long long*>(xs + gate_up_dec_smem(d, e, k) + 4 * d) + warp;
-        if (lane == 0 && rows[1]) {
-            mbar_init(bar, 1);
-            fence_proxy_async();  // the initialised barrier visible to the copy engine
-            mbar_arrive_expect_tx(bar, (unsigned)d * 2);
-            bulk_load(stage, rows[1], (unsigned)d * 2, bar);
-        }
-        uint4 v[1][NV];
-        load_rows<1, NV>(v, rows);
-        if (shared) {
-            griddep_wait();  // xb, the normalised input, comes from the router too
-            if (late_launch) griddep_launch();
-        }
-        stage_bf16(reinterpret_cast<uint4*>(xs), xb, d);
-        // (Its block barrier also orders lane 0's barrier initialisation before the waits.)
-        // The same sums in the same order as dot_rows<2, NV>: each row's over j.
-        dot_rows<1, NV>(v, reinterpret_cast<const uint4*>(xs), acc);
-        acc[1] = 0.0f;
-        if (rows[1]) {
-            mbar_wait(bar, 0);
-            const uint4* xv = reinterpret_cast<const uint4*>(xs);
-#pragma unroll
-            for (int jj = 0; jj < NV; jj++) acc[1] += dot8(stage[lane + 32 * jj], unpack8(xv[lane + 32 * jj]));
-        }
-    } else {
-        uint4 v[2][NV];
-        if (VPL > 0) load_rows<2, NV>(v, rows);
-        if (shared) {
-            griddep_wait();  // xb, the normalised input, comes from the router too
-            if (late_launch) griddep_launch();
-        }
-        stage_bf16(reinterpret_cast<uint4*>(xs), xb, d);
-        if (VPL > 0) dot_rows<2, NV>(v, reinterpret_cast<const uint4*>(xs), acc);
-        else dot_rows_any<2>(rows, reinterpret_cast<const uint4*>(xs), d, acc);
+    uint4 v[2][NV];
+    if (VPL > 0) load_rows<2, NV>(v, rows);
+    if (shared) {
+        griddep_wait();  // xb, the normalised input, comes from the router too
+        if (late_launch) griddep_launch();
     }
+    stage_bf16(reinterpret_cast<uint4*>(xs), xb, d);
+    float acc[2];
+    if (VPL > 0) dot_rows<2, NV>(v, reinterpret_cast<const uint4*>(xs), acc);
+    else dot_rows_any<2>(rows, reinterpret_cast<const uint4*>(xs), d, acc);
     float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     if (lane == 0 && j < n) act[(size_t)slot * act_ld + j] = __bfloat162float(__float2bfloat16(silu_f(g) * u));
 }
@@ -1383,18 +1345,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     else
         moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
                                 act_ld, xs, late_launch);
-}
-
-#ifndef GU_MINB
-#define GU_MINB 4  // blocks an SM the split form is compiled for (64 registers a thread)
-#endif
-extern "C" __global__ void __launch_bounds__(256, GU_MINB) moe_gate_up_dec_split(
-    const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
-    float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
-    int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
-    extern __shared__ __align__(16) float xs_split[];
-    moe_gate_up_dec_impl<8, true>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                  act_ld, xs_split, late_launch);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
