@@ -110,6 +110,7 @@ const KERNELS: &[&str] = &[
     "moe_combine_bf16",
     "moe_router_dec",
     "moe_gate_up_dec",
+    "moe_gate_up_dec_walk",
     "moe_down_dec",
     "trace_set",
 ];
