@@ -410,22 +410,6 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         moe_gate_up_dec(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu.data(), inter,
                         sgu.data(), s_inter, act.data(), act_ld, early);
     });
-    bool walk_same = true;
-    if (d == 2048) {
-        // moe_gate_up_dec_walk with 5 and 61 routed blocks (warps walking several row pairs, of
-        // different experts): bitwise the block-a-row-group form.
-        for (unsigned routed : {5u, 61u}) {
-            const unsigned grid = (unsigned)(s_inter + 7) / 8 + routed;
-            std::vector<float> act2((size_t)(k + 1) * act_ld, NAN), w2(k);
-            std::vector<int> ids2(k, -1);
-            emu_launch({grid, 1, 1}, 256, (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
-                moe_gate_up_dec_walk(xb.data(), d, logits.data(), e, k, ids2.data(), w2.data(), gu.data(), inter,
-                                     sgu.data(), s_inter, act2.data(), act_ld, early);
-            });
-            walk_same &= std::memcmp(act2.data(), act.data(), act.size() * 4) == 0 && ids2 == topk_ids &&
-                         std::memcmp(w2.data(), topk_w.data(), k * 4) == 0;
-        }
-    }
     if (early) std::fill(topk_w.begin(), topk_w.end(), NAN);  // the early down must not read them
     emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early), [&] {
         moe_down_dec(act.data(), act_ld, early ? nullptr : topk_ids.data(), topk_w.data(), logits.data(), e, early, k,
@@ -491,10 +475,10 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         if (!(dv <= err)) err = dv;  // a NaN (a slot never written) sticks
         scale = std::max(scale, std::fabs(y));
     }
-    const bool ok = ids_ok && walk_same && err <= 1e-5 * (1.0 + scale);
-    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)%s\n",
+    const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
+    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
            ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, early == 2 ? "early, bulk rows" : early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER",
-           err, scale, d != 2048 ? "" : walk_same ? "; walking gate/up bitwise" : "; walking gate/up DIFFERS");
+           err, scale);
     fails += !ok;
 }
 

@@ -110,7 +110,6 @@ const KERNELS: &[&str] = &[
     "moe_combine_bf16",
     "moe_router_dec",
     "moe_gate_up_dec",
-    "moe_gate_up_dec_walk",
     "moe_down_dec",
     "trace_set",
 ];

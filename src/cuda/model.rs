@@ -418,10 +418,6 @@ pub struct CudaModel {
     /// kernel) rather than cp.async a lane: default on Hopper; `KESTREL_MOE_DOWN_BULK=0` turns
     /// it off.
     pub moe_down_bulk: bool,
-    /// Blocks an SM of `moe_gate_up_dec_walk` (its warps walk the gate/up rows in registers, a
-    /// grid that fits at once; hidden size 2,048): 3 by default, `KESTREL_MOE_GATE_UP=waves` (0)
-    /// launches `moe_gate_up_dec`'s block a row group instead, `KESTREL_MOE_GATE_UP=N` caps it.
-    pub moe_gate_up_walk: usize,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -980,19 +976,6 @@ impl CudaModel {
         let bulk_on = |var: &str| gpu.sm90a && std::env::var(var).map_or(true, |v| v != "0");
         let gemv_stream_bulk = bulk_on("KESTREL_GEMV_STREAM_BULK");
         let moe_down_bulk = bulk_on("KESTREL_MOE_DOWN_BULK");
-        let moe_gate_up_walk = if cfg.hidden_size != 2048 {
-            0
-        } else {
-            match std::env::var("KESTREL_MOE_GATE_UP").ok().as_deref() {
-                Some("waves") => 0,
-                Some(v) => v
-                    .parse()
-                    .ok()
-                    .filter(|&n| (1..=3).contains(&n))
-                    .unwrap_or(3),
-                None => 3,
-            }
-        };
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -1030,7 +1013,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_down_bulk,
-            moe_gate_up_walk,
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -2020,22 +2002,9 @@ impl CudaModel {
                 Arg::Ptr(dw.sgate.ptr),
             ],
         )?;
-        let (gate_up_kernel, gate_up_grid) = if self.moe_gate_up_walk > 0 {
-            // the shared expert's blocks, then the routed ones that fit at once beside them
-            let routed = (k * i)
-                .div_ceil(8)
-                .min(self.moe_gate_up_walk * self.gpu.sm_count);
-            let blocks = is.div_ceil(8) + routed;
-            ("moe_gate_up_dec_walk", (blocks as u32, 1, 1))
-        } else {
-            (
-                "moe_gate_up_dec",
-                (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
-            )
-        };
         launch(
-            gate_up_kernel,
-            gate_up_grid,
+            "moe_gate_up_dec",
+            (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
             256,
             (gate_up_dec_smem(d, e, k) * 4) as u32,
             &[

@@ -1286,11 +1286,6 @@ __host__ __device__ __forceinline__ int gate_up_dec_smem(int d, int e, int k) { 
 // late_launch: let moe_down_dec start only once every block has passed its griddep_wait, so that
 // the router has finished when any of moe_down_dec's blocks runs (it picks the experts from the
 // logits before its own wait).
-// The gate/up kernels' dynamic shared memory (one declaration for both).
-__device__ __forceinline__ float* gate_up_xs() {
-    extern __shared__ float gate_up_smem[];
-    return gate_up_smem;
-}
 template <int VPL>
 __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const float* logits, int e,
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
@@ -1343,87 +1338,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
     float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
     int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
-    float* xs = gate_up_xs();
+    extern __shared__ float xs[];
     if (d == 2048)
         moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
                                 act_ld, xs, late_launch);
     else
         moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
                                 act_ld, xs, late_launch);
-}
-
-// moe_gate_up_dec with the chosen experts' rows walked by warps: the first ceil(s_inter / 8)
-// blocks take the shared expert's rows as moe_gate_up_dec does (a warp a row pair, loaded before
-// the wait: they are known before the router finishes); each warp of the other blocks picks the
-// top-k and walks the k * inter routed row pairs b * 8 + w, + 8 * (routed blocks), ..., its next
-// pair requested as soon as the previous one is summed. With as many routed blocks as fit at once
-// (3 an SM) that is ~25 MB of the ~34 MB of rows in registers at the router's release, and the
-// rest follows warp by warp. In moe_gate_up_dec the rest was a second wave of blocks, each
-// starting over with the logits, its top-k and the staged input before requesting its rows
-// (~6 us from block start to end on the H200). Same sums, bitwise. d == 2048 only (a warp's two
-// rows in registers). grid ceil(s_inter / 8) + routed blocks, block 256, smem
-// gate_up_dec_smem(d, e, k) floats.
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_dec_walk(
-    const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
-    float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
-    int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
-    DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
-    if (!late_launch) griddep_launch();
-    float* xs = gate_up_xs();
-    constexpr int NV = 8;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sblocks = (s_inter + 7) / 8;
-    // The shared expert's blocks (slot k) and the routed ones share the load below, as in
-    // moe_gate_up_dec: with the paths apart, ptxas sank the shared rows' loads below
-    // griddep_wait (SASS), where they no longer overlap the router.
-    const bool shared = (int)blockIdx.x < sblocks;
-    float* rl = xs + d + warp * ((e + 2 * k + 3) & ~3);
-    int* ids = reinterpret_cast<int*>(rl + e);
-    float* wts = rl + e + k;
-    // Pair it: the shared expert's row it (shared blocks), or routed pair it: slot it / inter,
-    // row it % inter of that expert's gate (and up, inter rows below).
-    const int stride = shared ? 0 : (gridDim.x - sblocks) * 8, items = shared ? s_inter : k * inter;
-    int it = (shared ? blockIdx.x : blockIdx.x - sblocks) * 8 + warp;
-    if (!shared) {
-        griddep_wait();  // the logits come from the router
-        if (late_launch) griddep_launch();
-        for (int i = lane; i < e; i += 32) rl[i] = logits[i];
-        __syncwarp();
-        route_topk_warp(rl, e, k, ids, wts);
-        __syncwarp();  // lanes < k wrote the choices
-        if ((int)blockIdx.x == sblocks && warp == 0 && lane < k) {
-            topk_ids[lane] = ids[lane];
-            topk_w[lane] = wts[lane];
-        }
-    }
-    auto rows_of = [&](int i, const bf16* (&rows)[2]) {
-        const int n = shared ? s_inter : inter;
-        const bf16* w = shared ? shared_gate_up + (size_t)i * d
-                               : gate_up + ((size_t)ids[i / inter] * 2 * inter + i % inter) * d;
-        rows[0] = i < items ? w : nullptr;
-        rows[1] = i < items ? w + (size_t)n * d : nullptr;
-    };
-    uint4 v[2][NV];
-    const bf16* rows[2];
-    rows_of(it, rows);
-    load_rows<2, NV>(v, rows);
-    if (shared) {
-        griddep_wait();  // xb, the normalised input, comes from the router too
-        if (late_launch) griddep_launch();
-    }
-    stage_bf16(reinterpret_cast<uint4*>(xs), xb, d);
-    while (it < items) {
-        float acc[2];
-        dot_rows<2, NV>(v, reinterpret_cast<const uint4*>(xs), acc);
-        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-        const int slot = shared ? k : it / inter, j = shared ? it : it % inter;
-        if (lane == 0) act[(size_t)slot * act_ld + j] = __bfloat162float(__float2bfloat16(silu_f(g) * u));
-        if (shared) break;
-        it += stride;
-        if (it < items) {  // the next pair, requested with no rows held
-            rows_of(it, rows);
-            load_rows<2, NV>(v, rows);
-        }
-    }
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
