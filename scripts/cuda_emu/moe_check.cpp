@@ -403,33 +403,13 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
     std::vector<int> topk_ids(k, -1);
     emu_launch({(unsigned)((e + ROUTER_ROWS - 1) / ROUTER_ROWS + 1), 1, 1}, 256, (size_t)router_smem(d) * 4, [&] {
         moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb.data(), logits.data(),
-                       sgate.data(), sgu.data(), s_inter, k, act.data(), act_ld);
+                       sgate.data());
     });
     emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256,
                (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
         moe_gate_up_dec(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu.data(), inter,
-                        sgu.data(), s_inter, act.data(), act_ld, early, 0);
+                        sgu.data(), s_inter, act.data(), act_ld, early);
     });
-    bool in_router_same = true;
-    if (d == 2048) {
-        // The shared expert's gate/up in the router's extra blocks, then moe_gate_up_dec's routed
-        // blocks only (shared_done): bitwise the act, ids and weights above.
-        const int nr = (e + ROUTER_ROWS - 1) / ROUTER_ROWS;
-        std::vector<float> act2((size_t)(k + 1) * act_ld, NAN), w2(k), lg2(e), sg2(1);
-        std::vector<int> ids2(k, -1);
-        std::vector<bf16> xb2(d);
-        emu_launch({(unsigned)(nr + 1 + (s_inter + 7) / 8), 1, 1}, 256, (size_t)router_smem(d) * 4, [&] {
-            moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb2.data(), lg2.data(),
-                           sg2.data(), sgu.data(), s_inter, k, act2.data(), act_ld);
-        });
-        emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)k, 1}, 256,
-                   (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
-            moe_gate_up_dec(xb2.data(), d, lg2.data(), e, k, ids2.data(), w2.data(), gu.data(), inter, sgu.data(),
-                            s_inter, act2.data(), act_ld, early, 1);
-        });
-        in_router_same = std::memcmp(act2.data(), act.data(), act.size() * 4) == 0 && ids2 == topk_ids &&
-                         std::memcmp(w2.data(), topk_w.data(), k * 4) == 0 && sg2[0] == sgate[0];
-    }
     if (early) std::fill(topk_w.begin(), topk_w.end(), NAN);  // the early down must not read them
     emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early), [&] {
         moe_down_dec(act.data(), act_ld, early ? nullptr : topk_ids.data(), topk_w.data(), logits.data(), e, early, k,
@@ -495,10 +475,10 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         if (!(dv <= err)) err = dv;  // a NaN (a slot never written) sticks
         scale = std::max(scale, std::fabs(y));
     }
-    const bool ok = ids_ok && in_router_same && err <= 1e-5 * (1.0 + scale);
-    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)%s\n",
+    const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
+    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
            ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, early == 2 ? "early, bulk rows" : early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER",
-           err, scale, d != 2048 ? "" : in_router_same ? "; shared gate/up in the router bitwise" : "; shared gate/up in the router DIFFERS");
+           err, scale);
     fails += !ok;
 }
 

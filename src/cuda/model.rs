@@ -418,10 +418,6 @@ pub struct CudaModel {
     /// kernel) rather than cp.async a lane: default on Hopper; `KESTREL_MOE_DOWN_BULK=0` turns
     /// it off.
     pub moe_down_bulk: bool,
-    /// The shared expert's gate/up computed by extra blocks of `moe_router_dec` (hidden size
-    /// 2,048), so all of `moe_gate_up_dec`'s blocks are routed ones; `KESTREL_MOE_SHARED=gate_up`
-    /// leaves it to `moe_gate_up_dec`'s first row of blocks.
-    pub moe_shared_in_router: bool,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -980,8 +976,6 @@ impl CudaModel {
         let bulk_on = |var: &str| gpu.sm90a && std::env::var(var).map_or(true, |v| v != "0");
         let gemv_stream_bulk = bulk_on("KESTREL_GEMV_STREAM_BULK");
         let moe_down_bulk = bulk_on("KESTREL_MOE_DOWN_BULK");
-        let moe_shared_in_router = cfg.hidden_size == 2048
-            && !std::env::var("KESTREL_MOE_SHARED").is_ok_and(|v| v == "gate_up");
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -1019,7 +1013,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_down_bulk,
-            moe_shared_in_router,
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -1991,16 +1984,9 @@ impl CudaModel {
             c.moe_intermediate,
             c.shared_intermediate,
         );
-        // The shared expert's gate/up in the router's launch (hidden size 2,048), or as
-        // moe_gate_up_dec's first row of blocks.
-        let shared_blocks = if self.moe_shared_in_router {
-            is.div_ceil(8)
-        } else {
-            0
-        };
         launch(
             "moe_router_dec",
-            ((e.div_ceil(ROUTER_ROWS) + 1 + shared_blocks) as u32, 1, 1),
+            (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
             256,
             (router_smem(d) * 4) as u32,
             &[
@@ -2014,20 +2000,11 @@ impl CudaModel {
                 Arg::Ptr(dw.xb.ptr),
                 Arg::Ptr(dw.router.ptr),
                 Arg::Ptr(dw.sgate.ptr),
-                Arg::Ptr(layer.shared_gate_up.ptr),
-                Arg::I(is as i32),
-                Arg::I(k as i32),
-                Arg::Ptr(dw.act.ptr),
-                Arg::I(DecodeWs::act_ld(c) as i32),
             ],
         )?;
         launch(
             "moe_gate_up_dec",
-            (
-                i.max(is).div_ceil(8) as u32,
-                (k + usize::from(!self.moe_shared_in_router)) as u32,
-                1,
-            ),
+            (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1),
             256,
             (gate_up_dec_smem(d, e, k) * 4) as u32,
             &[
@@ -2045,7 +2022,6 @@ impl CudaModel {
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(DecodeWs::act_ld(c) as i32),
                 Arg::I(self.moe_down_early as i32),
-                Arg::I(self.moe_shared_in_router as i32),
             ],
         )?;
         launch(

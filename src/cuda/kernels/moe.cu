@@ -1216,39 +1216,21 @@ MOE_GEMM7(moe_gemm7_swiglu_m128, true, false, false)
 // staged. The extra last block computes the shared-expert gate sigmoid(x . w_sg). The top-k is
 // left to moe_gate_up_dec's warps (each picks it from the logits: no last-block ticket here).
 // The RMSNorm weight and the shared gate's row are copied into shared memory before the wait.
-// With shared_gate_up (d == 2048), ceil(s_inter / 8) more blocks compute the shared expert's
-// gate/up act (slot k of act) here, a warp a row pair loaded before the wait and x staged by
-// the block's own RMSNorm (the same bf16 x as block 0's), so that moe_gate_up_dec's blocks are
-// all routed ones (shared_done): more of them in its first wave of blocks.
-// grid ceil(e / ROUTER_ROWS) + 1 (+ ceil(s_inter / 8)), block 256, smem router_smem floats.
+// grid ceil(e / ROUTER_ROWS) + 1, block 256, smem router_smem floats.
 #define ROUTER_ROWS 2
 // Shared memory of moe_router_dec in floats: the input, the RMSNorm weight and the shared
 // gate's row (d each). The host computes the same.
 __host__ __device__ __forceinline__ int router_smem(int d) { return 3 * d; }
 extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
     const float* __restrict__ h, const float* __restrict__ nw, float eps, int d, const bf16* __restrict__ wr, int e,
-    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate,
-    const bf16* __restrict__ shared_gate_up, int s_inter, int k, float* __restrict__ act, int act_ld) {
+    const float* __restrict__ w_sg, bf16* __restrict__ xb, float* __restrict__ logits, float* __restrict__ sgate) {
     DECODE_KERNEL(TAG_ROUTER);
     extern __shared__ float xs[];
     __shared__ float part[8][ROUTER_ROWS];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nr = (e + ROUTER_ROWS - 1) / ROUTER_ROWS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* ws = xs + d;  // the RMSNorm weight, then the shared gate's row
     uint4* xv = reinterpret_cast<uint4*>(xs);  // the input as bf16
-    if ((int)blockIdx.x > nr) {  // the shared expert's gate/up (d == 2048): act[k, j]
-        const int j = ((int)blockIdx.x - nr - 1) * 8 + warp;
-        const bf16* rows[2] = {j < s_inter ? shared_gate_up + (size_t)j * d : nullptr,
-                               j < s_inter ? shared_gate_up + (size_t)(s_inter + j) * d : nullptr};
-        uint4 v[2][8];
-        load_rows<2, 8>(v, rows);
-        const float* wn = preload_norm(ws, nw, d);
-        griddep_wait();
-        stage_rmsnorm(xv, h, nw, d, eps, nullptr, wn);
-        float acc[2];
-        dot_rows<2, 8>(v, xv, acc);
-        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-        if (lane == 0 && j < s_inter) act[(size_t)k * act_ld + j] = __bfloat162float(__float2bfloat16(silu_f(g) * u));
-    } else if ((int)blockIdx.x < nr) {
+    if (blockIdx.x + 1 < gridDim.x) {
         const int r0 = blockIdx.x * ROUTER_ROWS, nv = d >> 3;
         const uint4* rows[ROUTER_ROWS];
         uint4 w[ROUTER_ROWS];
@@ -1296,7 +1278,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
 // and up rows loaded before x is staged). Each warp of a routed block picks the top-k itself
 // from the router's logits (route_topk_warp on its own copy in shared memory: no block barrier,
 // and no last-block ticket in the router); block (0, 1) also stores the ids and weights for
-// moe_down_dec. grid (ceil(max(inter, s_inter) / 8), k + 1) (k with shared_done), block 256, smem
+// moe_down_dec. grid (ceil(max(inter, s_inter) / 8), k + 1), block 256, smem
 // gate_up_dec_smem(d, e, k) floats: x, then per warp e logits, k ids and k weights.
 // logits is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
 // griddep_wait, and the router writes it in the same step.
@@ -1309,16 +1291,12 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                                      const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
-                                                     float* __restrict__ act, int act_ld, float* xs, int late_launch,
-                                                     int shared_done) {
+                                                     float* __restrict__ act, int act_ld, float* xs, int late_launch) {
     DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
     if (!late_launch) griddep_launch();
     // blockIdx.y 0 is the shared expert (slot k), whose blocks are dispatched first: its rows
-    // are known before the router finishes, so those blocks load them before waiting. With
-    // shared_done (the router computed it) blockIdx.y is the routed slot.
-    const int first_routed = shared_done ? 0 : 1;
-    const int slot = (int)blockIdx.y < first_routed ? k : blockIdx.y - first_routed, lane = threadIdx.x & 31,
-              warp = threadIdx.x >> 5;
+    // are known before the router finishes, so those blocks load them before waiting.
+    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool shared = slot == k;
     int expert = 0;
     if (!shared) {
@@ -1332,7 +1310,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
         route_topk_warp(rl, e, k, ids, wts);
         __syncwarp();  // lanes < k wrote the choices
         expert = ids[slot];
-        if (blockIdx.x == 0 && (int)blockIdx.y == first_routed && warp == 0 && lane < k) {
+        if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
             topk_ids[lane] = ids[lane];
             topk_w[lane] = wts[lane];
         }
@@ -1359,14 +1337,14 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
     float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
-    int s_inter, float* __restrict__ act, int act_ld, int late_launch, int shared_done) {
+    int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
     extern __shared__ float xs[];
     if (d == 2048)
         moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch, shared_done);
+                                act_ld, xs, late_launch);
     else
         moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch, shared_done);
+                                act_ld, xs, late_launch);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
