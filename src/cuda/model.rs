@@ -198,9 +198,6 @@ struct DecodeWs {
     sgate: DeviceBuf,
     /// The lm_head argmax's last-block counter (zero between launches).
     done: DeviceBuf,
-    /// `moe_gate_up_dec`'s published expert choices (layer + 1 << 16 | id), zeroed by
-    /// `moe_down_dec` (zero between layers).
-    ids_pub: DeviceBuf,
     /// `[k + 1, act_ld]`: the chosen experts' then the shared expert's SwiGLU outputs.
     act: DeviceBuf,
     part: DeviceBuf,
@@ -239,7 +236,6 @@ impl DecodeWs {
             ("topk_w", c.experts_per_token * 4),
             ("sgate", 4),
             ("done", 4),
-            ("ids_pub", c.experts_per_token * 4),
             ("act", (c.experts_per_token + 1) * Self::act_ld(c) * 4),
             ("part", nq * DECODE_SPLITS * (hd + 2) * 4),
             ("logits", c.vocab_size * 4),
@@ -268,7 +264,6 @@ impl DecodeWs {
             topk_w: take("topk_w")?,
             sgate: take("sgate")?,
             done: take("done")?,
-            ids_pub: take("ids_pub")?,
             act: take("act")?,
             part: take("part")?,
             logits: take("logits")?,
@@ -423,10 +418,6 @@ pub struct CudaModel {
     /// kernel) rather than cp.async a lane: default on Hopper; `KESTREL_MOE_DOWN_BULK=0` turns
     /// it off.
     pub moe_down_bulk: bool,
-    /// `moe_gate_up_dec`'s blocks beyond the first 3 an SM take their expert from the choices
-    /// block (0, 1) published instead of picking the top-k again (`KESTREL_MOE_IDS_PUB=0`: all
-    /// pick it).
-    pub moe_ids_pub: bool,
     /// The routed experts' down outputs y stored as bf16 where `moe_gemm6` runs them (half of
     /// y's bytes written and read back by the combine); `KESTREL_MOE_Y=f32` stores them as f32.
     /// Either way the combine (and the decode step) take them rounded to bf16.
@@ -1022,7 +1013,6 @@ impl CudaModel {
             gdn_chunked: std::env::var("KESTREL_GDN").map_or(true, |v| v != "recurrent"),
             moe_down_early: !std::env::var("KESTREL_MOE_DOWN").is_ok_and(|v| v == "late"),
             moe_down_bulk,
-            moe_ids_pub: std::env::var("KESTREL_MOE_IDS_PUB").map_or(true, |v| v != "0"),
             moe_y_bf16: !std::env::var("KESTREL_MOE_Y").is_ok_and(|v| v == "f32"),
             shared_gemm6: !std::env::var("KESTREL_SHARED_GEMM").is_ok_and(|v| v == "cublas"),
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
@@ -1805,7 +1795,7 @@ impl CudaModel {
             self.gemv_dec(w, n, k, x, dw.h.ptr, norm, y, beta, greedy, self.decode_pdl)
         };
         let (mut gdn_i, mut attn_i) = (0, 0);
-        for (li, layer) in self.layers.iter().enumerate() {
+        for layer in &self.layers {
             // The mixer's fused input projection (GDN: qkv|z|b|a; attention: q+gate|k|v) of
             // RMSNorm(h) into dw.proj.
             let in_proj = |w: u64, rows: usize| {
@@ -1961,7 +1951,7 @@ impl CudaModel {
                     gemv(w.o.ptr, d, nq * hd, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
             }
-            self.moe_decode(layer, li)?;
+            self.moe_decode(layer)?;
         }
         // Final norm + lm_head with the greedy argmax fused.
         gemv(
@@ -1980,7 +1970,7 @@ impl CudaModel {
     /// expert's gate), the top-k (picked by every gate/up warp from the logits) with the chosen
     /// and shared experts' gate/up and SwiGLU, and their down projections combined into the
     /// residual.
-    fn moe_decode(&self, layer: &LayerW, li: usize) -> Result<()> {
+    fn moe_decode(&self, layer: &LayerW) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
         let launch = |name: &str, grid, block, smem, args: &[Arg]| {
@@ -1994,12 +1984,6 @@ impl CudaModel {
             c.moe_intermediate,
             c.shared_intermediate,
         );
-        // The published choices need e < 65,536 (the word's low half).
-        let ids_pub = if self.moe_ids_pub && e < 1 << 16 {
-            dw.ids_pub.ptr
-        } else {
-            0
-        };
         launch(
             "moe_router_dec",
             (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1),
@@ -2038,9 +2022,6 @@ impl CudaModel {
                 Arg::Ptr(dw.act.ptr),
                 Arg::I(DecodeWs::act_ld(c) as i32),
                 Arg::I(self.moe_down_early as i32),
-                Arg::Ptr(ids_pub),
-                Arg::I(li as i32 + 1),
-                Arg::I((3 * self.gpu.sm_count) as i32), // the blocks that fit at once
             ],
         )?;
         launch(
@@ -2068,7 +2049,6 @@ impl CudaModel {
                 Arg::I(is as i32),
                 Arg::Ptr(dw.h.ptr),
                 Arg::I(d as i32),
-                Arg::Ptr(ids_pub),
             ],
         )
     }

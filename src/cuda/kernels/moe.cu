@@ -1282,11 +1282,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_dec(
 // gate_up_dec_smem(d, e, k) floats: x, then per warp e logits, k ids and k weights.
 // logits is not __restrict__: a read-only (ld.global.nc) load of it may be hoisted above
 // griddep_wait, and the router writes it in the same step.
-// ids_pub (k words, or null): block (0, 1) publishes the choices as tag << 16 | expert (tag:
-// the layer + 1, e < 65,536), and routed blocks of linear index >= wave1 (the blocks that do not
-// fit at once, which start ~6 us after the router's release) take their slot's expert from
-// there instead of reading the logits and picking the top-k themselves; a word of another tag
-// (not yet written, or a stale one) falls back to the top-k. moe_down_dec zeroes the words.
 __host__ __device__ __forceinline__ int gate_up_dec_smem(int d, int e, int k) { return d + 8 * ((e + 2 * k + 3) & ~3); }
 // late_launch: let moe_down_dec start only once every block has passed its griddep_wait, so that
 // the router has finished when any of moe_down_dec's blocks runs (it picks the experts from the
@@ -1296,8 +1291,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                                      const bf16* __restrict__ gate_up, int inter,
                                                      const bf16* __restrict__ shared_gate_up, int s_inter,
-                                                     float* __restrict__ act, int act_ld, float* xs, int late_launch,
-                                                     unsigned* ids_pub, int tag, int wave1) {
+                                                     float* __restrict__ act, int act_ld, float* xs, int late_launch) {
     DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
     if (!late_launch) griddep_launch();
     // blockIdx.y 0 is the shared expert (slot k), whose blocks are dispatched first: its rows
@@ -1305,19 +1299,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
     const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool shared = slot == k;
     int expert = 0;
-    bool chosen = false;
-    if (!shared && ids_pub && (int)(blockIdx.y * gridDim.x + blockIdx.x) >= wave1) {
-        // A block of the second wave (it started as a first-wave block left): block (0, 1)
-        // has long published the choices, so read this slot's instead of the logits and top-k.
-        griddep_wait();
-        if (late_launch) griddep_launch();
-        const unsigned word = __ldcg(ids_pub + slot);  // written in this launch: not from L1
-        if ((int)(word >> 16) == tag) {
-            expert = (int)(word & 0xffffu);
-            chosen = true;
-        }
-    }
-    if (!shared && !chosen) {
+    if (!shared) {
         griddep_wait();  // the logits come from the router
         if (late_launch) griddep_launch();
         float* rl = xs + d + warp * ((e + 2 * k + 3) & ~3);
@@ -1331,7 +1313,6 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
         if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
             topk_ids[lane] = ids[lane];
             topk_w[lane] = wts[lane];
-            if (ids_pub) ids_pub[lane] = (unsigned)tag << 16 | (unsigned)ids[lane];
         }
     }
     int n = shared ? s_inter : inter;
@@ -1356,14 +1337,14 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
     float* __restrict__ topk_w, const bf16* __restrict__ gate_up, int inter, const bf16* __restrict__ shared_gate_up,
-    int s_inter, float* __restrict__ act, int act_ld, int late_launch, unsigned* ids_pub, int tag, int wave1) {
+    int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
     extern __shared__ float xs[];
     if (d == 2048)
         moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch, ids_pub, tag, wave1);
+                                act_ld, xs, late_launch);
     else
         moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch, ids_pub, tag, wave1);
+                                act_ld, xs, late_launch);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
@@ -1394,7 +1375,7 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
                                                   const float* sgate,
                                                   const bf16* __restrict__ down, int inter,
                                                   const bf16* __restrict__ shared_down, int s_inter,
-                                                  float* __restrict__ h, int d, unsigned* ids_pub) {
+                                                  float* __restrict__ h, int d) {
     constexpr int NV = VPL > 0 ? VPL : 1;
     __shared__ float red[17][4];
     extern __shared__ float rl[];  // early: e logits, k ids, k weights
@@ -1473,8 +1454,6 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         if (lane == 0) red[s][q] = coef * a;
     }
     TRACE_PHASE(1);
-    // Past griddep_wait here on every path: gate/up is done with the published choices.
-    if (ids_pub && blockIdx.x == 0 && threadIdx.x < k) ids_pub[threadIdx.x] = 0u;
     __syncthreads();
     TRACE_PHASE(2);
     if (threadIdx.x < 4 && r0 + threadIdx.x < d) {
@@ -1487,11 +1466,11 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
 extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
     const float* act, int act_ld, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
     const float* logits, int e, int early, int k, const float* sgate, const bf16* __restrict__ down,
-    int inter, const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d, unsigned* ids_pub) {
+    int inter, const bf16* __restrict__ shared_down, int s_inter, float* __restrict__ h, int d) {
     if (inter == 512 && s_inter == 512)
         moe_down_dec_impl<2>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
-                             s_inter, h, d, ids_pub);
+                             s_inter, h, d);
     else
         moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
-                             s_inter, h, d, ids_pub);
+                             s_inter, h, d);
 }
