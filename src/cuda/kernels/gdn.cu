@@ -266,6 +266,102 @@ GDN_STEP_DEC(32)
 GDN_STEP_DEC(64)
 GDN_STEP_DEC(128)
 
+// The same step on a cluster of four blocks a value head (sm_90a): block r of the cluster takes
+// value columns [r cw, r cw + cw), cw = ceil(dv / 4), with P lanes a column each keeping DK / P
+// rows of S[:, m]; 4 x hv blocks spread the state's loads and stores over four times the SMs.
+// The gated RMSNorm's sum over the head's columns meets in shared memory: each warp stores its
+// partial into all four blocks' slots, one cluster barrier, then every block sums the same slots
+// in the same order. Dynamic shared memory: GDN_STEP_CL_SMEM(DK) bytes (the host's
+// `gdn_step_cl_smem`).
+// grid 4 hv, block P * cw rounded up to 32 (<= 256).
+#define GDN_STEP_CL_SMEM(DK) ((2 * ((DK) + 32) + 4 * 8) * 4)
+template <int DK, int P>
+__device__ void gdn_step_dec_cl_impl(const float* __restrict__ qkv, const float* __restrict__ ba,
+                                     const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                     const float* __restrict__ z, const float* __restrict__ nw,
+                                     float* __restrict__ state, bf16* __restrict__ out, int hk, int hv, int dv,
+                                     float eps) {
+    constexpr int RQ = DK / P;  // state rows per lane
+    static_assert(DK % P == 0 && 32 % P == 0 && P * (RQ + 4) <= DK + 32, "lane split");
+    DECODE_KERNEL(TAG_GDN_STEP);
+    cluster_arrive_relaxed();  // waited for before the first store into another block
+    const int j = blockIdx.x >> 2, rank = blockIdx.x & 3, cw = (dv + 3) / 4;
+    const int mloc = threadIdx.x / P, part = threadIdx.x % P, m = rank * cw + mloc;
+    const int kh = j / (hv / hk), warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    const bool active = mloc < cw && m < dv;
+    float* st = state + (size_t)j * DK * dv + (size_t)part * RQ * dv + m;
+    float S[RQ];
+#pragma unroll
+    for (int i = 0; i < RQ; i++) S[i] = active ? st[(size_t)i * dv] : 0.0f;
+    const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
+    griddep_wait();
+    // q and k as P parts of RQ + 4 floats (the padding puts the P lanes of a column, reading
+    // part `part` at the same i, in different bank groups); red: [4 ranks][8 warps].
+    extern __shared__ __align__(16) float cl_smem[];
+    float* qs = cl_smem;
+    float* ks = cl_smem + DK + 32;
+    float* red = cl_smem + 2 * (DK + 32);
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+        const int at = (i / RQ) * (RQ + 4) + i % RQ;
+        qs[at] = qkv[(size_t)kh * DK + i];
+        ks[at] = qkv[(size_t)(hk + kh) * DK + i];
+    }
+    const float v = active ? qkv[(size_t)2 * hk * DK + (size_t)j * dv + m] : 0.0f;
+    const float zm = active && part == 0 ? z[(size_t)j * dv + m] : 0.0f;
+    float bt = sigmoid_f(ba[j]);
+    float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
+    __syncthreads();
+    TRACE_PHASE(0);  // the timeline's phases: inputs in, state updated, output norm summed
+    const float* kq = ks + part * (RQ + 4);
+    const float* qq = qs + part * (RQ + 4);
+    float r = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] *= decay;
+        r += S[i] * kq[i];
+    }
+#pragma unroll
+    for (int d = 1; d < P; d <<= 1) r += __shfl_xor_sync(0xffffffffu, r, d);
+    float u = bt * (v - r);
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] += kq[i] * u;
+        o += S[i] * qq[i];
+    }
+#pragma unroll
+    for (int d = 1; d < P; d <<= 1) o += __shfl_xor_sync(0xffffffffu, o, d);
+    TRACE_PHASE(1);
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < RQ; i++) st[(size_t)i * dv] = S[i];
+    }
+    if (!active) o = 0.0f;
+    const float ss = warp_sum(part == 0 ? o * o : 0.0f);
+    cluster_wait();  // every block of the cluster has started: its shared memory is there
+    if ((threadIdx.x & 31) < 4) st_shared_remote(red + rank * 8 + warp, threadIdx.x & 31, ss);
+    cluster_sync();
+    float tot = 0.0f;
+    for (int rr = 0; rr < 4; rr++)
+        for (int w = 0; w < nwarps; w++) tot += red[rr * 8 + w];
+    const float inv = rsqrtf(tot / dv + eps);
+    TRACE_PHASE(2);
+    if (active && part == 0) out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(zm));
+}
+
+#define GDN_STEP_DEC_CL(DK, P)                                                                                    \
+    extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(256)                                   \
+        gdn_step_dec_cl##P##_##DK(const float* qkv, const float* ba, const float* a_log, const float* dt_bias,     \
+                                  const float* z, const float* nw, float* state, bf16* out, int hk, int hv, int dv, \
+                                  float eps) {                                                                    \
+        gdn_step_dec_cl_impl<DK, P>(qkv, ba, a_log, dt_bias, z, nw, state, out, hk, hv, dv, eps);                \
+    }
+GDN_STEP_DEC_CL(16, 4)
+GDN_STEP_DEC_CL(32, 4)
+GDN_STEP_DEC_CL(64, 4)
+GDN_STEP_DEC_CL(128, 4)
+GDN_STEP_DEC_CL(128, 8)
+
 // ---- Prefill (t > 1): a token-parallel conv and the chunked delta rule.
 
 // Causal depthwise conv + SiLU over a prefill call with the q/k L2 norm (and q's dk^-1/2)
