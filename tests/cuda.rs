@@ -282,15 +282,10 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
     let stream = cuda.gemv_stream;
-    let lanes = cuda.gdn_step_lanes;
-    let mut run = |graph: bool,
-                   ids: Option<&[u32]>,
-                   gemv_stream: Option<(usize, usize, usize)>,
-                   step_lanes: usize| {
+    let mut run = |graph: bool, ids: Option<&[u32]>, gemv_stream: Option<(usize, usize, usize)>| {
         cuda.decode_graph = graph;
         cuda.decode_pdl = graph;
         cuda.gemv_stream = gemv_stream;
-        cuda.gdn_step_lanes = step_lanes;
         let mut st = cuda.new_state();
         let first = cuda.forward(&mut st, &prompt, Logits::Last).unwrap();
         let mut tok = argmax(&first).unwrap() as u32;
@@ -310,9 +305,9 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
         }
         (logits, chosen)
     };
-    let (a, ids) = run(true, None, stream, lanes);
-    let (b, _) = run(true, Some(&ids), stream, lanes);
-    let (direct, _) = run(false, Some(&ids), stream, lanes);
+    let (a, ids) = run(true, None, stream);
+    let (b, _) = run(true, Some(&ids), stream);
+    let (direct, _) = run(false, Some(&ids), stream);
     // The in-projections as one stream a block (gemv_dec_stream, the default) or gemv_dec's
     // blocks: the same sums, so the same logits bit for bit.
     let other = if stream.is_some() {
@@ -320,16 +315,18 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     } else {
         Some((2, 2, 3))
     };
-    let (other_gemv, _) = run(true, Some(&ids), other, lanes);
+    let (other_gemv, _) = run(true, Some(&ids), other);
     // The delta-rule step on a block a value head, and on clusters of 4 blocks with 8 lanes a
     // column, against the default: the gated norm's sum of squares (and with 8 lanes the
     // column sums) run in another order, so the logits are close, not equal.
+    let lanes = cuda.gdn_step_lanes;
     let mut step_forms = Vec::new();
     for other_lanes in [0, 4, 8] {
         if other_lanes == lanes || (lanes == 0 && other_lanes > 0) {
             continue; // the cluster forms run only where the default is one (sm_90a)
         }
-        let (l, _) = run(true, Some(&ids), stream, other_lanes);
+        cuda.gdn_step_lanes = other_lanes;
+        let (l, _) = run(true, Some(&ids), stream);
         let worst = l
             .iter()
             .zip(&a)
@@ -340,6 +337,7 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
             .fold(0f32, f32::max);
         step_forms.push((other_lanes, worst));
     }
+    cuda.gdn_step_lanes = lanes;
     println!(
         "delta-rule step forms (lanes a column, 0 = a block a head) against {lanes}: worst logit difference / max |logit| {step_forms:?}"
     );
