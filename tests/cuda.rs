@@ -316,37 +316,6 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
         Some((2, 2, 3))
     };
     let (other_gemv, _) = run(true, Some(&ids), other);
-    // The delta-rule step on a block a value head, and on clusters of 4 blocks with 8 lanes a
-    // column, against the default: the gated norm's sum of squares (and with 8 lanes the
-    // column sums) run in another order, so the logits are close, not equal.
-    let lanes = cuda.gdn_step_lanes;
-    let mut step_forms = Vec::new();
-    for other_lanes in [0, 4, 8] {
-        if other_lanes == lanes || (lanes == 0 && other_lanes > 0) {
-            continue; // the cluster forms run only where the default is one (sm_90a)
-        }
-        cuda.gdn_step_lanes = other_lanes;
-        let (l, _) = run(true, Some(&ids), stream);
-        let worst = l
-            .iter()
-            .zip(&a)
-            .map(|(p, q)| {
-                let scale = q.iter().fold(0f32, |m, x| m.max(x.abs()));
-                p.iter().zip(q).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-            })
-            .fold(0f32, f32::max);
-        step_forms.push((other_lanes, worst));
-    }
-    cuda.gdn_step_lanes = lanes;
-    println!(
-        "delta-rule step forms (lanes a column, 0 = a block a head) against {lanes}: worst logit difference / max |logit| {step_forms:?}"
-    );
-    for (l, worst) in step_forms {
-        assert!(
-            worst <= 1e-2,
-            "gdn step with {l} lanes: logits {worst} apart"
-        );
-    }
     let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
     println!(
         "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}, in-projections {:?} instead of {stream:?}: {:?}",

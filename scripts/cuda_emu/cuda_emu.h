@@ -18,7 +18,7 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
-// emu-provides: tma_load_3d_mc bulk_load cluster_arrive_relaxed cluster_wait st_shared_remote
+// emu-provides: tma_load_3d_mc bulk_load
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -711,18 +711,6 @@ inline void mma_tf32_1688(float (&d)[4], const unsigned (&a)[4], unsigned b0, un
 inline unsigned cluster_ctarank() { return (unsigned)t_slot; }
 // barrier.cluster.arrive + wait: every thread of the cluster.
 inline void cluster_sync() { emu_to_scheduler(LANE_AT_CLUSTER_BAR); }
-// The split arrive / wait: here a cluster's blocks and their shared memory all exist before any
-// thread runs, so the start-up barrier it stands for has nothing to order.
-inline void cluster_arrive_relaxed() {}
-inline void cluster_wait() {}
-// st.shared::cluster through mapa: v into block `cta`'s dynamic shared memory at p's offset.
-inline void st_shared_remote(float* p, unsigned cta, float v) {
-    if (cta >= (unsigned)EMU_MAX_CLUSTER) emu_fail("st_shared_remote: no such block in the cluster");
-    const unsigned off = smem_addr(p);
-    std::vector<unsigned char>& sm = g_dyn_smem_slots[cta];
-    if (off + 4 > sm.size()) emu_fail("st_shared_remote outside shared memory");
-    memcpy(sm.data() + off, &v, 4);
-}
 // The emulator's tensor map (the GPU's is the driver's opaque CUtensorMap, made on the host with
 // cuTensorMapEncodeTiled): a 2-D bf16 tensor of `rows` x `cols` elements, rows `row_stride`
 // elements apart, copied in boxes of box_rows x 64 (128-byte rows), 128-byte swizzle.

@@ -294,12 +294,6 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
         && c.gdn_value_dim <= 256
 }
 
-/// Dynamic shared memory of `gdn_step_dec_cl*` in bytes (gdn.cu's `GDN_STEP_CL_SMEM`): q and k
-/// in padded parts, and the norm's partial sums of 4 blocks x 8 warps.
-fn gdn_step_cl_smem(dk: usize) -> u32 {
-    ((2 * (dk + 32) + 4 * 8) * 4) as u32
-}
-
 /// Shared memory of `moe_down_dec` in bytes (moe.cu's down_dec_smem): with `early`, the
 /// router's logits, the ids and weights, then (expert widths 512) the block's weight rows.
 fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) -> usize {
@@ -439,10 +433,6 @@ pub struct CudaModel {
     /// the kernel can (`attn_flash4`; attn_prep_rows then does the KV heads only);
     /// `KESTREL_ATTN_QPREP=separate` keeps attn_prep_rows writing q for all heads.
     pub flash_q_prep: bool,
-    /// The decode step's delta rule on clusters of 4 blocks a value head with this many lanes a
-    /// value column (4 or 8; `gdn_step_dec_cl*`, sm_90a), or 0: a block a head
-    /// (`gdn_step_dec_*`). `KESTREL_GDN_STEP=single|cl4|cl8`.
-    pub gdn_step_lanes: usize,
     /// A diagnostic (`KESTREL_MOE_STATS=1`; it synchronizes every MoE layer, so timings taken
     /// with it are not the engine's): each prefill MoE layer's rows per expert and tiles, full
     /// and partial, on standard error.
@@ -986,7 +976,6 @@ impl CudaModel {
         let bulk_on = |var: &str| gpu.sm90a && std::env::var(var).map_or(true, |v| v != "0");
         let gemv_stream_bulk = bulk_on("KESTREL_GEMV_STREAM_BULK");
         let moe_down_bulk = bulk_on("KESTREL_MOE_DOWN_BULK");
-        let gpu_sm90a = gpu.sm90a;
         Ok(CudaModel {
             config: cfg,
             gpu,
@@ -1029,15 +1018,6 @@ impl CudaModel {
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
             flash_q_prep: !std::env::var("KESTREL_ATTN_QPREP").is_ok_and(|v| v == "separate"),
             moe_stats: std::env::var("KESTREL_MOE_STATS").is_ok_and(|v| v == "1"),
-            gdn_step_lanes: if !gpu_sm90a {
-                0
-            } else {
-                match std::env::var("KESTREL_GDN_STEP").as_deref() {
-                    Ok("single") => 0,
-                    Ok("cl8") => 8,
-                    _ => 4,
-                }
-            },
         })
     }
 
@@ -1852,31 +1832,17 @@ impl CudaModel {
                             Arg::F(1.0 / (dk as f32).sqrt()),
                         ],
                     )?;
-                    // The cluster form: 4 blocks a value head, `lanes` lanes a column of
-                    // its quarter of the columns (8 lanes only at dk = 128, at most 256
-                    // threads a block).
-                    let cw = dv.div_ceil(4);
-                    let lanes = match self.gdn_step_lanes {
-                        8 if dk == 128 && 8 * cw <= 256 => 8,
-                        l if l > 0 && 4 * cw <= 256 => 4,
-                        _ => 0,
-                    };
-                    let (step, grid, threads, smem) = match (lanes, dk) {
-                        (0, 16) => ("gdn_step_dec_16", hv, 4 * dv, 0),
-                        (0, 32) => ("gdn_step_dec_32", hv, 4 * dv, 0),
-                        (0, 64) => ("gdn_step_dec_64", hv, 4 * dv, 0),
-                        (0, _) => ("gdn_step_dec_128", hv, 4 * dv, 0),
-                        (8, _) => ("gdn_step_dec_cl8_128", 4 * hv, 8 * cw, gdn_step_cl_smem(dk)),
-                        (_, 16) => ("gdn_step_dec_cl4_16", 4 * hv, 4 * cw, gdn_step_cl_smem(dk)),
-                        (_, 32) => ("gdn_step_dec_cl4_32", 4 * hv, 4 * cw, gdn_step_cl_smem(dk)),
-                        (_, 64) => ("gdn_step_dec_cl4_64", 4 * hv, 4 * cw, gdn_step_cl_smem(dk)),
-                        _ => ("gdn_step_dec_cl4_128", 4 * hv, 4 * cw, gdn_step_cl_smem(dk)),
+                    let step = match dk {
+                        16 => "gdn_step_dec_16",
+                        32 => "gdn_step_dec_32",
+                        64 => "gdn_step_dec_64",
+                        _ => "gdn_step_dec_128",
                     };
                     launch(
                         step,
-                        (grid as u32, 1, 1),
-                        block(threads),
-                        smem,
+                        (hv as u32, 1, 1),
+                        block(4 * dv),
+                        0,
                         &[
                             Arg::Ptr(dw.qkv.ptr),
                             Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),

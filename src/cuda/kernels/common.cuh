@@ -585,20 +585,6 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
 __device__ __forceinline__ void cluster_sync() {
     WGMMA_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// The split form: every thread arrives early (relaxed: orders nothing) and waits later, e.g. to
-// know that every block of the cluster has started before touching its shared memory.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    WGMMA_ASM("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { WGMMA_ASM("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-// Stores v at the same shared offset as `p` in block `cta` of the cluster (visible there after a
-// cluster_sync).
-__device__ __forceinline__ void st_shared_remote(float* p, unsigned cta, float v) {
-    WGMMA_ASM("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nst.shared::cluster.f32 [ra], %2;\n}\n" ::"r"(
-                  smem_addr(p)),
-              "r"(cta), "f"(v)
-              : "memory");
-}
 // One arrival on the mbarrier at the same shared offset in block `cta` of the cluster.
 __device__ __forceinline__ void mbar_arrive_remote(unsigned long long* bar, unsigned cta) {
     WGMMA_ASM(
