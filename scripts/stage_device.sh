@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release
+cargo test --release --no-run >/dev/null 2>&1 || {
+  echo "stage_device.sh: the tests do not build (cargo test --release --no-run shows why); .device left as it was" >&2
+  exit 1
+}
 cargo test --release --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
 for l in sys.stdin:
