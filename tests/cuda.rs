@@ -282,10 +282,15 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
     let stream = cuda.gemv_stream;
-    let mut run = |graph: bool, ids: Option<&[u32]>, gemv_stream: Option<(usize, usize, usize)>| {
+    let convstep = cuda.gdn_convstep;
+    let mut run = |graph: bool,
+                   ids: Option<&[u32]>,
+                   gemv_stream: Option<(usize, usize, usize)>,
+                   fused_conv_step: bool| {
         cuda.decode_graph = graph;
         cuda.decode_pdl = graph;
         cuda.gemv_stream = gemv_stream;
+        cuda.gdn_convstep = fused_conv_step;
         let mut st = cuda.new_state();
         let first = cuda.forward(&mut st, &prompt, Logits::Last).unwrap();
         let mut tok = argmax(&first).unwrap() as u32;
@@ -305,9 +310,9 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
         }
         (logits, chosen)
     };
-    let (a, ids) = run(true, None, stream);
-    let (b, _) = run(true, Some(&ids), stream);
-    let (direct, _) = run(false, Some(&ids), stream);
+    let (a, ids) = run(true, None, stream, convstep);
+    let (b, _) = run(true, Some(&ids), stream, convstep);
+    let (direct, _) = run(false, Some(&ids), stream, convstep);
     // The in-projections as one stream a block (gemv_dec_stream, the default) or gemv_dec's
     // blocks: the same sums, so the same logits bit for bit.
     let other = if stream.is_some() {
@@ -315,7 +320,29 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     } else {
         Some((2, 2, 3))
     };
-    let (other_gemv, _) = run(true, Some(&ids), other);
+    let (other_gemv, _) = run(true, Some(&ids), other, convstep);
+    // The GDN conv and step in one launch (gdn_convstep_dec, the default) or two: q and k
+    // normalised through the sums instead of the vectors, so close, not equal. The first step
+    // shows the kernels' difference; later ones add what 64 steps of a random model amplify.
+    let (other_conv, _) = run(true, Some(&ids), stream, !convstep);
+    let rel_diff = |p: &[f32], q: &[f32]| {
+        let scale = q.iter().fold(0f32, |m, x| m.max(x.abs()));
+        p.iter().zip(q).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    };
+    let conv_first = rel_diff(&other_conv[0], &a[0]);
+    let conv_worst = other_conv
+        .iter()
+        .zip(&a)
+        .map(|(p, q)| rel_diff(p, q))
+        .fold(0f32, f32::max);
+    println!(
+        "GDN conv + step fused {convstep} against {}: logits apart by {conv_first:.2e} of the largest at the first step, {conv_worst:.2e} at worst over 64",
+        !convstep
+    );
+    assert!(
+        conv_first <= 1e-3 && conv_worst <= 2e-2,
+        "the fused and split GDN conv + step differ: {conv_first} first step, {conv_worst} worst"
+    );
     let first_diff = |x: &[Vec<f32>]| x.iter().zip(&a).position(|(p, q)| p != q);
     println!(
         "full width, 4 layers: 64 greedy steps; graph+PDL rerun first differing step {:?}, direct launches {:?}, in-projections {:?} instead of {stream:?}: {:?}",

@@ -18,7 +18,7 @@
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
-// emu-provides: tma_load_3d_mc bulk_load
+// emu-provides: tma_load_3d_mc bulk_load cluster_arrive_release cluster_wait_acquire
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <optional>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -130,7 +131,8 @@ emu_switch:
 )");
 #endif
 
-enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_AT_CLUSTER_BAR, LANE_DONE };
+enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_AT_CLUSTER_BAR,
+                 LANE_AT_CLUSTER_ARRIVE, LANE_AT_CLUSTER_WAIT, LANE_DONE };
 // Blocks of one cluster at most (their state slots).
 constexpr int EMU_MAX_CLUSTER = 4;
 inline thread_local int t_slot = 0;  // this block's rank in its cluster
@@ -243,6 +245,7 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
     w.body = body;
     w.arg = arg;
     t_warp = &w;
+    std::optional<std::barrier<>::arrival_token> cluster_token;  // between a split arrive and its wait
     for (int l = 0; l < lanes; l++) {
         unsigned t = (unsigned)t_slot * 1024 + id * 32 + l;
         if (!g_stacks[t]) g_stacks[t].reset(new char[EMU_STACK]);
@@ -271,7 +274,7 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
     for (;;) {
         for (int l = 0; l < lanes; l++)
             if (w.lane[l].state == LANE_READY) emu_resume(&w, l);
-        int done = 0, at_warp = 0, at_block = 0, at_named = 0, at_cluster = 0;
+        int done = 0, at_warp = 0, at_block = 0, at_named = 0, at_cluster = 0, at_carrive = 0, at_cwait = 0;
         for (int l = 0; l < lanes; l++) {
             LaneState s = w.lane[l].state;
             done += s == LANE_DONE;
@@ -279,12 +282,26 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
             at_block += s == LANE_AT_BLOCK_BAR;
             at_named += s == LANE_AT_NAMED_BAR;
             at_cluster += s == LANE_AT_CLUSTER_BAR;
+            at_carrive += s == LANE_AT_CLUSTER_ARRIVE;
+            at_cwait += s == LANE_AT_CLUSTER_WAIT;
         }
         if (done == lanes) break;
         if (at_warp && (at_block || done || at_named || at_cluster)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
         if (at_cluster) {
             if (at_cluster != lanes || !cluster_bar) emu_fail("cluster_sync without all lanes of the warp, or outside a cluster launch");
             cluster_bar->arrive_and_wait();
+        }
+        if (at_carrive || at_cwait) {
+            if ((at_carrive && at_carrive != lanes) || (at_cwait && at_cwait != lanes) || !cluster_bar)
+                emu_fail("cluster arrive / wait without all lanes of the warp, or outside a cluster launch");
+            if (at_carrive) {
+                if (cluster_token) emu_fail("a second cluster arrive before the wait");
+                cluster_token.emplace(cluster_bar->arrive());
+            } else {
+                if (!cluster_token) emu_fail("a cluster wait without an arrive");
+                cluster_bar->wait(std::move(*cluster_token));
+                cluster_token.reset();
+            }
         }
         if (at_named) {
             if (at_named != lanes) emu_fail("a named barrier without all lanes of the warp");
@@ -711,6 +728,10 @@ inline void mma_tf32_1688(float (&d)[4], const unsigned (&a)[4], unsigned b0, un
 inline unsigned cluster_ctarank() { return (unsigned)t_slot; }
 // barrier.cluster.arrive + wait: every thread of the cluster.
 inline void cluster_sync() { emu_to_scheduler(LANE_AT_CLUSTER_BAR); }
+// barrier.cluster.arrive.release / barrier.cluster.wait.acquire, split: the arrive does not
+// block; the wait returns once every warp of the cluster has arrived.
+inline void cluster_arrive_release() { emu_to_scheduler(LANE_AT_CLUSTER_ARRIVE); }
+inline void cluster_wait_acquire() { emu_to_scheduler(LANE_AT_CLUSTER_WAIT); }
 // The emulator's tensor map (the GPU's is the driver's opaque CUtensorMap, made on the host with
 // cuTensorMapEncodeTiled): a 2-D bf16 tensor of `rows` x `cols` elements, rows `row_stride`
 // elements apart, copied in boxes of box_rows x 64 (128-byte rows), 128-byte swizzle.

@@ -299,11 +299,63 @@ static void run_step_dec(int hk, int hv, int dv, unsigned seed) {
     if (!ok) exit(1);
 }
 
+// gdn_convstep_dec (conv + delta-rule step in one launch; with two value heads a key head a
+// cluster of two blocks) against gdn_conv_dec then gdn_step_dec on the same inputs: the conv state
+// bitwise, the recurrent state within f32 rounding (q and k are normalised through the sums
+// instead of the vectors), the output within a bf16 step.
+template <int DK>
+static void run_convstep_dec(int hk, int hv, int dv, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int c = 2 * hk * DK + hv * dv, kern = 4, G = hv / hk;
+    std::vector<float> p(c), z((size_t)hv * dv), ba(2 * hv), a_log(hv), dt_bias(hv), nw(dv), conv_w((size_t)c * kern),
+        conv_st((size_t)(kern - 1) * c), state((size_t)hv * DK * dv);
+    for (auto* a : {&p, &z, &ba, &a_log, &dt_bias, &nw, &conv_w, &conv_st, &state}) for (auto& x : *a) x = u(rng);
+    const float q_scale = 1.0f / std::sqrt((float)DK), eps = 1e-6f;
+    // the two launches
+    std::vector<float> conv_a = conv_st, state_a = state, qkv(c);
+    std::vector<bf16> out_a((size_t)hv * dv), out_b((size_t)hv * dv);
+    emu_launch({(unsigned)(2 * hk + hv), 1, 1}, (unsigned)((std::max(DK, dv) + 31) / 32 * 32), 0, [&] {
+        gdn_conv_dec(p.data(), conv_a.data(), conv_w.data(), qkv.data(), c, kern, hk, DK, dv, q_scale);
+    });
+    emu_launch({(unsigned)hv, 1, 1}, (unsigned)((4 * dv + 31) / 32 * 32), 0, [&] {
+        auto step = DK == 128 ? gdn_step_dec_128 : gdn_step_dec_32;
+        step(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state_a.data(), out_a.data(), hk,
+             hv, dv, eps);
+    });
+    // the fused one
+    std::vector<float> conv_b = conv_st, state_b = state;
+    emu_launch_cluster({(unsigned)hv, 1, 1}, G == 2 ? 2 : 1, (unsigned)((4 * dv + 31) / 32 * 32), GDN_CONVSTEP_SMEM(DK, dv), [&] {
+        auto f = DK == 128 ? (G == 2 ? gdn_convstep_dec_cl2_128 : gdn_convstep_dec_128)
+                           : (G == 2 ? gdn_convstep_dec_cl2_32 : gdn_convstep_dec_32);
+        f(p.data(), conv_b.data(), conv_w.data(), z.data(), ba.data(), a_log.data(), dt_bias.data(), nw.data(),
+          state_b.data(), out_b.data(), c, hk, hv, dv, q_scale, eps);
+    });
+    const bool conv_same = conv_a == conv_b;
+    const double es = max_rel(state_b, std::vector<double>(state_a.begin(), state_a.end()));
+    double eo = 0;
+    for (size_t i = 0; i < out_b.size(); i++) {
+        const double a = __bfloat162float(out_a[i]), b = __bfloat162float(out_b[i]);
+        const double e = std::fabs(b - a) / (std::fabs(a) * 0.0078125 + 1e-5);
+        if (!(e <= eo)) eo = e;
+    }
+    const bool ok = conv_same && es < 1e-5 && eo <= 1.0 && !any_nan(state_b);
+    printf("%s gdn_convstep_dec dk=%d hk=%d hv=%d dv=%d (%s): conv state %s, state max rel %.1e, out %.2f of a bf16 step "
+           "from the two launches\n",
+           ok ? "ok  " : "FAIL", DK, hk, hv, dv, G == 2 ? "clusters of 2" : "no cluster",
+           conv_same ? "bitwise" : "DIFFERS", es, eo);
+    if (!ok) exit(1);
+}
+
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
     if (const char* gs = getenv("G_SCALE")) G_SCALE = atof(gs);
     run_step_dec<128>(2, 4, 128, 1);  // the model's head shape (block 512)
     run_step_dec<32>(2, 4, 24, 2);    // a narrow one (block 96: a column's lanes across warps)
+    run_convstep_dec<128>(2, 4, 128, 4);  // the model's shape: two value heads a key head
+    run_convstep_dec<128>(2, 2, 128, 5);  // one value head a key head
+    run_convstep_dec<32>(2, 4, 40, 6);    // narrow heads (block 160: conv channels 104)
+    run_convstep_dec<32>(3, 3, 48, 7);
     for (int dv : {128, 24, 18, 256}) run_gated_norm(21, 1, dv, 0);
     run_gated_norm(7, 3, 128, 64);  // z in the in-projection's rows: the vector path
     run_gated_norm(7, 3, 128, 2);   // a row stride not a multiple of 4: the scalar path

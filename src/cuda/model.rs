@@ -294,6 +294,12 @@ fn fused_decode_fits(c: &TextConfig) -> bool {
         && c.gdn_value_dim <= 256
 }
 
+/// Dynamic shared memory of `gdn_convstep_dec*` in bytes (gdn.cu's `GDN_CONVSTEP_SMEM`): q and
+/// k in padded quarters, the warps' sums, v.
+fn convstep_smem(dk: usize, dv: usize) -> u32 {
+    ((2 * (dk + 16) + 32 + dv) * 4) as u32
+}
+
 /// Shared memory of `moe_down_dec` in bytes (moe.cu's down_dec_smem): with `early`, the
 /// router's logits, the ids and weights, then (expert widths 512) the block's weight rows.
 fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize, early: bool) -> usize {
@@ -433,6 +439,10 @@ pub struct CudaModel {
     /// the kernel can (`attn_flash4`; attn_prep_rows then does the KV heads only);
     /// `KESTREL_ATTN_QPREP=separate` keeps attn_prep_rows writing q for all heads.
     pub flash_q_prep: bool,
+    /// The decode step's GDN conv and delta-rule step in one launch (`gdn_convstep_dec*`) where
+    /// it takes the shape (conv kernel 4, one or two value heads a key head, the latter on
+    /// sm_90a as clusters); `KESTREL_GDN_DEC=split` keeps `gdn_conv_dec` + `gdn_step_dec`.
+    pub gdn_convstep: bool,
     /// A diagnostic (`KESTREL_MOE_STATS=1`; it synchronizes every MoE layer, so timings taken
     /// with it are not the engine's): each prefill MoE layer's rows per expert and tiles, full
     /// and partial, on standard error.
@@ -1018,6 +1028,7 @@ impl CudaModel {
             gdn_inproj_merged: !std::env::var("KESTREL_GDN_INPROJ").is_ok_and(|v| v == "split"),
             flash_q_prep: !std::env::var("KESTREL_ATTN_QPREP").is_ok_and(|v| v == "separate"),
             moe_stats: std::env::var("KESTREL_MOE_STATS").is_ok_and(|v| v == "1"),
+            gdn_convstep: !std::env::var("KESTREL_GDN_DEC").is_ok_and(|v| v == "split"),
         })
     }
 
@@ -1754,6 +1765,40 @@ impl CudaModel {
     /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
     /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
     /// experts' gate/up, experts' down with the combine), eight per attention layer.
+    ///
+    /// (The GDN conv and step are one launch where [`CudaModel::convstep_kernel`] names one.)
+    /// The fused GDN conv + delta-rule step kernel for this model, if it takes the shape: conv
+    /// kernel 4, the key head's q and k plus the head's v no more channels than the block's
+    /// 4 dv threads, one value head a key head, or two on sm_90a (a cluster of two blocks).
+    fn convstep_kernel(&self) -> Option<&'static str> {
+        let c = &self.config;
+        let (hk, hv, dk, dv) = (
+            c.gdn_num_key_heads,
+            c.gdn_num_value_heads,
+            c.gdn_key_dim,
+            c.gdn_value_dim,
+        );
+        let group = hv / hk;
+        let fits = self.gdn_convstep
+            && c.conv_kernel == 4
+            && hv % hk == 0
+            && 2 * dk + dv <= block_threads(4 * dv) as usize
+            && (group == 1 || (group == 2 && self.gpu.sm90a));
+        if !fits {
+            return None;
+        }
+        Some(match (group, dk) {
+            (1, 16) => "gdn_convstep_dec_16",
+            (1, 32) => "gdn_convstep_dec_32",
+            (1, 64) => "gdn_convstep_dec_64",
+            (1, _) => "gdn_convstep_dec_128",
+            (_, 16) => "gdn_convstep_dec_cl2_16",
+            (_, 32) => "gdn_convstep_dec_cl2_32",
+            (_, 64) => "gdn_convstep_dec_cl2_64",
+            _ => "gdn_convstep_dec_cl2_128",
+        })
+    }
+
     fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
@@ -1814,50 +1859,83 @@ impl CudaModel {
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     let rows = ch + vw + 2 * hv;
                     in_proj(w.in_proj.ptr, rows)?;
-                    launch(
-                        "gdn_conv_dec",
-                        ((2 * hk + hv) as u32, 1, 1),
-                        block(dk.max(dv)),
-                        0,
-                        &[
-                            Arg::Ptr(dw.proj.ptr),
-                            Arg::Ptr(st_conv.ptr),
-                            Arg::Ptr(w.conv.ptr),
-                            Arg::Ptr(dw.qkv.ptr),
-                            Arg::I(ch as i32),
-                            Arg::I(c.conv_kernel as i32),
-                            Arg::I(hk as i32),
-                            Arg::I(dk as i32),
-                            Arg::I(dv as i32),
-                            Arg::F(1.0 / (dk as f32).sqrt()),
-                        ],
-                    )?;
-                    let step = match dk {
-                        16 => "gdn_step_dec_16",
-                        32 => "gdn_step_dec_32",
-                        64 => "gdn_step_dec_64",
-                        _ => "gdn_step_dec_128",
-                    };
-                    launch(
-                        step,
-                        (hv as u32, 1, 1),
-                        block(4 * dv),
-                        0,
-                        &[
-                            Arg::Ptr(dw.qkv.ptr),
-                            Arg::Ptr(dw.proj.ptr + ((ch + vw) * 4) as u64),
-                            Arg::Ptr(w.a_log.ptr),
-                            Arg::Ptr(w.dt_bias.ptr),
-                            Arg::Ptr(dw.proj.ptr + (ch * 4) as u64),
-                            Arg::Ptr(w.norm.ptr),
-                            Arg::Ptr(st_rec.ptr),
-                            Arg::Ptr(dw.ob.ptr),
-                            Arg::I(hk as i32),
-                            Arg::I(hv as i32),
-                            Arg::I(dv as i32),
-                            Arg::F(eps),
-                        ],
-                    )?;
+                    let (z, ba) = (
+                        dw.proj.ptr + (ch * 4) as u64,
+                        dw.proj.ptr + ((ch + vw) * 4) as u64,
+                    );
+                    if let Some(k) = self.convstep_kernel() {
+                        // conv + step in one launch (a cluster of two blocks a key head where it
+                        // has two value heads)
+                        launch(
+                            k,
+                            (hv as u32, 1, 1),
+                            block(4 * dv),
+                            convstep_smem(dk, dv),
+                            &[
+                                Arg::Ptr(dw.proj.ptr),
+                                Arg::Ptr(st_conv.ptr),
+                                Arg::Ptr(w.conv.ptr),
+                                Arg::Ptr(z),
+                                Arg::Ptr(ba),
+                                Arg::Ptr(w.a_log.ptr),
+                                Arg::Ptr(w.dt_bias.ptr),
+                                Arg::Ptr(w.norm.ptr),
+                                Arg::Ptr(st_rec.ptr),
+                                Arg::Ptr(dw.ob.ptr),
+                                Arg::I(ch as i32),
+                                Arg::I(hk as i32),
+                                Arg::I(hv as i32),
+                                Arg::I(dv as i32),
+                                Arg::F(1.0 / (dk as f32).sqrt()),
+                                Arg::F(eps),
+                            ],
+                        )?;
+                    } else {
+                        launch(
+                            "gdn_conv_dec",
+                            ((2 * hk + hv) as u32, 1, 1),
+                            block(dk.max(dv)),
+                            0,
+                            &[
+                                Arg::Ptr(dw.proj.ptr),
+                                Arg::Ptr(st_conv.ptr),
+                                Arg::Ptr(w.conv.ptr),
+                                Arg::Ptr(dw.qkv.ptr),
+                                Arg::I(ch as i32),
+                                Arg::I(c.conv_kernel as i32),
+                                Arg::I(hk as i32),
+                                Arg::I(dk as i32),
+                                Arg::I(dv as i32),
+                                Arg::F(1.0 / (dk as f32).sqrt()),
+                            ],
+                        )?;
+                        let step = match dk {
+                            16 => "gdn_step_dec_16",
+                            32 => "gdn_step_dec_32",
+                            64 => "gdn_step_dec_64",
+                            _ => "gdn_step_dec_128",
+                        };
+                        launch(
+                            step,
+                            (hv as u32, 1, 1),
+                            block(4 * dv),
+                            0,
+                            &[
+                                Arg::Ptr(dw.qkv.ptr),
+                                Arg::Ptr(ba),
+                                Arg::Ptr(w.a_log.ptr),
+                                Arg::Ptr(w.dt_bias.ptr),
+                                Arg::Ptr(z),
+                                Arg::Ptr(w.norm.ptr),
+                                Arg::Ptr(st_rec.ptr),
+                                Arg::Ptr(dw.ob.ptr),
+                                Arg::I(hk as i32),
+                                Arg::I(hv as i32),
+                                Arg::I(dv as i32),
+                                Arg::F(eps),
+                            ],
+                        )?;
+                    }
                     gemv(w.out.ptr, d, vw, dw.ob.ptr, 0, dw.h.ptr, 1.0, None)?;
                 }
                 MixerW::Attn(w) => {

@@ -585,6 +585,14 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
 __device__ __forceinline__ void cluster_sync() {
     WGMMA_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+// The split form, every thread of the cluster: arrive (release: this thread's earlier memory
+// accesses are performed first) early, wait (acquire) later.
+__device__ __forceinline__ void cluster_arrive_release() {
+    WGMMA_ASM("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+    WGMMA_ASM("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 // One arrival on the mbarrier at the same shared offset in block `cta` of the cluster.
 __device__ __forceinline__ void mbar_arrive_remote(unsigned long long* bar, unsigned cta) {
     WGMMA_ASM(

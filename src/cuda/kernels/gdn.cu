@@ -266,6 +266,144 @@ GDN_STEP_DEC(32)
 GDN_STEP_DEC(64)
 GDN_STEP_DEC(128)
 
+// gdn_conv_dec and gdn_step_dec in one launch: gdn_step_dec's block per value head (and its
+// lanes), where thread t < nc = 2 DK + dv first runs conv channel t of what the head reads: its
+// key head's q ([0, DK)) and k ([DK, 2 DK)) and its own v ([2 DK, nc)), the outputs staying in
+// shared memory. The G = hv / hk value heads of a key head all compute its q and k; only the
+// first writes their conv state, and with G = 2 (CL = 2, sm_90a) the two blocks form a cluster
+// whose barrier (arrived at once the old state is read, waited for before it is written) keeps
+// that write after the other block's read. q and k are normalised by scaling the step's sums
+// (r and o) and k's update factor instead of the vectors. z: [hv, dv]; ba: [b (hv) | a (hv)];
+// out bf16. grid hv, block 4 dv rounded up to 32 (>= nc); the conv's kernel size is 4 (its
+// history in registers across the wait). Dynamic shared memory (a cluster kernel's blocks each need
+// their own on the CPU emulator): GDN_CONVSTEP_SMEM(DK, dv) bytes.
+#define GDN_CONVSTEP_SMEM(DK, DV) ((2 * ((DK) + 16) + 32 + (DV)) * 4)
+template <int DK, int CL>
+__device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __restrict__ conv_state,
+                                      const float* __restrict__ conv_w, const float* __restrict__ z,
+                                      const float* __restrict__ ba, const float* __restrict__ a_log,
+                                      const float* __restrict__ dt_bias, const float* __restrict__ nw,
+                                      float* __restrict__ state, bf16* __restrict__ out, int c, int hk, int hv,
+                                      int dv, float q_scale, float eps) {
+    constexpr int RQ = DK / 4, KERN = 4, HIST = KERN - 1;  // state rows per lane; conv history
+    DECODE_KERNEL(TAG_GDN_STEP);
+    const int j = blockIdx.x, t = threadIdx.x, m = t >> 2, part = t & 3;
+    const int kh = j / (hv / hk), nc = 2 * DK + dv;
+    const bool active = m < dv, conv_on = t < nc;
+    // The first value head of its key head (cluster rank 0) owns the q and k conv state.
+    const bool qk_owner = j % (hv / hk) == 0;
+    const int ch = t < DK       ? kh * DK + t
+                   : t < 2 * DK ? (hk + kh) * DK + (t - DK)
+                                : 2 * hk * DK + j * dv + (t - 2 * DK);
+    // The recurrent and conv states and the weights are this layer's own (last written by this
+    // kernel in the previous step): loaded before the wait, overlapping the in-projection.
+    float* st = state + (size_t)j * DK * dv + (size_t)part * RQ * dv + m;
+    float S[RQ];
+#pragma unroll
+    for (int i = 0; i < RQ; i++) S[i] = active ? st[(size_t)i * dv] : 0.0f;
+    float acc = 0.0f, hs[HIST];
+#pragma unroll
+    for (int i = 0; i < HIST; i++) {
+        hs[i] = conv_on ? conv_state[(size_t)i * c + ch] : 0.0f;
+        if (conv_on) acc += conv_w[(size_t)ch * KERN + i] * hs[i];
+    }
+    const float wl = conv_on ? conv_w[(size_t)ch * KERN + HIST] : 0.0f;
+    const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
+    if constexpr (CL > 1) cluster_arrive_release();  // this block has read the old conv state
+    griddep_wait();
+    extern __shared__ __align__(16) float cs_smem[];
+    float* qs = cs_smem;                  // [4 (RQ + 4)]
+    float* ks = cs_smem + 4 * (RQ + 4);   // [4 (RQ + 4)]
+    float* red = ks + 4 * (RQ + 4);       // [32]: the warps' sums of squares
+    float* vs = red + 32;                 // [dv]
+    float y = 0.0f;
+    if (conv_on) {
+        const float x = p[ch];
+        acc += wl * x;
+        y = silu_f(acc);
+    }
+    const float zm = active && part == 0 ? z[(size_t)j * dv + m] : 0.0f;
+    const float bt = sigmoid_f(ba[j]);
+    const float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
+    // q and k (raw) in four padded quarters, as gdn_step_dec lays them out; v by column.
+    if (t < DK) qs[(t / RQ) * (RQ + 4) + t % RQ] = y;
+    else if (t < 2 * DK) ks[((t - DK) / RQ) * (RQ + 4) + (t - DK) % RQ] = y;
+    else if (conv_on) vs[t - 2 * DK] = y;
+    __syncthreads();
+    // The L2 norms: every warp sums the same squares in the same order (no second barrier).
+    float sq = 0.0f, sk = 0.0f;
+    for (int i = t & 31; i < DK; i += 32) {
+        const float a = qs[(i / RQ) * (RQ + 4) + i % RQ], b = ks[(i / RQ) * (RQ + 4) + i % RQ];
+        sq += a * a;
+        sk += b * b;
+    }
+    const float iq = rsqrtf(warp_sum(sq) + 1e-6f) * q_scale, ik = rsqrtf(warp_sum(sk) + 1e-6f);
+    const float v = active ? vs[m] : 0.0f;
+    TRACE_PHASE(0);  // the timeline's phases: inputs in, state updated, output norm summed
+    const float* kq = ks + part * (RQ + 4);
+    const float* qq = qs + part * (RQ + 4);
+    float r = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] *= decay;
+        r += S[i] * kq[i];
+    }
+    r += __shfl_xor_sync(0xffffffffu, r, 1);
+    r += __shfl_xor_sync(0xffffffffu, r, 2);
+    const float uk = bt * (v - r * ik) * ik;  // the update's k_i u with k normalised
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] += kq[i] * uk;
+        o += S[i] * qq[i];
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    o = active ? o * iq : 0.0f;
+    TRACE_PHASE(1);
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < RQ; i++) st[(size_t)i * dv] = S[i];
+    }
+    // The conv state: v's channels by this block, q's and k's by their owner once every block
+    // that reads them has (the cluster's barrier; without a cluster the block is their only reader).
+    if constexpr (CL > 1) cluster_wait_acquire();
+    if (conv_on && (t >= 2 * DK || qk_owner)) {
+        const float x = p[ch];
+#pragma unroll
+        for (int i = 0; i < HIST; i++) conv_state[(size_t)i * c + ch] = i + 1 < HIST ? hs[i + 1 < HIST ? i + 1 : 0] : x;
+    }
+    // The gated RMSNorm: every warp sums the warps' partials in the same order.
+    const float ss = warp_sum(part == 0 ? o * o : 0.0f);
+    if ((t & 31) == 0) red[t >> 5] = ss;
+    __syncthreads();
+    const float tot = warp_sum((t & 31) < (int)(blockDim.x >> 5) ? red[t & 31] : 0.0f);
+    const float inv = rsqrtf(tot / dv + eps);
+    TRACE_PHASE(2);
+    if (active && part == 0) out[(size_t)j * dv + m] = __float2bfloat16(o * inv * nwm * silu_f(zm));
+}
+
+// CL = 1: one value head a key head (no cluster); CL = 2: two, a cluster of two blocks (sm_90a).
+#define GDN_CONVSTEP_DEC(DK)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(512) gdn_convstep_dec_##DK(                                   \
+        const float* p, float* conv_state, const float* conv_w, const float* z, const float* ba,               \
+        const float* a_log, const float* dt_bias, const float* nw, float* state, bf16* out, int c, int hk,     \
+        int hv, int dv, float q_scale, float eps) {                                                            \
+        gdn_convstep_dec_impl<DK, 1>(p, conv_state, conv_w, z, ba, a_log, dt_bias, nw, state, out, c, hk, hv, dv, \
+                                     q_scale, eps);                                                            \
+    }                                                                                                          \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(512) gdn_convstep_dec_cl2_##DK(     \
+        const float* p, float* conv_state, const float* conv_w, const float* z, const float* ba,               \
+        const float* a_log, const float* dt_bias, const float* nw, float* state, bf16* out, int c, int hk,     \
+        int hv, int dv, float q_scale, float eps) {                                                            \
+        gdn_convstep_dec_impl<DK, 2>(p, conv_state, conv_w, z, ba, a_log, dt_bias, nw, state, out, c, hk, hv, dv, \
+                                     q_scale, eps);                                                            \
+    }
+GDN_CONVSTEP_DEC(16)
+GDN_CONVSTEP_DEC(32)
+GDN_CONVSTEP_DEC(64)
+GDN_CONVSTEP_DEC(128)
+
 // ---- Prefill (t > 1): a token-parallel conv and the chunked delta rule.
 
 // Causal depthwise conv + SiLU over a prefill call with the q/k L2 norm (and q's dk^-1/2)
