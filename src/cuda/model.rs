@@ -1760,13 +1760,6 @@ impl CudaModel {
         )
     }
 
-    /// The fused one-token step, top to bottom: every launch reads the token and position
-    /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
-    /// captured once per state into a CUDA graph. Seven launches per GDN layer (in-projection
-    /// with the RMSNorm, conv, delta-rule step, out-projection with the residual, router,
-    /// experts' gate/up, experts' down with the combine), eight per attention layer.
-    ///
-    /// (The GDN conv and step are one launch where [`CudaModel::convstep_kernel`] names one.)
     /// The fused GDN conv + delta-rule step kernel for this model, if it takes the shape: conv
     /// kernel 4, the key head's q and k plus the head's v no more channels than the block's
     /// 4 dv threads, one value head a key head, or two on sm_90a (a cluster of two blocks).
@@ -1799,6 +1792,12 @@ impl CudaModel {
         })
     }
 
+    /// The fused one-token step, top to bottom: every launch reads the token and position
+    /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
+    /// captured once per state into a CUDA graph. Six launches per GDN layer (in-projection
+    /// with the RMSNorm, conv + delta-rule step, out-projection with the residual, router,
+    /// experts' gate/up, experts' down with the combine; seven where the conv and the step are
+    /// two, see [`CudaModel::convstep_kernel`]), eight per attention layer.
     fn decode_launches(&self, state: &CudaState, nsplit: usize, vocab_limit: usize) -> Result<()> {
         let c = &self.config;
         let dw = &self.dws;
