@@ -1763,17 +1763,14 @@ impl CudaModel {
     /// The fused GDN conv + delta-rule step kernel for this model, if it takes the shape: conv
     /// kernel 4, the key head's q and k plus the head's v no more channels than the block's
     /// 4 dv threads, one value head a key head, or two on sm_90a (a cluster of two blocks).
-    fn convstep_kernel(&self) -> Option<&'static str> {
-        let c = &self.config;
-        let (hk, hv, dk, dv) = (
-            c.gdn_num_key_heads,
-            c.gdn_num_value_heads,
-            c.gdn_key_dim,
-            c.gdn_value_dim,
-        );
+    /// (hk, hv, dk, dv): the GDN's key and value heads and their widths.
+    fn convstep_kernel(
+        &self,
+        (hk, hv, dk, dv): (usize, usize, usize, usize),
+    ) -> Option<&'static str> {
         let group = hv / hk;
         let fits = self.gdn_convstep
-            && c.conv_kernel == 4
+            && self.config.conv_kernel == 4
             && hv % hk == 0
             && 2 * dk + dv <= block_threads(4 * dv) as usize
             && (group == 1 || (group == 2 && self.gpu.sm90a));
@@ -1862,7 +1859,7 @@ impl CudaModel {
                         dw.proj.ptr + (ch * 4) as u64,
                         dw.proj.ptr + ((ch + vw) * 4) as u64,
                     );
-                    if let Some(k) = self.convstep_kernel() {
+                    if let Some(k) = self.convstep_kernel((hk, hv, dk, dv)) {
                         // conv + step in one launch (a cluster of two blocks a key head where it
                         // has two value heads)
                         launch(

@@ -185,6 +185,39 @@ extern "C" __global__ void gdn_conv_dec(const float* __restrict__ p, float* __re
     if (on) out[ch] = y;
 }
 
+// The decode step's column math, shared by gdn_step_dec and gdn_convstep_dec: four lanes hold a
+// value column m of S, a quarter (RQ rows) each, and read q and k from four padded quarters
+// (quarter p at p (RQ + 4): the four lanes reading quarter `part` at the same i hit different
+// bank groups; unpadded, every read was a 4-way bank conflict).
+template <int RQ>
+__device__ __forceinline__ int gdn_quarter_at(int i) {
+    return (i / RQ) * (RQ + 4) + i % RQ;
+}
+// S[:, m] *= decay; returns (Sᵀ k)[m], summed over the column's four lanes.
+template <int RQ>
+__device__ __forceinline__ float gdn_col_decay_dot(float (&S)[RQ], const float* kq, float decay) {
+    float r = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] *= decay;
+        r += S[i] * kq[i];
+    }
+    r += __shfl_xor_sync(0xffffffffu, r, 1);
+    return r + __shfl_xor_sync(0xffffffffu, r, 2);
+}
+// S[:, m] += k u; returns (Sᵀ q)[m], summed over the column's four lanes.
+template <int RQ>
+__device__ __forceinline__ float gdn_col_update_dot(float (&S)[RQ], const float* kq, const float* qq, float u) {
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RQ; i++) {
+        S[i] += kq[i] * u;
+        o += S[i] * qq[i];
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    return o + __shfl_xor_sync(0xffffffffu, o, 2);
+}
+
 // Gates + delta-rule step + gated RMSNorm: block per value head; four neighbouring lanes share
 // value column m, each keeping a quarter of S[:, m] in registers (read and written once), and
 // combine their partial dot products with two shuffles. ba: [b (hv) | a (hv)]; z: [hv, dv];
@@ -209,12 +242,10 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     const float a_j = expf(a_log[j]), dtb = dt_bias[j], nwm = active ? nw[m] : 0.0f;
     griddep_wait();
     // Every input of the step is loaded at once, before the first barrier: one round trip.
-    // q and k as four quarters of RQ + 4 floats: the four lanes of a column read quarter `part`
-    // at the same i (16-byte loads), which the padding puts in four different bank groups
-    // (unpadded, every read of the two loops below was a 4-way bank conflict).
+    // q and k in padded quarters (gdn_quarter_at).
     __shared__ __align__(16) float qs[4 * (RQ + 4)], ks[4 * (RQ + 4)];
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-        const int at = (i / RQ) * (RQ + 4) + i % RQ;
+        const int at = gdn_quarter_at<RQ>(i);
         qs[at] = qkv[(size_t)kh * DK + i];
         ks[at] = qkv[(size_t)(hk + kh) * DK + i];
     }
@@ -226,23 +257,8 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
     TRACE_PHASE(0);  // the timeline's phases: inputs in, state updated, output norm summed
     const float* kq = ks + part * (RQ + 4);
     const float* qq = qs + part * (RQ + 4);
-    float r = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RQ; i++) {
-        S[i] *= decay;
-        r += S[i] * kq[i];
-    }
-    r += __shfl_xor_sync(0xffffffffu, r, 1);
-    r += __shfl_xor_sync(0xffffffffu, r, 2);
-    float u = bt * (v - r);
-    float o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RQ; i++) {
-        S[i] += kq[i] * u;
-        o += S[i] * qq[i];
-    }
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
-    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    const float r = gdn_col_decay_dot<RQ>(S, kq, decay);
+    float o = gdn_col_update_dot<RQ>(S, kq, qq, bt * (v - r));
     TRACE_PHASE(1);
     if (active) {
 #pragma unroll
@@ -325,15 +341,15 @@ __device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __rest
     const float zm = active && part == 0 ? z[(size_t)j * dv + m] : 0.0f;
     const float bt = sigmoid_f(ba[j]);
     const float decay = expf(-a_j * softplus_f(ba[hv + j] + dtb));
-    // q and k (raw) in four padded quarters, as gdn_step_dec lays them out; v by column.
-    if (t < DK) qs[(t / RQ) * (RQ + 4) + t % RQ] = y;
-    else if (t < 2 * DK) ks[((t - DK) / RQ) * (RQ + 4) + (t - DK) % RQ] = y;
+    // q and k (raw) in padded quarters (gdn_quarter_at); v by column.
+    if (t < DK) qs[gdn_quarter_at<RQ>(t)] = y;
+    else if (t < 2 * DK) ks[gdn_quarter_at<RQ>(t - DK)] = y;
     else if (conv_on) vs[t - 2 * DK] = y;
     __syncthreads();
     // The L2 norms: every warp sums the same squares in the same order (no second barrier).
     float sq = 0.0f, sk = 0.0f;
     for (int i = t & 31; i < DK; i += 32) {
-        const float a = qs[(i / RQ) * (RQ + 4) + i % RQ], b = ks[(i / RQ) * (RQ + 4) + i % RQ];
+        const float a = qs[gdn_quarter_at<RQ>(i)], b = ks[gdn_quarter_at<RQ>(i)];
         sq += a * a;
         sk += b * b;
     }
@@ -342,23 +358,9 @@ __device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __rest
     TRACE_PHASE(0);  // the timeline's phases: inputs in, state updated, output norm summed
     const float* kq = ks + part * (RQ + 4);
     const float* qq = qs + part * (RQ + 4);
-    float r = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RQ; i++) {
-        S[i] *= decay;
-        r += S[i] * kq[i];
-    }
-    r += __shfl_xor_sync(0xffffffffu, r, 1);
-    r += __shfl_xor_sync(0xffffffffu, r, 2);
-    const float uk = bt * (v - r * ik) * ik;  // the update's k_i u with k normalised
-    float o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RQ; i++) {
-        S[i] += kq[i] * uk;
-        o += S[i] * qq[i];
-    }
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
-    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    const float r = gdn_col_decay_dot<RQ>(S, kq, decay) * ik;
+    // the update's k_i u with k normalised: k_raw,i (u |k|^-1)
+    float o = gdn_col_update_dot<RQ>(S, kq, qq, bt * (v - r) * ik);
     o = active ? o * iq : 0.0f;
     TRACE_PHASE(1);
     if (active) {
