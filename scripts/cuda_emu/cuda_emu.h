@@ -16,6 +16,7 @@
 // emu-provides: wgmma_m64n64k16 wgmma_m64n80k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
 // emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
 // emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
+// emu-provides: wgmma_m64n64k16_rs wgmma_m64n128k16_rs_tb
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
 // emu-provides: tma_load_3d_mc bulk_load cluster_arrive_release cluster_wait_acquire
@@ -200,7 +201,7 @@ inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[EMU_SLOTS];
 inline std::vector<PendingCopy> g_cp_open[EMU_SLOTS];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
-// n: columns (32, 64 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
+// n: columns (32, 64, 80, 128 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
 // (16 k each) gathered from its quad at issue.
 struct PendingWgmma {
     float* d;
@@ -583,9 +584,12 @@ inline void wgmma_m64n80k16(float (&d)[40], unsigned long long da, unsigned long
 }
 // A from registers: the quad's four lanes hold a row pair's 16 k (a[0], a[2]: row g, k 2q.. and
 // 8 + 2q..; a[1], a[3]: row g + 8), gathered here as the hardware reads them at issue.
-inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+inline void emu_wgmma_bf16_rs(float* d, int n, bool trans_b, const unsigned (&a)[4], unsigned long long db,
+                              int scale_d) {
     PendingWgmma op{d, 0, db, scale_d};
-    op.trans_b = op.a_reg = true;
+    op.n = n;
+    op.trans_b = trans_b;
+    op.a_reg = true;
     int quad = emu_lane() & ~3;
     for (int q = 0; q < 4; q++)
         for (int r = 0; r < 4; r++) {
@@ -599,6 +603,15 @@ inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsi
             op.a[row][k + 1] = __bfloat162float(hi);
         }
     g_wg_open[emu_tid()].push_back(op);
+}
+inline void wgmma_m64n256k16_rs_tb(float (&d)[128], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    emu_wgmma_bf16_rs(d, 256, true, a, db, scale_d);
+}
+inline void wgmma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    emu_wgmma_bf16_rs(d, 64, false, a, db, scale_d);
+}
+inline void wgmma_m64n128k16_rs_tb(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    emu_wgmma_bf16_rs(d, 128, true, a, db, scale_d);
 }
 // tf32, A from registers: lane q of the quad holds (row g, k q), (g + 8, q), (g, q + 4),
 // (g + 8, q + 4), gathered here as the hardware reads them at issue.

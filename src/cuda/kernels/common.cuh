@@ -525,6 +525,13 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;  // x − hi is exact in f32
 }
+// The bf16 form (3xBF16, twice the tensor rate of 3xTF32): a pair (x0, x1) as bf16x2 hi (round
+// to nearest) and lo = the rounded rest, x ≈ hi + lo to ~2^-17 relative; A B ≈ A_hi B_hi +
+// A_hi B_lo + A_lo B_hi is then ~1e-5-level (one bf16 product is 2^-8).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = pack_bf16x2(x0, x1);
+    lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
 
 // A counter another block publishes: its acquire load, and the release store that publishes it
 // (cumulative: what this thread saw before, e.g. through a block barrier, is visible first).
@@ -799,6 +806,34 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32_rs(float (&d)[64], const un
         "setp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
         WGMMA_D64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1;\n"
+        "}\n"
+        : WGMMA_D64_OUT(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+// D[64 x 64] (32 registers a thread) = (scale_d ? D : 0) + A[64 x 16] * B[64 x 16]^T in bf16,
+// A from registers (wgmma_m64n256k16_rs_tb's fragment: an accumulator's two n8 blocks packed),
+// B K-major from a 128-byte-swizzle descriptor.
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db,
+                                                   int scale_d) {
+    WGMMA_ASM(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        WGMMA_D32_REGS ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+        "}\n"
+        : WGMMA_D32_OUT(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+// The same at N = 128 (64 registers a thread) with B[16 x 128] N-major (wgmma_desc_sw128_mn).
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const unsigned (&a)[4],
+                                                       unsigned long long db, int scale_d) {
+    WGMMA_ASM(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        WGMMA_D64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
         "}\n"
         : WGMMA_D64_OUT(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
