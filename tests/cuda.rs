@@ -1193,7 +1193,7 @@ fn model_gdn_shape(t: usize) -> GdnShape {
 
 /// The chunked delta-rule kernels against the token-by-token kernel on the same inputs, both
 /// f32 (`gdn_chunk_state`'s tensor-core products are split 3xTF32, f32-level; the default
-/// `gdn_chunk_state_b64`'s 3xBF16, ~1e-5-level, the same 1e-4 bound): at the full
+/// `gdn_chunk_state_t64`'s 3xBF16, ~1e-5-level, within the same 1e-4 bound): at the full
 /// model's head dims (dk = dv = 128, 16 key and 32 value heads) over 300 tokens (a partial
 /// last chunk) and 2 tokens, and at the fixtures' and other small dims.
 #[test]
@@ -1202,7 +1202,6 @@ fn gdn_chunked_kernel_matches_recurrent() {
     use std::sync::atomic::Ordering::Relaxed;
     let default_wg = gpu.gdn_state_wg.load(Relaxed);
     let default_t64 = gpu.gdn_state_t64.load(Relaxed);
-    let default_bf3 = gpu.gdn_state_bf3.load(Relaxed);
     let default_prep_wg = gpu.gdn_prep_wg.load(Relaxed);
     let shape = |t, hk, hv, dk, dv| GdnShape { t, hk, hv, dk, dv };
     for sh in [
@@ -1218,13 +1217,12 @@ fn gdn_chunked_kernel_matches_recurrent() {
         let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, false);
         // the state pass on wgmma (sm_90a, dk 64 and 128), with Sᵀ in registers (sm_90a, dk
         // 128) and on mma.sync; the prep on wgmma (sm_90a, dk = dv = 128) and on mma.sync
-        let mut states = vec![("mma.sync", false, false, false)];
+        let mut states = vec![("mma.sync", false, false)];
         if default_wg && matches!(sh.dk, 64 | 128) {
-            states.insert(0, ("wgmma", true, false, false));
+            states.insert(0, ("wgmma", true, false));
         }
         if gpu.sm90a && sh.dk == 128 {
-            states.push(("Sᵀ-register", false, true, false));
-            states.push(("3xBF16 Sᵀ-register", false, true, true));
+            states.push(("Sᵀ-register 3xBF16", false, true));
         }
         let preps: &[bool] = if gpu.sm90a && sh.dk == 128 && sh.dv == 128 {
             &[true, false]
@@ -1232,10 +1230,9 @@ fn gdn_chunked_kernel_matches_recurrent() {
             &[false]
         };
         for &prep_wg in preps {
-            for &(state_name, wg, t64, bf3) in &states {
+            for &(state_name, wg, t64) in &states {
                 gpu.gdn_state_wg.store(wg, Relaxed);
                 gpu.gdn_state_t64.store(t64, Relaxed);
-                gpu.gdn_state_bf3.store(bf3, Relaxed);
                 gpu.gdn_prep_wg.store(prep_wg, Relaxed);
                 let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, true);
                 let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
@@ -1254,7 +1251,6 @@ fn gdn_chunked_kernel_matches_recurrent() {
         }
         gpu.gdn_state_wg.store(default_wg, Relaxed);
         gpu.gdn_state_t64.store(default_t64, Relaxed);
-        gpu.gdn_state_bf3.store(default_bf3, Relaxed);
         gpu.gdn_prep_wg.store(default_prep_wg, Relaxed);
         assert!(
             rel_err(&s_r, &inputs.3) > 1e-2,
@@ -1608,37 +1604,33 @@ fn gdn_prefill_kernel_timing_full_shape() {
     use std::sync::atomic::Ordering::Relaxed;
     let default_wg = gpu.gdn_state_wg.load(Relaxed);
     let default_t64 = gpu.gdn_state_t64.load(Relaxed);
-    let default_bf3 = gpu.gdn_state_bf3.load(Relaxed);
     let default_prep_wg = gpu.gdn_prep_wg.load(Relaxed);
     let mut chunked_by_pass = String::new();
-    for (prep_wg, wg, t64, bf3) in [
-        (false, false, false, false),
-        (false, true, false, false),
-        (true, true, false, false),
-        (false, false, true, false),
-        (false, false, true, true),
+    for (prep_wg, wg, t64) in [
+        (false, false, false),
+        (false, true, false),
+        (true, true, false),
+        (false, false, true),
     ] {
         if (wg && !default_wg) || ((prep_wg || t64) && !gpu.sm90a) {
             continue;
         }
         gpu.gdn_state_wg.store(wg, Relaxed);
         gpu.gdn_state_t64.store(t64, Relaxed);
-        gpu.gdn_state_bf3.store(bf3, Relaxed);
         gpu.gdn_prep_wg.store(prep_wg, Relaxed);
         let ms = time_ms(10, &|| {
             gpu.gdn_delta_chunked(&sh, &bufs, scratch.ptr).unwrap()
         });
         let name = |on| if on { "wgmma" } else { "mma.sync" };
-        let state = match (t64, bf3) {
-            (true, true) => "3xBF16 Sᵀ-register",
-            (true, false) => "Sᵀ-register",
-            _ => name(wg),
+        let state = if t64 {
+            "Sᵀ-register 3xBF16"
+        } else {
+            name(wg)
         };
         chunked_by_pass += &format!(" {ms:.3} ms ({} prep, {state} state pass)", name(prep_wg));
     }
     gpu.gdn_state_wg.store(default_wg, Relaxed);
     gpu.gdn_state_t64.store(default_t64, Relaxed);
-    gpu.gdn_state_bf3.store(default_bf3, Relaxed);
     gpu.gdn_prep_wg.store(default_prep_wg, Relaxed);
     let chunked = chunked_by_pass;
     let recurrent = time_ms(2, &|| gpu.gdn_delta_recurrent(&sh, &bufs).unwrap());

@@ -138,37 +138,24 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         printf("%s   wgmma state pass (gdn_chunk_state_wg): o %.1e S %.1e\n", okw ? "ok  " : "FAIL", ew_o, ew_s);
         if (!okw) exit(1);
     }
-    // gdn_chunk_state_t64 (Sᵀ as the wgmma A operand, DK 128) from the same prep output: the
-    // state blocks, then 3 out blocks (the emulator runs blocks in order, so the out blocks find
-    // every state released)
+    // gdn_chunk_state_t64 (Sᵀ as the wgmma A operand, DK 128; 3xBF16 products, ~1e-5-level, so
+    // its own bound) from the same prep output: the state blocks, then 3 out blocks (the emulator
+    // runs blocks in order, so the out blocks find every state released)
     if constexpr (DK == 128) {
         const int nstate = hv * ((dv + 63) / 64);
         std::vector<float> st_t = s0, o_t = o_intra, s_out((size_t)nstate * nch * 128 * 64, NaN);
         std::vector<unsigned> flags((size_t)nstate * GDN_T64_FLAG_STRIDE, 0);  // a 128-byte line each
-        size_t t64sm = 4 * (6 * C * dk + 2 * C * 68 + 2 * C) + 80;
+        size_t t64sm = 2 * 2 * 3 * C * dk + 4 * (2 * C * 68 + 2 * C) + 80;
         emu_launch({(unsigned)(nstate + 3), 1, 1}, 384, t64sm, [&] {
             gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), s_out.data(), flags.data(), t,
                                      hk, hv, dv);
         });
         double et_o = max_rel(o_t, oref), et_s = max_rel(st_t, sref);
-        bool okt = !any_nan(o_t) && !any_nan(st_t) && et_o < tol && et_s < tol;
+        bool okt = !any_nan(o_t) && !any_nan(st_t) && et_o < 1e-4 && et_s < 1e-4;
         for (int b = 0; b < nstate; b++) okt = okt && flags[(size_t)b * GDN_T64_FLAG_STRIDE] == (unsigned)nch;
-        printf("%s   Sᵀ-register state pass (gdn_chunk_state_t64): o %.1e S %.1e\n", okt ? "ok  " : "FAIL", et_o, et_s);
+        printf("%s   Sᵀ-register state pass, 3xBF16 (gdn_chunk_state_t64): o %.1e S %.1e\n", okt ? "ok  " : "FAIL", et_o,
+               et_s);
         if (!okt) exit(1);
-        // gdn_chunk_state_b64 (the same pass, 3xBF16 products): ~1e-5-level, so its own bound
-        std::vector<float> st_b = s0, o_b = o_intra;
-        std::fill(s_out.begin(), s_out.end(), NaN);
-        std::fill(flags.begin(), flags.end(), 0u);
-        size_t b64sm = 2 * 2 * 3 * C * dk + 4 * (2 * C * 68 + 2 * C) + 80;
-        emu_launch({(unsigned)(nstate + 3), 1, 1}, 384, b64sm, [&] {
-            gdn_chunk_state_b64_impl(qkv.data(), c, w, qp, u, gam, st_b.data(), o_b.data(), s_out.data(), flags.data(), t,
-                                     hk, hv, dv);
-        });
-        double eb_o = max_rel(o_b, oref), eb_s = max_rel(st_b, sref);
-        bool okb = !any_nan(o_b) && !any_nan(st_b) && eb_o < 1e-4 && eb_s < 1e-4;
-        for (int b = 0; b < nstate; b++) okb = okb && flags[(size_t)b * GDN_T64_FLAG_STRIDE] == (unsigned)nch;
-        printf("%s   3xBF16 state pass (gdn_chunk_state_b64): o %.1e S %.1e\n", okb ? "ok  " : "FAIL", eb_o, eb_s);
-        if (!okb) exit(1);
     }
     double er_o = max_rel(o_r, oref), er_s = max_rel(st_r, sref);
     double ec_o = max_rel(o_c, oref), ec_s = max_rel(st_c, sref);

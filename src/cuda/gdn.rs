@@ -31,7 +31,7 @@ const PREP_WG_THREADS: u32 = 256;
 /// Key head dims the delta-rule kernels are compiled for.
 pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 13] = [
+pub(super) const CHUNK_KERNELS: [&str; 12] = [
     "gdn_chunk_prep_16",
     "gdn_chunk_prep_32",
     "gdn_chunk_prep_64",
@@ -44,7 +44,6 @@ pub(super) const CHUNK_KERNELS: [&str; 13] = [
     "gdn_chunk_state_wg_64",
     "gdn_chunk_state_wg_128",
     "gdn_chunk_state_t64_128",
-    "gdn_chunk_state_b64_128",
 ];
 
 /// One GDN call: `t` tokens; `hk` key heads of dim `dk`, `hv` value heads of dim `dv`.
@@ -185,17 +184,10 @@ impl GdnShape {
             + 2 * CHUNK)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_state_t64` (dk = 128 only): the hi and lo tiles of
-    /// W, Q' and K (64 x dk each), U and O_intra ([64][68] each), γ twice and ten mbarriers;
-    /// 232,016 bytes.
+    /// Dynamic shared memory of `gdn_chunk_state_t64` (dk = 128 only): the bf16 hi and lo
+    /// tiles of two W buffers (the out role's Q' the second) and K (64 x dk each), U and
+    /// O_intra ([64][68] f32 each), γ twice and ten mbarriers; 133,712 bytes.
     fn state_t64_smem_bytes(&self) -> usize {
-        4 * (6 * CHUNK * self.dk + 2 * CHUNK * 68 + 2 * CHUNK) + 10 * 8
-    }
-
-    /// Dynamic shared memory of `gdn_chunk_state_b64` (dk = 128 only): the bf16 hi and lo
-    /// tiles of two W buffers and K (64 x dk each), U and O_intra ([64][68] f32 each), γ twice
-    /// and ten mbarriers; 133,712 bytes.
-    fn state_b64_smem_bytes(&self) -> usize {
         2 * 2 * 3 * CHUNK * self.dk + 4 * (2 * CHUNK * 68 + 2 * CHUNK) + 10 * 8
     }
 
@@ -432,13 +424,12 @@ impl Gpu {
             let tail = args.split_off(8);
             args.extend([Arg::Ptr(s_out), Arg::Ptr(flags)]);
             args.extend(tail);
-            // 3xBF16 products where on (the same roles and scratch)
-            let (name, smem) = if self.gdn_state_bf3.load(Relaxed) {
-                ("gdn_chunk_state_b64", sh.state_b64_smem_bytes())
-            } else {
-                ("gdn_chunk_state_t64", sh.state_t64_smem_bytes())
-            };
-            (name, STATE_T64_THREADS, smem, (self.sm_count as u32, 1, 1))
+            (
+                "gdn_chunk_state_t64",
+                STATE_T64_THREADS,
+                sh.state_t64_smem_bytes(),
+                (self.sm_count as u32, 1, 1),
+            )
         } else if wg {
             (
                 "gdn_chunk_state_wg",
@@ -483,8 +474,7 @@ mod tests {
         assert!(sh.chunked_fits(h200));
         assert_eq!(sh.state_smem_bytes(), 223_744);
         assert_eq!(sh.state_wg_smem_bytes(), 225_792);
-        assert_eq!(sh.state_t64_smem_bytes(), 232_016);
-        assert_eq!(sh.state_b64_smem_bytes(), 133_712);
+        assert_eq!(sh.state_t64_smem_bytes(), 133_712);
         assert!(sh.state_t64_fits(h200, 132));
         assert!(!GdnShape { dk: 64, ..sh }.state_t64_fits(h200, 132));
         assert!(

@@ -252,10 +252,6 @@ pub struct Gpu {
     /// capability 9.0; `KESTREL_GDN_STATE=wg` keeps `gdn_chunk_state_wg`, `=mma` the mma.sync
     /// kernel.
     pub gdn_state_t64: std::sync::atomic::AtomicBool,
-    /// That pass with 3xBF16 products (`gdn_chunk_state_b64`, ~1e-5-level, half the wgmma of
-    /// the 3xTF32 `gdn_chunk_state_t64`) where `gdn_state_t64` is on: on compute capability
-    /// 9.0; `KESTREL_GDN_STATE=t64` keeps the 3xTF32 kernel.
-    pub gdn_state_bf3: std::sync::atomic::AtomicBool,
     /// The chunked delta rule's prep on wgmma (`gdn_chunk_prep_wg`, dk = dv = 128): opt-in on
     /// compute capability 9.0 with `KESTREL_GDN_PREP=wg` (measured no faster yet than the
     /// mma.sync kernel, `gdn_chunk_prep`, the default; docs/KERNELS.md).
@@ -509,9 +505,6 @@ impl Gpu {
             .into(),
             gdn_state_t64: (cc == (9, 0)
                 && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma" && v != "wg"))
-            .into(),
-            gdn_state_bf3: (cc == (9, 0)
-                && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "t64"))
             .into(),
             gdn_prep_wg: (cc == (9, 0)
                 && std::env::var("KESTREL_GDN_PREP").is_ok_and(|v| v == "wg"))

@@ -1921,22 +1921,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
 // gdn_chunk_state's contract (the prep's W, Q', U, γ and O_intra in, o and the state out) in one
 // launch of a block an SM, every block resident at once. State blocks (the first hv * dv / 64):
 // a value head's 64 value columns; consumer warpgroup 0 keeps Sᵀ (64 x dk, f32) in its
-// accumulator registers from the first chunk to the last, and a chunk is two 3xTF32 products
-// whose A operand is split straight from registers, so nothing on the chain goes through shared
-// memory:
-//   Rᵀ = Sᵀ Wᵀ (m64n64k8, k = dk), Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} in R's registers,
-//   Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K (m64n128k8, k = the chunk's 64 rows),
+// accumulator registers from the first chunk to the last, and a chunk is two products whose A
+// operand is split straight from registers, so nothing on the chain goes through shared memory:
+//   Rᵀ = Sᵀ Wᵀ (m64n64k16, k = dk), Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} in R's registers,
+//   Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K (m64n128k16, k = the chunk's 64 rows),
 // with each chunk's Sᵀ (before its update) stored for the out blocks. Out blocks (the rest):
 // o = O_intra + O' with O'ᵀ = Sᵀ Q'ᵀ for (chunk, state block) items in chunk order, each once
 // its state block released that chunk's Sᵀ (a counter a state block, st.release / ld.acquire).
-// An accumulator's column pair (2q, 2q + 1) of an n8 block is the tf32 A fragment's k (q, q + 4)
-// (as in gdn_chunk_prep_wg), so two B tiles store their rows permuted by gdn_pk: W's row n is
-// chunk row gdn_pk(n) (R's column n is then that chunk row, and Vdᵀ's fragments come in chunk
-// order for K's k), and K's row n is key dim gdn_pk(n) (Sᵀ's column n is then that key dim, and
-// its fragments come in dk order for W's and Q''s k). Two producer warpgroups per block split
-// W (or Q') and K (transposed) into K-major 128-byte-swizzle tiles (hi, lo) and copy U, γ (or
-// O_intra), each buffer guarded by full / empty mbarriers. Dynamic shared memory (1024-byte
-// aligned): GdnShape::state_t64_smem_bytes (232,016 bytes); docs/KERNELS.md, fourteenth session.
+// Products are 3xBF16 (split_bf16x2: ~1e-5-level against f32, within gdn_chunked_kernel_matches_
+// recurrent's 1e-4): the 3xTF32 form of the same pass (~1e-7) took twice the wgmma and 44% more
+// time, 580 against 403 µs a layer at 8,192 tokens (docs/KERNELS.md, twenty-seventh session).
+// An accumulator's two n8 blocks packed to bf16x2 are the A fragment of a k16 step as they are:
+// Sᵀ's column n is key dim n, Rᵀ's and O'ᵀ's column n chunk row n. Two producer warpgroups per
+// block split W (or Q') and K into bf16 hi and lo tiles (gdn_t64_at: row-major 64 x 128, read
+// K-major for W and Q', N-major for K, so nothing is transposed) and copy U, γ (or O_intra),
+// each buffer guarded by full / empty mbarriers. Dynamic shared memory (1024-byte aligned):
+// GdnShape::state_t64_smem_bytes (133,712 bytes); docs/KERNELS.md, fourteenth session.
 #define GDN_T64_COLS 64   // value columns of a block
 #define GDN_T64_LDU 68    // U and O_intra rows (the consumer's reads hit 32 distinct banks)
 // The state blocks' progress counters, one a 128-byte line (the out blocks poll them), and the
@@ -1945,8 +1945,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
 #ifndef GDN_T64_SPIN_NS
 #define GDN_T64_SPIN_NS 128
 #endif
-// gdn_pk's inverse: the tile row that holds chunk row (or key dim) r.
-__device__ __forceinline__ int gdn_pk_inv(int r) { return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1); }
 // Two producer warpgroups: one splits W (state blocks) or Q' (out blocks), the other K (state
 // blocks) or copies O_intra (out blocks), each in its own loop, so neither waits on the other.
 #define GDN_T64_PRODUCERS 256
@@ -1956,46 +1954,6 @@ __device__ __forceinline__ int gdn_pk_inv(int r) { return (r & ~7) | ((r & 3) <<
 __device__ __forceinline__ void gdn_t64_load_rows(const float* src, float4 (&v)[16], int pw, int lane) {
 #pragma unroll
     for (int i = 0; i < 16; i++) v[i] = ld4(src + (size_t)(16 * pw + i) * 128 + 4 * lane);
-}
-// ... then split into the tile's hi and lo parts (8 lanes fill a swizzled 128-byte row of a
-// panel: conflict free). PERM: row r goes to tile row gdn_pk_inv(r).
-template <bool PERM>
-__device__ __forceinline__ void gdn_t64_store_rows(const float4 (&v)[16], float* tile, int pw, int lane) {
-#pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int r = 16 * pw + i, at = gdn_swr<GDN_C>(PERM ? gdn_pk_inv(r) : r, 4 * lane);
-        gdn_split4(v[i], tile + at, tile + GDN_C * 128 + at);
-    }
-}
-// A producer warpgroup's (thread pt < 128) copy of chunk ch's K rows (0 past t): rows
-// 4 (pt % 16) .. + 3, key dims 16 (pt / 16) .. + 15; then (gdn_t64_store_k) their split into the
-// transposed tile: key dim d at tile row gdn_pk_inv(d), the chunk row as k, so each store is a
-// 16-byte k unit and a warp's stores hit every bank group four times (conflict free).
-__device__ __forceinline__ void gdn_t64_load_k(const float* qkv, int c, size_t koff, int ch, int t, float4 (&v)[4][4],
-                                               int pt) {
-    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
-#pragma unroll
-    for (int rr = 0; rr < 4; rr++) {
-        const int row = ch * GDN_C + q4 + rr;
-#pragma unroll
-        for (int f = 0; f < 4; f++)
-            v[rr][f] = row < t ? ld4(qkv + (size_t)row * c + koff + d0 + 4 * f) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-}
-__device__ __forceinline__ void gdn_t64_store_k(const float4 (&v)[4][4], float* tile, int pt) {
-    const int q4 = 4 * (pt & 15), d0 = 16 * (pt >> 4);
-#pragma unroll
-    for (int f = 0; f < 4; f++) {
-        const float4 x[4] = {make_float4(v[0][f].x, v[1][f].x, v[2][f].x, v[3][f].x),
-                             make_float4(v[0][f].y, v[1][f].y, v[2][f].y, v[3][f].y),
-                             make_float4(v[0][f].z, v[1][f].z, v[2][f].z, v[3][f].z),
-                             make_float4(v[0][f].w, v[1][f].w, v[2][f].w, v[3][f].w)};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int at = gdn_swr<128>(gdn_pk_inv(d0 + 4 * f + e), q4);
-            gdn_split4(x[e], tile + at, tile + 128 * GDN_C + at);
-        }
-    }
 }
 // A producer warpgroup's cp.async of 64 rows x 64 columns (U or O_intra) into a [64][LDU]
 // tile: row r from src + r * ld (columns past n_in and rows past rows_in zero-filled).
@@ -2010,359 +1968,19 @@ __device__ __forceinline__ void gdn_t64_copy_rows(const float* src, size_t ld, i
 }
 
 #define GDN_T64_THREADS (128 + GDN_T64_PRODUCERS)
-// The shared-memory plan of both roles (floats; 1024-byte aligned; the roles use parts of it).
-struct GdnT64Smem {
-    static constexpr int WT = GDN_C * 128;  // one part (hi or lo) of the W, Q' or K tile
-    float *wi, *qi, *ki, *ub, *ob, *gm;
-    unsigned long long *full, *empty;
-    __device__ explicit GdnT64Smem(float* base) {
-        wi = base;                          // [hi, lo][WT] W (rows permuted)
-        qi = wi + 2 * WT;                   // [hi, lo][WT] Q'
-        ki = qi + 2 * WT;                   // [hi, lo][WT] K transposed (rows = key dims, permuted)
-        ub = ki + 2 * WT;                   // [64][GDN_T64_LDU] U
-        ob = ub + GDN_C * GDN_T64_LDU;      // [64][GDN_T64_LDU] O_intra
-        gm = ob + GDN_C * GDN_T64_LDU;      // [2][64] γ by chunk parity
-        full = reinterpret_cast<unsigned long long*>(gm + 2 * GDN_C);
-        empty = full + 5;
-    }
-};
 enum { GDN_BW, GDN_BQ, GDN_BU, GDN_BO, GDN_BK };  // the buffers' mbarriers (full[b], empty[b])
-// Rᵀ or O'ᵀ (acc, 64 x 64) = Sᵀ (s, the m64n128 accumulator, key dim gdn_pk(n) at column n)
-// times the tile at (bh, bl)ᵀ, 3xTF32 over dk = 128: gdn_wg64_mma with the A fragments split
-// from s as they are (the column pair (2q, 2q + 1) is the fragment's k (q, q + 4)).
-__device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned long long bh, unsigned long long bl,
-                                                float (&acc)[32]) {
-    gdn_wg64_mma<16, 2>(acc, bh, bl, false,
-                        [&](int kk, unsigned (&hi)[4], unsigned (&lo)[4]) { gdn_acc_frag(s, kk, hi, lo); });
-}
-
-// The state role: block sb < nstate owns value head sb / halves, columns 64 (sb % halves) ..;
-// per chunk R, Vd and the state update (the three products' chain above, less O'), and Sᵀ
-// before the update out to s_out (the out blocks' A operand), released by the K producer
-// once the consumer's release of K (after its stores) reached it: no fence on the chain.
-__device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
-                                   const float* __restrict__ u_in, const float* __restrict__ gamma_in,
-                                   float* __restrict__ state, float* __restrict__ s_out, unsigned* __restrict__ flags,
-                                   int t, int hk, int hv, int dv, GdnT64Smem sm) {
-    constexpr int DK = 128;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, sb = blockIdx.x;
-    const int j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
-    const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
-    const size_t tp = (size_t)nchunks * GDN_C;
-    const int dvs = min(GDN_T64_COLS, dv - m0);
-    const bool team_a = warp < 4;  // the consumer (phase clock slots 0-7; the producer 8-15)
-    if (warp >= 4) {  // the producers: chunk ch's buffers, each once the consumer released its last use
-        setmaxnreg_dec<128>();
-        const int pt = (tid - 128) & 127, pw = pt >> 5;
-        const size_t koff = (size_t)(hk + kh) * DK;
-        if (warp < 8) {  // W, γ and U, into buffer ch & 1 of each (the out role's Q' and O_intra
-                         // tiles are the second buffers here), a chunk ahead of the consumer
-            for (int ch = 0; ch < nchunks; ch++) {
-                const int bw = ch & 1 ? GDN_BQ : GDN_BW, bu = ch & 1 ? GDN_BO : GDN_BU;
-                const unsigned ph = ((ch >> 1) - 1) & 1;  // the buffer's previous use (chunk ch - 2)
-                const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;  // scratch rows of the chunk
-                GDN_PHASE_WG(0);
-                float4 vw[16];
-                gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
-                const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
-                if (ch + 1 < nchunks)  // the next chunk's W (64 rows of 4 lines) into L2
-#pragma unroll
-                    for (int i = 0; i < 2; i++) {
-                        const int line = pt + 128 * i;
-                        gdn_prefetch_l2(w_in + (row0 + GDN_C + (line >> 2)) * DK + (line & 3) * 32);
-                    }
-                if (ch > 1) mbar_wait(&sm.empty[bw], ph);
-                GDN_PHASE_WG(1);
-                gdn_t64_store_rows<true>(vw, ch & 1 ? sm.qi : sm.wi, pw, lane);
-                if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
-                fence_proxy_async();
-                mbar_arrive(&sm.full[bw]);
-                GDN_PHASE_WG(2);
-                if (ch > 1) mbar_wait(&sm.empty[bu], ph);
-                gdn_t64_copy_rows(u_in + row0 * dv + m0, dv, dvs, GDN_C, ch & 1 ? sm.ob : sm.ub, pt);
-                cp_async_mbar_arrive(&sm.full[bu]);
-                GDN_PHASE_WG(3);
-            }
-        } else {  // K, and the out blocks' counter
-            for (int ch = 0; ch < nchunks; ch++) {
-                float4 vk[4][4];
-                gdn_t64_load_k(qkv, c, koff, ch, t, vk, pt);
-                if (ch + 1 < nchunks)  // the next chunk's K rows into L2
-#pragma unroll
-                    for (int i = 0; i < 2; i++) {
-                        const int line = pt + 128 * i, krow = (ch + 1) * GDN_C + (line >> 2);
-                        if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
-                    }
-                if (ch > 0) mbar_wait(&sm.empty[GDN_BK], (ch - 1) & 1);
-                gdn_t64_store_k(vk, sm.ki, pt);
-                fence_proxy_async();
-                mbar_arrive(&sm.full[GDN_BK]);
-                // K's release by the update of chunk ch - 1 came after the consumer stored S_{ch-1}
-                // (with R): release S_0 .. S_{ch-1} to the out blocks (st.release is cumulative
-                // over what the wait observed). Here, with this thread's K loads consumed, its
-                // fence waits only for those stores; on the W producer it held up W's split.
-                if (ch > 0 && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch);
-            }
-            if (nchunks > 0) mbar_wait(&sm.empty[GDN_BK], (nchunks - 1) & 1);  // the last update
-            if (pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, nchunks);
-        }
-        return;
-    }
-    setmaxnreg_inc<240>();
-
-    // The consumer. Sᵀ's accumulator: row m = 16 warp + lane / 4 (+ 8), column n = key dim gdn_pk(n).
-    const int gq = lane >> 2, cq = lane & 3, r0 = 16 * warp + gq;
-    float* st = state + (size_t)j * DK * dv + m0;
-    float s[64];
-#pragma unroll
-    for (int i = 0; i < 16; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int m = r0 + 8 * (e >> 1), k = 8 * i + cq + 4 * (e & 1);
-            s[4 * i + e] = m < dvs ? st[(size_t)k * dv + m] : 0.0f;  // padding columns stay 0
-        }
-    const unsigned long long kh_ = wgmma_desc_sw128(sm.ki), kl = wgmma_desc_sw128(sm.ki + GdnT64Smem::WT);
-    // s_out [nstate][chunks][16][128 threads][4]: each thread's accumulator as it holds it, float4
-    // i of every thread side by side (a warp's store is 512 contiguous bytes), so the out blocks'
-    // threads read theirs back the same way
-    float* so = s_out + (size_t)sb * nchunks * 128 * 64 + 4 * tid;
-    for (int ch = 0; ch < nchunks; ch++) {
-        const unsigned par = ch & 1;
-        GDN_PHASE_WG(0);
-        float r[32];
-        const int bw = par ? GDN_BQ : GDN_BW, bu = par ? GDN_BO : GDN_BU;
-        const unsigned use = (ch >> 1) & 1;  // the parity of this use of buffer par
-        const float* wt = par ? sm.qi : sm.wi;
-        mbar_wait(&sm.full[bw], use);
-        fence_proxy_async();
-        GDN_PHASE_WG(1);
-        // the chunk's decays now: γ's buffer is refilled once W's is released
-        const float* gc = sm.gm + par * GDN_C;
-        const float last = gc[GDN_C - 1];
-        float dec[16];  // e^{γ_last − γ} of chunk rows 8 i + cq + 4 b, at 2 i + b
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int b = 0; b < 2; b++) dec[2 * i + b] = expf(last - gc[8 * i + cq + 4 * b]);
-        // Rᵀ = Sᵀ Wᵀ; Sᵀ (before the update) goes out to s_out a float4 with each fragment's
-        // split (ptxas gathers the stores before the last product; they cost the chunk ~0.8k
-        // cycles wherever they sit, docs/KERNELS.md)
-        float* so_ch = so + (size_t)ch * 128 * 64;
-        gdn_wg64_mma<16, 2>(r, wgmma_desc_sw128(wt), wgmma_desc_sw128(wt + GdnT64Smem::WT), false,
-                            [&](int kk, unsigned(&hi)[4], unsigned(&lo)[4]) {
-                                gdn_acc_frag(s, kk, hi, lo);
-                                st4(so_ch + 512 * kk,
-                                    make_float4(s[4 * kk], s[4 * kk + 1], s[4 * kk + 2], s[4 * kk + 3]));
-                            });
-        mbar_arrive(&sm.empty[bw]);
-        GDN_PHASE_WG(2);
-        const float* ut = par ? sm.ob : sm.ub;
-        mbar_wait(&sm.full[bu], use);
-        GDN_PHASE_WG(3);
-        // Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K: 8 k steps (the chunk's rows) in groups of 2 through two
-        // register sets (a set is refilled once the group that read it retired); each k step's
-        // Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} is formed in R's registers just before its split
-        // (the previous order, the Sᵀ stores and Vd as phases of their own, measured 6-9% slower
-        // a chunk)
-        const float eg = expf(last);
-#pragma unroll
-        for (int e = 0; e < 64; e++) s[e] *= eg;
-        mbar_wait(&sm.full[GDN_BK], par);
-        GDN_PHASE_WG(4);
-        fence_proxy_async();
-        unsigned fh[2][2][4], fl[2][2][4];
-        unsigned long long dh = kh_, dl = kl;  // pinned before the stage (C7513)
-        wgmma_fence_operand(dh);
-        wgmma_fence_operand(dl);
-#pragma unroll
-        for (int e = 0; e < 64; e++) wgmma_fence_operand(s[e]);
-#pragma unroll
-        for (int g = 0; g < 4; g++) {
-            const int b = g & 1;
-            if (g >= 2) wgmma_wait<1>();
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int kk = 2 * g + i;  // R's n8 block kk: columns 8 kk + 2 cq + bb, chunk rows 8 kk + cq + 4 bb
-#pragma unroll
-                for (int bb = 0; bb < 2; bb++) {
-                    const int row = 8 * kk + cq + 4 * bb;
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int e = 4 * kk + 2 * h + bb;
-                        r[e] = (ut[row * GDN_T64_LDU + r0 + 8 * h] - r[e]) * dec[2 * kk + bb];
-                    }
-                }
-                gdn_acc_frag(r, kk, fh[b][i], fl[b][i]);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    wgmma_fence_operand(fh[b][i][e]);
-                    wgmma_fence_operand(fl[b][i][e]);
-                }
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int kk = 2 * g + i;
-                wgmma_m64n128k8_tf32_rs(s, fh[b][i], gdn_descr_k8<DK>(dh, kk), 1);
-                wgmma_m64n128k8_tf32_rs(s, fh[b][i], gdn_descr_k8<DK>(dl, kk), 1);
-                wgmma_m64n128k8_tf32_rs(s, fl[b][i], gdn_descr_k8<DK>(dh, kk), 1);
-            }
-            wgmma_commit();
-        }
-        mbar_arrive(&sm.empty[bu]);  // U's last reads were in the loop's splits
-        wgmma_wait<0>();
-#pragma unroll
-        for (int e = 0; e < 64; e++) wgmma_fence_operand(s[e]);
-#pragma unroll
-        for (int b = 0; b < 2; b++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    wgmma_fence_operand(fh[b][i][e]);
-                    wgmma_fence_operand(fl[b][i][e]);
-                }
-        mbar_arrive(&sm.empty[GDN_BK]);
-        GDN_PHASE_WG(5);
-    }
-#pragma unroll
-    for (int i = 0; i < 16; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int m = r0 + 8 * (e >> 1), k = 8 * i + cq + 4 * (e & 1);
-            if (m < dvs) st[(size_t)k * dv + m] = s[4 * i + e];
-        }
-}
-
-// The out role: blocks nstate .. take the (chunk, state block) items in chunk order, a stride of
-// the out blocks' count apart: o = O_intra + O' with O'ᵀ = S_cᵀ Q'ᵀ (S_c from s_out once the
-// state block released it; Q' split by this block's producers, O_intra copied).
-__device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* __restrict__ s_out,
-                                 const unsigned* __restrict__ flags, float* __restrict__ o, int t, int hv, int dv,
-                                 int nstate, GdnT64Smem sm) {
-    constexpr int DK = 128;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, nchunks = (t + GDN_C - 1) / GDN_C;
-    const size_t tp = (size_t)nchunks * GDN_C;
-    const int items = nstate * nchunks, first = blockIdx.x - nstate, stride = gridDim.x - nstate;
-    if (warp >= 4) {  // the producers: item it's Q' and O_intra, once the consumer released it - 1's
-        setmaxnreg_dec<128>();
-        const int pt = (tid - 128) & 127, pw = pt >> 5;
-        const bool qp_side = warp < 8;
-        unsigned it = 0;
-        for (int q = first; q < items; q += stride, it++) {
-            const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
-            const unsigned ph = (it - 1) & 1;
-            if (qp_side) {
-                float4 vq[16];
-                gdn_t64_load_rows(qp_in + ((size_t)j * tp + (size_t)ch * GDN_C) * DK, vq, pw, lane);
-                if (it > 0) mbar_wait(&sm.empty[GDN_BQ], ph);
-                gdn_t64_store_rows<false>(vq, sm.qi, pw, lane);
-                fence_proxy_async();
-                mbar_arrive(&sm.full[GDN_BQ]);
-            } else {
-                if (it > 0) mbar_wait(&sm.empty[GDN_BO], ph);
-                gdn_t64_copy_rows(o + ((size_t)ch * GDN_C * hv + j) * dv + m0, (size_t)hv * dv,
-                                  min(GDN_T64_COLS, dv - m0), min(GDN_C, t - ch * GDN_C), sm.ob, pt);
-                cp_async_mbar_arrive(&sm.full[GDN_BO]);
-            }
-        }
-        return;
-    }
-    setmaxnreg_inc<240>();
-    const int gq = lane >> 2, cq = lane & 3, r0 = 16 * warp + gq;
-    const unsigned long long qh = wgmma_desc_sw128(sm.qi), ql = wgmma_desc_sw128(sm.qi + GdnT64Smem::WT);
-    unsigned it = 0;
-    for (int q = first; q < items; q += stride, it++) {
-        const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
-        const int dvs = min(GDN_T64_COLS, dv - m0);
-        const unsigned par = it & 1;
-        if (tid == 0)
-            while (ld_acquire_gpu(flags + sb * GDN_T64_FLAG_STRIDE) < (unsigned)ch + 1)
-                if (GDN_T64_SPIN_NS) spin_pause(GDN_T64_SPIN_NS);
-        gdn_bar(1, 128);
-        // S_c as the state block's thread tid held it (L2 reads: no stale L1 line of an earlier call)
-        float s[64];
-        const float* so = s_out + ((size_t)sb * nchunks + ch) * 128 * 64 + 4 * tid;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(so + 512 * i));
-            s[4 * i] = v.x, s[4 * i + 1] = v.y, s[4 * i + 2] = v.z, s[4 * i + 3] = v.w;
-        }
-        float op[32];
-        mbar_wait(&sm.full[GDN_BQ], par);
-        fence_proxy_async();
-        gdn_t64_s_times(s, qh, ql, op);  // O'ᵀ = S_cᵀ Q'ᵀ
-        mbar_arrive(&sm.empty[GDN_BQ]);
-        // o = O_intra + O' (O''s column 8 i + 2 cq + b is that chunk row)
-        mbar_wait(&sm.full[GDN_BO], par);
-        const int c0 = ch * GDN_C;
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int m = r0 + 8 * (e >> 1), row = 8 * i + 2 * cq + (e & 1);
-                if (m < dvs && c0 + row < t)
-                    o[((size_t)(c0 + row) * hv + j) * dv + m0 + m] = sm.ob[row * GDN_T64_LDU + m] + op[4 * i + e];
-            }
-        mbar_arrive(&sm.empty[GDN_BO]);
-    }
-}
-
-// Grid: nstate = hv * ceil(dv / 64) state blocks, then out blocks (the host launches one block
-// an SM, so every block is resident at once and the out blocks' wait on the state blocks'
-// progress cannot deadlock); flags: nstate zeroed counters.
-__device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
-                                         const float* __restrict__ qp_in, const float* __restrict__ u_in,
-                                         const float* __restrict__ gamma_in, float* __restrict__ state,
-                                         float* __restrict__ o, float* __restrict__ s_out, unsigned* __restrict__ flags,
-                                         int t, int hk, int hv, int dv) {
-    extern __shared__ __align__(1024) float gdn_t64_smem[];
-    const GdnT64Smem sm(gdn_t64_smem);
-    const int nstate = hv * ((dv + GDN_T64_COLS - 1) / GDN_T64_COLS);
-    if (threadIdx.x == 0) {
-        for (int b = 0; b < 5; b++) {
-            mbar_init(&sm.full[b], 128);  // every thread of the producer warpgroup that fills it
-            mbar_init(&sm.empty[b], 128);  // every consumer thread
-        }
-    }
-    __syncthreads();
-    if ((int)blockIdx.x < nstate)
-        gdn_t64_state_role(qkv, c, w_in, u_in, gamma_in, state, s_out, flags, t, hk, hv, dv, sm);
-    else
-        gdn_t64_out_role(qp_in, s_out, flags, o, t, hv, dv, nstate, sm);
-}
-extern "C" __global__ void __launch_bounds__(GDN_T64_THREADS, 1) gdn_chunk_state_t64_128(
-    const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in, const float* gamma_in,
-    float* state, float* o, float* s_out, unsigned* flags, int t, int hk, int hv, int dv) {
-    PREFILL_KERNEL();
-    gdn_chunk_state_t64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, s_out, flags, t, hk, hv, dv);
-}
-
-// ---- gdn_chunk_state_b64 (sm_90a, dk = 128; the default there, KESTREL_GDN_STATE=t64 keeps
-// gdn_chunk_state_t64): gdn_chunk_state_t64's pass with 3xBF16 products ----
-// The same roles, contract, chain and hand-off as gdn_chunk_state_t64, every product split into
-// bf16 hi and lo (split_bf16x2: ~1e-5-level against f32, where 3xTF32 is ~1e-7) instead of tf32,
-// so a k16 step of wgmma covers what two tf32 k8 steps did: the state chunk's 72 tf32 wgmma
-// become 36. An accumulator's two n8 blocks packed to bf16x2 are the A fragment of a k16 step as
-// they are (no permuted tiles): Sᵀ's column n is key dim n, Rᵀ's and O'ᵀ's column n chunk row n.
-// B tiles (W, Q': K-major, k = key dim; K: N-major, the chunk's rows as k) are row-major 64 x 128
-// bf16 in two 64-column panels of the 128-byte swizzle (gdn_b64_at), hi and lo each 16 KiB, so
-// W and K are split as they are stored, without a transpose. Dynamic shared memory
-// (1024-byte aligned): GdnShape::state_b64_smem_bytes (133,712 bytes).
 // Element (n, k) of a 64 x 128 bf16 tile: 64-column panels 8 KiB apart, rows of 128 bytes whose
 // 16-byte chunks are swizzled by the row (the layout wgmma_desc_sw128 and _mn read).
-__device__ __forceinline__ int gdn_b64_at(int n, int k) {
+__device__ __forceinline__ int gdn_t64_at(int n, int k) {
     return (k >> 6) * (GDN_C * 64) + n * 64 + ((((k >> 3) & 7) ^ (n & 7)) << 3) + (k & 7);
 }
 // A producer warpgroup's 64 rows (warp pw's 16, 4 floats of each a lane, as gdn_t64_load_rows
 // loads them) split into the tile's hi and lo parts: 8 bytes a lane, a warp's store two
 // conflict-free wavefronts.
-__device__ __forceinline__ void gdn_b64_store_rows(const float4 (&v)[16], bf16* tile, int pw, int lane) {
+__device__ __forceinline__ void gdn_t64_store_rows(const float4 (&v)[16], bf16* tile, int pw, int lane) {
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-        const int at = gdn_b64_at(16 * pw + i, 4 * lane);
+        const int at = gdn_t64_at(16 * pw + i, 4 * lane);
         unsigned h0, l0, h1, l1;
         split_bf16x2(v[i].x, v[i].y, h0, l0);
         split_bf16x2(v[i].z, v[i].w, h1, l1);
@@ -2372,7 +1990,7 @@ __device__ __forceinline__ void gdn_b64_store_rows(const float4 (&v)[16], bf16* 
 }
 // The 3xBF16 A fragment (hi, lo) of k16 step kk from an accumulator x of the same rows (its n8
 // blocks 2 kk and 2 kk + 1).
-__device__ __forceinline__ void gdn_b64_frag(const float* x, int kk, unsigned (&hi)[4], unsigned (&lo)[4]) {
+__device__ __forceinline__ void gdn_t64_frag(const float* x, int kk, unsigned (&hi)[4], unsigned (&lo)[4]) {
 #pragma unroll
     for (int p = 0; p < 4; p++) split_bf16x2(x[8 * kk + 2 * p], x[8 * kk + 2 * p + 1], hi[p], lo[p]);
 }
@@ -2380,7 +1998,7 @@ __device__ __forceinline__ void gdn_b64_frag(const float* x, int kk, unsigned (&
 // over dk = 128 (8 k16 steps in groups of 2 through two register sets); at(kk) runs once step
 // kk's fragments are split (the state role stores Sᵀ there).
 template <class At>
-__device__ __forceinline__ void gdn_b64_s_times(const float (&s)[64], unsigned long long bh, unsigned long long bl,
+__device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned long long bh, unsigned long long bl,
                                                 float (&acc)[32], At&& at) {
     unsigned fh[2][2][4], fl[2][2][4];
     wgmma_fence_operand(bh);
@@ -2393,7 +2011,7 @@ __device__ __forceinline__ void gdn_b64_s_times(const float (&s)[64], unsigned l
         if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            gdn_b64_frag(s, 2 * g + i, fh[b][i], fl[b][i]);
+            gdn_t64_frag(s, 2 * g + i, fh[b][i], fl[b][i]);
             at(2 * g + i);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -2427,12 +2045,12 @@ __device__ __forceinline__ void gdn_b64_s_times(const float (&s)[64], unsigned l
 // The shared-memory plan (1024-byte aligned): three split tiles (two W buffers, the second the
 // out role's Q', and K), U and O_intra ([64][GDN_T64_LDU] f32; U's second buffer is O_intra's),
 // γ by chunk parity, the mbarriers (gdn_chunk_state_t64's buffers and roles).
-struct GdnB64Smem {
+struct GdnT64Smem {
     static constexpr int TT = GDN_C * 128;  // bf16 of one part (hi or lo) of a tile
     bf16 *wi, *qi, *ki;                       // [hi, lo][TT] each
     float *ub, *ob, *gm;
     unsigned long long *full, *empty;
-    __device__ explicit GdnB64Smem(unsigned char* base) {
+    __device__ explicit GdnT64Smem(unsigned char* base) {
         wi = reinterpret_cast<bf16*>(base);
         qi = wi + 2 * TT;
         ki = qi + 2 * TT;
@@ -2444,11 +2062,14 @@ struct GdnB64Smem {
     }
 };
 
-// The state role (gdn_t64_state_role's, with 3xBF16 products).
-__device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+// The state role: block sb < nstate owns value head sb / halves, columns 64 (sb % halves) ..;
+// per chunk R, Vd and the state update (the chain above, less O'), and Sᵀ before the update out
+// to s_out (the out blocks' A operand), released by the K producer once the consumer's release
+// of K (after its stores) reached it: no fence on the chain.
+__device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                    const float* __restrict__ u_in, const float* __restrict__ gamma_in,
                                    float* __restrict__ state, float* __restrict__ s_out, unsigned* __restrict__ flags,
-                                   int t, int hk, int hv, int dv, GdnB64Smem sm) {
+                                   int t, int hk, int hv, int dv, GdnT64Smem sm) {
     constexpr int DK = 128;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, sb = blockIdx.x;
@@ -2456,6 +2077,7 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
     const int kh = j / (hv / hk), nchunks = (t + GDN_C - 1) / GDN_C;
     const size_t tp = (size_t)nchunks * GDN_C;
     const int dvs = min(GDN_T64_COLS, dv - m0);
+    [[maybe_unused]] const bool team_a = warp < 4;  // the consumer (phase clock slots 0-5; the W producer 8-11)
     if (warp >= 4) {  // the producers: chunk ch's buffers, each once the consumer released its last use
         setmaxnreg_dec<128>();
         const int pt = (tid - 128) & 127, pw = pt >> 5;
@@ -2465,6 +2087,7 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
                 const int bw = ch & 1 ? GDN_BQ : GDN_BW, bu = ch & 1 ? GDN_BO : GDN_BU;
                 const unsigned ph = ((ch >> 1) - 1) & 1;  // the buffer's previous use (chunk ch - 2)
                 const size_t row0 = (size_t)j * tp + (size_t)ch * GDN_C;
+                GDN_PHASE_WG(0);
                 float4 vw[16];
                 gdn_t64_load_rows(w_in + row0 * DK, vw, pw, lane);
                 const float gam = pt < GDN_C ? gamma_in[row0 + pt] : 0.0f;
@@ -2475,13 +2098,16 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
                         gdn_prefetch_l2(w_in + (row0 + GDN_C + (line >> 2)) * DK + (line & 3) * 32);
                     }
                 if (ch > 1) mbar_wait(&sm.empty[bw], ph);
-                gdn_b64_store_rows(vw, ch & 1 ? sm.qi : sm.wi, pw, lane);
+                GDN_PHASE_WG(1);
+                gdn_t64_store_rows(vw, ch & 1 ? sm.qi : sm.wi, pw, lane);
                 if (pt < GDN_C) sm.gm[(ch & 1) * GDN_C + pt] = gam;
                 fence_proxy_async();
                 mbar_arrive(&sm.full[bw]);
+                GDN_PHASE_WG(2);
                 if (ch > 1) mbar_wait(&sm.empty[bu], ph);
                 gdn_t64_copy_rows(u_in + row0 * dv + m0, dv, dvs, GDN_C, ch & 1 ? sm.ob : sm.ub, pt);
                 cp_async_mbar_arrive(&sm.full[bu]);
+                GDN_PHASE_WG(3);
             }
         } else {  // K (rows past t zero), and the out blocks' counter
             for (int ch = 0; ch < nchunks; ch++) {
@@ -2498,10 +2124,10 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
                         if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
                     }
                 if (ch > 0) mbar_wait(&sm.empty[GDN_BK], (ch - 1) & 1);
-                gdn_b64_store_rows(vk, sm.ki, pw, lane);
+                gdn_t64_store_rows(vk, sm.ki, pw, lane);
                 fence_proxy_async();
                 mbar_arrive(&sm.full[GDN_BK]);
-                // S_0 .. S_{ch-1} out to the out blocks (as gdn_t64_state_role's K producer)
+                // S_0 .. S_{ch-1} out to the out blocks (st.release is cumulative over what the K release's wait observed)
                 if (ch > 0 && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch);
             }
             if (nchunks > 0) mbar_wait(&sm.empty[GDN_BK], (nchunks - 1) & 1);  // the last update
@@ -2524,18 +2150,21 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
             s[4 * i + e] = m < dvs ? st[(size_t)k * dv + m] : 0.0f;  // padding columns stay 0
         }
     const unsigned long long kdh = wgmma_desc_sw128_mn(sm.ki, GDN_C * 128),
-                             kdl = wgmma_desc_sw128_mn(sm.ki + GdnB64Smem::TT, GDN_C * 128);
-    // s_out as gdn_t64_state_role writes it (each thread's accumulator, float4 i of every thread
-    // side by side)
+                             kdl = wgmma_desc_sw128_mn(sm.ki + GdnT64Smem::TT, GDN_C * 128);
+    // s_out [nstate][chunks][16][128 threads][4]: each thread's accumulator as it holds it, float4
+    // i of every thread side by side (a warp's store is 512 contiguous bytes), read back so by
+    // the out blocks
     float* so = s_out + (size_t)sb * nchunks * 128 * 64 + 4 * tid;
     for (int ch = 0; ch < nchunks; ch++) {
         const unsigned par = ch & 1;
+        GDN_PHASE_WG(0);
         float r[32];
         const int bw = par ? GDN_BQ : GDN_BW, bu = par ? GDN_BO : GDN_BU;
         const unsigned use = (ch >> 1) & 1;
         const bf16* wt = par ? sm.qi : sm.wi;
         mbar_wait(&sm.full[bw], use);
         fence_proxy_async();
+        GDN_PHASE_WG(1);
         const float* gc = sm.gm + par * GDN_C;
         const float last = gc[GDN_C - 1];
         float dec[16];  // e^{γ_last − γ} of chunk rows 8 i + 2 cq + b, at 2 i + b
@@ -2545,7 +2174,7 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
             for (int b = 0; b < 2; b++) dec[2 * i + b] = expf(last - gc[8 * i + 2 * cq + b]);
         // Rᵀ = Sᵀ Wᵀ; Sᵀ (before the update) out to s_out with each step's split
         float* so_ch = so + (size_t)ch * 128 * 64;
-        gdn_b64_s_times(s, wgmma_desc_sw128(wt), wgmma_desc_sw128(wt + GdnB64Smem::TT), r, [&](int kk) {
+        gdn_t64_s_times(s, wgmma_desc_sw128(wt), wgmma_desc_sw128(wt + GdnT64Smem::TT), r, [&](int kk) {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int i = 2 * kk + h;
@@ -2553,8 +2182,10 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
             }
         });
         mbar_arrive(&sm.empty[bw]);
+        GDN_PHASE_WG(2);
         const float* ut = par ? sm.ob : sm.ub;
         mbar_wait(&sm.full[bu], use);
+        GDN_PHASE_WG(3);
         // Sᵀ ← e^{γ_last} Sᵀ + Vdᵀ K: 4 k16 steps (the chunk's rows) through two register sets;
         // each step's Vdᵀ = (Uᵀ − Rᵀ) e^{γ_last − γ} formed in R's registers just before its split
         const float eg = expf(last);
@@ -2562,6 +2193,7 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
         for (int e = 0; e < 64; e++) s[e] *= eg;
         mbar_wait(&sm.full[GDN_BK], par);
         fence_proxy_async();
+        GDN_PHASE_WG(4);
         unsigned fh[2][4], fl[2][4];
         unsigned long long dh = kdh, dl = kdl;  // pinned before the stage (C7513)
         wgmma_fence_operand(dh);
@@ -2577,7 +2209,7 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
                 const int i = 2 * kk + (e8 >> 2), e = e8 & 3, row = 8 * i + 2 * cq + (e & 1);
                 r[4 * i + e] = (ut[row * GDN_T64_LDU + r0 + 8 * (e >> 1)] - r[4 * i + e]) * dec[2 * i + (e & 1)];
             }
-            gdn_b64_frag(r, kk, fh[b], fl[b]);
+            gdn_t64_frag(r, kk, fh[b], fl[b]);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 wgmma_fence_operand(fh[b][e]);
@@ -2602,6 +2234,7 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
                 wgmma_fence_operand(fl[b][e]);
             }
         mbar_arrive(&sm.empty[GDN_BK]);
+        GDN_PHASE_WG(5);
     }
 #pragma unroll
     for (int i = 0; i < 16; i++)
@@ -2612,10 +2245,12 @@ __device__ void gdn_b64_state_role(const float* __restrict__ qkv, int c, const f
         }
 }
 
-// The out role (gdn_t64_out_role's, with 3xBF16 products).
-__device__ void gdn_b64_out_role(const float* __restrict__ qp_in, const float* __restrict__ s_out,
+// The out role: blocks nstate .. take the (chunk, state block) items in chunk order, a stride of
+// the out blocks' count apart: o = O_intra + O' with O'ᵀ = S_cᵀ Q'ᵀ (S_c from s_out once the
+// state block released it; Q' split by this block's producers, O_intra copied).
+__device__ void gdn_t64_out_role(const float* __restrict__ qp_in, const float* __restrict__ s_out,
                                  const unsigned* __restrict__ flags, float* __restrict__ o, int t, int hv, int dv,
-                                 int nstate, GdnB64Smem sm) {
+                                 int nstate, GdnT64Smem sm) {
     constexpr int DK = 128;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int halves = (dv + GDN_T64_COLS - 1) / GDN_T64_COLS, nchunks = (t + GDN_C - 1) / GDN_C;
@@ -2633,7 +2268,7 @@ __device__ void gdn_b64_out_role(const float* __restrict__ qp_in, const float* _
                 float4 vq[16];
                 gdn_t64_load_rows(qp_in + ((size_t)j * tp + (size_t)ch * GDN_C) * DK, vq, pw, lane);
                 if (it > 0) mbar_wait(&sm.empty[GDN_BQ], ph);
-                gdn_b64_store_rows(vq, sm.qi, pw, lane);
+                gdn_t64_store_rows(vq, sm.qi, pw, lane);
                 fence_proxy_async();
                 mbar_arrive(&sm.full[GDN_BQ]);
             } else {
@@ -2647,7 +2282,7 @@ __device__ void gdn_b64_out_role(const float* __restrict__ qp_in, const float* _
     }
     setmaxnreg_inc<240>();
     const int gq = lane >> 2, cq = lane & 3, r0 = 16 * warp + gq;
-    const unsigned long long qh = wgmma_desc_sw128(sm.qi), ql = wgmma_desc_sw128(sm.qi + GdnB64Smem::TT);
+    const unsigned long long qh = wgmma_desc_sw128(sm.qi), ql = wgmma_desc_sw128(sm.qi + GdnT64Smem::TT);
     unsigned it = 0;
     for (int q = first; q < items; q += stride, it++) {
         const int ch = q / nstate, sb = q % nstate, j = sb / halves, m0 = (sb % halves) * GDN_T64_COLS;
@@ -2667,7 +2302,7 @@ __device__ void gdn_b64_out_role(const float* __restrict__ qp_in, const float* _
         float op[32];
         mbar_wait(&sm.full[GDN_BQ], par);
         fence_proxy_async();
-        gdn_b64_s_times(s, qh, ql, op, [](int) {});  // O'ᵀ = S_cᵀ Q'ᵀ
+        gdn_t64_s_times(s, qh, ql, op, [](int) {});  // O'ᵀ = S_cᵀ Q'ᵀ
         mbar_arrive(&sm.empty[GDN_BQ]);
         mbar_wait(&sm.full[GDN_BO], par);
         const int c0 = ch * GDN_C;
@@ -2683,14 +2318,16 @@ __device__ void gdn_b64_out_role(const float* __restrict__ qp_in, const float* _
     }
 }
 
-// Grid and flags as gdn_chunk_state_t64's.
-__device__ void gdn_chunk_state_b64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
+// Grid: nstate = hv * ceil(dv / 64) state blocks, then out blocks (the host launches one block
+// an SM, so every block is resident at once and the out blocks' wait on the state blocks'
+// progress cannot deadlock); flags: nstate zeroed counters.
+__device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, const float* __restrict__ w_in,
                                          const float* __restrict__ qp_in, const float* __restrict__ u_in,
                                          const float* __restrict__ gamma_in, float* __restrict__ state,
                                          float* __restrict__ o, float* __restrict__ s_out, unsigned* __restrict__ flags,
                                          int t, int hk, int hv, int dv) {
-    extern __shared__ __align__(1024) unsigned char gdn_b64_smem[];
-    const GdnB64Smem sm(gdn_b64_smem);
+    extern __shared__ __align__(1024) unsigned char gdn_t64_smem[];
+    const GdnT64Smem sm(gdn_t64_smem);
     const int nstate = hv * ((dv + GDN_T64_COLS - 1) / GDN_T64_COLS);
     if (threadIdx.x == 0) {
         for (int b = 0; b < 5; b++) {
@@ -2700,13 +2337,13 @@ __device__ void gdn_chunk_state_b64_impl(const float* __restrict__ qkv, int c, c
     }
     __syncthreads();
     if ((int)blockIdx.x < nstate)
-        gdn_b64_state_role(qkv, c, w_in, u_in, gamma_in, state, s_out, flags, t, hk, hv, dv, sm);
+        gdn_t64_state_role(qkv, c, w_in, u_in, gamma_in, state, s_out, flags, t, hk, hv, dv, sm);
     else
-        gdn_b64_out_role(qp_in, s_out, flags, o, t, hv, dv, nstate, sm);
+        gdn_t64_out_role(qp_in, s_out, flags, o, t, hv, dv, nstate, sm);
 }
-extern "C" __global__ void __launch_bounds__(GDN_T64_THREADS, 1) gdn_chunk_state_b64_128(
+extern "C" __global__ void __launch_bounds__(GDN_T64_THREADS, 1) gdn_chunk_state_t64_128(
     const float* qkv, int c, const float* w_in, const float* qp_in, const float* u_in, const float* gamma_in,
     float* state, float* o, float* s_out, unsigned* flags, int t, int hk, int hv, int dv) {
     PREFILL_KERNEL();
-    gdn_chunk_state_b64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, s_out, flags, t, hk, hv, dv);
+    gdn_chunk_state_t64_impl(qkv, c, w_in, qp_in, u_in, gamma_in, state, o, s_out, flags, t, hk, hv, dv);
 }
