@@ -20,7 +20,6 @@
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
 // emu-provides: tma_load_3d_mc bulk_load cluster_arrive_release cluster_wait_acquire
-// emu-provides: bulk_store bulk_commit bulk_wait_all fence_proxy_async_global
 // (build.py drops these from common.cuh and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
 // own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
@@ -789,16 +788,6 @@ inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned
 }
 
 // cp.async.bulk (1-D): the bytes land at issue, then complete on the mbarrier.
-// A bulk store copies at issue (the kernel may not touch the bytes until its wait anyway).
-inline void bulk_store(void* dst, const void* src, unsigned bytes) {
-    const unsigned off = smem_addr(src);
-    if (off % 16 || (uintptr_t)dst % 16 || bytes % 16) emu_fail("bulk store: unaligned address or size");
-    if (off + bytes > g_dyn_smem_slots[t_slot].size()) emu_fail("bulk store outside shared memory");
-    memcpy(dst, g_dyn_smem_slots[t_slot].data() + off, bytes);
-}
-inline void bulk_commit() {}
-inline void bulk_wait_all() {}
-inline void fence_proxy_async_global() {}
 inline void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
     const unsigned off = smem_addr(dst);
     if (off % 16 || (uintptr_t)src % 16 || bytes % 16) emu_fail("bulk copy: unaligned address or size");

@@ -652,20 +652,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
               "l"(src), "r"(bytes), "r"(smem_addr(bar))
               : "memory");
 }
-// The other direction (sm_90): bytes from shared to global memory by the copy engine, in this
-// thread's bulk async-group (bulk_commit closes it); bulk_wait_all waits until this thread's
-// groups are complete, their writes visible to it (then fence_proxy_async_global orders them
-// before its generic-proxy stores, e.g. a release that publishes them).
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
-    WGMMA_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
-              "r"(bytes)
-              : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { WGMMA_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { WGMMA_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async_global() {
-    WGMMA_ASM("fence.proxy.async.global;\n" ::: "memory");
-}
 // Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives registers back,
 // consumer warpgroups take them (per SM sub-partition, every warpgroup has one warp there).
 template <int N>

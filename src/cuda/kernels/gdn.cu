@@ -2047,21 +2047,18 @@ __device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned l
 // γ by chunk parity, the mbarriers (gdn_chunk_state_t64's buffers and roles).
 struct GdnT64Smem {
     static constexpr int TT = GDN_C * 128;  // bf16 of one part (hi or lo) of a tile
-    static constexpr int ST = 128 * 64;     // floats of a staged Sᵀ (the consumer's accumulators)
     bf16 *wi, *qi, *ki;                       // [hi, lo][TT] each
-    float *sb, *ub, *ob, *gm;
-    unsigned long long *full, *empty, *sfree;
+    float *ub, *ob, *gm;
+    unsigned long long *full, *empty;
     __device__ explicit GdnT64Smem(unsigned char* base) {
         wi = reinterpret_cast<bf16*>(base);
         qi = wi + 2 * TT;
         ki = qi + 2 * TT;
-        sb = reinterpret_cast<float*>(ki + 2 * TT);  // [2][ST] Sᵀ by chunk parity, on its way to s_out
-        ub = sb + 2 * ST;
+        ub = reinterpret_cast<float*>(ki + 2 * TT);
         ob = ub + GDN_C * GDN_T64_LDU;
         gm = ob + GDN_C * GDN_T64_LDU;
         full = reinterpret_cast<unsigned long long*>(gm + 2 * GDN_C);
         empty = full + 5;
-        sfree = empty + 5;  // [2]: a staged Sᵀ copied out (the K producer's thread 0)
     }
 };
 
@@ -2113,25 +2110,6 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 GDN_PHASE_WG(3);
             }
         } else {  // K (rows past t zero), and the out blocks' counter
-            // S_0 .. S_{n-1} out to the out blocks, once K's release by the update of chunk
-            // n - 1 showed S_{n-1} staged (the consumer stages it with R and fences it for the
-            // copy engine): S_{n-1}'s bulk copy to s_out, complete, then the counter (the
-            // release is cumulative over S_0 .. S_{n-2}'s earlier copies), and the staging
-            // buffer free again. The consumer's chain sees none of it.
-            auto publish = [&](int n) {
-#ifndef GDN_T64_S_DIRECT
-                const int b = (n - 1) & 1;
-                bulk_store(s_out + ((size_t)sb * nchunks + n - 1) * GdnT64Smem::ST, sm.sb + b * GdnT64Smem::ST,
-                           GdnT64Smem::ST * 4);
-                bulk_commit();
-                bulk_wait_all();
-                fence_proxy_async_global();
-                st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, n);
-                mbar_arrive(&sm.sfree[b]);
-#else
-                st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, n);
-#endif
-            };
             for (int ch = 0; ch < nchunks; ch++) {
                 float4 vk[16];
 #pragma unroll
@@ -2149,10 +2127,11 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 gdn_t64_store_rows(vk, sm.ki, pw, lane);
                 fence_proxy_async();
                 mbar_arrive(&sm.full[GDN_BK]);
-                if (ch > 0 && pt == 0) publish(ch);
+                // S_0 .. S_{ch-1} out to the out blocks (st.release is cumulative over what the K release's wait observed)
+                if (ch > 0 && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch);
             }
             if (nchunks > 0) mbar_wait(&sm.empty[GDN_BK], (nchunks - 1) & 1);  // the last update
-            if (pt == 0) publish(nchunks);
+            if (pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, nchunks);
         }
         return;
     }
@@ -2174,10 +2153,8 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                              kdl = wgmma_desc_sw128_mn(sm.ki + GdnT64Smem::TT, GDN_C * 128);
     // s_out [nstate][chunks][16][128 threads][4]: each thread's accumulator as it holds it, float4
     // i of every thread side by side (a warp's store is 512 contiguous bytes), read back so by
-    // the out blocks; staged so in sm.sb (the K producer copies it out, off the chain)
-#ifdef GDN_T64_S_DIRECT
+    // the out blocks
     float* so = s_out + (size_t)sb * nchunks * 128 * 64 + 4 * tid;
-#endif
     for (int ch = 0; ch < nchunks; ch++) {
         const unsigned par = ch & 1;
         GDN_PHASE_WG(0);
@@ -2195,13 +2172,8 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         for (int i = 0; i < 8; i++)
 #pragma unroll
             for (int b = 0; b < 2; b++) dec[2 * i + b] = expf(last - gc[8 * i + 2 * cq + b]);
-        // Rᵀ = Sᵀ Wᵀ; Sᵀ (before the update) staged with each step's split
-#ifndef GDN_T64_S_DIRECT
-        if (ch > 1) mbar_wait(&sm.sfree[par], ((ch >> 1) - 1) & 1);  // chunk ch - 2's copied out
-        float* so_ch = sm.sb + par * GdnT64Smem::ST + 4 * tid;
-#else
+        // Rᵀ = Sᵀ Wᵀ; Sᵀ (before the update) out to s_out with each step's split
         float* so_ch = so + (size_t)ch * 128 * 64;
-#endif
         gdn_t64_s_times(s, wgmma_desc_sw128(wt), wgmma_desc_sw128(wt + GdnT64Smem::TT), r, [&](int kk) {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -2209,7 +2181,6 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 st4(so_ch + 512 * i, make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]));
             }
         });
-        fence_proxy_async();  // the staged Sᵀ, for the copy engine
         mbar_arrive(&sm.empty[bw]);
         GDN_PHASE_WG(2);
         const float* ut = par ? sm.ob : sm.ub;
@@ -2363,7 +2334,6 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
             mbar_init(&sm.full[b], 128);
             mbar_init(&sm.empty[b], 128);
         }
-        for (int b = 0; b < 2; b++) mbar_init(&sm.sfree[b], 1);
     }
     __syncthreads();
     if ((int)blockIdx.x < nstate)
