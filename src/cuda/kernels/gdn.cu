@@ -2110,23 +2110,37 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 GDN_PHASE_WG(3);
             }
         } else {  // K (rows past t zero), and the out blocks' counter
-            for (int ch = 0; ch < nchunks; ch++) {
-                float4 vk[16];
+            // chunk kc's rows into registers (and kc + 1's into L2): a chunk ahead, so that they
+            // are in flight while the counter's release below (a fence, which waits for the
+            // consumer's Sᵀ stores) holds this warp, not after it
+            float4 vk[16];
+            auto load_k = [&](int kc) {
 #pragma unroll
                 for (int i = 0; i < 16; i++) {
-                    const int row = ch * GDN_C + 16 * pw + i;
+                    const int row = kc * GDN_C + 16 * pw + i;
                     vk[i] = row < t ? ld4(qkv + (size_t)row * c + koff + 4 * lane) : make_float4(0.f, 0.f, 0.f, 0.f);
                 }
-                if (ch + 1 < nchunks)
+                if (kc + 1 < nchunks)
 #pragma unroll
                     for (int i = 0; i < 2; i++) {
-                        const int line = pt + 128 * i, krow = (ch + 1) * GDN_C + (line >> 2);
+                        const int line = pt + 128 * i, krow = (kc + 1) * GDN_C + (line >> 2);
                         if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
                     }
+            };
+#ifndef GDN_T64_K_LATE
+            if (nchunks > 0) load_k(0);
+#endif
+            for (int ch = 0; ch < nchunks; ch++) {
+#ifdef GDN_T64_K_LATE
+                load_k(ch);
+#endif
                 if (ch > 0) mbar_wait(&sm.empty[GDN_BK], (ch - 1) & 1);
                 gdn_t64_store_rows(vk, sm.ki, pw, lane);
                 fence_proxy_async();
                 mbar_arrive(&sm.full[GDN_BK]);
+#ifndef GDN_T64_K_LATE
+                if (ch + 1 < nchunks) load_k(ch + 1);
+#endif
                 // S_0 .. S_{ch-1} out to the out blocks (st.release is cumulative over what the K release's wait observed)
                 if (ch > 0 && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch);
             }
