@@ -2127,20 +2127,13 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                         if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
                     }
             };
-#ifndef GDN_T64_K_LATE
             if (nchunks > 0) load_k(0);
-#endif
             for (int ch = 0; ch < nchunks; ch++) {
-#ifdef GDN_T64_K_LATE
-                load_k(ch);
-#endif
                 if (ch > 0) mbar_wait(&sm.empty[GDN_BK], (ch - 1) & 1);
                 gdn_t64_store_rows(vk, sm.ki, pw, lane);
                 fence_proxy_async();
                 mbar_arrive(&sm.full[GDN_BK]);
-#ifndef GDN_T64_K_LATE
                 if (ch + 1 < nchunks) load_k(ch + 1);
-#endif
                 // S_0 .. S_{ch-1} out to the out blocks (st.release is cumulative over what the K release's wait observed)
                 if (ch > 0 && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch);
             }
