@@ -1929,8 +1929,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
 // o = O_intra + O' with O'ᵀ = Sᵀ Q'ᵀ for (chunk, state block) items in chunk order, each once
 // its state block released that chunk's Sᵀ (a counter a state block, st.release / ld.acquire).
 // Products are 3xBF16 (split_bf16x2: ~1e-5-level against f32, within gdn_chunked_kernel_matches_
-// recurrent's 1e-4): the 3xTF32 form of the same pass (~1e-7) took twice the wgmma and 44% more
-// time, 580 against 403 µs a layer at 8,192 tokens (docs/KERNELS.md, twenty-seventh session).
+// recurrent's 1e-4): the 3xTF32 form of the same pass (~1e-7) took twice the wgmma on the chain,
+// prep + state 0.581 against 0.513 ms at 4,096 tokens (docs/KERNELS.md, twenty-seventh session).
 // An accumulator's two n8 blocks packed to bf16x2 are the A fragment of a k16 step as they are:
 // Sᵀ's column n is key dim n, Rᵀ's and O'ᵀ's column n chunk row n. Two producer warpgroups per
 // block split W (or Q') and K into bf16 hi and lo tiles (gdn_t64_at: row-major 64 x 128, read
