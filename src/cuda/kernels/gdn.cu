@@ -1189,32 +1189,23 @@ __device__ __forceinline__ int gdn_sw(int n, int k) {
 __device__ __forceinline__ unsigned long long gdn_desc_k8(unsigned long long d, int kk) {
     return d + (unsigned long long)((kk >> 2) * 256 + (kk & 3) * 2);
 }
-// acc (64 x 32, this warpgroup) = A B with A 64 f32 rows at `a` (row stride LDA; this warp's
-// 16 from row 16 * warp4) split into hi and lo as loaded, B the split tiles at bh, bl (K = DK):
-// A_hi B_hi + A_hi B_lo + A_lo B_hi. The even and odd k steps accumulate in two chains,
-// summed at the end (four measured no faster: the instructions' cost bounds it); the A
-// fragments come in groups of 4 k steps through two register sets (a set is refilled once
-// the wgmma group that read it retired), 64 registers instead of 128.
-template <int DK, int LDA>
-__device__ __forceinline__ void gdn_wg_rows_mma(const float* a, int warp4, int lane, unsigned long long bh,
-                                                unsigned long long bl, float (&acc)[16]) {
-    constexpr int G = 4, NG = DK / 8 / G;
+// The split products' pipeline of the wgmma kernels below: KS k steps in groups of G, the A
+// fragments (hi, lo) of a group split by frag(kk, hi, lo) into one of two register sets and its
+// products issued by issue(kk, hi, lo) (A_hi B_hi + A_hi B_lo + A_lo B_hi); a set is refilled
+// once the group that read it retired (wgmma_wait<1>), so G steps' fragments are live, not KS.
+// The caller fences its accumulators and descriptors around it; it returns with every product
+// retired.
+template <int KS, int G, class Frag, class Issue>
+__device__ __forceinline__ void gdn_split_chain(Frag&& frag, Issue&& issue) {
+    constexpr int NG = KS / G;
     unsigned fh[2][G][4], fl[2][G][4];
-    float acc2[16];
-    wgmma_fence_operand(bh);
-    wgmma_fence_operand(bl);
-#pragma unroll
-    for (int e = 0; e < 16; e++) {
-        wgmma_fence_operand(acc[e]);
-        wgmma_fence_operand(acc2[e]);
-    }
 #pragma unroll
     for (int g = 0; g < NG; g++) {
         const int b = g & 1;
         if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
 #pragma unroll
         for (int i = 0; i < G; i++) {
-            gdn_frag_a(a + 16 * warp4 * LDA + 8 * (g * G + i), LDA, lane, fh[b][i], fl[b][i]);
+            frag(g * G + i, fh[b][i], fl[b][i]);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 wgmma_fence_operand(fh[b][i][e]);
@@ -1223,22 +1214,10 @@ __device__ __forceinline__ void gdn_wg_rows_mma(const float* a, int warp4, int l
         }
         wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < G; i++) {
-            const int kk = g * G + i;
-            float(&d)[16] = (kk & 1) ? acc2 : acc;
-            wgmma_m64n32k8_tf32_rs(d, fh[b][i], gdn_desc_k8(bh, kk), kk >= 2);
-            wgmma_m64n32k8_tf32_rs(d, fh[b][i], gdn_desc_k8(bl, kk), 1);
-            wgmma_m64n32k8_tf32_rs(d, fl[b][i], gdn_desc_k8(bh, kk), 1);
-        }
+        for (int i = 0; i < G; i++) issue(g * G + i, fh[b][i], fl[b][i]);
         wgmma_commit();
     }
     wgmma_wait<0>();
-#pragma unroll
-    for (int e = 0; e < 16; e++) {
-        wgmma_fence_operand(acc[e]);
-        wgmma_fence_operand(acc2[e]);
-        acc[e] += acc2[e];
-    }
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
@@ -1248,6 +1227,40 @@ __device__ __forceinline__ void gdn_wg_rows_mma(const float* a, int warp4, int l
                 wgmma_fence_operand(fh[b][i][e]);
                 wgmma_fence_operand(fl[b][i][e]);
             }
+}
+// acc (64 x 32, this warpgroup) = A B with A 64 f32 rows at `a` (row stride LDA; this warp's
+// 16 from row 16 * warp4) split into hi and lo as loaded, B the split tiles at bh, bl (K = DK):
+// A_hi B_hi + A_hi B_lo + A_lo B_hi. The even and odd k steps accumulate in two chains,
+// summed at the end (four measured no faster: the instructions' cost bounds it); the A
+// fragments come in groups of 4 k steps through two register sets (a set is refilled once
+// the wgmma group that read it retired), 64 registers instead of 128.
+template <int DK, int LDA>
+__device__ __forceinline__ void gdn_wg_rows_mma(const float* a, int warp4, int lane, unsigned long long bh,
+                                                unsigned long long bl, float (&acc)[16]) {
+    float acc2[16];
+    wgmma_fence_operand(bh);
+    wgmma_fence_operand(bl);
+#pragma unroll
+    for (int e = 0; e < 16; e++) {
+        wgmma_fence_operand(acc[e]);
+        wgmma_fence_operand(acc2[e]);
+    }
+    gdn_split_chain<DK / 8, 4>(
+        [&](int kk, unsigned (&hi)[4], unsigned (&lo)[4]) {
+            gdn_frag_a(a + 16 * warp4 * LDA + 8 * kk, LDA, lane, hi, lo);
+        },
+        [&](int kk, const unsigned (&hi)[4], const unsigned (&lo)[4]) {
+            float(&d)[16] = (kk & 1) ? acc2 : acc;
+            wgmma_m64n32k8_tf32_rs(d, hi, gdn_desc_k8(bh, kk), kk >= 2);
+            wgmma_m64n32k8_tf32_rs(d, hi, gdn_desc_k8(bl, kk), 1);
+            wgmma_m64n32k8_tf32_rs(d, lo, gdn_desc_k8(bh, kk), 1);
+        });
+#pragma unroll
+    for (int e = 0; e < 16; e++) {
+        wgmma_fence_operand(acc[e]);
+        wgmma_fence_operand(acc2[e]);
+        acc[e] += acc2[e];
+    }
 }
 
 template <int DK>
@@ -1564,53 +1577,23 @@ __device__ __forceinline__ int gdn_pk(int s) { return (s & ~7) | ((s & 1) << 2) 
 
 // acc (64 x 64, this warpgroup) = (accumulate ? acc : 0) + A B, 3xTF32, over KS k8 steps: the
 // thread's A values of step kk from frag(kk, hi, lo) (split), B the split tiles at bh, bl. A
-// fragments in groups of G steps through two register sets, as gdn_wg_rows_mma.
+// fragments in groups of G steps through two register sets (gdn_split_chain).
 template <int KS, int G, class Frag>
 __device__ __forceinline__ void gdn_wg64_mma(float (&acc)[32], unsigned long long bh, unsigned long long bl,
                                              bool accumulate, Frag&& frag) {
-    constexpr int NG = KS / G;
-    unsigned fh[2][G][4], fl[2][G][4];
     unsigned acc_in = accumulate;
     wgmma_fence_operand(bh);
     wgmma_fence_operand(bl);
     wgmma_fence_operand(acc_in);
 #pragma unroll
     for (int e = 0; e < 32; e++) wgmma_fence_operand(acc[e]);
-#pragma unroll
-    for (int g = 0; g < NG; g++) {
-        const int b = g & 1;
-        if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
-#pragma unroll
-        for (int i = 0; i < G; i++) {
-            frag(g * G + i, fh[b][i], fl[b][i]);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                wgmma_fence_operand(fh[b][i][e]);
-                wgmma_fence_operand(fl[b][i][e]);
-            }
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int i = 0; i < G; i++) {
-            const int kk = g * G + i;
-            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_descr_k8<64>(bh, kk), kk > 0 ? 1u : acc_in);
-            wgmma_m64n64k8_tf32_rs(acc, fh[b][i], gdn_descr_k8<64>(bl, kk), 1);
-            wgmma_m64n64k8_tf32_rs(acc, fl[b][i], gdn_descr_k8<64>(bh, kk), 1);
-        }
-        wgmma_commit();
-    }
-    wgmma_wait<0>();
+    gdn_split_chain<KS, G>(frag, [&](int kk, const unsigned (&hi)[4], const unsigned (&lo)[4]) {
+        wgmma_m64n64k8_tf32_rs(acc, hi, gdn_descr_k8<64>(bh, kk), kk > 0 ? 1u : acc_in);
+        wgmma_m64n64k8_tf32_rs(acc, hi, gdn_descr_k8<64>(bl, kk), 1);
+        wgmma_m64n64k8_tf32_rs(acc, lo, gdn_descr_k8<64>(bh, kk), 1);
+    });
 #pragma unroll
     for (int e = 0; e < 32; e++) wgmma_fence_operand(acc[e]);
-#pragma unroll
-    for (int b = 0; b < 2; b++)
-#pragma unroll
-        for (int i = 0; i < G; i++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                wgmma_fence_operand(fh[b][i][e]);
-                wgmma_fence_operand(fl[b][i][e]);
-            }
 }
 
 __device__ __forceinline__ void gdn_split4(float4 v, float* hi, float* lo) {
@@ -2000,47 +1983,22 @@ __device__ __forceinline__ void gdn_t64_frag(const float* x, int kk, unsigned (&
 template <class At>
 __device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned long long bh, unsigned long long bl,
                                                 float (&acc)[32], At&& at) {
-    unsigned fh[2][2][4], fl[2][2][4];
     wgmma_fence_operand(bh);
     wgmma_fence_operand(bl);
 #pragma unroll
     for (int e = 0; e < 32; e++) wgmma_fence_operand(acc[e]);
-#pragma unroll
-    for (int g = 0; g < 4; g++) {
-        const int b = g & 1;
-        if (g >= 2) wgmma_wait<1>();  // group g - 2, the last reader of set b, retired
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            gdn_t64_frag(s, 2 * g + i, fh[b][i], fl[b][i]);
-            at(2 * g + i);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                wgmma_fence_operand(fh[b][i][e]);
-                wgmma_fence_operand(fl[b][i][e]);
-            }
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int kk = 2 * g + i;
-            wgmma_m64n64k16_rs(acc, fh[b][i], gdn_descr_k8<GDN_C>(bh, kk), kk > 0 ? 1 : 0);
-            wgmma_m64n64k16_rs(acc, fh[b][i], gdn_descr_k8<GDN_C>(bl, kk), 1);
-            wgmma_m64n64k16_rs(acc, fl[b][i], gdn_descr_k8<GDN_C>(bh, kk), 1);
-        }
-        wgmma_commit();
-    }
-    wgmma_wait<0>();
+    gdn_split_chain<8, 2>(
+        [&](int kk, unsigned (&hi)[4], unsigned (&lo)[4]) {
+            gdn_t64_frag(s, kk, hi, lo);
+            at(kk);
+        },
+        [&](int kk, const unsigned (&hi)[4], const unsigned (&lo)[4]) {
+            wgmma_m64n64k16_rs(acc, hi, gdn_descr_k8<GDN_C>(bh, kk), kk > 0 ? 1 : 0);
+            wgmma_m64n64k16_rs(acc, hi, gdn_descr_k8<GDN_C>(bl, kk), 1);
+            wgmma_m64n64k16_rs(acc, lo, gdn_descr_k8<GDN_C>(bh, kk), 1);
+        });
 #pragma unroll
     for (int e = 0; e < 32; e++) wgmma_fence_operand(acc[e]);
-#pragma unroll
-    for (int b = 0; b < 2; b++)
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                wgmma_fence_operand(fh[b][i][e]);
-                wgmma_fence_operand(fl[b][i][e]);
-            }
 }
 // The shared-memory plan (1024-byte aligned): three split tiles (two W buffers, the second the
 // out role's Q', and K), U and O_intra ([64][GDN_T64_LDU] f32; U's second buffer is O_intra's),
