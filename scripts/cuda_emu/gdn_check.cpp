@@ -145,7 +145,7 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         const int nstate = hv * ((dv + 63) / 64);
         std::vector<float> st_t = s0, o_t = o_intra, s_out((size_t)nstate * nch * 128 * 64, NaN);
         std::vector<unsigned> flags((size_t)nstate * GDN_T64_FLAG_STRIDE, 0);  // a 128-byte line each
-        size_t t64sm = 2 * 2 * 4 * C * dk + 4 * (2 * C * 68 + 2 * C) + 96;
+        size_t t64sm = 2 * 2 * 3 * C * dk + 4 * (2 * C * 68 + 2 * C) + 80;
         emu_launch({(unsigned)(nstate + 3), 1, 1}, 384, t64sm, [&] {
             gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), s_out.data(), flags.data(), t,
                                      hk, hv, dv);

@@ -185,10 +185,10 @@ impl GdnShape {
     }
 
     /// Dynamic shared memory of `gdn_chunk_state_t64` (dk = 128 only): the bf16 hi and lo
-    /// tiles of two W buffers (the out role's Q' the second) and two K buffers (64 x dk each),
-    /// U and O_intra ([64][68] f32 each), γ twice and twelve mbarriers; 166,496 bytes.
+    /// tiles of two W buffers (the out role's Q' the second) and K (64 x dk each), U and
+    /// O_intra ([64][68] f32 each), γ twice and ten mbarriers; 133,712 bytes.
     fn state_t64_smem_bytes(&self) -> usize {
-        2 * 2 * 4 * CHUNK * self.dk + 4 * (2 * CHUNK * 68 + 2 * CHUNK) + 12 * 8
+        2 * 2 * 3 * CHUNK * self.dk + 4 * (2 * CHUNK * 68 + 2 * CHUNK) + 10 * 8
     }
 
     /// Whether `gdn_chunk_state_t64` takes this shape (it is compiled for dk = 128) on a GPU of
@@ -474,7 +474,7 @@ mod tests {
         assert!(sh.chunked_fits(h200));
         assert_eq!(sh.state_smem_bytes(), 223_744);
         assert_eq!(sh.state_wg_smem_bytes(), 225_792);
-        assert_eq!(sh.state_t64_smem_bytes(), 166_496);
+        assert_eq!(sh.state_t64_smem_bytes(), 133_712);
         assert!(sh.state_t64_fits(h200, 132));
         assert!(!GdnShape { dk: 64, ..sh }.state_t64_fits(h200, 132));
         assert!(

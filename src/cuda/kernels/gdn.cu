@@ -1919,7 +1919,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_wg_128(
 // block split W (or Q') and K into bf16 hi and lo tiles (gdn_t64_at: row-major 64 x 128, read
 // K-major for W and Q', N-major for K, so nothing is transposed) and copy U, γ (or O_intra),
 // each buffer guarded by full / empty mbarriers. Dynamic shared memory (1024-byte aligned):
-// GdnShape::state_t64_smem_bytes (166,496 bytes); docs/KERNELS.md, fourteenth session.
+// GdnShape::state_t64_smem_bytes (133,712 bytes); docs/KERNELS.md, fourteenth session.
 #define GDN_T64_COLS 64   // value columns of a block
 #define GDN_T64_LDU 68    // U and O_intra rows (the consumer's reads hit 32 distinct banks)
 // The state blocks' progress counters, one a 128-byte line (the out blocks poll them), and the
@@ -1951,14 +1951,7 @@ __device__ __forceinline__ void gdn_t64_copy_rows(const float* src, size_t ld, i
 }
 
 #define GDN_T64_THREADS (128 + GDN_T64_PRODUCERS)
-enum { GDN_BW, GDN_BQ, GDN_BU, GDN_BO, GDN_BK, GDN_BK2 };  // the buffers' mbarriers (full[b], empty[b])
-// K's buffers: two, so that the K producer stores chunk ch + 1's while the update of chunk ch
-// still reads ch's (GDN_T64_K1: one, the A/B's other side)
-#ifdef GDN_T64_K1
-#define GDN_T64_KBUF 1
-#else
-#define GDN_T64_KBUF 2
-#endif
+enum { GDN_BW, GDN_BQ, GDN_BU, GDN_BO, GDN_BK };  // the buffers' mbarriers (full[b], empty[b])
 // Element (n, k) of a 64 x 128 bf16 tile: 64-column panels 8 KiB apart, rows of 128 bytes whose
 // 16-byte chunks are swizzled by the row (the layout wgmma_desc_sw128 and _mn read).
 __device__ __forceinline__ int gdn_t64_at(int n, int k) {
@@ -2007,23 +2000,23 @@ __device__ __forceinline__ void gdn_t64_s_times(const float (&s)[64], unsigned l
 #pragma unroll
     for (int e = 0; e < 32; e++) wgmma_fence_operand(acc[e]);
 }
-// The shared-memory plan (1024-byte aligned): four split tiles (two W buffers, the second the
-// out role's Q', and two K buffers), U and O_intra ([64][GDN_T64_LDU] f32; U's second buffer is O_intra's),
+// The shared-memory plan (1024-byte aligned): three split tiles (two W buffers, the second the
+// out role's Q', and K), U and O_intra ([64][GDN_T64_LDU] f32; U's second buffer is O_intra's),
 // γ by chunk parity, the mbarriers (gdn_chunk_state_t64's buffers and roles).
 struct GdnT64Smem {
     static constexpr int TT = GDN_C * 128;  // bf16 of one part (hi or lo) of a tile
-    bf16 *wi, *qi, *ki;                       // [hi, lo][TT] each; ki [2][hi, lo][TT]
+    bf16 *wi, *qi, *ki;                       // [hi, lo][TT] each
     float *ub, *ob, *gm;
     unsigned long long *full, *empty;
     __device__ explicit GdnT64Smem(unsigned char* base) {
         wi = reinterpret_cast<bf16*>(base);
         qi = wi + 2 * TT;
         ki = qi + 2 * TT;
-        ub = reinterpret_cast<float*>(ki + 4 * TT);
+        ub = reinterpret_cast<float*>(ki + 2 * TT);
         ob = ub + GDN_C * GDN_T64_LDU;
         gm = ob + GDN_C * GDN_T64_LDU;
         full = reinterpret_cast<unsigned long long*>(gm + 2 * GDN_C);
-        empty = full + 6;
+        empty = full + 5;
     }
 };
 
@@ -2092,22 +2085,17 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                         if (krow < t) gdn_prefetch_l2(qkv + (size_t)krow * c + koff + (line & 3) * 32);
                     }
             };
-            constexpr int NK = GDN_T64_KBUF;
             if (nchunks > 0) load_k(0);
             for (int ch = 0; ch < nchunks; ch++) {
-                const int kb = ch % NK;
-                if (ch >= NK) mbar_wait(&sm.empty[GDN_BK + kb], (ch / NK - 1) & 1);  // the update of ch - NK
-                gdn_t64_store_rows(vk, sm.ki + kb * 2 * GdnT64Smem::TT, pw, lane);
+                if (ch > 0) mbar_wait(&sm.empty[GDN_BK], (ch - 1) & 1);
+                gdn_t64_store_rows(vk, sm.ki, pw, lane);
                 fence_proxy_async();
-                mbar_arrive(&sm.full[GDN_BK + kb]);
+                mbar_arrive(&sm.full[GDN_BK]);
                 if (ch + 1 < nchunks) load_k(ch + 1);
-                // S_0 .. S_{ch-NK} out to the out blocks: the update of chunk ch - NK, whose K
-                // release the wait above saw, followed the consumer's store of S_{ch-NK} (st.release
-                // is cumulative over what that wait observed)
-                if (ch >= NK && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch - NK + 1);
+                // S_0 .. S_{ch-1} out to the out blocks (st.release is cumulative over what the K release's wait observed)
+                if (ch > 0 && pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, ch);
             }
-            if (nchunks > 0)  // the last update
-                mbar_wait(&sm.empty[GDN_BK + (nchunks - 1) % NK], ((nchunks - 1) / NK) & 1);
+            if (nchunks > 0) mbar_wait(&sm.empty[GDN_BK], (nchunks - 1) & 1);  // the last update
             if (pt == 0) st_release_gpu(flags + sb * GDN_T64_FLAG_STRIDE, nchunks);
         }
         return;
@@ -2126,7 +2114,8 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
             const int m = r0 + 8 * (e >> 1), k = 8 * i + 2 * cq + (e & 1);
             s[4 * i + e] = m < dvs ? st[(size_t)k * dv + m] : 0.0f;  // padding columns stay 0
         }
-
+    const unsigned long long kdh = wgmma_desc_sw128_mn(sm.ki, GDN_C * 128),
+                             kdl = wgmma_desc_sw128_mn(sm.ki + GdnT64Smem::TT, GDN_C * 128);
     // s_out [nstate][chunks][16][128 threads][4]: each thread's accumulator as it holds it, float4
     // i of every thread side by side (a warp's store is 512 contiguous bytes), read back so by
     // the out blocks
@@ -2167,15 +2156,11 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
         const float eg = expf(last);
 #pragma unroll
         for (int e = 0; e < 64; e++) s[e] *= eg;
-        const int kb = ch % GDN_T64_KBUF;
-        const bf16* kt = sm.ki + kb * 2 * GdnT64Smem::TT;
-        mbar_wait(&sm.full[GDN_BK + kb], (ch / GDN_T64_KBUF) & 1);
+        mbar_wait(&sm.full[GDN_BK], par);
         fence_proxy_async();
         GDN_PHASE_WG(4);
         unsigned fh[2][4], fl[2][4];
-        // pinned before the stage (C7513)
-        unsigned long long dh = wgmma_desc_sw128_mn(kt, GDN_C * 128),
-                           dl = wgmma_desc_sw128_mn(kt + GdnT64Smem::TT, GDN_C * 128);
+        unsigned long long dh = kdh, dl = kdl;  // pinned before the stage (C7513)
         wgmma_fence_operand(dh);
         wgmma_fence_operand(dl);
 #pragma unroll
@@ -2213,7 +2198,7 @@ __device__ void gdn_t64_state_role(const float* __restrict__ qkv, int c, const f
                 wgmma_fence_operand(fh[b][e]);
                 wgmma_fence_operand(fl[b][e]);
             }
-        mbar_arrive(&sm.empty[GDN_BK + kb]);
+        mbar_arrive(&sm.empty[GDN_BK]);
         GDN_PHASE_WG(5);
     }
 #pragma unroll
@@ -2310,7 +2295,7 @@ __device__ void gdn_chunk_state_t64_impl(const float* __restrict__ qkv, int c, c
     const GdnT64Smem sm(gdn_t64_smem);
     const int nstate = hv * ((dv + GDN_T64_COLS - 1) / GDN_T64_COLS);
     if (threadIdx.x == 0) {
-        for (int b = 0; b < 6; b++) {
+        for (int b = 0; b < 5; b++) {
             mbar_init(&sm.full[b], 128);
             mbar_init(&sm.empty[b], 128);
         }
