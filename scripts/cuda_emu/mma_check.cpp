@@ -4,7 +4,7 @@
 // ldsm_x4 of an [n][k] tile and from ldsm_x4_t of a [k][n] tile; the raw ldsm_x4 registers
 // with rows at scattered addresses; the accumulator of one mma repacked (pack_bf16x2) as the A
 // operand of the next (as flash attention does with P); smem_addr; the tf32 m16n8k8 mma and
-// to_tf32, with fragments by hand and through ldsm_x4 of f32 rows; the 3xTF32 split.
+// to_tf32, with fragments by hand and through ldsm_x4 of f32 rows; the 3xTF32 and 3xBF16 splits.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -248,6 +248,37 @@ int main() {
             }
         report("3xTF32 (split_tf32) mma vs f64, relative to sum |a b|", e3, 1e-6);
         report("(1xTF32 on the same values is coarse: error > 1e-5)", e1x > 1e-5 ? 0 : 1, 0);
+        // 3xBF16 (split_bf16x2, three bf16 mma: the GDN state pass's form) on the same kind of
+        // values: ~1e-5-level (hi + lo hold ~16 bits), where one bf16 mma is off by ~2^-8.
+        float GA[16][16], GB[16][8], G1[16][8], G3[16][8];
+        for (auto& r : GA) for (auto& x : r) x = U(rng);
+        for (auto& r : GB) for (auto& x : r) x = U(rng);
+        emu_launch({1, 1, 1}, 32, 0, [&] {
+            int l = threadIdx.x, g = l / 4, c = l % 4;
+            unsigned ah[4], al[4], bh[2], bl[2];
+            for (int e = 0; e < 4; e++) {
+                const int r = g + 8 * (e & 1), k = 2 * c + 8 * (e >> 1);
+                split_bf16x2(GA[r][k], GA[r][k + 1], ah[e], al[e]);
+            }
+            for (int e = 0; e < 2; e++) split_bf16x2(GB[2 * c + 8 * e][g], GB[2 * c + 8 * e + 1][g], bh[e], bl[e]);
+            float d1[4] = {0, 0, 0, 0}, d3[4] = {0, 0, 0, 0};
+            mma_bf16_16816(d1, ah, bh[0], bh[1]);
+            mma_bf16_16816(d3, al, bh[0], bh[1]);
+            mma_bf16_16816(d3, ah, bl[0], bl[1]);
+            mma_bf16_16816(d3, ah, bh[0], bh[1]);
+            G1[g][2 * c] = d1[0], G1[g][2 * c + 1] = d1[1], G1[g + 8][2 * c] = d1[2], G1[g + 8][2 * c + 1] = d1[3];
+            G3[g][2 * c] = d3[0], G3[g][2 * c + 1] = d3[1], G3[g + 8][2 * c] = d3[2], G3[g + 8][2 * c + 1] = d3[3];
+        });
+        double b3 = 0, b1x = 0;
+        for (int r = 0; r < 16; r++)
+            for (int n = 0; n < 8; n++) {
+                double s = 0, a = 0;
+                for (int k = 0; k < 16; k++) s += (double)GA[r][k] * GB[k][n], a += std::fabs((double)GA[r][k] * GB[k][n]);
+                b3 = std::max(b3, std::fabs(s - G3[r][n]) / a);
+                b1x = std::max(b1x, std::fabs(s - G1[r][n]) / a);
+            }
+        report("3xBF16 (split_bf16x2) mma vs f64, relative to sum |a b|", b3, 3e-5);
+        report("(1xBF16 on the same values is coarse: error > 1e-3)", b1x > 1e-3 ? 0 : 1, 0);
     }
     if (fails) printf("%d check(s) FAILED\n", fails);
     return fails ? 1 : 0;
