@@ -34,6 +34,20 @@ static double ref_err(const float (*A)[16], const float (*B)[8], const float (*C
     return e;
 }
 
+// The largest |A B - D| of a 16 x 8 product over K, relative to the row's sum |a b| (the split
+// checks: a split is as exact as its parts, whatever the cancellation).
+template <int K>
+static double split_err(const float (&A)[16][K], const float (&B)[K][8], const float (&D)[16][8]) {
+    double e = 0;
+    for (int r = 0; r < 16; r++)
+        for (int n = 0; n < 8; n++) {
+            double s = 0, a = 0;
+            for (int k = 0; k < K; k++) s += (double)A[r][k] * B[k][n], a += std::fabs((double)A[r][k] * B[k][n]);
+            e = std::max(e, std::fabs(s - D[r][n]) / a);
+        }
+    return e;
+}
+
 int main() {
     float A[16][16], B[16][16], C[16][8], D[16][8];
     for (auto& r : A) for (auto& x : r) x = rnd_bf16();
@@ -238,16 +252,8 @@ int main() {
             F1[g][2 * c] = d1[0], F1[g][2 * c + 1] = d1[1], F1[g + 8][2 * c] = d1[2], F1[g + 8][2 * c + 1] = d1[3];
             F3[g][2 * c] = d3[0], F3[g][2 * c + 1] = d3[1], F3[g + 8][2 * c] = d3[2], F3[g + 8][2 * c + 1] = d3[3];
         });
-        double e3 = 0, e1x = 0;
-        for (int r = 0; r < 16; r++)
-            for (int n = 0; n < 8; n++) {
-                double s = 0, a = 0;
-                for (int k = 0; k < 8; k++) s += (double)FA[r][k] * FB[k][n], a += std::fabs((double)FA[r][k] * FB[k][n]);
-                e3 = std::max(e3, std::fabs(s - F3[r][n]) / a);
-                e1x = std::max(e1x, std::fabs(s - F1[r][n]) / a);
-            }
-        report("3xTF32 (split_tf32) mma vs f64, relative to sum |a b|", e3, 1e-6);
-        report("(1xTF32 on the same values is coarse: error > 1e-5)", e1x > 1e-5 ? 0 : 1, 0);
+        report("3xTF32 (split_tf32) mma vs f64, relative to sum |a b|", split_err(FA, FB, F3), 1e-6);
+        report("(1xTF32 on the same values is coarse: error > 1e-5)", split_err(FA, FB, F1) > 1e-5 ? 0 : 1, 0);
         // 3xBF16 (split_bf16x2, three bf16 mma: the GDN state pass's form) on the same kind of
         // values: ~1e-5-level (hi + lo hold ~16 bits), where one bf16 mma is off by ~2^-8.
         float GA[16][16], GB[16][8], G1[16][8], G3[16][8];
@@ -269,16 +275,8 @@ int main() {
             G1[g][2 * c] = d1[0], G1[g][2 * c + 1] = d1[1], G1[g + 8][2 * c] = d1[2], G1[g + 8][2 * c + 1] = d1[3];
             G3[g][2 * c] = d3[0], G3[g][2 * c + 1] = d3[1], G3[g + 8][2 * c] = d3[2], G3[g + 8][2 * c + 1] = d3[3];
         });
-        double b3 = 0, b1x = 0;
-        for (int r = 0; r < 16; r++)
-            for (int n = 0; n < 8; n++) {
-                double s = 0, a = 0;
-                for (int k = 0; k < 16; k++) s += (double)GA[r][k] * GB[k][n], a += std::fabs((double)GA[r][k] * GB[k][n]);
-                b3 = std::max(b3, std::fabs(s - G3[r][n]) / a);
-                b1x = std::max(b1x, std::fabs(s - G1[r][n]) / a);
-            }
-        report("3xBF16 (split_bf16x2) mma vs f64, relative to sum |a b|", b3, 3e-5);
-        report("(1xBF16 on the same values is coarse: error > 1e-3)", b1x > 1e-3 ? 0 : 1, 0);
+        report("3xBF16 (split_bf16x2) mma vs f64, relative to sum |a b|", split_err(GA, GB, G3), 3e-5);
+        report("(1xBF16 on the same values is coarse: error > 1e-3)", split_err(GA, GB, G1) > 1e-3 ? 0 : 1, 0);
     }
     if (fails) printf("%d check(s) FAILED\n", fails);
     return fails ? 1 : 0;
