@@ -258,7 +258,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         // Resume from the longest cached prefix.
         let (state, cached) = match self.cache.lookup(prompt) {
             Some((n, s)) => (s.clone(), n),
-            None => (engine.new_state(), 0),
+            None => (engine.new_state()?, 0),
         };
         if cached > 0 {
             m.cache_hits.fetch_add(1, Ordering::Relaxed);

@@ -1,0 +1,321 @@
+//! `POST /v1/chat/completions`: render the conversation with the chat template, then answer
+//! as one JSON object ([`chat_collect`]) or as an SSE stream ([`chat_stream`]).
+
+use super::Shared;
+use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
+use super::http::{error_response, json_response, read_request, sse_response};
+use super::submit::{
+    Submitted, context_error, event_error, finish_reason, meta, model_gone, settings, submit,
+    token_text,
+};
+use super::worker::Event;
+use crate::chat::ChatRequest;
+use crate::sampling::TokenLogprobs;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+fn chat_logprob(s: &Shared, lp: &TokenLogprobs) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let t = token_text(s, id);
+        json!({"token": t, "logprob": logprob, "bytes": t.as_bytes()})
+    };
+    let mut v = entry(lp.id, lp.logprob);
+    v["top_logprobs"] = lp.top.iter().map(|&(i, l)| entry(i, l)).collect();
+    v
+}
+
+pub(super) async fn chat_completions(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let resp = match chat_inner(&s, &headers, body).await {
+        Ok(r) => r,
+        Err(e) => error_response(&e),
+    };
+    s.metrics
+        .request("/v1/chat/completions", resp.status().as_u16());
+    resp
+}
+
+/// The rendered prompt of a chat request: ids, snapshot points and a forced answer prefix.
+struct ChatPrompt {
+    ids: Vec<u32>,
+    points: Vec<usize>,
+    forced: String,
+    tools: Option<Vec<Value>>,
+}
+
+fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiError> {
+    let template =
+        s.tokenizer.template.as_ref().ok_or_else(|| {
+            ApiError::new(500, "server_error", "the checkpoint has no chat template")
+        })?;
+    let tools_on = input.tool_choice != ToolChoice::None;
+    let req = ChatRequest {
+        messages: input.messages.clone(),
+        tools: input.tools.clone().filter(|_| tools_on),
+        add_generation_prompt: true,
+        enable_thinking: input.enable_thinking,
+        extra: input.extra.clone(),
+    };
+    let mut text = template
+        .render(&req)
+        .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+    // tool_choice required / named: the answer starts with the call (no thinking first).
+    let forced = match &input.tool_choice {
+        ToolChoice::Required => "<tool_call>\n<function=".to_string(),
+        ToolChoice::Named(n) => format!("<tool_call>\n<function={n}>\n"),
+        _ => String::new(),
+    };
+    if !forced.is_empty() {
+        if text.ends_with("<think>\n") {
+            text.push_str("\n</think>\n\n");
+        }
+        text.push_str(&forced);
+    }
+    let ids = s
+        .tokenizer
+        .encode(&text, true)
+        .map_err(|e| ApiError::new(500, "server_error", format!("{e:#}")))?;
+    // Snapshot at the end of the first message (a shared system prompt) and before the
+    // generation prompt, the last `<|im_start|>` (the conversation so far, which the next
+    // turn extends).
+    let mut points = Vec::new();
+    if let Some(im) = s.im_start {
+        let starts: Vec<usize> = ids
+            .iter()
+            .enumerate()
+            .filter(|&(_, &t)| t == im)
+            .map(|(i, _)| i)
+            .collect();
+        points.extend(starts.get(1));
+        points.extend(starts.last().filter(|&&p| p > 0));
+    }
+    Ok(ChatPrompt {
+        ids,
+        points,
+        forced,
+        tools: input.tools.clone().filter(|_| tools_on),
+    })
+}
+
+async fn chat_inner(
+    s: &Arc<Shared>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let v = read_request(s, headers, body).await?;
+    let input = api::parse_chat(&v, &s.defaults)?;
+    let params = input.params.clone();
+    // Rendering and tokenizing a long prompt takes a while: off the async workers.
+    let s2 = s.clone();
+    let prompt = tokio::task::spawn_blocking(move || render_chat(&s2, &input))
+        .await
+        .map_err(|e| {
+            ApiError::new(500, "server_error", format!("prompt rendering failed: {e}"))
+        })??;
+    if prompt.ids.len() >= s.config.max_seq {
+        return Err(context_error(s, prompt.ids.len(), "messages"));
+    }
+    let settings = settings(s, &params, s.config.default_max_tokens, true)?;
+    let prompt_tokens = prompt.ids.len();
+    let sub = submit(s, prompt.ids, prompt.points, settings, &params).await?;
+    let asm = Assembler::new(prompt.tools.as_deref(), &prompt.forced);
+    let meta = meta(s, "chatcmpl");
+    let usage = Usage {
+        prompt_tokens,
+        cached_tokens: sub.cached_tokens,
+        ..Default::default()
+    };
+    if params.stream {
+        Ok(sse_response(chat_stream(
+            s.clone(),
+            sub,
+            asm,
+            meta,
+            usage,
+            params.include_usage,
+        )))
+    } else {
+        chat_collect(s, sub, asm, meta, usage).await
+    }
+}
+
+async fn chat_collect(
+    s: &Shared,
+    mut sub: Submitted,
+    mut asm: Assembler,
+    meta: ResponseMeta,
+    mut usage: Usage,
+) -> Result<Response, ApiError> {
+    let mut lps = Vec::new();
+    let mut any_lp = false;
+    loop {
+        match sub.rx.recv().await {
+            Some(Event::Token { pieces, logprobs }) => {
+                if let Some(lp) = logprobs {
+                    any_lp = true;
+                    lps.push(chat_logprob(s, &lp));
+                }
+                for (ch, text) in pieces {
+                    asm.push(ch, &text);
+                }
+            }
+            Some(Event::Done {
+                stop,
+                completion_tokens,
+                reasoning_tokens,
+            }) => {
+                asm.finish();
+                usage.completion_tokens = completion_tokens;
+                usage.reasoning_tokens = reasoning_tokens;
+                let finish = finish_reason(stop, !asm.calls.is_empty());
+                let lp = any_lp.then_some(Value::Array(lps));
+                drop(sub.guard);
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &api::chat_json(&meta, &asm, finish, lp, &usage),
+                ));
+            }
+            Some(Event::Error { status, message }) => return Err(event_error(status, message)),
+            Some(Event::Started { .. }) => {}
+            None => {
+                return Err(model_gone());
+            }
+        }
+    }
+}
+
+/// Streaming state of one chat response.
+struct ChatStream {
+    s: Arc<Shared>,
+    sub: Submitted,
+    asm: Assembler,
+    meta: ResponseMeta,
+    usage: Usage,
+    include_usage: bool,
+    calls: usize,
+    pending_lp: Vec<Value>,
+    started: bool,
+    done: bool,
+}
+
+impl ChatStream {
+    fn chunk(&mut self, delta: Value, finish: Option<&str>) -> String {
+        let lp = (!self.pending_lp.is_empty())
+            .then(|| Value::Array(std::mem::take(&mut self.pending_lp)));
+        api::sse_data(&api::chat_chunk(
+            &self.meta,
+            delta,
+            finish,
+            lp,
+            self.include_usage,
+        ))
+    }
+
+    fn deltas(&mut self, ds: Vec<Delta>) -> String {
+        let mut out = String::new();
+        for d in ds {
+            if matches!(&d, Delta::Content(t) | Delta::Reasoning(t) if t.is_empty()) {
+                continue;
+            }
+            let v = api::delta_json(&self.meta, &d, self.calls);
+            if matches!(d, Delta::Call(_)) {
+                self.calls += 1;
+            }
+            out.push_str(&self.chunk(v, None));
+        }
+        out
+    }
+
+    fn handle(&mut self, ev: Event) -> String {
+        match ev {
+            Event::Token { pieces, logprobs } => {
+                if let Some(lp) = logprobs {
+                    self.pending_lp.push(chat_logprob(&self.s, &lp));
+                }
+                let mut out = String::new();
+                for (ch, text) in pieces {
+                    let ds = self.asm.push(ch, &text);
+                    out.push_str(&self.deltas(ds));
+                }
+                out
+            }
+            Event::Done {
+                stop,
+                completion_tokens,
+                reasoning_tokens,
+            } => {
+                let ds = self.asm.finish();
+                let mut out = self.deltas(ds);
+                self.usage.completion_tokens = completion_tokens;
+                self.usage.reasoning_tokens = reasoning_tokens;
+                let finish = finish_reason(stop, self.calls > 0);
+                out.push_str(&self.chunk(json!({}), Some(finish)));
+                if self.include_usage {
+                    out.push_str(&api::sse_data(&api::usage_chunk(
+                        &self.meta,
+                        "chat.completion.chunk",
+                        &self.usage,
+                    )));
+                }
+                out.push_str(api::SSE_DONE);
+                self.done = true;
+                out
+            }
+            Event::Error { status, message } => {
+                self.done = true;
+                format!(
+                    "{}{}",
+                    api::sse_data(&event_error(status, message).body()),
+                    api::SSE_DONE
+                )
+            }
+            Event::Started { .. } => String::new(),
+        }
+    }
+}
+
+fn chat_stream(
+    s: Arc<Shared>,
+    sub: Submitted,
+    asm: Assembler,
+    meta: ResponseMeta,
+    usage: Usage,
+    include_usage: bool,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static {
+    let st = ChatStream {
+        s,
+        sub,
+        asm,
+        meta,
+        usage,
+        include_usage,
+        calls: 0,
+        pending_lp: Vec::new(),
+        started: false,
+        done: false,
+    };
+    futures_util::stream::unfold(st, |mut st| async move {
+        if !st.started {
+            st.started = true;
+            let first = st.chunk(json!({"role": "assistant", "content": ""}), None);
+            return Some((Ok(Bytes::from(first)), st));
+        }
+        loop {
+            if st.done {
+                return None;
+            }
+            let ev = st.sub.rx.recv().await?;
+            let out = st.handle(ev);
+            if !out.is_empty() {
+                return Some((Ok(Bytes::from(out)), st));
+            }
+        }
+    })
+}

@@ -1,0 +1,189 @@
+//! The HTTP side every endpoint shares (auth, the POST body checks, JSON / SSE / error
+//! responses) and the small endpoints: `/health`, `/metrics`, `/v1/models`, the fallbacks.
+
+use super::Shared;
+use super::api::ApiError;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+/// Largest request body accepted.
+const BODY_LIMIT: usize = 32 << 20;
+
+pub(super) fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, &e.body())
+}
+
+pub(super) fn json_response(status: StatusCode, v: &Value) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+pub(super) async fn not_found() -> Response {
+    error_response(
+        &ApiError::new(404, "invalid_request_error", "no such endpoint").with_code("not_found"),
+    )
+}
+
+pub(super) async fn method_not_allowed() -> Response {
+    error_response(&ApiError::new(
+        405,
+        "invalid_request_error",
+        "method not allowed for this endpoint",
+    ))
+}
+
+pub(super) async fn health(State(s): State<Arc<Shared>>) -> Response {
+    if s.ready.load(Ordering::SeqCst) {
+        json_response(StatusCode::OK, &json!({"status": "ok"}))
+    } else {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "loading"}),
+        )
+    }
+}
+
+pub(super) async fn metrics_text(State(s): State<Arc<Shared>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+fn check_auth(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &s.config.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(g) if g == key => Ok(()),
+        Some(_) => Err(
+            ApiError::new(401, "invalid_request_error", "Incorrect API key provided.")
+                .with_code("invalid_api_key"),
+        ),
+        None => Err(ApiError::new(
+            401,
+            "invalid_request_error",
+            "Missing API key: send `Authorization: Bearer KEY`.",
+        )
+        .with_code("invalid_api_key")),
+    }
+}
+
+pub(super) async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    let resp = match check_auth(&s, &headers) {
+        Err(e) => error_response(&e),
+        Ok(()) => json_response(
+            StatusCode::OK,
+            &json!({"object": "list", "data": [{
+                "id": s.config.model_id,
+                "object": "model",
+                "created": unix_now(),
+                "owned_by": "kestrel",
+                "max_model_len": s.config.max_seq,
+            }]}),
+        ),
+    };
+    s.metrics.request("/v1/models", resp.status().as_u16());
+    resp
+}
+
+pub(super) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Auth, readiness, body and JSON checks common to the POST endpoints.
+pub(super) async fn read_request(
+    s: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Value, ApiError> {
+    check_auth(s, headers)?;
+    if s.stopping.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the server is shutting down",
+        ));
+    }
+    if !s.ready.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the model is still loading",
+        ));
+    }
+    let bytes = axum::body::to_bytes(body, BODY_LIMIT).await.map_err(|e| {
+        let msg = format!("{e}");
+        if msg.contains("length limit") {
+            ApiError::new(
+                413,
+                "invalid_request_error",
+                format!("the request body exceeds {BODY_LIMIT} bytes"),
+            )
+        } else {
+            ApiError::invalid("", format!("cannot read the request body: {msg}"))
+        }
+    })?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid("", format!("the request body is not valid JSON: {e}")))?;
+    if let Some(obj) = v.as_object()
+        && let Some(m) = obj.get("model").filter(|m| !m.is_null())
+    {
+        let m = m
+            .as_str()
+            .ok_or_else(|| ApiError::invalid("model", "`model` must be a string"))?;
+        if m != s.config.model_id {
+            return Err(ApiError::new(
+                404,
+                "invalid_request_error",
+                format!(
+                    "The model `{m}` does not exist; this server serves `{}`.",
+                    s.config.model_id
+                ),
+            )
+            .with_code("model_not_found"));
+        }
+    }
+    Ok(v)
+}
+
+pub(super) fn sse_response<S>(stream: S) -> Response
+where
+    S: futures_util::Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
+{
+    (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            ),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}

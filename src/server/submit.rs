@@ -1,0 +1,174 @@
+//! Handing a validated request to the model thread: its [`ReplySettings`], the queue
+//! ([`submit`]), and the model's events read back in the API's terms.
+
+use super::Shared;
+use super::api::{ApiError, GenParams, ResponseMeta};
+use super::http::unix_now;
+use super::worker::{Event, Job};
+use crate::generate::{GenerateOptions, ReplySettings, StopReason, ThinkingControl};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+/// The error for a request whose model-thread channel closed without an answer.
+pub(super) fn model_gone() -> ApiError {
+    ApiError::new(500, "server_error", "the model thread dropped the request")
+}
+
+pub(super) fn context_error(s: &Shared, n: usize, param: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        format!(
+            "This model's maximum context length is {} tokens, but the prompt is {n} tokens. Shorten the prompt.",
+            s.config.max_seq
+        ),
+    )
+    .with_code("context_length_exceeded")
+}
+
+pub(super) fn settings(
+    s: &Shared,
+    params: &GenParams,
+    default_max: usize,
+    chat: bool,
+) -> Result<ReplySettings, ApiError> {
+    let think_ids = if chat { s.think_ids } else { None };
+    let thinking = match (think_ids, params.thinking_budget) {
+        (Some((open_id, close_id)), budget) => Some(ThinkingControl {
+            open_id,
+            close_id,
+            budget,
+            close_ids: s.close_think_ids.clone(),
+        }),
+        (None, Some(_)) => {
+            return Err(ApiError::invalid(
+                "thinking_budget",
+                "`thinking_budget` only applies to chat completions",
+            ));
+        }
+        (None, None) => None,
+    };
+    Ok(ReplySettings {
+        opts: GenerateOptions {
+            max_tokens: params.max_tokens.unwrap_or(default_max),
+            stop_ids: s.stop_ids.clone(),
+            prefill_chunk: s.config.prefill_chunk,
+            max_seq: s.config.max_seq,
+            thinking,
+            device_greedy: crate::generate::device_greedy_allowed(),
+        },
+        stop_strings: params.stop.clone(),
+        think_ids,
+    })
+}
+
+/// Sets the cancel flag when dropped: the handler or its response stream went away.
+pub(super) struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn fresh_seed(s: &Shared) -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    t ^ s
+        .next_id
+        .fetch_add(1, Ordering::Relaxed)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// A queued job's receiving side.
+pub(super) struct Submitted {
+    pub(super) rx: UnboundedReceiver<Event>,
+    pub(super) guard: CancelOnDrop,
+    pub(super) cached_tokens: usize,
+}
+
+/// Queues a job and waits until the model starts it (or refuses it).
+pub(super) async fn submit(
+    s: &Arc<Shared>,
+    prompt: Vec<u32>,
+    snapshot_points: Vec<usize>,
+    settings: ReplySettings,
+    params: &GenParams,
+) -> Result<Submitted, ApiError> {
+    let (tx, mut rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        prompt,
+        snapshot_points,
+        settings,
+        params: params.sampling.clone(),
+        seed: params.seed.unwrap_or_else(|| fresh_seed(s)),
+        logprobs: params.logprobs,
+        cache_key: params.cache_key.clone(),
+        events: tx,
+        cancel: cancel.clone(),
+        deadline: Instant::now() + s.config.request_timeout,
+    };
+    let guard = CancelOnDrop(cancel);
+    let waiting = s.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+    if waiting as usize >= s.config.max_queue {
+        s.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::new(
+            429,
+            "rate_limit_error",
+            format!("{waiting} requests are already waiting for the model; retry later"),
+        )
+        .with_code("queue_full"));
+    }
+    let sent = s.jobs.lock().unwrap_or_else(|e| e.into_inner()).send(job);
+    if sent.is_err() {
+        s.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the model thread has stopped",
+        ));
+    }
+    match rx.recv().await {
+        Some(Event::Started { cached_tokens }) => Ok(Submitted {
+            rx,
+            guard,
+            cached_tokens,
+        }),
+        Some(Event::Error { status, message }) => Err(event_error(status, message)),
+        _ => Err(model_gone()),
+    }
+}
+
+pub(super) fn event_error(status: u16, message: String) -> ApiError {
+    match status {
+        503 => ApiError::new(503, "service_unavailable", message),
+        400 => ApiError::invalid("", message).with_code("context_length_exceeded"),
+        504 => ApiError::new(504, "timeout", message),
+        _ => ApiError::new(status, "server_error", message),
+    }
+}
+
+pub(super) fn finish_reason(stop: StopReason, calls: bool) -> &'static str {
+    match stop {
+        StopReason::MaxTokens | StopReason::ContextFull => "length",
+        _ if calls => "tool_calls",
+        _ => "stop",
+    }
+}
+
+pub(super) fn token_text(s: &Shared, id: u32) -> String {
+    s.tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+pub(super) fn meta(s: &Shared, prefix: &str) -> ResponseMeta {
+    let n = s.next_id.fetch_add(1, Ordering::Relaxed);
+    ResponseMeta {
+        id: format!("{prefix}-{:x}{n:06}", unix_now()),
+        created: unix_now(),
+        model: s.config.model_id.clone(),
+    }
+}
