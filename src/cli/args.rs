@@ -1,0 +1,189 @@
+//! The flags shared by several commands, and their value parsers.
+
+use clap::{Args, ValueEnum};
+use kestrel::sampling::check;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(super) enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Args, Clone, Debug)]
+pub(super) struct ModelArgs {
+    /// Checkpoint directory, or a Hugging Face repo id (`Qwen/Qwen3.6-35B-A3B`, optionally
+    /// `@revision`) resolved offline in the local Hugging Face cache. Without it, the bundled
+    /// demo model (random weights) runs.
+    #[arg(long)]
+    pub(super) model: Option<String>,
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub(super) device: Device,
+    /// Context limit in tokens (prompt + reply), at most the model's maximum positions.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 32_768, value_parser = clap::value_parser!(u64).range(2..))]
+    pub(super) max_seq: u64,
+    /// Do not read the weights up front (pages load from disk on first use instead).
+    #[arg(long)]
+    pub(super) lazy_load: bool,
+    /// Only the generated text: no banner, progress bar or stats line.
+    #[arg(long, short)]
+    pub(super) quiet: bool,
+}
+
+#[derive(Args, Clone, Debug)]
+pub(super) struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub(super) bind: String,
+    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+    #[arg(long)]
+    pub(super) api_key: Option<String>,
+    /// Bytes of sequence states the prefix cache keeps (K, M, G suffixes allowed).
+    #[arg(long, default_value = "4G", value_parser = parse_bytes)]
+    pub(super) cache_mem: u64,
+    /// Seconds a request may take, queueing included, before it is stopped.
+    #[arg(long, default_value_t = 600)]
+    pub(super) request_timeout: u64,
+    /// The model id clients send (default: the --model value, or `kestrel-demo`).
+    #[arg(long)]
+    pub(super) served_model_name: Option<String>,
+    /// Tokens per reply when a chat request gives no max_tokens [default: 4096; 64 for
+    /// the demo model].
+    #[arg(long)]
+    pub(super) default_max_tokens: Option<usize>,
+    /// Requests that may wait for the model; more are refused with 429.
+    #[arg(long, default_value_t = 1024)]
+    pub(super) max_queue: usize,
+    /// Sequences generated at once, interleaved token by token (each holds its own state).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) max_running: u64,
+}
+
+#[derive(Args, Clone, Debug)]
+pub(super) struct GenArgs {
+    /// Maximum generated tokens per reply [default: 4096; 64 for the demo model].
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) max_tokens: Option<u64>,
+    /// Sampling temperature; 0 is greedy [default: generation_config.json's when it samples
+    /// (do_sample), else 0].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_temperature)]
+    pub(super) temperature: Option<f32>,
+    /// Keep only the K most likely tokens; 0 is off [default: generation_config.json, else 0].
+    #[arg(long, allow_negative_numbers = true)]
+    pub(super) top_k: Option<usize>,
+    /// Nucleus sampling mass, in (0, 1] [default: generation_config.json, else 1].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
+    pub(super) top_p: Option<f32>,
+    /// Drop tokens less likely than MIN_P times the most likely one, in [0, 1]
+    /// [default: generation_config.json, else 0].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_min_p)]
+    pub(super) min_p: Option<f32>,
+    /// Repetition penalty (> 0; 1 is off) on tokens of the reply so far.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_repetition_penalty)]
+    pub(super) repetition_penalty: Option<f32>,
+    /// Presence penalty in [-2, 2] on tokens of the reply so far.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_presence_frequency)]
+    pub(super) presence_penalty: Option<f32>,
+    /// Frequency penalty in [-2, 2] on tokens of the reply so far.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_presence_frequency)]
+    pub(super) frequency_penalty: Option<f32>,
+    /// Random seed: the same seed gives the same output on the same backend [default: random].
+    #[arg(long, allow_negative_numbers = true)]
+    pub(super) seed: Option<u64>,
+    /// Stop when the reply contains this text (not printed). Repeatable; `\n`, `\t` and `\\`
+    /// are unescaped.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_stop)]
+    pub(super) stop: Vec<String>,
+    /// Think before answering (the template's enable_thinking; the model's default).
+    #[arg(long, conflicts_with = "no_think")]
+    pub(super) think: bool,
+    /// Answer without thinking (enable_thinking=false).
+    #[arg(long)]
+    pub(super) no_think: bool,
+    /// Close the thinking block after this many tokens (feeds `</think>\n\n`).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(super) thinking_budget: Option<usize>,
+}
+
+fn number(s: &str) -> Result<f32, String> {
+    s.trim()
+        .parse::<f32>()
+        .map_err(|_| format!("`{s}` is not a number"))
+}
+
+fn ranged(s: &str, ok: fn(f32) -> bool, expected: &str) -> Result<f32, String> {
+    let x = number(s)?;
+    if ok(x) {
+        Ok(x)
+    } else {
+        Err(format!("must be {expected}"))
+    }
+}
+
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    ranged(s, check::temperature, check::TEMPERATURE)
+}
+fn parse_top_p(s: &str) -> Result<f32, String> {
+    ranged(s, check::top_p, check::TOP_P)
+}
+fn parse_min_p(s: &str) -> Result<f32, String> {
+    ranged(s, check::min_p, check::MIN_P)
+}
+fn parse_repetition_penalty(s: &str) -> Result<f32, String> {
+    ranged(s, check::repetition_penalty, check::REPETITION_PENALTY)
+}
+fn parse_presence_frequency(s: &str) -> Result<f32, String> {
+    ranged(s, check::presence_frequency, check::PRESENCE_FREQUENCY)
+}
+
+/// `123`, `64K`, `512M`, `4G` (binary multiples).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m = match c.to_ascii_uppercase() {
+                'K' => 1u64 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                'B' => 1,
+                _ => return Err(format!("unknown size suffix in `{s}` (K, M, G, T)")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 4G, 512M, 1000000)"))?;
+    if !n.is_finite() || n < 0.0 {
+        return Err(format!("`{s}` is not a size"));
+    }
+    Ok((n * mult as f64) as u64)
+}
+
+fn parse_stop(s: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('t') => out.push('\t'),
+            Some('\\') => out.push('\\'),
+            Some(other) => {
+                out.push('\\');
+                out.push(other);
+            }
+            None => out.push('\\'),
+        }
+    }
+    if out.is_empty() {
+        return Err("a stop string cannot be empty".into());
+    }
+    Ok(out)
+}

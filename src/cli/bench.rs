@@ -1,0 +1,319 @@
+//! `kestrel bench`: the benchmark runners for each backend and the JSON report.
+
+use super::PREFILL_CHUNKS;
+use anyhow::{Context, Result};
+use kestrel::config::TextConfig;
+use kestrel::model::{CpuModel, Engine};
+use kestrel::state::SequenceState;
+use kestrel::synthetic;
+use kestrel::tensor::DType;
+use std::path::{Path, PathBuf};
+
+struct CudaRunner<'a>(&'a kestrel::cuda::model::CudaModel, usize);
+
+impl kestrel::bench::GreedyRunner for CudaRunner<'_> {
+    type State = kestrel::cuda::model::CudaState;
+    fn fresh(&self) -> Result<Self::State> {
+        self.0.new_state_checked()
+    }
+    fn step(&self, state: &mut Self::State, tokens: &[u32]) -> Result<u32> {
+        self.0.forward_greedy(state, tokens, self.1)
+    }
+}
+
+/// The decode timeline of one step at `context` (after the prompt and 8 warm steps) into
+/// `{prefix}-{context}.csv` (`KESTREL_TRACE_OUT`; needs the kernels compiled with
+/// `KESTREL_TRACE=1`); scripts/decode_timeline.py reads it.
+fn trace_decode(
+    m: &kestrel::cuda::model::CudaModel,
+    context: usize,
+    vocab_limit: usize,
+    prefix: &str,
+) -> Result<()> {
+    let mut st = m.new_state_checked()?;
+    let mut next = m.forward_greedy(
+        &mut st,
+        &kestrel::bench::prompt(context, vocab_limit),
+        vocab_limit,
+    )?;
+    for _ in 0..8 {
+        next = m.forward_greedy(&mut st, &[next], vocab_limit)?;
+    }
+    let recs = m.trace_decode_step(&mut st, next, vocab_limit)?;
+    if recs.is_empty() {
+        anyhow::bail!(
+            "KESTREL_TRACE_OUT: no timeline records; compile the kernels with KESTREL_TRACE=1"
+        );
+    }
+    let path = format!("{prefix}-{context}.csv");
+    let mut out =
+        String::from("tag,grid,block,y,sm,start_ns,wait_ns,end_ns,ph0_ns,ph1_ns,ph2_ns\n");
+    for r in &recs {
+        out += &format!(
+            "{},{},{},{},{},{},{},{},{},{},{}\n",
+            r[0] >> 48,
+            (r[0] >> 24) & 0xff_ffff,
+            r[0] & 0xff_ffff,
+            r[1] >> 32,
+            r[1] & 0xffff_ffff,
+            r[2],
+            r[3],
+            r[4],
+            r[5],
+            r[6],
+            r[7]
+        );
+    }
+    std::fs::write(&path, out).map_err(|e| anyhow::anyhow!("writing {path}: {e}"))?;
+    eprintln!(
+        "decode timeline at context {context}: {} block records -> {path}",
+        recs.len()
+    );
+    Ok(())
+}
+
+struct CpuRunner<'a>(&'a CpuModel, usize);
+
+impl kestrel::bench::GreedyRunner for CpuRunner<'_> {
+    type State = SequenceState;
+    fn fresh(&self) -> Result<Self::State> {
+        self.0.new_state()
+    }
+    fn step(&self, state: &mut Self::State, tokens: &[u32]) -> Result<u32> {
+        let mut logits = Vec::new();
+        for piece in tokens.chunks(4096) {
+            logits = self.0.forward(state, piece, kestrel::model::Logits::Last)?;
+        }
+        Ok(kestrel::ops::argmax(&logits[..self.1.min(logits.len())]).unwrap_or(0) as u32)
+    }
+}
+
+fn utc_date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let rem = secs % 86_400;
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+pub(super) fn bench_cmd(
+    synthetic: Option<String>,
+    model: Option<PathBuf>,
+    device: String,
+    contexts: String,
+    max_chunk: Option<usize>,
+    json: Option<PathBuf>,
+) -> Result<()> {
+    let contexts: Vec<usize> = contexts
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| anyhow::anyhow!("--contexts: {s:?} is not a whole number"))
+        })
+        .collect::<Result<_>>()?;
+    if contexts.is_empty() || contexts.contains(&0) {
+        anyhow::bail!("--contexts needs positive lengths");
+    }
+    let max_ctx = *contexts.iter().max().unwrap();
+    let (cfg, host, weights_label) = match (&synthetic, &model) {
+        (Some(s), None) => {
+            let cfg = match s.as_str() {
+                "full" => TextConfig::qwen36_35b_a3b(),
+                "demo" => synthetic::demo_config(),
+                other => anyhow::bail!("--synthetic must be `full` or `demo`, not {other:?}"),
+            };
+            eprintln!(
+                "kestrel bench: SYNTHETIC weights (seeded random, {} shape): these numbers measure speed only, never output quality",
+                if s == "full" {
+                    "exact 40-layer Qwen3.6-35B-A3B"
+                } else {
+                    "demo"
+                }
+            );
+            (cfg, None, format!("synthetic-{s}"))
+        }
+        (None, Some(dir)) => {
+            let m = CpuModel::load(dir)?;
+            (m.config.clone(), Some(m), dir.display().to_string())
+        }
+        _ => anyhow::bail!("give exactly one of --synthetic full|demo or --model DIR"),
+    };
+    let vocab_limit = cfg
+        .vocab_size
+        .min(kestrel::tokenizer::special::FIRST_PADDING_ID as usize);
+    let log = |s: &str| eprintln!("{s}");
+    let mut prefill_chunk = None; // the GPU's, for the JSON
+    let (rows, device_name, copy_bw) = match device.as_str() {
+        "cuda" => {
+            let gpu = kestrel::cuda::Gpu::open(0)?;
+            let copy_bw = gpu.measure_copy_bandwidth(4 << 30)?;
+            eprintln!(
+                "device: {} (copy bandwidth {:.2} TB/s read+write)",
+                gpu.name,
+                copy_bw / 1e12
+            );
+            let max_seq = max_ctx + kestrel::bench::DECODE_STEPS + 8;
+            let max_chunk = match max_chunk {
+                Some(c) => c.max(1),
+                None => kestrel::cuda::model::CudaModel::pick_chunk(
+                    &gpu,
+                    &cfg,
+                    max_seq,
+                    &PREFILL_CHUNKS,
+                )?,
+            };
+            eprintln!("prefill chunk: {max_chunk} tokens");
+            prefill_chunk = Some(max_chunk);
+            let t0 = std::time::Instant::now();
+            let m = match &host {
+                Some(h) => kestrel::cuda::model::CudaModel::from_weights(
+                    gpu.clone(),
+                    cfg.clone(),
+                    &h.weights,
+                    max_seq,
+                    max_chunk,
+                )?,
+                None => kestrel::cuda::model::CudaModel::synthetic(
+                    gpu.clone(),
+                    cfg.clone(),
+                    7,
+                    max_seq,
+                    max_chunk,
+                )?,
+            };
+            eprintln!("weights ready in {:.1} s", t0.elapsed().as_secs_f64());
+            let runner = CudaRunner(&m, vocab_limit);
+            let mut rows = Vec::new();
+            for &c in &contexts {
+                rows.push(kestrel::bench::bench_context(
+                    &runner,
+                    &cfg,
+                    c,
+                    vocab_limit,
+                    copy_bw,
+                    log,
+                )?);
+                // Written after every context, so a run cut short keeps what it measured.
+                write_bench_json(
+                    json.as_deref(),
+                    &rows,
+                    &gpu.name,
+                    &weights_label,
+                    copy_bw,
+                    prefill_chunk,
+                )?;
+                if let Some(prefix) = &kestrel::settings::Settings::get().trace_out {
+                    trace_decode(&m, c, vocab_limit, prefix)?;
+                }
+            }
+            let prof = gpu.take_profile();
+            if !prof.is_empty() {
+                let total: f64 = prof.iter().map(|p| p.seconds).sum();
+                eprintln!(
+                    "profile (GPU time per op and grid, CUDA events; all contexts, all rounds):"
+                );
+                for p in prof.iter().take(45) {
+                    eprintln!(
+                        "  {:<32} {:>8} calls {:>10.3} ms {:>6.1}%  {:>8.1} us/call (min {:.1}, max {:.1})",
+                        p.op,
+                        p.calls,
+                        p.seconds * 1e3,
+                        100.0 * p.seconds / total,
+                        p.seconds * 1e6 / p.calls as f64,
+                        p.min * 1e6,
+                        p.max * 1e6
+                    );
+                }
+            }
+            (rows, gpu.name.clone(), copy_bw)
+        }
+        "cpu" => {
+            let m = match host {
+                Some(h) => h,
+                None => {
+                    let w = synthetic::random_weights(&cfg, 7, DType::BF16);
+                    CpuModel::new(cfg.clone(), w)
+                }
+            };
+            let runner = CpuRunner(&m, vocab_limit);
+            let mut rows = Vec::new();
+            for &c in &contexts {
+                rows.push(kestrel::bench::bench_context(
+                    &runner,
+                    &cfg,
+                    c,
+                    vocab_limit,
+                    0.0,
+                    log,
+                )?);
+            }
+            (rows, "cpu".to_string(), 0.0)
+        }
+        other => anyhow::bail!("--device must be cpu or cuda, not {other:?}"),
+    };
+    println!(
+        "{:>8} {:>14} {:>10} {:>13} {:>10} {:>9}",
+        "context", "prefill tok/s", "ttft ms", "decode tok/s", "ms/token", "bw frac"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>14.0} {:>10.1} {:>13.1} {:>10.3} {:>9.3}",
+            r.context,
+            r.prefill_tok_s,
+            r.ttft_ms,
+            r.decode_tok_s,
+            r.decode_ms_per_token,
+            r.decode_bandwidth_fraction
+        );
+    }
+    write_bench_json(
+        json.as_deref(),
+        &rows,
+        &device_name,
+        &weights_label,
+        copy_bw,
+        prefill_chunk,
+    )?;
+    Ok(())
+}
+
+fn write_bench_json(
+    path: Option<&Path>,
+    rows: &[kestrel::bench::BenchRow],
+    device: &str,
+    weights: &str,
+    copy_bw: f64,
+    prefill_chunk: Option<usize>,
+) -> Result<()> {
+    let Some(path) = path else { return Ok(()) };
+    let report = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": kestrel::settings::Settings::get().commit.as_deref().unwrap_or("unknown"),
+        "date": utc_date(),
+        "device": device,
+        "weights": weights,
+        "copy_bandwidth_bytes_per_s": copy_bw,
+        "prefill_chunk": prefill_chunk,
+        "contract": "batch 1, greedy, prompt[i] = ((i*2654435761) mod 2^32) mod vocab, exact-shape warm-up, TTFT prefill, 64 decode steps, median of 2 rounds",
+        "rows": rows,
+    });
+    std::fs::write(path, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("cannot write {}", path.display()))
+}

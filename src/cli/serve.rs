@@ -1,0 +1,103 @@
+//! `kestrel serve`: the OpenAI-compatible HTTP server.
+
+use super::args::{ModelArgs, ServeArgs};
+use super::{BUNDLED_GENERATION_CONFIG, Backend, SERVER_PREFILL_CHUNK, load_engine};
+use anyhow::{Context, Result};
+use kestrel::config::GenerationConfig;
+use kestrel::hub;
+use kestrel::tokenizer::Tokenizer;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// `kestrel serve`: tokenizer and defaults load first, the HTTP listener starts at once
+/// (`/health` answers 503 until the weights are in), and the engine loads and then runs on
+/// its own thread.
+pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
+    use kestrel::server::{ServerConfig, Shared, run_model, serve};
+    let ServeArgs {
+        bind,
+        api_key,
+        cache_mem,
+        request_timeout,
+        served_model_name,
+        default_max_tokens,
+        max_queue,
+        max_running,
+    } = args;
+    let max_running = max_running as usize;
+    let dir = match &model.model {
+        Some(spec) => Some(hub::resolve_model(spec)?),
+        None => None,
+    };
+    let (tokenizer, generation) = match &dir {
+        Some(d) => (Tokenizer::for_model_dir(d)?, GenerationConfig::from_dir(d)?),
+        None => (
+            Tokenizer::bundled()?,
+            GenerationConfig::from_json_str(BUNDLED_GENERATION_CONFIG)?,
+        ),
+    };
+    let model_id = served_model_name.unwrap_or_else(|| match &model.model {
+        Some(spec) => spec.clone(),
+        None => "kestrel-demo".into(),
+    });
+    let config = ServerConfig {
+        model_id: model_id.clone(),
+        max_seq: model.max_seq as usize,
+        api_key,
+        cache_mem: cache_mem.min(usize::MAX as u64) as usize,
+        request_timeout: Duration::from_secs(request_timeout.max(1)),
+        default_max_tokens: default_max_tokens.unwrap_or(if dir.is_none() { 64 } else { 4096 }),
+        prefill_chunk: SERVER_PREFILL_CHUNK,
+        max_queue,
+        max_running,
+    };
+    let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(&bind))
+        .with_context(|| format!("cannot listen on {bind}"))?;
+    let addr = listener.local_addr()?;
+    let model_shared = shared.clone();
+    let model_args = model.clone();
+    std::thread::Builder::new()
+        .name("kestrel-model".into())
+        .spawn(move || {
+            let backend = match load_engine(model_args.device, dir.as_deref(), &model_args) {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    std::process::exit(1);
+                }
+            };
+            if !model_args.quiet {
+                eprintln!("kestrel serve: model loaded");
+            }
+            // On the GPU this first checks that --max-running states fit (and sizes the cache).
+            if let Err(e) = with_engine!(&backend, e => run_model(e, model_shared, rx)) {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+        })?;
+    if !model.quiet {
+        eprintln!(
+            "kestrel serve: listening on http://{addr} (model id `{model_id}`); Ctrl-C stops"
+        );
+    }
+    // Ctrl-C: stop accepting, end running and queued requests (503), then exit once the
+    // open responses are closed; a second Ctrl-C exits at once.
+    let stop_shared = shared.clone();
+    let shutdown = async move {
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("kestrel serve: shutting down (Ctrl-C again to exit at once)");
+        stop_shared.stopping.store(true, Ordering::SeqCst);
+        tokio::spawn(async {
+            let _ = tokio::signal::ctrl_c().await;
+            std::process::exit(130);
+        });
+    };
+    runtime.block_on(serve(listener, shared, shutdown))?;
+    Ok(0)
+}
