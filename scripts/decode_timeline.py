@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Summarises a decode-step timeline written by `kestrel bench` with
-KESTREL_KERNEL_DEFINES=KESTREL_TRACE KESTREL_TRACE_OUT=PREFIX (PREFIX-CONTEXT.csv: one row per
+KESTREL_TRACE=1 KESTREL_TRACE_OUT=PREFIX (PREFIX-CONTEXT.csv: one row per
 sampled block, every 8th and the last of each kernel: tag, grid, block, y, sm, start, wait,
 end in ns of %globaltimer, then up to three phase stamps a kernel takes, 0 when not taken).
 

@@ -4,21 +4,14 @@
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
-#          [kernels CONTEXT] [ab VAR=VALUE CONTEXTS] [variants CONTEXTS 'SET;SET;...']
-#          [abbin BINARY[,BINARY..] CONTEXTS] [ablate CONTEXT 'SET;SET;...'] [timeline CONTEXTS]
-#          [warm 'DEFINES;DEFINES;...']
+#          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
-#   ab: the bench without and with one environment setting, alternating, two rounds each, rows
-#   tagged by setting into $OUT/ab.log (e.g. `ab KESTREL_GEMV=whole 256,32768`).
-#   variants: the same alternation over several settings ("VAR=VALUE ..." each, "-" for none).
-#   abbin: the same alternation between other builds of kestrel (comma-separated, e.g. the
-#   previous commit's, carried under .device/) and this one, rows tagged by binary into
-#   $OUT/ab.log.
-#   ablate: decode tok/s with each SET of kernels not launched (KESTREL_SKIP=name[:grid_x],...;
-#   outputs are wrong, timing only), the baseline first and last, into $OUT/ablate.log: a
-#   kernel's cost on the critical path of the graph-launched step.
+#   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
+#   built here and carried under .device/) and of this one, alternating, two rounds each, rows
+#   tagged by binary into $OUT/ab.log: how a change is compared with history (there are no
+#   run-time switches between kernel variants).
 #   timeline: one decode step's per-kernel cost on the critical path from a %globaltimer trace
-#   (KESTREL_TRACE), and the kernels' phase stamps, tables into $OUT/timeline-CONTEXT.txt.
+#   (KESTREL_TRACE=1), and the kernels' phase stamps, tables into $OUT/timeline-CONTEXT.txt.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -32,16 +25,14 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site
 fi
 status=0
-# ab_rounds CONTEXTS RUNNER_A RUNNER_B: the bench by each runner (a kestrel binary, or `env
-# [VAR=VALUE]` before the staged one), alternating, two rounds, rows tagged into $OUT/ab.log.
+# ab_rounds CONTEXTS BINARY...: the bench by each kestrel binary, alternating, two rounds, rows
+# tagged into $OUT/ab.log.
 ab_rounds() {
   local contexts=$1 round r
   shift
   for round in 1 2; do
     for r in "$@"; do
-      local cmd=($r)
-      [ "${cmd[0]}" = env ] && cmd+=(.device/bin/kestrel)
-      "${cmd[@]}" bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
+      "$r" bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
         | grep -E '^ +[0-9]+ ' | sed "s|^|$r round $round |" | tee -a "$OUT/ab.log" || status=1
     done
   done
@@ -81,30 +72,10 @@ while [ $# -gt 0 ]; do
         .device/bin/kestrel bench --synthetic full --contexts "$1" > "$OUT/ncu.csv" 2> "$OUT/ncu.log" || status=1
       python3 scripts/kernel_table.py "$OUT/ncu.csv" > "$OUT/decode-kernels.md" || status=1
       cat "$OUT/decode-kernels.md" ;;
-    ab)
-      # "" runs without the setting; `env` takes the setting as its first word.
-      ab_rounds "$3" "env" "env $2"
-      shift 2 ;;
-    variants)
-      # the bench under several settings, alternating, two rounds: CONTEXTS 'SET;SET;...', each
-      # SET "VAR=VALUE ..." or "-" for none, or "bin:PATH" for another build's binary (rows into
-      # ab.log, labelled by the setting)
-      IFS=';' read -ra sets <<< "$3"
-      runners=()
-      for v in "${sets[@]}"; do
-        [ "$v" = - ] && v=""
-        case "$v" in
-          bin:*) runners+=("${v#bin:}") ;;  # another build's binary (as abbin)
-          *) runners+=("env $v") ;;
-        esac
-      done
-      ab_rounds "$2" "${runners[@]}"
-      shift 2 ;;
     timeline)
       # one decode step's timeline per context (every 8th and the last block of each decode
       # kernel, %globaltimer), summarised per kernel by scripts/decode_timeline.py
-      # (TRACE_DEFINES: more kernel defines for the traced build, e.g. TRACE_EVERY=1)
-      KESTREL_KERNEL_DEFINES="KESTREL_TRACE ${TRACE_DEFINES:-}" KESTREL_TRACE_OUT="$OUT/timeline" .device/bin/kestrel bench --synthetic full \
+      KESTREL_TRACE=1 KESTREL_TRACE_OUT="$OUT/timeline" .device/bin/kestrel bench --synthetic full \
         --contexts "$2" ${KESTREL_BENCH_ARGS:-} 2>&1 | tail -3 | tee -a "$OUT/timeline.log" || status=1
       for f in "$OUT"/timeline-*.csv; do
         python3 scripts/decode_timeline.py "$f" --launches > "${f%.csv}.txt" 2>&1 || status=1
@@ -112,26 +83,9 @@ while [ $# -gt 0 ]; do
         sed -n '/after the wait release/,/^$/p' "${f%.csv}.txt" | tee -a "$OUT/timeline.log"  # phases
       done
       shift ;;
-    warm)
-      # compile the kernels under several define sets at once (NVRTC is one thread a build), so
-      # later steps find them in the cache: 'DEFINES;DEFINES;...' (each as KESTREL_KERNEL_DEFINES)
-      IFS=';' read -ra sets <<< "$2"
-      for v in "${sets[@]}"; do
-        KESTREL_KERNEL_DEFINES="$v" .device/bin/kestrel bench --synthetic demo --contexts 16 > /dev/null 2>&1 &
-      done
-      wait
-      shift ;;
     abbin)
       ab_rounds "$3" ${2//,/ } .device/bin/kestrel
       shift 2 ;;
-    ablate)
-      ctx=$2 sets=$3
-      shift 2
-      IFS=';' read -ra list <<< ";$sets;"
-      for s in "${list[@]}" ""; do
-        r=$(KESTREL_SKIP=$s .device/bin/kestrel bench --synthetic full --contexts "$ctx" 2>&1 | grep -E '^ +[0-9]+ ' | awk '{print $4, $5}')
-        echo "context $ctx skip [${s:-none}] decode tok/s, ms/step: ${r:-failed}" | tee -a "$OUT/ablate.log"
-      done ;;
     peer)
       python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;
     *) echo "unknown step $1"; status=1 ;;

@@ -18,7 +18,7 @@ for l in sys.stdin:
 rm -rf .device && mkdir -p .device/bin
 cp "${CARGO_TARGET_DIR:-target}/release/kestrel" .device/bin/
 while read -r name exe; do
-  case "$name" in cuda) cp "$exe" ".device/bin/test-$name" ;; esac
+  case "$name" in cuda | cuda_kernels) cp "$exe" ".device/bin/test-$name" ;; esac
 done < /tmp/kestrel-test-exes
 git rev-parse --short HEAD > .device/COMMIT
 du -sh .device

@@ -49,10 +49,10 @@ pub struct GenerateOptions {
 
 /// Whether greedy decoding may take its ids from the engine's own argmax (the CLI's and the
 /// server's [`GenerateOptions::device_greedy`]): yes unless
-/// `KESTREL_HOST_SAMPLING` is set, which keeps every step's logits on the host (the A/B and
-/// the check that both paths pick the same ids, `scripts/gpu_cli_check.py`).
+/// the test oracle `KESTREL_HOST_SAMPLING` is set, which keeps every step's logits on the host
+/// (the check that both paths pick the same ids, `scripts/gpu_cli_check.py`).
 pub fn device_greedy_allowed() -> bool {
-    std::env::var_os("KESTREL_HOST_SAMPLING").is_none()
+    !crate::settings::Settings::get().host_sampling
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

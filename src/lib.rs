@@ -12,6 +12,7 @@ pub mod ops;
 pub mod sampling;
 pub mod server;
 pub mod session;
+pub mod settings;
 pub mod state;
 pub mod synthetic;
 pub mod tensor;

@@ -1,7 +1,9 @@
-// Runs attention.cu's decode kernels on the CPU emulator (through run.sh): attn_decode_mma_hd*
-// (split-K over the context on tensor cores) then attn_combine_dec, against a double-precision
-// softmax(q·k / sqrt(hd)) · v times sigmoid(gate), at the model's shape (hd 256, 8 query heads
-// per KV head) and the fixtures' (hd 32, 2 per KV head), with partial tiles and splits.
+// Runs attn_prefill.cu's and attn_decode.cu's kernels on the CPU emulator (through run.sh):
+// attn_prep_rows against attn_prep; the prefill flash kernels (attn_flash3_hd*, attn_flash4_hd256
+// and its fused query prep) against a double-precision causal softmax(q·k * scale) · v times
+// sigmoid(gate); attn_decode_mma_hd* (split-K over the context on tensor cores) then
+// attn_combine_dec against the same reference at the model's shape (hd 256, 8 query heads per KV
+// head) and the fixtures' (hd 32, 2 per KV head), with partial tiles and splits.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <cstring>
@@ -61,7 +63,7 @@ static void run(int nq, int nkv, int n, int nsplit, void (*kernel)(const float*,
     fails += !ok;
 }
 
-// Prefill flash kernel (attn_flash2_hd* / attn_flash3_hd*): `t` new positions after `past`
+// Prefill flash kernel (attn_flash3_hd*, attn_flash4_hd256): `t` new positions after `past`
 // cached ones, causal, sigmoid gate, against f64 softmax(q.k * scale) . v * sigmoid(gate) with
 // the kernel's bf16 K/V (q and gate in f32). grid (ceil(t / 64), nq / 2), block 256.
 using FlashKernel = void (*)(const float*, const bf16*, const bf16*, const float*, bf16*, int, int, int, int, int, float);
@@ -168,52 +170,9 @@ static void run_flash4_prep(int t, int past, int nq, int nkv, int rot_half) {
     fails += !ok;
 }
 
-// attn_flash4c<CS>_hd256 (clusters of CS head pairs, K/V by multicast tensor copies through
-// 3-D maps over the caches) against attn_flash4_hd256 (cp.async by every block): the same
-// tiles in shared memory, so the outputs bitwise equal.
-template <int CS>
-static void run_flash4c(int t, int past, int nq, int nkv) {
-    const int hd = 256, n = past + t;
-    std::vector<float> q((size_t)t * nq * hd), qg((size_t)t * nq * 2 * hd);
-    std::vector<bf16> kc((size_t)n * nkv * hd), vc(kc.size());
-    for (auto& x : q) x = uni(-1, 1);
-    for (auto& x : qg) x = uni(-2, 2);
-    for (auto& x : kc) x = __float2bfloat16(uni(-2, 2));
-    for (auto& x : vc) x = __float2bfloat16(uni(-1, 1));
-    const float scale = 1.0f / 16.0f;
-    std::vector<bf16> a((size_t)t * nq * hd, __float2bfloat16(std::nanf(""))), b(a);
-    const uint3_ grid{(unsigned)(nq / 2), (unsigned)((t + 63) / 64), 1};
-    emu_launch(grid, 384, F4_SMEM, [&] {
-        attn_flash4_hd256(q.data(), kc.data(), vc.data(), qg.data(), a.data(), t, past, nq, nkv, hd, scale, nullptr,
-                          nullptr, 0, 0.0f);
-    });
-    auto map = [&](const bf16* base) {
-        TmaParam p{};
-        const EmuTmap3 m{base, (unsigned long long)hd, (unsigned long long)nkv, (unsigned long long)n,
-                         (unsigned long long)hd, (unsigned long long)(nkv * hd), (unsigned)F4_BK};
-        memcpy(&p, &m, sizeof m);
-        return p;
-    };
-    const TmaParam km = map(kc.data()), vm = map(vc.data());
-    auto kernel = CS == 2 ? attn_flash4c2_hd256 : attn_flash4c4_hd256;
-    emu_launch_cluster(grid, CS, 384, F4_SMEM, [&] {
-        kernel(q.data(), kc.data(), vc.data(), qg.data(), b.data(), t, past, nq, nkv, hd, scale, nullptr, nullptr, 0, 0.0f,
-               km, vm, F4_BK);
-    });
-    size_t diff = 0, bad = 0;
-    for (size_t i = 0; i < a.size(); i++) {
-        const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-        bad += !std::isfinite(x) || !std::isfinite(y);
-        diff += std::memcmp(&a[i], &b[i], sizeof(bf16)) != 0;
-    }
-    const bool ok = diff == 0 && bad == 0;
-    printf("%s attn_flash4c%d t=%d past=%d nq=%d nkv=%d: %zu of %zu outputs differ from attn_flash4, %zu non-finite\n",
-           ok ? "ok  " : "FAIL", CS, t, past, nq, nkv, diff, a.size(), bad);
-    fails += !ok;
-}
-
-static size_t flash2_smem(int hd) { return (size_t)(2 * 64 + 4 * 64) * (hd + 8) * 2; }
-static size_t flash3_smem(int hd) { return flash2_smem(hd) + 8 * 4 * 32 * 16 + 8 * 32 * 16; }
+// attn_flash3's dynamic shared memory (attention.rs' flash3_smem): Q 128 rows, 2 stages of K and
+// V 64 rows each (bf16, rows of hd + 8), the P exchange and the max / sum exchange.
+static size_t flash3_smem(int hd) { return (size_t)(2 * 64 + 4 * 64) * (hd + 8) * 2 + 8 * 4 * 32 * 16 + 8 * 32 * 16; }
 
 // attn_prep_rows (prefill: a warp per row) against attn_prep (a block per row): q out, the K and V
 // cache rows at past + s, over the model's head dim (partial rotation) and the fixtures'.
@@ -255,15 +214,11 @@ int main(int argc, char** argv) {
     for (bool d : {false, true}) {
         g_cp_deferred = d;
         if (!flash) continue;
-        run_flash<256>("attn_flash2_hd256", attn_flash2_hd256, flash2_smem(256), 130, 70, 4, 2);  // ragged, past
-        run_flash<256>("attn_flash2_hd256", attn_flash2_hd256, flash2_smem(256), 64, 0, 4, 2);    // one block, no past
-        run_flash<32>("attn_flash2_hd32", attn_flash2_hd32, flash2_smem(32), 200, 37, 4, 2);
-        run_flash<32>("attn_flash2_hd32", attn_flash2_hd32, flash2_smem(32), 5, 190, 8, 2);      // short chunk, 4 per group
-        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 130, 70, 4, 2);
-        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 64, 0, 4, 2);
-        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 100, 29, 4, 2);   // unaligned past
+        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 130, 70, 4, 2);  // ragged, past
+        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 64, 0, 4, 2);    // one block, no past
+        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 100, 29, 4, 2);  // unaligned past
         run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 200, 37, 4, 2);
-        run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 5, 190, 8, 2);
+        run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 5, 190, 8, 2);  // short chunk, 4 per group
         run_flash<64>("attn_flash3_hd64", attn_flash3_hd64, flash3_smem(64), 70, 0, 2, 1);
         run_flash<128>("attn_flash3_hd128", attn_flash3_hd128, flash3_smem(128), 33, 100, 4, 1);
         // wgmma (emulated through its descriptors: Q/K K-major, V N-major, P from registers), a producer
@@ -272,9 +227,6 @@ int main(int argc, char** argv) {
         run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 64, 0, 4, 2, 384);
         run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 100, 29, 4, 2, 384);
         run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 5, 190, 16, 2, 384);
-        run_flash4c<2>(130, 70, 4, 1);   // ragged, after cached positions: 2 head pairs a KV head
-        run_flash4c<4>(100, 29, 16, 2);  // the model's grouping (4 head pairs a KV head)
-        run_flash4c<4>(5, 190, 8, 1);    // a short chunk after many cached positions
         run_flash4_prep(130, 70, 4, 2, 32);
         run_flash4_prep(70, 0, 4, 1, 16);
     }

@@ -1,13 +1,16 @@
-# Turns src/cuda/kernels/common.cuh + kernel files into C++ for the CPU emulator (cuda_emu.h):
-# splits the sources into top-level items, drops from common.cuh the helpers the emulator
-# provides (its "emu-provides:" list; every inline-asm helper must be among them), drops the
-# kernel files' WMMA kernels (not emulated) and the helpers it provides, maps `extern __shared__` arrays to the emulator's
-# dynamic shared memory and adds alignment checks to gdn.cu's float4 accessors.
-# Usage: python3 build.py OUT.inc gdn.cu [moe.cu ...]
+# Turns src/cuda/kernels' headers (every .cuh of SOURCES in src/cuda/mod.rs) + the kernel files
+# named into C++ for the CPU emulator (cuda_emu.h), in SOURCES order (the module's): splits the
+# sources into top-level items, drops the helpers the emulator provides (its "emu-provides:"
+# list; every inline-asm helper of a header must be among them), maps `extern __shared__` arrays
+# to the emulator's dynamic shared memory and adds alignment checks to gdn_chunk.cu's float4
+# accessors.
+# Usage: python3 build.py OUT.inc gdn_chunk.cu [gdn_state.cu ...]
 import os, re, sys
 
 here = os.path.dirname(os.path.abspath(__file__))
 kdir = os.path.join(here, "..", "..", "src", "cuda", "kernels")
+mod = open(os.path.join(here, "..", "..", "src", "cuda", "mod.rs")).read()
+sources = re.findall(r'\("([\w.]+)", include_str!\("kernels/[\w.]+"\)\)', mod)
 
 
 def items(src):
@@ -86,34 +89,31 @@ provided = set()
 for line in re.findall(r"// emu-provides:([^\n]*)", emu):
     provided.update(line.split())
 
-com = open(os.path.join(kdir, "common.cuh")).read()
-kept = []
-for it in items(com):
-    c = code(it)
-    if "#include" in c or "typedef __nv_bfloat16 bf16;" in c:
+wanted = sys.argv[2:]
+for f in wanted:
+    assert f in sources and f.endswith(".cu"), f"{f}: not a kernel file of SOURCES"
+out = ['#include "cuda_emu.h"\n']
+for f in sources:
+    if f.endswith(".cuh"):  # a header: its helpers, less the emulator's
+        kept = []
+        for it in items(open(os.path.join(kdir, f)).read()):
+            c = code(it)
+            if "#include" in c or "typedef __nv_bfloat16 bf16;" in c:
+                continue
+            nm = name(it)
+            if nm in provided:
+                continue
+            assert "asm" not in c, f"inline asm in {f}'s {nm}: add it to cuda_emu.h (and its emu-provides list)"
+            kept.append(it)
+        out.append(f"\n// ---- {f}\n" + "".join(kept))
         continue
-    nm = name(it)
-    if nm in provided:
+    if f not in wanted:
         continue
-    assert "asm" not in c, f"inline asm in common.cuh's {nm}: add it to cuda_emu.h (and its emu-provides list)"
-    kept.append(it)
-out = ['#include "cuda_emu.h"\n', "".join(kept)]
-
-for f in sys.argv[2:]:
-    src = open(os.path.join(kdir, f)).read()
-    parts = []
-    for it in items(src):
-        if name(it) in provided:  # an inline-asm helper the emulator provides
-            continue
-        if "wmma" in code(it):
-            print(f"build.py: {f}: {name(it)} uses WMMA (not emulated), left out", file=sys.stderr)
-            continue
-        parts.append(it)
-    src = "".join(parts)
+    src = "".join(it for it in items(open(os.path.join(kdir, f)).read()) if name(it) not in provided)
     src = re.sub(r"extern __shared__ (?:__align__\(\d+\) )?((?:unsigned )?\w+) (\w+)\[\];",
                  r"\1* \2 = reinterpret_cast<\1*>(emu_dyn_smem());", src)
     assert "extern __shared__" not in src, f
-    if f == "gdn.cu":
+    if f == "gdn_chunk.cu":
         for fn in ["ld4(const float* p) {", "st4(float* p, float4 v) {"]:
             assert fn in src, fn
             src = src.replace(fn, fn + " emu_check_align(p);")

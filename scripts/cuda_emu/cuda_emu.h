@@ -9,20 +9,18 @@
 //
 // emu-provides: griddep_launch griddep_wait cp_async16 cp_async_commit cp_async_wait_all
 // emu-provides: cp_async_wait_one cp_async_wait smem_addr ldsm_x4 ldsm_x4_t mma_bf16_16816
-// emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_bar gdn_prefetch_l2 gdn_prefetch_l1
+// emu-provides: to_tf32 mma_tf32_1688 bar_sync_named ex2_approx gdn_prefetch_l2
 // emu-provides: trace_now trace_sm
 // emu-provides: wgmma_desc_sw128 wgmma_fence wgmma_commit wgmma_wait fence_proxy_async
-// emu-provides: wgmma_fence_operand wgmma_m64n256k16 WGMMA_ASM wgmma_desc_sw128_mn
-// emu-provides: wgmma_m64n64k16 wgmma_m64n80k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
-// emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named wgmma_m64n32k8_tf32_rs
-// emu-provides: wgmma_m64n64k8_tf32_rs griddep_wait_plain wgmma_m64n128k8_tf32_rs
+// emu-provides: wgmma_fence_operand wgmma_m64n256k16 wgmma_desc_sw128_mn
+// emu-provides: wgmma_m64n80k16 wgmma_m64n256k16_rs_tb mbar_init mbar_arrive cp_async_mbar_arrive
+// emu-provides: mbar_wait setmaxnreg_dec setmaxnreg_inc bar_arrive_named griddep_wait_plain
 // emu-provides: wgmma_m64n64k16_rs wgmma_m64n128k16_rs_tb
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
-// emu-provides: cluster_ctarank cluster_sync mbar_arrive_remote mbar_arrive_expect_tx tma_load_2d_mc tma_load_2d
-// emu-provides: tma_load_3d_mc bulk_load cluster_arrive_release cluster_wait_acquire
-// (build.py drops these from common.cuh and the kernel files; everything else there compiles
-// as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps (gdn_bar, gdn.cu's
-// own, the same); gdn_prefetch_l2, gdn_prefetch_l1: prefetches, nothing here.
+// emu-provides: mbar_arrive_expect_tx bulk_load cluster_arrive_release cluster_wait_acquire
+// (build.py drops these from the headers and the kernel files; everything else there compiles
+// as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps;
+// gdn_prefetch_l2: a prefetch, nothing here.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -78,13 +76,12 @@ inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.
 #define __align__(n) __attribute__((aligned(n)))  // GNU: may stand after `static` (__shared__)
 #define __shared__ static  // one copy for all blocks: a cluster kernel must use dynamic smem only
 #define __cluster_dims__(...)
-#define __grid_constant__
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcg(const T* p) { return *p; }
-// common.cuh's acquire load and release store of a counter (blocks run one after another here,
+// sync.cuh's acquire load and release store of a counter (blocks run one after another here,
 // so a waiter's publishing block has finished).
 inline unsigned ld_acquire_gpu(const unsigned* p) { return std::atomic_ref<const unsigned>(*p).load(std::memory_order_acquire); }
 inline void st_release_gpu(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(*p).store(v, std::memory_order_release); }
@@ -132,8 +129,8 @@ emu_switch:
 )");
 #endif
 
-enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_AT_CLUSTER_BAR,
-                 LANE_AT_CLUSTER_ARRIVE, LANE_AT_CLUSTER_WAIT, LANE_DONE };
+enum LaneState { LANE_READY, LANE_AT_WARP_BAR, LANE_AT_BLOCK_BAR, LANE_AT_NAMED_BAR, LANE_AT_CLUSTER_ARRIVE,
+                 LANE_AT_CLUSTER_WAIT, LANE_DONE };
 // Blocks of one cluster at most (their state slots).
 constexpr int EMU_MAX_CLUSTER = 4;
 inline thread_local int t_slot = 0;  // this block's rank in its cluster
@@ -201,13 +198,13 @@ inline bool g_cp_deferred = false;
 inline std::vector<std::vector<PendingCopy>> g_cp_groups[EMU_SLOTS];
 inline std::vector<PendingCopy> g_cp_open[EMU_SLOTS];
 // wgmma: per-thread groups of pending products (see wgmma_m64n256k16 below).
-// n: columns (32, 64, 80, 128 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
+// n: columns (64, 80, 128 or 256); trans_b: B N-major; a_reg: A from registers, this thread's two rows
 // (16 k each) gathered from its quad at issue.
 struct PendingWgmma {
     float* d;
     unsigned long long da, db;
     int scale_d, n = 256;
-    bool trans_b = false, a_reg = false, tf32 = false;  // tf32: k 8, 4-byte elements
+    bool trans_b = false, a_reg = false;
     float a[2][16] = {};
 };
 inline std::vector<std::vector<PendingWgmma>> g_wg_groups[EMU_SLOTS];
@@ -237,7 +234,7 @@ inline void emu_resume(Warp* w, int l) {
 }
 
 // Runs the lanes of warp `id` of the current block on this OS thread (cluster_bar: all warps of
-// the block's cluster, for cluster_sync).
+// the block's cluster, for the cluster barrier's arrive and wait).
 inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*body)(void*), void* arg,
                          std::barrier<>* cluster_bar = nullptr) {
     Warp w;
@@ -275,23 +272,18 @@ inline void emu_run_warp(int id, int lanes, std::barrier<>* block_bar, void (*bo
     for (;;) {
         for (int l = 0; l < lanes; l++)
             if (w.lane[l].state == LANE_READY) emu_resume(&w, l);
-        int done = 0, at_warp = 0, at_block = 0, at_named = 0, at_cluster = 0, at_carrive = 0, at_cwait = 0;
+        int done = 0, at_warp = 0, at_block = 0, at_named = 0, at_carrive = 0, at_cwait = 0;
         for (int l = 0; l < lanes; l++) {
             LaneState s = w.lane[l].state;
             done += s == LANE_DONE;
             at_warp += s == LANE_AT_WARP_BAR;
             at_block += s == LANE_AT_BLOCK_BAR;
             at_named += s == LANE_AT_NAMED_BAR;
-            at_cluster += s == LANE_AT_CLUSTER_BAR;
             at_carrive += s == LANE_AT_CLUSTER_ARRIVE;
             at_cwait += s == LANE_AT_CLUSTER_WAIT;
         }
         if (done == lanes) break;
-        if (at_warp && (at_block || done || at_named || at_cluster)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
-        if (at_cluster) {
-            if (at_cluster != lanes || !cluster_bar) emu_fail("cluster_sync without all lanes of the warp, or outside a cluster launch");
-            cluster_bar->arrive_and_wait();
-        }
+        if (at_warp && (at_block || done || at_named)) emu_fail("a warp barrier (syncwarp, shuffle, ldmatrix, mma) without all lanes");
         if (at_carrive || at_cwait) {
             if ((at_carrive && at_carrive != lanes) || (at_cwait && at_cwait != lanes) || !cluster_bar)
                 emu_fail("cluster arrive / wait without all lanes of the warp, or outside a cluster launch");
@@ -339,9 +331,7 @@ inline void bar_arrive_named(int id, int threads) {
     l.bar_arrive = true;
     emu_to_scheduler(LANE_AT_NAMED_BAR);
 }
-inline void gdn_bar(int id, int threads) { bar_sync_named(id, threads); }
 inline void gdn_prefetch_l2(const void*) {}
-inline void gdn_prefetch_l1(const void*) {}
 // The decode timeline's clock and SM id (only compiled in with KESTREL_TRACE, never here).
 inline unsigned long long trace_now() { return 0; }
 inline unsigned trace_sm() { return 0; }
@@ -464,12 +454,6 @@ inline void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
     std::lock_guard<std::mutex> g(g_mbar_mu);
     emu_mbar_update(t_slot, smem_addr(bar), 1, bytes, 0);
 }
-// An arrival on the mbarrier at the same offset in block `cta` of the cluster (mapa + arrive).
-inline void mbar_arrive_remote(unsigned long long* bar, unsigned cta) {
-    std::lock_guard<std::mutex> g(g_mbar_mu);
-    if (cta >= (unsigned)EMU_MAX_CLUSTER) emu_fail("mbar_arrive_remote: no such block in the cluster");
-    emu_mbar_update((int)cta, smem_addr(bar), 1, 0, 0);
-}
 // The thread's copies land now (deferred ones included), then it arrives.
 inline void cp_async_mbar_arrive(unsigned long long* bar) {
     unsigned t = emu_tid();
@@ -523,19 +507,11 @@ inline float emu_swizzled_bf16(unsigned addr) {
     memcpy(&v, emu_smem().data() + addr, 2);
     return __bfloat162float(v);
 }
-// The tf32 operand at unswizzled shared offset `addr` (its top 19 bits, as the hardware reads).
-inline float emu_swizzled_tf32(unsigned addr) {
-    addr ^= ((addr >> 7) & 7) << 4;
-    if (addr + 4 > emu_smem().size()) emu_fail("wgmma operand outside shared memory");
-    uint32_t v;
-    memcpy(&v, emu_smem().data() + addr, 4);
-    return emu_tf32_val(v);
-}
 // Element (row, k) of a K-major operand: 128-byte rows, 8-row groups at the stride offset.
-inline float emu_wgmma_elem(unsigned long long desc, int row, int k, bool tf32 = false) {
+inline float emu_wgmma_elem(unsigned long long desc, int row, int k) {
     const EmuDesc d = emu_desc(desc);
     const unsigned a = d.start + (row / 8) * d.sbo + (row % 8) * 128;
-    return tf32 ? emu_swizzled_tf32(a + k * 4) : emu_swizzled_bf16(a + k * 2);
+    return emu_swizzled_bf16(a + k * 2);
 }
 // Element (n, k) of an N-major operand (imm-trans-b): 64-wide N blocks at the leading offset,
 // K rows of 128 bytes, 8-row groups at the stride offset.
@@ -551,9 +527,9 @@ inline void emu_wgmma_run(const PendingWgmma& op) {
             // the k16 dot product exactly (bf16 products are exact in double), then one f32 add,
             // close to the tensor core's wide internal sum
             double dot = 0;
-            for (int k = 0; k < (op.tf32 ? 8 : 16); k++) {
-                float a = op.a_reg ? op.a[e >= 2][k] : emu_wgmma_elem(op.da, row, k, op.tf32);
-                float b = op.trans_b ? emu_wgmma_elem_mn(op.db, col, k) : emu_wgmma_elem(op.db, col, k, op.tf32);
+            for (int k = 0; k < 16; k++) {
+                float a = op.a_reg ? op.a[e >= 2][k] : emu_wgmma_elem(op.da, row, k);
+                float b = op.trans_b ? emu_wgmma_elem_mn(op.db, col, k) : emu_wgmma_elem(op.db, col, k);
                 dot += (double)a * b;
             }
             op.d[4 * j + e] = (float)((op.scale_d ? op.d[4 * j + e] : 0.0f) + dot);
@@ -571,11 +547,6 @@ inline unsigned long long wgmma_desc_sw128_mn(const void* p, unsigned lbo) {
     unsigned a = smem_addr(p);
     if (a % 1024) emu_fail("wgmma operand tile not 1024-byte aligned");
     return ((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) | (64ull << 32) | (1ull << 62);
-}
-inline void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
-    PendingWgmma op{d, da, db, scale_d};
-    op.n = 64;
-    g_wg_open[emu_tid()].push_back(op);
 }
 inline void wgmma_m64n80k16(float (&d)[40], unsigned long long da, unsigned long long db, int scale_d) {
     PendingWgmma op{d, da, db, scale_d};
@@ -612,29 +583,6 @@ inline void wgmma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4], unsigned 
 }
 inline void wgmma_m64n128k16_rs_tb(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int scale_d) {
     emu_wgmma_bf16_rs(d, 128, true, a, db, scale_d);
-}
-// tf32, A from registers: lane q of the quad holds (row g, k q), (g + 8, q), (g, q + 4),
-// (g + 8, q + 4), gathered here as the hardware reads them at issue.
-inline void emu_wgmma_tf32_rs(float* d, int n, const unsigned (&a)[4], unsigned long long db, int scale_d) {
-    PendingWgmma op{d, 0, db, scale_d};
-    op.n = n;
-    op.a_reg = op.tf32 = true;
-    int quad = emu_lane() & ~3;
-    for (int q = 0; q < 4; q++)
-        for (int r = 0; r < 4; r++) {
-            unsigned v = __shfl_sync(0xffffffffu, a[r], quad + q);
-            op.a[r & 1][q + (r >= 2 ? 4 : 0)] = emu_tf32_val(v);
-        }
-    g_wg_open[emu_tid()].push_back(op);
-}
-inline void wgmma_m64n32k8_tf32_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int scale_d) {
-    emu_wgmma_tf32_rs(d, 32, a, db, scale_d);
-}
-inline void wgmma_m64n64k8_tf32_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int scale_d) {
-    emu_wgmma_tf32_rs(d, 64, a, db, scale_d);
-}
-inline void wgmma_m64n128k8_tf32_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long db, int scale_d) {
-    emu_wgmma_tf32_rs(d, 128, a, db, scale_d);
 }
 inline void wgmma_commit() {
     unsigned t = emu_tid();
@@ -738,55 +686,10 @@ inline void mma_tf32_1688(float (&d)[4], const unsigned (&a)[4], unsigned b0, un
 }
 
 // ---- Thread-block clusters (sm_90) ----
-inline unsigned cluster_ctarank() { return (unsigned)t_slot; }
-// barrier.cluster.arrive + wait: every thread of the cluster.
-inline void cluster_sync() { emu_to_scheduler(LANE_AT_CLUSTER_BAR); }
 // barrier.cluster.arrive.release / barrier.cluster.wait.acquire, split: the arrive does not
 // block; the wait returns once every warp of the cluster has arrived.
 inline void cluster_arrive_release() { emu_to_scheduler(LANE_AT_CLUSTER_ARRIVE); }
 inline void cluster_wait_acquire() { emu_to_scheduler(LANE_AT_CLUSTER_WAIT); }
-// The emulator's tensor map (the GPU's is the driver's opaque CUtensorMap, made on the host with
-// cuTensorMapEncodeTiled): a 2-D bf16 tensor of `rows` x `cols` elements, rows `row_stride`
-// elements apart, copied in boxes of box_rows x 64 (128-byte rows), 128-byte swizzle.
-struct EmuTmap { const bf16* base; unsigned long long rows, cols, row_stride; unsigned box_rows; };
-// A 3-D bf16 tensor map: element (i0, i1, i2) at base[i2 * stride2 + i1 * stride1 + i0], boxes of
-// 64 x 1 x box_rows (a box's rows run along the third dimension), 128-byte swizzle.
-struct EmuTmap3 { const bf16* base; unsigned long long d0, d1, d2, stride1, stride2; unsigned box_rows; };
-inline void tma_load_3d_mc(void* dst, const void* tmap, int c0, int c1, int c2, unsigned long long* bar,
-                           unsigned short mask) {
-    const EmuTmap3& m = *static_cast<const EmuTmap3*>(tmap);
-    const unsigned off = smem_addr(dst), boff = smem_addr(bar);
-    if (off % 1024) emu_fail("tensor copy: shared destination not 1024-byte aligned");
-    const size_t bytes = (size_t)m.box_rows * 128;
-    std::lock_guard<std::mutex> g(g_mbar_mu);
-    for (int cta = 0; cta < EMU_MAX_CLUSTER; cta++) {
-        if (!(mask >> cta & 1)) continue;
-        std::vector<unsigned char>& sm = g_dyn_smem_slots[cta];
-        if (off + bytes > sm.size()) emu_fail("tensor copy outside shared memory");
-        for (unsigned r = 0; r < m.box_rows; r++)
-            for (int c = 0; c < 64; c++) {
-                const long long i0 = (long long)c0 + c, i1 = c1, i2 = (long long)c2 + r;
-                bf16 v{0};
-                if (i0 >= 0 && i1 >= 0 && i2 >= 0 && (unsigned long long)i0 < m.d0 && (unsigned long long)i1 < m.d1 &&
-                    (unsigned long long)i2 < m.d2)
-                    v = m.base[i2 * m.stride2 + i1 * m.stride1 + i0];
-                const unsigned at = off + r * 128 + ((((unsigned)c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
-                memcpy(sm.data() + at, &v, 2);
-            }
-        emu_mbar_update(cta, boff, 0, 0, (long long)bytes);
-    }
-}
-
-// cp.async.bulk.tensor.2d ... multicast::cluster: the box at (column c0, row c1) into the same
-// shared offset as `dst` in every block of `mask`, swizzled as the 128-byte mode lays it out
-// (16-byte chunk c of box row r at chunk c ^ (r % 8) of a 1024-byte aligned box), elements
-// outside the tensor zero; then its bytes complete on each block's mbarrier at bar's offset.
-inline void tma_load_2d_mc(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar, unsigned short mask) {
-    const EmuTmap& m = *static_cast<const EmuTmap*>(tmap);
-    const EmuTmap3 m3{m.base, m.cols, 1, m.rows, 0, m.row_stride, m.box_rows};  // rows as the third dimension
-    tma_load_3d_mc(dst, &m3, c0, 0, c1, bar, mask);
-}
-
 // cp.async.bulk (1-D): the bytes land at issue, then complete on the mbarrier.
 inline void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
     const unsigned off = smem_addr(dst);
@@ -796,10 +699,6 @@ inline void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long 
     memcpy(sm.data() + off, src, bytes);
     std::lock_guard<std::mutex> g(g_mbar_mu);
     emu_mbar_update(t_slot, smem_addr(bar), 0, 0, (long long)bytes);
-}
-
-inline void tma_load_2d(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
-    tma_load_2d_mc(dst, tmap, c0, c1, bar, (unsigned short)(1u << t_slot));
 }
 
 // ---- Launch ----

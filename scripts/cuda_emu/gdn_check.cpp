@@ -1,7 +1,9 @@
-// Runs gdn.cu's kernels on the CPU emulator (through run.sh) and checks the chunked delta rule
-// and the recurrent kernel against a double-precision token-by-token delta rule, and the
-// prefill conv against the sequential conv kernels; both cp.async timings (eager, deferred).
-// gdn_chunk_state runs twice on the same prep output, once with each cp.async timing.
+// Runs gdn_decode.cu's, gdn_chunk.cu's and gdn_state.cu's kernels on the CPU emulator (through
+// run.sh) and checks the chunked delta rule (gdn_chunk_prep, then gdn_chunk_state and
+// gdn_chunk_state_t64) and the recurrent kernel against a double-precision token-by-token delta
+// rule, the prefill conv against the sequential conv kernels, the gated norm and the decode step
+// against double references; both cp.async timings (eager, deferred). gdn_chunk_state runs twice
+// on the same prep output, once with each cp.async timing.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -77,46 +79,9 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         gdn_chunk_prep_impl<DK>(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_c.data(), t, hk, hv, dv);
     });
     const std::vector<float> o_intra = o_c;
-    // gdn_chunk_prep_wg (wgmma, dk = dv = 128) on the same input: its outputs against
-    // gdn_chunk_prep's, then the state pass from them against the reference
-    if constexpr (DK == 128) {
-        if (dv == 128) {
-            std::vector<float> scr2(scratch.size(), NaN), o_p2((size_t)t * hv * dv, NaN), st_p2 = s0;
-            size_t wgp = 4 * (16384 + std::max(C * 132, 2 * C * 68) + 4 * C);
-            emu_launch({(unsigned)nch, (unsigned)hv, 1}, 256, wgp, [&] {
-                gdn_chunk_prep_wg_impl<DK>(qkv.data(), c, g.data(), beta.data(), scr2.data(), scr2.data() + (qp - w),
-                                           scr2.data() + (u - w), scr2.data() + (gam - w), o_p2.data(), t, hk, hv, dv);
-            });
-            // each output against the largest magnitude of gdn_chunk_prep's
-            auto diff = [](const float* a, const float* b, size_t len) {
-                double big = 0, d = 0;
-                for (size_t i = 0; i < len; i++) big = std::max(big, (double)std::fabs(a[i]));
-                for (size_t i = 0; i < len; i++) {
-                    double e = std::fabs((double)a[i] - b[i]);
-                    if (!(e <= d) && !std::isnan(d)) d = e;  // a NaN sticks
-                }
-                return d / std::max(big, 1e-30);
-            };
-            size_t nw = (size_t)hv * tp * dk, nu = (size_t)hv * tp * dv;
-            double dw = diff(w, scr2.data(), nw), dq = diff(qp, scr2.data() + nw, nw), du = diff(u, scr2.data() + 2 * nw, nu),
-                   dg = diff(gam, scr2.data() + 2 * nw + nu, (size_t)hv * tp), dox = diff(o_intra.data(), o_p2.data(), o_p2.size());
-            size_t wgsm = 4 * (4 * (dk / 32 * 1024) + 2 * 2048 + 4 * C * 40 + 2 * C * (dk + 4) + C * (dk + 8) + 2 * C);
-            emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 256, wgsm, [&] {
-                gdn_chunk_state_wg_impl<DK>(qkv.data(), c, scr2.data(), scr2.data() + nw, scr2.data() + 2 * nw,
-                                            scr2.data() + 2 * nw + nu, st_p2.data(), o_p2.data(), t, hk, hv, dv);
-            });
-            double ep_o = max_rel(o_p2, oref), ep_s = max_rel(st_p2, sref);
-            bool okp = dw < tol && dq < tol && du < tol && dg == 0 && dox < tol && !any_nan(o_p2) && !any_nan(st_p2) &&
-                       ep_o < tol && ep_s < tol;
-            printf("%s   wgmma prep (gdn_chunk_prep_wg) vs gdn_chunk_prep: W %.1e Q' %.1e U %.1e γ %.1e O_intra %.1e;"
-                   " then the wgmma state pass: o %.1e S %.1e\n",
-                   okp ? "ok  " : "FAIL", dw, dq, du, dg, dox, ep_o, ep_s);
-            if (!okp) exit(1);
-        }
-    }
     // gdn_chunk_state from the prep output (o holding O_intra), then again with the other
     // cp.async timing from the same input
-    std::vector<float> st_c2 = s0, o_c2 = o_c, st_w = s0, o_w = o_c;
+    std::vector<float> st_c2 = s0, o_c2 = o_c;
     emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 512, stsm, [&] {
         gdn_chunk_state_impl<DK>(qkv.data(), c, w, qp, u, gam, st_c.data(), o_c.data(), t, hk, hv, dv);
     });
@@ -125,19 +90,6 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         gdn_chunk_state_impl<DK>(qkv.data(), c, w, qp, u, gam, st_c2.data(), o_c2.data(), t, hk, hv, dv);
     });
     g_cp_deferred = deferred;
-    // gdn_chunk_state_wg (wgmma, DK 64 and 128) from the same prep output
-    double ew_o = 0, ew_s = 0;
-    if constexpr (DK % 64 == 0) {
-        size_t wgsm = 4 * (4 * (dk / 32 * 1024) + 2 * 2048 + 4 * C * 40 + 2 * C * (dk + 4) + C * (dk + 8) + 2 * C);
-        emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 256, wgsm, [&] {
-            gdn_chunk_state_wg_impl<DK>(qkv.data(), c, w, qp, u, gam, st_w.data(), o_w.data(), t, hk, hv, dv);
-        });
-        ew_o = max_rel(o_w, oref);
-        ew_s = max_rel(st_w, sref);
-        bool okw = !any_nan(o_w) && !any_nan(st_w) && ew_o < tol && ew_s < tol;
-        printf("%s   wgmma state pass (gdn_chunk_state_wg): o %.1e S %.1e\n", okw ? "ok  " : "FAIL", ew_o, ew_s);
-        if (!okw) exit(1);
-    }
     // gdn_chunk_state_t64 (Sᵀ as the wgmma A operand, DK 128; 3xBF16 products, ~1e-5-level, so
     // its own bound) from the same prep output: the state blocks, then 3 out blocks (the emulator
     // runs blocks in order, so the out blocks find every state released)

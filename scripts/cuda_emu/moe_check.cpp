@@ -1,17 +1,15 @@
-// Runs moe.cu's kernels on the CPU emulator (through run.sh): the routing top-k (moe_route)
-// against a plain top-k; the decode MoE block (router, gate/up, down) against a double
-// reference; then the prefill MoE kernels: moe_plan and
-// moe_scatter on skewed random routing (one expert hot, one unused), then moe_gemm3 at both
-// tile sizes, SwiGLU-fused gate/up (bf16 act), plain gate/up (f32) and plain down (f32, no
-// gather), each against a double-precision reference over every sorted row; outputs start as
-// NaN so that a missed row or column shows. moe_gemm4 must equal moe_gemm3's outputs bitwise at
-// both tile sizes.
+// Runs moe_route.cu's, moe_gemm.cu's and moe_decode.cu's kernels on the CPU emulator (through
+// run.sh): the routing top-k (moe_route) against a plain top-k; moe_combine; the decode MoE block
+// (router, gate/up, down) against a double reference; then the prefill MoE kernels: moe_plan and
+// moe_scatter on skewed random routing (one expert hot, one unused), then moe_gemm6: SwiGLU-fused
+// gate/up (bf16 act), plain gate/up (f32) and plain down (f32, no gather), each against a
+// double-precision reference over every sorted row, and the bf16 down; outputs start as NaN so
+// that a missed row or column shows.
 #include "kernels_emu.inc"
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
-#include <tuple>
 #include <string>
 
 static std::mt19937_64 rng(11);
@@ -123,151 +121,49 @@ static void run(const Shape& s, bool deferred) {
         }
         return m;
     };
-    for (int bm : {128, 64}) {
-        int bn = bm == 128 ? 128 : 256;
-        unsigned smem = 4 * (bm + bn) * 80;
-        plan(bm);
-        unsigned grid_x = (unsigned)((rows + bm - 1) / bm + E);
-        std::vector<bf16> act((size_t)rows * I, bf16{0x7fff});
-        std::vector<float> gu((size_t)rows * 2 * I, NAN), y((size_t)rows * d, NAN);
-        auto gemm = [&](bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim, int kdim) {
-            int cols = swiglu ? ndim / 2 : ndim, bcols = swiglu ? bn / 2 : bn;
-            emu_launch({grid_x, (unsigned)((cols + bcols - 1) / bcols), 1}, 256, smem, [&] {
-                auto k = bm == 128 ? (swiglu ? moe_gemm3_swiglu_m128 : moe_gemm3_m128) : (swiglu ? moe_gemm3_swiglu_m64 : moe_gemm3_m64);
-                k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim);
-            });
-        };
-        gemm(true, xb.data(), sorted_token.data(), wgu.data(), act.data(), 2 * I, d);
-        gemm(false, xb.data(), sorted_token.data(), wgu.data(), gu.data(), 2 * I, d);
-        gemm(false, act_in.data(), nullptr, wdn.data(), y.data(), d, I);
-        double ea = act_err(act, act_ref), eg = f32_err(gu, gu_ref), ey = f32_err(y, y_ref);
-        bool ok = ea <= 1.0 && eg <= 1e-6 && ey <= 1e-6;
-        fails += !ok;
-        printf("%s %-22s d=%d i=%d E=%d rows=%d tiles=%d tile_m=%d cp.async %-8s: swiglu act %.2f of its bound, gate_up %.1e, down %.1e\n",
-               ok ? "ok  " : "FAIL", s.name, d, I, E, rows, nt[0], bm, deferred ? "deferred" : "eager", ea, eg, ey);
-
-        // A later kernel family's three products (gate/up + SwiGLU, plain gate/up, down) into
-        // fresh NaN-filled outputs; grid (column blocks of bcols, bcols / 2 act columns with
-        // the SwiGLU, tiles).
-        using KG = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*, const int*, int, int);
-        auto products = [&](KG k_swiglu, KG k_plain, unsigned threads, unsigned smem_bytes, int bcols) {
-            auto launch = [&](KG k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim, int kdim) {
-                int cols = swiglu ? ndim / 2 : ndim, bc = swiglu ? bcols / 2 : bcols;
-                emu_launch({(unsigned)((cols + bc - 1) / bc), grid_x, 1}, threads, smem_bytes, [&] {
-                    k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim);
-                });
-            };
-            std::vector<bf16> act_o((size_t)rows * I, bf16{0x7fff});
-            std::vector<float> gu_o((size_t)rows * 2 * I, NAN), y_o((size_t)rows * d, NAN);
-            launch(k_swiglu, true, xb.data(), sorted_token.data(), wgu.data(), act_o.data(), 2 * I, d);
-            launch(k_plain, false, xb.data(), sorted_token.data(), wgu.data(), gu_o.data(), 2 * I, d);
-            launch(k_plain, false, act_in.data(), nullptr, wdn.data(), y_o.data(), d, I);
-            return std::tuple{act_o, gu_o, y_o};
-        };
-        // moe_gemm4 (grid: n blocks, tiles): the same k16 mma steps in the same order, so
-        // bitwise equal to moe_gemm3.
-        {
-            auto [act4, gu4, y4] = products(bm == 128 ? moe_gemm4_swiglu_m128 : moe_gemm4_swiglu_m64,
-                                            bm == 128 ? moe_gemm4_m128 : moe_gemm4_m64, 128, 3 * (bm + 128) * 128, 128);
-            bool same = memcmp(act4.data(), act.data(), act.size() * 2) == 0 && memcmp(gu4.data(), gu.data(), gu.size() * 4) == 0 &&
-                        memcmp(y4.data(), y.data(), y.size() * 4) == 0;
-            fails += !same;
-            printf("%s %-22s v4 m%-3d: act, gate_up, down %s moe_gemm3's\n", same ? "ok  " : "FAIL", s.name, bm,
-                   same ? "bitwise equal to" : "DIFFER from");
+    // moe_gemm6 (wgmma, emulated through its descriptors; warp-specialised, persistent) on the
+    // plan's 128-row tiles: its three products (gate/up + SwiGLU, plain gate/up, down) into fresh
+    // NaN-filled outputs against the double references; a grid of 3 blocks walks all (tile, column
+    // block) items, so the stages' mbarrier phases run on across tiles.
+    plan(128);
+    using KG6 = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*, const int*,
+                         int, int, int, int*);
+    int claim = 0;  // the blocks' item counter: zero before a launch, and after it
+    auto launch6 = [&](KG6 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
+                       int kdim) {
+        const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
+        emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64 + 48, [&] {
+            k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk, &claim);
+        });
+        if (claim != 0) {
+            printf("FAIL %-22s moe_gemm6 left its item counter at %d\n", s.name, claim);
+            fails++;
+            claim = 0;
         }
-        // moe_gemm5 (wgmma, 128-row tiles, 256 columns a block) against the double references.
-        // Products in another order: the references' bounds.
-        if (bm == 128) {
-            auto [act5, gu5, y5] = products(moe_gemm5_swiglu_m128, moe_gemm5_m128, 256, 4 * 384 * 128, 256);
-            double ea5 = act_err(act5, act_ref), eg5 = f32_err(gu5, gu_ref), ey5 = f32_err(y5, y_ref);
-            bool ok5 = ea5 <= 1.0 && eg5 <= 1e-6 && ey5 <= 1e-6;
-            fails += !ok5;
-            printf("%s %-22s v5 m128: swiglu act %.2f of its bound, gate_up %.1e, down %.1e\n", ok5 ? "ok  " : "FAIL",
-                   s.name, ea5, eg5, ey5);
-            // moe_gemm6 (warp-specialised, persistent): the same wgmma steps, so bitwise
-            // moe_gemm5's outputs; a grid of 3 blocks walks all (tile, column block) items, so
-            // the stages' mbarrier phases run on across tiles.
-            using KG6 = void (*)(const bf16*, const int*, const bf16*, void*, const int*, const int*, const int*,
-                                 const int*, int, int, int, int*);
-            int claim = 0;  // the blocks' item counter: zero before a launch, and after it
-            auto launch6 = [&](KG6 k, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int ndim,
-                               int kdim) {
-                const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
-                emu_launch({3, 1, 1}, 384, 4 * 384 * 128 + 64 + 48, [&] {
-                    k(a, gather, w, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk, &claim);
-                });
-                if (claim != 0) {
-                    printf("FAIL %-22s moe_gemm6 left its item counter at %d\n", s.name, claim);
-                    fails++;
-                    claim = 0;
-                }
-            };
-            std::vector<bf16> act6((size_t)rows * I, bf16{0x7fff});
-            std::vector<float> gu6((size_t)rows * 2 * I, NAN), y6((size_t)rows * d, NAN);
-            launch6(moe_gemm6_swiglu_m128, true, xb.data(), sorted_token.data(), wgu.data(), act6.data(), 2 * I, d);
-            launch6(moe_gemm6_m128, false, xb.data(), sorted_token.data(), wgu.data(), gu6.data(), 2 * I, d);
-            launch6(moe_gemm6_m128, false, act_in.data(), nullptr, wdn.data(), y6.data(), d, I);
-            const bool same6 = memcmp(act6.data(), act5.data(), act5.size() * 2) == 0 &&
-                               memcmp(gu6.data(), gu5.data(), gu5.size() * 4) == 0 &&
-                               memcmp(y6.data(), y5.data(), y5.size() * 4) == 0;
-            fails += !same6;
-            // moe_gemm6_m128_bf16 (the down product's y as bf16, quad-transposed 16-byte stores):
-            // the bits of moe_gemm6's f32 y rounded to bf16, every row and column written.
-            std::vector<bf16> y16((size_t)rows * d, bf16{0x7fff});
-            launch6(moe_gemm6_m128_bf16, false, act_in.data(), nullptr, wdn.data(), y16.data(), d, I);
-            bool same16 = d % 8 == 0;
-            for (size_t i = 0; i < y16.size() && same16; i++) same16 = y16[i].v == __float2bfloat16(y6[i]).v;
-            fails += !same16;
-            printf("%s %-22s v6 m128 bf16 y: %s moe_gemm6's y rounded to bf16\n", same16 ? "ok  " : "FAIL", s.name,
-                   same16 ? "bitwise equal to" : "DIFFERS from");
-            // tiles of <= 64 rows: the second consumer warpgroup only releases the stages
-            int half = 0;
-            for (int i = 0; i < nt[0]; i++) half += tn[i] <= 64;
-            printf("%s %-22s v6 m128: act, gate_up, down %s moe_gemm5's (%d of %d tiles <= 64 rows)\n",
-                   same6 ? "ok  " : "FAIL", s.name, same6 ? "bitwise equal to" : "DIFFER from", half, nt[0]);
-            // moe_gemm7 (clusters of two blocks on 256-row tiles, each block's half of the B rows
-            // multicast into both by tensor copy): the same wgmma steps per output, so bitwise
-            // moe_gemm6's outputs; 2 clusters walk all items, both blocks of a cluster in step.
-            plan(256);
-            int lone = 0;  // tiles whose second block has no rows
-            for (int i = 0; i < nt[0]; i++) lone += tn[i] <= 128;
-            using KG7 = void (*)(const bf16*, const int*, const void*, void*, const int*, const int*, const int*,
-                                 const int*, int, int, int);
-            // cluster 2: 2 clusters of 2 blocks; cluster 1: 3 blocks
-            auto launch7 = [&](KG7 k, unsigned cluster, bool swiglu, const bf16* a, const int* gather, const bf16* w,
-                               void* out, int ndim, int kdim) {
-                const int cols = swiglu ? ndim / 2 : ndim, nblk = (cols + (swiglu ? 127 : 255)) / (swiglu ? 128 : 256);
-                const EmuTmap tmap{w, (unsigned long long)E * ndim, (unsigned long long)kdim, (unsigned long long)kdim, 128};
-                emu_launch_cluster({cluster == 2 ? 4u : 3u, 1, 1}, cluster, 384, 4 * 384 * 128 + 64, [&] {
-                    k(a, gather, &tmap, out, te.data(), tr.data(), tn.data(), nt.data(), ndim, kdim, nblk);
-                });
-            };
-            // The four products of one moe_gemm7 form into fresh NaN-filled outputs: bitwise moe_gemm6's?
-            auto same_as_v6 = [&](KG7 k_swiglu, KG7 k_plain, KG7 k_bf16, unsigned cluster) {
-                std::vector<bf16> act7((size_t)rows * I, bf16{0x7fff}), y7b((size_t)rows * d, bf16{0x7fff});
-                std::vector<float> gu7((size_t)rows * 2 * I, NAN), y7((size_t)rows * d, NAN);
-                launch7(k_swiglu, cluster, true, xb.data(), sorted_token.data(), wgu.data(), act7.data(), 2 * I, d);
-                launch7(k_plain, cluster, false, xb.data(), sorted_token.data(), wgu.data(), gu7.data(), 2 * I, d);
-                launch7(k_plain, cluster, false, act_in.data(), nullptr, wdn.data(), y7.data(), d, I);
-                launch7(k_bf16, cluster, false, act_in.data(), nullptr, wdn.data(), y7b.data(), d, I);
-                return memcmp(act7.data(), act6.data(), act6.size() * 2) == 0 &&
-                       memcmp(gu7.data(), gu6.data(), gu6.size() * 4) == 0 &&
-                       memcmp(y7.data(), y6.data(), y6.size() * 4) == 0 &&
-                       memcmp(y7b.data(), y16.data(), y16.size() * 2) == 0;
-            };
-            const bool same7 = same_as_v6(moe_gemm7_swiglu_m256, moe_gemm7_m256, moe_gemm7_m256_bf16, 2);
-            fails += !same7;
-            printf("%s %-22s v7 m256 (clusters of 2, B multicast): act, gate_up, down, bf16 down %s moe_gemm6's "
-                   "(%d of %d tiles <= 128 rows)\n",
-                   same7 ? "ok  " : "FAIL", s.name, same7 ? "bitwise equal to" : "DIFFER from", lone, nt[0]);
-            // moe_gemm7's 128-row kernels (no cluster, both B halves by tensor copy): the same bits.
-            plan(128);
-            const bool same7s = same_as_v6(moe_gemm7_swiglu_m128, moe_gemm7_m128, moe_gemm7_m128_bf16, 1);
-            fails += !same7s;
-            printf("%s %-22s v7 m128 (B by tensor copy): act, gate_up, down, bf16 down %s moe_gemm6's\n",
-                   same7s ? "ok  " : "FAIL", s.name, same7s ? "bitwise equal to" : "DIFFER from");
-        }
-    }
+    };
+    std::vector<bf16> act6((size_t)rows * I, bf16{0x7fff});
+    std::vector<float> gu6((size_t)rows * 2 * I, NAN), y6((size_t)rows * d, NAN);
+    launch6(moe_gemm6_swiglu_m128, true, xb.data(), sorted_token.data(), wgu.data(), act6.data(), 2 * I, d);
+    launch6(moe_gemm6_m128, false, xb.data(), sorted_token.data(), wgu.data(), gu6.data(), 2 * I, d);
+    launch6(moe_gemm6_m128, false, act_in.data(), nullptr, wdn.data(), y6.data(), d, I);
+    const double ea = act_err(act6, act_ref), eg = f32_err(gu6, gu_ref), ey = f32_err(y6, y_ref);
+    const bool ok = ea <= 1.0 && eg <= 1e-6 && ey <= 1e-6;
+    fails += !ok;
+    // tiles of <= 64 rows: the second consumer warpgroup only releases the stages
+    int half = 0;
+    for (int i = 0; i < nt[0]; i++) half += tn[i] <= 64;
+    printf("%s %-22s d=%d i=%d E=%d rows=%d tiles=%d cp.async %-8s: v6 m128 swiglu act %.2f of its bound, gate_up "
+           "%.1e, down %.1e (%d tiles <= 64 rows)\n",
+           ok ? "ok  " : "FAIL", s.name, d, I, E, rows, nt[0], deferred ? "deferred" : "eager", ea, eg, ey, half);
+    // moe_gemm6_m128_bf16 (the down product's y as bf16, quad-transposed 16-byte stores): the bits
+    // of moe_gemm6's f32 y rounded to bf16, every row and column written.
+    std::vector<bf16> y16((size_t)rows * d, bf16{0x7fff});
+    launch6(moe_gemm6_m128_bf16, false, act_in.data(), nullptr, wdn.data(), y16.data(), d, I);
+    bool same16 = d % 8 == 0;
+    for (size_t i = 0; i < y16.size() && same16; i++) same16 = y16[i].v == __float2bfloat16(y6[i]).v;
+    fails += !same16;
+    printf("%s %-22s v6 m128 bf16 y: %s moe_gemm6's y rounded to bf16\n", same16 ? "ok  " : "FAIL", s.name,
+           same16 ? "bitwise equal to" : "DIFFERS from");
 }
 
 // moe_route (route_topk_warp, a warp per token) against a plain top-k: the k largest logits,

@@ -2,20 +2,21 @@
 # Runs Kestrel's kernels on the CPU (no GPU needed) through the small CUDA emulator in
 # cuda_emu.h and checks them against double-precision references:
 #   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
-#   gdn  gdn.cu: the decode step, chunked and recurrent delta rule, prefill conv (`gdn full`: also
-#        the full model's head dims over 300 tokens, and 4,096 tokens of 4 heads; about a minute)
-#   attn attention.cu: the prefill flash kernels (attn_flash4 on emulated wgmma, mbarriers and
-#        a producer warpgroup; its fused query prep and its clusters of 2 / 4 with multicast
-#        3-D tensor copies, both bitwise the plain kernel), the tensor-core decode attention and
-#        its combine
-#   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w)
-#   moe  moe.cu: the routing top-k (ties included); the decode MoE block (router, gate/up,
-#        down) at small and reduced real shapes; moe_combine (and its fused RMSNorm against
-#        norm.cu's rmsnorm_zc_bf16, bitwise); moe_plan + moe_scatter + moe_gemm3 (both tile
-#        sizes, SwiGLU-fused and plain) at the tiny fixtures' dims, a deep-K shape and a reduced
-#        real shape; moe_gemm4 bitwise against moe_gemm3; moe_gemm5 (wgmma, emulated through its
-#        descriptors) against the references; moe_gemm6 and moe_gemm7 (clusters of two blocks,
-#        tensor copies) bitwise against moe_gemm5 / 6; moe_plan over several warps of experts
+#   gdn  gdn_decode.cu, gdn_chunk.cu, gdn_state.cu: the decode step (alone and fused with the
+#        conv, with clusters of two), chunked (both state passes) and recurrent delta rule,
+#        prefill conv, gated norm (`gdn full`: also the full model's head dims over 300 tokens,
+#        and 4,096 tokens of 4 heads; about a minute)
+#   attn attn_prefill.cu, attn_decode.cu: attn_prep_rows against attn_prep; the prefill flash
+#        kernels (attn_flash3; attn_flash4 on emulated wgmma, mbarriers and a producer warpgroup,
+#        and its fused query prep bitwise the separate prep); the tensor-core decode attention
+#        and its combine
+#   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w, gemv_dec_stream)
+#   moe  moe_route.cu, moe_gemm.cu, moe_decode.cu: the routing top-k (ties included); the decode
+#        MoE block (router, gate/up, down) at small and reduced real shapes; moe_combine (and its
+#        fused RMSNorm against norm.cu's rmsnorm_zc_bf16, bitwise); moe_plan + moe_scatter +
+#        moe_gemm6 (wgmma, emulated through its descriptors; SwiGLU-fused and plain, and the bf16
+#        y bitwise its f32 y rounded) against double references at the tiny fixtures' dims, a
+#        deep-K shape and a reduced real shape; moe_plan over several warps of experts
 # Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
 # EMU_DEFINES="A B=1": preprocessor defines for the kernels (as KESTREL_KERNEL_DEFINES on the GPU).
 set -euo pipefail
@@ -39,10 +40,10 @@ for n in mma gdn attn gemv moe; do
   [ "$what" = all ] || [ "$what" = "$n" ] || continue
   case $n in
     mma) build mma ;;
-    gdn) build gdn gdn.cu ;;
-    attn) build attn attention.cu ;;
+    gdn) build gdn gdn_decode.cu gdn_chunk.cu gdn_state.cu ;;
+    attn) build attn attn_prefill.cu attn_decode.cu ;;
     gemv) build gemv gemv.cu ;;
-    moe) build moe moe.cu norm.cu ;;
+    moe) build moe norm.cu moe_route.cu moe_gemm.cu moe_decode.cu ;;
   esac
   echo "== $n"
   "$tmp/${n}_check" "$@"

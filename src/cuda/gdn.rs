@@ -1,14 +1,14 @@
-//! Launchers of the Gated DeltaNet kernels (`kernels/gdn.cu`): the causal conv and the delta
-//! rule, sequential (decode, and prefill with `KESTREL_GDN=recurrent`) or token-parallel and
-//! chunked (prefill).
+//! Launchers of the Gated DeltaNet prefill kernels (`kernels/gdn_decode.cu`,
+//! `kernels/gdn_chunk.cu`): the causal conv and the delta rule, sequential (short calls, and
+//! prefill with the `KESTREL_GDN=recurrent` oracle) or token-parallel and chunked (prefill).
 
 use super::{Arg, Gpu, block_threads as block};
 use crate::config::TextConfig;
 use anyhow::Result;
 
-/// Chunk length of the chunked delta rule (`GDN_C` in gdn.cu).
+/// Chunk length of the chunked delta rule (`GDN_C` in gdn_chunk.cu).
 pub const CHUNK: usize = 64;
-/// Tokens per block of `gdn_conv_prefill` (`GDN_CONV_TT` in gdn.cu).
+/// Tokens per block of `gdn_conv_prefill` (`GDN_CONV_TT` in gdn_chunk.cu).
 const CONV_TOKENS: usize = 32;
 /// Value columns per block of `gdn_chunk_state` (`GDN_DVS`).
 const STATE_COLS: usize = 32;
@@ -16,33 +16,24 @@ const STATE_COLS: usize = 32;
 const PREP_THREADS: u32 = 256;
 /// Threads of `gdn_chunk_state` (two teams of 8 warps, `GDN_STATE_THREADS`).
 const STATE_THREADS: u32 = 512;
-/// Threads of `gdn_chunk_state_wg` (two warpgroups, `GDN_STATE_WG_THREADS`).
-const STATE_WG_THREADS: u32 = 256;
-/// Key head dims `gdn_chunk_state_wg` is compiled for (S's rows in m64 halves).
-const STATE_WG_DIMS: [usize; 2] = [64, 128];
 /// Threads of `gdn_chunk_state_t64` (a consumer and two producer warpgroups, `GDN_T64_THREADS`).
 const STATE_T64_THREADS: u32 = 384;
 /// Value columns per block of `gdn_chunk_state_t64` (`GDN_T64_COLS`).
 const STATE_T64_COLS: usize = 64;
 /// `gdn_chunk_state_t64`'s progress counters: one a 128-byte line (`GDN_T64_FLAG_STRIDE`).
 const STATE_T64_FLAG_STRIDE: usize = 32;
-/// Threads of `gdn_chunk_prep_wg` (two warpgroups).
-const PREP_WG_THREADS: u32 = 256;
 /// Key head dims the delta-rule kernels are compiled for.
 pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 12] = [
+pub(super) const CHUNK_KERNELS: [&str; 9] = [
     "gdn_chunk_prep_16",
     "gdn_chunk_prep_32",
     "gdn_chunk_prep_64",
     "gdn_chunk_prep_128",
-    "gdn_chunk_prep_wg_128",
     "gdn_chunk_state_16",
     "gdn_chunk_state_32",
     "gdn_chunk_state_64",
     "gdn_chunk_state_128",
-    "gdn_chunk_state_wg_64",
-    "gdn_chunk_state_wg_128",
     "gdn_chunk_state_t64_128",
 ];
 
@@ -136,7 +127,7 @@ impl GdnShape {
         self.t64_state_blocks() * (self.chunks() * 128 * 64 + STATE_T64_FLAG_STRIDE)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn.cu): −L and −P, γ, e^γ, β, the
+    /// Dynamic shared memory of `gdn_chunk_prep` (layout in gdn_chunk.cu): −L and −P, γ, e^γ, β, the
     /// four 16x16 T_d (rows of 20), and K and Q, which X = [W | U | zero padding to 8 columns]
     /// (rows of ≡ 8 mod 32 floats) later replaces; 108,288 bytes at dk = dv = 128.
     fn prep_smem_bytes(&self) -> usize {
@@ -147,21 +138,8 @@ impl GdnShape {
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + 4 * 16 * 20 + kq)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_prep_wg` (dk = dv = 128 only): K's split tiles
-    /// (later T's and −P's), Q's rows (rows of dk + 4; later L and T, rows of 68, then the
-    /// output staging), γ, e^γ, β, β e^γ; 101,376 bytes (two blocks an SM).
-    fn prep_wg_smem_bytes(&self) -> usize {
-        let q_or_lt = (CHUNK * (self.dk + 4)).max(2 * CHUNK * (CHUNK + 4));
-        4 * (2 * CHUNK * self.dk + q_or_lt + 4 * CHUNK)
-    }
-
-    /// Whether `gdn_chunk_prep_wg` takes this shape (it is compiled for dk = dv = 128).
-    fn prep_wg_fits(&self, smem: usize) -> bool {
-        self.dk == 128 && self.dv == 128 && self.prep_wg_smem_bytes() <= smem
-    }
-
     /// Dynamic shared memory of `gdn_chunk_state`: W, Q' twice, K, S twice and V' (tf32 hi and
-    /// lo in gdn.cu's quad layout, 4 * 32 + 8 floats per 2 rows), γ twice; 223,744 bytes at
+    /// lo in gdn_state.cu's quad layout, 4 * 32 + 8 floats per 2 rows), γ twice; 223,744 bytes at
     /// dk = 128.
     fn state_smem_bytes(&self) -> usize {
         let quad = (4 * STATE_COLS + 8) / 2;
@@ -169,18 +147,6 @@ impl GdnShape {
             + CHUNK * (self.dk + 8)
             + 2 * self.dk * quad
             + CHUNK * quad
-            + 2 * CHUNK)
-    }
-
-    /// Dynamic shared memory of `gdn_chunk_state_wg`: S's split twice (hi and lo tiles of
-    /// dk / 32 4-KiB swizzle atoms), Vd's split (two atoms each), U and O_intra twice
-    /// ([64][40] each), W, Q', K and γ twice; 225,792 bytes at dk = 128.
-    fn state_wg_smem_bytes(&self) -> usize {
-        4 * (4 * self.dk / 32 * 1024
-            + 2 * CHUNK / 32 * 1024
-            + 4 * CHUNK * (STATE_COLS + 8)
-            + 2 * CHUNK * (self.dk + 4)
-            + CHUNK * (self.dk + 8)
             + 2 * CHUNK)
     }
 
@@ -327,8 +293,8 @@ impl Gpu {
         )
     }
 
-    /// gdn_chunk_state's phase clock (gdn.cu, `g_gdn_phase`: 16 u64 a chunk, all 0 unless
-    /// the kernels were compiled with `KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE`).
+    /// gdn_chunk_state's phase clock (trace.cuh, `g_gdn_phase`: 16 u64 a chunk, all 0 unless
+    /// the kernels were compiled with `KESTREL_TRACE=1`).
     pub fn gdn_phase_trace(&self) -> Result<Vec<u64>> {
         let n = 256 * 16;
         let out = self.alloc(n * 8)?;
@@ -339,13 +305,10 @@ impl Gpu {
     }
 
     /// The delta rule in chunks of 64 (same results as [`Gpu::gdn_delta_recurrent`] up to
-    /// rounding, f32-level: max-rel 1e-6 .. 4e-6 on the emulator): `gdn_chunk_prep`, grid
-    /// (chunks, hv), prepares every chunk in parallel (on wgmma, `gdn_chunk_prep_wg`, where
-    /// [`Gpu::gdn_prep_wg`] and dk = dv = 128), then `gdn_chunk_state`, grid
-    /// (hv, dv / 32), carries the state through the chunks (3xTF32 tensor-core products; on
-    /// wgmma, `gdn_chunk_state_wg`, where [`Gpu::gdn_state_wg`] and dk is 64 or 128; with Sᵀ in
-    /// registers, `gdn_chunk_state_t64`, a block an SM, where [`Gpu::gdn_state_t64`] and dk is
-    /// 128).
+    /// rounding): `gdn_chunk_prep`, grid (chunks, hv), prepares every chunk in parallel, then
+    /// the state pass carries the state through the chunks: `gdn_chunk_state_t64` (Sᵀ in
+    /// registers, 3xBF16 wgmma products, a block an SM) at dk = 128, else `gdn_chunk_state`
+    /// (3xTF32 mma.sync), grid (hv, dv / 32).
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
     /// [`GdnShape::chunked_fits`].
     pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
@@ -355,9 +318,7 @@ impl Gpu {
         let u = qp + (sh.hv * tp * sh.dk * 4) as u64;
         let gamma = u + (sh.hv * tp * sh.dv * 4) as u64;
         let c = sh.channels() as i32;
-        use std::sync::atomic::Ordering::Relaxed;
-        let t64 = self.gdn_state_t64.load(Relaxed)
-            && sh.state_t64_fits(self.max_smem_per_block, self.sm_count);
+        let t64 = sh.state_t64_fits(self.max_smem_per_block, self.sm_count);
         let s_out = scratch + (sh.prep_scratch_floats() * 4) as u64;
         let flags = s_out + (sh.t64_state_blocks() * sh.chunks() * 128 * 64 * 4) as u64;
         if t64 {
@@ -383,23 +344,11 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        // the wgmma prep where it is on and takes the shape
-        let (name, threads, smem) = if self.gdn_prep_wg.load(std::sync::atomic::Ordering::Relaxed)
-            && sh.prep_wg_fits(self.max_smem_per_block)
-        {
-            (
-                "gdn_chunk_prep_wg",
-                PREP_WG_THREADS,
-                sh.prep_wg_smem_bytes(),
-            )
-        } else {
-            ("gdn_chunk_prep", PREP_THREADS, sh.prep_smem_bytes())
-        };
         self.launch_dep(
-            &format!("{name}_{}", sh.dk),
+            &format!("gdn_chunk_prep_{}", sh.dk),
             (sh.chunks() as u32, sh.hv as u32, 1),
-            threads,
-            smem as u32,
+            PREP_THREADS,
+            sh.prep_smem_bytes() as u32,
             &args,
         )?;
         let mut args = vec![
@@ -413,11 +362,7 @@ impl Gpu {
             Arg::Ptr(b.o),
         ];
         args.extend(tail);
-        // Sᵀ-in-registers pass where it is on and takes the shape (decided above), else the
-        // wgmma pass where it is on, compiled for this dk, and its tiles fit
-        let wg = self.gdn_state_wg.load(Relaxed)
-            && STATE_WG_DIMS.contains(&sh.dk)
-            && sh.state_wg_smem_bytes() <= self.max_smem_per_block;
+        // the Sᵀ-in-registers pass where it takes the shape (decided above)
         let (name, threads, smem, grid) = if t64 {
             // one block an SM: the state blocks, then out blocks on the other SMs; its Sᵀ
             // scratch and counters after the output
@@ -429,13 +374,6 @@ impl Gpu {
                 STATE_T64_THREADS,
                 sh.state_t64_smem_bytes(),
                 (self.sm_count as u32, 1, 1),
-            )
-        } else if wg {
-            (
-                "gdn_chunk_state_wg",
-                STATE_WG_THREADS,
-                sh.state_wg_smem_bytes(),
-                (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
             )
         } else {
             (
@@ -473,19 +411,12 @@ mod tests {
         };
         assert!(sh.chunked_fits(h200));
         assert_eq!(sh.state_smem_bytes(), 223_744);
-        assert_eq!(sh.state_wg_smem_bytes(), 225_792);
         assert_eq!(sh.state_t64_smem_bytes(), 133_712);
         assert!(sh.state_t64_fits(h200, 132));
         assert!(!GdnShape { dk: 64, ..sh }.state_t64_fits(h200, 132));
         assert!(
             !sh.state_t64_fits(h200, 64),
             "64 state blocks need an SM each and one more for an out block"
-        );
-        assert_eq!(sh.prep_wg_smem_bytes(), 101_376);
-        assert!(sh.prep_wg_fits(h200));
-        assert!(
-            !GdnShape { dv: 64, ..sh }.prep_wg_fits(h200),
-            "the wgmma prep is compiled for dv = 128 only"
         );
         assert!(
             !sh.chunked_fits(100 * 1024),

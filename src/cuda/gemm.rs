@@ -3,8 +3,7 @@
 //!
 //! cuBLASLt rather than `cublasGemmEx` because it is where the epilogues (bias, bf16 out) and
 //! the block-scaled FP8 products of the coming checkpoints live; on the H200 both run the
-//! prefill projections at the same ~715 TFLOP/s (GPU test `gemm_paths_match_reference_and_timing`).
-//! `KESTREL_GEMM=ex` switches to `cublasGemmEx`.
+//! prefill projections at the same ~715 TFLOP/s (docs/DECISIONS.md).
 
 use super::Gpu;
 use anyhow::{Result, anyhow};
@@ -13,23 +12,6 @@ use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::CudaStream;
 use std::collections::HashMap;
 use std::sync::Mutex;
-
-/// How [`Gpu::gemm`] runs its products.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GemmPath {
-    Ex,
-    Lt,
-}
-
-impl GemmPath {
-    pub fn from_env() -> Result<Self> {
-        match std::env::var("KESTREL_GEMM").as_deref() {
-            Err(_) | Ok("lt") => Ok(GemmPath::Lt),
-            Ok("ex") => Ok(GemmPath::Ex),
-            Ok(v) => Err(anyhow!("KESTREL_GEMM={v}: expected lt or ex")),
-        }
-    }
-}
 
 /// Plans kept at most; past that the cache starts over (prompt lengths vary without bound).
 const MAX_PLANS: usize = 512;
@@ -108,8 +90,8 @@ pub(super) struct Lt {
     workspace: u64,
     workspace_bytes: usize,
     plans: Mutex<HashMap<Key, Plan>>,
-    /// Algorithms by [`AlgoKey`] (off with `KESTREL_LT_BUCKETS=0`: a search for every shape).
-    algos: Option<Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>>,
+    /// Algorithms by [`AlgoKey`].
+    algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
 }
 
 // SAFETY: the handle is used from one stream; the plan cache is behind a mutex.
@@ -138,8 +120,7 @@ impl Lt {
             workspace,
             workspace_bytes,
             plans: Mutex::new(HashMap::new()),
-            algos: (std::env::var("KESTREL_LT_BUCKETS").as_deref() != Ok("0"))
-                .then(|| Mutex::new(HashMap::new())),
+            algos: Mutex::new(HashMap::new()),
         })
     }
 }
@@ -191,18 +172,12 @@ impl Plan {
         Ok(plan)
     }
 
-    /// cuBLASLt's first choice of algorithm for this plan (`KESTREL_LT_ALGO=i`: its i-th, or
-    /// its last if it offers fewer; an A/B probe).
+    /// cuBLASLt's first choice of algorithm for this plan.
     fn heuristic(&self, lt: &Lt) -> Result<sys::cublasLtMatmulAlgo_t> {
         let pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
         let bytes = lt.workspace_bytes as u64;
-        let pick: usize = std::env::var("KESTREL_LT_ALGO")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-            .min(7);
-        // SAFETY: plain-old-data result slots, filled by the call below.
-        let mut found: [sys::cublasLtMatmulHeuristicResult_t; 8] = unsafe { std::mem::zeroed() };
+        // SAFETY: a plain-old-data result slot, filled by the call below.
+        let mut found: [sys::cublasLtMatmulHeuristicResult_t; 1] = unsafe { std::mem::zeroed() };
         let mut count = 0;
         // SAFETY: the descriptors are live; `found` has room for the results asked for.
         let r = unsafe {
@@ -221,7 +196,7 @@ impl Plan {
                     self.y,
                     self.y,
                     pref,
-                    (pick + 1) as i32,
+                    1,
                     found.as_mut_ptr(),
                     &mut count,
                 )
@@ -233,7 +208,7 @@ impl Plan {
             let _ = lt::destroy_matmul_pref(pref);
         }
         r.map_err(lt_err("heuristic"))?;
-        let found = &found[pick.min(count.max(1) as usize - 1)];
+        let found = &found[0];
         if count < 1 || found.state != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(anyhow!("cuBLASLt has no algorithm for this product"));
         }
@@ -265,10 +240,7 @@ impl Plan {
     /// The algorithm for this plan: its bucket's (see [`AlgoKey`]) where that one runs it, else
     /// a heuristic search (remembered for the bucket).
     fn choose_algo(&self, lt: &Lt, key: Key) -> Result<sys::cublasLtMatmulAlgo_t> {
-        let Some(algos) = &lt.algos else {
-            return self.heuristic(lt);
-        };
-        let mut algos = algos.lock().unwrap();
+        let mut algos = lt.algos.lock().unwrap();
         let ak = AlgoKey::of(key);
         if let Some(algo) = algos.get(&ak)
             && self.supports(lt, algo)
@@ -300,8 +272,7 @@ impl Gpu {
     }
 
     /// [`Gpu::gemm`] on the second stream (after [`Gpu::fork_aux`]): cuBLASLt with that
-    /// stream's own workspace. With `KESTREL_GEMM=ex` (one cuBLAS handle, bound to the main
-    /// stream) it runs on the main stream, ordered after the second stream's work so far.
+    /// stream's own workspace.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_aux(
         &self,
@@ -314,11 +285,6 @@ impl Gpu {
         ldy: usize,
         beta: f32,
     ) -> Result<()> {
-        if self.gemm_path() != GemmPath::Lt {
-            self.join_aux()?;
-            self.gemm_on(false, w, n, k, x, t, y, ldy, beta)?;
-            return self.fork_aux();
-        }
         self.gemm_on(true, w, n, k, x, t, y, ldy, beta)
     }
 
@@ -351,22 +317,9 @@ impl Gpu {
         self.timed(
             stream,
             || format!("gemm {n}x{k} t={t}{}", if aux { " (aux)" } else { "" }),
-            || match self.gemm_path() {
-                GemmPath::Ex => self.gemm_ex(key, w, x, y, beta),
-                GemmPath::Lt => self.lt_matmul(lt, stream, key, w, x, y, beta),
-            },
+            || self.lt_matmul(lt, stream, key, w, x, y, beta),
         )
         .map_err(|e| anyhow!("GEMM [{t}x{k}]·[{n}x{k}]ᵀ: {e:#}"))
-    }
-
-    /// How [`Gpu::gemm`] runs its products now.
-    pub fn gemm_path(&self) -> GemmPath {
-        *self.gemm_path.lock().unwrap()
-    }
-
-    /// Switches how [`Gpu::gemm`] runs (tests and timings compare the paths in one process).
-    pub fn set_gemm_path(&self, path: GemmPath) {
-        *self.gemm_path.lock().unwrap() = path;
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -413,37 +366,6 @@ impl Gpu {
             )
         }
         .map_err(lt_err("matmul"))
-    }
-
-    fn gemm_ex(&self, key: Key, w: u64, x: u64, y: u64, beta: f32) -> Result<()> {
-        let (n, k, t) = (key.n as i32, key.k as i32, key.t as i32);
-        let alpha = 1.0f32;
-        // Column-major view, as in Plan::new.
-        // SAFETY: pointers and leading dimensions describe our device buffers.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                n,
-                t,
-                k,
-                &alpha as *const f32 as *const _,
-                w as *const _,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k,
-                x as *const _,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k,
-                &beta as *const f32 as *const _,
-                y as *mut _,
-                cublas_sys::cudaDataType::CUDA_R_32F,
-                key.ldy as i32,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| anyhow!("cuBLAS: {e:?}"))
     }
 }
 

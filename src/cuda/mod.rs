@@ -5,27 +5,42 @@
 //! machines without CUDA; `Gpu::open` says clearly why a GPU cannot be used.
 
 pub mod attention;
+mod decode;
 pub mod gdn;
 pub mod gemm;
 pub mod model;
 pub mod moe;
+mod prefill;
+pub mod probe;
+pub mod state;
+mod upload;
 
+use crate::settings::Settings;
 use anyhow::{Context, Result, anyhow, bail};
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 /// The kernel sources, one file per op family, compiled as one module.
-const SOURCES: [(&str, &str); 7] = [
+const SOURCES: [(&str, &str); 17] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
+    ("ptx.cuh", include_str!("kernels/ptx.cuh")),
+    ("sync.cuh", include_str!("kernels/sync.cuh")),
+    ("trace.cuh", include_str!("kernels/trace.cuh")),
+    ("gemv.cuh", include_str!("kernels/gemv.cuh")),
     ("misc.cu", include_str!("kernels/misc.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
-    ("gdn.cu", include_str!("kernels/gdn.cu")),
-    ("attention.cu", include_str!("kernels/attention.cu")),
-    ("moe.cu", include_str!("kernels/moe.cu")),
+    ("gdn_decode.cu", include_str!("kernels/gdn_decode.cu")),
+    ("gdn_chunk.cu", include_str!("kernels/gdn_chunk.cu")),
+    ("gdn_state.cu", include_str!("kernels/gdn_state.cu")),
+    ("attention.cuh", include_str!("kernels/attention.cuh")),
+    ("attn_prefill.cu", include_str!("kernels/attn_prefill.cu")),
+    ("attn_decode.cu", include_str!("kernels/attn_decode.cu")),
+    ("moe_route.cu", include_str!("kernels/moe_route.cu")),
+    ("moe_gemm.cu", include_str!("kernels/moe_gemm.cu")),
+    ("moe_decode.cu", include_str!("kernels/moe_decode.cu")),
 ];
 
 /// Every kernel the backend launches, besides `gdn::CHUNK_KERNELS`.
@@ -36,8 +51,6 @@ const KERNELS: &[&str] = &[
     "fill_random_f32",
     "copy_probe",
     "read_probe",
-    "window_probe",
-    "grid_barrier_probe",
     "gdn_phase_read",
     "gemv_dec",
     "gemv_dec_w",
@@ -71,47 +84,21 @@ const KERNELS: &[&str] = &[
     "attn_split",
     "attn_combine",
     "attn_combine_dec",
-    "attn_flash",
-    "attn_flash2_hd32",
-    "attn_flash2_hd64",
-    "attn_flash2_hd128",
-    "attn_flash2_hd256",
     "attn_flash3_hd32",
     "attn_flash3_hd64",
     "attn_flash3_hd128",
     "attn_flash3_hd256",
     "attn_flash4_hd256",
-    "attn_flash4c2_hd256",
-    "attn_flash4c4_hd256",
     "attn_decode_mma_hd32",
     "attn_decode_mma_hd64",
     "attn_decode_mma_hd128",
     "attn_decode_mma_hd256",
-    "attn_decode",
     "moe_route",
     "moe_plan",
     "moe_scatter",
-    "moe_gemm",
-    "moe_gemm2",
-    "moe_gemm3_m128",
-    "moe_gemm3_m64",
-    "moe_gemm3_swiglu_m128",
-    "moe_gemm3_swiglu_m64",
-    "moe_gemm4_m128",
-    "moe_gemm4_m64",
-    "moe_gemm4_swiglu_m128",
-    "moe_gemm4_swiglu_m64",
-    "moe_gemm5_m128",
-    "moe_gemm5_swiglu_m128",
     "moe_gemm6_m128",
     "moe_gemm6_m128_bf16",
     "moe_gemm6_swiglu_m128",
-    "moe_gemm7_m256",
-    "moe_gemm7_m256_bf16",
-    "moe_gemm7_swiglu_m256",
-    "moe_gemm7_m128",
-    "moe_gemm7_m128_bf16",
-    "moe_gemm7_swiglu_m128",
     "moe_gemv",
     "swiglu_bf16",
     "moe_combine",
@@ -149,51 +136,6 @@ impl Drop for DeviceBuf {
     }
 }
 
-/// A tiled tensor map (`cuTensorMapEncodeTiled`) over the bf16 tensor at device address `base`:
-/// `dims` elements per dimension (innermost first), `strides` the byte strides of the outer
-/// dimensions, `boxes` the box a copy moves, in the 128-byte swizzle that wgmma's descriptors read
-/// (innermost box 64 bf16), elements outside the tensor zero. `what` names it in errors.
-pub fn tensor_map_bf16(
-    base: u64,
-    dims: &[u64],
-    strides: &[u64],
-    boxes: &[u32],
-    what: &str,
-) -> Result<[u64; 16]> {
-    use cudarc::driver::sys;
-    let rank = dims.len();
-    if !(2..=5).contains(&rank) || strides.len() + 1 != rank || boxes.len() != rank {
-        bail!("tensor map for {what}: inconsistent ranks");
-    }
-    if !base.is_multiple_of(16) || strides.iter().any(|s| !s.is_multiple_of(16)) {
-        bail!("tensor map for {what}: the base and strides must be multiples of 16 bytes");
-    }
-    // SAFETY: plain data, filled by the driver below.
-    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
-    let steps = [1u32; 5];
-    // SAFETY: dims, boxes and steps have `rank` entries, strides `rank - 1`; `base` is a device
-    // allocation the caller keeps alive while the map is used.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            rank as u32,
-            base as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .map_err(|e| anyhow!("cuTensorMapEncodeTiled ({what}): {e:?}"))?;
-    Ok(map.opaque)
-}
-
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
 pub enum Arg {
@@ -201,19 +143,16 @@ pub enum Arg {
     I(i32),
     F(f32),
     U(u64),
-    /// A 128-byte parameter passed by value (a `CUtensorMap`, the kernels' `TmaParam`).
-    Map([u64; 16]),
 }
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    /// cuBLASLt with its plans (`gemm.rs`), and how `gemm` runs (`KESTREL_GEMM`).
+    /// cuBLASLt with its plans (`gemm.rs`).
     lt: gemm::Lt,
     /// A second, higher-priority stream for work that can run beside the main stream's (in
     /// prefill: the shared expert beside the routed experts, the attention k and v products
-    /// (and with `KESTREL_GDN_INPROJ=split` the GDN z and b|a) beside the main in-projection),
+    /// beside the q|gate product),
     /// with its own cuBLASLt handle and
     /// workspace; [`Gpu::fork_aux`] and [`Gpu::join_aux`] order it against the main stream
     /// (every fork is joined in the same layer, before the main stream reads the results).
@@ -222,42 +161,22 @@ pub struct Gpu {
     fork_event: cudarc::driver::CudaEvent,
     join_event: cudarc::driver::CudaEvent,
     _aux_gemm_workspace: DeviceBuf,
-    gemm_path: std::sync::Mutex<gemm::GemmPath>,
     /// cuBLASLt's workspace (declared after `lt`, so dropped after it).
     _gemm_workspace: DeviceBuf,
     functions: std::collections::HashMap<&'static str, CudaFunction>,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub total_memory: usize,
-    /// With `KESTREL_PROFILE=1`: per-op (calls, seconds), each op timed on the GPU by a pair
+    /// With `KESTREL_PROFILE=1` ([`crate::settings::Settings::profile`]): per-op (calls, seconds), each op timed on the GPU by a pair
     /// of CUDA events (no host syncs in between, so launch gaps are not counted).
     profile: Option<std::sync::Mutex<Profile>>,
     /// Shared memory a block may opt into (bytes).
     pub max_smem_per_block: usize,
     /// Streaming multiprocessors (the persistent kernels' grid).
     pub sm_count: usize,
-    /// Clusters of a persistent cluster kernel that fit on the GPU at once, by kernel
-    /// ([`Gpu::max_active_clusters`]).
-    active_clusters: std::sync::Mutex<std::collections::HashMap<&'static str, u32>>,
     /// Programmatic dependent launch for the prefill kernels ([`Gpu::launch_dep`]): on
-    /// compute capability 9.0 and not while profiling; `KESTREL_PREFILL_PDL=0` turns it off.
+    /// not while profiling (the profile's events would sit between two kernels).
     prefill_pdl: bool,
-    /// The chunked delta rule's state pass on wgmma (`gdn_chunk_state_wg`, dk 64 or 128; where
-    /// `gdn_state_t64` does not take the shape): on compute capability 9.0 (the sm_90a build);
-    /// `KESTREL_GDN_STATE=mma` keeps the mma.sync kernel (`gdn_chunk_state`). Atomic (as the
-    /// other kernel choices) so that tests can compare them on one `Gpu`.
-    pub gdn_state_wg: std::sync::atomic::AtomicBool,
-    /// The chunked delta rule's state pass with Sᵀ as the wgmma A operand
-    /// (`gdn_chunk_state_t64`, dk = 128; takes precedence over `gdn_state_wg`): on compute
-    /// capability 9.0; `KESTREL_GDN_STATE=wg` keeps `gdn_chunk_state_wg`, `=mma` the mma.sync
-    /// kernel.
-    pub gdn_state_t64: std::sync::atomic::AtomicBool,
-    /// The chunked delta rule's prep on wgmma (`gdn_chunk_prep_wg`, dk = dv = 128): opt-in on
-    /// compute capability 9.0 with `KESTREL_GDN_PREP=wg` (measured no faster yet than the
-    /// mma.sync kernel, `gdn_chunk_prep`, the default; docs/KERNELS.md).
-    pub gdn_prep_wg: std::sync::atomic::AtomicBool,
-    /// Compute capability 9.0: the kernels are compiled for sm_90a (wgmma, setmaxnreg).
-    pub sm90a: bool,
     /// Whether the last thing enqueued on the main stream was one of our kernels: only after
     /// one does [`Gpu::launch_dep`] let the next start early (after a cuBLAS call, a copy, a
     /// memset or an event it launches normally).
@@ -332,8 +251,8 @@ fn fnv1a64(parts: &[&[u8]]) -> u64 {
 }
 
 fn kernel_cache_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("KESTREL_CACHE_DIR") {
-        return PathBuf::from(d).join("kernels");
+    if let Some(d) = &Settings::get().cache_dir {
+        return d.join("kernels");
     }
     let base = std::env::var("XDG_CACHE_HOME")
         .map(PathBuf::from)
@@ -352,12 +271,12 @@ pub fn kernel_ptx(arch: &'static str, use_cache: bool) -> Result<cudarc::nvrtc::
         src.push('\n');
     }
     let src = src.replace("#include <cuda_bf16.h>\n#include <mma.h>\n", "");
-    // KESTREL_KERNEL_DEFINES="A B=1": preprocessor defines for kernel A/B runs (part of the hash).
-    let defines: String = std::env::var("KESTREL_KERNEL_DEFINES")
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|d| format!("#define {}\n", d.replacen('=', " ", 1)))
-        .collect();
+    // KESTREL_TRACE=1: the timeline's and the GDN state pass's clock stamps (part of the hash).
+    let defines = if Settings::get().trace {
+        "#define KESTREL_TRACE\n#define KESTREL_GDN_TRACE\n"
+    } else {
+        ""
+    };
     let src = format!("#include <cuda_bf16.h>\n#include <mma.h>\n{defines}{src}");
     let hash = fnv1a64(&[src.as_bytes(), arch.as_bytes(), b"v1 -O3 std=c++17"]);
     let cache = kernel_cache_dir().join(format!("{hash:016x}-{arch}.ptx"));
@@ -426,7 +345,7 @@ impl Gpu {
         let cc = ctx
             .compute_capability()
             .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))?;
-        if cc.0 != 9 {
+        if cc != (9, 0) {
             bail!(
                 "GPU {ordinal} is {name} (compute capability {}.{}); Kestrel's CUDA backend needs a Hopper-class GPU (H100/H200, compute capability 9.0)",
                 cc.0,
@@ -438,10 +357,6 @@ impl Gpu {
         let stream = ctx
             .new_stream()
             .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
-        let blas = quiet_catch(|| CudaBlas::new(stream.clone()))
-            .ok_or_else(|| anyhow!("cuBLAS could not be loaded (libcublas.so)"))?
-            .map_err(|e| anyhow!("cuBLAS init failed: {e:?}"))?;
-        let gemm_path = gemm::GemmPath::from_env()?;
         let gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
             .context("allocating cuBLASLt's workspace")?;
         let lt = gemm::Lt::new(gemm_workspace.ptr, gemm_workspace.bytes)?;
@@ -466,7 +381,7 @@ impl Gpu {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
-        let module = Self::compile(&ctx, cc)?;
+        let module = Self::compile(&ctx)?;
         let mut functions = std::collections::HashMap::new();
         for k in KERNELS.iter().chain(&gdn::CHUNK_KERNELS) {
             let f = module
@@ -474,20 +389,18 @@ impl Gpu {
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
             functions.insert(*k, f);
         }
-        let profile = std::env::var("KESTREL_PROFILE")
-            .ok()
-            .map(|_| std::sync::Mutex::new(Profile::default()));
+        let profile = Settings::get()
+            .profile
+            .then(|| std::sync::Mutex::new(Profile::default()));
         let gpu = Gpu {
             ctx,
             stream,
-            blas,
             lt,
             aux,
             aux_lt,
             fork_event,
             join_event,
             _aux_gemm_workspace: aux_gemm_workspace,
-            gemm_path: std::sync::Mutex::new(gemm_path),
             _gemm_workspace: gemm_workspace,
             functions,
             name,
@@ -495,21 +408,7 @@ impl Gpu {
             total_memory,
             max_smem_per_block,
             sm_count,
-            active_clusters: Default::default(),
-            // the profile's events around each launch would sit between the two kernels
-            prefill_pdl: cc >= (9, 0)
-                && profile.is_none()
-                && std::env::var("KESTREL_PREFILL_PDL").map_or(true, |v| v != "0"),
-            gdn_state_wg: (cc == (9, 0)
-                && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma"))
-            .into(),
-            gdn_state_t64: (cc == (9, 0)
-                && std::env::var("KESTREL_GDN_STATE").map_or(true, |v| v != "mma" && v != "wg"))
-            .into(),
-            gdn_prep_wg: (cc == (9, 0)
-                && std::env::var("KESTREL_GDN_PREP").is_ok_and(|v| v == "wg"))
-            .into(),
-            sm90a: cc == (9, 0),
+            prefill_pdl: profile.is_none(),
             profile,
             main_tail_is_kernel: Default::default(),
         };
@@ -521,23 +420,15 @@ impl Gpu {
         for (k, bytes) in attention::FLASH_KERNELS
             .into_iter()
             .chain(attention::DECODE_KERNELS)
-            .chain(moe::GEMM3_KERNELS)
-            .chain(moe::GEMM4_KERNELS)
-            .chain(moe::GEMM5_KERNELS)
-            .chain(moe::GEMM6_KERNELS)
+            .chain(moe::GEMM_KERNELS)
         {
             gpu.set_max_dynamic_smem(k, bytes)?;
         }
         Ok(Arc::new(gpu))
     }
 
-    fn compile(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Arc<cudarc::driver::CudaModule>> {
-        let arch: &'static str = if cc == (9, 0) {
-            "compute_90a"
-        } else {
-            "compute_90"
-        };
-        let ptx = kernel_ptx(arch, true)?;
+    fn compile(ctx: &Arc<CudaContext>) -> Result<Arc<cudarc::driver::CudaModule>> {
+        let ptx = kernel_ptx("compute_90a", true)?;
         ctx.load_module(ptx)
             .map_err(|e| anyhow!("loading the kernel module failed: {e:?}"))
     }
@@ -730,7 +621,7 @@ impl Gpu {
 
     /// [`Gpu::launch`], with programmatic dependent launch when `pdl` is set: the kernel may
     /// begin while the previous kernel on the stream is still running (its blocks wait in
-    /// `griddep_wait`, see common.cuh, before touching what earlier kernels write). Captured
+    /// `griddep_wait`, see sync.cuh, before touching what earlier kernels write). Captured
     /// graphs keep it.
     pub fn launch_ex(
         &self,
@@ -745,7 +636,7 @@ impl Gpu {
     }
 
     /// [`Gpu::launch`] for a prefill kernel (one that starts with `PREFILL_KERNEL()`,
-    /// common.cuh) on the main stream: with programmatic dependent launch when the previous
+    /// sync.cuh) on the main stream: with programmatic dependent launch when the previous
     /// op there was one of our kernels, so this one's blocks take the SMs that kernel's last
     /// wave leaves and wait in `griddep_wait` instead of after a launch latency.
     pub fn launch_dep(
@@ -790,49 +681,6 @@ impl Gpu {
             .map_err(|e| anyhow!("joining the second stream: {e:?}"))
     }
 
-    /// How many clusters of kernel `name` (compile-time cluster dims) with `block` threads and
-    /// `smem` bytes of dynamic shared memory can run at once: a persistent cluster kernel's grid
-    /// (one larger than this runs its last clusters after the others, which with items
-    /// assigned by cluster index doubles their time). Cached per kernel.
-    pub fn max_active_clusters(
-        &self,
-        name: &str,
-        block: u32,
-        smem: u32,
-        cluster: u32,
-    ) -> Result<u32> {
-        use cudarc::driver::sys;
-        let (key, f) = self
-            .functions
-            .get_key_value(name)
-            .ok_or_else(|| anyhow!("unknown kernel {name}"))?;
-        if let Some(&n) = self.active_clusters.lock().unwrap().get(key) {
-            return Ok(n);
-        }
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: cluster * self.sm_count as u32,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: self.stream.cu_stream(),
-            attrs: std::ptr::null_mut(),
-            numAttrs: 0,
-        };
-        let mut n = 0i32;
-        // SAFETY: `cfg` describes a launch of `f`; `n` receives the count.
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }
-            .result()
-            .map_err(|e| anyhow!("{name}: cuOccupancyMaxActiveClusters: {e:?}"))?;
-        if n < 1 {
-            bail!("{name}: no cluster of {cluster} blocks fits on this GPU");
-        }
-        self.active_clusters.lock().unwrap().insert(key, n as u32);
-        Ok(n as u32)
-    }
-
     /// [`Gpu::launch_ex`] on `stream`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_on(
@@ -846,9 +694,6 @@ impl Gpu {
         pdl: bool,
     ) -> Result<()> {
         use cudarc::driver::sys;
-        if skip_launch(name, grid.0) {
-            return Ok(());
-        }
         let f = self
             .functions
             .get(name)
@@ -866,16 +711,11 @@ impl Gpu {
                 Arg::Ptr(p) | Arg::U(p) => *p,
                 Arg::I(i) => *i as u32 as u64,
                 Arg::F(x) => x.to_bits() as u64,
-                Arg::Map(_) => 0,
             };
         }
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
-        for ((p, v), a) in params.iter_mut().zip(slots.iter_mut()).zip(args) {
-            *p = match a {
-                // the driver copies the parameter's 128 bytes from `args`, borrowed for the call
-                Arg::Map(m) => m.as_ptr() as *mut std::ffi::c_void,
-                _ => v as *mut u64 as *mut std::ffi::c_void,
-            };
+        for (p, v) in params.iter_mut().zip(slots.iter_mut()).take(args.len()) {
+            *p = v as *mut u64 as *mut std::ffi::c_void;
         }
         // SAFETY: a zeroed attribute is valid plain data; we set its id and value.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -942,193 +782,6 @@ impl Gpu {
         ];
         self.launch(kernel, (1024, 1, 1), 256, 0, &args)
     }
-
-    /// Read bandwidth (bytes/s) of `read_probe` (misc.cu) over `items` MiB of 4 KiB rows read
-    /// in 32 KiB stages of `run` 16-byte chunks a row (8: the grouped GEMMs' 128-byte K step
-    /// over 256 rows; 256: whole rows, contiguous), one persistent block an SM.
-    pub fn measure_weight_stream(&self, items: usize, run: usize) -> Result<f64> {
-        if !(8..=256).contains(&run) || !run.is_power_of_two() {
-            bail!("read_probe: run {run} is not a power of two in 8..=256");
-        }
-        let w = self.alloc_zeroed(items << 20)?;
-        let sink = self.alloc(self.sm_count * 4)?;
-        self.set_max_dynamic_smem("read_probe", 4 * 32 * 1024)?;
-        let secs = self.seconds_per_call(|| {
-            self.launch(
-                "read_probe",
-                (self.sm_count as u32, 1, 1),
-                128,
-                4 * 32 * 1024,
-                &[
-                    Arg::Ptr(w.ptr),
-                    Arg::I(items as i32),
-                    Arg::I(run as i32),
-                    Arg::Ptr(sink.ptr),
-                ],
-            )
-        })?;
-        Ok((items << 20) as f64 / secs)
-    }
-
-    /// How fast a burst of `bytes` of weight reads comes from DRAM (`window_probe`, misc.cu:
-    /// one block an SM, contiguous shares, at most `depth` 32 KiB stages in flight a block),
-    /// timed inside the kernel from the first block's start to the last block's end, so without
-    /// the launch's latency. Each of `reps` launches reads another part of `buf` (so nothing is
-    /// in L2 from the one before); returns the median (seconds to the first block's end, seconds
-    /// to the last block's end).
-    pub fn measure_weight_window(
-        &self,
-        buf: &DeviceBuf,
-        bytes: usize,
-        depth: i32,
-        reps: usize,
-    ) -> Result<(f64, f64)> {
-        if !(1..=5).contains(&depth)
-            || bytes == 0
-            || !bytes.is_multiple_of(16)
-            || bytes > buf.bytes
-            || reps == 0
-        {
-            bail!(
-                "window_probe: depth {depth} (1-5), {bytes} bytes (16-byte multiple, at most the buffer's {}), {reps} repetitions (at least 1)",
-                buf.bytes
-            );
-        }
-        let g = self.sm_count;
-        let sink = self.alloc(g * 4)?;
-        let times = self.alloc(g * 16)?;
-        self.set_max_dynamic_smem("window_probe", 6 * 32 * 1024)?;
-        let slots = (buf.bytes / bytes).max(1);
-        let mut first = Vec::new();
-        let mut last = Vec::new();
-        for r in 0..reps + 1 {
-            let off = (r % slots) * bytes;
-            self.launch(
-                "window_probe",
-                (g as u32, 1, 1),
-                256,
-                6 * 32 * 1024,
-                &[
-                    Arg::Ptr(buf.ptr + off as u64),
-                    Arg::U((bytes / 16) as u64),
-                    Arg::I(depth),
-                    Arg::Ptr(sink.ptr),
-                    Arg::Ptr(times.ptr),
-                ],
-            )?;
-            self.sync()?;
-            let mut t = vec![0u64; 2 * g];
-            self.copy_to_host(times.ptr, &mut t)?;
-            if r == 0 {
-                continue; // the first launch loads the module's code and warms the clocks
-            }
-            let start = t.iter().step_by(2).min().copied().unwrap_or(0);
-            let end_first = t.iter().skip(1).step_by(2).min().copied().unwrap_or(0);
-            let end_last = t.iter().skip(1).step_by(2).max().copied().unwrap_or(0);
-            first.push(end_first.saturating_sub(start) as f64 * 1e-9);
-            last.push(end_last.saturating_sub(start) as f64 * 1e-9);
-        }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(|a, b| a.total_cmp(b));
-            v[v.len() / 2]
-        };
-        Ok((median(&mut first), median(&mut last)))
-    }
-
-    /// Seconds per grid-wide barrier (`grid_barrier_probe`, misc.cu) over `blocks` resident
-    /// blocks of 128 threads and `rounds` barriers a launch, and whether every one held (no
-    /// block saw another's store of the round missing, and all arrivals were counted).
-    pub fn measure_grid_barrier(&self, blocks: usize, rounds: usize) -> Result<(f64, bool)> {
-        let arrived = self.alloc_zeroed(4)?;
-        let seen = self.alloc_zeroed(blocks * 4)?;
-        let bad = self.alloc_zeroed(4)?;
-        let run = || {
-            self.memset_zero(arrived.ptr, 4)?;
-            self.memset_zero(seen.ptr, blocks * 4)?;
-            self.launch(
-                "grid_barrier_probe",
-                (blocks as u32, 1, 1),
-                128,
-                0,
-                &[
-                    Arg::Ptr(arrived.ptr),
-                    Arg::Ptr(seen.ptr),
-                    Arg::Ptr(bad.ptr),
-                    Arg::I(rounds as i32),
-                ],
-            )
-        };
-        let secs = self.seconds_per_call(run)?;
-        let (mut a, mut b) = ([0u32], [0u32]);
-        self.copy_to_host(arrived.ptr, &mut a)?;
-        self.copy_to_host(bad.ptr, &mut b)?;
-        Ok((
-            secs / rounds as f64,
-            b[0] == 0 && a[0] as usize == rounds * blocks,
-        ))
-    }
-
-    /// Device-to-device copy bandwidth (bytes read + written per second) over `bytes`.
-    pub fn measure_copy_bandwidth(&self, bytes: usize) -> Result<f64> {
-        let a = self.alloc_zeroed(bytes)?;
-        let b = self.alloc(bytes)?;
-        let n16 = (bytes / 16) as u64;
-        let secs = self.seconds_per_call(|| {
-            self.launch(
-                "copy_probe",
-                (132 * 8, 1, 1),
-                512,
-                0,
-                &[Arg::Ptr(a.ptr), Arg::Ptr(b.ptr), Arg::U(n16)],
-            )
-        })?;
-        Ok(2.0 * bytes as f64 / secs)
-    }
-
-    /// Wall time of one `launch` (enqueues on the main stream), after a warm-up call: the mean
-    /// of 10 back to back.
-    fn seconds_per_call(&self, launch: impl Fn() -> Result<()>) -> Result<f64> {
-        launch()?;
-        self.sync()?;
-        let reps = 10;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps {
-            launch()?;
-        }
-        self.sync()?;
-        Ok(t0.elapsed().as_secs_f64() / reps as f64)
-    }
-}
-
-/// `KESTREL_SKIP=name[:grid_x],...`: kernels that are not launched, a measuring aid (Nsight
-/// Systems does not run on the H200 machine): a decode step's time with and without one kernel
-/// is its cost on the step's critical path, with the overlap that graphs and programmatic
-/// dependent launch give. The outputs are wrong while it is set, and a line on stderr says so.
-fn skip_launch(name: &str, grid_x: u32) -> bool {
-    static SKIP: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    let skip = SKIP.get_or_init(|| {
-        let list: Vec<String> = std::env::var("KESTREL_SKIP")
-            .map(|v| {
-                v.split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect()
-            })
-            .unwrap_or_default();
-        if !list.is_empty() {
-            eprintln!(
-                "KESTREL_SKIP={}: these kernels are not launched; outputs are wrong (timing only)",
-                list.join(",")
-            );
-        }
-        list
-    });
-    !skip.is_empty()
-        && skip.iter().any(|s| {
-            s == name
-                || s.strip_prefix(name).and_then(|g| g.strip_prefix(':'))
-                    == Some(&grid_x.to_string())
-        })
 }
 
 #[cfg(test)]

@@ -86,3 +86,31 @@ pub fn norm_rel_err(a: &[f32], b: &[f32]) -> f64 {
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den).sqrt()
 }
+
+/// The GPU, or None (with the reason printed) where none is usable: only a missing GPU or
+/// driver skips; a kernel or cuBLAS failure on a GPU machine fails.
+pub fn gpu() -> Option<std::sync::Arc<kestrel::cuda::Gpu>> {
+    match kestrel::cuda::Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) if e.to_string().starts_with("CUDA is not available") => {
+            println!("SKIPPED: no usable GPU: {e:#}");
+            None
+        }
+        Err(e) => panic!("GPU present but unusable: {e:#}"),
+    }
+}
+
+/// Seeded numbers in [-1, 1).
+pub struct Lcg(pub u64);
+impl Lcg {
+    pub fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| scale * self.next()).collect()
+    }
+}

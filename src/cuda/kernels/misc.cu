@@ -1,4 +1,4 @@
-// Embedding gather, greedy argmax, casts and seeded random fill.
+// Embedding gather, casts, seeded random fill and the memory-bandwidth probes.
 
 extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const int* __restrict__ ids,
                                         float* __restrict__ out, int d) {
@@ -75,60 +75,4 @@ extern "C" __global__ void __launch_bounds__(128) read_probe(const uint4* __rest
     cp_async_wait_all();
     __syncthreads();
     if (tid == 0) xs_out[blockIdx.x] = probe_smem[0].x ^ probe_smem[4095].y;
-}
-
-// Weight-window probe: how fast a short burst of weight reads (a decode kernel's 10-50 MB) can
-// come from DRAM at best. One 256-thread block an SM streams its contiguous share of n16 16-byte
-// chunks through a 6-stage ring of 32 KiB cp.async stages with at most `depth` (1-5) stages in
-// flight; nothing consumes them. Thread 0 of each block writes %globaltimer at its start and after
-// its last copy landed into times[2 block], times[2 block + 1], so the host sees the window from
-// the first block's start to the last block's end without the launch's own latency.
-extern "C" __global__ void __launch_bounds__(256) window_probe(const uint4* __restrict__ w, u64 n16, int depth,
-                                                               unsigned* __restrict__ sink, u64* __restrict__ times) {
-    extern __shared__ __align__(16) uint4 probe_smem[];  // [6][2048]
-    u64 t0, t1;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    const u64 lo = n16 * blockIdx.x / gridDim.x, hi = n16 * (blockIdx.x + 1) / gridDim.x;
-    unsigned it = 0;
-    for (u64 c = lo; c < hi; c += 2048, it++) {
-        uint4* st = probe_smem + (it % 6) * 2048;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const u64 i = c + threadIdx.x + 256 * j;
-            cp_async16(st + threadIdx.x + 256 * j, w + (i < hi ? i : lo), i < hi);
-        }
-        cp_async_commit();
-        cp_async_wait_dyn(depth - 1);
-    }
-    cp_async_wait_all();
-    __syncthreads();
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-    if (threadIdx.x == 0) {
-        times[2 * blockIdx.x] = t0;
-        times[2 * blockIdx.x + 1] = t1;
-        sink[blockIdx.x] = probe_smem[0].x ^ probe_smem[2048 * 6 - 1].y;
-    }
-}
-
-// Grid-wide barrier probe, for the question a persistent decode kernel raises: what one barrier
-// across every SM costs. Every block must be resident (the host launches one wave of small
-// blocks). Per round: thread 0 of each block stores the round into seen[block], arrives on
-// `arrived` (fence, then atomic add) and spins with acquire loads until all gridDim.x blocks
-// have arrived; then the block checks that every block's store of this round is visible,
-// counting misses into `bad`. After `rounds` rounds, arrived = rounds * gridDim.x.
-extern "C" __global__ void grid_barrier_probe(unsigned* arrived, unsigned* seen, unsigned* bad, int rounds) {
-    const unsigned n = gridDim.x;
-    for (unsigned r = 1; r <= (unsigned)rounds; r++) {
-        if (threadIdx.x == 0) {
-            seen[blockIdx.x] = r;
-            __threadfence();
-            atomicAdd(arrived, 1u);
-            while (ld_acquire_gpu(arrived) < r * n) {
-            }
-        }
-        __syncthreads();
-        for (unsigned b = threadIdx.x; b < n; b += blockDim.x)
-            if (ld_acquire_gpu(seen + b) < r) atomicAdd(bad, 1u);
-        __syncthreads();
-    }
 }

@@ -1,0 +1,237 @@
+// The decode GEMVs' building blocks (gemv.cu, and the MoE's moe_gemv and decode kernels).
+
+// ---- Decode GEMV machinery: a warp owns R weight rows, each lane streams 16-byte vectors
+// c = lane + 32*j of them. With VPL (vectors per lane) known at compile time, all R*VPL loads
+// are issued before the input is staged, so the staging latency hides behind the weight fetch.
+
+// Output rows per 256-thread block of the decode GEMVs (the host uses the same rule): two rows
+// per warp up to k = 2048, a warp pair per row (each half of k) at k = 4096, else a row per warp.
+// whole_rows: k = 4096 as a warp per whole row (8 rows a block) instead of two warps per row.
+__host__ __device__ __forceinline__ int gemv_rows_per_block(int k, bool whole_rows = false) {
+    return k <= 2048 ? 16 : k == 4096 ? (whole_rows ? 8 : 4) : 8;
+}
+
+template <int R, int VPL>
+__device__ __forceinline__ void load_rows(uint4 (&v)[R][VPL], const bf16* const* row) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++)
+#pragma unroll
+        for (int j = 0; j < VPL; j++)
+            v[q][j] = row[q] ? __ldg(reinterpret_cast<const uint4*>(row[q]) + lane + 32 * j) : make_uint4(0, 0, 0, 0);
+}
+
+// Per-lane partial dots of loaded rows with the input staged in shared memory as bf16 (xb:
+// 16-byte words of 8; not yet summed over the warp). A lane reads word lane + 32 j once for
+// all R rows: 4 shared-memory wavefronts a warp, where f32 staging took 16 (two 16-byte reads
+// at a 32-byte stride, 2-way bank conflicts), which bounded the short GEMVs' dot phase.
+template <int R, int VPL>
+__device__ __forceinline__ void dot_rows(const uint4 (&v)[R][VPL], const uint4* xb, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        const X8 x = unpack8(xb[lane + 32 * j]);
+#pragma unroll
+        for (int q = 0; q < R; q++) acc[q] += dot8(v[q][j], x);
+    }
+}
+
+// dot_rows for any k (% 8 == 0) with the bf16-staged input: the runtime-length fallback.
+template <int R>
+__device__ __forceinline__ void dot_rows_any(const bf16* const* row, const uint4* xb, int k, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+    for (int c = lane; c < (k >> 3); c += 32) {
+        const X8 x = unpack8(xb[c]);
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (row[q]) acc[q] += dot8(__ldg(reinterpret_cast<const uint4*>(row[q]) + c), x);
+    }
+}
+
+// Per-lane partial dots of loaded rows with f32 inputs xs (not yet summed over the warp).
+template <int R, int VPL>
+__device__ __forceinline__ void dot_rows(const uint4 (&v)[R][VPL], const float* xs, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+        acc[q] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VPL; j++) acc[q] += dot8(v[q][j], xs + (lane + 32 * j) * 8);
+    }
+}
+
+// Per-lane partial dots for any k (% 8 == 0): the runtime-length fallback.
+template <int R>
+__device__ __forceinline__ void dot_rows_any(const bf16* const* row, const float* xs, int k, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+    for (int c = lane; c < (k >> 3); c += 32) {
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (row[q]) acc[q] += dot8(__ldg(reinterpret_cast<const uint4*>(row[q]) + c), xs + c * 8);
+    }
+}
+
+// Stage a bf16 vector of k values (k % 8 == 0) into shared memory as it is (xb: 16-byte words
+// of 8), then a block barrier.
+__device__ __forceinline__ void stage_bf16(uint4* xb, const bf16* __restrict__ x, int k) {
+    for (int c = threadIdx.x; c < (k >> 3); c += blockDim.x) xb[c] = reinterpret_cast<const uint4*>(x)[c];
+    __syncthreads();
+}
+
+// Copies the RMSNorm weight w [k] into shared memory `ws` with cp.async, to be issued before
+// griddep_wait (weights are immutable), so that the weight's trip to DRAM is not on the critical
+// path after the wait (the decode timeline showed it there). Returns ws, or null when k % 4 != 0
+// (stage_rmsnorm then reads w itself).
+__device__ __forceinline__ float* preload_norm(float* ws, const float* __restrict__ w, int k) {
+    if (k & 3) return nullptr;
+    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) cp_async16(ws + 4 * c, w + 4 * c, true);
+    cp_async_commit();
+    return ws;
+}
+
+// Float4 c of the RMSNorm's output: bf16(h * inv * (1 + w)) into xb (and xb_out if given).
+__device__ __forceinline__ void rmsnorm_put(uint4* xb, bf16* __restrict__ xb_out, int c, float4 v, const float* wn,
+                                            float inv) {
+    const float4 g = reinterpret_cast<const float4*>(wn)[c];
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y));
+    __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w));
+    uint2 o;
+    o.x = *reinterpret_cast<unsigned*>(&lo);
+    o.y = *reinterpret_cast<unsigned*>(&hi);
+    reinterpret_cast<uint2*>(xb)[c] = o;
+    if (xb_out) reinterpret_cast<uint2*>(xb_out)[c] = o;
+}
+
+// Stage the zero-centred RMSNorm (1 + w) of the f32 residual h into shared memory as bf16 (xb,
+// k % 8 == 0; every GEMM input is rounded to bf16); `xb_out` (may be null) also receives it.
+// h is read twice (the sum of squares, then the scaling), not kept in registers: the GEMVs
+// hold their weight rows in registers across this. The weight comes from `ws` when
+// preload_norm put it there (this thread's copies are waited for here; the block barrier in
+// block_sum makes all of them visible), else from w. Ends with a block barrier.
+// ws_pending: cp.async groups this thread committed after preload_norm's, which may stay in
+// flight (gemv_dec_stream's first weight stages).
+__device__ __forceinline__ void stage_rmsnorm(uint4* xb, const float* __restrict__ h, const float* __restrict__ w,
+                                              int k, float eps, bf16* __restrict__ xb_out, const float* ws,
+                                              int ws_pending = 0) {
+    if (ws) cp_async_wait_dyn(ws_pending);
+    const float4* h4 = reinterpret_cast<const float4*>(h);
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x) {
+        const float4 v = h4[c];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    const float inv = rsqrtf(block_sum(ss) / k + eps);
+    for (int c = threadIdx.x; c < (k >> 2); c += blockDim.x)
+        rmsnorm_put(xb, xb_out, c, h4[c], ws ? ws : w, inv);  // h again: an L1 hit
+    __syncthreads();
+}
+
+// stage_rmsnorm with this thread's float4s of h already loaded (hv[u] = h4[threadIdx.x + u *
+// blockDim.x]; k = 4 * HV * blockDim.x), so that their loads could be issued before anything
+// else the kernel requests after its wait.
+template <int HV>
+__device__ __forceinline__ void stage_rmsnorm_held(uint4* xb, const float4 (&hv)[HV], const float* __restrict__ w,
+                                                   int k, float eps, bf16* __restrict__ xb_out, const float* ws) {
+    if (ws) cp_async_wait_all();
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < HV; u++) ss += hv[u].x * hv[u].x + hv[u].y * hv[u].y + hv[u].z * hv[u].z + hv[u].w * hv[u].w;
+    const float inv = rsqrtf(block_sum(ss) / k + eps);
+#pragma unroll
+    for (int u = 0; u < HV; u++) rmsnorm_put(xb, xb_out, threadIdx.x + u * blockDim.x, hv[u], ws ? ws : w, inv);
+    __syncthreads();
+}
+
+// Stage the decode GEMV input into shared memory as bf16 (xb): the bf16 vector x, or (x null)
+// RMSNorm(h) with weight nw, preloaded into ws (the GEMVs' smem is 2k floats: the input in the
+// first k, the weight in the second).
+__device__ __forceinline__ void stage_input(uint4* xb, const bf16* __restrict__ x, const float* __restrict__ h,
+                                            const float* __restrict__ nw, int k, float eps, bf16* __restrict__ xb_out,
+                                            const float* ws, int ws_pending = 0) {
+    if (x) stage_bf16(xb, x, k);
+    else stage_rmsnorm(xb, h, nw, k, eps, xb_out, ws, ws_pending);
+}
+
+template <int R, int VPL>
+__device__ __forceinline__ void block_gemv_fixed(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                                 const bf16* x, const float* h, const float* nw, float eps,
+                                                 bf16* xb_out, float* xs, float* __restrict__ y, float beta) {
+    int lane = threadIdx.x & 31, r0 = row0 + (threadIdx.x >> 5) * R;
+    const bf16* rows[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) rows[q] = r0 + q < n ? w + (size_t)(r0 + q) * k : nullptr;
+    constexpr int NV = VPL > 0 ? VPL : 1;  // VPL 0: runtime-length fallback, nothing preloaded
+    uint4* xb = reinterpret_cast<uint4*>(xs);  // the input as bf16
+    uint4 v[R][NV];
+    if (VPL > 0) load_rows<R, NV>(v, rows);
+    if (!staged) {
+        const float* ws = x ? nullptr : preload_norm(xs + k, nw, k);
+        griddep_wait();
+        stage_input(xb, x, h, nw, k, eps, xb_out, ws);
+        TRACE_PHASE(0);  // the timeline's phases: input staged, dot products done
+    }
+    float acc[R];
+    if (VPL > 0) dot_rows<R, NV>(v, xb, acc);
+    else dot_rows_any<R>(rows, xb, k, acc);
+    TRACE_PHASE(1);
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+        float a = warp_sum(acc[q]);
+        if (lane == q && r0 + q < n) y[r0 + q] = beta == 0.0f ? a : beta * y[r0 + q] + a;
+    }
+}
+
+// k = 4096: warps 2i and 2i+1 take the two halves of row row0 + i (8 vectors per lane each),
+// which doubles the blocks of a short, wide matrix (the out-projections); halves meet in smem.
+__device__ __forceinline__ void block_gemv_split2(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                                  const bf16* x, const float* h, const float* nw, float eps,
+                                                  bf16* xb_out, float* xs, float* __restrict__ y, float beta) {
+    __shared__ float halves[8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = row0 + (warp >> 1), half = warp & 1;
+    const bf16* rows[1] = {r < n ? w + (size_t)r * k + half * (k / 2) : nullptr};
+    uint4 v[1][8];
+    load_rows<1, 8>(v, rows);
+    if (!staged) {
+        const float* ws = x ? nullptr : preload_norm(xs + k, nw, k);
+        griddep_wait();
+        stage_input(reinterpret_cast<uint4*>(xs), x, h, nw, k, eps, xb_out, ws);
+    }
+    float acc[1];
+    dot_rows<1, 8>(v, reinterpret_cast<const uint4*>(xs) + half * (k / 16), acc);
+    float a = warp_sum(acc[0]);
+    if (lane == 0) halves[warp] = a;
+    __syncthreads();
+    if (half == 0 && lane == 0 && r < n) {
+        float t = halves[warp] + halves[warp + 1];
+        y[r] = beta == 0.0f ? t : beta * y[r] + t;
+    }
+    __syncthreads();  // halves reused by the next row group
+}
+
+// y[r] = beta * y[r] + W[r, :] . input for the block's gemv_rows_per_block(k) rows from row0.
+// Unless `staged` (xs already holds it), the input is staged by `stage_input` into xs (k floats
+// of shared memory; 2k with the RMSNorm, whose weight is preloaded into xs + k) after this
+// block's weight rows are in flight and the previous kernel is done (griddep_wait). All
+// threads must call it.
+template <bool WHOLE_ROWS = false>
+__device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, int k, int row0, bool staged,
+                                           const bf16* x, const float* h, const float* nw, float eps, bf16* xb_out,
+                                           float* xs, float* __restrict__ y, float beta) {
+    if (WHOLE_ROWS && k == 4096) return block_gemv_fixed<1, 16>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
+    switch (k) {
+        case 512: block_gemv_fixed<2, 2>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 1024: block_gemv_fixed<2, 4>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 2048: block_gemv_fixed<2, 8>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        case 4096: block_gemv_split2(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta); break;
+        default:
+            if (k <= 2048) block_gemv_fixed<2, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
+            else block_gemv_fixed<1, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
+    }
+}

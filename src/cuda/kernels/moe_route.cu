@@ -1,0 +1,287 @@
+// Sparse MoE, prefill: routing (softmax over all experts, top-k renormalised), a device-side
+// counting sort of (token, slot) pairs by expert (moe_plan, moe_scatter: the rows the grouped
+// GEMM of moe_gemm.cu takes), the few-row moe_gemv, SwiGLU, and the combine with the
+// sigmoid-gated shared expert. The decode step's MoE block is in moe_decode.cu.
+
+// Order-preserving key of a float (larger float, larger unsigned) and back.
+__device__ __forceinline__ unsigned float_key(float f) {
+    unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(unsigned key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Softmax top-k of one router row `r` [e] (in shared memory) by one warp: the k largest logits
+// (first index on ties; they order like the probabilities), their probabilities renormalised
+// over the k, exp(r_i - max) / sum, summed in rank order. For e <= 256 each lane sorts its own
+// 8 values (i = lane + 32 m), then each round takes the best lane head with two integer warp
+// reductions (the key, then the lowest index holding it) and the winner pops its head: no
+// serial scan of the row per round. Wider rows take k rounds of a warp arg-max over the row.
+// k <= 32. Entries past e never win (key 0 is below every float's key).
+__device__ void route_topk_warp(float* r, int e, int k, int* __restrict__ ids, float* __restrict__ wts) {
+    const int lane = threadIdx.x & 31;
+    float my_v = -INFINITY;  // lane kk keeps the kk-th choice
+    int my_id = 0;
+    if (e <= 256) {
+        unsigned key[8], idx[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            int i = lane + 32 * m;
+            key[m] = i < e ? float_key(r[i]) : 0u;
+            idx[m] = i;
+        }
+        // Sort descending by key (ascending index on equal keys: odd-even transposition keeps
+        // equal keys in their original, increasing-index order).
+#pragma unroll
+        for (int pass = 0; pass < 8; pass++)
+#pragma unroll
+            for (int m = pass & 1; m + 1 < 8; m += 2)
+                if (key[m + 1] > key[m]) {
+                    unsigned tk = key[m], ti = idx[m];
+                    key[m] = key[m + 1]; idx[m] = idx[m + 1];
+                    key[m + 1] = tk; idx[m + 1] = ti;
+                }
+        for (int kk = 0; kk < k; kk++) {
+            unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
+            unsigned win = __reduce_min_sync(0xffffffffu, key[0] == best ? idx[0] : 0xffffffffu);
+            if (lane == kk) { my_v = key_float(best); my_id = (int)win; }
+            if (idx[0] == win) {
+#pragma unroll
+                for (int m = 0; m < 7; m++) { key[m] = key[m + 1]; idx[m] = idx[m + 1]; }
+                key[7] = 0u;
+            }
+        }
+    } else {
+        for (int kk = 0; kk < k; kk++) {
+            float best = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int i = lane; i < e; i += 32) {
+                float v = r[i];
+                if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+            }
+            warp_argmax(best, bi);
+            if (lane == kk) { my_v = best; my_id = bi; }
+            if (lane == 0) r[bi] = -INFINITY;
+            __syncwarp();
+        }
+    }
+    const float mx = __shfl_sync(0xffffffffu, my_v, 0);
+    const float p = lane < k ? expf(my_v - mx) : 0.0f;
+    float sum_p = 0.0f;
+    for (int kk = 0; kk < k; kk++) sum_p += __shfl_sync(0xffffffffu, p, kk);
+    if (lane < k) {
+        ids[lane] = my_id;
+        wts[lane] = p / sum_p;
+    }
+}
+
+// Prefill routing, a warp per token, ROUTE_WARPS tokens a block: logits [t, e] -> topk
+// ids/weights [t, k]; counts[e] += 1 a choice (lanes < k each add their own); and the shared
+// expert's gate sigmoid(x . w_sg) for moe_combine. Its loads are issued before the top-k, so
+// both latencies overlap. grid ceil(t / ROUTE_WARPS), block 32 ROUTE_WARPS, smem ROUTE_WARPS e
+// floats. (A block a token, one warp each, ran 8,192 tokens in ~35 us on the H200: two waves of
+// blocks too small for the SMs' block slots.)
+#define ROUTE_WARPS 8
+extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS) moe_route(
+    const float* __restrict__ logits, int e, int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
+    int* __restrict__ counts, const bf16* __restrict__ x, const float* __restrict__ w_sg, float* __restrict__ sgate,
+    int d, int t) {
+    PREFILL_KERNEL();
+    extern __shared__ float route_rows[];  // ROUTE_WARPS x e
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, s = blockIdx.x * ROUTE_WARPS + warp;
+    if (s >= t) return;  // warp-uniform; no block barrier below
+    float* row = route_rows + warp * e;
+    for (int i = lane; i < e; i += 32) row[i] = logits[(size_t)s * e + i];
+    // The shared expert's gate (8 bf16 a load when d allows).
+    const bf16* xs = x + (size_t)s * d;
+    float dot = 0.0f;
+    if ((d & 7) == 0) {
+        for (int c = lane; c < d / 8; c += 32) dot += dot8(reinterpret_cast<const uint4*>(xs)[c], w_sg + 8 * c);
+    } else {
+        for (int i = lane; i < d; i += 32) dot += __bfloat162float(xs[i]) * w_sg[i];
+    }
+    __syncwarp();
+    route_topk_warp(row, e, k, topk_ids + s * k, topk_w + s * k);
+    if (lane < k) atomicAdd(&counts[topk_ids[s * k + lane]], 1);  // the id this lane wrote
+    dot = warp_sum(dot);
+    if (lane == 0) sgate[s] = sigmoid_f(dot);
+}
+
+// One block, a thread per expert (e <= 1024, block e rounded up to 32): exclusive scans of the
+// counts and of the tiles per expert, then each expert writes its own tiles. tiles: (expert,
+// first row in sorted order, rows) for every tile_m rows of every expert.
+extern "C" __global__ void moe_plan(const int* __restrict__ counts, int e, int tile_m,
+                                    int* __restrict__ offsets, int* __restrict__ cursor,
+                                    int* __restrict__ tile_expert, int* __restrict__ tile_row,
+                                    int* __restrict__ tile_rows, int* __restrict__ num_tiles) {
+    PREFILL_KERNEL();
+    __shared__ int warp_rows[32], warp_tiles[32];
+    const int x = threadIdx.x, lane = x & 31, warp = x >> 5;
+    const int c = x < e ? counts[x] : 0, nt = (c + tile_m - 1) / tile_m;
+    int rows = c, tiles = nt;  // inclusive scans within the warp, then over the warps
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int r = __shfl_up_sync(0xffffffffu, rows, o), t = __shfl_up_sync(0xffffffffu, tiles, o);
+        if (lane >= o) rows += r, tiles += t;
+    }
+    if (lane == 31) warp_rows[warp] = rows, warp_tiles[warp] = tiles;
+    __syncthreads();
+    if (warp == 0) {
+        const bool in = lane < (int)(blockDim.x >> 5);
+        int wr = in ? warp_rows[lane] : 0, wt = in ? warp_tiles[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int r = __shfl_up_sync(0xffffffffu, wr, o), t = __shfl_up_sync(0xffffffffu, wt, o);
+            if (lane >= o) wr += r, wt += t;
+        }
+        warp_rows[lane] = wr, warp_tiles[lane] = wt;
+    }
+    __syncthreads();
+    const int off = (warp ? warp_rows[warp - 1] : 0) + rows - c;
+    const int t0 = (warp ? warp_tiles[warp - 1] : 0) + tiles - nt;
+    if (x >= e) return;
+    offsets[x] = off;
+    cursor[x] = off;
+    for (int j = 0; j < nt; j++) {
+        tile_expert[t0 + j] = x;
+        tile_row[t0 + j] = off + j * tile_m;
+        tile_rows[t0 + j] = min(tile_m, c - j * tile_m);
+    }
+    if (x == e - 1) {
+        offsets[e] = off + c;
+        *num_tiles = t0 + nt;
+    }
+}
+
+// Thread per (token, slot): its row in expert-sorted order.
+extern "C" __global__ void moe_scatter(const int* __restrict__ topk_ids, int n, int k, int* __restrict__ cursor,
+                                       int* __restrict__ sorted_token, int* __restrict__ slot_row) {
+    PREFILL_KERNEL();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int row = atomicAdd(&cursor[topk_ids[i]], 1);
+    sorted_token[row] = i / k;
+    slot_row[i] = row;
+}
+
+// Few-row path (short prefill chunks): a block = rows of one (token, slot) product.
+// Row r = token * k + slot reads expert topk_ids[r] and input row (gather_by_k ? r / k : r)
+// of a [*, kdim] bf16; y: f32 [rows, ndim]. grid (rows, ceil(ndim / (gemv_rows_per_block(kdim)))),
+// block 256, smem kdim floats.
+extern "C" __global__ void __launch_bounds__(256) moe_gemv(
+    const bf16* __restrict__ a, int gather_by_k, const int* __restrict__ topk_ids, int k,
+    const bf16* __restrict__ w, float* __restrict__ y, int ndim, int kdim) {
+    extern __shared__ float xs[];
+    int r = blockIdx.x;
+    const bf16* x = a + (size_t)(gather_by_k ? r / k : r) * kdim;
+    const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
+    int row0 = blockIdx.y * gemv_rows_per_block(kdim);
+    block_gemv(wx, ndim, kdim, row0, false, x, nullptr, nullptr, 0.0f, nullptr, xs, y + (size_t)r * ndim, 0.0f);
+}
+
+// act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
+extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int rows, int inter) {
+    size_t n = (size_t)rows * inter;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        size_t r = idx / inter, i = idx % inter;
+        act[idx] = __float2bfloat16(silu_f(gu[r * 2 * inter + i]) * gu[r * 2 * inter + inter + i]);
+    }
+}
+
+// y's row `row`, features [V c, V c + V): one 16-byte load, 4 f32 (V = 4) or 8 bf16 (V = 8, the
+// down product's y from moe_gemm6_m128_bf16), kept raw until combine_fma so that the 8 rows'
+// loads in flight cost 4 registers each.
+template <int V>
+__device__ __forceinline__ uint4 combine_load(const void* __restrict__ y, size_t row, int d, int c) {
+    return __ldg(reinterpret_cast<const uint4*>(y) + row * (d / V) + c);
+}
+// acc[i] += w * y_i for the V features of a raw combine_load, y_i taken as bf16 (f32 values
+// rounded first; bf16 y is already).
+template <int V>
+__device__ __forceinline__ void combine_fma(float (&acc)[V], float w, uint4 u) {
+    const unsigned p[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if constexpr (V == 4) {
+            acc[i] += w * __bfloat162float(__float2bfloat16(__uint_as_float(p[i])));
+        } else {
+            acc[2 * i] += w * __uint_as_float(p[i] << 16);
+            acc[2 * i + 1] += w * __uint_as_float(p[i] & 0xffff0000u);
+        }
+    }
+}
+
+// Block per token: h[t] += sum_k w_k * y[slot_row[t,k]] + sgate[t] * ys[t] (sgate: moe_route's
+// shared-expert gates; the routed experts' outputs y are taken as bf16, as transformers' experts
+// return them and the decode step rounds them, whatever y's storage). A thread takes V
+// features at a time (16-byte loads of y: V = 4 for f32 y, d % 4 == 0; V = 8 for bf16 y,
+// d % 8 == 0) with up to 8 of its rows' loads issued together and no block barrier before them:
+// the kernel streams y once and is bound by that, not by round trips. With norm_w, the next layer's input RMSNorm follows on the new row: xb[t] = bf16(h[t] /
+// rms(h[t]) * (1 + norm_w)); for V = 4 the same sums in the same order as rmsnorm_zc_bf16 (which
+// it replaces there), so one pass over h fewer a layer.
+template <int V>
+__device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, const int* __restrict__ slot_row,
+                                                 const float* __restrict__ topk_w, const float* __restrict__ ys,
+                                                 const float* __restrict__ sgate, float* __restrict__ h, int k, int d,
+                                                 const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {
+    const int s = blockIdx.x, dv = d / V;
+    const float gate = sgate[s];
+    const float4* ys4 = reinterpret_cast<const float4*>(ys) + (size_t)s * (d / 4);
+    float4* h4 = reinterpret_cast<float4*>(h) + (size_t)s * (d / 4);
+    float ss = 0.0f;  // the new row's sum of squares, for the RMSNorm
+    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+        float acc[V];
+#pragma unroll
+        for (int i = 0; i < V; i++) acc[i] = 0.0f;
+        for (int k0 = 0; k0 < k; k0 += 8) {
+            uint4 v[8];
+            float wv[8];
+#pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+                if (k0 + kk < k) {
+                    const int i = s * k + k0 + kk;
+                    v[kk] = combine_load<V>(y, (size_t)(slot_row ? slot_row[i] : i), d, c);  // null: rows unsorted
+                    wv[kk] = topk_w[i];
+                }
+#pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+                if (k0 + kk < k) combine_fma<V>(acc, wv[kk], v[kk]);
+        }
+#pragma unroll
+        for (int j = 0; j < V / 4; j++) {
+            const int c4 = c * (V / 4) + j;
+            const float4 sh = ys4[c4];
+            float4 hv = h4[c4];
+            hv.x += acc[4 * j] + gate * sh.x, hv.y += acc[4 * j + 1] + gate * sh.y;
+            hv.z += acc[4 * j + 2] + gate * sh.z, hv.w += acc[4 * j + 3] + gate * sh.w;
+            h4[c4] = hv;
+            ss += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;
+        }
+    }
+    if (!norm_w) return;  // grid-uniform
+    const float inv = rsqrtf(block_sum(ss) / d + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(norm_w);
+    for (int c = threadIdx.x; c < dv; c += blockDim.x)  // the thread's own writes of h4
+#pragma unroll
+        for (int j = 0; j < V / 4; j++) {
+            const int c4 = c * (V / 4) + j;
+            const float4 v = h4[c4], g = w4[c4];
+            reinterpret_cast<uint2*>(xb + (size_t)s * d)[c4] =
+                make_uint2(pack_bf16x2(v.x * inv * (1.0f + g.x), v.y * inv * (1.0f + g.y)),
+                           pack_bf16x2(v.z * inv * (1.0f + g.z), v.w * inv * (1.0f + g.w)));
+        }
+}
+
+// Four blocks an SM at least (64 registers): at 128, two blocks kept too few of y's loads in
+// flight (moe_combine_bf16 237 against moe_combine's 186 us at 8,192 tokens on the H200).
+#define MOE_COMBINE(NAME, YT, V)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 4) NAME(                                                 \
+        const YT* __restrict__ y, const int* __restrict__ slot_row, const float* __restrict__ topk_w,          \
+        const float* __restrict__ ys, const float* __restrict__ sgate, float* __restrict__ h, int k, int d,    \
+        const float* __restrict__ norm_w, bf16* __restrict__ xb, float eps) {                                  \
+        PREFILL_KERNEL();                                                                                      \
+        moe_combine_impl<V>(y, slot_row, topk_w, ys, sgate, h, k, d, norm_w, xb, eps);                         \
+    }
+MOE_COMBINE(moe_combine, float, 4)
+MOE_COMBINE(moe_combine_bf16, bf16, 8)

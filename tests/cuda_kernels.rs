@@ -1,0 +1,788 @@
+//! The CUDA kernels one by one against references (f64 products, the sequential kernels, or
+//! the CPU), at the model's shapes where the tiny fixtures do not reach them. Skips (with the
+//! reason printed) where no usable GPU exists; run on the H200 by `scripts/gpu_check.sh`.
+//! Timing lives in `kestrel bench`, not here.
+
+use kestrel::cuda::attention::{FlashCall, QPrep};
+use kestrel::cuda::gdn::{ConvRows, DeltaBufs, GdnShape};
+use kestrel::cuda::moe::{self, Grouped, GroupedOut, MoePlan};
+use kestrel::cuda::{Arg, Gpu};
+mod common;
+use common::{Lcg, gpu, norm_rel_err, rel_err};
+
+fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
+    v.iter()
+        .map(|&b| f32::from_bits((b as u32) << 16))
+        .collect()
+}
+
+/// The grouped GEMM (`moe_gemm6`, what prefill's MoE runs) at the model's expert shape (hidden
+/// 2,048, 256 experts of 512, top-8): gate/up with the SwiGLU fused into bf16 act, then down
+/// into f32 y and into bf16 y, all into NaN-filled outputs (a missed row or column fails),
+/// over 4,096 tokens routed ~9:1 from the first expert to the last, 2,048 routed uniformly and
+/// 40 (a few rows an expert: partial tiles). Against f64 products of the same bf16 inputs on a
+/// sample of rows: act within bf16 rounding, y (from the GPU's act) within 1e-4 of its row's
+/// scale, bf16 y bitwise bf16(f32 y); the kernels' item counter back at zero.
+#[test]
+fn moe_grouped_gemm_matches_reference_full_shape() {
+    let Some(gpu) = gpu() else { return };
+    for (t, skewed) in [(4096, true), (2048, false), (40, false)] {
+        moe_grouped_case(&gpu, t, skewed);
+    }
+}
+
+/// One chunk of `t` tokens for [`moe_grouped_gemm_matches_reference_full_shape`].
+fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool) {
+    let (d, i, e, k) = (2048usize, 512usize, 256usize, 8usize);
+    let rows = t * k;
+    let mut rng = Lcg(23 + t as u64);
+    let weight: Vec<f32> = (0..e)
+        .map(|x| {
+            if skewed {
+                1.0 / (1.0 + x as f32 / 32.0)
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let total: f32 = weight.iter().sum();
+    let (mut topk, mut counts) = (Vec::with_capacity(rows), vec![0i32; e]);
+    for _ in 0..t {
+        let mut chosen: Vec<usize> = Vec::with_capacity(k);
+        while chosen.len() < k {
+            let mut u = (rng.next() + 1.0) * 0.5 * total;
+            let mut x = 0;
+            while x + 1 < e && u >= weight[x] {
+                u -= weight[x];
+                x += 1;
+            }
+            if !chosen.contains(&x) {
+                chosen.push(x);
+            }
+        }
+        for &x in &chosen {
+            topk.push(x as i32);
+            counts[x] += 1;
+        }
+    }
+    let max_tiles = moe::max_tiles(rows, e);
+    let i32buf = |n: usize| gpu.alloc(n * 4).unwrap();
+    let (counts_d, topk_d) = (gpu.upload(&counts).unwrap(), gpu.upload(&topk).unwrap());
+    let (offsets, cursor, num_tiles) = (i32buf(e + 1), i32buf(e), i32buf(1));
+    // the kernels' item counter: zero before the first launch, and each leaves it at zero
+    let claim = i32buf(1);
+    gpu.memset_zero(claim.ptr, 4).unwrap();
+    let (tile_expert, tile_row, tile_rows) =
+        (i32buf(max_tiles), i32buf(max_tiles), i32buf(max_tiles));
+    let (sorted_token, slot_row) = (i32buf(rows), i32buf(rows));
+    let plan = MoePlan {
+        counts: counts_d.ptr,
+        offsets: offsets.ptr,
+        cursor: cursor.ptr,
+        tile_expert: tile_expert.ptr,
+        tile_row: tile_row.ptr,
+        tile_rows: tile_rows.ptr,
+        num_tiles: num_tiles.ptr,
+        claim: claim.ptr,
+    };
+    let random_bf16 = |n: usize, seed: u64, std: f32| {
+        let b = gpu.alloc(n * 2).unwrap();
+        gpu.fill_random(b.ptr, n, false, seed, 0.0, std).unwrap();
+        b
+    };
+    let xb = random_bf16(t * d, 1, 1.0);
+    let w_gu = random_bf16(e * 2 * i * d, 2, 1.0 / (d as f32).sqrt());
+    let w_down = random_bf16(e * d * i, 3, 1.0 / (i as f32).sqrt());
+    gpu.moe_plan(&plan, e, moe::TILE_M).unwrap();
+    gpu.moe_scatter(
+        topk_d.ptr,
+        rows,
+        k,
+        cursor.ptr,
+        sorted_token.ptr,
+        slot_row.ptr,
+    )
+    .unwrap();
+    let nan_bf16 = |n: usize| gpu.upload(&vec![0x7fc0u16; n]).unwrap();
+    let (act, y16) = (nan_bf16(rows * i), nan_bf16(rows * d));
+    let y = gpu.upload(&vec![f32::NAN; rows * d]).unwrap();
+    let gate_up = Grouped {
+        a: xb.ptr,
+        gather: sorted_token.ptr,
+        w: w_gu.ptr,
+        out: act.ptr,
+        ndim: 2 * i,
+        kdim: d,
+    };
+    let down = |out: u64| Grouped {
+        a: act.ptr,
+        gather: 0,
+        w: w_down.ptr,
+        out,
+        ndim: d,
+        kdim: i,
+    };
+    gpu.moe_grouped(GroupedOut::SwiGlu, &plan, rows, e, &gate_up, false)
+        .unwrap();
+    gpu.moe_grouped(GroupedOut::F32, &plan, rows, e, &down(y.ptr), false)
+        .unwrap();
+    gpu.moe_grouped(GroupedOut::Bf16, &plan, rows, e, &down(y16.ptr), false)
+        .unwrap();
+    let u16s = |b: &kestrel::cuda::DeviceBuf, n: usize| {
+        let mut v = vec![0u16; n];
+        gpu.copy_to_host(b.ptr, &mut v).unwrap();
+        v
+    };
+    let i32s = |b: &kestrel::cuda::DeviceBuf, n: usize| {
+        let mut v = vec![0i32; n];
+        gpu.copy_to_host(b.ptr, &mut v).unwrap();
+        v
+    };
+    let act_h = bf16_to_f32(&u16s(&act, rows * i));
+    let y16_h = bf16_to_f32(&u16s(&y16, rows * d));
+    let mut y_h = vec![0f32; rows * d];
+    gpu.copy_to_host(y.ptr, &mut y_h).unwrap();
+    assert!(
+        act_h
+            .iter()
+            .chain(&y_h)
+            .chain(&y16_h)
+            .all(|x| x.is_finite()),
+        "t {t}: an output element was not written"
+    );
+    let rounded = kestrel::ops::gemm::round_bf16(&y_h);
+    assert!(
+        y16_h
+            .iter()
+            .zip(&rounded)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "t {t}: bf16 y != bf16(f32 y)"
+    );
+    assert_eq!(
+        i32s(&claim, 1)[0],
+        0,
+        "t {t}: the item counter was left set"
+    );
+    // f64 references on a sample of the sorted rows (their tokens and experts from the plan)
+    let (x_h, gu_h, dn_h) = (
+        u16s(&xb, t * d),
+        u16s(&w_gu, e * 2 * i * d),
+        u16s(&w_down, e * d * i),
+    );
+    let bf = |b: u16| f64::from(half::bf16::from_bits(b).to_f32());
+    let (sorted, offs) = (i32s(&sorted_token, rows), i32s(&offsets, e + 1));
+    let (mut act_err, mut y_err) = (0f64, 0f64);
+    let (mut act_got, mut act_want) = (Vec::new(), Vec::new());
+    for j in 0..97 {
+        let r = if j == 96 { rows - 1 } else { j * 7919 % rows };
+        let tok = sorted[r] as usize;
+        let x = offs.partition_point(|&o| o as usize <= r) - 1;
+        assert!(
+            (offs[x] as usize..offs[x + 1] as usize).contains(&r) && tok < t,
+            "t {t}: row {r}'s plan"
+        );
+        let xr = &x_h[tok * d..][..d];
+        let dot = |w: &[u16]| -> f64 { xr.iter().zip(w).map(|(a, b)| bf(*a) * bf(*b)).sum() };
+        let want: Vec<f64> = (0..i)
+            .map(|c| {
+                let g = dot(&gu_h[(x * 2 * i + c) * d..][..d]);
+                let u = dot(&gu_h[(x * 2 * i + i + c) * d..][..d]);
+                g / (1.0 + (-g).exp()) * u
+            })
+            .collect();
+        let got = &act_h[r * i..][..i];
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+        for (g, w) in got.iter().zip(&want) {
+            act_err = act_err.max((f64::from(*g) - w).abs() / scale);
+        }
+        act_got.extend_from_slice(got);
+        act_want.extend(want.iter().map(|&v| v as f32));
+        let want_y: Vec<f64> = (0..d)
+            .map(|c| {
+                let w = &dn_h[(x * d + c) * i..][..i];
+                got.iter().zip(w).map(|(a, b)| f64::from(*a) * bf(*b)).sum()
+            })
+            .collect();
+        let scale = want_y.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+        for (g, w) in y_h[r * d..][..d].iter().zip(&want_y) {
+            y_err = y_err.max((f64::from(*g) - w).abs() / scale);
+        }
+    }
+    let act_norm = norm_rel_err(&act_got, &act_want);
+    println!(
+        "t {t} ({}): act vs f64 max {act_err:.2e} of the row scale, norm {act_norm:.2e}; y max {y_err:.2e}",
+        if skewed { "skewed" } else { "uniform" }
+    );
+    assert!(
+        act_err <= 1e-2 && act_norm <= 3e-3,
+        "t {t}: act {act_err} {act_norm}"
+    );
+    assert!(y_err <= 1e-4, "t {t}: y {y_err}");
+}
+
+/// Inputs of a delta-rule call as the conv and gates leave them: q and k heads L2-normalised
+/// (q times dk^-1/2), v in [-1, 1], g in [-a_j, 0] with a_j from ~0 (slow decay, the state
+/// carries across chunks) to 5 over the value heads, β in (0, 1); a nonzero initial state.
+/// Returns (qkv, g, beta, state).
+fn delta_inputs(sh: &GdnShape, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut rng = Lcg(seed);
+    let (c, dk, hv) = (sh.channels(), sh.dk, sh.hv);
+    let mut qkv = rng.vec(sh.t * c, 1.0);
+    for row in qkv.chunks_exact_mut(c) {
+        for (h, x) in row[..2 * sh.hk * dk].chunks_exact_mut(dk).enumerate() {
+            let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
+            let scale = if h < sh.hk {
+                1.0 / (dk as f32).sqrt()
+            } else {
+                1.0
+            };
+            x.iter_mut().for_each(|v| *v *= scale / norm);
+        }
+    }
+    let mut g = Vec::with_capacity(sh.t * hv);
+    for _ in 0..sh.t {
+        for j in 0..hv {
+            let a = 5.0 * ((j + 1) as f32 / hv as f32).powi(3);
+            g.push(-a * 0.5 * (rng.next() + 1.0));
+        }
+    }
+    let beta = (0..sh.t * hv).map(|_| 0.5 + 0.49 * rng.next()).collect();
+    let state = rng.vec(hv * dk * sh.dv, 0.5);
+    (qkv, g, beta, state)
+}
+
+/// (o, final state) of one delta-rule call on the GPU, chunked or token by token; o starts as
+/// NaN so that a row the kernels miss shows.
+fn run_delta(
+    gpu: &Gpu,
+    sh: &GdnShape,
+    inputs: &(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>),
+    chunked: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let (qkv, g, beta, state) = inputs;
+    let (qkv, g, beta, state) = (
+        gpu.upload(qkv).unwrap(),
+        gpu.upload(g).unwrap(),
+        gpu.upload(beta).unwrap(),
+        gpu.upload(state).unwrap(),
+    );
+    let o = gpu.upload(&vec![f32::NAN; sh.t * sh.hv * sh.dv]).unwrap();
+    let scratch = gpu.alloc(sh.chunk_scratch_floats() * 4).unwrap();
+    let bufs = DeltaBufs {
+        qkv: qkv.ptr,
+        g: g.ptr,
+        beta: beta.ptr,
+        state: state.ptr,
+        o: o.ptr,
+    };
+    if chunked {
+        gpu.gdn_delta_chunked(sh, &bufs, scratch.ptr).unwrap();
+    } else {
+        gpu.gdn_delta_recurrent(sh, &bufs).unwrap();
+    }
+    let mut o_h = vec![0f32; sh.t * sh.hv * sh.dv];
+    let mut s_h = vec![0f32; sh.hv * sh.dk * sh.dv];
+    gpu.copy_to_host(o.ptr, &mut o_h).unwrap();
+    gpu.copy_to_host(state.ptr, &mut s_h).unwrap();
+    (o_h, s_h)
+}
+
+/// The full model's GDN shape (16 key and 32 value heads of 128) over `t` tokens.
+fn model_gdn_shape(t: usize) -> GdnShape {
+    GdnShape {
+        t,
+        hk: 16,
+        hv: 32,
+        dk: 128,
+        dv: 128,
+    }
+}
+
+/// The chunked delta-rule kernels against the token-by-token kernel on the same inputs, both
+/// f32 (`gdn_chunk_state`'s tensor-core products are split 3xTF32, f32-level; at dk = 128
+/// `gdn_chunk_state_t64`'s 3xBF16, ~1e-5-level, within the same 1e-4 bound): at the full
+/// model's head dims (dk = dv = 128, 16 key and 32 value heads) over 300 tokens (a partial
+/// last chunk) and 2 tokens, and at the fixtures' and other small dims.
+#[test]
+fn gdn_chunked_kernel_matches_recurrent() {
+    let Some(gpu) = gpu() else { return };
+    let shape = |t, hk, hv, dk, dv| GdnShape { t, hk, hv, dk, dv };
+    for sh in [
+        model_gdn_shape(300),
+        model_gdn_shape(2),
+        shape(64, 2, 4, 64, 64),
+        shape(130, 4, 8, 32, 48),
+        shape(150, 4, 8, 32, 32),
+        shape(37, 2, 4, 16, 24),
+    ] {
+        assert!(sh.chunked_fits(gpu.max_smem_per_block), "{sh:?}");
+        let inputs = delta_inputs(&sh, 42 + sh.t as u64);
+        let (o_r, s_r) = run_delta(&gpu, &sh, &inputs, false);
+        let (o_c, s_c) = run_delta(&gpu, &sh, &inputs, true);
+        let (eo, es) = (rel_err(&o_c, &o_r), rel_err(&s_c, &s_r));
+        let pass = if sh.dk == 128 {
+            "Sᵀ-register 3xBF16"
+        } else {
+            "3xTF32 mma.sync"
+        };
+        println!(
+            "{sh:?} ({pass} state pass): chunked vs recurrent o max {eo:.2e} norm {:.2e}, state max {es:.2e} norm {:.2e}",
+            norm_rel_err(&o_c, &o_r),
+            norm_rel_err(&s_c, &s_r)
+        );
+        assert!(o_c.iter().chain(&s_c).all(|x| x.is_finite()), "{sh:?}");
+        assert!(eo <= 1e-4 && es <= 1e-4, "{sh:?}: o {eo} state {es}");
+        assert!(
+            rel_err(&s_r, &inputs.3) > 1e-2,
+            "{sh:?}: the state did not move"
+        );
+    }
+}
+
+/// The token-parallel prefill conv (SiLU and q/k norm fused, state advanced by a second
+/// kernel) against the sequential conv and norm kernels, including calls shorter than the
+/// conv's history; the same sums in the same order, so equal up to the last bits. The inputs
+/// in rows wider than the channels (the whole in-projection's output, as prefill has them)
+/// where `pad` > 0.
+#[test]
+fn gdn_conv_prefill_matches_sequential() {
+    let Some(gpu) = gpu() else { return };
+    let kern = 4;
+    for (t, hk, hv, dk, dv, pad) in [
+        (2, 16, 32, 128, 128, 4160),
+        (300, 16, 32, 128, 128, 4160),
+        (300, 16, 32, 128, 128, 0),
+        (1, 2, 4, 16, 24, 0),
+        (5, 2, 4, 16, 24, 13),
+        (70, 4, 8, 32, 32, 0),
+    ] {
+        let sh = GdnShape { t, hk, hv, dk, dv };
+        let c = sh.channels();
+        let mut rng = Lcg(t as u64 + 7);
+        let (p, w, st0) = (
+            gpu.upload(&rng.vec(t * (c + pad), 2.0)).unwrap(),
+            gpu.upload(&rng.vec(c * kern, 1.0)).unwrap(),
+            rng.vec((kern - 1) * c, 2.0),
+        );
+        let run = |prefill: bool| {
+            let st = gpu.upload(&st0).unwrap();
+            let out = gpu.alloc(t * c * 4).unwrap();
+            let f = if prefill {
+                Gpu::gdn_conv_prefill
+            } else {
+                Gpu::gdn_conv_sequential
+            };
+            let rows = ConvRows {
+                ptr: p.ptr,
+                ld: c + pad,
+            };
+            f(&gpu, &sh, kern, rows, st.ptr, w.ptr, out.ptr).unwrap();
+            let mut o_h = vec![0f32; t * c];
+            let mut s_h = vec![0f32; (kern - 1) * c];
+            gpu.copy_to_host(out.ptr, &mut o_h).unwrap();
+            gpu.copy_to_host(st.ptr, &mut s_h).unwrap();
+            (o_h, s_h)
+        };
+        let (o_a, s_a) = run(false);
+        let (o_b, s_b) = run(true);
+        let e = rel_err(&o_b, &o_a);
+        println!("{sh:?}: prefill conv vs sequential {e:.2e}");
+        assert!(
+            o_b.iter().all(|x| x.is_finite()) && e <= 1e-6,
+            "{sh:?}: {e}"
+        );
+        assert_eq!(s_b, s_a, "{sh:?}: conv state");
+    }
+}
+
+/// `Gpu::gemm` (cuBLASLt) against an f64 product: y = x·Wᵀ, then y += x·Wᵀ, into rows wider
+/// than n, at 70 rows, then 65 and 80 (the same bucket of row counts: cuBLASLt reuses the
+/// algorithm it chose at 70), on the main and the second stream.
+#[test]
+fn gemm_matches_reference() {
+    let Some(gpu) = gpu() else { return };
+    let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
+    let (tmax, n, k, ldy) = (80, 96, 136, 100);
+    let mut rng = Lcg(3);
+    let (w, x, y0) = (
+        bf(rng.vec(n * k, 1.0)),
+        bf(rng.vec(tmax * k, 1.0)),
+        rng.vec(tmax * ldy, 1.0),
+    );
+    let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
+    let mut want = vec![0f32; tmax * ldy];
+    for (r, row) in want.chunks_mut(ldy).enumerate() {
+        for (c, out) in row.iter_mut().enumerate().take(n) {
+            let dot: f64 = (0..k)
+                .map(|i| f64::from(w[c * k + i].to_f32()) * f64::from(x[r * k + i].to_f32()))
+                .sum();
+            *out = dot as f32;
+        }
+    }
+    for t in [70, 65, 80] {
+        for aux in [false, true] {
+            for beta in [0.0f32, 1.0] {
+                let yd = gpu.upload(&y0).unwrap();
+                if aux {
+                    gpu.fork_aux().unwrap();
+                    gpu.gemm_aux(wd.ptr, n, k, xd.ptr, t, yd.ptr, ldy, beta)
+                        .unwrap();
+                    gpu.join_aux().unwrap();
+                } else {
+                    gpu.gemm(wd.ptr, n, k, xd.ptr, t, yd.ptr, ldy, beta)
+                        .unwrap();
+                }
+                let mut got = vec![0f32; tmax * ldy];
+                gpu.copy_to_host(yd.ptr, &mut got).unwrap();
+                for (r, (g, w)) in got.chunks(ldy).zip(want.chunks(ldy)).enumerate() {
+                    let y0r = &y0[r * ldy..(r + 1) * ldy];
+                    for c in 0..ldy {
+                        // rows past t untouched
+                        let expect = if c < n && r < t {
+                            w[c] + beta * y0r[c]
+                        } else {
+                            y0r[c]
+                        };
+                        assert!(
+                            (g[c] - expect).abs() <= 1e-3 * (1.0 + expect.abs()),
+                            "aux {aux} t {t} beta {beta}: y[{r}, {c}] = {} vs {expect}",
+                            g[c]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The decode GEMV kernels (`gemv_dec`; `gemv_dec_w`, k = 4096 a warp per whole row) against
+/// an f64 product with bf16 inputs, y = y0 + W·x, at the model's inner dimensions (512 experts'
+/// down, 2,048 in-projections, 4,096 out-projections) and ragged row counts.
+#[test]
+fn decode_gemv_kernels_match_reference() {
+    let Some(gpu) = gpu() else { return };
+    let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
+    for (n, k) in [(300, 4096), (2048, 4096), (100, 2048), (70, 512)] {
+        let mut rng = Lcg(n as u64 * 7 + k as u64);
+        let (w, x, y0) = (
+            bf(rng.vec(n * k, 1.0)),
+            bf(rng.vec(k, 1.0)),
+            rng.vec(n, 1.0),
+        );
+        let want: Vec<f64> = (0..n)
+            .map(|r| {
+                let dot: f64 = (0..k)
+                    .map(|i| f64::from(w[r * k + i].to_f32()) * f64::from(x[i].to_f32()))
+                    .sum();
+                dot + f64::from(y0[r])
+            })
+            .collect();
+        let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
+        for (kernel, rows) in [
+            ("gemv_dec", if k == 4096 { 4 } else { 16 }),
+            ("gemv_dec_w", if k == 4096 { 8 } else { 16 }),
+        ] {
+            let yd = gpu.upload(&y0).unwrap();
+            let mut args = vec![
+                Arg::Ptr(wd.ptr),
+                Arg::I(n as i32),
+                Arg::I(k as i32),
+                Arg::Ptr(xd.ptr),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::F(0.0),
+                Arg::Ptr(0),
+                Arg::Ptr(yd.ptr),
+                Arg::F(1.0),
+            ];
+            args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I(0)]);
+            args.extend([Arg::Ptr(0), Arg::Ptr(0)]);
+            let grid = (n.div_ceil(rows) as u32, 1, 1);
+            gpu.launch(kernel, grid, 256, (k * 4) as u32, &args)
+                .unwrap();
+            let mut got = vec![0f32; n];
+            gpu.copy_to_host(yd.ptr, &mut got).unwrap();
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (f64::from(*g) - w).abs() / (1.0 + w.abs()))
+                .fold(0.0, f64::max);
+            println!("{kernel} n {n} k {k}: max err {err:.2e}");
+            assert!(err <= 1e-4, "{kernel} n {n} k {k}: {err}");
+        }
+    }
+}
+
+/// One prefill attention call at the real attention shape (head dim 256, 16 query heads over 2
+/// KV heads): q/gate f32, K/V cache bf16 holding `past + t` positions.
+struct AttnCase {
+    t: usize,
+    past: usize,
+    q: Vec<f32>,
+    qg: Vec<f32>,
+    k: Vec<half::bf16>,
+    v: Vec<half::bf16>,
+}
+
+const ATT_NQ: usize = 16;
+
+const ATT_NKV: usize = 2;
+
+const ATT_HD: usize = 256;
+
+impl AttnCase {
+    fn new(t: usize, past: usize, seed: u64) -> Self {
+        let mut r = Lcg(seed);
+        let n = past + t;
+        let bf = |v: Vec<f32>| v.into_iter().map(half::bf16::from_f32).collect::<Vec<_>>();
+        AttnCase {
+            t,
+            past,
+            q: r.vec(t * ATT_NQ * ATT_HD, 3.0),
+            qg: r.vec(t * ATT_NQ * 2 * ATT_HD, 2.0),
+            k: bf(r.vec(n * ATT_NKV * ATT_HD, 1.0)),
+            v: bf(r.vec(n * ATT_NKV * ATT_HD, 1.0)),
+        }
+    }
+
+    /// Causal attention with the sigmoid output gate, in f64 from the same (bf16) inputs.
+    fn reference(&self) -> Vec<f32> {
+        let (hd, nq, nkv) = (ATT_HD, ATT_NQ, ATT_NKV);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut out = vec![0f32; self.t * nq * hd];
+        for s in 0..self.t {
+            let pos = self.past + s;
+            for h in 0..nq {
+                let kvh = h / (nq / nkv);
+                let q = &self.q[(s * nq + h) * hd..][..hd];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|p| {
+                        let k = &self.k[(p * nkv + kvh) * hd..][..hd];
+                        q.iter()
+                            .zip(k)
+                            .map(|(a, b)| *a as f64 * b.to_f64())
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for c in 0..hd {
+                    let acc: f64 = (0..=pos)
+                        .map(|p| w[p] * self.v[(p * nkv + kvh) * hd + c].to_f64())
+                        .sum();
+                    let gate = self.qg[(s * nq + h) * 2 * hd + hd + c] as f64;
+                    out[(s * nq + h) * hd + c] = (acc / z / (1.0 + (-gate).exp())) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    /// Runs `attn_flash3` (q given, no query prep); returns the output.
+    fn run(&self, gpu: &Gpu) -> Vec<f32> {
+        let (q, qg) = (gpu.upload(&self.q).unwrap(), gpu.upload(&self.qg).unwrap());
+        let (k, v) = (gpu.upload(&self.k).unwrap(), gpu.upload(&self.v).unwrap());
+        let out = gpu.alloc_zeroed(self.t * ATT_NQ * ATT_HD * 2).unwrap();
+        let call = FlashCall {
+            q_prep: None,
+            q: q.ptr,
+            k_cache: k.ptr,
+            v_cache: v.ptr,
+            qg: qg.ptr,
+            out: out.ptr,
+            t: self.t,
+            past: self.past,
+            nq: ATT_NQ,
+            nkv: ATT_NKV,
+            hd: ATT_HD,
+        };
+        gpu.attn_flash(&call).unwrap();
+        let mut host = vec![half::bf16::ZERO; self.t * ATT_NQ * ATT_HD];
+        gpu.copy_to_host(out.ptr, &mut host).unwrap();
+        host.iter().map(|x| x.to_f32()).collect()
+    }
+}
+
+/// One layer's prefill attention the two ways: attn_prep_rows on all heads writing q, then
+/// attn_flash3 reading it; or attn_prep_rows on the KV heads only and attn_flash4 preparing the
+/// queries from qg itself (`FlashCall::q_prep`). Returns the output, the caches and the
+/// separate way's q.
+struct QPrepCase {
+    t: usize,
+    past: usize,
+    qg: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    inv_freq: Vec<f32>,
+    cache: Vec<half::bf16>,
+}
+
+/// Output, K cache, V cache, q.
+type QPrepRun = (Vec<f32>, Vec<half::bf16>, Vec<half::bf16>, Vec<f32>);
+
+impl QPrepCase {
+    const ROT_HALF: usize = 32;
+
+    fn new(t: usize, past: usize, seed: u64) -> Self {
+        let mut r = Lcg(seed);
+        let (nq, nkv, hd) = (ATT_NQ, ATT_NKV, ATT_HD);
+        let rh = Self::ROT_HALF;
+        QPrepCase {
+            t,
+            past,
+            qg: r.vec(t * nq * 2 * hd, 2.0),
+            k: r.vec(t * nkv * hd, 2.0),
+            v: r.vec(t * nkv * hd, 1.0),
+            q_norm: r.vec(hd, 0.5),
+            k_norm: r.vec(hd, 0.5),
+            inv_freq: (0..rh)
+                .map(|i| 10_000f32.powf(-(i as f32) / rh as f32))
+                .collect(),
+            cache: r
+                .vec((past + t) * nkv * hd, 1.0)
+                .into_iter()
+                .map(half::bf16::from_f32)
+                .collect(),
+        }
+    }
+
+    fn run(&self, gpu: &Gpu, fused: bool) -> QPrepRun {
+        let (t, nq, nkv, hd) = (self.t, ATT_NQ, ATT_NKV, ATT_HD);
+        let up = |v: &[f32]| gpu.upload(v).unwrap();
+        let (qg, k, v) = (up(&self.qg), up(&self.k), up(&self.v));
+        let (qn, kn, invf) = (up(&self.q_norm), up(&self.k_norm), up(&self.inv_freq));
+        let (kc, vc) = (
+            gpu.upload(&self.cache).unwrap(),
+            gpu.upload(&self.cache).unwrap(),
+        );
+        // NaN: the fused way must not read q
+        let q = up(&vec![f32::NAN; t * nq * hd]);
+        let out = gpu.alloc_zeroed(t * nq * hd * 2).unwrap();
+        let h0 = if fused { nq } else { 0 };
+        let eps = 1e-6f32;
+        let once = || {
+            let args = [
+                Arg::Ptr(qg.ptr),
+                Arg::Ptr(k.ptr),
+                Arg::Ptr(v.ptr),
+                Arg::Ptr(qn.ptr),
+                Arg::Ptr(kn.ptr),
+                Arg::Ptr(invf.ptr),
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kc.ptr),
+                Arg::Ptr(vc.ptr),
+                Arg::I(self.past as i32),
+                Arg::I(t as i32),
+                Arg::I(nq as i32),
+                Arg::I(nkv as i32),
+                Arg::I(hd as i32),
+                Arg::I(Self::ROT_HALF as i32),
+                Arg::F(eps),
+                Arg::I(h0 as i32),
+            ];
+            let grid = ((t * (nq + nkv - h0)).div_ceil(8) as u32, 1, 1);
+            gpu.launch("attn_prep_rows", grid, 256, (8 * hd * 4) as u32, &args)
+                .unwrap();
+            let call = FlashCall {
+                q_prep: fused.then_some(QPrep {
+                    q_norm: qn.ptr,
+                    inv_freq: invf.ptr,
+                    rot_half: Self::ROT_HALF,
+                    eps,
+                }),
+                q: q.ptr,
+                k_cache: kc.ptr,
+                v_cache: vc.ptr,
+                qg: qg.ptr,
+                out: out.ptr,
+                t,
+                past: self.past,
+                nq,
+                nkv,
+                hd,
+            };
+            gpu.attn_flash(&call).unwrap();
+        };
+        once();
+        let mut o = vec![half::bf16::ZERO; t * nq * hd];
+        gpu.copy_to_host(out.ptr, &mut o).unwrap();
+        let mut kh = vec![half::bf16::ZERO; self.cache.len()];
+        let mut vh = kh.clone();
+        gpu.copy_to_host(kc.ptr, &mut kh).unwrap();
+        gpu.copy_to_host(vc.ptr, &mut vh).unwrap();
+        let mut qh = vec![0f32; t * nq * hd];
+        gpu.copy_to_host(q.ptr, &mut qh).unwrap();
+        (o.iter().map(|x| x.to_f32()).collect(), kh, vh, qh)
+    }
+}
+
+/// attn_flash4 preparing the query heads itself (RMSNorm and partial rotation on the way into
+/// shared memory; `FlashCall::q_prep`, what prefill runs at the model's shape) against
+/// attn_prep_rows writing q for attn_flash3: the KV cache rows bitwise equal, the outputs within
+/// 1e-2 of each other (two kernels' summation orders and bf16 roundings), both within 1e-2 of
+/// the f64 attention of the separate way's q (chunked: after cached positions, ragged lengths;
+/// and one 8,192-token call).
+#[test]
+fn attn_flash4_fused_q_prep_matches_separate() {
+    let Some(gpu) = gpu() else { return };
+    let rh = QPrepCase::ROT_HALF;
+    assert!(gpu.flash_preps_q(ATT_NQ, ATT_NKV, ATT_HD, rh));
+    for (t, past) in [(77, 190), (300, 0), (8192, 0)] {
+        let case = QPrepCase::new(t, past, 40 + t as u64);
+        let (a, ka, va, q) = case.run(&gpu, false);
+        let (b, kb, vb, q_b) = case.run(&gpu, true);
+        assert!(q.iter().all(|x| x.is_finite()), "t {t}: separate q");
+        assert!(
+            q_b.iter().all(|x| x.is_nan()),
+            "t {t}: the fused way wrote q"
+        );
+        assert!(
+            ka == kb && va == vb,
+            "t {t} past {past}: KV cache rows differ"
+        );
+        let diff = norm_rel_err(&b, &a);
+        let differing = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+        print!(
+            "t {t} past {past}: fused vs separate {diff:.2e} ({differing} of {} outputs differ)",
+            a.len()
+        );
+        assert!(diff <= 1e-2, "t {t} past {past}: {diff}");
+        if t <= 512 {
+            let reference = AttnCase {
+                t,
+                past,
+                q,
+                qg: case.qg.clone(),
+                k: ka,
+                v: va,
+            }
+            .reference();
+            let (ea, eb) = (norm_rel_err(&a, &reference), norm_rel_err(&b, &reference));
+            print!(", vs f64 {ea:.2e} / {eb:.2e}");
+            assert!(ea <= 1e-2 && eb <= 1e-2, "t {t} past {past}: {ea} / {eb}");
+        }
+        println!();
+    }
+}
+
+/// The mma.sync flash kernel (`attn_flash3_hd256`) at the real head shape against an f64
+/// reference, from an empty cache and continuing after cached positions (chunked prefill),
+/// ragged lengths included; bound 1e-2 (q and the probabilities enter the tensor cores as
+/// bf16, the output is bf16). `attn_flash4` (the kernel prefill runs at this shape) is checked
+/// against the same reference by `attn_flash4_fused_q_prep_matches_separate`.
+#[test]
+fn attn_flash3_matches_reference_full_shape() {
+    let Some(gpu) = gpu() else { return };
+    for (t, past) in [(100, 0), (77, 190), (129, 64)] {
+        let case = AttnCase::new(t, past, 11 + t as u64);
+        let want = case.reference();
+        let got = case.run(&gpu);
+        let e = norm_rel_err(&got, &want);
+        println!("t {t} past {past}: flash3 vs f64 {e:.2e}");
+        assert!(e <= 1e-2, "t {t} past {past}: flash3 {e}");
+    }
+}
