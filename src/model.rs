@@ -39,7 +39,9 @@ pub enum GdnMode {
 pub trait Engine {
     type State: Clone;
     fn config(&self) -> &TextConfig;
-    fn new_state(&self) -> Self::State;
+    /// A fresh, empty sequence state (an error where its memory cannot be had: the GPU's KV
+    /// cache and GDN state are allocated here).
+    fn new_state(&self) -> Result<Self::State>;
     /// Tokens already processed by `state`.
     fn state_len(&self, state: &Self::State) -> usize;
     /// Runs `tokens` through the model, appending them to `state`.
@@ -247,8 +249,8 @@ impl Engine for CpuModel {
         &self.config
     }
 
-    fn new_state(&self) -> SequenceState {
-        SequenceState::new(&self.config)
+    fn new_state(&self) -> Result<SequenceState> {
+        Ok(SequenceState::new(&self.config))
     }
 
     fn state_len(&self, state: &SequenceState) -> usize {

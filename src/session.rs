@@ -183,7 +183,7 @@ fn run_turn<E: Engine>(
     }
     let (cached_ids, mut state) = match conv.take_cache(&prompt.ids) {
         Some(s) => (s.ids.len(), s.state),
-        None => (0, engine.new_state()),
+        None => (0, engine.new_state()?),
     };
     if engine.state_len(&state) != cached_ids {
         bail!(

@@ -54,8 +54,8 @@ impl Engine for Scripted {
     fn config(&self) -> &TextConfig {
         &self.config
     }
-    fn new_state(&self) -> Ids {
-        Ids(Vec::new(), 0, None)
+    fn new_state(&self) -> Result<Ids> {
+        Ok(Ids(Vec::new(), 0, None))
     }
     fn state_len(&self, s: &Ids) -> usize {
         s.0.len()
@@ -131,7 +131,7 @@ fn prefill_in_chunks_then_one_token_per_step_and_stop_at_end_token() {
     let mut script = words.clone();
     script.push(special::IM_END);
     let e = Scripted::new(script);
-    let mut state = e.new_state();
+    let mut state = e.new_state().unwrap();
     let prompt: Vec<u32> = (1000..1008).collect();
     let g = generate(
         &e,
@@ -176,7 +176,7 @@ fn max_tokens_context_limit_and_cancel() {
     let e = Scripted::new(ids(" la la la la"));
     let prompt: Vec<u32> = vec![1, 2, 3];
     let run = |o: GenerateOptions, cancel: bool| {
-        let mut state = e.new_state();
+        let mut state = e.new_state().unwrap();
         generate(
             &e,
             &mut state,
@@ -226,7 +226,7 @@ fn padding_rows_are_never_sampled() {
             },
             5,
         );
-        let mut state = e.new_state();
+        let mut state = e.new_state().unwrap();
         let g = generate(
             &e,
             &mut state,
@@ -254,7 +254,7 @@ fn thinking_budget_forces_the_end_of_the_thinking_block() {
     let close_ids = tokenizer().encode("</think>\n\n", true).unwrap();
     assert_eq!(close_ids[0], special::THINK_END);
     let run = |o: &GenerateOptions| {
-        let mut state = e.new_state();
+        let mut state = e.new_state().unwrap();
         generate(
             &e,
             &mut state,
@@ -295,7 +295,7 @@ fn device_greedy_takes_the_engines_ids_and_keeps_forced_ones_first() {
         let mut o = opts(8);
         o.device_greedy = device_greedy;
         o.thinking = Some(thinking(budget, &close_ids));
-        let mut state = e.new_state();
+        let mut state = e.new_state().unwrap();
         let mut seen_logits = Vec::new();
         let g = generate(
             &e,
@@ -573,7 +573,7 @@ fn raw_reply_streams_and_stops_on_a_stop_string() {
     let e = Scripted::new(t.encode("one two three four five", false).unwrap());
     let mut s = settings(50);
     s.stop_strings = vec!["ree fo".into()];
-    let mut state = e.new_state();
+    let mut state = e.new_state().unwrap();
     let mut out = String::new();
     let (r, _) = reply(
         &e,

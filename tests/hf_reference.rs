@@ -15,7 +15,7 @@ const REL_TOL: f32 = 1e-3;
 /// Prefill in chunks (all positions' logits), then greedy decode; returns the relative
 /// error against the reference and the generated ids.
 fn run(model: &CpuModel, r: &Reference, chunk: usize) -> (f32, f32, Vec<u32>) {
-    let mut state = model.new_state();
+    let mut state = model.new_state().unwrap();
     let mut prompt_logits = Vec::new();
     for piece in r.prompt_ids.chunks(chunk) {
         prompt_logits.extend(model.forward(&mut state, piece, Logits::All).unwrap());
@@ -98,7 +98,7 @@ fn snapshot_restored_mid_sequence_continues_identically() {
         let model = CpuModel::load(&dir).unwrap();
         let r = read_reference(&dir);
         let half = r.prompt_ids.len() / 2;
-        let mut state = model.new_state();
+        let mut state = model.new_state().unwrap();
         model
             .forward(&mut state, &r.prompt_ids[..half], Logits::Last)
             .unwrap();
@@ -156,7 +156,7 @@ fn tolerance_catches_wrong_ops() {
         let mut model = CpuModel::load(&dir).unwrap();
         mutate(&mut model.weights);
         let logits = model
-            .forward(&mut model.new_state(), &r.prompt_ids, Logits::All)
+            .forward(&mut model.new_state().unwrap(), &r.prompt_ids, Logits::All)
             .unwrap();
         let e = rel_err(&logits, &r.prompt_logits);
         assert!(e > 10.0 * REL_TOL, "{what}: error {e} would pass");

@@ -90,7 +90,8 @@ fn all_layouts_and_dtypes_load_to_the_same_model() {
     let tokens = [3u32, 14, 15, 92, 65, 35];
     let reference = {
         let m = CpuModel::new(cfg.clone(), random_weights(&cfg, 5, DType::BF16));
-        m.forward(&mut m.new_state(), &tokens, Logits::All).unwrap()
+        m.forward(&mut m.new_state().unwrap(), &tokens, Logits::All)
+            .unwrap()
     };
     for (layout, shards) in [
         (Layout::Official, 3),
@@ -100,7 +101,9 @@ fn all_layouts_and_dtypes_load_to_the_same_model() {
         let (_t, dir) = write(layout, DType::BF16, shards);
         let m = CpuModel::load(&dir).unwrap();
         assert_eq!(m.config, cfg, "{layout:?}");
-        let got = m.forward(&mut m.new_state(), &tokens, Logits::All).unwrap();
+        let got = m
+            .forward(&mut m.new_state().unwrap(), &tokens, Logits::All)
+            .unwrap();
         assert_eq!(got, reference, "{layout:?} with {shards} shards");
     }
     // f32 and f16 storage load too (different rounding, so just finite, same shape).
@@ -108,7 +111,7 @@ fn all_layouts_and_dtypes_load_to_the_same_model() {
         let (_t, dir) = write(Layout::PerExpert, dt, 1);
         let m = CpuModel::load(&dir).unwrap();
         let got = m
-            .forward(&mut m.new_state(), &tokens, Logits::Last)
+            .forward(&mut m.new_state().unwrap(), &tokens, Logits::Last)
             .unwrap();
         assert_eq!(got.len(), cfg.vocab_size);
         assert!(got.iter().all(|x| x.is_finite()));

@@ -106,12 +106,12 @@ impl Engine for Scripted {
     fn config(&self) -> &TextConfig {
         &self.config
     }
-    fn new_state(&self) -> ScriptState {
-        ScriptState {
+    fn new_state(&self) -> anyhow::Result<ScriptState> {
+        Ok(ScriptState {
             len: 0,
             pos: 0,
             last: None,
-        }
+        })
     }
     fn state_len(&self, s: &ScriptState) -> usize {
         s.len
