@@ -68,19 +68,19 @@ FIXTURES = {
             full_attention_interval=4,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=32,
+            head_dim=256,  # the real model's head dims (the production CUDA kernels exist only for these)
             linear_num_key_heads=2,
             linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=24,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
             linear_conv_kernel_dim=4,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
-            # rotary dims = 32 * 0.25 = 8 -> 4 frequencies -> mrope_section sums to 4
+            # rotary dims = 256 * 0.25 = 64 -> 32 frequencies -> mrope_section sums to 32 (the real [11, 11, 10])
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                                 mrope_section=[2, 1, 1], mrope_interleaved=True),
+                                 mrope_section=[11, 11, 10], mrope_interleaved=True),
         ),
     ),
     "tiny-official-bf16": dict(
@@ -95,19 +95,19 @@ FIXTURES = {
             full_attention_interval=4,
             num_attention_heads=8,
             num_key_value_heads=2,
-            head_dim=64,
+            head_dim=256,  # real dims, as fixture A
             linear_num_key_heads=4,
             linear_num_value_heads=8,
-            linear_key_head_dim=32,
-            linear_value_head_dim=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
             linear_conv_kernel_dim=4,
             num_experts=16,
             num_experts_per_tok=4,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=64,
-            # rotary dims = 64 * 0.25 = 16 -> 8 frequencies -> mrope_section sums to 8
+            # rotary dims = 256 * 0.25 = 64 -> 32 frequencies -> mrope_section sums to 32 (the real [11, 11, 10])
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                                 mrope_section=[3, 3, 2], mrope_interleaved=True),
+                                 mrope_section=[11, 11, 10], mrope_interleaved=True),
         ),
         # The official ids do not fit a 1000-token vocab; stand-ins: 1 plays <|im_end|> (248046),
         # 2 plays <|endoftext|> (248044). generation_config.json gets eos [1, 2] (official:

@@ -108,11 +108,11 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
         );
         assert!(pe <= REL_TOL, "{}: prompt {pe}", dir.display());
         assert!(worst <= REL_TOL, "{}: decode {worst}", dir.display());
-        // The confident steps are the CPU reference's own margins: 33 on tiny-official-bf16
-        // until the routed experts' outputs became bf16 on both sides, 31 since (the reference's
-        // logits moved, not the GPU's agreement with them).
+        // The confident steps are the CPU reference's own margins (at bf16): 38 on
+        // tiny-flat-f32 and 29 on tiny-official-bf16 since the fixtures have the model's head
+        // dims (34 and 31 before; the count is a property of the fixture, not a tolerance).
         assert!(
-            compared >= 30,
+            compared >= 28,
             "{}: only {compared} confident steps",
             dir.display()
         );
@@ -308,13 +308,10 @@ fn cuda_matches_cpu_on_random_weights() {
     let Some(gpu) = gpu() else { return };
     let mut wide = kestrel::synthetic::demo_config();
     wide.vocab_size = 3000;
-    wide.gdn_key_dim = 32;
-    wide.gdn_value_dim = 48;
+    // 4 value heads a key head: the decode step's conv and delta rule as two launches
     wide.gdn_num_value_heads = 8;
     wide.num_experts = 16;
     wide.experts_per_token = 4;
-    wide.head_dim = 64;
-    wide.rotary_dim = 16;
     // (The demo shape's random weights are too chaotic under bf16 rounding of q and the
     // softmax probabilities for a tight comparison; the HF fixtures cover that shape's ops.)
     for cfg in [wide] {
@@ -543,7 +540,10 @@ fn gdn_chunked_matches_recurrent_through_the_model() {
         let r = read_reference(&dir);
         let (_cpu, mut cuda) = load(&gpu, &dir, 256);
         let sh = GdnShape::of(&cuda.config, 2);
-        assert!(sh.chunked_fits(gpu.max_smem_per_block), "{sh:?}");
+        assert!(
+            sh.chunked_fits(gpu.max_smem_per_block, gpu.sm_count),
+            "{sh:?}"
+        );
         let ids: Vec<u32> = r.prompt_ids.iter().chain(&r.decode_ids).copied().collect();
         for pieces in [&[][..], &[2, 1, 2, 70]] {
             let a = logits_in_pieces(&mut cuda, &ids, pieces, false);

@@ -1,9 +1,9 @@
 // Runs attn_prefill.cu's and attn_decode.cu's kernels on the CPU emulator (through run.sh):
-// attn_prep_rows against attn_prep; the prefill flash kernels (attn_flash3_hd*, attn_flash4_hd256
-// and its fused query prep) against a double-precision causal softmax(q·k * scale) · v times
-// sigmoid(gate); attn_decode_mma_hd* (split-K over the context on tensor cores) then
-// attn_combine_dec against the same reference at the model's shape (hd 256, 8 query heads per KV
-// head) and the fixtures' (hd 32, 2 per KV head), with partial tiles and splits.
+// attn_prep_rows against attn_prep; the prefill flash kernel attn_flash4_hd256 (and its fused
+// query prep) against a double-precision causal softmax(q·k * scale) · v times sigmoid(gate);
+// attn_decode_mma_hd256 (split-K over the context on tensor cores) then attn_combine_dec against
+// the same reference at the model's head dim (256) with 8 query heads per KV head, 2, and 1 (no
+// GQA sharing), with partial tiles and splits.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <cstring>
@@ -63,13 +63,13 @@ static void run(int nq, int nkv, int n, int nsplit, void (*kernel)(const float*,
     fails += !ok;
 }
 
-// Prefill flash kernel (attn_flash3_hd*, attn_flash4_hd256): `t` new positions after `past`
-// cached ones, causal, sigmoid gate, against f64 softmax(q.k * scale) . v * sigmoid(gate) with
-// the kernel's bf16 K/V (q and gate in f32). grid (ceil(t / 64), nq / 2), block 256.
+// Prefill flash kernel (attn_flash4_hd256): `t` new positions after `past` cached ones, causal,
+// sigmoid gate, against f64 softmax(q.k * scale) . v * sigmoid(gate) with the kernel's bf16 K/V
+// (q and gate in f32). grid (nq / 2, ceil(t / 64)), block 384.
 using FlashKernel = void (*)(const float*, const bf16*, const bf16*, const float*, bf16*, int, int, int, int, int, float);
 template <int HD>
 static void run_flash(const char* name, FlashKernel kernel, size_t smem, int t, int past, int nq, int nkv,
-                      unsigned threads = 256) {
+                      unsigned threads) {
     const int n = past + t;
     std::vector<float> q((size_t)t * nq * HD), qg((size_t)t * nq * 2 * HD);
     std::vector<bf16> kc((size_t)n * nkv * HD), vc((size_t)n * nkv * HD);
@@ -170,10 +170,6 @@ static void run_flash4_prep(int t, int past, int nq, int nkv, int rot_half) {
     fails += !ok;
 }
 
-// attn_flash3's dynamic shared memory (attention.rs' flash3_smem): Q 128 rows, 2 stages of K and
-// V 64 rows each (bf16, rows of hd + 8), the P exchange and the max / sum exchange.
-static size_t flash3_smem(int hd) { return (size_t)(2 * 64 + 4 * 64) * (hd + 8) * 2 + 8 * 4 * 32 * 16 + 8 * 32 * 16; }
-
 // attn_prep_rows (prefill: a warp per row) against attn_prep (a block per row): q out, the K and V
 // cache rows at past + s, over the model's head dim (partial rotation) and the fixtures'.
 static void run_prep(int t, int past, int nq, int nkv, int hd, int rot_half) {
@@ -214,19 +210,12 @@ int main(int argc, char** argv) {
     for (bool d : {false, true}) {
         g_cp_deferred = d;
         if (!flash) continue;
-        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 130, 70, 4, 2);  // ragged, past
-        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 64, 0, 4, 2);    // one block, no past
-        run_flash<256>("attn_flash3_hd256", attn_flash3_hd256, flash3_smem(256), 100, 29, 4, 2);  // unaligned past
-        run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 200, 37, 4, 2);
-        run_flash<32>("attn_flash3_hd32", attn_flash3_hd32, flash3_smem(32), 5, 190, 8, 2);  // short chunk, 4 per group
-        run_flash<64>("attn_flash3_hd64", attn_flash3_hd64, flash3_smem(64), 70, 0, 2, 1);
-        run_flash<128>("attn_flash3_hd128", attn_flash3_hd128, flash3_smem(128), 33, 100, 4, 1);
         // wgmma (emulated through its descriptors: Q/K K-major, V N-major, P from registers), a producer
         // warpgroup and mbarriers: block 384
-        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 130, 70, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 64, 0, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 100, 29, 4, 2, 384);
-        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 5, 190, 16, 2, 384);
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 130, 70, 4, 2, 384);  // ragged, past
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 64, 0, 4, 2, 384);    // one block, no past
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 100, 29, 4, 2, 384);  // unaligned past
+        run_flash<256>("attn_flash4_hd256", flash4_plain, F4_SMEM, 5, 190, 16, 2, 384);  // short chunk, 8 per group
         run_flash4_prep(130, 70, 4, 2, 32);
         run_flash4_prep(70, 0, 4, 1, 16);
     }
@@ -238,11 +227,11 @@ int main(int argc, char** argv) {
         run<256>(16, 2, 300, 16, attn_decode_mma_hd256);  // the bench at 256: 10 splits of 32
         run<256>(16, 2, 530, 16, attn_decode_mma_hd256);  // 9 splits of 64 (ceil(530 / 16) = 34 rounded up)
         run<256>(16, 2, 70, 4, attn_decode_mma_hd256);    // splits of 32, 32 and 6 keys, one empty
-        run<32>(4, 2, 1, 4, attn_decode_mma_hd32);       // the first decoded token
-        run<32>(4, 2, 200, 16, attn_decode_mma_hd32);
-        run<64>(8, 8, 130, 4, attn_decode_mma_hd64);     // no GQA sharing
-        run<128>(16, 2, 4097, 64, attn_decode_mma_hd128);
-        run<128>(16, 2, 3000, 256, attn_decode_mma_hd128);  // many splits: 47 of 64 positions
+        run<256>(4, 2, 1, 4, attn_decode_mma_hd256);      // the first decoded token, 2 per group
+        run<256>(4, 2, 200, 16, attn_decode_mma_hd256);
+        run<256>(8, 8, 130, 4, attn_decode_mma_hd256);    // no GQA sharing
+        run<256>(16, 2, 4097, 64, attn_decode_mma_hd256);
+        run<256>(16, 2, 3000, 256, attn_decode_mma_hd256);  // many splits: 47 of 64 positions
     }
     return fails ? 1 : 0;
 }

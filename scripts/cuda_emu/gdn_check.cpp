@@ -1,9 +1,11 @@
 // Runs gdn_decode.cu's, gdn_chunk.cu's and gdn_state.cu's kernels on the CPU emulator (through
-// run.sh) and checks the chunked delta rule (gdn_chunk_prep, then gdn_chunk_state and
-// gdn_chunk_state_t64) and the recurrent kernel against a double-precision token-by-token delta
-// rule, the prefill conv against the sequential conv kernels, the gated norm and the decode step
-// against double references; both cp.async timings (eager, deferred). gdn_chunk_state runs twice
-// on the same prep output, once with each cp.async timing.
+// run.sh) and checks the recurrent kernel and the chunked delta rule against a double-precision
+// token-by-token delta rule: gdn_chunk_prep's output through a double-precision state pass (here)
+// and through gdn_chunk_state_t64 (twice on the same prep output, once with each cp.async
+// timing, bitwise equal); the prefill conv against the sequential conv kernels, the gated norm
+// and the decode step against double references; both cp.async timings (eager, deferred). The
+// product module has the GDN kernels at the model's dk = 128 only; the checks at smaller dk
+// (faster, narrower edge cases) instantiate the kernels' templates here.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <random>
@@ -60,68 +62,111 @@ void run_delta(int t, int hk, int hv, int dv, bool deferred, double tol) {
         }
     }
     const float NaN = std::nanf("");
-    // recurrent kernel
+    // recurrent kernel (the module's entry point at dk 128, the template otherwise)
     std::vector<float> st_r = s0, o_r((size_t)t * hv * dv, NaN);
     unsigned blk = (dv + 31) / 32 * 32;
     emu_launch({(unsigned)hv, 1, 1}, blk, 0, [&] {
-        gdn_recurrent_impl<DK>(qkv.data(), c, g.data(), beta.data(), st_r.data(), o_r.data(), t, hk, hv, dv);
+        if constexpr (DK == 128) gdn_recurrent_128(qkv.data(), c, g.data(), beta.data(), st_r.data(), o_r.data(), t, hk, hv, dv);
+        else gdn_recurrent_impl<DK>(qkv.data(), c, g.data(), beta.data(), st_r.data(), o_r.data(), t, hk, hv, dv);
     });
-    // chunked kernels
-    std::vector<float> st_c = s0, o_c((size_t)t * hv * dv, NaN), scratch((size_t)hv * tp * (2 * dk + dv + 1), NaN);
+    // gdn_chunk_prep: W, Q', U, γ and O_intra (in o)
+    std::vector<float> o_intra((size_t)t * hv * dv, NaN), scratch((size_t)hv * tp * (2 * dk + dv + 1), NaN);
     float* w = scratch.data();
     float* qp = w + (size_t)hv * tp * dk;
     float* u = qp + (size_t)hv * tp * dk;
     float* gam = u + (size_t)hv * tp * dv;
     const int nx = dk + (dv + 7) / 8 * 8, ldx = nx + (40 - nx % 32) % 32;
     size_t prep = 4 * (2 * C * (C + 4) + 3 * C + 4 * 16 * 20 + std::max(2 * C * (dk + 4), C * ldx));
-    size_t stsm = 4 * (3 * C * (dk + 4) + C * (dk + 8) + 2 * dk * 68 + C * 68 + 2 * C);
     emu_launch({(unsigned)nch, (unsigned)hv, 1}, 256, prep, [&] {
-        gdn_chunk_prep_impl<DK>(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_c.data(), t, hk, hv, dv);
+        if constexpr (DK == 128) gdn_chunk_prep_128(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_intra.data(), t, hk, hv, dv);
+        else gdn_chunk_prep_impl<DK>(qkv.data(), c, g.data(), beta.data(), w, qp, u, gam, o_intra.data(), t, hk, hv, dv);
     });
-    const std::vector<float> o_intra = o_c;
-    // gdn_chunk_state from the prep output (o holding O_intra), then again with the other
-    // cp.async timing from the same input
-    std::vector<float> st_c2 = s0, o_c2 = o_c;
-    emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 512, stsm, [&] {
-        gdn_chunk_state_impl<DK>(qkv.data(), c, w, qp, u, gam, st_c.data(), o_c.data(), t, hk, hv, dv);
-    });
-    g_cp_deferred = !deferred;
-    emu_launch({(unsigned)hv, (unsigned)((dv + 31) / 32), 1}, 512, stsm, [&] {
-        gdn_chunk_state_impl<DK>(qkv.data(), c, w, qp, u, gam, st_c2.data(), o_c2.data(), t, hk, hv, dv);
-    });
-    g_cp_deferred = deferred;
+    // The state pass in double precision from the prep's output (the contract gdn_chunk_state_t64
+    // implements): per chunk V' = U − W S, O = O_intra + Q' S, S ← e^{γ_last} S + Kᵀ (e^{γ_last − γ} V'),
+    // K the chunk's conv rows (0 past t). So the prep alone meets the f32-level bound.
+    std::vector<double> st_c(s0.begin(), s0.end()), o_c((size_t)t * hv * dv, 0.0);
+    {
+        std::vector<double> vd((size_t)C * dv);
+        for (int j = 0; j < hv; j++) {
+            const int kh = j / (hv / hk);
+            double* S = &st_c[(size_t)j * dk * dv];
+            for (int ch = 0; ch < nch; ch++) {
+                const size_t row0 = (size_t)j * tp + (size_t)ch * C;
+                const double last = gam[row0 + C - 1];
+                for (int r = 0; r < C; r++) {
+                    const float* wr = w + (row0 + r) * dk;
+                    const float* qr = qp + (row0 + r) * dk;
+                    const int s = ch * C + r;
+                    const double e = std::exp(last - (double)gam[row0 + r]);
+                    for (int m = 0; m < dv; m++) {
+                        double rw = 0, rq = 0;
+                        for (int i = 0; i < dk; i++) { rw += (double)wr[i] * S[i * dv + m]; rq += (double)qr[i] * S[i * dv + m]; }
+                        vd[(size_t)r * dv + m] = ((double)u[(row0 + r) * dv + m] - rw) * e;
+                        if (s < t) o_c[((size_t)s * hv + j) * dv + m] = (double)o_intra[((size_t)s * hv + j) * dv + m] + rq;
+                    }
+                }
+                const double el = std::exp(last);
+                for (int i = 0; i < dk * dv; i++) S[i] *= el;
+                for (int r = 0; r < C && ch * C + r < t; r++) {
+                    const float* k = &qkv[(size_t)(ch * C + r) * c + (hk + kh) * dk];
+                    for (int i = 0; i < dk; i++)
+                        for (int m = 0; m < dv; m++) S[i * dv + m] += (double)k[i] * vd[(size_t)r * dv + m];
+                }
+            }
+        }
+    }
+    auto max_rel_d = [](const std::vector<double>& a, const std::vector<double>& ref) {
+        double m = 0, s = 0;
+        for (size_t i = 0; i < a.size(); i++) {
+            if (!std::isfinite(a[i])) return (double)INFINITY;
+            m = std::max(m, std::fabs(a[i] - ref[i]));
+            s = std::max(s, std::fabs(ref[i]));
+        }
+        return m / s;
+    };
+    std::vector<double> o_rd(o_r.begin(), o_r.end()), s_rd(st_r.begin(), st_r.end());
+    double er_o = max_rel(o_r, oref), er_s = max_rel(st_r, sref);
+    double ec_o = max_rel_d(o_c, oref), ec_s = max_rel_d(st_c, sref);
+    // the prep's path vs the recurrent kernel too, as the GPU test compares them
+    double x_o = max_rel_d(o_c, o_rd), x_s = max_rel_d(st_c, s_rd);
+    bool ok = !any_nan(o_r) && !any_nan(st_r) && er_o < tol && er_s < tol && ec_o < tol && ec_s < tol && x_o < tol &&
+              x_s < tol;
+    printf("%s dk=%d dv=%d hk=%d hv=%d t=%d cp.async %s: recurrent o %.1e S %.1e | prep + f64 state pass o %.1e S %.1e | vs recurrent o %.1e S %.1e\n",
+           ok ? "ok  " : "FAIL", dk, dv, hk, hv, t, deferred ? "deferred" : "eager", er_o, er_s, ec_o, ec_s, x_o, x_s);
+    if (!ok) exit(1);
     // gdn_chunk_state_t64 (Sᵀ as the wgmma A operand, DK 128; 3xBF16 products, ~1e-5-level, so
     // its own bound) from the same prep output: the state blocks, then 3 out blocks (the emulator
-    // runs blocks in order, so the out blocks find every state released)
+    // runs blocks in order, so the out blocks find every state released); again with the other
+    // cp.async timing, bitwise the same (a difference would mean a missing wait: a race between
+    // the roles)
     if constexpr (DK == 128) {
         const int nstate = hv * ((dv + 63) / 64);
-        std::vector<float> st_t = s0, o_t = o_intra, s_out((size_t)nstate * nch * 128 * 64, NaN);
-        std::vector<unsigned> flags((size_t)nstate * GDN_T64_FLAG_STRIDE, 0);  // a 128-byte line each
-        size_t t64sm = 2 * 2 * 3 * C * dk + 4 * (2 * C * 68 + 2 * C) + 80;
-        emu_launch({(unsigned)(nstate + 3), 1, 1}, 384, t64sm, [&] {
-            gdn_chunk_state_t64_impl(qkv.data(), c, w, qp, u, gam, st_t.data(), o_t.data(), s_out.data(), flags.data(), t,
-                                     hk, hv, dv);
-        });
-        double et_o = max_rel(o_t, oref), et_s = max_rel(st_t, sref);
-        bool okt = !any_nan(o_t) && !any_nan(st_t) && et_o < 1e-4 && et_s < 1e-4;
-        for (int b = 0; b < nstate; b++) okt = okt && flags[(size_t)b * GDN_T64_FLAG_STRIDE] == (unsigned)nch;
-        printf("%s   Sᵀ-register state pass, 3xBF16 (gdn_chunk_state_t64): o %.1e S %.1e\n", okt ? "ok  " : "FAIL", et_o,
-               et_s);
+        std::vector<float> st_t[2], o_t[2];
+        bool flags_ok = true;
+        for (int pass = 0; pass < 2; pass++) {
+            g_cp_deferred = pass ? !deferred : deferred;
+            st_t[pass] = s0, o_t[pass] = o_intra;
+            std::vector<float> s_out((size_t)nstate * nch * 128 * 64, NaN);
+            std::vector<unsigned> flags((size_t)nstate * GDN_T64_FLAG_STRIDE, 0);  // a 128-byte line each
+            size_t t64sm = 2 * 2 * 3 * C * dk + 4 * (2 * C * 68 + 2 * C) + 80;
+            emu_launch({(unsigned)(nstate + 3), 1, 1}, 384, t64sm, [&] {
+                gdn_chunk_state_t64_128(qkv.data(), c, w, qp, u, gam, st_t[pass].data(), o_t[pass].data(), s_out.data(),
+                                        flags.data(), t, hk, hv, dv);
+            });
+            for (int b = 0; b < nstate; b++) flags_ok = flags_ok && flags[(size_t)b * GDN_T64_FLAG_STRIDE] == (unsigned)nch;
+        }
+        g_cp_deferred = deferred;
+        double et_o = max_rel(o_t[0], oref), et_s = max_rel(st_t[0], sref);
+        double xt_o = max_rel(o_t[0], o_rd), xt_s = max_rel(st_t[0], s_rd);
+        bool same = o_t[0] == o_t[1] && st_t[0] == st_t[1];
+        bool okt = !any_nan(o_t[0]) && !any_nan(st_t[0]) && et_o < 1e-4 && et_s < 1e-4 && xt_o < 1e-4 && xt_s < 1e-4 &&
+                   flags_ok && same;
+        printf("%s   Sᵀ-register state pass, 3xBF16 (gdn_chunk_state_t64): o %.1e S %.1e | vs recurrent o %.1e S %.1e | "
+               "both cp.async timings %s%s\n",
+               okt ? "ok  " : "FAIL", et_o, et_s, xt_o, xt_s, same ? "bitwise equal" : "DIFFER",
+               flags_ok ? "" : ", counters wrong");
         if (!okt) exit(1);
     }
-    double er_o = max_rel(o_r, oref), er_s = max_rel(st_r, sref);
-    double ec_o = max_rel(o_c, oref), ec_s = max_rel(st_c, sref);
-    // chunked vs recurrent too, as the GPU test will compare them
-    std::vector<double> o_rd(o_r.begin(), o_r.end()), s_rd(st_r.begin(), st_r.end());
-    double x_o = max_rel(o_c, o_rd), x_s = max_rel(st_c, s_rd);
-    bool ok = !any_nan(o_c) && !any_nan(st_c) && ec_o < tol && ec_s < tol && x_o < tol && x_s < tol;
-    printf("%s dk=%d dv=%d hk=%d hv=%d t=%d cp.async %s: recurrent o %.1e S %.1e | chunked o %.1e S %.1e | vs recurrent o %.1e S %.1e\n",
-           ok ? "ok  " : "FAIL", dk, dv, hk, hv, t, deferred ? "deferred" : "eager", er_o, er_s, ec_o, ec_s, x_o, x_s);
-    // the same products in the same order whenever the copies land: a difference would mean a
-    // missing wait or barrier (a race between the two teams)
-    bool same = memcmp(o_c.data(), o_c2.data(), o_c.size() * 4) == 0 && memcmp(st_c.data(), st_c2.data(), st_c.size() * 4) == 0;
-    if (!same) printf("FAIL chunked state differs bitwise between the cp.async timings\n");
-    if (!ok || !same) exit(1);
 }
 
 // pad: p's rows are c + pad floats apart (the conv's channels the first c of the whole
@@ -236,9 +281,12 @@ static void run_step_dec(int hk, int hv, int dv, unsigned seed) {
     std::vector<bf16> out((size_t)hv * dv);
     const unsigned block = (unsigned)((4 * dv + 31) / 32 * 32);
     emu_launch({(unsigned)hv, 1, 1}, block, 0, [&] {
-        auto step = DK == 128 ? gdn_step_dec_128 : gdn_step_dec_32;
-        step(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(), out.data(), hk, hv,
-             dv, eps);
+        if constexpr (DK == 128)
+            gdn_step_dec_128(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(),
+                             out.data(), hk, hv, dv, eps);
+        else
+            gdn_step_dec_impl<DK>(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state.data(),
+                                  out.data(), hk, hv, dv, eps);
     });
     double es = max_rel(state, st_ref), eo = 0;
     for (size_t i = 0; i < out.size(); i++) {
@@ -272,15 +320,22 @@ static void run_convstep_dec(int hk, int hv, int dv, unsigned seed) {
         gdn_conv_dec(p.data(), conv_a.data(), conv_w.data(), qkv.data(), c, kern, hk, DK, dv, q_scale);
     });
     emu_launch({(unsigned)hv, 1, 1}, (unsigned)((4 * dv + 31) / 32 * 32), 0, [&] {
-        auto step = DK == 128 ? gdn_step_dec_128 : gdn_step_dec_32;
-        step(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state_a.data(), out_a.data(), hk,
-             hv, dv, eps);
+        if constexpr (DK == 128)
+            gdn_step_dec_128(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(), state_a.data(),
+                             out_a.data(), hk, hv, dv, eps);
+        else
+            gdn_step_dec_impl<DK>(qkv.data(), ba.data(), a_log.data(), dt_bias.data(), z.data(), nw.data(),
+                                  state_a.data(), out_a.data(), hk, hv, dv, eps);
     });
     // the fused one
     std::vector<float> conv_b = conv_st, state_b = state;
     emu_launch_cluster({(unsigned)hv, 1, 1}, G == 2 ? 2 : 1, (unsigned)((4 * dv + 31) / 32 * 32), GDN_CONVSTEP_SMEM(DK, dv), [&] {
-        auto f = DK == 128 ? (G == 2 ? gdn_convstep_dec_cl2_128 : gdn_convstep_dec_128)
-                           : (G == 2 ? gdn_convstep_dec_cl2_32 : gdn_convstep_dec_32);
+        // the module's entry points at dk 128, the template otherwise
+        using F = void (*)(const float*, float*, const float*, const float*, const float*, const float*, const float*,
+                           const float*, float*, bf16*, int, int, int, int, float, float);
+        F f;
+        if constexpr (DK == 128) f = G == 2 ? gdn_convstep_dec_cl2_128 : gdn_convstep_dec_128;
+        else f = G == 2 ? gdn_convstep_dec_impl<DK, 2> : gdn_convstep_dec_impl<DK, 1>;
         f(p.data(), conv_b.data(), conv_w.data(), z.data(), ba.data(), a_log.data(), dt_bias.data(), nw.data(),
           state_b.data(), out_b.data(), c, hk, hv, dv, q_scale, eps);
     });

@@ -3,13 +3,15 @@
 # cuda_emu.h and checks them against double-precision references:
 #   mma  ldmatrix/mma.sync emulation against plain matrix products (the PTX fragment layouts)
 #   gdn  gdn_decode.cu, gdn_chunk.cu, gdn_state.cu: the decode step (alone and fused with the
-#        conv, with clusters of two), chunked (both state passes) and recurrent delta rule,
-#        prefill conv, gated norm (`gdn full`: also the full model's head dims over 300 tokens,
-#        and 4,096 tokens of 4 heads; about a minute)
+#        conv, with clusters of two), the recurrent and the chunked delta rule (gdn_chunk_prep
+#        through a double-precision state pass and through gdn_chunk_state_t64 on emulated
+#        wgmma), prefill conv, gated norm; at the model's dk 128 and, through the kernels'
+#        templates, smaller ones (`gdn full`: also the full model's head counts over 300
+#        tokens, and 4,096 tokens of 4 heads; about a minute more)
 #   attn attn_prefill.cu, attn_decode.cu: attn_prep_rows against attn_prep; the prefill flash
-#        kernels (attn_flash3; attn_flash4 on emulated wgmma, mbarriers and a producer warpgroup,
-#        and its fused query prep bitwise the separate prep); the tensor-core decode attention
-#        and its combine
+#        kernel attn_flash4 (on emulated wgmma, mbarriers and a producer warpgroup; its fused
+#        query prep bitwise the separate prep); the tensor-core decode attention and its
+#        combine (head dim 256)
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w, gemv_dec_stream)
 #   moe  moe_route.cu, moe_gemm.cu, moe_decode.cu: the routing top-k (ties included); the decode
 #        MoE block (router, gate/up, down) at small and reduced real shapes; moe_combine (and its

@@ -2,40 +2,22 @@
 //! `kernels/gdn_chunk.cu`): the causal conv and the delta rule, sequential (short calls, and
 //! prefill with the `KESTREL_GDN=recurrent` oracle) or token-parallel and chunked (prefill).
 
-use super::{Arg, Gpu, block_threads as block};
+use super::Gpu;
+use super::kernels::gdn_chunk::{GdnChunkPrep, GdnConvAdvance, GdnConvPrefill};
+pub use super::kernels::gdn_decode::KEY_DIMS;
+use super::kernels::gdn_decode::{GdnConv, GdnQkL2norm, GdnRecurrent};
+use super::kernels::gdn_state::GdnChunkStateT64;
+use super::kernels::trace::GdnPhaseRead;
+use super::kernels::{Dev, On};
 use crate::config::TextConfig;
 use anyhow::Result;
 
 /// Chunk length of the chunked delta rule (`GDN_C` in gdn_chunk.cu).
 pub const CHUNK: usize = 64;
-/// Tokens per block of `gdn_conv_prefill` (`GDN_CONV_TT` in gdn_chunk.cu).
-const CONV_TOKENS: usize = 32;
-/// Value columns per block of `gdn_chunk_state` (`GDN_DVS`).
-const STATE_COLS: usize = 32;
-/// Threads of `gdn_chunk_prep` (its tiling is written for 256, 8 warps).
-const PREP_THREADS: u32 = 256;
-/// Threads of `gdn_chunk_state` (two teams of 8 warps, `GDN_STATE_THREADS`).
-const STATE_THREADS: u32 = 512;
-/// Threads of `gdn_chunk_state_t64` (a consumer and two producer warpgroups, `GDN_T64_THREADS`).
-const STATE_T64_THREADS: u32 = 384;
 /// Value columns per block of `gdn_chunk_state_t64` (`GDN_T64_COLS`).
 const STATE_T64_COLS: usize = 64;
 /// `gdn_chunk_state_t64`'s progress counters: one a 128-byte line (`GDN_T64_FLAG_STRIDE`).
 const STATE_T64_FLAG_STRIDE: usize = 32;
-/// Key head dims the delta-rule kernels are compiled for.
-pub const KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
-/// The chunked kernels, which use more than the default 48 KiB of shared memory.
-pub(super) const CHUNK_KERNELS: [&str; 9] = [
-    "gdn_chunk_prep_16",
-    "gdn_chunk_prep_32",
-    "gdn_chunk_prep_64",
-    "gdn_chunk_prep_128",
-    "gdn_chunk_state_16",
-    "gdn_chunk_state_32",
-    "gdn_chunk_state_64",
-    "gdn_chunk_state_128",
-    "gdn_chunk_state_t64_128",
-];
 
 /// One GDN call: `t` tokens; `hk` key heads of dim `dk`, `hv` value heads of dim `dv`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,18 +29,18 @@ pub struct GdnShape {
     pub dv: usize,
 }
 
-/// The conv's input rows `[t, c]` (f32): at `ptr`, `ld` floats apart (0: packed, `c`), so
+/// The conv's input rows `[t, c]` (f32): at `p`, `ld` floats apart (0: packed, `c`), so
 /// that they can be the first columns of the whole in-projection's output.
 #[derive(Clone, Copy, Debug)]
 pub struct ConvRows {
-    pub ptr: u64,
+    pub p: Dev<f32>,
     pub ld: usize,
 }
 
 impl ConvRows {
     /// Rows of exactly the shape's channels.
-    pub fn packed(ptr: u64) -> Self {
-        ConvRows { ptr, ld: 0 }
+    pub fn packed(p: Dev<f32>) -> Self {
+        ConvRows { p, ld: 0 }
     }
 
     fn ld(&self, sh: &GdnShape) -> i32 {
@@ -70,15 +52,15 @@ impl ConvRows {
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaBufs {
     /// Conv output `[t, c]`: q heads, k heads, v heads; q and k L2-normalised.
-    pub qkv: u64,
+    pub qkv: Dev<f32>,
     /// Log-decay `[t, hv]`.
-    pub g: u64,
+    pub g: Dev<f32>,
     /// Write strength `[t, hv]`.
-    pub beta: u64,
+    pub beta: Dev<f32>,
     /// Recurrent state `[hv, dk, dv]`, advanced in place.
-    pub state: u64,
+    pub state: Dev<f32>,
     /// Output `[t, hv, dv]`.
-    pub o: u64,
+    pub o: Dev<f32>,
 }
 
 impl GdnShape {
@@ -138,18 +120,6 @@ impl GdnShape {
         4 * (2 * CHUNK * (CHUNK + 4) + 3 * CHUNK + 4 * 16 * 20 + kq)
     }
 
-    /// Dynamic shared memory of `gdn_chunk_state`: W, Q' twice, K, S twice and V' (tf32 hi and
-    /// lo in gdn_state.cu's quad layout, 4 * 32 + 8 floats per 2 rows), γ twice; 223,744 bytes at
-    /// dk = 128.
-    fn state_smem_bytes(&self) -> usize {
-        let quad = (4 * STATE_COLS + 8) / 2;
-        4 * (3 * CHUNK * (self.dk + 4)
-            + CHUNK * (self.dk + 8)
-            + 2 * self.dk * quad
-            + CHUNK * quad
-            + 2 * CHUNK)
-    }
-
     /// Dynamic shared memory of `gdn_chunk_state_t64` (dk = 128 only): the bf16 hi and lo
     /// tiles of two W buffers (the out role's Q' the second) and K (64 x dk each), U and
     /// O_intra ([64][68] f32 each), γ twice and ten mbarriers; 133,712 bytes.
@@ -163,14 +133,15 @@ impl GdnShape {
         self.dk == 128 && self.state_t64_smem_bytes() <= smem && self.t64_state_blocks() < sms
     }
 
-    /// Whether the token-parallel conv and chunked delta rule take this shape, given `smem`
-    /// bytes of shared memory per block (otherwise prefill runs the sequential kernels).
-    pub fn chunked_fits(&self, smem: usize) -> bool {
+    /// Whether the token-parallel conv and chunked delta rule take this shape on a GPU of
+    /// `smem` bytes of shared memory per block and `sms` SMs (otherwise prefill runs the
+    /// sequential kernels).
+    pub fn chunked_fits(&self, smem: usize, sms: usize) -> bool {
         KEY_DIMS.contains(&self.dk)
             && self.dv.is_multiple_of(4)
             && self.channels().is_multiple_of(4)
             && self.prep_smem_bytes() <= smem
-            && self.state_smem_bytes() <= smem
+            && self.state_t64_fits(smem, sms)
     }
 }
 
@@ -183,40 +154,30 @@ impl Gpu {
         sh: &GdnShape,
         kern: usize,
         p: ConvRows,
-        conv_state: u64,
-        conv_w: u64,
-        out: u64,
+        conv_state: Dev<f32>,
+        conv_w: Dev<f32>,
+        out: Dev<f32>,
     ) -> Result<()> {
-        let c = sh.channels();
-        self.launch(
-            "gdn_conv",
-            (c.div_ceil(128) as u32, 1, 1),
-            128,
-            0,
-            &[
-                Arg::Ptr(p.ptr),
-                Arg::Ptr(conv_state),
-                Arg::Ptr(conv_w),
-                Arg::Ptr(out),
-                Arg::I(sh.t as i32),
-                Arg::I(c as i32),
-                Arg::I(p.ld(sh)),
-                Arg::I(kern as i32),
-            ],
-        )?;
-        self.launch(
-            "gdn_qk_l2norm",
-            (sh.t as u32, 2 * sh.hk as u32, 1),
-            block(sh.dk),
-            0,
-            &[
-                Arg::Ptr(out),
-                Arg::I(c as i32),
-                Arg::I(sh.hk as i32),
-                Arg::I(sh.dk as i32),
-                Arg::F(1.0 / (sh.dk as f32).sqrt()),
-            ],
-        )
+        let c = sh.channels() as i32;
+        GdnConv {
+            p: p.p,
+            state: conv_state,
+            w: conv_w,
+            out,
+            t: sh.t as i32,
+            c,
+            ldp: p.ld(sh),
+            kern: kern as i32,
+        }
+        .launch(self, On::Plain)?;
+        GdnQkL2norm {
+            qkv: out,
+            c,
+            hk: sh.hk as i32,
+            dk: sh.dk as i32,
+            q_scale: 1.0 / (sh.dk as f32).sqrt(),
+        }
+        .launch(self, sh.t, On::Plain)
     }
 
     /// [`Gpu::gdn_conv_sequential`] with every (token, channel) in parallel and the norm
@@ -226,71 +187,51 @@ impl Gpu {
         sh: &GdnShape,
         kern: usize,
         p: ConvRows,
-        conv_state: u64,
-        conv_w: u64,
-        out: u64,
+        conv_state: Dev<f32>,
+        conv_w: Dev<f32>,
+        out: Dev<f32>,
     ) -> Result<()> {
-        let c = sh.channels();
-        let v_groups = (sh.hv * sh.dv).div_ceil(128);
-        self.launch_dep(
-            "gdn_conv_prefill",
-            (
-                sh.t.div_ceil(CONV_TOKENS) as u32,
-                (2 * sh.hk + v_groups) as u32,
-                1,
-            ),
-            128,
-            0,
-            &[
-                Arg::Ptr(p.ptr),
-                Arg::Ptr(conv_state),
-                Arg::Ptr(conv_w),
-                Arg::Ptr(out),
-                Arg::I(sh.t as i32),
-                Arg::I(c as i32),
-                Arg::I(p.ld(sh)),
-                Arg::I(kern as i32),
-                Arg::I(sh.hk as i32),
-                Arg::I(sh.dk as i32),
-                Arg::F(1.0 / (sh.dk as f32).sqrt()),
-            ],
-        )?;
-        self.launch_dep(
-            "gdn_conv_advance",
-            (c.div_ceil(256) as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(p.ptr),
-                Arg::Ptr(conv_state),
-                Arg::I(sh.t as i32),
-                Arg::I(c as i32),
-                Arg::I(p.ld(sh)),
-                Arg::I(kern as i32),
-            ],
-        )
+        let (t, c, ldp, kern) = (sh.t as i32, sh.channels() as i32, p.ld(sh), kern as i32);
+        GdnConvPrefill {
+            p: p.p,
+            state: conv_state,
+            w: conv_w,
+            out,
+            t,
+            c,
+            ldp,
+            kern,
+            hk: sh.hk as i32,
+            dk: sh.dk as i32,
+            q_scale: 1.0 / (sh.dk as f32).sqrt(),
+        }
+        .launch(self, sh.hv * sh.dv, On::Prefill)?;
+        GdnConvAdvance {
+            p: p.p,
+            state: conv_state,
+            t,
+            c,
+            ldp,
+            kern,
+        }
+        .launch(self, On::Prefill)
     }
 
     /// The delta rule token by token: a block per value head, a thread per value column.
     pub fn gdn_delta_recurrent(&self, sh: &GdnShape, b: &DeltaBufs) -> Result<()> {
-        self.launch(
-            &format!("gdn_recurrent_{}", sh.dk),
-            (sh.hv as u32, 1, 1),
-            block(sh.dv),
-            0,
-            &[
-                Arg::Ptr(b.qkv),
-                Arg::I(sh.channels() as i32),
-                Arg::Ptr(b.g),
-                Arg::Ptr(b.beta),
-                Arg::Ptr(b.state),
-                Arg::Ptr(b.o),
-                Arg::I(sh.t as i32),
-                Arg::I(sh.hk as i32),
-                Arg::I(sh.hv as i32),
-                Arg::I(sh.dv as i32),
-            ],
-        )
+        GdnRecurrent {
+            qkv: b.qkv,
+            c: sh.channels() as i32,
+            g: b.g,
+            beta: b.beta,
+            state: b.state,
+            o: b.o,
+            t: sh.t as i32,
+            hk: sh.hk as i32,
+            hv: sh.hv as i32,
+            dv: sh.dv as i32,
+        }
+        .launch(self, sh.dk, On::Plain)
     }
 
     /// gdn_chunk_state's phase clock (trace.cuh, `g_gdn_phase`: 16 u64 a chunk, all 0 unless
@@ -298,7 +239,7 @@ impl Gpu {
     pub fn gdn_phase_trace(&self) -> Result<Vec<u64>> {
         let n = 256 * 16;
         let out = self.alloc(n * 8)?;
-        self.launch("gdn_phase_read", (1, 1, 1), 256, 0, &[Arg::Ptr(out.ptr)])?;
+        GdnPhaseRead { out: out.view() }.launch(self)?;
         let mut v = vec![0u64; n];
         self.copy_to_host(out.ptr, &mut v)?;
         Ok(v)
@@ -306,90 +247,74 @@ impl Gpu {
 
     /// The delta rule in chunks of 64 (same results as [`Gpu::gdn_delta_recurrent`] up to
     /// rounding): `gdn_chunk_prep`, grid (chunks, hv), prepares every chunk in parallel, then
-    /// the state pass carries the state through the chunks: `gdn_chunk_state_t64` (Sᵀ in
-    /// registers, 3xBF16 wgmma products, a block an SM) at dk = 128, else `gdn_chunk_state`
-    /// (3xTF32 mma.sync), grid (hv, dv / 32).
+    /// `gdn_chunk_state_t64` (Sᵀ in registers, 3xBF16 wgmma products, a block an SM) carries
+    /// the state through the chunks.
     /// `scratch` holds [`GdnShape::chunk_scratch_floats`] floats; the shape must pass
     /// [`GdnShape::chunked_fits`].
-    pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: u64) -> Result<()> {
+    pub fn gdn_delta_chunked(&self, sh: &GdnShape, b: &DeltaBufs, scratch: Dev<f32>) -> Result<()> {
+        anyhow::ensure!(
+            scratch.len >= sh.chunk_scratch_floats(),
+            "gdn_delta_chunked: scratch {scratch:?} for {sh:?}"
+        );
         let tp = sh.chunks() * CHUNK;
         let w = scratch;
-        let qp = w + (sh.hv * tp * sh.dk * 4) as u64;
-        let u = qp + (sh.hv * tp * sh.dk * 4) as u64;
-        let gamma = u + (sh.hv * tp * sh.dv * 4) as u64;
-        let c = sh.channels() as i32;
-        let t64 = sh.state_t64_fits(self.max_smem_per_block, self.sm_count);
-        let s_out = scratch + (sh.prep_scratch_floats() * 4) as u64;
-        let flags = s_out + (sh.t64_state_blocks() * sh.chunks() * 128 * 64 * 4) as u64;
-        if t64 {
-            // its progress counters start at zero (set before the prep, so that the state
-            // pass still follows the prep directly)
-            self.memset_zero(flags, sh.t64_state_blocks() * STATE_T64_FLAG_STRIDE * 4)?;
-        }
-        let tail = [
-            Arg::I(sh.t as i32),
-            Arg::I(sh.hk as i32),
-            Arg::I(sh.hv as i32),
-            Arg::I(sh.dv as i32),
-        ];
-        let mut args = vec![
-            Arg::Ptr(b.qkv),
-            Arg::I(c),
-            Arg::Ptr(b.g),
-            Arg::Ptr(b.beta),
-            Arg::Ptr(w),
-            Arg::Ptr(qp),
-            Arg::Ptr(u),
-            Arg::Ptr(gamma),
-            Arg::Ptr(b.o),
-        ];
-        args.extend(tail);
-        self.launch_dep(
-            &format!("gdn_chunk_prep_{}", sh.dk),
-            (sh.chunks() as u32, sh.hv as u32, 1),
-            PREP_THREADS,
-            sh.prep_smem_bytes() as u32,
-            &args,
-        )?;
-        let mut args = vec![
-            Arg::Ptr(b.qkv),
-            Arg::I(c),
-            Arg::Ptr(w),
-            Arg::Ptr(qp),
-            Arg::Ptr(u),
-            Arg::Ptr(gamma),
-            Arg::Ptr(b.state),
-            Arg::Ptr(b.o),
-        ];
-        args.extend(tail);
-        // the Sᵀ-in-registers pass where it takes the shape (decided above)
-        let (name, threads, smem, grid) = if t64 {
-            // one block an SM: the state blocks, then out blocks on the other SMs; its Sᵀ
-            // scratch and counters after the output
-            let tail = args.split_off(8);
-            args.extend([Arg::Ptr(s_out), Arg::Ptr(flags)]);
-            args.extend(tail);
-            (
-                "gdn_chunk_state_t64",
-                STATE_T64_THREADS,
-                sh.state_t64_smem_bytes(),
-                (self.sm_count as u32, 1, 1),
-            )
-        } else {
-            (
-                "gdn_chunk_state",
-                STATE_THREADS,
-                sh.state_smem_bytes(),
-                (sh.hv as u32, sh.dv.div_ceil(STATE_COLS) as u32, 1),
-            )
+        let qp = w.at(sh.hv * tp * sh.dk);
+        let u = qp.at(sh.hv * tp * sh.dk);
+        let gamma = u.at(sh.hv * tp * sh.dv);
+        let (c, t, hk, hv, dv) = (
+            sh.channels() as i32,
+            sh.t as i32,
+            sh.hk as i32,
+            sh.hv as i32,
+            sh.dv as i32,
+        );
+        anyhow::ensure!(
+            sh.chunked_fits(self.max_smem_per_block, self.sm_count),
+            "gdn_delta_chunked: {sh:?} does not fit the chunked kernels"
+        );
+        let s_out = scratch.at(sh.prep_scratch_floats());
+        let flags: Dev<u32> = {
+            let f = s_out.at(sh.t64_state_blocks() * sh.chunks() * 128 * 64);
+            Dev::new(f.ptr, f.len)
         };
-        self.launch_dep(
-            &format!("{name}_{}", sh.dk),
-            grid,
-            threads,
-            smem as u32,
-            &args,
-        )
+        // the state pass's progress counters start at zero (set before the prep, so that the
+        // state pass still follows the prep directly)
+        self.memset_zero(flags.ptr, sh.t64_state_blocks() * STATE_T64_FLAG_STRIDE * 4)?;
+        GdnChunkPrep {
+            qkv: b.qkv,
+            c,
+            g: b.g,
+            beta: b.beta,
+            w_out: w,
+            qp_out: qp,
+            u_out: u,
+            gamma_out: gamma,
+            o: b.o,
+            t,
+            hk,
+            hv,
+            dv,
+        }
+        .launch(self, sh.dk, sh.chunks(), sh.prep_smem_bytes(), On::Prefill)?;
+        // one block an SM: the state blocks, then out blocks on the other SMs; its Sᵀ scratch
+        // and counters after the prep's outputs
+        GdnChunkStateT64 {
+            qkv: b.qkv,
+            c,
+            w_in: w,
+            qp_in: qp,
+            u_in: u,
+            gamma_in: gamma,
+            state: b.state,
+            o: b.o,
+            s_out,
+            flags,
+            t,
+            hk,
+            hv,
+            dv,
+        }
+        .launch(self, sh.state_t64_smem_bytes(), On::Prefill)
     }
 }
 
@@ -409,8 +334,7 @@ mod tests {
             dk: 128,
             dv: 128,
         };
-        assert!(sh.chunked_fits(h200));
-        assert_eq!(sh.state_smem_bytes(), 223_744);
+        assert!(sh.chunked_fits(h200, 132));
         assert_eq!(sh.state_t64_smem_bytes(), 133_712);
         assert!(sh.state_t64_fits(h200, 132));
         assert!(!GdnShape { dk: 64, ..sh }.state_t64_fits(h200, 132));
@@ -419,7 +343,7 @@ mod tests {
             "64 state blocks need an SM each and one more for an out block"
         );
         assert!(
-            !sh.chunked_fits(100 * 1024),
+            !sh.chunked_fits(100 * 1024, 132),
             "a smaller GPU falls back to the recurrent path"
         );
         assert_eq!(

@@ -8,6 +8,7 @@ pub mod attention;
 mod decode;
 pub mod gdn;
 pub mod gemm;
+pub mod kernels;
 pub mod model;
 pub mod moe;
 mod prefill;
@@ -41,72 +42,6 @@ const SOURCES: [(&str, &str); 17] = [
     ("moe_route.cu", include_str!("kernels/moe_route.cu")),
     ("moe_gemm.cu", include_str!("kernels/moe_gemm.cu")),
     ("moe_decode.cu", include_str!("kernels/moe_decode.cu")),
-];
-
-/// Every kernel the backend launches, besides `gdn::CHUNK_KERNELS`.
-const KERNELS: &[&str] = &[
-    "embed_gather",
-    "f32_to_bf16",
-    "fill_random_bf16",
-    "fill_random_f32",
-    "copy_probe",
-    "read_probe",
-    "gdn_phase_read",
-    "gemv_dec",
-    "gemv_dec_w",
-    "gemv_dec_stream",
-    "rmsnorm_zc_bf16",
-    "gdn_conv",
-    "gdn_qk_l2norm",
-    "gdn_gates",
-    "gdn_recurrent_16",
-    "gdn_recurrent_32",
-    "gdn_recurrent_64",
-    "gdn_recurrent_128",
-    "gdn_conv_prefill",
-    "gdn_conv_advance",
-    "gdn_gated_norm",
-    "gdn_conv_dec",
-    "gdn_step_dec_16",
-    "gdn_step_dec_32",
-    "gdn_step_dec_64",
-    "gdn_step_dec_128",
-    "gdn_convstep_dec_16",
-    "gdn_convstep_dec_32",
-    "gdn_convstep_dec_64",
-    "gdn_convstep_dec_128",
-    "gdn_convstep_dec_cl2_16",
-    "gdn_convstep_dec_cl2_32",
-    "gdn_convstep_dec_cl2_64",
-    "gdn_convstep_dec_cl2_128",
-    "attn_prep",
-    "attn_prep_rows",
-    "attn_split",
-    "attn_combine",
-    "attn_combine_dec",
-    "attn_flash3_hd32",
-    "attn_flash3_hd64",
-    "attn_flash3_hd128",
-    "attn_flash3_hd256",
-    "attn_flash4_hd256",
-    "attn_decode_mma_hd32",
-    "attn_decode_mma_hd64",
-    "attn_decode_mma_hd128",
-    "attn_decode_mma_hd256",
-    "moe_route",
-    "moe_plan",
-    "moe_scatter",
-    "moe_gemm6_m128",
-    "moe_gemm6_m128_bf16",
-    "moe_gemm6_swiglu_m128",
-    "moe_gemv",
-    "swiglu_bf16",
-    "moe_combine",
-    "moe_combine_bf16",
-    "moe_router_dec",
-    "moe_gate_up_dec",
-    "moe_down_dec",
-    "trace_set",
 ];
 
 /// Threads for `n` lanes of work: whole warps, at most 1024.
@@ -163,7 +98,8 @@ pub struct Gpu {
     _aux_gemm_workspace: DeviceBuf,
     /// cuBLASLt's workspace (declared after `lt`, so dropped after it).
     _gemm_workspace: DeviceBuf,
-    functions: std::collections::HashMap<&'static str, CudaFunction>,
+    /// Every kernel of the module, by name (the PTX's entries).
+    functions: std::collections::HashMap<String, CudaFunction>,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub total_memory: usize,
@@ -381,13 +317,13 @@ impl Gpu {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
-        let module = Self::compile(&ctx)?;
+        let (module, entries) = Self::compile(&ctx)?;
         let mut functions = std::collections::HashMap::new();
-        for k in KERNELS.iter().chain(&gdn::CHUNK_KERNELS) {
+        for k in entries {
             let f = module
-                .load_function(k)
+                .load_function(&k)
                 .map_err(|e| anyhow!("kernel {k} missing from the module: {e:?}"))?;
-            functions.insert(*k, f);
+            functions.insert(k, f);
         }
         let profile = Settings::get()
             .profile
@@ -412,25 +348,22 @@ impl Gpu {
             profile,
             main_tail_is_kernel: Default::default(),
         };
-        // The chunked GDN kernels need more than the default 48 KiB, how much depends on the
-        // shape (GdnShape::chunked_fits checks it against this limit).
-        for k in gdn::CHUNK_KERNELS {
-            gpu.set_max_dynamic_smem(k, max_smem_per_block)?;
-        }
-        for (k, bytes) in attention::FLASH_KERNELS
-            .into_iter()
-            .chain(attention::DECODE_KERNELS)
-            .chain(moe::GEMM_KERNELS)
-        {
+        // Kernels that need more than the default 48 KiB of shared memory (the chunked GDN
+        // kernels as much as the GPU allows: GdnShape::chunked_fits checks what a shape needs).
+        for (k, bytes) in kernels::dynamic_smem(max_smem_per_block) {
             gpu.set_max_dynamic_smem(k, bytes)?;
         }
         Ok(Arc::new(gpu))
     }
 
-    fn compile(ctx: &Arc<CudaContext>) -> Result<Arc<cudarc::driver::CudaModule>> {
+    /// The kernel module and the names of its kernels.
+    fn compile(ctx: &Arc<CudaContext>) -> Result<(Arc<cudarc::driver::CudaModule>, Vec<String>)> {
         let ptx = kernel_ptx("compute_90a", true)?;
-        ctx.load_module(ptx)
-            .map_err(|e| anyhow!("loading the kernel module failed: {e:?}"))
+        let entries = kernels::ptx_entries(&ptx.to_src());
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| anyhow!("loading the kernel module failed: {e:?}"))?;
+        Ok((module, entries))
     }
 
     pub fn bind(&self) -> Result<()> {
@@ -768,19 +701,28 @@ impl Gpu {
         mean: f32,
         std: f32,
     ) -> Result<()> {
-        let kernel = if f32 {
-            "fill_random_f32"
+        let n64 = n as u64;
+        if f32 {
+            let out = kernels::Dev::new(ptr, n);
+            kernels::misc::FillRandomF32 {
+                out,
+                n: n64,
+                seed,
+                mean,
+                std,
+            }
+            .launch(self)
         } else {
-            "fill_random_bf16"
-        };
-        let args = [
-            Arg::Ptr(ptr),
-            Arg::U(n as u64),
-            Arg::U(seed),
-            Arg::F(mean),
-            Arg::F(std),
-        ];
-        self.launch(kernel, (1024, 1, 1), 256, 0, &args)
+            let out = kernels::Dev::new(ptr, n);
+            kernels::misc::FillRandomBf16 {
+                out,
+                n: n64,
+                seed,
+                mean,
+                std,
+            }
+            .launch(self)
+        }
     }
 }
 
@@ -795,10 +737,13 @@ mod tests {
         }
         match super::kernel_ptx("compute_90a", false) {
             Ok(ptx) => {
-                let src = ptx.to_src();
-                for k in super::KERNELS.iter().chain(&super::gdn::CHUNK_KERNELS) {
-                    assert!(src.contains(&format!(".entry {k}(")), "{k} missing");
+                // every kernel the launchers name is in the module (the signature test
+                // checks them against the sources)
+                let entries = super::kernels::ptx_entries(&ptx.to_src());
+                for k in super::kernels::all_names() {
+                    assert!(entries.iter().any(|e| e == k), "{k} missing from the PTX");
                 }
+                assert_eq!(entries.len(), super::kernels::all_names().len());
             }
             Err(e) if e.to_string().contains("could not be loaded") => {
                 println!("SKIPPED: {e}")

@@ -11,7 +11,9 @@
 use super::Gpu;
 use super::attention::attention_fits;
 pub use super::decode::TRACE_RECORD;
-use super::decode::{DecodeWs, GEMV_STREAM, fused_decode_fits, gemv_stream_smem};
+use super::decode::{DecodeWs, fused_decode_fits};
+use super::kernels::Dev;
+use super::kernels::gemv::Input;
 use super::prefill::{LOGITS_ROWS, Workspace};
 pub use super::state::CudaState;
 use super::upload::{Source, Weights};
@@ -98,16 +100,18 @@ impl CudaModel {
     }
 
     fn check_supported(cfg: &TextConfig) -> Result<()> {
-        if ![16, 32, 64, 128].contains(&cfg.gdn_key_dim) {
+        if (cfg.gdn_key_dim, cfg.gdn_value_dim) != (128, 128) {
             bail!(
-                "the CUDA GDN kernel supports key head dims 16/32/64/128, not {}",
-                cfg.gdn_key_dim
+                "the CUDA GDN kernels are compiled for the model's key and value head dims 128, not {} and {}",
+                cfg.gdn_key_dim,
+                cfg.gdn_value_dim
             );
         }
         let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
-        if !attention_fits(nq, nkv, hd) {
+        if !attention_fits(nq, nkv, hd, cfg.rotary_dim / 2) {
             bail!(
-                "the CUDA attention kernels need head_dim 32, 64, 128 or 256 and an even number of query heads per KV head, at most 8 (not head_dim {hd}, {nq} query heads over {nkv} KV heads)"
+                "the CUDA attention kernels need the model's head_dim 256, a rotation of at most 64 dims and an even number of query heads per KV head, at most 8 (not head_dim {hd} with {} rotated dims, {nq} query heads over {nkv} KV heads)",
+                cfg.rotary_dim
             );
         }
         if !cfg.hidden_size.is_multiple_of(8)
@@ -215,7 +219,6 @@ impl CudaModel {
         let dws = DecodeWs::alloc(&gpu, &cfg)?;
         gpu.sync()?;
         let settings = crate::settings::Settings::get();
-        gpu.set_max_dynamic_smem("gemv_dec_stream", gemv_stream_smem(GEMV_STREAM.0))?;
         Ok(CudaModel {
             gpu,
             w,
@@ -286,19 +289,15 @@ impl CudaModel {
         // kernel (1,056 blocks stream lm_head once), not a cuBLAS product into f32 logits and
         // a one-block argmax over them.
         let c = &self.config;
-        let h_last = ws.h.ptr + ((last - 1) * c.hidden_size * 4) as u64;
-        self.gemv_dec(
-            self.w.lm_head.ptr,
-            c.vocab_size,
-            c.hidden_size,
-            0,
-            h_last,
-            self.w.final_norm.ptr,
-            self.dws.logits.ptr,
-            0.0,
-            Some((vocab_limit, 0)),
-            false,
-        )?;
+        let input = Input::Norm {
+            h: ws.h.f32().at((last - 1) * c.hidden_size),
+            w: self.w.final_norm.f32(),
+            eps: c.rms_norm_eps,
+        };
+        let logits = self.dws.logits.f32();
+        let greedy = Some((vocab_limit, Dev::null()));
+        let (v, d) = (c.vocab_size, c.hidden_size);
+        self.gemv_dec(&self.w.lm_head, v, d, input, logits, 0.0, greedy, false)?;
         let mut out = [0i32; 1];
         self.gpu.copy_to_host(self.dws.next.ptr, &mut out)?;
         Ok(out[0] as u32)

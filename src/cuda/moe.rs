@@ -4,8 +4,12 @@
 //! fed by a producer warpgroup through four mbarrier-guarded stages, persistent: a block an SM
 //! claiming (tile, column block) items from a counter; SwiGLU fused into gate/up).
 
-use super::{Arg, Gpu};
+use super::Gpu;
+use super::kernels::moe_gemm::MoeGemm6;
+use super::kernels::moe_route::{MoeScatter, MoeTilePlan, SwigluBf16};
+use super::kernels::{Dev, On, Untyped};
 use anyhow::{Result, bail};
+use half::bf16;
 
 /// Rows of a plan tile: `moe_gemm6`'s 128 (a consumer warpgroup without rows in a tile only
 /// releases the stages, so an expert's last tile of <= 64 rows costs one warpgroup's products).
@@ -13,20 +17,6 @@ pub const TILE_M: usize = 128;
 
 /// Output columns a block of `moe_gemm6` (two warpgroups of m64n256 products).
 const TILE_N: usize = 256;
-
-/// Threads of `moe_gemm6`: a producer and two consumer warpgroups.
-const GEMM_THREADS: u32 = 384;
-
-/// Dynamic shared memory of `moe_gemm6`: 4 stages of (128 + 256) rows of 64 bf16 and the
-/// stages' eight mbarriers.
-const GEMM_SMEM: usize = 4 * (128 + 256) * 64 * 2 + 2 * 4 * 8 + 48;
-
-/// The grouped kernels, with their dynamic shared memory (set at `Gpu::open`).
-pub(super) const GEMM_KERNELS: [(&str, usize); 3] = [
-    ("moe_gemm6_m128", GEMM_SMEM),
-    ("moe_gemm6_m128_bf16", GEMM_SMEM),
-    ("moe_gemm6_swiglu_m128", GEMM_SMEM),
-];
 
 /// Tiles the plan can produce for `rows` rows over `experts` experts.
 pub fn max_tiles(rows: usize, experts: usize) -> usize {
@@ -53,14 +43,14 @@ pub enum GroupedOut {
 /// product, and each launch leaves it at zero.
 #[derive(Clone, Copy, Debug)]
 pub struct MoePlan {
-    pub counts: u64,
-    pub offsets: u64,
-    pub cursor: u64,
-    pub tile_expert: u64,
-    pub tile_row: u64,
-    pub tile_rows: u64,
-    pub num_tiles: u64,
-    pub claim: u64,
+    pub counts: Dev<i32>,
+    pub offsets: Dev<i32>,
+    pub cursor: Dev<i32>,
+    pub tile_expert: Dev<i32>,
+    pub tile_row: Dev<i32>,
+    pub tile_rows: Dev<i32>,
+    pub num_tiles: Dev<i32>,
+    pub claim: Dev<i32>,
 }
 
 /// The plan of a dense product over rows taken in order, as one expert's 128-row tiles, for
@@ -103,19 +93,20 @@ impl DensePlan {
         Ok(v)
     }
 
-    /// The [`MoePlan`] over such a buffer at `base` (for up to `max_rows` rows): its tile list,
+    /// The [`MoePlan`] over such a buffer `buf` (for up to `max_rows` rows): its tile list,
     /// count and counter (the other fields are not used without `moe_plan`).
-    pub fn plan(base: u64, max_rows: usize) -> MoePlan {
-        let cap = Self::new(max_rows).cap as u64;
+    pub fn plan(buf: Dev<i32>, max_rows: usize) -> MoePlan {
+        let cap = Self::new(max_rows).cap;
+        let part = |at: usize, n: usize| Dev::new(buf.at(at).ptr, n);
         MoePlan {
-            counts: 0,
-            offsets: 0,
-            cursor: 0,
-            tile_expert: base,
-            tile_row: base + 4 * cap,
-            tile_rows: base + 8 * cap,
-            num_tiles: base + 12 * cap,
-            claim: base + 12 * cap + 4,
+            counts: Dev::null(),
+            offsets: Dev::null(),
+            cursor: Dev::null(),
+            tile_expert: part(0, cap),
+            tile_row: part(cap, cap),
+            tile_rows: part(2 * cap, cap),
+            num_tiles: part(3 * cap, 1),
+            claim: part(3 * cap + 1, 1),
         }
     }
 }
@@ -125,10 +116,11 @@ impl DensePlan {
 /// `w` bf16 `[E, ndim, kdim]`.
 #[derive(Clone, Copy, Debug)]
 pub struct Grouped {
-    pub a: u64,
-    pub gather: u64,
-    pub w: u64,
-    pub out: u64,
+    pub a: Dev<bf16>,
+    pub gather: Dev<i32>,
+    pub w: Dev<bf16>,
+    /// f32 or bf16 as the product's [`GroupedOut`] says.
+    pub out: Untyped,
     pub ndim: usize,
     pub kdim: usize,
 }
@@ -136,23 +128,18 @@ pub struct Grouped {
 impl Gpu {
     /// Builds the tile list of `tile_m`-row tiles from `p.counts` and resets `p.cursor`.
     pub fn moe_plan(&self, p: &MoePlan, experts: usize, tile_m: usize) -> Result<()> {
-        self.launch_dep(
-            "moe_plan",
-            (1, 1, 1),
-            experts.next_multiple_of(32) as u32,
-            0,
-            &[
-                Arg::Ptr(p.counts),
-                Arg::I(experts as i32),
-                Arg::I(tile_m as i32),
-                Arg::Ptr(p.offsets),
-                Arg::Ptr(p.cursor),
-                Arg::Ptr(p.tile_expert),
-                Arg::Ptr(p.tile_row),
-                Arg::Ptr(p.tile_rows),
-                Arg::Ptr(p.num_tiles),
-            ],
-        )
+        MoeTilePlan {
+            counts: p.counts,
+            e: experts as i32,
+            tile_m: tile_m as i32,
+            offsets: p.offsets,
+            cursor: p.cursor,
+            tile_expert: p.tile_expert,
+            tile_row: p.tile_row,
+            tile_rows: p.tile_rows,
+            num_tiles: p.num_tiles,
+        }
+        .launch(self, On::Prefill)
     }
 
     /// Sorts the `rows` (token, slot) pairs of `topk_ids` (`k` per token) by expert:
@@ -160,33 +147,27 @@ impl Gpu {
     /// cursor from [`Gpu::moe_plan`]; the order within an expert is not deterministic.
     pub fn moe_scatter(
         &self,
-        topk_ids: u64,
+        topk_ids: Dev<i32>,
         rows: usize,
         k: usize,
-        cursor: u64,
-        sorted_token: u64,
-        slot_row: u64,
+        cursor: Dev<i32>,
+        sorted_token: Dev<i32>,
+        slot_row: Dev<i32>,
     ) -> Result<()> {
-        self.launch_dep(
-            "moe_scatter",
-            (rows.div_ceil(256) as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(topk_ids),
-                Arg::I(rows as i32),
-                Arg::I(k as i32),
-                Arg::Ptr(cursor),
-                Arg::Ptr(sorted_token),
-                Arg::Ptr(slot_row),
-            ],
-        )
+        MoeScatter {
+            topk_ids,
+            n: rows as i32,
+            k: k as i32,
+            cursor,
+            sorted_token,
+            slot_row,
+        }
+        .launch(self, On::Prefill)
     }
 
     /// The grouped product `g` over the plan's tiles (built by [`Gpu::moe_plan`]), writing
     /// `out` as `kind` says; `rows` and `experts` bound the tile count. On the second stream
     /// with `aux`.
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_grouped(
         &self,
         kind: GroupedOut,
@@ -207,16 +188,22 @@ impl Gpu {
                 g.ndim
             );
         }
+        if g.w.len < experts * g.ndim * g.kdim || (!g.gather.is_null() && g.gather.len < rows) {
+            bail!(
+                "{name}: weights {:?} for {experts} x {} x {}, gather {:?} for {rows} rows",
+                g.w,
+                g.ndim,
+                g.kdim,
+                g.gather
+            );
+        }
         // the swiglu kernel's block covers 128 act columns (256 gate|up rows)
         let tile_n = if kind == GroupedOut::SwiGlu {
             TILE_N / 2
         } else {
             TILE_N
         };
-        let (tiles, blocks_n) = (
-            max_tiles(rows, experts) as u32,
-            out_cols.div_ceil(tile_n) as u32,
-        );
+        let (tiles, blocks_n) = (max_tiles(rows, experts), out_cols.div_ceil(tile_n));
         if (rows.max(g.ndim) as u64) * (g.kdim as u64) >= 1 << 31 {
             // the kernel keeps its row offsets in 32-bit registers
             bail!(
@@ -225,35 +212,26 @@ impl Gpu {
                 g.kdim
             );
         }
-        // One block an SM at most; the kernel walks the (tile, column block) items.
-        let grid = ((tiles * blocks_n).min(self.sm_count as u32), 1, 1);
-        let args = [
-            Arg::Ptr(g.a),
-            Arg::Ptr(g.gather),
-            Arg::Ptr(g.w),
-            Arg::Ptr(g.out),
-            Arg::Ptr(p.tile_expert),
-            Arg::Ptr(p.tile_row),
-            Arg::Ptr(p.tile_rows),
-            Arg::Ptr(p.num_tiles),
-            Arg::I(g.ndim as i32),
-            Arg::I(g.kdim as i32),
-            Arg::I(blocks_n as i32),
-            Arg::Ptr(p.claim),
-        ];
-        if aux {
-            self.launch_on(
-                self.stream_of(true),
-                name,
-                grid,
-                GEMM_THREADS,
-                GEMM_SMEM as u32,
-                &args,
-                false,
-            )
-        } else {
-            self.launch_dep(name, grid, GEMM_THREADS, GEMM_SMEM as u32, &args)
+        MoeGemm6 {
+            a: g.a,
+            gather: g.gather,
+            w: g.w,
+            out: g.out,
+            tile_expert: p.tile_expert,
+            tile_row: p.tile_row,
+            tile_rows: p.tile_rows,
+            num_tiles: p.num_tiles,
+            ndim: g.ndim as i32,
+            kdim: g.kdim as i32,
+            nblk: blocks_n as i32,
+            claim: p.claim,
         }
+        .launch(
+            self,
+            name,
+            tiles * blocks_n,
+            if aux { On::Aux } else { On::Prefill },
+        )
     }
 
     /// A dense SwiGLU MLP (the shared expert) of `rows` rows on the second stream:
@@ -271,34 +249,23 @@ impl Gpu {
         self.moe_grouped(GroupedOut::F32, p, rows, 1, down, true)
     }
 
-    /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`.
-    pub fn swiglu_bf16(&self, gu: u64, act: u64, rows: usize, inter: usize) -> Result<()> {
-        self.swiglu_bf16_on(false, gu, act, rows, inter)
-    }
-
-    /// [`Gpu::swiglu_bf16`], on the second stream when `aux` is set.
-    pub fn swiglu_bf16_on(
+    /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`, on the
+    /// second stream when `aux` is set.
+    pub fn swiglu_bf16(
         &self,
         aux: bool,
-        gu: u64,
-        act: u64,
+        gu: Dev<f32>,
+        act: Dev<bf16>,
         rows: usize,
         inter: usize,
     ) -> Result<()> {
-        self.launch_on(
-            self.stream_of(aux),
-            "swiglu_bf16",
-            ((rows * inter).div_ceil(256).min(65_535) as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(gu),
-                Arg::Ptr(act),
-                Arg::I(rows as i32),
-                Arg::I(inter as i32),
-            ],
-            false,
-        )
+        SwigluBf16 {
+            gu,
+            act,
+            rows: rows as i32,
+            inter: inter as i32,
+        }
+        .launch(self, if aux { On::Aux } else { On::Plain })
     }
 }
 
@@ -306,13 +273,8 @@ impl Gpu {
 mod tests {
     use super::*;
 
-    /// Every grouped kernel is loaded and fits Hopper's shared memory.
     #[test]
-    fn grouped_kernels_are_loaded() {
-        for (name, smem) in &GEMM_KERNELS {
-            assert!(super::super::KERNELS.contains(name), "{name} not loaded");
-            assert!(*smem <= 227 * 1024, "{name}");
-        }
+    fn tile_counts() {
         assert_eq!(max_tiles(300, 4), 3 + 4);
         assert_eq!(DensePlan::TILE_M, TILE_M);
     }
@@ -332,11 +294,11 @@ mod tests {
         assert_eq!(&v[2 * cap..2 * cap + 3], &[128, 128, 44]);
         assert_eq!(v[3 * cap], 3, "tiles");
         assert_eq!(v[3 * cap + 1], 0, "the counter starts at zero");
-        let p = DensePlan::plan(1 << 20, max);
-        assert_eq!(p.tile_row, (1 << 20) + 4 * cap as u64);
-        assert_eq!(p.tile_rows, (1 << 20) + 8 * cap as u64);
-        assert_eq!(p.num_tiles, (1 << 20) + 12 * cap as u64);
-        assert_eq!(p.claim, p.num_tiles + 4);
+        let p = DensePlan::plan(Dev::new(1 << 20, DensePlan::ints(max)), max);
+        assert_eq!(p.tile_row.ptr, (1 << 20) + 4 * cap as u64);
+        assert_eq!(p.tile_rows.ptr, (1 << 20) + 8 * cap as u64);
+        assert_eq!(p.num_tiles.ptr, (1 << 20) + 12 * cap as u64);
+        assert_eq!(p.claim.ptr, p.num_tiles.ptr + 4);
         assert_eq!(DensePlan::contents(max, 1024).unwrap()[3 * cap], 8);
         assert!(DensePlan::contents(max, 1025).is_err());
     }

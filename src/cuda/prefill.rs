@@ -3,21 +3,26 @@
 //! the mixer (GDN or gated attention) and the MoE, then the final norm and lm_head.
 
 use super::attention::{FlashCall, QPrep};
-use super::decode::{DECODE_SPLITS, gemv_rows_per_block};
+use super::decode::DECODE_SPLITS;
 use super::gdn::{ConvRows, DeltaBufs, GdnShape};
+use super::kernels::attn_decode::{AttnCombine, AttnSplit};
+use super::kernels::attn_prefill::AttnPrepRows;
+use super::kernels::gdn_decode::{GdnGatedNorm, GdnGates};
+use super::kernels::misc::EmbedGather;
+use super::kernels::moe_route::{MoeCombine, MoeCombineBf16, MoeGemv, MoeRoute};
+use super::kernels::norm::RmsnormZcBf16;
+use super::kernels::{Dev, On};
 use super::model::CudaModel;
 use super::moe::{DensePlan, Grouped, GroupedOut, MoePlan};
 use super::state::CudaState;
 use super::upload::{LayerW, MixerW};
-use super::{Arg, DeviceBuf, Gpu, block_threads};
+use super::{DeviceBuf, Gpu};
 use crate::config::TextConfig;
 use anyhow::{Result, anyhow};
+use half::bf16;
 
 /// Rows of logits computed per lm_head call in `Logits::All` mode.
 pub(super) const LOGITS_ROWS: usize = 64;
-
-/// Tokens (a warp each) per block of `moe_route` (moe_route.cu's ROUTE_WARPS).
-const ROUTE_WARPS: usize = 8;
 
 /// Up to this many (token, expert) rows the MoE runs as per-row GEMVs (decode), reading only
 /// the selected experts' weights with 16-byte loads; above it, the grouped tensor-core GEMM.
@@ -208,43 +213,29 @@ impl CudaModel {
             let plan = DensePlan::contents(self.max_chunk, t)?;
             g.copy_to_device(ws.dense_plan.ptr, &plan)?;
         }
-        let ti = t as i32;
-        let block = block_threads;
+        let (ti, di) = (t as i32, d as i32);
 
         // Embedding
-        g.launch(
-            "embed_gather",
-            (t as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(self.w.embed.ptr),
-                Arg::Ptr(ws.ids.ptr),
-                Arg::Ptr(ws.h.ptr),
-                Arg::I(d as i32),
-            ],
-        )?;
-        let rmsnorm = |w: &DeviceBuf, src: u64, rows: usize| {
-            g.launch_dep(
-                "rmsnorm_zc_bf16",
-                (rows as u32, 1, 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(src),
-                    Arg::Ptr(w.ptr),
-                    Arg::Ptr(ws.xb.ptr),
-                    Arg::I(d as i32),
-                    Arg::F(eps),
-                ],
-            )
-        };
+        EmbedGather {
+            table: self.w.embed.bf16(),
+            ids: ws.ids.i32(),
+            out: ws.h.f32(),
+            d: di,
+        }
+        .launch(g, t, On::Plain)?;
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in self.w.layers.iter().enumerate() {
             // From the second layer on, the previous layer's moe_combine wrote the normalised
             // input already.
             if li == 0 {
-                rmsnorm(&layer.input_norm, ws.h.ptr, t)?;
+                RmsnormZcBf16 {
+                    x: ws.h.f32(),
+                    w: layer.input_norm.f32(),
+                    out: ws.xb.bf16(),
+                    d: di,
+                    eps,
+                }
+                .launch(g, t, On::Prefill)?;
             }
             match &layer.mixer {
                 MixerW::Gdn(w) => {
@@ -256,72 +247,64 @@ impl CudaModel {
                     // The in-projection's q|k|v, z and b|a side by side in p's rows (the conv,
                     // the gates and the gated norm read them in place): one GEMM.
                     let ld = ch + vw + 2 * hv;
-                    let at = |col: usize| ws.p.ptr + (col * 4) as u64;
                     g.gemm(w.in_proj.ptr, ld, d, ws.xb.ptr, t, ws.p.ptr, ld, 0.0)?;
-                    let conv_in = ConvRows { ptr: ws.p.ptr, ld };
-                    let (z, ba) = (at(ch), at(ch + vw));
-                    let chunked =
-                        t > 1 && self.gdn_chunked && sh.chunked_fits(g.max_smem_per_block);
+                    let p = ws.p.f32();
+                    let conv_in = ConvRows { p, ld };
+                    let (z, ba) = (p.at(ch), p.at(ch + vw));
+                    let chunked = t > 1
+                        && self.gdn_chunked
+                        && sh.chunked_fits(g.max_smem_per_block, g.sm_count);
                     let conv = if chunked {
                         Gpu::gdn_conv_prefill
                     } else {
                         Gpu::gdn_conv_sequential
                     };
+                    let (conv_w, conv_st) = (w.conv.f32(), st_conv.f32());
                     conv(
                         g,
                         &sh,
                         c.conv_kernel,
                         conv_in,
-                        st_conv.ptr,
-                        w.conv.ptr,
-                        ws.qkv.ptr,
+                        conv_st,
+                        conv_w,
+                        ws.qkv.f32(),
                     )?;
-                    g.launch_dep(
-                        "gdn_gates",
-                        ((t * hv).div_ceil(256) as u32, 1, 1),
-                        256,
-                        0,
-                        &[
-                            Arg::Ptr(ba),
-                            Arg::Ptr(ba + (hv * 4) as u64),
-                            Arg::I(ld as i32),
-                            Arg::Ptr(w.a_log.ptr),
-                            Arg::Ptr(w.dt_bias.ptr),
-                            Arg::Ptr(ws.beta.ptr),
-                            Arg::Ptr(ws.g.ptr),
-                            Arg::I(ti),
-                            Arg::I(hv as i32),
-                        ],
-                    )?;
+                    GdnGates {
+                        b: ba,
+                        a: ba.at(hv),
+                        ld: ld as i32,
+                        a_log: w.a_log.f32(),
+                        dt_bias: w.dt_bias.f32(),
+                        beta: ws.beta.f32(),
+                        g: ws.g.f32(),
+                        t: ti,
+                        hv: hv as i32,
+                    }
+                    .launch(g, On::Prefill)?;
                     let bufs = DeltaBufs {
-                        qkv: ws.qkv.ptr,
-                        g: ws.g.ptr,
-                        beta: ws.beta.ptr,
-                        state: st_rec.ptr,
-                        o: ws.o.ptr,
+                        qkv: ws.qkv.f32(),
+                        g: ws.g.f32(),
+                        beta: ws.beta.f32(),
+                        state: st_rec.f32(),
+                        o: ws.o.f32(),
                     };
                     if chunked {
-                        g.gdn_delta_chunked(&sh, &bufs, ws.gdn.ptr)?;
+                        g.gdn_delta_chunked(&sh, &bufs, ws.gdn.f32())?;
                     } else {
                         g.gdn_delta_recurrent(&sh, &bufs)?;
                     }
-                    g.launch_dep(
-                        "gdn_gated_norm",
-                        ((t * hv).div_ceil(8) as u32, 1, 1),
-                        256,
-                        0,
-                        &[
-                            Arg::Ptr(ws.o.ptr),
-                            Arg::Ptr(z),
-                            Arg::Ptr(w.norm.ptr),
-                            Arg::Ptr(ws.ob.ptr),
-                            Arg::I((t * hv) as i32),
-                            Arg::I(dv as i32),
-                            Arg::I(hv as i32),
-                            Arg::I(ld as i32),
-                            Arg::F(eps),
-                        ],
-                    )?;
+                    GdnGatedNorm {
+                        o: ws.o.f32(),
+                        z_in: z,
+                        w: w.norm.f32(),
+                        out: ws.ob.bf16(),
+                        rows: (t * hv) as i32,
+                        dv: dv as i32,
+                        hv: hv as i32,
+                        ldz: ld as i32,
+                        eps,
+                    }
+                    .launch(g, On::Prefill)?;
                     // Residual add fused into the GEMM (beta = 1).
                     g.gemm(w.out.ptr, d, vw, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }
@@ -349,43 +332,40 @@ impl CudaModel {
                     // attn_flash4 prepares the queries itself, so it writes the KV heads only).
                     let flash = t >= FLASH_MIN_TOKENS;
                     let rot_half = c.rotary_dim / 2;
-                    let q_prep =
-                        (flash && g.flash_preps_q(nq, nkv, hd, rot_half)).then_some(QPrep {
-                            q_norm: w.q_norm.ptr,
-                            inv_freq: self.w.inv_freq.ptr,
-                            rot_half,
-                            eps,
-                        });
-                    let h0 = if q_prep.is_some() { nq } else { 0 };
-                    let grid = ((t * (nq + nkv - h0)).div_ceil(8) as u32, 1, 1);
-                    let args = [
-                        Arg::Ptr(ws.qg.ptr),
-                        Arg::Ptr(ws.k.ptr),
-                        Arg::Ptr(ws.v.ptr),
-                        Arg::Ptr(w.q_norm.ptr),
-                        Arg::Ptr(w.k_norm.ptr),
-                        Arg::Ptr(self.w.inv_freq.ptr),
-                        Arg::Ptr(ws.q.ptr),
-                        Arg::Ptr(kc.ptr),
-                        Arg::Ptr(vc.ptr),
-                        Arg::I(past as i32),
-                        Arg::I(t as i32),
-                        Arg::I(nq as i32),
-                        Arg::I(nkv as i32),
-                        Arg::I(hd as i32),
-                        Arg::I(rot_half as i32),
-                        Arg::F(eps),
-                        Arg::I(h0 as i32),
-                    ];
-                    g.launch_dep("attn_prep_rows", grid, 256, (8 * hd * 4) as u32, &args)?;
+                    let h0 = if flash { nq } else { 0 };
+                    let (k_cache, v_cache) = (kc.bf16(), vc.bf16());
+                    AttnPrepRows {
+                        qg: ws.qg.f32(),
+                        k: ws.k.f32(),
+                        v: ws.v.f32(),
+                        q_norm: w.q_norm.f32(),
+                        k_norm: w.k_norm.f32(),
+                        inv_freq: self.w.inv_freq.f32(),
+                        q_out: ws.q.f32(),
+                        k_cache,
+                        v_cache,
+                        past: past as i32,
+                        t: ti,
+                        nq: nq as i32,
+                        nkv: nkv as i32,
+                        hd: hd as i32,
+                        rot_half: rot_half as i32,
+                        eps,
+                        h0: h0 as i32,
+                    }
+                    .launch(g, On::Prefill)?;
                     if flash {
                         g.attn_flash(&FlashCall {
-                            q_prep,
-                            q: ws.q.ptr,
-                            k_cache: kc.ptr,
-                            v_cache: vc.ptr,
-                            qg: ws.qg.ptr,
-                            out: ws.ob.ptr,
+                            q_prep: QPrep {
+                                q_norm: w.q_norm.f32(),
+                                inv_freq: self.w.inv_freq.f32(),
+                                rot_half,
+                                eps,
+                            },
+                            k_cache,
+                            v_cache,
+                            qg: ws.qg.f32(),
+                            out: ws.ob.bf16(),
                             t,
                             past,
                             nq,
@@ -397,48 +377,45 @@ impl CudaModel {
                         let cap = (ws.part_floats / (t * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
                         let chunk = n_max.div_ceil(cap).max(64);
                         let nsplit = n_max.div_ceil(chunk);
-                        g.launch(
-                            "attn_split",
-                            (t as u32, nq as u32, nsplit.div_ceil(4) as u32),
-                            128,
-                            0,
-                            &[
-                                Arg::Ptr(ws.q.ptr),
-                                Arg::Ptr(kc.ptr),
-                                Arg::Ptr(vc.ptr),
-                                Arg::Ptr(ws.part.ptr),
-                                Arg::I(past as i32),
-                                Arg::Ptr(0),
-                                Arg::I(nq as i32),
-                                Arg::I(nkv as i32),
-                                Arg::I(hd as i32),
-                                Arg::I(nsplit as i32),
-                                Arg::I(chunk as i32),
-                                Arg::F(1.0 / (hd as f32).sqrt()),
-                            ],
-                        )?;
-                        g.launch(
-                            "attn_combine",
-                            (t as u32, nq as u32, 1),
-                            block(hd),
-                            0,
-                            &[
-                                Arg::Ptr(ws.part.ptr),
-                                Arg::Ptr(ws.qg.ptr),
-                                Arg::Ptr(ws.ob.ptr),
-                                Arg::I(past as i32),
-                                Arg::Ptr(0),
-                                Arg::I(nq as i32),
-                                Arg::I(hd as i32),
-                                Arg::I(nsplit as i32),
-                                Arg::I(chunk as i32),
-                            ],
-                        )?;
+                        AttnSplit {
+                            q: ws.q.f32(),
+                            k_cache,
+                            v_cache,
+                            part: ws.part.f32(),
+                            past: past as i32,
+                            past_dev: Dev::null(),
+                            nq: nq as i32,
+                            nkv: nkv as i32,
+                            hd: hd as i32,
+                            nsplit: nsplit as i32,
+                            chunk: chunk as i32,
+                            scale: 1.0 / (hd as f32).sqrt(),
+                        }
+                        .launch(g, t, On::Plain)?;
+                        AttnCombine {
+                            part: ws.part.f32(),
+                            qg: ws.qg.f32(),
+                            out: ws.ob.bf16(),
+                            past: past as i32,
+                            past_dev: Dev::null(),
+                            nq: nq as i32,
+                            hd: hd as i32,
+                            nsplit: nsplit as i32,
+                            chunk: chunk as i32,
+                        }
+                        .launch(g, t, On::Plain)?;
                     }
                     g.gemm(w.o.ptr, d, nq * hd, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }
             }
-            rmsnorm(&layer.post_norm, ws.h.ptr, t)?;
+            RmsnormZcBf16 {
+                x: ws.h.f32(),
+                w: layer.post_norm.f32(),
+                out: ws.xb.bf16(),
+                d: di,
+                eps,
+            }
+            .launch(g, t, On::Prefill)?;
             let next_norm = self.w.layers.get(li + 1).map(|l| &l.input_norm);
             self.moe(ws, layer, t, next_norm)?;
         }
@@ -479,20 +456,20 @@ impl CudaModel {
         g.fork_aux()?;
         if self.shared_on_gemm(t) {
             // moe_gemm6 with the SwiGLU fused, over the dense plan forward_chunk uploaded
-            let plan = DensePlan::plan(ws.dense_plan.ptr, self.max_chunk);
+            let plan = DensePlan::plan(ws.dense_plan.i32(), self.max_chunk);
             let gu = Grouped {
-                a: ws.xb.ptr,
-                gather: 0,
-                w: layer.shared_gate_up.ptr,
-                out: ws.sact.ptr,
+                a: ws.xb.bf16(),
+                gather: Dev::null(),
+                w: layer.shared_gate_up.bf16(),
+                out: ws.sact.bf16().into(),
                 ndim: 2 * is,
                 kdim: d,
             };
             let down = Grouped {
-                a: ws.sact.ptr,
-                gather: 0,
-                w: layer.shared_down.ptr,
-                out: ws.ys.ptr,
+                a: ws.sact.bf16(),
+                gather: Dev::null(),
+                w: layer.shared_down.bf16(),
+                out: ws.ys.f32().into(),
                 ndim: d,
                 kdim: is,
             };
@@ -508,7 +485,7 @@ impl CudaModel {
                 2 * is,
                 0.0,
             )?;
-            g.swiglu_bf16_on(true, ws.sgu.ptr, ws.sact.ptr, t, is)?;
+            g.swiglu_bf16(true, ws.sgu.f32(), ws.sact.bf16(), t, is)?;
             g.gemm_aux(
                 layer.shared_down.ptr,
                 d,
@@ -522,88 +499,76 @@ impl CudaModel {
         }
         g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
         g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
-        g.launch_dep(
-            "moe_route",
-            (t.div_ceil(ROUTE_WARPS) as u32, 1, 1),
-            32 * ROUTE_WARPS as u32,
-            (ROUTE_WARPS * e * 4) as u32,
-            &[
-                Arg::Ptr(ws.router.ptr),
-                Arg::I(e as i32),
-                Arg::I(k as i32),
-                Arg::Ptr(ws.topk_ids.ptr),
-                Arg::Ptr(ws.topk_w.ptr),
-                Arg::Ptr(ws.counts.ptr),
-                Arg::Ptr(ws.xb.ptr),
-                Arg::Ptr(layer.shared_gate.ptr),
-                Arg::Ptr(ws.sgate.ptr),
-                Arg::I(d as i32),
-                Arg::I(t as i32),
-            ],
-        )?;
+        MoeRoute {
+            logits: ws.router.f32(),
+            e: e as i32,
+            k: k as i32,
+            topk_ids: ws.topk_ids.i32(),
+            topk_w: ws.topk_w.f32(),
+            counts: ws.counts.i32(),
+            x: ws.xb.bf16(),
+            w_sg: layer.shared_gate.f32(),
+            sgate: ws.sgate.f32(),
+            d: d as i32,
+            t: t as i32,
+        }
+        .launch(g, On::Prefill)?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
         // y in bf16 from the grouped GEMM's tiles (16-byte rows of 8 features).
         let y_bf16 = !gemv_path && d % 8 == 0;
-        let gemv = |a: u64, by_k: bool, w: u64, out: u64, ndim: usize, kdim: usize| {
-            g.launch(
-                "moe_gemv",
-                (
-                    rows as u32,
-                    ndim.div_ceil(gemv_rows_per_block(kdim, false)) as u32,
-                    1,
-                ),
-                256,
-                (kdim * 4) as u32,
-                &[
-                    Arg::Ptr(a),
-                    Arg::I(by_k as i32),
-                    Arg::Ptr(ws.topk_ids.ptr),
-                    Arg::I(k as i32),
-                    Arg::Ptr(w),
-                    Arg::Ptr(out),
-                    Arg::I(ndim as i32),
-                    Arg::I(kdim as i32),
-                ],
-            )
-        };
+        let gemv =
+            |a: Dev<bf16>, by_k: bool, w: &DeviceBuf, out: Dev<f32>, ndim: usize, kdim: usize| {
+                MoeGemv {
+                    a,
+                    gather_by_k: by_k as i32,
+                    topk_ids: ws.topk_ids.i32(),
+                    k: k as i32,
+                    w: w.bf16(),
+                    y: out,
+                    ndim: ndim as i32,
+                    kdim: kdim as i32,
+                }
+                .launch(g, rows, On::Plain)
+            };
         if gemv_path {
-            gemv(ws.xb.ptr, true, layer.gate_up.ptr, ws.gu.ptr, 2 * i, d)?;
-            g.swiglu_bf16(ws.gu.ptr, ws.act.ptr, rows, i)?;
-            gemv(ws.act.ptr, false, layer.down.ptr, ws.y.ptr, d, i)?;
+            gemv(ws.xb.bf16(), true, &layer.gate_up, ws.gu.f32(), 2 * i, d)?;
+            g.swiglu_bf16(false, ws.gu.f32(), ws.act.bf16(), rows, i)?;
+            gemv(ws.act.bf16(), false, &layer.down, ws.y.f32(), d, i)?;
         } else {
+            let counts = ws.counts.i32();
             let plan = MoePlan {
-                counts: ws.counts.ptr,
-                offsets: ws.offsets.ptr,
-                cursor: ws.cursor.ptr,
-                tile_expert: ws.tile_expert.ptr,
-                tile_row: ws.tile_row.ptr,
-                tile_rows: ws.tile_rows.ptr,
-                num_tiles: ws.num_tiles.ptr,
-                claim: ws.counts.ptr + (e * 4) as u64,
+                counts,
+                offsets: ws.offsets.i32(),
+                cursor: ws.cursor.i32(),
+                tile_expert: ws.tile_expert.i32(),
+                tile_row: ws.tile_row.i32(),
+                tile_rows: ws.tile_rows.i32(),
+                num_tiles: ws.num_tiles.i32(),
+                claim: counts.at(e),
             };
             g.moe_plan(&plan, e, super::moe::TILE_M)?;
             g.moe_scatter(
-                ws.topk_ids.ptr,
+                ws.topk_ids.i32(),
                 rows,
                 k,
-                ws.cursor.ptr,
-                ws.sorted_token.ptr,
-                ws.slot_row.ptr,
+                ws.cursor.i32(),
+                ws.sorted_token.i32(),
+                ws.slot_row.i32(),
             )?;
             let gate_up = Grouped {
-                a: ws.xb.ptr,
-                gather: ws.sorted_token.ptr,
-                w: layer.gate_up.ptr,
-                out: ws.act.ptr,
+                a: ws.xb.bf16(),
+                gather: ws.sorted_token.i32(),
+                w: layer.gate_up.bf16(),
+                out: ws.act.bf16().into(),
                 ndim: 2 * i,
                 kdim: d,
             };
             g.moe_grouped(GroupedOut::SwiGlu, &plan, rows, e, &gate_up, false)?;
             let down = Grouped {
-                a: ws.act.ptr,
-                gather: 0,
-                w: layer.down.ptr,
-                out: ws.y.ptr,
+                a: ws.act.bf16(),
+                gather: Dev::null(),
+                w: layer.down.bf16(),
+                out: ws.y.f32().into(),
                 ndim: d,
                 kdim: i,
             };
@@ -615,30 +580,52 @@ impl CudaModel {
             g.moe_grouped(out, &plan, rows, e, &down, false)?;
         }
         g.join_aux()?;
-        g.launch_dep(
-            if y_bf16 {
-                "moe_combine_bf16"
-            } else {
-                "moe_combine"
-            },
-            (t as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(ws.y.ptr),
-                // The GEMV path leaves rows unsorted (row = token * k + slot).
-                Arg::Ptr(if gemv_path { 0 } else { ws.slot_row.ptr }),
-                Arg::Ptr(ws.topk_w.ptr),
-                Arg::Ptr(ws.ys.ptr),
-                Arg::Ptr(ws.sgate.ptr),
-                Arg::Ptr(ws.h.ptr),
-                Arg::I(k as i32),
-                Arg::I(d as i32),
-                Arg::Ptr(next_norm.map_or(0, |w| w.ptr)),
-                Arg::Ptr(ws.xb.ptr),
-                Arg::F(c.rms_norm_eps),
-            ],
-        )
+        // The GEMV path leaves rows unsorted (row = token * k + slot).
+        let slot_row = if gemv_path {
+            Dev::null()
+        } else {
+            ws.slot_row.i32()
+        };
+        let norm_w = next_norm.map_or(Dev::null(), |w| w.f32());
+        let (topk_w, ys, sgate, h, xb) = (
+            ws.topk_w.f32(),
+            ws.ys.f32(),
+            ws.sgate.f32(),
+            ws.h.f32(),
+            ws.xb.bf16(),
+        );
+        let (k, d, eps) = (k as i32, d as i32, c.rms_norm_eps);
+        if y_bf16 {
+            MoeCombineBf16 {
+                y: ws.y.bf16(),
+                slot_row,
+                topk_w,
+                ys,
+                sgate,
+                h,
+                k,
+                d,
+                norm_w,
+                xb,
+                eps,
+            }
+            .launch(g, t, On::Prefill)
+        } else {
+            MoeCombine {
+                y: ws.y.f32(),
+                slot_row,
+                topk_w,
+                ys,
+                sgate,
+                h,
+                k,
+                d,
+                norm_w,
+                xb,
+                eps,
+            }
+            .launch(g, t, On::Prefill)
+        }
     }
 
     /// Final norm + lm_head for `n` rows of `ws.h` starting at row `r0`, into `ws.logits`.
@@ -646,19 +633,14 @@ impl CudaModel {
         let c = &self.config;
         let g = &*self.gpu;
         let d = c.hidden_size;
-        g.launch_dep(
-            "rmsnorm_zc_bf16",
-            (n as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(ws.h.ptr + (r0 * d * 4) as u64),
-                Arg::Ptr(self.w.final_norm.ptr),
-                Arg::Ptr(ws.xb.ptr),
-                Arg::I(d as i32),
-                Arg::F(c.rms_norm_eps),
-            ],
-        )?;
+        RmsnormZcBf16 {
+            x: ws.h.f32().at(r0 * d),
+            w: self.w.final_norm.f32(),
+            out: ws.xb.bf16(),
+            d: d as i32,
+            eps: c.rms_norm_eps,
+        }
+        .launch(g, n, On::Prefill)?;
         g.gemm(
             self.w.lm_head.ptr,
             c.vocab_size,

@@ -1,5 +1,6 @@
-// Warp-level pieces of the mma.sync attention kernels (a warp = 16 query rows): attn_flash3,
-// attn_flash4's softmax (attn_prefill.cu) and attn_decode_mma (attn_decode.cu).
+// Warp-level pieces of the attention kernels on mma accumulators (a warp = 16 query rows):
+// attn_decode_mma's products and softmax (attn_decode.cu), attn_flash4's mask, softmax and P
+// fragments (attn_prefill.cu).
 
 // S (16 rows x NK keys) = Q Kᵀ: Q rows at qw, K rows at kt, both bf16 with row stride LD.
 template <int HD, int NK, int LD>

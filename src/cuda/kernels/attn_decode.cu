@@ -246,10 +246,7 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
         const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale) {                         \
         attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f);    \
     }
-ATTN_DECODE_MMA(32)
-ATTN_DECODE_MMA(64)
-ATTN_DECODE_MMA(128)
-ATTN_DECODE_MMA(256)
+ATTN_DECODE_MMA(256)  // the model's head dim
 
 // Decode combine: merges the splits of attn_decode_mma, normalises, applies sigmoid(gate) and
 // writes bf16 [nq * hd]. grid (nq, hd / 32), block 256: warp w sums splits w, w + 8, ... for the

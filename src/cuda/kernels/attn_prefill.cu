@@ -1,6 +1,6 @@
 // Gated full attention, prefill: the q/k zero-centred norms + partial NeoX RoPE + KV-cache append
 // of a whole chunk (attn_prep_rows), then causal GQA flash attention with the sigmoid output
-// gate fused: attn_flash3 (mma.sync, any head dim) and attn_flash4 (wgmma, head dim 256).
+// gate fused: attn_flash4 (wgmma, head dim 256).
 
 // Prefill's attn_prep (the same outputs; `past` from the host): a warp per (token, head) row,
 // 8 rows a block, 16-byte loads and a shuffle reduction, the normalised row staged in the warp's
@@ -53,44 +53,8 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---- Prefill flash attention ----
-// The mma.sync flash kernel's block (attn_flash3): FA_BQ query positions x FA_HPB query heads of
-// one KV group, K/V tiles of FA_BK keys.
-#define FA_BQ 64
-#define FA_BK 64
-#define FA_HPB 2
-
-// The flash kernels' copies (block of 256 threads): K and V rows k0.. (FA_BK of them) of KV
-// head kvh into ks / vs (row stride LD), zero past n_valid, as one cp.async group.
-template <int HD, int LD>
-__device__ __forceinline__ void flash_load_kv(bf16* ks, bf16* vs, const bf16* __restrict__ kc,
-                                              const bf16* __restrict__ vc, int k0, int n_valid, int nkv, int kvh) {
-    constexpr int VPR = HD / 8;
-    for (int v = threadIdx.x; v < FA_BK * VPR; v += 256) {
-        int r = v / VPR, c = (v % VPR) * 8, kp = k0 + r;
-        bool ok = kp < n_valid;
-        size_t off = ((size_t)(ok ? kp : 0) * nkv + kvh) * HD + c;
-        cp_async16(ks + r * LD + c, kc + off, ok);
-        cp_async16(vs + r * LD + c, vc + off, ok);
-    }
-    cp_async_commit();
-}
-
-// Queries q0.. (FA_BQ of them, zero past t) of the FA_HPB heads from h0, times scale·log2 e, as
-// bf16 rows of qs (head-major, row stride LD).
-template <int HD, int LD>
-__device__ __forceinline__ void flash_stage_q(bf16* qs, const float* __restrict__ q, int t, int q0, int nq, int h0,
-                                              float scale_log2) {
-    for (int v = threadIdx.x; v < FA_HPB * FA_BQ * (HD / 4); v += 256) {
-        int rr = v / (HD / 4), c = (v % (HD / 4)) * 4, hh = rr / FA_BQ, r = rr % FA_BQ;
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (q0 + r < t) x = *reinterpret_cast<const float4*>(q + ((size_t)(q0 + r) * nq + h0 + hh) * HD + c);
-        unsigned* d = reinterpret_cast<unsigned*>(qs + rr * LD + c);
-        d[0] = pack_bf16x2(x.x * scale_log2, x.y * scale_log2);
-        d[1] = pack_bf16x2(x.z * scale_log2, x.w * scale_log2);
-    }
-}
-
-// quad, l0 / l1 per-lane partial row sums): the quad's sums, then O / l times sigmoid(gate) as
+// A warp's 16 rows of O (mma accumulator layout: rows r0 and r0 + 8 in the lanes of each quad,
+// l0 / l1 per-lane partial row sums): the quad's sums, then O / l times sigmoid(gate) as
 // bf16 into out for the rows below t, head h.
 template <int HD>
 __device__ __forceinline__ void flash_store_rows(const float (&o)[HD / 8][4], float l0, float l1, int r0, int t, int h,
@@ -117,245 +81,13 @@ __device__ __forceinline__ void flash_store_rows(const float (&o)[HD / 8][4], fl
     }
 }
 
-// attn_flash3's entry points, one per head dim: attn_flash3_hd<HD> runs attn_flash3_body<HD> with
-// the scale in log2 units (the softmax uses exp2).
-#define ATTN_FLASH3(HD)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_flash3_hd##HD(                                 \
-        const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,              \
-        const float* __restrict__ qg, bf16* __restrict__ out, int t, int past, int nq, int nkv, int hd,         \
-        float scale) {                                                                                       \
-        PREFILL_KERNEL();                                                                                    \
-        attn_flash3_body<HD>(q, kc, vc, qg, out, t, past, nq, nkv, scale * 1.4426950408889634f);              \
-    }
-
-// Prefill attention on mma.sync tensor cores (flash-attention 2 style), head dims 32 to 256. A
-// block = 64 query positions x 2 query heads of one KV group (8 warps), so every K/V tile staged
-// in shared memory serves both heads. K/V tiles of 64 keys stream from the bf16 cache through a
-// two-stage cp.async pipeline; S = Q K^T, the online softmax (base 2, Q pre-scaled by scale *
-// log2 e) and O += P V all stay in registers (P is reused from the S accumulators as the A
-// operand). Causal over `past + t` cached keys; the sigmoid output gate is fused into the store.
-// Query blocks run latest first (most keys): the head pairs are x, so the blocks, dispatched in
-// linear order, go heaviest query tile first over all heads (longest-first: the light tiles fill
-// in behind; with the query tiles on x, a later head's heaviest tiles started last). For half the
-// shared-memory reads per tensor-core product, the 8 warps form 4 pairs; a pair owns 32 query
-// rows of one head. Per K/V tile:
-//   S: each warp of the pair scores all 32 rows against its half of the keys (32 x 32, so every
-//      Q and K fragment feeds 4 mma instead of 8 and 2: 64 ldmatrix per 128 mma, not 80);
-//   softmax: the pair exchanges row maxima through shared memory (named barrier of 64 threads),
-//      both warps form the same new max and correction; each packs its P (bf16) and hands it to
-//      the other as raw fragment registers (2 KB per warp);
-//   O += P V: each warp accumulates all 32 rows x its half of the head dims, so every V
-//      fragment feeds 4 mma instead of 2 (32 ldmatrix per 128 mma, not 64); its own P half first,
-//      the partner's after the second pair barrier.
-// One block barrier per tile (the prefetch of tile j + 1 is issued after it, into the buffer
-// every warp finished with in tile j - 1). The row sums are per key half, added at the end.
-// Registers: O 32 rows x HD/2 dims = HD/2 floats a thread (at most 128). hd = HD; grid (nq / 2,
-// ceil(t / 64)), block 256; dynamic smem
-// flash3_smem(HD) in attention.rs: Q 128 x (HD + 8) + 2 x (K + V) 64 x (HD + 8) bf16, the P
-// exchange 8 warps x 2 KB, the max / sum exchange 8 warps x 512 B.
-template <int HD>
-__device__ __forceinline__ void attn_flash3_body(const float* __restrict__ q, const bf16* __restrict__ kc,
-                                                 const bf16* __restrict__ vc, const float* __restrict__ qg,
-                                                 bf16* __restrict__ out, int t, int past, int nq, int nkv,
-                                                 float scale_log2) {
-    constexpr int LD = HD + 8;  // padded rows: the 8 row addresses of an ldmatrix hit distinct banks
-    constexpr int HD2 = HD / 2;  // head dims of O per warp
-    extern __shared__ __align__(128) unsigned char fa3_smem[];
-    bf16* qs = reinterpret_cast<bf16*>(fa3_smem);  // [2 heads x 64][LD]
-    bf16* ks = qs + 2 * FA_BQ * LD;                // [2][FA_BK][LD]
-    bf16* vs = ks + 2 * FA_BK * LD;                // [2][FA_BK][LD]
-    uint4* px = reinterpret_cast<uint4*>(vs + 2 * FA_BK * LD);  // [8 warps][4][32 lanes] P fragments
-    float4* mxs = reinterpret_cast<float4*>(px + 8 * 4 * 32);   // [8 warps][32 lanes] row max / sum
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * FA_BQ;  // heaviest query tiles first (flash_grid)
-    const int h0 = blockIdx.x * 2, kvh = h0 / (nq / nkv);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n_valid = past + t;
-    const int n_end = min(n_valid, past + q0 + FA_BQ);
-    const int ntiles = (n_end + FA_BK - 1) / FA_BK;
-    auto load_kv = [&](int buf, int k0) {
-        flash_load_kv<HD, LD>(ks + buf * FA_BK * LD, vs + buf * FA_BK * LD, kc, vc, k0, n_valid, nkv, kvh);
-    };
-    load_kv(0, 0);
-    flash_stage_q<HD, LD>(qs, q, t, q0, nq, h0, scale_log2);
-    const int pair = warp >> 1, hf = warp & 1;
-    const int hh = pair >> 1, pr0 = (pair & 1) * 32;  // the pair's head and first position
-    const int g = lane >> 2, cq = 2 * (lane & 3);
-    // Row r of the thread (r = 2 * mt + half): pair row mt * 16 + half * 8 + g.
-    const int qpos0 = past + q0 + pr0 + g;  // + 16 * mt + 8 * half
-    const bf16* qw = qs + (hh * FA_BQ + pr0) * LD;
-    float o[2][HD2 / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int n = 0; n < HD2 / 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
-    float m[4], l[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    const int bar_id = 1 + pair;
-    for (int j = 0; j < ntiles; j++) {
-        cp_async_wait_all();
-        __syncthreads();  // tile j (and Q) visible; every warp is done with tile j - 1's buffer
-        if (j + 1 < ntiles) load_kv((j + 1) & 1, (j + 1) * FA_BK);
-        const bf16* kt = ks + (j & 1) * FA_BK * LD;
-        const bf16* vt = vs + (j & 1) * FA_BK * LD;
-        const int kw = j * FA_BK + 32 * hf;  // this warp's first key
-        // S = Q K^T: 32 rows x this warp's 32 keys.
-        float s[2][4][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int n = 0; n < 4; n++) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            unsigned a0[4], a1[4];
-            ldsm_x4(a0, qw + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
-            ldsm_x4(a1, qw + (16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int nb = 0; nb < 2; nb++) {
-                unsigned b[4];
-                ldsm_x4(b, kt + (32 * hf + nb * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16_16816(s[0][2 * nb], a0, b[0], b[1]);
-                mma_bf16_16816(s[0][2 * nb + 1], a0, b[2], b[3]);
-                mma_bf16_16816(s[1][2 * nb], a1, b[0], b[1]);
-                mma_bf16_16816(s[1][2 * nb + 1], a1, b[2], b[3]);
-            }
-        }
-        // Causal / cache-end mask, only where this warp's keys reach past the pair's first row.
-        if (kw + 31 > qpos0 - g || kw + 32 > n_valid) {
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) warp_causal_mask<32>(s[mt], kw, qpos0 + 16 * mt, n_valid, cq);
-        }
-        // Row maxima over this warp's keys (a row lives in the 4 lanes of a quad), then the pair's.
-        float mx[4];
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int mt = r >> 1, e = 2 * (r & 1);
-            float v = fmaxf(s[mt][0][e], s[mt][0][e + 1]);
-#pragma unroll
-            for (int n = 1; n < 4; n++) v = fmaxf(v, fmaxf(s[mt][n][e], s[mt][n][e + 1]));
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-            mx[r] = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        }
-        mxs[warp * 32 + lane] = make_float4(mx[0], mx[1], mx[2], mx[3]);
-        bar_sync_named(bar_id, 64);
-        const float4 pm = mxs[(warp ^ 1) * 32 + lane];
-        mx[0] = fmaxf(mx[0], pm.x);
-        mx[1] = fmaxf(mx[1], pm.y);
-        mx[2] = fmaxf(mx[2], pm.z);
-        mx[3] = fmaxf(mx[3], pm.w);
-        float c[4], bse[4];
-        bool rescale = false;
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const float mn = fmaxf(m[r], mx[r]);
-            bse[r] = mn == -INFINITY ? 0.0f : mn;
-            c[r] = ex2_approx(m[r] - bse[r]);
-            rescale |= mn != m[r];
-            m[r] = mn;
-        }
-        // P = exp2(S - max), this warp's partial row sums, packed as A fragments (keys 16 kk2..).
-        unsigned pown[2][2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-                s[mt][n][0] = ex2_approx(s[mt][n][0] - bse[2 * mt]);
-                s[mt][n][1] = ex2_approx(s[mt][n][1] - bse[2 * mt]);
-                s[mt][n][2] = ex2_approx(s[mt][n][2] - bse[2 * mt + 1]);
-                s[mt][n][3] = ex2_approx(s[mt][n][3] - bse[2 * mt + 1]);
-                sum0 += s[mt][n][0] + s[mt][n][1];
-                sum1 += s[mt][n][2] + s[mt][n][3];
-            }
-            l[2 * mt] = l[2 * mt] * c[2 * mt] + sum0;  // per-lane partial sums
-            l[2 * mt + 1] = l[2 * mt + 1] * c[2 * mt + 1] + sum1;
-#pragma unroll
-            for (int kk2 = 0; kk2 < 2; kk2++) {
-                pown[mt][kk2][0] = pack_bf16x2(s[mt][2 * kk2][0], s[mt][2 * kk2][1]);
-                pown[mt][kk2][1] = pack_bf16x2(s[mt][2 * kk2][2], s[mt][2 * kk2][3]);
-                pown[mt][kk2][2] = pack_bf16x2(s[mt][2 * kk2 + 1][0], s[mt][2 * kk2 + 1][1]);
-                pown[mt][kk2][3] = pack_bf16x2(s[mt][2 * kk2 + 1][2], s[mt][2 * kk2 + 1][3]);
-                px[(warp * 4 + mt * 2 + kk2) * 32 + lane] =
-                    make_uint4(pown[mt][kk2][0], pown[mt][kk2][1], pown[mt][kk2][2], pown[mt][kk2][3]);
-            }
-        }
-        if (rescale) {  // (the max changed for one of this thread's rows; a thread-local branch)
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int n = 0; n < HD2 / 8; n++) {
-                    o[mt][n][0] *= c[2 * mt];
-                    o[mt][n][1] *= c[2 * mt];
-                    o[mt][n][2] *= c[2 * mt + 1];
-                    o[mt][n][3] *= c[2 * mt + 1];
-                }
-        }
-        // O += P V over this warp's keys, then (after the pair barrier) over the partner's.
-        auto pv = [&](const unsigned (&p)[2][2][4], int khalf) {
-#pragma unroll
-            for (int kk2 = 0; kk2 < 2; kk2++) {
-#pragma unroll
-                for (int nb = 0; nb < HD2 / 16; nb++) {
-                    unsigned b[4];
-                    ldsm_x4_t(b, vt + (32 * khalf + kk2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + hf * HD2 +
-                                     nb * 16 + (lane >> 4) * 8);
-                    mma_bf16_16816(o[0][2 * nb], p[0][kk2], b[0], b[1]);
-                    mma_bf16_16816(o[0][2 * nb + 1], p[0][kk2], b[2], b[3]);
-                    mma_bf16_16816(o[1][2 * nb], p[1][kk2], b[0], b[1]);
-                    mma_bf16_16816(o[1][2 * nb + 1], p[1][kk2], b[2], b[3]);
-                }
-            }
-        };
-        pv(pown, hf);
-        bar_sync_named(bar_id, 64);
-        unsigned ppart[2][2][4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint4 v = px[((warp ^ 1) * 4 + i) * 32 + lane];
-            ppart[i >> 1][i & 1][0] = v.x;
-            ppart[i >> 1][i & 1][1] = v.y;
-            ppart[i >> 1][i & 1][2] = v.z;
-            ppart[i >> 1][i & 1][3] = v.w;
-        }
-        pv(ppart, hf ^ 1);
-    }
-    // Row sums: the quad's lanes, then the two key halves (the partner read this warp's last
-    // maxima before the last tile's second pair barrier, so the slot is free).
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    mxs[warp * 32 + lane] = make_float4(l[0], l[1], l[2], l[3]);
-    bar_sync_named(bar_id, 64);
-    const float4 pl = mxs[(warp ^ 1) * 32 + lane];
-    const float lt[4] = {l[0] + pl.x, l[1] + pl.y, l[2] + pl.z, l[3] + pl.w};  // (the same in both)
-    const int h = h0 + hh;
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int mt = r >> 1, e = 2 * (r & 1);
-        const int srow = q0 + pr0 + 16 * mt + 8 * (r & 1) + g;
-        if (srow >= t) continue;
-        const float inv = 1.0f / lt[r];
-        const float* gate = qg + ((size_t)srow * nq + h) * 2 * HD + HD + hf * HD2;
-        bf16* dst = out + ((size_t)srow * nq + h) * HD + hf * HD2;
-#pragma unroll
-        for (int n = 0; n < HD2 / 8; n++) {
-            int cc = n * 8 + cq;
-            float2 gt = *reinterpret_cast<const float2*>(gate + cc);
-            *reinterpret_cast<unsigned*>(dst + cc) =
-                pack_bf16x2(o[mt][n][e] * inv * sigmoid_f(gt.x), o[mt][n][e + 1] * inv * sigmoid_f(gt.y));
-        }
-    }
-}
-
-ATTN_FLASH3(32)
-ATTN_FLASH3(64)
-ATTN_FLASH3(128)
-ATTN_FLASH3(256)
-
-// Prefill attention on wgmma (attn_flash4; sm_90a, head dim 256): attn_flash3's grid (64 query
-// positions x 2 heads of one KV group a block, heaviest blocks first), warp-specialised.
+// Prefill attention on wgmma (attn_flash4; sm_90a, head dim 256), causal over `past + t` cached
+// keys, the sigmoid output gate fused into the store. A block = 64 query positions x 2 query
+// heads of one KV group, so every K/V tile staged in shared memory serves both heads; grid
+// (nq / 2, ceil(t / 64)). Query blocks run latest first (most keys): the head pairs are x, so the
+// blocks, dispatched in linear order, go heaviest query tile first over all heads (longest-first:
+// the light tiles fill in behind; with the query tiles on x, a later head's heaviest tiles
+// started last). Warp-specialised.
 // Warpgroups 0 and 1 are consumers, warpgroup w owning head h0 + w (its 64 rows a wgmma tile);
 // warpgroup 2 is the producer, alone issuing the K/V copies (cp.async) into two stages, each
 // with a `full` mbarrier (the producer's 128 threads arrive as their copies land) and an
@@ -366,8 +98,9 @@ ATTN_FLASH3(256)
 //   S = Q Kᵀ: 16 wgmma m64n80k16 straight from shared memory (Q and K in the 128-byte swizzle,
 //      four 64-dim column blocks each; at 80 keys a k16 step reads 5 KB for 40 of the tensor
 //      cores' clocks where 64 keys read 4 KB for 32: less shared-memory bandwidth a FLOP);
-//   the online softmax (base 2) on the accumulators, rows in the lanes of a quad as in the
-//      mma.sync kernels; O is rescaled only when a row's max moved;
+//   the online softmax (base 2, Q pre-scaled by scale·log2 e) on the accumulators, rows in the
+//      lanes of a quad as in attn_decode_mma (attention.cuh); O is rescaled only when a row's
+//      max moved;
 //   O += P V: 4 wgmma m64n256k16 with P from registers (S's accumulators packed to bf16 are the
 //      A fragments) and V read N-major from its swizzled tile (no transposing copy).
 // Registers: O 128, S 40 floats a consumer thread. Block 384. Dynamic smem F4_SMEM (1024-byte

@@ -1,5 +1,5 @@
 // Gated DeltaNet prefill (t > 1), part 1: the token-parallel conv and the chunked delta rule's
-// per-chunk preparation (gdn_chunk_prep); the sequential state passes are in gdn_state.cu.
+// per-chunk preparation (gdn_chunk_prep); the sequential state pass is in gdn_state.cu.
 
 // Causal depthwise conv + SiLU over a prefill call with the q/k L2 norm (and q's dk^-1/2)
 // fused. Block (tile blockIdx.x of GDN_CONV_TT tokens, group blockIdx.y) of 128 threads, a
@@ -143,7 +143,7 @@ __device__ __forceinline__ void gdn_mma3(float (&acc)[4], float (&cor)[4], const
 //   X = [W | U] = (I + L)^-1 [β e^γ K | β V],   Q' = e^γ Q − P W,   O_intra = P U,
 // so that part 2 (sequential over chunks) needs only V' = U − W S, O = O_intra + Q' S and the
 // state update: equal to the CPU reference's chunk (O = e^γ Q S + P V', V' = U − W S).
-// Every product runs on tensor cores, 3xTF32 as in gdn_chunk_state (the f32 SIMT version was
+// Every product runs on tensor cores, 3xTF32 on mma.sync m16n8k8 (the f32 SIMT version was
 // latency-bound: 884 µs per layer at 8,192 tokens). The solve is blocked so that it is
 // products too: T_d = (I + L_dd)^-1 of the four 16x16 diagonal blocks by a short serial
 // solve, then X_d = T_d (B_d − L_{d,<d} X_{<d}) block row by block row. Columns of X are
@@ -429,7 +429,8 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
     }
 }
 
-// gdn_chunk_prep's entry points: gdn_chunk_prep_DK runs gdn_chunk_prep_impl<DK>, two blocks an SM.
+// gdn_chunk_prep's entry point at the model's dk (gdn_chunk_prep_DK runs gdn_chunk_prep_impl<DK>),
+// two blocks an SM.
 #define GDN_CHUNK_PREP(DK)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_##DK(                             \
         const float* qkv, int c, const float* g, const float* beta, float* w_out, float* qp_out,           \
@@ -437,7 +438,4 @@ __device__ void gdn_chunk_prep_impl(const float* __restrict__ qkv, int c, const 
         PREFILL_KERNEL();                                                                                  \
         gdn_chunk_prep_impl<DK>(qkv, c, g, beta, w_out, qp_out, u_out, gamma_out, o, t, hk, hv, dv);      \
     }
-GDN_CHUNK_PREP(16)
-GDN_CHUNK_PREP(32)
-GDN_CHUNK_PREP(64)
 GDN_CHUNK_PREP(128)

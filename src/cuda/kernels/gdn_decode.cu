@@ -108,10 +108,7 @@ __device__ void gdn_recurrent_impl(const float* __restrict__ qkv, int c, const f
                                                  float* state, float* o, int t, int hk, int hv, int dv) {  \
         gdn_recurrent_impl<DK>(qkv, c, g, beta, state, o, t, hk, hv, dv);                              \
     }
-GDN_RECURRENT(16)
-GDN_RECURRENT(32)
-GDN_RECURRENT(64)
-GDN_RECURRENT(128)
+GDN_RECURRENT(128)  // the model's key head dim
 
 // Gated RMSNorm per value head: o / rms(o) * w * SiLU(z), bf16 out. A warp per (token, head)
 // row of dv, so the norm is one shuffle reduction; 4 values a lane a load when dv and ldz are
@@ -279,10 +276,7 @@ __device__ void gdn_step_dec_impl(const float* __restrict__ qkv, const float* __
                                                 float* state, bf16* out, int hk, int hv, int dv, float eps) {  \
         gdn_step_dec_impl<DK>(qkv, ba, a_log, dt_bias, z, nw, state, out, hk, hv, dv, eps);                   \
     }
-GDN_STEP_DEC(16)
-GDN_STEP_DEC(32)
-GDN_STEP_DEC(64)
-GDN_STEP_DEC(128)
+GDN_STEP_DEC(128)  // the model's key head dim
 
 // gdn_conv_dec and gdn_step_dec in one launch: gdn_step_dec's block per value head (and its
 // lanes), where thread t < nc = 2 DK + dv first runs conv channel t of what the head reads: its
@@ -388,6 +382,7 @@ __device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __rest
 }
 
 // CL = 1: one value head a key head (no cluster); CL = 2: two, a cluster of two blocks (sm_90a).
+// Instantiated at the model's key head dim.
 #define GDN_CONVSTEP_DEC(DK)                                                                                   \
     extern "C" __global__ void __launch_bounds__(512) gdn_convstep_dec_##DK(                                   \
         const float* p, float* conv_state, const float* conv_w, const float* z, const float* ba,               \
@@ -403,7 +398,4 @@ __device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __rest
         gdn_convstep_dec_impl<DK, 2>(p, conv_state, conv_w, z, ba, a_log, dt_bias, nw, state, out, c, hk, hv, dv, \
                                      q_scale, eps);                                                            \
     }
-GDN_CONVSTEP_DEC(16)
-GDN_CONVSTEP_DEC(32)
-GDN_CONVSTEP_DEC(64)
 GDN_CONVSTEP_DEC(128)

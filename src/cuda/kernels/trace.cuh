@@ -85,10 +85,10 @@ __device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define TAG_GATE_UP 9
 #define TAG_DOWN 10
 
-// Phase clock of gdn_chunk_state's block (0, 0), compiled in with
-// KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE (the GPU test gdn_chunk_state_phases prints it):
-// per chunk (the first GDN_TRACE_CHUNKS), clock64 of team A's thread 0 at slots 0-7 and of team
-// B's thread 0 at slots 8-15, at the points GDN_PHASE marks.
+// Phase clock of gdn_chunk_state_t64's block 0 (a state block), compiled in with
+// KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE (the GPU test gdn_chunk_state_phases prints it): per
+// chunk (the first GDN_TRACE_CHUNKS), clock64 of the consumer warpgroup's thread 0 at slots 0-7
+// and of the W producer's thread 0 at slots 8-15, at the points GDN_PHASE_WG marks.
 #define GDN_TRACE_CHUNKS 256
 __device__ u64 g_gdn_phase[GDN_TRACE_CHUNKS * 16];
 extern "C" __global__ void gdn_phase_read(u64* __restrict__ out) {
@@ -102,6 +102,5 @@ extern "C" __global__ void gdn_phase_read(u64* __restrict__ out) {
 #else
 #define GDN_PHASE_AT(slot, TEAM)
 #endif
-#define GDN_PHASE(slot) GDN_PHASE_AT(slot, 256)
-// gdn_chunk_state_t64's: a warpgroup's thread 0 (the consumer at slots 0-7, the W producer at 8-15)
+// a warpgroup's thread 0 (team_a: the consumer, at slots 0-7; the W producer at 8-15)
 #define GDN_PHASE_WG(slot) GDN_PHASE_AT(slot, 128)

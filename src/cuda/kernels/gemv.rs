@@ -1,0 +1,172 @@
+//! `gemv.cu`: the decode GEMVs, `y = beta * y + W · input` for one token, the input a bf16
+//! vector or RMSNorm(h) computed by each block as it stages it. `gemv_dec_w` (a warp per whole
+//! row, the greedy argmax over the rows fused for lm_head) and `gemv_dec_stream` (the k = 2,048
+//! in-projections as one stream a block through per-warp rings of bulk copies).
+
+use super::{Dev, On, kernels};
+use crate::cuda::Gpu;
+use anyhow::{Result, ensure};
+use half::bf16;
+
+kernels! {
+    /// `gemv_dec_w`; `gemv_dec` (two warps a row at k = 4,096) is the emulator's oracle for it
+    /// and for `gemv_dec_stream`, not launched by the engine.
+    GemvDec ["gemv_dec_w", "gemv_dec"] {
+        w: Dev<bf16>, n: i32, k: i32, x: Dev<bf16>, h: Dev<f32>, nw: Dev<f32>, eps: f32,
+        xb_out: Dev<bf16>, y: Dev<f32>, beta: f32, arg_val: Dev<f32>, arg_idx: Dev<i32>,
+        arg_done: Dev<u32>, arg_limit: i32, arg_out: Dev<i32>, arg_out2: Dev<i32>,
+    }
+    /// The k = 2,048 GEMV as one stream a block (`ns` ring stages a warp, `early` of them
+    /// requested before the kernel's griddep_wait, the next kernels let in `launch_at` units
+    /// before a warp's end, stages by bulk copy when `bulk`).
+    GemvDecStream ["gemv_dec_stream"] {
+        w: Dev<bf16>, n: i32, x: Dev<bf16>, h: Dev<f32>, nw: Dev<f32>, eps: f32,
+        xb_out: Dev<bf16>, y: Dev<f32>, beta: f32, ns: i32, early: i32, launch_at: i32, bulk: i32,
+    }
+}
+
+/// `gemv_dec_stream`'s ring: (stages a warp, how many of them are requested before the
+/// kernel's griddep_wait, how many units before a warp's end the next kernels may start), its
+/// stages filled by bulk copies (docs/DECISIONS.md has the A/Bs that chose these).
+pub const STREAM: (usize, usize, usize) = (2, 1, 3);
+
+/// At most this many blocks per `gemv_dec_w` (8 per SM of an H200): each stages its input
+/// once, then walks row groups, so a tall matrix (lm_head) does not restage it per 16 rows.
+const MAX_BLOCKS: usize = 132 * 8;
+
+/// Output rows per block of the decode GEMVs with inner dimension `k` (gemv.cuh's
+/// `gemv_rows_per_block`; `whole_rows`: `gemv_dec_w`, a warp per row, else `moe_gemv`).
+pub fn rows_per_block(k: usize, whole_rows: bool) -> usize {
+    match k {
+        0..=2048 => 16,
+        4096 if !whole_rows => 4,
+        _ => 8,
+    }
+}
+
+/// Shared memory of `gemv_dec_stream` in bytes (gemv.cu's gemv_stream_smem): the staged input
+/// and RMSNorm weight (2 x 2048 floats), then 8 warps' rings of `ns` 8 KiB stages and their
+/// mbarriers.
+pub fn stream_smem(ns: usize) -> usize {
+    2 * 2048 * 4 + 8 * ns * (8192 + 8)
+}
+
+pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
+    vec![("gemv_dec_stream", stream_smem(3))]
+}
+
+/// A decode GEMV's input: a bf16 vector, or RMSNorm(h) with weight `w` (f32, `k` values each).
+#[derive(Clone, Copy, Debug)]
+pub enum Input {
+    Bf16(Dev<bf16>),
+    Norm { h: Dev<f32>, w: Dev<f32>, eps: f32 },
+}
+
+/// The greedy argmax fused into a GEMV over its rows `< limit`: the blocks' partial maxima
+/// (`val`, `idx`, one a block), the last-block counter `done` (zero between launches), and
+/// where the winning row goes (`out`, and `out2` unless null).
+#[derive(Clone, Copy, Debug)]
+pub struct Argmax {
+    pub val: Dev<f32>,
+    pub idx: Dev<i32>,
+    pub done: Dev<u32>,
+    pub limit: usize,
+    pub out: Dev<i32>,
+    pub out2: Dev<i32>,
+}
+
+/// `y = beta * y + W · input` for `W [n, k]` (bf16): `gemv_dec_stream` at k = 2,048 without an
+/// argmax, else `gemv_dec_w` (with the argmax when given).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    gpu: &Gpu,
+    w: Dev<bf16>,
+    n: usize,
+    k: usize,
+    input: Input,
+    y: Dev<f32>,
+    beta: f32,
+    argmax: Option<Argmax>,
+    on: On,
+) -> Result<()> {
+    ensure!(
+        w.len >= n * k && y.len >= n,
+        "gemv: W [{n}, {k}] {w:?}, y {y:?}"
+    );
+    let (x, h, nw, eps) = match input {
+        Input::Bf16(x) => {
+            ensure!(x.len >= k, "gemv: input {x:?} of {k}");
+            (x, Dev::null(), Dev::null(), 0.0)
+        }
+        Input::Norm { h, w, eps } => {
+            ensure!(
+                h.len >= k && w.len >= k,
+                "gemv: RMSNorm input {h:?}, weight {w:?}"
+            );
+            (Dev::null(), h, w, eps)
+        }
+    };
+    if let (2048, None) = (k, argmax) {
+        let (ns, early, launch_at) = STREAM;
+        let p = GemvDecStream {
+            w,
+            n: n as i32,
+            x,
+            h,
+            nw,
+            eps,
+            xb_out: Dev::null(),
+            y,
+            beta,
+            ns: ns as i32,
+            early: early as i32,
+            launch_at: launch_at as i32,
+            bulk: 1,
+        };
+        let grid = (n.div_ceil(2).min(gpu.sm_count) as u32, 1, 1);
+        return gpu.run("gemv_dec_stream", grid, 256, stream_smem(ns), &p.args(), on);
+    }
+    let blocks = n.div_ceil(rows_per_block(k, true)).min(MAX_BLOCKS);
+    let a = argmax.unwrap_or(Argmax {
+        val: Dev::null(),
+        idx: Dev::null(),
+        done: Dev::null(),
+        limit: 0,
+        out: Dev::null(),
+        out2: Dev::null(),
+    });
+    if argmax.is_some() {
+        ensure!(
+            a.val.len >= blocks && a.idx.len >= blocks && !a.done.is_null() && !a.out.is_null(),
+            "gemv: argmax buffers for {blocks} blocks: {a:?}"
+        );
+    }
+    let p = GemvDec {
+        w,
+        n: n as i32,
+        k: k as i32,
+        x,
+        h,
+        nw,
+        eps,
+        xb_out: Dev::null(),
+        y,
+        beta,
+        arg_val: a.val,
+        arg_idx: a.idx,
+        arg_done: a.done,
+        arg_limit: a.limit.min(n) as i32,
+        arg_out: a.out,
+        arg_out2: a.out2,
+    };
+    // k floats of staged input, and with the RMSNorm its weight after them
+    let smem = k * 4 * if x.is_null() { 2 } else { 1 };
+    gpu.run(
+        "gemv_dec_w",
+        (blocks as u32, 1, 1),
+        256,
+        smem,
+        &p.args(),
+        on,
+    )
+}

@@ -1,0 +1,127 @@
+//! `misc.cu`: the embedding gather, the bf16 cast, seeded random fills and the bandwidth probes.
+
+use super::{Dev, On, U128, kernels};
+use crate::cuda::Gpu;
+use anyhow::{Result, ensure};
+use half::bf16;
+
+kernels! {
+    /// `out[t, :] = f32(table[ids[t], :])` for `t` rows of `d`.
+    EmbedGather ["embed_gather"] { table: Dev<bf16>, ids: Dev<i32>, out: Dev<f32>, d: i32 }
+    /// `y = bf16(x)`, `n` values.
+    F32ToBf16 ["f32_to_bf16"] { x: Dev<f32>, y: Dev<bf16>, n: u64 }
+    /// `out = mean + std * N(0, 1)` (a sum of four seeded uniforms), `n` bf16 values.
+    FillRandomBf16 ["fill_random_bf16"] { out: Dev<bf16>, n: u64, seed: u64, mean: f32, std: f32 }
+    /// [`FillRandomBf16`] into f32.
+    FillRandomF32 ["fill_random_f32"] { out: Dev<f32>, n: u64, seed: u64, mean: f32, std: f32 }
+    /// `y = x`, `n` 16-byte words: the copy-bandwidth probe.
+    CopyProbe ["copy_probe"] { x: Dev<U128>, y: Dev<U128>, n: u64 }
+    /// Reads `items` MiB of 4 KiB rows in 32 KiB stages of `run` 16-byte chunks a row, one
+    /// persistent block an SM: the read-bandwidth probe (`xs_out` keeps the reads alive).
+    ReadProbe ["read_probe"] { w: Dev<U128>, items: i32, run: i32, xs_out: Dev<u32> }
+}
+
+/// Dynamic shared memory of `read_probe`: a 4-stage ring of 32 KiB.
+pub const READ_PROBE_SMEM: usize = 4 * 32 * 1024;
+
+impl EmbedGather {
+    /// One block a row, `rows` rows.
+    pub fn launch(&self, gpu: &Gpu, rows: usize, on: On) -> Result<()> {
+        let d = self.d as usize;
+        ensure!(
+            self.out.len >= rows * d && self.ids.len >= rows,
+            "embed_gather: {rows} rows of {d}: out {:?}, ids {:?}",
+            self.out,
+            self.ids
+        );
+        gpu.run(
+            "embed_gather",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl FillRandomBf16 {
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        ensure!(
+            self.out.len as u64 >= self.n,
+            "fill_random_bf16: {:?}",
+            self.out
+        );
+        gpu.run(
+            "fill_random_bf16",
+            (1024, 1, 1),
+            256,
+            0,
+            &self.args(),
+            On::Plain,
+        )
+    }
+}
+
+impl FillRandomF32 {
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        ensure!(
+            self.out.len as u64 >= self.n,
+            "fill_random_f32: {:?}",
+            self.out
+        );
+        gpu.run(
+            "fill_random_f32",
+            (1024, 1, 1),
+            256,
+            0,
+            &self.args(),
+            On::Plain,
+        )
+    }
+}
+
+impl CopyProbe {
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        ensure!(
+            self.x.len as u64 >= self.n && self.y.len as u64 >= self.n,
+            "copy_probe: {} words of {:?} into {:?}",
+            self.n,
+            self.x,
+            self.y
+        );
+        gpu.run(
+            "copy_probe",
+            (132 * 8, 1, 1),
+            512,
+            0,
+            &self.args(),
+            On::Plain,
+        )
+    }
+}
+
+impl ReadProbe {
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        let run = self.run as usize;
+        ensure!(
+            (8..=256).contains(&run) && run.is_power_of_two(),
+            "read_probe: run {run} is not a power of two in 8..=256"
+        );
+        ensure!(
+            self.w.len * 16 >= (self.items as usize) << 20 && self.xs_out.len >= gpu.sm_count,
+            "read_probe: {} MiB from {:?}",
+            self.items,
+            self.w
+        );
+        let grid = (gpu.sm_count as u32, 1, 1);
+        gpu.run(
+            "read_probe",
+            grid,
+            128,
+            READ_PROBE_SMEM,
+            &self.args(),
+            On::Plain,
+        )
+    }
+}

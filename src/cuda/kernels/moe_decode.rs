@@ -1,0 +1,125 @@
+//! `moe_decode.cu`: the decode step's MoE in three launches: the router with its RMSNorm and
+//! the shared expert's gate (`moe_router_dec`), the top-k picked by every gate/up warp from the
+//! logits with the chosen and shared experts' gate/up and SwiGLU (`moe_gate_up_dec`), and their
+//! down projections combined into the residual (`moe_down_dec`, which picks its experts from the
+//! logits and loads its weight rows before its griddep_wait).
+
+use super::{Dev, On, kernels};
+use crate::cuda::Gpu;
+use anyhow::{Result, ensure};
+use half::bf16;
+
+kernels! {
+    /// `xb = bf16(RMSNorm(h) * (1 + nw))`, the router's logits `wr · xb` and the shared gate.
+    MoeRouterDec ["moe_router_dec"] {
+        h: Dev<f32>, nw: Dev<f32>, eps: f32, d: i32, wr: Dev<bf16>, e: i32, w_sg: Dev<f32>,
+        xb: Dev<bf16>, logits: Dev<f32>, sgate: Dev<f32>,
+    }
+    /// Grid (8-row groups, k + 1 experts: the chosen ones, then the shared one); `act` rows of
+    /// `act_ld`; `late_launch` lets the down kernel start only after the router is done.
+    MoeGateUpDec ["moe_gate_up_dec"] {
+        xb: Dev<bf16>, d: i32, logits: Dev<f32>, e: i32, k: i32, topk_ids: Dev<i32>,
+        topk_w: Dev<f32>, gate_up: Dev<bf16>, inter: i32, shared_gate_up: Dev<bf16>, s_inter: i32,
+        act: Dev<f32>, act_ld: i32, late_launch: i32,
+    }
+    /// `h += Σ topk_w · down_x · act_x + sgate · shared_down · act_shared`; `early` 2: the
+    /// experts from the logits and the weight rows by bulk copy before the griddep_wait.
+    MoeDownDec ["moe_down_dec"] {
+        act: Dev<f32>, act_ld: i32, topk_ids: Dev<i32>, topk_w: Dev<f32>, logits: Dev<f32>,
+        e: i32, early: i32, k: i32, sgate: Dev<f32>, down: Dev<bf16>, inter: i32,
+        shared_down: Dev<bf16>, s_inter: i32, h: Dev<f32>, d: i32,
+    }
+}
+
+/// Router rows per block of `moe_router_dec` (moe_decode.cu's ROUTER_ROWS).
+const ROUTER_ROWS: usize = 2;
+
+/// Shared memory of `moe_router_dec` in floats (moe_decode.cu's router_smem): the staged
+/// input, the RMSNorm weight and the shared gate's row.
+pub fn router_smem(d: usize) -> usize {
+    3 * d
+}
+
+/// Shared memory of `moe_gate_up_dec` in floats (moe_decode.cu's gate_up_dec_smem): the staged
+/// input, then for each of the 8 warps the logits, the top-k ids and weights (rounded up to 16
+/// bytes).
+pub fn gate_up_dec_smem(d: usize, e: usize, k: usize) -> usize {
+    d + 8 * (e + 2 * k).next_multiple_of(4)
+}
+
+/// Shared memory of `moe_down_dec` in bytes (moe_decode.cu's down_dec_smem, early mode): the
+/// router's logits, the ids and weights, then (expert widths 512) the block's weight rows.
+pub fn down_dec_smem(e: usize, k: usize, inter: usize, s_inter: usize) -> usize {
+    let rows = if inter == 512 && s_inter == 512 {
+        (k + 1) * (4 * 2 * 32 * 16 + 8) // and a bulk copy's mbarrier a warp
+    } else {
+        0
+    };
+    ((e + 2 * k + 3) & !3) * 4 + rows
+}
+
+impl MoeRouterDec {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (d, e) = (self.d as usize, self.e as usize);
+        ensure!(
+            self.logits.len >= e && self.xb.len >= d && self.wr.len >= e * d,
+            "moe_router_dec: logits {:?}, xb {:?}",
+            self.logits,
+            self.xb
+        );
+        let grid = (e.div_ceil(ROUTER_ROWS) as u32 + 1, 1, 1);
+        gpu.run(
+            "moe_router_dec",
+            grid,
+            256,
+            router_smem(d) * 4,
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl MoeGateUpDec {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (d, e, k) = (self.d as usize, self.e as usize, self.k as usize);
+        let (i, is) = (self.inter as usize, self.s_inter as usize);
+        ensure!(
+            self.act.len >= (k + 1) * self.act_ld as usize && self.act_ld as usize >= i.max(is),
+            "moe_gate_up_dec: act {:?} of rows {}",
+            self.act,
+            self.act_ld
+        );
+        let grid = (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1);
+        gpu.run(
+            "moe_gate_up_dec",
+            grid,
+            256,
+            gate_up_dec_smem(d, e, k) * 4,
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl MoeDownDec {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (d, e, k) = (self.d as usize, self.e as usize, self.k as usize);
+        let (i, is) = (self.inter as usize, self.s_inter as usize);
+        ensure!(
+            self.early == 2 && self.h.len >= d,
+            "moe_down_dec: early {} (the engine runs 2), h {:?}",
+            self.early,
+            self.h
+        );
+        let grid = (d.div_ceil(4) as u32, 1, 1);
+        let block = (32 * (k + 1)) as u32;
+        gpu.run(
+            "moe_down_dec",
+            grid,
+            block,
+            down_dec_smem(e, k, i, is),
+            &self.args(),
+            on,
+        )
+    }
+}

@@ -1,0 +1,169 @@
+//! `moe_route.cu`: the prefill MoE around its grouped GEMM: the router's top-k with the
+//! shared expert's gate (`moe_route`), the tile plan over expert-sorted rows (`moe_plan`), the
+//! scatter into that order (`moe_scatter`), the per-row GEMVs of short calls (`moe_gemv`), the
+//! SwiGLU of unfused products (`swiglu_bf16`), and the weighted combine into the residual with
+//! the next layer's RMSNorm fused (`moe_combine`, `moe_combine_bf16` for bf16 y).
+
+use super::gemv::rows_per_block;
+use super::{Dev, On, kernels};
+use crate::cuda::Gpu;
+use anyhow::{Result, ensure};
+use half::bf16;
+
+kernels! {
+    /// Per token (a warp each): softmax top-k of the router's logits, renormalised, into
+    /// `topk_ids` / `topk_w`, rows per expert counted into `counts`, and the shared expert's
+    /// gate sigmoid(x · w_sg) into `sgate`.
+    MoeRoute ["moe_route"] {
+        logits: Dev<f32>, e: i32, k: i32, topk_ids: Dev<i32>, topk_w: Dev<f32>, counts: Dev<i32>,
+        x: Dev<bf16>, w_sg: Dev<f32>, sgate: Dev<f32>, d: i32, t: i32,
+    }
+    /// From `counts`: the experts' first sorted rows (`offsets`), the scatter's cursors and
+    /// the list of `tile_m`-row tiles (expert, first row, rows) and its length.
+    MoeTilePlan ["moe_plan"] {
+        counts: Dev<i32>, e: i32, tile_m: i32, offsets: Dev<i32>, cursor: Dev<i32>,
+        tile_expert: Dev<i32>, tile_row: Dev<i32>, tile_rows: Dev<i32>, num_tiles: Dev<i32>,
+    }
+    /// Sorts the `n` (token, slot) pairs by expert: `sorted_token[sorted row]` = token,
+    /// `slot_row[token * k + slot]` = sorted row (the order within an expert not deterministic).
+    MoeScatter ["moe_scatter"] {
+        topk_ids: Dev<i32>, n: i32, k: i32, cursor: Dev<i32>, sorted_token: Dev<i32>,
+        slot_row: Dev<i32>,
+    }
+    /// `y[row] = A[row or row / k] · W_e[..]ᵀ` for the row's expert, a block a row and group of
+    /// output rows (short prefill calls, unsorted rows = token * k + slot).
+    MoeGemv ["moe_gemv"] {
+        a: Dev<bf16>, gather_by_k: i32, topk_ids: Dev<i32>, k: i32, w: Dev<bf16>, y: Dev<f32>,
+        ndim: i32, kdim: i32,
+    }
+    /// `act = bf16(SiLU(gu[:, :inter]) * gu[:, inter:])`.
+    SwigluBf16 ["swiglu_bf16"] { gu: Dev<f32>, act: Dev<bf16>, rows: i32, inter: i32 }
+    /// `h += Σ_slot topk_w · y[slot_row] + sgate · ys`, then (non-null `norm_w`) the next
+    /// layer's RMSNorm of h into `xb`; `_bf16` reads bf16 y.
+    MoeCombine ["moe_combine"] {
+        y: Dev<f32>, slot_row: Dev<i32>, topk_w: Dev<f32>, ys: Dev<f32>, sgate: Dev<f32>,
+        h: Dev<f32>, k: i32, d: i32, norm_w: Dev<f32>, xb: Dev<bf16>, eps: f32,
+    }
+    /// [`MoeCombine`] with bf16 y (the grouped GEMM's output).
+    MoeCombineBf16 ["moe_combine_bf16"] {
+        y: Dev<bf16>, slot_row: Dev<i32>, topk_w: Dev<f32>, ys: Dev<f32>, sgate: Dev<f32>,
+        h: Dev<f32>, k: i32, d: i32, norm_w: Dev<f32>, xb: Dev<bf16>, eps: f32,
+    }
+}
+
+/// Tokens (a warp each) per block of `moe_route` (moe_route.cu's ROUTE_WARPS).
+const ROUTE_WARPS: usize = 8;
+
+impl MoeRoute {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (t, e, k) = (self.t as usize, self.e as usize, self.k as usize);
+        ensure!(
+            self.logits.len >= t * e && self.topk_ids.len >= t * k && self.counts.len >= e,
+            "moe_route: {t} tokens over {e} experts: logits {:?}, ids {:?}",
+            self.logits,
+            self.topk_ids
+        );
+        let grid = (t.div_ceil(ROUTE_WARPS) as u32, 1, 1);
+        gpu.run(
+            "moe_route",
+            grid,
+            32 * ROUTE_WARPS as u32,
+            ROUTE_WARPS * e * 4,
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl MoeTilePlan {
+    /// One block of a thread an expert.
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let e = self.e as usize;
+        ensure!(
+            self.offsets.len > e && self.cursor.len >= e,
+            "moe_plan: offsets {:?}",
+            self.offsets
+        );
+        let block = e.next_multiple_of(32) as u32;
+        gpu.run("moe_plan", (1, 1, 1), block, 0, &self.args(), on)
+    }
+}
+
+impl MoeScatter {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let n = self.n as usize;
+        ensure!(
+            self.sorted_token.len >= n && self.slot_row.len >= n,
+            "moe_scatter: {n} rows"
+        );
+        gpu.run(
+            "moe_scatter",
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl MoeGemv {
+    /// A block a (row, group of output rows), `rows` rows.
+    pub fn launch(&self, gpu: &Gpu, rows: usize, on: On) -> Result<()> {
+        let (ndim, kdim) = (self.ndim as usize, self.kdim as usize);
+        ensure!(self.y.len >= rows * ndim, "moe_gemv: y {:?}", self.y);
+        let grid = (
+            rows as u32,
+            ndim.div_ceil(rows_per_block(kdim, false)) as u32,
+            1,
+        );
+        gpu.run("moe_gemv", grid, 256, kdim * 4, &self.args(), on)
+    }
+}
+
+impl SwigluBf16 {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let n = (self.rows * self.inter) as usize;
+        ensure!(
+            self.gu.len >= 2 * n && self.act.len >= n,
+            "swiglu_bf16: gu {:?}, act {:?}",
+            self.gu,
+            self.act
+        );
+        let grid = (n.div_ceil(256).min(65_535) as u32, 1, 1);
+        gpu.run("swiglu_bf16", grid, 256, 0, &self.args(), on)
+    }
+}
+
+impl MoeCombine {
+    /// A block a token, `t` tokens.
+    pub fn launch(&self, gpu: &Gpu, t: usize, on: On) -> Result<()> {
+        let (k, d) = (self.k as usize, self.d as usize);
+        ensure!(
+            self.y.len >= t * k * d && self.h.len >= t * d,
+            "moe_combine: y {:?}",
+            self.y
+        );
+        gpu.run("moe_combine", (t as u32, 1, 1), 256, 0, &self.args(), on)
+    }
+}
+
+impl MoeCombineBf16 {
+    /// A block a token, `t` tokens.
+    pub fn launch(&self, gpu: &Gpu, t: usize, on: On) -> Result<()> {
+        let (k, d) = (self.k as usize, self.d as usize);
+        ensure!(
+            self.y.len >= t * k * d && self.h.len >= t * d && !self.slot_row.is_null(),
+            "moe_combine_bf16: y {:?}",
+            self.y
+        );
+        gpu.run(
+            "moe_combine_bf16",
+            (t as u32, 1, 1),
+            256,
+            0,
+            &self.args(),
+            on,
+        )
+    }
+}
