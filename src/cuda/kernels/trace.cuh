@@ -1,7 +1,8 @@
-// Diagnostics compiled in by KESTREL_KERNEL_DEFINES: the decode timeline (KESTREL_TRACE) and
-// the GDN state passes' phase clock (KESTREL_GDN_TRACE). Without the defines the hooks are empty.
+// Diagnostics compiled in with the setting KESTREL_TRACE=1 (src/settings.rs), which defines
+// KESTREL_TRACE (the decode timeline) and KESTREL_GDN_TRACE (the GDN state pass's phase clock)
+// for the kernels. Without the defines the hooks are empty.
 
-// ---- Decode timeline (compiled in with KESTREL_KERNEL_DEFINES=KESTREL_TRACE; see
+// ---- Decode timeline (compiled in with KESTREL_TRACE=1; see
 // CudaModel::trace_decode_step and scripts/decode_timeline.py): thread 0 of every 8th block and
 // of the last block of each decode kernel appends one record of TRACE_RECORD u64 to the buffer
 // trace_set gave: tag << 48 | grid << 24 | block, SM, then %globaltimer (ns) at the block's start,
@@ -86,7 +87,7 @@ __device__ __forceinline__ void griddep_wait() { griddep_wait_plain(); }
 #define TAG_DOWN 10
 
 // Phase clock of gdn_chunk_state_t64's block 0 (a state block), compiled in with
-// KESTREL_KERNEL_DEFINES=KESTREL_GDN_TRACE (the GPU test gdn_chunk_state_phases prints it): per
+// KESTREL_TRACE=1 (Gpu::gdn_phase_trace reads it): per
 // chunk (the first GDN_TRACE_CHUNKS), clock64 of the consumer warpgroup's thread 0 at slots 0-7
 // and of the W producer's thread 0 at slots 8-15, at the points GDN_PHASE_WG marks.
 #define GDN_TRACE_CHUNKS 256
