@@ -6,6 +6,7 @@
 
 pub mod attention;
 mod decode;
+pub mod error;
 pub mod gdn;
 pub mod gemm;
 pub mod kernels;
@@ -15,6 +16,8 @@ mod prefill;
 pub mod probe;
 pub mod state;
 mod upload;
+
+pub use error::GpuError;
 
 use crate::settings::Settings;
 use anyhow::{Context, Result, anyhow, bail};
@@ -142,7 +145,7 @@ impl Profile {
         for (name, start, end) in self.pending.drain(..) {
             let ms = start
                 .elapsed_ms(&end)
-                .map_err(|e| anyhow!("profile event: {e:?}"))?;
+                .map_err(GpuError::driver("profile event"))?;
             let secs = ms as f64 / 1e3;
             let e = self.totals.entry(name.clone()).or_insert(OpTime {
                 op: name,
@@ -226,8 +229,8 @@ pub fn kernel_ptx(arch: &'static str, use_cache: bool) -> Result<cudarc::nvrtc::
         cudarc::nvrtc::Ptx::from_src(text)
     } else {
         let include = cuda_include_dir().ok_or_else(|| {
-            anyhow!(
-                "cannot find the CUDA headers (cuda_bf16.h) that NVRTC needs: set CUDA_HOME or CUDA_PATH, or install them under /usr/local/cuda/include"
+            GpuError::Compile(
+                "cannot find the CUDA headers (cuda_bf16.h) that NVRTC needs: set CUDA_HOME or CUDA_PATH, or install them under /usr/local/cuda/include".into(),
             )
         })?;
         let opts = cudarc::nvrtc::CompileOptions {
@@ -238,12 +241,12 @@ pub fn kernel_ptx(arch: &'static str, use_cache: bool) -> Result<cudarc::nvrtc::
         };
         let t0 = std::time::Instant::now();
         let ptx = quiet_catch(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
-            .ok_or_else(|| anyhow!("NVRTC could not be loaded (libnvrtc.so)"))?
+            .ok_or_else(|| GpuError::Compile("NVRTC could not be loaded (libnvrtc.so)".into()))?
             .map_err(|e| match e {
                 cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                    anyhow!("kernel compilation failed:\n{}", log.to_string_lossy())
+                    GpuError::Compile(format!("\n{}", log.to_string_lossy()))
                 }
-                other => anyhow!("kernel compilation failed: {other:?}"),
+                other => GpuError::Compile(format!("{other:?}")),
             })?;
         tracing::info!("compiled kernels for {arch} in {:?}", t0.elapsed());
         let text = ptx.to_src();
@@ -271,52 +274,54 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
         let ctx = quiet_catch(|| CudaContext::new(ordinal))
             .ok_or_else(|| {
-                anyhow!("CUDA is not available: the CUDA driver library (libcuda.so) could not be loaded")
+                GpuError::Unavailable(
+                    "the CUDA driver library (libcuda.so) could not be loaded".into(),
+                )
             })?
-            .map_err(|e| anyhow!("CUDA is not available: cannot open GPU {ordinal}: {e:?}"))?;
+            .map_err(|e| GpuError::Unavailable(format!("cannot open GPU {ordinal}: {e:?}")))?;
         // We order everything on one stream ourselves.
         // SAFETY: all work of this backend runs on `stream`.
         unsafe { ctx.disable_event_tracking() };
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let cc = ctx
             .compute_capability()
-            .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))?;
+            .map_err(GpuError::driver("cannot query the GPU"))?;
         if cc != (9, 0) {
-            bail!(
+            return Err(GpuError::Unavailable(format!(
                 "GPU {ordinal} is {name} (compute capability {}.{}); Kestrel's CUDA backend needs a Hopper-class GPU (H100/H200, compute capability 9.0)",
-                cc.0,
-                cc.1
-            );
+                cc.0, cc.1
+            ))
+            .into());
         }
         let total_memory = ctx.total_mem().unwrap_or(0);
         // A created stream, not the legacy default one, which cannot be captured into graphs.
         let stream = ctx
             .new_stream()
-            .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
+            .map_err(GpuError::driver("cannot create a CUDA stream"))?;
         let gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
             .context("allocating cuBLASLt's workspace")?;
         let lt = gemm::Lt::new(gemm_workspace.ptr, gemm_workspace.bytes)?;
         let (_, highest) = cudarc::driver::result::stream::get_priority_range()
-            .map_err(|e| anyhow!("cannot query stream priorities: {e:?}"))?;
+            .map_err(GpuError::driver("cannot query stream priorities"))?;
         let aux = ctx
             .new_stream_with_priority(highest)
-            .map_err(|e| anyhow!("cannot create a CUDA stream: {e:?}"))?;
+            .map_err(GpuError::driver("cannot create a CUDA stream"))?;
         let aux_gemm_workspace = Self::alloc_in(&ctx, GEMM_WORKSPACE_BYTES)
             .context("allocating the second stream's cuBLASLt workspace")?;
         let aux_lt = gemm::Lt::new(aux_gemm_workspace.ptr, aux_gemm_workspace.bytes)?;
         let event = || {
             ctx.new_event(None)
-                .map_err(|e| anyhow!("cannot create a CUDA event: {e:?}"))
+                .map_err(GpuError::driver("cannot create a CUDA event"))
         };
         let (fork_event, join_event) = (event()?, event()?);
         let max_smem_per_block = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
-            .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
+            .map_err(GpuError::driver("cannot query the GPU"))? as usize;
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| anyhow!("cannot query the GPU: {e:?}"))? as usize;
+            .map_err(GpuError::driver("cannot query the GPU"))? as usize;
         let (module, entries) = Self::compile(&ctx)?;
         let mut functions = std::collections::HashMap::new();
         for k in entries {
@@ -362,21 +367,23 @@ impl Gpu {
         let entries = kernels::ptx_entries(&ptx.to_src());
         let module = ctx
             .load_module(ptx)
-            .map_err(|e| anyhow!("loading the kernel module failed: {e:?}"))?;
+            .map_err(GpuError::driver("loading the kernel module failed"))?;
         Ok((module, entries))
     }
 
     pub fn bind(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()
-            .map_err(|e| anyhow!("CUDA bind: {e:?}"))
+            .map_err(GpuError::driver("CUDA bind"))
+            .map_err(Into::into)
     }
 
     /// Free and total device memory in bytes.
     pub fn memory(&self) -> Result<(usize, usize)> {
         self.ctx
             .mem_get_info()
-            .map_err(|e| anyhow!("cuMemGetInfo: {e:?}"))
+            .map_err(GpuError::driver("cuMemGetInfo"))
+            .map_err(Into::into)
     }
 
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuf> {
@@ -389,11 +396,9 @@ impl Gpu {
             0
         } else {
             // SAFETY: plain device allocation; freed by DeviceBuf::drop.
-            unsafe { result::malloc_sync(bytes) }.map_err(|e| {
-                anyhow!(
-                    "GPU out of memory allocating {:.2} GiB: {e:?}",
-                    bytes as f64 / (1u64 << 30) as f64
-                )
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| GpuError::OutOfMemory {
+                bytes,
+                driver: format!("{e:?}"),
             })?
         };
         Ok(DeviceBuf {
@@ -416,7 +421,8 @@ impl Gpu {
         self.main_tail_not_kernel();
         // SAFETY: ptr..ptr+bytes lies in one of our allocations.
         unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|e| anyhow!("memset: {e:?}"))
+            .map_err(GpuError::driver("memset"))
+            .map_err(Into::into)
     }
 
     pub fn upload<T: Copy>(&self, data: &[T]) -> Result<DeviceBuf> {
@@ -433,7 +439,8 @@ impl Gpu {
         // SAFETY: dst has room for data (caller's allocation). From pageable memory the call
         // returns once the source has been staged, so `data` may be dropped right after.
         unsafe { result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
-            .map_err(|e| anyhow!("host-to-device copy: {e:?}"))
+            .map_err(GpuError::driver("host-to-device copy"))
+            .map_err(Into::into)
     }
 
     pub fn copy_to_host<T: Copy>(&self, src: u64, out: &mut [T]) -> Result<()> {
@@ -442,7 +449,7 @@ impl Gpu {
         }
         // SAFETY: src holds at least out.len() elements.
         unsafe { result::memcpy_dtoh_async(out, src, self.stream.cu_stream()) }
-            .map_err(|e| anyhow!("device-to-host copy: {e:?}"))?;
+            .map_err(GpuError::driver("device-to-host copy"))?;
         self.sync()
     }
 
@@ -453,13 +460,15 @@ impl Gpu {
         self.main_tail_not_kernel();
         // SAFETY: both ranges lie in our allocations and do not overlap.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
-            .map_err(|e| anyhow!("device copy: {e:?}"))
+            .map_err(GpuError::driver("device copy"))
+            .map_err(Into::into)
     }
 
     pub fn sync(&self) -> Result<()> {
         self.stream
             .synchronize()
-            .map_err(|e| anyhow!("CUDA error (a kernel failed?): {e:?}"))
+            .map_err(GpuError::driver("CUDA error (a kernel failed?)"))
+            .map_err(Into::into)
     }
 
     /// Whether per-op profiling (`KESTREL_PROFILE`) is on: it syncs after every op, so
@@ -473,13 +482,13 @@ impl Gpu {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| anyhow!("CUDA graph capture: {e:?}"))?;
+            .map_err(GpuError::driver("CUDA graph capture"))?;
         let recorded = f();
         // End the capture even when recording failed, so the stream is usable again.
         let graph = self
             .stream
             .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(|e| anyhow!("CUDA graph instantiate: {e:?}"));
+            .map_err(GpuError::driver("CUDA graph instantiate"));
         recorded?;
         graph?.ok_or_else(|| anyhow!("CUDA graph capture recorded nothing"))
     }
@@ -496,15 +505,15 @@ impl Gpu {
         let event = || {
             self.ctx
                 .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow!("profile event: {e:?}"))
+                .map_err(GpuError::driver("profile event"))
         };
         let (start, end) = (event()?, event()?);
         start
             .record(stream)
-            .map_err(|e| anyhow!("profile event: {e:?}"))?;
+            .map_err(GpuError::driver("profile event"))?;
         let r = f()?;
         end.record(stream)
-            .map_err(|e| anyhow!("profile event: {e:?}"))?;
+            .map_err(GpuError::driver("profile event"))?;
         let mut m = p.lock().unwrap();
         m.pending.push((name(), start, end));
         if m.pending.len() >= 8192 {
@@ -602,7 +611,8 @@ impl Gpu {
         self.fork_event
             .record(&self.stream)
             .and_then(|_| self.aux.wait(&self.fork_event))
-            .map_err(|e| anyhow!("ordering the second stream: {e:?}"))
+            .map_err(GpuError::driver("ordering the second stream"))
+            .map_err(Into::into)
     }
 
     /// The main stream waits for everything enqueued on the second stream so far.
@@ -611,7 +621,8 @@ impl Gpu {
         self.join_event
             .record(&self.aux)
             .and_then(|_| self.stream.wait(&self.join_event))
-            .map_err(|e| anyhow!("joining the second stream: {e:?}"))
+            .map_err(GpuError::driver("joining the second stream"))
+            .map_err(Into::into)
     }
 
     /// [`Gpu::launch_ex`] on `stream`.

@@ -13,6 +13,7 @@
 
 use super::Shared;
 use super::cache::PrefixCache;
+use crate::cuda::GpuError;
 use crate::generate::{
     Channel, DecodeLoop, GenerationStats, ReplyDecoder, ReplySettings, StopReason,
     ends_inside_thinking,
@@ -117,15 +118,20 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> anyhow::Error {
     anyhow::anyhow!("internal error (model thread panicked: {what})")
 }
 
-fn fail(job: &Job, e: anyhow::Error) {
-    let msg = format!("{e:#}");
-    let status = if msg.contains("context limit") {
+/// The HTTP status of a request that failed on the model thread.
+fn error_status(e: &anyhow::Error, msg: &str) -> u16 {
+    if msg.contains("context limit") {
         400
-    } else if msg.contains("GPU memory") {
+    } else if matches!(GpuError::of(e), Some(GpuError::OutOfMemory { .. })) {
         503 // out of device memory for one more state: the server's limit, not the client's
     } else {
         500
-    };
+    }
+}
+
+fn fail(job: &Job, e: anyhow::Error) {
+    let msg = format!("{e:#}");
+    let status = error_status(&e, &msg);
     tracing::error!("request failed: {msg}");
     let _ = job.events.send(Event::Error {
         status,
@@ -548,6 +554,25 @@ mod tests {
     use super::*;
 
     const GIB: usize = 1 << 30;
+
+    #[test]
+    fn gpu_out_of_memory_is_503_and_found_through_context() {
+        let oom = anyhow::Error::from(GpuError::OutOfMemory {
+            bytes: 3 * GIB / 2,
+            driver: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        })
+        .context("allocating a sequence state");
+        let msg = format!("{oom:#}");
+        assert!(msg.contains("GPU out of memory allocating 1.50 GiB"), "{msg}");
+        assert_eq!(error_status(&oom, &msg), 503);
+        let other = anyhow::Error::from(GpuError::Driver {
+            op: "device copy",
+            driver: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
+        });
+        assert_eq!(error_status(&other, &format!("{other:#}")), 500);
+        let limit = anyhow::anyhow!("the prompt is 9 tokens but the context limit is 8 tokens");
+        assert_eq!(error_status(&limit, &format!("{limit:#}")), 400);
+    }
 
     #[test]
     fn device_cache_budget_fits_clamps_and_refuses() {

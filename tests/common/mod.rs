@@ -88,11 +88,16 @@ pub fn norm_rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// The GPU, or None (with the reason printed) where none is usable: only a missing GPU or
-/// driver skips; a kernel or cuBLAS failure on a GPU machine fails.
+/// driver, or a GPU that is not Hopper-class, skips; a kernel or cuBLAS failure on a GPU machine fails.
 pub fn gpu() -> Option<std::sync::Arc<kestrel::cuda::Gpu>> {
     match kestrel::cuda::Gpu::open(0) {
         Ok(g) => Some(g),
-        Err(e) if e.to_string().starts_with("CUDA is not available") => {
+        Err(e)
+            if matches!(
+                kestrel::cuda::GpuError::of(&e),
+                Some(kestrel::cuda::GpuError::Unavailable(_))
+            ) =>
+        {
             println!("SKIPPED: no usable GPU: {e:#}");
             None
         }
