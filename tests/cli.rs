@@ -452,3 +452,46 @@ fn bad_input_gives_a_clear_error_and_a_nonzero_exit() {
         "{err}"
     );
 }
+
+#[test]
+fn serve_api_key_file_missing_or_empty_is_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("kestrel-keyfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("missing.key");
+    let o = kestrel(
+        &["serve", "--api-key-file", missing.to_str().unwrap()],
+        None,
+        &[],
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot read the API key file"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let empty = dir.join("empty.key");
+    std::fs::write(&empty, "  \n").unwrap();
+    let o = kestrel(
+        &["serve", "--api-key-file", empty.to_str().unwrap()],
+        None,
+        &[],
+    );
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("is empty"), "{err}");
+    let o = kestrel(
+        &[
+            "serve",
+            "--api-key",
+            "k",
+            "--api-key-file",
+            empty.to_str().unwrap(),
+        ],
+        None,
+        &[],
+    );
+    assert_ne!(
+        o.status.code(),
+        Some(0),
+        "both a key and a key file are refused"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

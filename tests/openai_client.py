@@ -10,6 +10,7 @@ exercised end to end). Exits non-zero on the first failed check.
 import json
 import sys
 
+import openai
 from openai import OpenAI
 
 base, model = sys.argv[1], sys.argv[2]
@@ -31,6 +32,12 @@ TOOLS = [{
 # models
 ids = [m.id for m in client.models.list().data]
 assert ids == [model], ids
+assert client.models.retrieve(model).id == model
+try:
+    client.models.retrieve("not-this-model")
+    raise AssertionError("retrieving another model should fail")
+except openai.NotFoundError:
+    pass
 
 # plain chat: reasoning separated, the call's text left as content (no tools given)
 r = client.chat.completions.create(

@@ -700,6 +700,35 @@ fn api_key_is_enforced() {
     );
     assert_eq!(s, 200, "{t}");
     assert_eq!(http(a, "GET", "/health", None, &[]).0, 200);
+    // The scheme in any case, and Anthropic's header; a key of another length or one wrong
+    // byte is refused.
+    for (h, v, want) in [
+        ("Authorization", "bearer sekret", 200),
+        ("Authorization", "BEARER sekret", 200),
+        ("x-api-key", "sekret", 200),
+        ("x-api-key", "sekreT", 401),
+        ("Authorization", "Bearer sekret2", 401),
+        ("Authorization", "Basic sekret", 401),
+    ] {
+        let (s, t) = http(a, "GET", "/v1/models", None, &[(h, v)]);
+        assert_eq!(s, want, "{h}: {v}: {t}");
+    }
+}
+
+#[test]
+fn models_retrieve_by_id_and_404_for_others() {
+    let a = demo();
+    let (s, t) = http(a, "GET", "/v1/models/test-model", None, &[]);
+    assert_eq!(s, 200, "{t}");
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(v["id"], "test-model");
+    assert_eq!(v["object"], "model");
+    assert!(v["max_model_len"].as_u64().unwrap() > 0);
+    let (s, t) = http(a, "GET", "/v1/models/gpt-4o", None, &[]);
+    assert_eq!(s, 404, "{t}");
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert!(v["error"]["message"].as_str().unwrap().contains("gpt-4o"));
 }
 
 #[test]

@@ -35,9 +35,13 @@ pub(super) struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub(super) bind: String,
-    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1 endpoints. A key on
+    /// the command line is visible to other users in `ps`: prefer --api-key-file.
+    #[arg(long, conflicts_with = "api_key_file")]
     pub(super) api_key: Option<String>,
+    /// Read the API key from this file (its first line, surrounding whitespace removed).
+    #[arg(long, value_name = "PATH")]
+    pub(super) api_key_file: Option<std::path::PathBuf>,
     /// Bytes of sequence states the prefix cache keeps (K, M, G suffixes allowed).
     #[arg(long, default_value = "4G", value_parser = parse_bytes)]
     pub(super) cache_mem: u64,

@@ -17,6 +17,7 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
     let ServeArgs {
         bind,
         api_key,
+        api_key_file,
         cache_mem,
         request_timeout,
         served_model_name,
@@ -25,6 +26,10 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         max_running,
     } = args;
     let max_running = max_running as usize;
+    let api_key = match api_key_file {
+        Some(path) => Some(read_api_key(&path)?),
+        None => api_key,
+    };
     let dir = match &model.model {
         Some(spec) => Some(hub::resolve_model(spec)?),
         None => None,
@@ -100,4 +105,17 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
     };
     runtime.block_on(serve(listener, shared, shutdown))?;
     Ok(0)
+}
+
+/// The key in `path`: its first line, trimmed; an empty or unreadable file is an error.
+fn read_api_key(path: &std::path::Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the API key file {}", path.display()))?;
+    let key = text.lines().next().unwrap_or("").trim();
+    anyhow::ensure!(
+        !key.is_empty(),
+        "the API key file {} is empty",
+        path.display()
+    );
+    Ok(key.to_string())
 }

@@ -4,7 +4,7 @@
 use super::Shared;
 use super::api::ApiError;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
@@ -71,13 +71,20 @@ fn check_auth(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &s.config.api_key else {
         return Ok(());
     };
-    let given = headers
+    // `Authorization: Bearer KEY` (the scheme in any case, RFC 9110) or Anthropic's
+    // `x-api-key: KEY`.
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| {
+            let (scheme, rest) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(rest)
+        });
+    let given = bearer
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
         .map(str::trim);
     match given {
-        Some(g) if g == key => Ok(()),
+        Some(g) if same_secret(g.as_bytes(), key.as_bytes()) => Ok(()),
         Some(_) => Err(
             ApiError::new(401, "invalid_request_error", "Incorrect API key provided.")
                 .with_code("invalid_api_key"),
@@ -91,21 +98,57 @@ fn check_auth(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+/// Compares a given key with the server's in time that does not depend on where they differ.
+fn same_secret(given: &[u8], key: &[u8]) -> bool {
+    given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// The one model this server runs, as `/v1/models` lists it.
+fn model_object(s: &Shared) -> Value {
+    json!({
+        "id": s.config.model_id,
+        "object": "model",
+        "created": unix_now(),
+        "owned_by": "kestrel",
+        "max_model_len": s.config.max_seq,
+    })
+}
+
 pub(super) async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     let resp = match check_auth(&s, &headers) {
         Err(e) => error_response(&e),
         Ok(()) => json_response(
             StatusCode::OK,
-            &json!({"object": "list", "data": [{
-                "id": s.config.model_id,
-                "object": "model",
-                "created": unix_now(),
-                "owned_by": "kestrel",
-                "max_model_len": s.config.max_seq,
-            }]}),
+            &json!({"object": "list", "data": [model_object(&s)]}),
         ),
     };
     s.metrics.request("/v1/models", resp.status().as_u16());
+    resp
+}
+
+/// `GET /v1/models/{id}` (the `openai` SDK's `models.retrieve`): the model, or a 404 in
+/// OpenAI's error shape for any other id.
+pub(super) async fn model(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let resp = match check_auth(&s, &headers) {
+        Err(e) => error_response(&e),
+        Ok(()) if id == s.config.model_id => json_response(StatusCode::OK, &model_object(&s)),
+        Ok(()) => error_response(
+            &ApiError::new(
+                404,
+                "invalid_request_error",
+                format!(
+                    "The model `{id}` does not exist; this server runs `{}`.",
+                    s.config.model_id
+                ),
+            )
+            .with_code("model_not_found"),
+        ),
+    };
+    s.metrics.request("/v1/models/{id}", resp.status().as_u16());
     resp
 }
 

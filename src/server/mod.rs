@@ -5,7 +5,7 @@
 //! back. Handlers never touch the engine, so a slow generation never blocks `/health`,
 //! `/metrics` or the validation of other requests.
 //!
-//! Endpoints: `GET /health`, `GET /v1/models`, `GET /metrics`, `POST /v1/chat/completions`,
+//! Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /metrics`, `POST /v1/chat/completions`,
 //! `POST /v1/completions`. Wire formats are in [`api`].
 //!
 //! Files: `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
@@ -30,7 +30,7 @@ use axum::Router;
 use axum::routing::{get, post};
 use chat::chat_completions;
 use completions::completions;
-use http::{health, method_not_allowed, metrics_text, models, not_found};
+use http::{health, method_not_allowed, metrics_text, model, models, not_found};
 use metrics::Metrics;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -156,6 +156,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .fallback(not_found)

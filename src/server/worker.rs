@@ -563,7 +563,10 @@ mod tests {
         })
         .context("allocating a sequence state");
         let msg = format!("{oom:#}");
-        assert!(msg.contains("GPU out of memory allocating 1.50 GiB"), "{msg}");
+        assert!(
+            msg.contains("GPU out of memory allocating 1.50 GiB"),
+            "{msg}"
+        );
         assert_eq!(error_status(&oom, &msg), 503);
         let other = anyhow::Error::from(GpuError::Driver {
             op: "device copy",
