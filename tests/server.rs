@@ -1147,3 +1147,39 @@ fn a_short_request_finishes_while_a_long_stream_runs() {
     let chunk: Value = serde_json::from_str(&d).unwrap();
     assert!(chunk["choices"][0]["finish_reason"].is_null(), "{chunk}");
 }
+
+#[test]
+fn post_bodies_must_be_json_typed() {
+    let a = demo();
+    let body = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
+    let send = |content_type: Option<&str>| {
+        let mut r =
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                .to_string();
+        if let Some(t) = content_type {
+            r.push_str(&format!("Content-Type: {t}\r\n"));
+        }
+        r.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+        let mut s = TcpStream::connect(a).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        s.write_all(r.as_bytes()).unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let status: u16 = raw.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, raw)
+    };
+    // what a web page can send without a CORS preflight, and no type at all: refused
+    for t in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        None,
+    ] {
+        let (status, raw) = send(t);
+        assert_eq!(status, 415, "{t:?}: {raw}");
+        assert!(raw.contains("unsupported_media_type"), "{raw}");
+    }
+    for t in ["application/json", "Application/JSON; charset=utf-8"] {
+        let (status, raw) = send(Some(t));
+        assert_eq!(status, 200, "{t}: {raw}");
+    }
+}

@@ -179,6 +179,21 @@ pub(super) async fn read_request(
             "the model is still loading",
         ));
     }
+    // Only JSON bodies: a `text/plain` POST needs no CORS preflight, so accepting one would
+    // let any web page the user opens make this server generate.
+    let json_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"));
+    if !json_type {
+        return Err(ApiError::new(
+            415,
+            "invalid_request_error",
+            "the request body must be JSON, sent with `Content-Type: application/json`",
+        )
+        .with_code("unsupported_media_type"));
+    }
     let bytes = axum::body::to_bytes(body, BODY_LIMIT).await.map_err(|e| {
         let msg = format!("{e}");
         if msg.contains("length limit") {
