@@ -140,6 +140,120 @@ pub fn bench_context<R: GreedyRunner>(
     })
 }
 
+/// One row of the concurrency benchmark: `streams` sequences at `context` tokens each, decoded
+/// together (one batched step a token of every stream).
+#[derive(Clone, Debug, Serialize)]
+pub struct ConcurrencyRow {
+    pub streams: usize,
+    pub context: usize,
+    /// Tokens a second over all streams.
+    pub decode_tok_s: f64,
+    /// Tokens a second each stream sees.
+    pub per_stream_tok_s: f64,
+    pub step_ms: f64,
+    /// Bytes one step must read: the dense weights once, each expert the batch picks once
+    /// (expected number under uniform routing, see [`expected_experts`]), every stream's
+    /// GDN state (read + write) and KV.
+    pub bytes_per_step: f64,
+    pub expected_experts_per_layer: f64,
+    /// Achieved bytes/s over the read bandwidth given (`read_bw`).
+    pub bandwidth_fraction: f64,
+    pub digest: String,
+}
+
+/// Experts of `e` that `n` tokens each choosing `k` touch, expected under uniform routing
+/// (the synthetic weights' near-uniform router): e (1 - (1 - k/e)^n).
+pub fn expected_experts(e: usize, k: usize, n: usize) -> f64 {
+    e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(n as i32))
+}
+
+/// Bytes a batched bf16 decode step of `n` streams at `context` tokens must move (see
+/// [`ConcurrencyRow::bytes_per_step`]).
+pub fn batch_decode_bytes(cfg: &TextConfig, context: usize, n: usize) -> f64 {
+    let (_, active) = cfg.parameter_counts();
+    let expert = 3 * cfg.hidden_size * cfg.moe_intermediate * 2; // gate, up, down in bf16
+    let routed_active = (cfg.num_layers * cfg.experts_per_token * expert) as f64;
+    let dense = active as f64 * 2.0 - routed_active;
+    let touched = expected_experts(cfg.num_experts, cfg.experts_per_token, n);
+    let experts = cfg.num_layers as f64 * touched * expert as f64;
+    let per_stream = decode_bytes(cfg, context) - active as f64 * 2.0;
+    dense + experts + n as f64 * per_stream
+}
+
+/// The concurrency benchmark at one (streams, context): `streams` sequences, each prefilled
+/// with its own prompt of `context` tokens (the contract's prompt, offset by the stream's
+/// index), then 4 warm-up and [`DECODE_STEPS`] measured batched greedy steps, median of
+/// [`ROUNDS`] rounds; the digest of all streams' ids must repeat across rounds.
+pub fn bench_concurrency<E: crate::model::Engine>(
+    engine: &E,
+    cfg: &TextConfig,
+    streams: usize,
+    context: usize,
+    vocab_limit: usize,
+    read_bw: f64,
+    mut log: impl FnMut(&str),
+) -> Result<ConcurrencyRow> {
+    let prompt_of = |j: usize| prompt(context + j, vocab_limit)[j..].to_vec();
+    let run = |steps: usize| -> Result<(f64, Vec<u32>)> {
+        let mut states = Vec::with_capacity(streams);
+        let mut next = Vec::with_capacity(streams);
+        for j in 0..streams {
+            let mut st = engine.new_state()?;
+            let logits = engine.forward(&mut st, &prompt_of(j), crate::model::Logits::Last)?;
+            next.push(crate::sampling::greedy_id(&logits, vocab_limit));
+            states.push(st);
+        }
+        let mut refs: Vec<&mut E::State> = states.iter_mut().collect();
+        let mut ids = Vec::with_capacity(steps * streams);
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            next = engine.forward_batch_greedy(&mut refs, &next, vocab_limit)?;
+            ids.extend(&next);
+        }
+        Ok((t0.elapsed().as_secs_f64(), ids))
+    };
+    run(4)?;
+    let mut times = Vec::new();
+    let mut digests = Vec::new();
+    for round in 0..ROUNDS {
+        let (t, ids) = run(DECODE_STEPS)?;
+        log(&format!(
+            "  {streams} streams at context {context} round {round}: {:.2} ms a step, {:.0} tok/s",
+            t * 1e3 / DECODE_STEPS as f64,
+            (streams * DECODE_STEPS) as f64 / t
+        ));
+        times.push(t);
+        digests.push(fnv1a(&ids));
+    }
+    if digests.iter().any(|d| *d != digests[0]) {
+        bail!(
+            "greedy output differs between rounds at {streams} streams, context {context}: digests {digests:x?}"
+        );
+    }
+    let t = median(times);
+    let step = t / DECODE_STEPS as f64;
+    let bytes = batch_decode_bytes(cfg, context, streams);
+    Ok(ConcurrencyRow {
+        streams,
+        context,
+        decode_tok_s: (streams * DECODE_STEPS) as f64 / t,
+        per_stream_tok_s: DECODE_STEPS as f64 / t,
+        step_ms: step * 1e3,
+        bytes_per_step: bytes,
+        expected_experts_per_layer: expected_experts(
+            cfg.num_experts,
+            cfg.experts_per_token,
+            streams,
+        ),
+        bandwidth_fraction: if read_bw > 0.0 {
+            bytes / step / read_bw
+        } else {
+            0.0
+        },
+        digest: format!("{:016x}", digests[0]),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +264,26 @@ mod tests {
         assert_eq!(p[0], 0);
         assert_eq!(p[1], (2_654_435_761u64 % 248_320) as u32);
         assert_eq!(p[2], ((2 * 2_654_435_761u64) % (1 << 32) % 248_320) as u32);
+    }
+
+    #[test]
+    fn batch_bytes_follow_the_experts_touched() {
+        let c = TextConfig::qwen36_35b_a3b();
+        // the counts under uniform routing: ~57 / 163 / 222 of 256
+        for (n, want) in [(1, 8.0), (8, 57.3), (32, 163.3), (64, 222.4)] {
+            let got = expected_experts(256, 8, n);
+            assert!((got - want).abs() < 0.5, "{n}: {got}");
+        }
+        // batch 1 reads what the batch-1 contract counts
+        let one = batch_decode_bytes(&c, 1024, 1);
+        let single = decode_bytes(&c, 1024);
+        assert!((one - single).abs() / single < 1e-9, "{one} vs {single}");
+        // the bound at 4.2 TB/s (context 1,024 a stream) near the estimates: roughly
+        // 1,700 / 2,600 / 3,700 tok/s at 8 / 32 / 64 streams
+        for (n, want) in [(8, 1700.0), (32, 2600.0), (64, 3700.0)] {
+            let bound = n as f64 * 4.2e12 / batch_decode_bytes(&c, 1024, n);
+            assert!((bound / want - 1.0).abs() < 0.1, "{n}: {bound:.0} tok/s");
+        }
     }
 
     #[test]

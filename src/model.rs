@@ -58,6 +58,23 @@ pub trait Engine {
         let logits = self.forward(state, &[token], Logits::Last)?;
         Ok(crate::sampling::greedy_id(&logits, vocab_limit))
     }
+    /// One decode step of several sequences: `tokens[r]` appended to `states[r]`; the logits
+    /// of every row, one vocabulary each, concatenated. The GPU runs the rows as one batch
+    /// (each weight read once for all of them); this default, the CPU's and the oracle, runs
+    /// them one after another ([`forward_rows`]).
+    fn forward_batch(&self, states: &mut [&mut Self::State], tokens: &[u32]) -> Result<Vec<f32>> {
+        forward_rows(self, states, tokens)
+    }
+    /// [`Engine::forward_batch`] returning each row's greedy next id (argmax below
+    /// `vocab_limit`, as [`Engine::forward_greedy_id`]).
+    fn forward_batch_greedy(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> Result<Vec<u32>> {
+        forward_rows_greedy(self, states, tokens, vocab_limit)
+    }
     /// Memory a state holds (what a cached snapshot of it costs), in bytes.
     fn state_bytes(&self, state: &Self::State) -> usize;
     /// Where states live in a fixed device memory (the GPU): what is still free there and
@@ -66,6 +83,51 @@ pub trait Engine {
     fn state_memory(&self) -> Option<StateMemory> {
         None
     }
+}
+
+/// Checks a batched step's rows: as many tokens as states, every id in the vocabulary (so that
+/// a bad token fails the step before any state has moved).
+fn check_rows<E: Engine + ?Sized>(e: &E, states: usize, tokens: &[u32]) -> Result<()> {
+    anyhow::ensure!(
+        states == tokens.len(),
+        "a batched step of {} tokens for {states} sequences",
+        tokens.len()
+    );
+    let v = e.config().vocab_size;
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= v) {
+        anyhow::bail!("token id {bad} is outside the vocabulary (size {v})");
+    }
+    Ok(())
+}
+
+/// A batched step row by row: [`Engine::forward`] of each row's token, the logits
+/// concatenated (the reference for every batched implementation).
+pub fn forward_rows<E: Engine + ?Sized>(
+    e: &E,
+    states: &mut [&mut E::State],
+    tokens: &[u32],
+) -> Result<Vec<f32>> {
+    check_rows(e, states.len(), tokens)?;
+    let mut out = Vec::with_capacity(tokens.len() * e.config().vocab_size);
+    for (s, &t) in states.iter_mut().zip(tokens) {
+        out.extend(e.forward(s, &[t], Logits::Last)?);
+    }
+    Ok(out)
+}
+
+/// A batched greedy step row by row ([`Engine::forward_greedy_id`] of each row).
+pub fn forward_rows_greedy<E: Engine + ?Sized>(
+    e: &E,
+    states: &mut [&mut E::State],
+    tokens: &[u32],
+    vocab_limit: usize,
+) -> Result<Vec<u32>> {
+    check_rows(e, states.len(), tokens)?;
+    states
+        .iter_mut()
+        .zip(tokens)
+        .map(|(s, &t)| e.forward_greedy_id(s, t, vocab_limit))
+        .collect()
 }
 
 /// Device memory for sequence states, see [`Engine::state_memory`].

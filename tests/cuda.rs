@@ -563,3 +563,134 @@ fn gdn_chunked_matches_recurrent_through_the_model() {
         }
     }
 }
+
+/// A batched decode step (one forward over several sequences of different lengths, each at its
+/// own position) against the same sequences decoded one at a time by the fused step and by the
+/// CPU reference's row-by-row batch, on every fixture. Sequences join and leave between steps,
+/// and one joins from a snapshot of another (a prefix-cache hit). Every row's logits agree with
+/// the one-at-a-time ones within the general path's tolerance (summation order), the batched
+/// greedy ids equal the argmax of the batched logits, and the greedy choice equals the
+/// one-at-a-time one wherever the margin is confident.
+#[test]
+fn batched_decode_matches_one_at_a_time() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        let (cpu, cuda) = load(&gpu, &dir, 256);
+        assert!(cuda.batch_fits(), "{}: no batched decode", dir.display());
+        let v = cuda.config.vocab_size;
+        let p = &r.prompt_ids;
+        let prefill = |prompt: &[u32]| {
+            let (mut g, mut s, mut c) = (
+                cuda.new_state().unwrap(),
+                cuda.new_state().unwrap(),
+                cpu.new_state().unwrap(),
+            );
+            cuda.forward(&mut g, prompt, Logits::Last).unwrap();
+            cuda.forward(&mut s, prompt, Logits::Last).unwrap();
+            cpu.forward(&mut c, prompt, Logits::Last).unwrap();
+            (g, s, c)
+        };
+        // (batched GPU, one-at-a-time GPU, CPU) states
+        let mut seqs: Vec<_> = [1, 3, p.len() / 2, p.len()]
+            .iter()
+            .map(|&n| prefill(&p[..n]))
+            .collect();
+        let (mut worst_seq, mut worst_cpu, mut compared) = (0.0f64, 0.0f64, 0);
+        let mut differ = Vec::new();
+        for step in 0..24 {
+            if step == 8 {
+                // joins from a snapshot of the longest (a prefix-cache hit), then diverges
+                let (g, s, c) = &seqs[3];
+                seqs.push((g.clone(), s.clone(), c.clone()));
+            }
+            if step == 12 {
+                seqs.push(prefill(&p[..5]));
+            }
+            if step == 16 {
+                seqs.remove(1);
+            }
+            let toks: Vec<u32> = (0..seqs.len())
+                .map(|j| r.decode_ids[(step * 3 + j * 7) % r.decode_ids.len()])
+                .collect();
+            // the greedy ids of the same step, on snapshots of the batch
+            let mut snaps: Vec<_> = seqs.iter().map(|s| s.0.clone()).collect();
+            let mut refs: Vec<_> = snaps.iter_mut().collect();
+            let ids = cuda.forward_batch_greedy(&mut refs, &toks, v).unwrap();
+            let mut refs: Vec<_> = seqs.iter_mut().map(|s| &mut s.0).collect();
+            let batched = cuda.forward_batch(&mut refs, &toks).unwrap();
+            let mut refs: Vec<_> = seqs.iter_mut().map(|s| &mut s.2).collect();
+            let on_cpu = cpu.forward_batch(&mut refs, &toks).unwrap();
+            assert_eq!(batched.len(), toks.len() * v);
+            for (j, &tok) in toks.iter().enumerate() {
+                let one = cuda.forward(&mut seqs[j].1, &[tok], Logits::Last).unwrap();
+                let row = &batched[j * v..(j + 1) * v];
+                let c = &on_cpu[j * v..(j + 1) * v];
+                assert_eq!(
+                    ids[j] as usize,
+                    argmax(row).unwrap(),
+                    "{}: step {step} row {j}: batched greedy id vs the batched logits",
+                    dir.display()
+                );
+                worst_seq = worst_seq.max(norm_rel_err(row, &one));
+                worst_cpu = worst_cpu.max(norm_rel_err(row, c));
+                let scale = one.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                if margin(&one) > 0.02 * scale {
+                    compared += 1;
+                    if argmax(row) != argmax(&one) {
+                        differ.push((step, j));
+                    }
+                }
+            }
+            for (g, s, c) in &seqs {
+                assert_eq!(cuda.state_len(g), cuda.state_len(s));
+                assert_eq!(cuda.state_len(g), cpu.state_len(c));
+            }
+        }
+        println!(
+            "{}: batched decode vs one at a time {worst_seq:.2e}, vs CPU {worst_cpu:.2e} (worst row); greedy equal on {compared} confident rows (differ: {differ:?})",
+            dir.display()
+        );
+        assert!(worst_seq <= NORM_TOL, "{}: {worst_seq}", dir.display());
+        assert!(worst_cpu <= NORM_TOL, "{}: {worst_cpu}", dir.display());
+        assert!(differ.is_empty(), "{}: greedy differs", dir.display());
+        assert!(
+            compared >= 40,
+            "{}: only {compared} confident rows",
+            dir.display()
+        );
+    }
+}
+
+/// A batched step checks every row before it runs: a bad token or a full sequence fails the
+/// whole step with a clear error and leaves every state where it was.
+#[test]
+fn batched_decode_rejects_bad_rows_without_moving_any_state() {
+    let Some(gpu) = gpu() else { return };
+    let dir = &fixtures()[0];
+    let (_cpu, cuda) = load(&gpu, dir, 256);
+    let v = cuda.config.vocab_size;
+    let mut a = cuda.new_state().unwrap();
+    let mut b = cuda.new_state().unwrap();
+    cuda.forward(&mut a, &[1, 2, 3], Logits::Last).unwrap();
+    cuda.forward(&mut b, &[4], Logits::Last).unwrap();
+    let err = cuda
+        .forward_batch_greedy(&mut [&mut a, &mut b], &[5, v as u32], v)
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("outside the vocabulary"),
+        "{err:#}"
+    );
+    let full: Vec<u32> = (0..cuda.max_seq - 1).map(|i| (i % 7) as u32 + 1).collect();
+    cuda.forward(&mut b, &full, Logits::Last).unwrap();
+    let err = cuda
+        .forward_batch_greedy(&mut [&mut a, &mut b], &[5, 6], v)
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("--max-seq"), "{err:#}");
+    assert_eq!((a.len, b.len), (3, cuda.max_seq));
+    let err = cuda.forward_batch(&mut [&mut a], &[5, 6]).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("2 tokens for 1 sequences"),
+        "{err:#}"
+    );
+}

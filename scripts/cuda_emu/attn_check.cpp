@@ -14,9 +14,9 @@ static std::mt19937_64 rng(5);
 static float uni(float a, float b) { return std::uniform_real_distribution<float>(a, b)(rng); }
 static int fails = 0;
 
+using DecodeMma = void (*)(const float*, const bf16*, const bf16*, float*, const int*, int, int, int, float, const u64*);
 template <int HD>
-static void run(int nq, int nkv, int n, int nsplit, void (*kernel)(const float*, const bf16*, const bf16*, float*,
-                                                                   const int*, int, int, int, float)) {
+static void run(int nq, int nkv, int n, int nsplit, DecodeMma kernel) {
     std::vector<float> q((size_t)nq * HD), qg((size_t)nq * 2 * HD);
     std::vector<bf16> kc((size_t)n * nkv * HD), vc((size_t)n * nkv * HD);
     for (auto& x : q) x = uni(-1, 1);
@@ -29,9 +29,9 @@ static void run(int nq, int nkv, int n, int nsplit, void (*kernel)(const float*,
     int past = n - 1;
     const size_t smem = (16 + 4 * 32) * (HD + 8) * 2;
     emu_launch({(unsigned)nkv, (unsigned)nsplit, 1}, 32, smem,
-               [&] { kernel(q.data(), kc.data(), vc.data(), part.data(), &past, nq, nkv, nsplit, scale); });
+               [&] { kernel(q.data(), kc.data(), vc.data(), part.data(), &past, nq, nkv, nsplit, scale, nullptr); });
     emu_launch({(unsigned)nq, (unsigned)(HD / 32), 1}, 256, 0,
-               [&] { attn_combine_dec(part.data(), qg.data(), out.data(), &past, nq, HD, nsplit); });
+               [&] { attn_combine_dec(part.data(), qg.data(), out.data(), &past, nq, HD, nsplit, 0); });
     double err = 0, mag = 0;
     const int group = nq / nkv;
     for (int h = 0; h < nq; h++) {
@@ -181,7 +181,7 @@ static void run_prep(int t, int past, int nq, int nkv, int hd, int rot_half) {
     std::vector<bf16> kc_a(cache, __float2bfloat16(0)), vc_a(cache, __float2bfloat16(0)), kc_b(kc_a), vc_b(vc_a);
     emu_launch({(unsigned)t, (unsigned)(nq + nkv), 1}, (unsigned)((hd + 31) / 32 * 32), (size_t)hd * 4, [&] {
         attn_prep(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q_a.data(), kc_a.data(), vc_a.data(),
-                  past, nullptr, nq, nkv, hd, rot_half, 1e-6f);
+                  past, nullptr, nq, nkv, hd, rot_half, 1e-6f, nullptr);
     });
     emu_launch({(unsigned)((t * (nq + nkv) + 7) / 8), 1, 1}, 256, (size_t)8 * hd * 4, [&] {
         attn_prep_rows(qg.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q_b.data(), kc_b.data(),
@@ -200,6 +200,80 @@ static void run_prep(int t, int past, int nq, int nkv, int hd, int rot_half) {
     printf("attn_prep_rows t %d past %d hd %d rot %d: q max diff %.1e, cache %.2f of one bf16 ulp vs attn_prep %s\n", t,
            past, hd, 2 * rot_half, eq, ec, ok ? "ok" : "FAILED");
     fails += !ok;
+}
+
+// The decode step batched over sequences of different lengths (attn_prep, attn_decode_mma_hd256,
+// attn_combine_dec with grid rows, the caches through the table, positions per row) against one
+// launch of each a sequence: bitwise (the same arithmetic per row).
+static void run_decode_batch(int nq, int nkv, std::vector<int> lens, int nsplit) {
+    constexpr int HD = 256;
+    const int rows = (int)lens.size(), rot_half = 32, ldqg = nq * 2 * HD + 5;  // gates' rows padded
+    const float scale = 1.0f / std::sqrt((float)HD), eps = 1e-6f;
+    std::vector<float> qg((size_t)rows * ldqg), k((size_t)rows * nkv * HD), v(k.size()), qn(HD), kn(HD), invf(rot_half);
+    for (auto* a : {&qg, &k, &v, &qn, &kn}) for (auto& x : *a) x = uni(-1, 1);
+    for (int i = 0; i < rot_half; i++) invf[i] = std::pow(10000.0f, -(float)i / rot_half);
+    std::vector<std::vector<bf16>> kc(rows), vc(rows);
+    for (int r = 0; r < rows; r++) {
+        kc[r].resize((size_t)lens[r] * nkv * HD);
+        vc[r].resize(kc[r].size());
+        for (auto& x : kc[r]) x = __float2bfloat16(uni(-2, 2));
+        for (auto& x : vc[r]) x = __float2bfloat16(uni(-1, 1));
+    }
+    const size_t smem = (16 + 4 * 32) * (HD + 8) * 2, pw = (size_t)nq * nsplit * (HD + 2);
+    // one launch of each a row
+    auto kc_a = kc, vc_a = vc;
+    std::vector<float> q_a((size_t)rows * nq * HD), part_a(rows * pw, 0.0f);
+    std::vector<bf16> out_a((size_t)rows * nq * HD);
+    for (int r = 0; r < rows; r++) {
+        int past = lens[r] - 1;
+        // qg's row holds [q | gate] per head; attn_prep reads k and v from their own rows
+        std::vector<float> qr(qg.begin() + (size_t)r * ldqg, qg.begin() + (size_t)r * ldqg + nq * 2 * HD);
+        emu_launch({1, (unsigned)(nq + nkv), 1}, HD, (size_t)HD * 4, [&] {
+            attn_prep(qr.data(), k.data() + (size_t)r * nkv * HD, v.data() + (size_t)r * nkv * HD, qn.data(), kn.data(),
+                      invf.data(), q_a.data() + (size_t)r * nq * HD, kc_a[r].data(), vc_a[r].data(), 0, &past, nq, nkv,
+                      HD, rot_half, eps, nullptr);
+        });
+        emu_launch({(unsigned)nkv, (unsigned)nsplit, 1}, 32, smem, [&] {
+            attn_decode_mma_hd256(q_a.data() + (size_t)r * nq * HD, kc_a[r].data(), vc_a[r].data(),
+                                  part_a.data() + r * pw, &past, nq, nkv, nsplit, scale, nullptr);
+        });
+        emu_launch({(unsigned)nq, (unsigned)(HD / 32), 1}, 256, 0, [&] {
+            attn_combine_dec(part_a.data() + r * pw, qg.data() + (size_t)r * ldqg, out_a.data() + (size_t)r * nq * HD,
+                             &past, nq, HD, nsplit, 0);
+        });
+    }
+    // batched
+    auto kc_b = kc, vc_b = vc;
+    std::vector<float> q_b(q_a.size()), part_b(part_a.size(), 0.0f), qg_rows((size_t)rows * nq * 2 * HD);
+    std::vector<bf16> out_b(out_a.size());
+    std::vector<int> pos(rows);
+    std::vector<u64> tab(2 * rows);
+    for (int r = 0; r < rows; r++) {
+        pos[r] = lens[r] - 1;
+        tab[r] = reinterpret_cast<u64>(kc_b[r].data());
+        tab[rows + r] = reinterpret_cast<u64>(vc_b[r].data());
+        std::copy(qg.begin() + (size_t)r * ldqg, qg.begin() + (size_t)r * ldqg + nq * 2 * HD,
+                  qg_rows.begin() + (size_t)r * nq * 2 * HD);
+    }
+    emu_launch({(unsigned)rows, (unsigned)(nq + nkv), 1}, HD, (size_t)HD * 4, [&] {
+        attn_prep(qg_rows.data(), k.data(), v.data(), qn.data(), kn.data(), invf.data(), q_b.data(), nullptr, nullptr, 0,
+                  pos.data(), nq, nkv, HD, rot_half, eps, tab.data());
+    });
+    emu_launch({(unsigned)nkv, (unsigned)nsplit, (unsigned)rows}, 32, smem, [&] {
+        attn_decode_mma_hd256(q_b.data(), nullptr, nullptr, part_b.data(), pos.data(), nq, nkv, nsplit, scale, tab.data());
+    });
+    emu_launch({(unsigned)nq, (unsigned)(HD / 32), (unsigned)rows}, 256, 0, [&] {
+        attn_combine_dec(part_b.data(), qg.data(), out_b.data(), pos.data(), nq, HD, nsplit, ldqg);
+    });
+    auto eq16 = [](const std::vector<bf16>& a, const std::vector<bf16>& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
+    };
+    bool same = q_a == q_b && part_a == part_b;
+    for (int r = 0; r < rows; r++) same = same && eq16(kc_a[r], kc_b[r]) && eq16(vc_a[r], vc_b[r]);
+    for (size_t i = 0; i < out_a.size(); i++) same = same && __bfloat162float(out_a[i]) == __bfloat162float(out_b[i]);
+    printf("attn decode batched over %d sequences (nq %d nkv %d, %d splits): %s one launch a sequence %s\n", rows, nq, nkv,
+           nsplit, same ? "bitwise" : "DIFFERS from", same ? "ok" : "FAILED");
+    fails += !same;
 }
 
 int main(int argc, char** argv) {
@@ -232,6 +306,10 @@ int main(int argc, char** argv) {
         run<256>(8, 8, 130, 4, attn_decode_mma_hd256);    // no GQA sharing
         run<256>(16, 2, 4097, 64, attn_decode_mma_hd256);
         run<256>(16, 2, 3000, 256, attn_decode_mma_hd256);  // many splits: 47 of 64 positions
+    }
+    if (decode) {
+        run_decode_batch(16, 2, {1, 70, 300}, 16);  // ragged: one split used, three, all ten
+        run_decode_batch(8, 8, {33, 5}, 4);
     }
     return fails ? 1 : 0;
 }

@@ -300,6 +300,15 @@ static void run_step_dec(int hk, int hv, int dv, unsigned seed) {
     if (!ok) exit(1);
 }
 
+// The module's gdn_convstep_dec entry points at dk 128, the template otherwise.
+using ConvstepF = void (*)(const float*, float*, const float*, const float*, const float*, const float*, const float*,
+                           const float*, float*, bf16*, int, int, int, int, float, float, const u64*, int, int);
+template <int DK>
+static ConvstepF convstep_fn(int G) {
+    if constexpr (DK == 128) return G == 2 ? gdn_convstep_dec_cl2_128 : gdn_convstep_dec_128;
+    else return G == 2 ? gdn_convstep_dec_impl<DK, 2> : gdn_convstep_dec_impl<DK, 1>;
+}
+
 // gdn_convstep_dec (conv + delta-rule step in one launch; with two value heads a key head a
 // cluster of two blocks) against gdn_conv_dec then gdn_step_dec on the same inputs: the conv state
 // bitwise, the recurrent state within f32 rounding (q and k are normalised through the sums
@@ -331,13 +340,8 @@ static void run_convstep_dec(int hk, int hv, int dv, unsigned seed) {
     std::vector<float> conv_b = conv_st, state_b = state;
     emu_launch_cluster({(unsigned)hv, 1, 1}, G == 2 ? 2 : 1, (unsigned)((4 * dv + 31) / 32 * 32), GDN_CONVSTEP_SMEM(DK, dv), [&] {
         // the module's entry points at dk 128, the template otherwise
-        using F = void (*)(const float*, float*, const float*, const float*, const float*, const float*, const float*,
-                           const float*, float*, bf16*, int, int, int, int, float, float);
-        F f;
-        if constexpr (DK == 128) f = G == 2 ? gdn_convstep_dec_cl2_128 : gdn_convstep_dec_128;
-        else f = G == 2 ? gdn_convstep_dec_impl<DK, 2> : gdn_convstep_dec_impl<DK, 1>;
-        f(p.data(), conv_b.data(), conv_w.data(), z.data(), ba.data(), a_log.data(), dt_bias.data(), nw.data(),
-          state_b.data(), out_b.data(), c, hk, hv, dv, q_scale, eps);
+        convstep_fn<DK>(G)(p.data(), conv_b.data(), conv_w.data(), z.data(), ba.data(), a_log.data(), dt_bias.data(),
+                           nw.data(), state_b.data(), out_b.data(), c, hk, hv, dv, q_scale, eps, nullptr, 0, 0);
     });
     const bool conv_same = conv_a == conv_b;
     const double es = max_rel(state_b, std::vector<double>(state_a.begin(), state_a.end()));
@@ -355,6 +359,53 @@ static void run_convstep_dec(int hk, int hv, int dv, unsigned seed) {
     if (!ok) exit(1);
 }
 
+// gdn_convstep_dec batched: `rows` sequences' tokens in one launch (grid y), each row's p|z|ba
+// ldp floats apart, its states through the table, its output ldo values on; against one launch
+// per row with that row's states given directly. Bitwise: the same arithmetic per row.
+template <int DK>
+static void run_convstep_batch(int hk, int hv, int dv, int rows, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int c = 2 * hk * DK + hv * dv, kern = 4, G = hv / hk, vw = hv * dv;
+    const int ldp = c + vw + 2 * hv + 3;  // an odd row length: the rows' offsets matter
+    std::vector<float> P((size_t)rows * ldp), a_log(hv), dt_bias(hv), nw(dv), conv_w((size_t)c * kern);
+    std::vector<std::vector<float>> conv(rows, std::vector<float>((size_t)(kern - 1) * c)),
+        st(rows, std::vector<float>((size_t)hv * DK * dv));
+    for (auto* a : {&P, &a_log, &dt_bias, &nw, &conv_w}) for (auto& x : *a) x = u(rng);
+    for (int r = 0; r < rows; r++) {
+        for (auto& x : conv[r]) x = u(rng);
+        for (auto& x : st[r]) x = u(rng);
+    }
+    const float q_scale = 1.0f / std::sqrt((float)DK), eps = 1e-6f;
+    const unsigned block = (unsigned)((4 * dv + 31) / 32 * 32);
+    auto conv_a = conv, st_a = st;
+    std::vector<bf16> out_a((size_t)rows * vw), out_b((size_t)rows * vw);
+    for (int r = 0; r < rows; r++) {
+        const float* pr = P.data() + (size_t)r * ldp;
+        emu_launch_cluster({(unsigned)hv, 1, 1}, G == 2 ? 2 : 1, block, GDN_CONVSTEP_SMEM(DK, dv), [&] {
+            convstep_fn<DK>(G)(pr, conv_a[r].data(), conv_w.data(), pr + c, pr + c + vw, a_log.data(), dt_bias.data(),
+                               nw.data(), st_a[r].data(), out_a.data() + (size_t)r * vw, c, hk, hv, dv, q_scale, eps,
+                               nullptr, 0, 0);
+        });
+    }
+    auto conv_b = conv, st_b = st;
+    std::vector<u64> tab(2 * rows);
+    for (int r = 0; r < rows; r++) {
+        tab[r] = reinterpret_cast<u64>(conv_b[r].data());
+        tab[rows + r] = reinterpret_cast<u64>(st_b[r].data());
+    }
+    emu_launch_cluster({(unsigned)hv, (unsigned)rows, 1}, G == 2 ? 2 : 1, block, GDN_CONVSTEP_SMEM(DK, dv), [&] {
+        convstep_fn<DK>(G)(P.data(), nullptr, conv_w.data(), P.data() + c, P.data() + c + vw, a_log.data(),
+                           dt_bias.data(), nw.data(), nullptr, out_b.data(), c, hk, hv, dv, q_scale, eps, tab.data(),
+                           ldp, vw);
+    });
+    bool same = conv_a == conv_b && st_a == st_b;
+    for (size_t i = 0; i < out_a.size(); i++) same = same && __bfloat162float(out_a[i]) == __bfloat162float(out_b[i]);
+    printf("%s gdn_convstep_dec dk=%d hk=%d hv=%d dv=%d, %d rows batched through the state table: %s one launch a row\n",
+           same ? "ok  " : "FAIL", DK, hk, hv, dv, rows, same ? "bitwise" : "DIFFERS from");
+    if (!same) exit(1);
+}
+
 int main(int argc, char** argv) {
     bool full = argc > 1 && std::string(argv[1]) == "full";
     if (const char* gs = getenv("G_SCALE")) G_SCALE = atof(gs);
@@ -364,6 +415,8 @@ int main(int argc, char** argv) {
     run_convstep_dec<128>(2, 2, 128, 5);  // one value head a key head
     run_convstep_dec<32>(2, 4, 40, 6);    // narrow heads (block 160: conv channels 104)
     run_convstep_dec<32>(3, 3, 48, 7);
+    run_convstep_batch<128>(2, 4, 128, 3, 8);  // clusters of two, three sequences
+    run_convstep_batch<32>(3, 3, 48, 4, 9);     // no cluster
     for (int dv : {128, 24, 18, 256}) run_gated_norm(21, 1, dv, 0);
     run_gated_norm(7, 3, 128, 64);  // z in the in-projection's rows: the vector path
     run_gated_norm(7, 3, 128, 2);   // a row stride not a multiple of 4: the scalar path

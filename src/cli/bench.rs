@@ -119,18 +119,13 @@ pub(super) fn bench_cmd(
     contexts: String,
     max_chunk: Option<usize>,
     json: Option<PathBuf>,
+    concurrency: Option<String>,
 ) -> Result<()> {
-    let contexts: Vec<usize> = contexts
-        .split(',')
-        .map(|s| {
-            s.trim()
-                .parse::<usize>()
-                .map_err(|_| anyhow::anyhow!("--contexts: {s:?} is not a whole number"))
-        })
-        .collect::<Result<_>>()?;
-    if contexts.is_empty() || contexts.contains(&0) {
-        anyhow::bail!("--contexts needs positive lengths");
-    }
+    let contexts = positive_list("--contexts", &contexts)?;
+    let streams = concurrency
+        .as_deref()
+        .map(|c| positive_list("--concurrency", c))
+        .transpose()?;
     let max_ctx = *contexts.iter().max().unwrap();
     let (cfg, host, weights_label) = match (&synthetic, &model) {
         (Some(s), None) => {
@@ -199,6 +194,19 @@ pub(super) fn bench_cmd(
                 )?,
             };
             eprintln!("weights ready in {:.1} s", t0.elapsed().as_secs_f64());
+            if let Some(streams) = &streams {
+                let read_bw = gpu.measure_weight_stream(2048, 256)?;
+                eprintln!("read bandwidth {:.2} TB/s", read_bw / 1e12);
+                let rows = concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, read_bw)?;
+                print_profile(&gpu);
+                return write_concurrency_json(
+                    json.as_deref(),
+                    &rows,
+                    &gpu.name,
+                    &weights_label,
+                    read_bw,
+                );
+            }
             let runner = CudaRunner(&m, vocab_limit);
             let mut rows = Vec::new();
             for &c in &contexts {
@@ -223,25 +231,7 @@ pub(super) fn bench_cmd(
                     trace_decode(&m, c, vocab_limit, prefix)?;
                 }
             }
-            let prof = gpu.take_profile();
-            if !prof.is_empty() {
-                let total: f64 = prof.iter().map(|p| p.seconds).sum();
-                eprintln!(
-                    "profile (GPU time per op and grid, CUDA events; all contexts, all rounds):"
-                );
-                for p in prof.iter().take(45) {
-                    eprintln!(
-                        "  {:<32} {:>8} calls {:>10.3} ms {:>6.1}%  {:>8.1} us/call (min {:.1}, max {:.1})",
-                        p.op,
-                        p.calls,
-                        p.seconds * 1e3,
-                        100.0 * p.seconds / total,
-                        p.seconds * 1e6 / p.calls as f64,
-                        p.min * 1e6,
-                        p.max * 1e6
-                    );
-                }
-            }
+            print_profile(&gpu);
             (rows, gpu.name.clone(), copy_bw)
         }
         "cpu" => {
@@ -252,6 +242,10 @@ pub(super) fn bench_cmd(
                     CpuModel::new(cfg.clone(), w)
                 }
             };
+            if let Some(streams) = &streams {
+                let rows = concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, 0.0)?;
+                return write_concurrency_json(json.as_deref(), &rows, "cpu", &weights_label, 0.0);
+            }
             let runner = CpuRunner(&m, vocab_limit);
             let mut rows = Vec::new();
             for &c in &contexts {
@@ -292,6 +286,108 @@ pub(super) fn bench_cmd(
         prefill_chunk,
     )?;
     Ok(())
+}
+
+/// With `KESTREL_PROFILE=1`: the GPU time per op over the whole run.
+fn print_profile(gpu: &kestrel::cuda::Gpu) {
+    let prof = gpu.take_profile();
+    if prof.is_empty() {
+        return;
+    }
+    let total: f64 = prof.iter().map(|p| p.seconds).sum();
+    eprintln!("profile (GPU time per op and grid, CUDA events; all contexts, all rounds):");
+    for p in prof.iter().take(45) {
+        eprintln!(
+            "  {:<32} {:>8} calls {:>10.3} ms {:>6.1}%  {:>8.1} us/call (min {:.1}, max {:.1})",
+            p.op,
+            p.calls,
+            p.seconds * 1e3,
+            100.0 * p.seconds / total,
+            p.seconds * 1e6 / p.calls as f64,
+            p.min * 1e6,
+            p.max * 1e6
+        );
+    }
+}
+
+/// A comma-separated list of positive whole numbers (`flag` names it in errors).
+fn positive_list(flag: &str, s: &str) -> Result<Vec<usize>> {
+    let v: Vec<usize> = s
+        .split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| anyhow::anyhow!("{flag}: {x:?} is not a whole number"))
+        })
+        .collect::<Result<_>>()?;
+    if v.is_empty() || v.contains(&0) {
+        anyhow::bail!("{flag} needs positive numbers");
+    }
+    Ok(v)
+}
+
+/// The concurrency benchmark at every (context, streams), printed as a table.
+fn concurrency_rows<E: Engine>(
+    m: &E,
+    cfg: &TextConfig,
+    streams: &[usize],
+    contexts: &[usize],
+    vocab_limit: usize,
+    read_bw: f64,
+) -> Result<Vec<kestrel::bench::ConcurrencyRow>> {
+    let mut rows = Vec::new();
+    for &c in contexts {
+        for &n in streams {
+            rows.push(kestrel::bench::bench_concurrency(
+                m,
+                cfg,
+                n,
+                c,
+                vocab_limit,
+                read_bw,
+                |s| eprintln!("{s}"),
+            )?);
+        }
+    }
+    println!(
+        "{:>8} {:>8} {:>13} {:>15} {:>9} {:>9} {:>9}",
+        "streams", "context", "decode tok/s", "per stream", "ms/step", "GB/step", "bw frac"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>8} {:>13.1} {:>15.1} {:>9.3} {:>9.2} {:>9.3}",
+            r.streams,
+            r.context,
+            r.decode_tok_s,
+            r.per_stream_tok_s,
+            r.step_ms,
+            r.bytes_per_step / 1e9,
+            r.bandwidth_fraction
+        );
+    }
+    Ok(rows)
+}
+
+fn write_concurrency_json(
+    path: Option<&Path>,
+    rows: &[kestrel::bench::ConcurrencyRow],
+    device: &str,
+    weights: &str,
+    read_bw: f64,
+) -> Result<()> {
+    let Some(path) = path else { return Ok(()) };
+    let report = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": kestrel::settings::Settings::get().commit.as_deref().unwrap_or("unknown"),
+        "date": utc_date(),
+        "device": device,
+        "weights": weights,
+        "read_bandwidth_bytes_per_s": read_bw,
+        "contract": "N streams, each its own contract prompt (offset by the stream index) of `context` tokens, greedy, 4 warm-up then 64 measured batched decode steps, median of 2 rounds",
+        "rows": rows,
+    });
+    std::fs::write(path, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 fn write_bench_json(

@@ -132,6 +132,11 @@ enum Command {
         /// Write the results as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Comma-separated stream counts: instead of the batch-1 contract, decode that many
+        /// sequences together at each of --contexts tokens each (aggregate and per-stream
+        /// tok/s, bytes a step against the read bandwidth).
+        #[arg(long)]
+        concurrency: Option<String>,
     },
 }
 
@@ -220,8 +225,17 @@ fn run(cli: Cli) -> Result<i32> {
             contexts,
             max_chunk,
             json,
+            concurrency,
         } => {
-            bench_cmd(synthetic, model, device, contexts, max_chunk, json)?;
+            bench_cmd(
+                synthetic,
+                model,
+                device,
+                contexts,
+                max_chunk,
+                json,
+                concurrency,
+            )?;
             Ok(0)
         }
     }

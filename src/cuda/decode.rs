@@ -268,8 +268,11 @@ impl CudaModel {
                             dv: dv as i32,
                             q_scale,
                             eps,
+                            tab: Dev::null(),
+                            ldp: 0,
+                            ldo: 0,
                         }
-                        .launch(g, dk, on)?;
+                        .launch(g, dk, 1, on)?;
                     } else {
                         GdnConvDec {
                             p: proj,
@@ -334,8 +337,9 @@ impl CudaModel {
                         hd: hd as i32,
                         rot_half: (c.rotary_dim / 2) as i32,
                         eps,
+                        tab: Dev::null(),
                     }
-                    .launch(g, on)?;
+                    .launch(g, 1, on)?;
                     // Split-K attention into dw.part on tensor cores (check_supported: the
                     // shape has a kernel).
                     AttnDecodeMma {
@@ -348,8 +352,9 @@ impl CudaModel {
                         nkv: nkv as i32,
                         nsplit: nsplit as i32,
                         scale: 1.0 / (hd as f32).sqrt(),
+                        tab: Dev::null(),
                     }
-                    .launch(g, hd, on)?;
+                    .launch(g, hd, 1, on)?;
                     // Merge the splits, normalise, gate: a block per head and 32 dims.
                     AttnCombineDec {
                         part: dw.part.f32(),
@@ -359,8 +364,9 @@ impl CudaModel {
                         nq: nq as i32,
                         hd: hd as i32,
                         nsplit: nsplit as i32,
+                        ldqg: 0,
                     }
-                    .launch(g, on)?;
+                    .launch(g, 1, on)?;
                     let ob = Input::Bf16(dw.ob.bf16());
                     gemv(&w.o, d, nq * hd, ob, h, 1.0, None)?;
                 }

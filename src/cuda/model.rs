@@ -13,8 +13,12 @@ use super::attention::attention_fits;
 pub use super::decode::TRACE_RECORD;
 use super::decode::{DecodeWs, fused_decode_fits};
 use super::kernels::Dev;
+use super::kernels::On;
+use super::kernels::attn_decode::AttnDecodeMma;
+use super::kernels::gdn_decode::GdnConvstepDec;
 use super::kernels::gemv::Input;
-use super::prefill::{LOGITS_ROWS, Workspace};
+use super::kernels::misc::ArgmaxRows;
+use super::prefill::{LOGITS_ROWS, MAX_BATCH, Seqs, Workspace};
 pub use super::state::CudaState;
 use super::upload::{Source, Weights};
 use crate::config::TextConfig;
@@ -282,7 +286,7 @@ impl CudaModel {
         let ws = self.ws.borrow();
         let mut last = 0;
         for piece in tokens.chunks(self.max_chunk) {
-            self.forward_chunk(&ws, state, piece)?;
+            self.forward_chunk(&ws, &mut Seqs::One(state), piece)?;
             last = piece.len();
         }
         // The last row's final norm, lm_head and argmax in one launch: the decode step's
@@ -301,6 +305,107 @@ impl CudaModel {
         let mut out = [0i32; 1];
         self.gpu.copy_to_host(self.dws.next.ptr, &mut out)?;
         Ok(out[0] as u32)
+    }
+}
+
+/// What a batched decode step hands back per row.
+#[derive(Clone, Copy)]
+enum RowsOut {
+    /// The greedy id, argmax over ids below the limit.
+    Greedy(usize),
+    /// The logits.
+    Logits,
+}
+
+impl CudaModel {
+    /// Whether this shape runs batched decode steps (the decode step's fused GDN conv + step
+    /// and tensor-core attention, a grid row a sequence); otherwise a batch runs row by row.
+    pub fn batch_fits(&self) -> bool {
+        let c = &self.config;
+        GdnConvstepDec::fits(
+            c.conv_kernel,
+            c.gdn_num_key_heads,
+            c.gdn_num_value_heads,
+            c.gdn_key_dim,
+            c.gdn_value_dim,
+        ) && AttnDecodeMma::kernel(c.head_dim, c.num_attention_heads / c.num_kv_heads.max(1))
+            .is_some()
+    }
+
+    /// Sequences one batched decode step takes at most (larger batches run in groups).
+    pub fn batch_max(&self) -> usize {
+        MAX_BATCH.min(self.max_chunk)
+    }
+
+    /// One batched decode step of at most [`CudaModel::batch_max`] sequences: `tokens[r]`
+    /// appended to `states[r]`, then per row the greedy id (into `ids`) or the logits (into
+    /// `logits`, rows of the vocabulary). Every token and state is checked before anything
+    /// runs, so an error leaves every state as it was.
+    fn batch_step(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        out: RowsOut,
+        ids: &mut Vec<u32>,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let rows = tokens.len();
+        for (s, &t) in states.iter_mut().zip(tokens) {
+            self.admit_tokens(s, &[t])?;
+        }
+        let ws = self.ws.borrow();
+        self.batch_tables(&ws, states)?;
+        self.forward_chunk(&ws, &mut Seqs::Batch(states), tokens)?;
+        let v = self.config.vocab_size;
+        let mut r0 = 0;
+        while r0 < rows {
+            let n = LOGITS_ROWS.min(rows - r0);
+            self.logits_rows(&ws, r0, n)?;
+            match out {
+                RowsOut::Greedy(limit) => ArgmaxRows {
+                    logits: ws.logits.f32(),
+                    ld: v as i32,
+                    limit: limit.min(v) as i32,
+                    out: ws.batch_next.i32().at(r0),
+                }
+                .launch(&self.gpu, n, On::Prefill)?,
+                RowsOut::Logits => {
+                    let at = logits.len();
+                    logits.resize(at + n * v, 0.0);
+                    self.gpu.copy_to_host(ws.logits.ptr, &mut logits[at..])?;
+                }
+            }
+            r0 += n;
+        }
+        if let RowsOut::Greedy(_) = out {
+            let mut next = vec![0i32; rows];
+            self.gpu.copy_to_host(ws.batch_next.ptr, &mut next)?;
+            ids.extend(next.iter().map(|&x| x as u32));
+        }
+        Ok(())
+    }
+
+    /// [`CudaModel::batch_step`] over any number of sequences, in groups of at most
+    /// [`CudaModel::batch_max`].
+    fn batch_steps(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        out: RowsOut,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        anyhow::ensure!(
+            states.len() == tokens.len(),
+            "a batched step of {} tokens for {} sequences",
+            tokens.len(),
+            states.len()
+        );
+        self.gpu.bind()?;
+        let (mut ids, mut logits) = (Vec::new(), Vec::new());
+        let m = self.batch_max();
+        for (st, tk) in states.chunks_mut(m).zip(tokens.chunks(m)) {
+            self.batch_step(st, tk, out, &mut ids, &mut logits)?;
+        }
+        Ok((ids, logits))
     }
 }
 
@@ -348,6 +453,27 @@ impl Engine for CudaModel {
         Ok(if (id as usize) < vocab_limit { id } else { 0 })
     }
 
+    fn forward_batch(&self, states: &mut [&mut CudaState], tokens: &[u32]) -> Result<Vec<f32>> {
+        if states.len() <= 1 || !self.batch_fits() {
+            return crate::model::forward_rows(self, states, tokens);
+        }
+        Ok(self.batch_steps(states, tokens, RowsOut::Logits)?.1)
+    }
+
+    fn forward_batch_greedy(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> Result<Vec<u32>> {
+        if states.len() <= 1 || !self.batch_fits() {
+            return crate::model::forward_rows_greedy(self, states, tokens, vocab_limit);
+        }
+        Ok(self
+            .batch_steps(states, tokens, RowsOut::Greedy(vocab_limit))?
+            .0)
+    }
+
     fn forward(&self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         self.gpu.bind()?;
         self.admit_tokens(state, tokens)?;
@@ -362,7 +488,7 @@ impl Engine for CudaModel {
         let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.max_chunk);
         for (ci, piece) in tokens.chunks(self.max_chunk).enumerate() {
-            self.forward_chunk(&ws, state, piece)?;
+            self.forward_chunk(&ws, &mut Seqs::One(state), piece)?;
             if logits == Logits::All {
                 let mut r0 = 0;
                 while r0 < piece.len() {

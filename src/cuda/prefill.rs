@@ -5,9 +5,11 @@
 use super::attention::{FlashCall, QPrep};
 use super::decode::DECODE_SPLITS;
 use super::gdn::{ConvRows, DeltaBufs, GdnShape};
-use super::kernels::attn_decode::{AttnCombine, AttnSplit};
+use super::kernels::attn_decode::{
+    AttnCombine, AttnCombineDec, AttnDecodeMma, AttnPrep, AttnSplit,
+};
 use super::kernels::attn_prefill::AttnPrepRows;
-use super::kernels::gdn_decode::{GdnGatedNorm, GdnGates};
+use super::kernels::gdn_decode::{GdnConvstepDec, GdnGatedNorm, GdnGates};
 use super::kernels::misc::EmbedGather;
 use super::kernels::moe_route::{MoeCombine, MoeCombineBf16, MoeGemv, MoeRoute};
 use super::kernels::norm::RmsnormZcBf16;
@@ -33,6 +35,27 @@ const PREFILL_SPLITS: usize = 8;
 
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
+
+/// Sequences a batched decode step takes at most (its tables' rows; also at most the
+/// workspace's `max_chunk`).
+pub(super) const MAX_BATCH: usize = 256;
+
+/// Attention splits of a batched decode step of `rows` sequences, the longest holding `n`
+/// positions: enough (KV head, split) blocks for two a streaming multiprocessor, no split
+/// under 64 positions.
+fn batch_splits(n: usize, rows: usize, nkv: usize, sms: usize) -> usize {
+    (2 * sms).div_ceil(rows * nkv).min(n.div_ceil(64)).max(1)
+}
+
+/// Whose state the rows of a forward call advance.
+pub(super) enum Seqs<'a, 'b> {
+    /// One sequence: the rows are its next tokens, in order.
+    One(&'a mut CudaState),
+    /// A batched decode step: row r is the next token of sequence r, whose position and
+    /// per-layer state pointers [`CudaModel::batch_tables`] wrote into `ws.batch_pos` and
+    /// `ws.batch_tab`.
+    Batch(&'a mut [&'b mut CudaState]),
+}
 
 /// Scratch buffers for up to `max_chunk` tokens.
 pub(super) struct Workspace {
@@ -75,6 +98,12 @@ pub(super) struct Workspace {
     pub(super) sact: DeviceBuf,
     pub(super) ys: DeviceBuf,
     pub(super) logits: DeviceBuf,
+    /// A batched decode step's tables: per layer `[2, rows]` state pointers (GDN: conv, then
+    /// recurrent state of each row; attention: K, then V cache), each row's position, and the
+    /// rows' greedy next ids.
+    pub(super) batch_tab: DeviceBuf,
+    pub(super) batch_pos: DeviceBuf,
+    pub(super) batch_next: DeviceBuf,
 }
 
 impl CudaModel {
@@ -138,6 +167,9 @@ impl CudaModel {
             ("sact", t * is, 2),
             ("ys", t * d, 4),
             ("logits", LOGITS_ROWS.min(t.max(1)) * cfg.vocab_size, 4),
+            ("batch_tab", cfg.num_layers * 2 * t.min(MAX_BATCH), 8),
+            ("batch_pos", t.min(MAX_BATCH), 4),
+            ("batch_next", t.min(MAX_BATCH), 4),
         ];
         let total = list.iter().map(|(_, n, b)| n * b).sum();
         (list, total)
@@ -192,21 +224,57 @@ impl CudaModel {
             sact: take("sact")?,
             ys: take("ys")?,
             logits: take("logits")?,
+            batch_tab: take("batch_tab")?,
+            batch_pos: take("batch_pos")?,
+            batch_next: take("batch_next")?,
         })
     }
 
-    /// One forward pass over at most `max_chunk` tokens; the last hidden rows stay in `ws.h`.
+    /// Writes a batched decode step's tables (`ws.batch_tab`, `ws.batch_pos`) for `states`,
+    /// one row each: per layer the state pointers, and each sequence's position.
+    pub(super) fn batch_tables(&self, ws: &Workspace, states: &[&mut CudaState]) -> Result<()> {
+        let rows = states.len();
+        let mut tab = Vec::with_capacity(self.config.num_layers * 2 * rows);
+        let (mut gdn_i, mut attn_i) = (0, 0);
+        for layer in &self.w.layers {
+            let pair = |s: &CudaState| match &layer.mixer {
+                MixerW::Gdn(_) => (s.gdn[gdn_i].0.ptr, s.gdn[gdn_i].1.ptr),
+                MixerW::Attn(_) => (s.kv[attn_i].0.ptr, s.kv[attn_i].1.ptr),
+            };
+            tab.extend(states.iter().map(|s| pair(s).0));
+            tab.extend(states.iter().map(|s| pair(s).1));
+            match &layer.mixer {
+                MixerW::Gdn(_) => gdn_i += 1,
+                MixerW::Attn(_) => attn_i += 1,
+            }
+        }
+        let pos: Vec<i32> = states.iter().map(|s| s.len as i32).collect();
+        self.gpu.copy_to_device(ws.batch_tab.ptr, &tab)?;
+        self.gpu.copy_to_device(ws.batch_pos.ptr, &pos)
+    }
+
+    /// One forward pass over at most `max_chunk` rows: one sequence's next tokens or, batched,
+    /// one token of each of several sequences ([`Seqs`]); the last hidden rows stay in `ws.h`.
     pub(super) fn forward_chunk(
         &self,
         ws: &Workspace,
-        state: &mut CudaState,
+        seqs: &mut Seqs,
         tokens: &[u32],
     ) -> Result<()> {
         let c = &self.config;
         let g = &*self.gpu;
         let t = tokens.len();
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
-        let past = state.len;
+        if let Seqs::Batch(states) = seqs {
+            anyhow::ensure!(
+                states.len() == t && t <= MAX_BATCH.min(self.max_chunk),
+                "a batched step of {t} tokens for {} sequences (at most {})",
+                states.len(),
+                MAX_BATCH.min(self.max_chunk)
+            );
+        }
+        // The table of layer `li` in a batched step: [2, t] state pointers.
+        let layer_tab = |li: usize| ws.batch_tab.view::<u64>().at(li * 2 * t);
         let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
         g.copy_to_device(ws.ids.ptr, &ids)?;
         if self.shared_on_gemm(t) {
@@ -237,10 +305,8 @@ impl CudaModel {
                 }
                 .launch(g, t, On::Prefill)?;
             }
-            match &layer.mixer {
-                MixerW::Gdn(w) => {
-                    let (st_conv, st_rec) = &state.gdn[gdn_i];
-                    gdn_i += 1;
+            match (&layer.mixer, &mut *seqs) {
+                (MixerW::Gdn(w), seqs) => {
                     let sh = GdnShape::of(c, t);
                     let (hv, dv) = (sh.hv, sh.dv);
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
@@ -249,68 +315,98 @@ impl CudaModel {
                     let ld = ch + vw + 2 * hv;
                     g.gemm(w.in_proj.ptr, ld, d, ws.xb.ptr, t, ws.p.ptr, ld, 0.0)?;
                     let p = ws.p.f32();
-                    let conv_in = ConvRows { p, ld };
                     let (z, ba) = (p.at(ch), p.at(ch + vw));
-                    let chunked = t > 1
-                        && self.gdn_chunked
-                        && sh.chunked_fits(g.max_smem_per_block, g.sm_count);
-                    let conv = if chunked {
-                        Gpu::gdn_conv_prefill
-                    } else {
-                        Gpu::gdn_conv_sequential
-                    };
-                    let (conv_w, conv_st) = (w.conv.f32(), st_conv.f32());
-                    conv(
-                        g,
-                        &sh,
-                        c.conv_kernel,
-                        conv_in,
-                        conv_st,
-                        conv_w,
-                        ws.qkv.f32(),
-                    )?;
-                    GdnGates {
-                        b: ba,
-                        a: ba.at(hv),
-                        ld: ld as i32,
-                        a_log: w.a_log.f32(),
-                        dt_bias: w.dt_bias.f32(),
-                        beta: ws.beta.f32(),
-                        g: ws.g.f32(),
-                        t: ti,
-                        hv: hv as i32,
+                    match seqs {
+                        Seqs::Batch(_) => {
+                            // batched: each row's conv + delta-rule step on its own states
+                            // (the decode step's kernel, a grid row a sequence)
+                            GdnConvstepDec {
+                                p,
+                                conv_state: Dev::null(),
+                                conv_w: w.conv.f32(),
+                                z,
+                                ba,
+                                a_log: w.a_log.f32(),
+                                dt_bias: w.dt_bias.f32(),
+                                nw: w.norm.f32(),
+                                state: Dev::null(),
+                                out: ws.ob.bf16(),
+                                c: ch as i32,
+                                hk: sh.hk as i32,
+                                hv: hv as i32,
+                                dv: dv as i32,
+                                q_scale: 1.0 / (sh.dk as f32).sqrt(),
+                                eps,
+                                tab: layer_tab(li),
+                                ldp: ld as i32,
+                                ldo: vw as i32,
+                            }
+                            .launch(g, sh.dk, t, On::Plain)?;
+                        }
+                        Seqs::One(state) => {
+                            let (st_conv, st_rec) = &state.gdn[gdn_i];
+                            gdn_i += 1;
+                            let conv_in = ConvRows { p, ld };
+                            let chunked = t > 1
+                                && self.gdn_chunked
+                                && sh.chunked_fits(g.max_smem_per_block, g.sm_count);
+                            let conv = if chunked {
+                                Gpu::gdn_conv_prefill
+                            } else {
+                                Gpu::gdn_conv_sequential
+                            };
+                            let (conv_w, conv_st) = (w.conv.f32(), st_conv.f32());
+                            conv(
+                                g,
+                                &sh,
+                                c.conv_kernel,
+                                conv_in,
+                                conv_st,
+                                conv_w,
+                                ws.qkv.f32(),
+                            )?;
+                            GdnGates {
+                                b: ba,
+                                a: ba.at(hv),
+                                ld: ld as i32,
+                                a_log: w.a_log.f32(),
+                                dt_bias: w.dt_bias.f32(),
+                                beta: ws.beta.f32(),
+                                g: ws.g.f32(),
+                                t: ti,
+                                hv: hv as i32,
+                            }
+                            .launch(g, On::Prefill)?;
+                            let bufs = DeltaBufs {
+                                qkv: ws.qkv.f32(),
+                                g: ws.g.f32(),
+                                beta: ws.beta.f32(),
+                                state: st_rec.f32(),
+                                o: ws.o.f32(),
+                            };
+                            if chunked {
+                                g.gdn_delta_chunked(&sh, &bufs, ws.gdn.f32())?;
+                            } else {
+                                g.gdn_delta_recurrent(&sh, &bufs)?;
+                            }
+                            GdnGatedNorm {
+                                o: ws.o.f32(),
+                                z_in: z,
+                                w: w.norm.f32(),
+                                out: ws.ob.bf16(),
+                                rows: (t * hv) as i32,
+                                dv: dv as i32,
+                                hv: hv as i32,
+                                ldz: ld as i32,
+                                eps,
+                            }
+                            .launch(g, On::Prefill)?;
+                        }
                     }
-                    .launch(g, On::Prefill)?;
-                    let bufs = DeltaBufs {
-                        qkv: ws.qkv.f32(),
-                        g: ws.g.f32(),
-                        beta: ws.beta.f32(),
-                        state: st_rec.f32(),
-                        o: ws.o.f32(),
-                    };
-                    if chunked {
-                        g.gdn_delta_chunked(&sh, &bufs, ws.gdn.f32())?;
-                    } else {
-                        g.gdn_delta_recurrent(&sh, &bufs)?;
-                    }
-                    GdnGatedNorm {
-                        o: ws.o.f32(),
-                        z_in: z,
-                        w: w.norm.f32(),
-                        out: ws.ob.bf16(),
-                        rows: (t * hv) as i32,
-                        dv: dv as i32,
-                        hv: hv as i32,
-                        ldz: ld as i32,
-                        eps,
-                    }
-                    .launch(g, On::Prefill)?;
                     // Residual add fused into the GEMM (beta = 1).
                     g.gemm(w.out.ptr, d, vw, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }
-                MixerW::Attn(w) => {
-                    let (kc, vc) = &state.kv[attn_i];
-                    attn_i += 1;
+                (MixerW::Attn(w), seqs) => {
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     let (wq, wk, wv) = w.qkv_parts(c);
                     // k and v on the second stream beside the q|gate product.
@@ -328,82 +424,142 @@ impl CudaModel {
                         0.0,
                     )?;
                     g.join_aux()?;
-                    // A warp per (token, head) row (attn_prep_rows; its first head is nq where
-                    // attn_flash4 prepares the queries itself, so it writes the KV heads only).
-                    let flash = t >= FLASH_MIN_TOKENS;
                     let rot_half = c.rotary_dim / 2;
-                    let h0 = if flash { nq } else { 0 };
-                    let (k_cache, v_cache) = (kc.bf16(), vc.bf16());
-                    AttnPrepRows {
-                        qg: ws.qg.f32(),
-                        k: ws.k.f32(),
-                        v: ws.v.f32(),
-                        q_norm: w.q_norm.f32(),
-                        k_norm: w.k_norm.f32(),
-                        inv_freq: self.w.inv_freq.f32(),
-                        q_out: ws.q.f32(),
-                        k_cache,
-                        v_cache,
-                        past: past as i32,
-                        t: ti,
-                        nq: nq as i32,
-                        nkv: nkv as i32,
-                        hd: hd as i32,
-                        rot_half: rot_half as i32,
-                        eps,
-                        h0: h0 as i32,
-                    }
-                    .launch(g, On::Prefill)?;
-                    if flash {
-                        g.attn_flash(&FlashCall {
-                            q_prep: QPrep {
+                    match seqs {
+                        Seqs::Batch(states) => {
+                            // batched: the decode step's kernels, a grid row a sequence at its own
+                            // position, the caches through the layer's table
+                            let (tab, pos) = (layer_tab(li), ws.batch_pos.i32());
+                            AttnPrep {
+                                qg: ws.qg.f32(),
+                                k: ws.k.f32(),
+                                v: ws.v.f32(),
                                 q_norm: w.q_norm.f32(),
+                                k_norm: w.k_norm.f32(),
                                 inv_freq: self.w.inv_freq.f32(),
-                                rot_half,
+                                q_out: ws.q.f32(),
+                                k_cache: Dev::null(),
+                                v_cache: Dev::null(),
+                                past: 0,
+                                past_dev: pos,
+                                nq: nq as i32,
+                                nkv: nkv as i32,
+                                hd: hd as i32,
+                                rot_half: rot_half as i32,
                                 eps,
-                            },
-                            k_cache,
-                            v_cache,
-                            qg: ws.qg.f32(),
-                            out: ws.ob.bf16(),
-                            t,
-                            past,
-                            nq,
-                            nkv,
-                            hd,
-                        })?;
-                    } else {
-                        let n_max = past + t;
-                        let cap = (ws.part_floats / (t * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
-                        let chunk = n_max.div_ceil(cap).max(64);
-                        let nsplit = n_max.div_ceil(chunk);
-                        AttnSplit {
-                            q: ws.q.f32(),
-                            k_cache,
-                            v_cache,
-                            part: ws.part.f32(),
-                            past: past as i32,
-                            past_dev: Dev::null(),
-                            nq: nq as i32,
-                            nkv: nkv as i32,
-                            hd: hd as i32,
-                            nsplit: nsplit as i32,
-                            chunk: chunk as i32,
-                            scale: 1.0 / (hd as f32).sqrt(),
+                                tab,
+                            }
+                            .launch(g, t, On::Prefill)?;
+                            let longest = states.iter().map(|s| s.len + 1).max().unwrap_or(1);
+                            let cap = ws.part_floats / (t * nq * (hd + 2));
+                            let nsplit = batch_splits(longest, t, nkv, g.sm_count).min(cap).max(1);
+                            AttnDecodeMma {
+                                q: ws.q.f32(),
+                                kc: Dev::null(),
+                                vc: Dev::null(),
+                                part: ws.part.f32(),
+                                past_dev: pos,
+                                nq: nq as i32,
+                                nkv: nkv as i32,
+                                nsplit: nsplit as i32,
+                                scale: 1.0 / (hd as f32).sqrt(),
+                                tab,
+                            }
+                            .launch(g, hd, t, On::Prefill)?;
+                            AttnCombineDec {
+                                part: ws.part.f32(),
+                                qg: ws.qg.f32(),
+                                out: ws.ob.bf16(),
+                                past_dev: pos,
+                                nq: nq as i32,
+                                hd: hd as i32,
+                                nsplit: nsplit as i32,
+                                ldqg: (nq * 2 * hd) as i32,
+                            }
+                            .launch(g, t, On::Prefill)?;
                         }
-                        .launch(g, t, On::Plain)?;
-                        AttnCombine {
-                            part: ws.part.f32(),
-                            qg: ws.qg.f32(),
-                            out: ws.ob.bf16(),
-                            past: past as i32,
-                            past_dev: Dev::null(),
-                            nq: nq as i32,
-                            hd: hd as i32,
-                            nsplit: nsplit as i32,
-                            chunk: chunk as i32,
+                        Seqs::One(state) => {
+                            let (kc, vc) = &state.kv[attn_i];
+                            attn_i += 1;
+                            let past = state.len;
+                            // A warp per (token, head) row (attn_prep_rows; its first head is nq where
+                            // attn_flash4 prepares the queries itself, so it writes the KV heads only).
+                            let flash = t >= FLASH_MIN_TOKENS;
+                            let h0 = if flash { nq } else { 0 };
+                            let (k_cache, v_cache) = (kc.bf16(), vc.bf16());
+                            AttnPrepRows {
+                                qg: ws.qg.f32(),
+                                k: ws.k.f32(),
+                                v: ws.v.f32(),
+                                q_norm: w.q_norm.f32(),
+                                k_norm: w.k_norm.f32(),
+                                inv_freq: self.w.inv_freq.f32(),
+                                q_out: ws.q.f32(),
+                                k_cache,
+                                v_cache,
+                                past: past as i32,
+                                t: ti,
+                                nq: nq as i32,
+                                nkv: nkv as i32,
+                                hd: hd as i32,
+                                rot_half: rot_half as i32,
+                                eps,
+                                h0: h0 as i32,
+                            }
+                            .launch(g, On::Prefill)?;
+                            if flash {
+                                g.attn_flash(&FlashCall {
+                                    q_prep: QPrep {
+                                        q_norm: w.q_norm.f32(),
+                                        inv_freq: self.w.inv_freq.f32(),
+                                        rot_half,
+                                        eps,
+                                    },
+                                    k_cache,
+                                    v_cache,
+                                    qg: ws.qg.f32(),
+                                    out: ws.ob.bf16(),
+                                    t,
+                                    past,
+                                    nq,
+                                    nkv,
+                                    hd,
+                                })?;
+                            } else {
+                                let n_max = past + t;
+                                let cap =
+                                    (ws.part_floats / (t * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
+                                let chunk = n_max.div_ceil(cap).max(64);
+                                let nsplit = n_max.div_ceil(chunk);
+                                AttnSplit {
+                                    q: ws.q.f32(),
+                                    k_cache,
+                                    v_cache,
+                                    part: ws.part.f32(),
+                                    past: past as i32,
+                                    past_dev: Dev::null(),
+                                    nq: nq as i32,
+                                    nkv: nkv as i32,
+                                    hd: hd as i32,
+                                    nsplit: nsplit as i32,
+                                    chunk: chunk as i32,
+                                    scale: 1.0 / (hd as f32).sqrt(),
+                                }
+                                .launch(g, t, On::Plain)?;
+                                AttnCombine {
+                                    part: ws.part.f32(),
+                                    qg: ws.qg.f32(),
+                                    out: ws.ob.bf16(),
+                                    past: past as i32,
+                                    past_dev: Dev::null(),
+                                    nq: nq as i32,
+                                    hd: hd as i32,
+                                    nsplit: nsplit as i32,
+                                    chunk: chunk as i32,
+                                }
+                                .launch(g, t, On::Plain)?;
+                            }
                         }
-                        .launch(g, t, On::Plain)?;
                     }
                     g.gemm(w.o.ptr, d, nq * hd, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }
@@ -419,7 +575,10 @@ impl CudaModel {
             let next_norm = self.w.layers.get(li + 1).map(|l| &l.input_norm);
             self.moe(ws, layer, t, next_norm)?;
         }
-        state.len += t;
+        match seqs {
+            Seqs::One(state) => state.len += t,
+            Seqs::Batch(states) => states.iter_mut().for_each(|s| s.len += 1),
+        }
         Ok(())
     }
 

@@ -7,17 +7,26 @@
 // grid (t, nq + nkv), block hd. qg: [t, nq, 2*hd] ([query | gate] per head); k, v: [t, nkv*hd].
 // q_out: [t, nq, hd] f32; caches: [max_seq, nkv, hd] bf16, tokens written at past + s.
 // `past_dev`, when set, holds `past` on the device (decode graphs: no per-step arguments).
+// Batched decode: with `tab` set, row s is another sequence's token at position past_dev[s],
+// its caches tab[s] (K) and tab[t + s] (V).
 extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* __restrict__ k,
                                      const float* __restrict__ v, const float* __restrict__ q_norm,
                                      const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
                                      float* __restrict__ q_out, bf16* __restrict__ k_cache,
                                      bf16* __restrict__ v_cache, int past, const int* __restrict__ past_dev,
-                                     int nq, int nkv, int hd, int rot_half, float eps) {
+                                     int nq, int nkv, int hd, int rot_half, float eps,
+                                     const u64* __restrict__ tab) {
     DECODE_KERNEL(TAG_ATTN_PREP);
     // Weights and the host-written position before the wait, the rotation angle with them;
     // after it, every input at once.
-    if (past_dev) past = *past_dev;
     int s = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
+    if (tab) {
+        past = past_dev[s] - s;  // pos = past + s below
+        k_cache = reinterpret_cast<bf16*>(tab[s]);
+        v_cache = reinterpret_cast<bf16*>(tab[gridDim.x + s]);
+    } else if (past_dev) {
+        past = *past_dev;
+    }
     bool is_q = head < nq;
     int kvh = head - nq;
     const float* src = is_q ? qg + ((size_t)s * nq + head) * 2 * hd : k + ((size_t)s * nkv + kvh) * hd;
@@ -133,7 +142,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
 // instead of 8 scalar FMAs per head. Per tile of AD_TK keys (cp.async, double-buffered):
 // S = Q Kᵀ (mma m16n8k16), online softmax in base 2 on the accumulators, O += P V with P packed
 // from S's registers. Writes attn_split's partials (unnormalised O, natural-log max, sum) for
-// attn_combine_dec. grid (nkv, nsplit), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
+// attn_combine_dec. grid (nkv, nsplit, rows), block 32, dynamic smem (16 + 4 * AD_TK) * (HD + 8) * 2.
+// Rows (batched decode): row r = blockIdx.z is another sequence's query, at position past_dev[r],
+// its q and partials r * nq heads on, its caches tab[r] and tab[rows + r] (`tab` null: kc and vc).
 // q is not __restrict__: attn_prep writes it in the same step, and ptxas may hoist a read-only
 // load above griddep_wait.
 #define AD_TK 32
@@ -151,15 +162,21 @@ template <int HD>
 __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16* __restrict__ kc,
                                                      const bf16* __restrict__ vc, float* __restrict__ part,
                                                      const int* __restrict__ past_dev, int nq, int nkv, int nsplit,
-                                                     float scale_log2) {
+                                                     float scale_log2, const u64* __restrict__ tab) {
     constexpr int LD = HD + 8;  // padded rows: an ldmatrix's 8 row addresses hit distinct banks
     extern __shared__ __align__(128) unsigned char ad_smem[];
     bf16* qs = reinterpret_cast<bf16*>(ad_smem);  // [16][LD]
     bf16* kv = qs + 16 * LD;                      // [2 stages][K | V][AD_TK][LD]
     DECODE_KERNEL(TAG_ATTN_DECODE);
     griddep_wait();
-    const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv;
-    const int n = *past_dev + 1;
+    const int kvh = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x, group = nq / nkv, row = blockIdx.z;
+    if (tab) {
+        kc = reinterpret_cast<const bf16*>(tab[row]);
+        vc = reinterpret_cast<const bf16*>(tab[gridDim.z + row]);
+    }
+    q += (size_t)row * nq * HD;
+    part += (size_t)row * nq * nsplit * (HD + 2);
+    const int n = past_dev[row] + 1;
     const int chunk = attn_dec_chunk(n, nsplit);
     const int start = sp * chunk, end = min(start + chunk, n);
     if (start >= end) return;  // beyond the context: attn_combine_dec ignores this split
@@ -243,21 +260,26 @@ __device__ __forceinline__ void attn_decode_mma_body(const float* q, const bf16*
 #define ATTN_DECODE_MMA(HD)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32) attn_decode_mma_hd##HD(                                  \
         const float* q, const bf16* __restrict__ kc, const bf16* __restrict__ vc, float* __restrict__ part,     \
-        const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale) {                         \
-        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f);    \
+        const int* __restrict__ past_dev, int nq, int nkv, int nsplit, float scale, const u64* __restrict__ tab) { \
+        attn_decode_mma_body<HD>(q, kc, vc, part, past_dev, nq, nkv, nsplit, scale * 1.4426950408889634f, tab); \
     }
 ATTN_DECODE_MMA(256)  // the model's head dim
 
 // Decode combine: merges the splits of attn_decode_mma, normalises, applies sigmoid(gate) and
-// writes bf16 [nq * hd]. grid (nq, hd / 32), block 256: warp w sums splits w, w + 8, ... for the
-// block's 32 dims (lane = dim), so each thread has many independent loads in flight.
+// writes bf16 [nq * hd]. grid (nq, hd / 32, rows), block 256: warp w sums splits w, w + 8, ... for
+// the block's 32 dims (lane = dim), so each thread has many independent loads in flight. Row r
+// (batched decode) at position past_dev[r], its gates r * ldqg floats on.
 extern "C" __global__ void __launch_bounds__(256) attn_combine_dec(const float* __restrict__ part,
                                                                    const float* __restrict__ qg, bf16* __restrict__ out,
                                                                    const int* __restrict__ past_dev, int nq, int hd,
-                                                                   int nsplit) {
+                                                                   int nsplit, int ldqg) {
     DECODE_KERNEL(TAG_ATTN_COMBINE);
     griddep_wait();
-    const int n = *past_dev + 1;
+    const int row = blockIdx.z;
+    part += (size_t)row * nq * nsplit * (hd + 2);
+    qg += (size_t)row * ldqg;
+    out += (size_t)row * nq * hd;
+    const int n = past_dev[row] + 1;
     const int chunk = attn_dec_chunk(n, nsplit);
     const int used = min(nsplit, (n + chunk - 1) / chunk);
     const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, dim = blockIdx.y * 32 + lane;

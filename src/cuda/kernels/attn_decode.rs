@@ -15,7 +15,7 @@ kernels! {
     AttnPrep ["attn_prep"] {
         qg: Dev<f32>, k: Dev<f32>, v: Dev<f32>, q_norm: Dev<f32>, k_norm: Dev<f32>,
         inv_freq: Dev<f32>, q_out: Dev<f32>, k_cache: Dev<bf16>, v_cache: Dev<bf16>, past: i32,
-        past_dev: Dev<i32>, nq: i32, nkv: i32, hd: i32, rot_half: i32, eps: f32,
+        past_dev: Dev<i32>, nq: i32, nkv: i32, hd: i32, rot_half: i32, eps: f32, tab: Dev<u64>,
     }
     /// Each split's partial softmax sums over `chunk` positions into `part [.., nsplit, hd + 2]`.
     AttnSplit ["attn_split"] {
@@ -31,12 +31,12 @@ kernels! {
     /// group's query heads rows of one 16-row tile; the splits' length from the position.
     AttnDecodeMma ["attn_decode_mma_hd256"] {
         q: Dev<f32>, kc: Dev<bf16>, vc: Dev<bf16>, part: Dev<f32>, past_dev: Dev<i32>, nq: i32,
-        nkv: i32, nsplit: i32, scale: f32,
+        nkv: i32, nsplit: i32, scale: f32, tab: Dev<u64>,
     }
     /// Merges [`AttnDecodeMma`]'s splits, normalises and gates: a block a head and 32 dims.
     AttnCombineDec ["attn_combine_dec"] {
         part: Dev<f32>, qg: Dev<f32>, out: Dev<bf16>, past_dev: Dev<i32>, nq: i32, hd: i32,
-        nsplit: i32,
+        nsplit: i32, ldqg: i32,
     }
 }
 
@@ -58,14 +58,26 @@ pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
 }
 
 impl AttnPrep {
-    /// A block a head, one position.
-    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
-        let hd = self.hd as usize;
+    /// A block a head of each of `rows` tokens: one sequence's next (its caches given), or
+    /// with `tab` (`[K cache of each row | V cache of each row]`) one of each of `rows`
+    /// sequences, at the positions `past_dev` holds per row.
+    pub fn launch(&self, gpu: &Gpu, rows: usize, on: On) -> Result<()> {
+        let (hd, nq) = (self.hd as usize, self.nq as usize);
         ensure!(
             self.past_dev.is_null() || self.past == 0,
             "attn_prep: a host and a device position"
         );
-        let grid = (1, (self.nq + self.nkv) as u32, 1);
+        ensure!(
+            rows == 1
+                || (self.tab.len >= 2 * rows
+                    && self.past_dev.len >= rows
+                    && self.q_out.len >= rows * nq * hd),
+            "attn_prep: {rows} rows: table {:?}, positions {:?}, q {:?}",
+            self.tab,
+            self.past_dev,
+            self.q_out
+        );
+        let grid = (rows as u32, (self.nq + self.nkv) as u32, 1);
         gpu.run(
             "attn_prep",
             grid,
@@ -113,31 +125,42 @@ impl AttnDecodeMma {
         (group <= 8).then_some(Self::NAMES[i])
     }
 
-    /// A warp a (KV head, split).
-    pub fn launch(&self, gpu: &Gpu, hd: usize, on: On) -> Result<()> {
+    /// A warp a (KV head, split) of each of `rows` sequences (more than one: through `tab`).
+    pub fn launch(&self, gpu: &Gpu, hd: usize, rows: usize, on: On) -> Result<()> {
         let (nq, nkv, nsplit) = (self.nq as usize, self.nkv as usize, self.nsplit as usize);
         let name = Self::kernel(hd, nq / nkv.max(1)).ok_or_else(|| {
             anyhow::anyhow!("attn_decode_mma: no kernel for head dim {hd}, {nq} heads over {nkv}")
         })?;
         ensure!(
-            self.part.len >= nq * nsplit * (hd + 2) && !self.past_dev.is_null(),
-            "attn_decode_mma: {nq} x {nsplit} splits into {:?}",
-            self.part
+            self.part.len >= rows * nq * nsplit * (hd + 2)
+                && self.past_dev.len >= rows
+                && self.q.len >= rows * nq * hd
+                && (rows == 1 || self.tab.len >= 2 * rows),
+            "attn_decode_mma: {rows} x {nq} x {nsplit} splits into {:?}, table {:?}",
+            self.part,
+            self.tab
         );
-        let grid = (nkv as u32, nsplit as u32, 1);
+        let grid = (nkv as u32, nsplit as u32, rows as u32);
         gpu.run(name, grid, 32, decode_mma_smem(hd), &self.args(), on)
     }
 }
 
 impl AttnCombineDec {
-    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+    /// A block a (head, 32 dims) of each of `rows` sequences.
+    pub fn launch(&self, gpu: &Gpu, rows: usize, on: On) -> Result<()> {
         let (nq, hd) = (self.nq as usize, self.hd as usize);
+        let last = rows.saturating_sub(1);
         ensure!(
-            hd.is_multiple_of(32) && self.out.len >= nq * hd,
-            "attn_combine_dec: head dim {hd}, out {:?}",
-            self.out
+            rows >= 1
+                && hd.is_multiple_of(32)
+                && self.out.len >= rows * nq * hd
+                && self.past_dev.len >= rows
+                && self.qg.len >= last * self.ldqg as usize + nq * 2 * hd,
+            "attn_combine_dec: {rows} rows, head dim {hd}, out {:?}, gates {:?}",
+            self.out,
+            self.qg
         );
-        let grid = (nq as u32, (hd / 32) as u32, 1);
+        let grid = (nq as u32, (hd / 32) as u32, rows as u32);
         gpu.run("attn_combine_dec", grid, 256, 0, &self.args(), on)
     }
 }

@@ -286,9 +286,12 @@ GDN_STEP_DEC(128)  // the model's key head dim
 // whose barrier (arrived at once the old state is read, waited for before it is written) keeps
 // that write after the other block's read. q and k are normalised by scaling the step's sums
 // (r and o) and k's update factor instead of the vectors. z: [hv, dv]; ba: [b (hv) | a (hv)];
-// out bf16. grid hv, block 4 dv rounded up to 32 (>= nc); the conv's kernel size is 4 (its
+// out bf16. grid (hv, rows), block 4 dv rounded up to 32 (>= nc); the conv's kernel size is 4 (its
 // history in registers across the wait). Dynamic shared memory (a cluster kernel's blocks each need
 // their own on the CPU emulator): GDN_CONVSTEP_SMEM(DK, dv) bytes.
+// Batched decode: row r = blockIdx.y is another sequence's token, its p, z and ba r * ldp floats
+// on and its out r * ldo values on; `tab` (if set) holds its states, [conv state of each row |
+// recurrent state of each row], in place of `conv_state` and `state`.
 #define GDN_CONVSTEP_SMEM(DK, DV) ((2 * ((DK) + 16) + 32 + (DV)) * 4)
 template <int DK, int CL>
 __device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __restrict__ conv_state,
@@ -296,10 +299,19 @@ __device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __rest
                                       const float* __restrict__ ba, const float* __restrict__ a_log,
                                       const float* __restrict__ dt_bias, const float* __restrict__ nw,
                                       float* __restrict__ state, bf16* __restrict__ out, int c, int hk, int hv,
-                                      int dv, float q_scale, float eps) {
+                                      int dv, float q_scale, float eps, const u64* __restrict__ tab, int ldp,
+                                      int ldo) {
     constexpr int RQ = DK / 4, KERN = 4, HIST = KERN - 1;  // state rows per lane; conv history
     DECODE_KERNEL(TAG_GDN_STEP);
-    const int j = blockIdx.x, t = threadIdx.x, m = t >> 2, part = t & 3;
+    const int j = blockIdx.x, t = threadIdx.x, m = t >> 2, part = t & 3, row = blockIdx.y;
+    if (tab) {
+        conv_state = reinterpret_cast<float*>(tab[row]);
+        state = reinterpret_cast<float*>(tab[gridDim.y + row]);
+    }
+    p += (size_t)row * ldp;
+    z += (size_t)row * ldp;
+    ba += (size_t)row * ldp;
+    out += (size_t)row * ldo;
     const int kh = j / (hv / hk), nc = 2 * DK + dv;
     const bool active = m < dv, conv_on = t < nc;
     // The first value head of its key head (cluster rank 0) owns the q and k conv state.
@@ -387,15 +399,15 @@ __device__ void gdn_convstep_dec_impl(const float* __restrict__ p, float* __rest
     extern "C" __global__ void __launch_bounds__(512) gdn_convstep_dec_##DK(                                   \
         const float* p, float* conv_state, const float* conv_w, const float* z, const float* ba,               \
         const float* a_log, const float* dt_bias, const float* nw, float* state, bf16* out, int c, int hk,     \
-        int hv, int dv, float q_scale, float eps) {                                                            \
+        int hv, int dv, float q_scale, float eps, const u64* tab, int ldp, int ldo) {                          \
         gdn_convstep_dec_impl<DK, 1>(p, conv_state, conv_w, z, ba, a_log, dt_bias, nw, state, out, c, hk, hv, dv, \
-                                     q_scale, eps);                                                            \
+                                     q_scale, eps, tab, ldp, ldo);                                             \
     }                                                                                                          \
     extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(512) gdn_convstep_dec_cl2_##DK(     \
         const float* p, float* conv_state, const float* conv_w, const float* z, const float* ba,               \
         const float* a_log, const float* dt_bias, const float* nw, float* state, bf16* out, int c, int hk,     \
-        int hv, int dv, float q_scale, float eps) {                                                            \
+        int hv, int dv, float q_scale, float eps, const u64* tab, int ldp, int ldo) {                          \
         gdn_convstep_dec_impl<DK, 2>(p, conv_state, conv_w, z, ba, a_log, dt_bias, nw, state, out, c, hk, hv, dv, \
-                                     q_scale, eps);                                                            \
+                                     q_scale, eps, tab, ldp, ldo);                                             \
     }
 GDN_CONVSTEP_DEC(128)

@@ -48,7 +48,7 @@ kernels! {
     GdnConvstepDec ["gdn_convstep_dec_128", "gdn_convstep_dec_cl2_128"] {
         p: Dev<f32>, conv_state: Dev<f32>, conv_w: Dev<f32>, z: Dev<f32>, ba: Dev<f32>,
         a_log: Dev<f32>, dt_bias: Dev<f32>, nw: Dev<f32>, state: Dev<f32>, out: Dev<bf16>, c: i32,
-        hk: i32, hv: i32, dv: i32, q_scale: f32, eps: f32,
+        hk: i32, hv: i32, dv: i32, q_scale: f32, eps: f32, tab: Dev<u64>, ldp: i32, ldo: i32,
     }
 }
 
@@ -222,20 +222,27 @@ impl GdnConvstepDec {
             && 2 * dk + dv <= block_threads(4 * dv) as usize
     }
 
-    /// A block a value head (clusters of two where a key head has two).
-    pub fn launch(&self, gpu: &Gpu, dk: usize, on: On) -> Result<()> {
+    /// A block a value head (clusters of two where a key head has two) of each of `rows`
+    /// sequences' tokens: one sequence (`conv_state` and `state` its own) or, with `tab`
+    /// (`[conv state of each row | recurrent state of each row]`), a batched decode step.
+    pub fn launch(&self, gpu: &Gpu, dk: usize, rows: usize, on: On) -> Result<()> {
         let (hk, hv, dv) = (self.hk as usize, self.hv as usize, self.dv as usize);
         ensure!(
             Self::fits(4, hk, hv, dk, dv),
             "gdn_convstep_dec: {hk} key heads of {dk}, {hv} value heads of {dv}"
         );
+        let last = rows.saturating_sub(1);
         ensure!(
-            self.state.len >= hv * dk * dv
-                && self.out.len >= hv * dv
-                && self.p.len >= self.c as usize,
-            "gdn_convstep_dec: state {:?}, out {:?}",
+            rows >= 1
+                && (rows == 1 || (!self.tab.is_null() && self.tab.len >= 2 * rows))
+                && (!self.tab.is_null() || self.state.len >= hv * dk * dv)
+                && self.out.len >= last * self.ldo as usize + hv * dv
+                && self.p.len >= last * self.ldp as usize + self.c as usize,
+            "gdn_convstep_dec: {rows} rows: state {:?}, table {:?}, out {:?}, p {:?}",
             self.state,
-            self.out
+            self.tab,
+            self.out,
+            self.p
         );
         // dk is a compiled key head dim (fits)
         let name = if hv / hk == 2 {
@@ -246,7 +253,7 @@ impl GdnConvstepDec {
         let block = block_threads(4 * dv);
         gpu.run(
             name,
-            (hv as u32, 1, 1),
+            (hv as u32, rows as u32, 1),
             block,
             convstep_smem(dk, dv),
             &self.args(),

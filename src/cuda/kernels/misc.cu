@@ -9,6 +9,21 @@ extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const in
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)t * d + i] = __bfloat162float(row[i]);
 }
 
+// The greedy id of each row of logits (a block a row): the largest of ids < limit, the lowest on
+// ties, NaN never chosen, 0 where nothing beats -inf (as the sampler's greedy_id). logits: rows
+// of `ld` floats.
+extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int ld, int limit,
+                                                               int* __restrict__ out) {
+    PREFILL_KERNEL();
+    const float* x = logits + (size_t)blockIdx.x * ld;
+    float best = -INFINITY;
+    int id = 0x7fffffff;
+    for (int i = threadIdx.x; i < limit; i += blockDim.x)
+        if (x[i] > best) { best = x[i]; id = i; }  // each thread's ids ascend: the first wins ties
+    block_argmax(best, id);
+    if (threadIdx.x == 0) out[blockIdx.x] = id == 0x7fffffff ? 0 : id;
+}
+
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         y[i] = __float2bfloat16(x[i]);
