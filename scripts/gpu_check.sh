@@ -5,6 +5,7 @@
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
+#          [concurrency STREAMS CONTEXTS]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
@@ -12,6 +13,9 @@
 #   run-time switches between kernel variants).
 #   timeline: one decode step's per-kernel cost on the critical path from a %globaltimer trace
 #   (KESTREL_TRACE=1), and the kernels' phase stamps, tables into $OUT/timeline-CONTEXT.txt.
+#   concurrency: the batched decode bench (`kestrel bench --concurrency STREAMS`, e.g. 1,8,32,64
+#   at CONTEXTS tokens a stream) into $OUT/concurrency.json / .log (KESTREL_PROFILE=1 there
+#   prints the GPU time per op).
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -59,6 +63,10 @@ while [ $# -gt 0 ]; do
       [ -e "$OUT/bench.json" ] && tag="-${1//,/_}"
       .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench$tag.json" 2>&1 \
         | tee "$OUT/bench$tag.log" || status=1 ;;
+    concurrency)
+      .device/bin/kestrel bench --synthetic full --concurrency "$2" --contexts "$3" ${KESTREL_BENCH_ARGS:-} \
+        --json "$OUT/concurrency.json" 2>&1 | tee "$OUT/concurrency.log" || status=1
+      shift 2 ;;
     profile)
       shift
       # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.

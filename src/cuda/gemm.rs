@@ -34,9 +34,11 @@ const SMALL_ROWS: usize = 32;
 /// prompt of a length near one seen before makes no heuristic searches (~15 ms a forward on the
 /// H200: its ~11 shapes). Power-of-two buckets measured 3.5% slower prefill at 5,000 tokens
 /// with 8,192's choice; a quarter octave keeps the rows within 25% of the chosen shape's.
-/// Up to [`SMALL_ROWS`] rows (decode steps, chat turns' short pieces, whose products read the
-/// weights and little else) share one bucket: there a quarter octave is one or two lengths, and
-/// a conversation's first few requests each paid the searches again.
+/// Up to [`SMALL_ROWS`] rows (batched decode steps, chat turns' short pieces, whose products
+/// read the weights and little else) the buckets are powers of two: a quarter octave there is
+/// one or two lengths, and a conversation's first few requests each paid the searches again;
+/// one bucket for all of them had 32-row batched decode steps run on the algorithm chosen for
+/// 8 rows (lm_head 922 instead of ~250 us on the H200).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct AlgoKey {
     n: usize,
@@ -54,7 +56,7 @@ impl AlgoKey {
             ldy: key.ldy,
             accumulate: key.accumulate,
             bucket: if key.t <= SMALL_ROWS {
-                SMALL_ROWS
+                key.t.next_power_of_two()
             } else {
                 let step = (1usize << key.t.ilog2()) / 4;
                 key.t.div_ceil(step) * step
