@@ -277,12 +277,23 @@ impl DecodeLoop {
         vocab_limit: usize,
     ) -> Result<()> {
         if device_greedy {
-            self.logits.clear();
-            self.device_next = Some(engine.forward_greedy_id(state, id, vocab_limit)?);
+            self.set_next(engine.forward_greedy_id(state, id, vocab_limit)?);
         } else {
-            self.logits = engine.forward(state, &[id], Logits::Last)?;
+            self.set_logits(engine.forward(state, &[id], Logits::Last)?);
         }
         Ok(())
+    }
+
+    /// What [`feed`](Self::feed) does with the engine's greedy id, for a caller that ran the
+    /// forward itself (the server's batched step).
+    pub fn set_next(&mut self, id: u32) {
+        self.logits.clear();
+        self.device_next = Some(id);
+    }
+
+    /// What [`feed`](Self::feed) does with the new logits (see [`set_next`](Self::set_next)).
+    pub fn set_logits(&mut self, logits: Vec<f32>) {
+        self.logits = logits;
     }
 
     /// Chooses and records the next id.

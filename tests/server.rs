@@ -1183,3 +1183,90 @@ fn post_bodies_must_be_json_typed() {
         assert_eq!(status, 200, "{t}: {raw}");
     }
 }
+
+/// The demo model behind a probe that records the rows of every batched step the scheduler
+/// runs.
+struct BatchProbe {
+    inner: CpuModel,
+    widest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl BatchProbe {
+    fn saw(&self, rows: usize) {
+        self.widest
+            .fetch_max(rows, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Engine for BatchProbe {
+    type State = <CpuModel as Engine>::State;
+    fn config(&self) -> &TextConfig {
+        self.inner.config()
+    }
+    fn new_state(&self) -> Result<Self::State> {
+        self.inner.new_state()
+    }
+    fn state_len(&self, s: &Self::State) -> usize {
+        self.inner.state_len(s)
+    }
+    fn state_bytes(&self, s: &Self::State) -> usize {
+        self.inner.state_bytes(s)
+    }
+    fn forward(&self, s: &mut Self::State, tokens: &[u32], l: Logits) -> Result<Vec<f32>> {
+        self.inner.forward(s, tokens, l)
+    }
+    fn forward_batch(&self, states: &mut [&mut Self::State], tokens: &[u32]) -> Result<Vec<f32>> {
+        self.saw(tokens.len());
+        kestrel::model::forward_rows(&self.inner, states, tokens)
+    }
+    fn forward_batch_greedy(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        limit: usize,
+    ) -> Result<Vec<u32>> {
+        self.saw(tokens.len());
+        kestrel::model::forward_rows_greedy(&self.inner, states, tokens, limit)
+    }
+}
+
+/// Concurrent requests are decoded together, one batched step a round over all of them
+/// (greedy and sampling ones alike), and each reply is what it is alone.
+#[test]
+fn concurrent_requests_decode_in_batched_steps_with_their_own_replies() {
+    let widest = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let w = widest.clone();
+    let a = start(
+        move || BatchProbe {
+            inner: demo_engine(),
+            widest: w,
+        },
+        config(4096, None),
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let body = |i: usize| {
+        // two greedy (device-greedy path), two sampled with a seed
+        let t = if i < 2 { 0.0 } else { 0.8 };
+        json!({"messages": user(&format!("tell me about {i}")), "max_tokens": 24,
+               "temperature": t, "seed": i})
+    };
+    let alone: Vec<Value> = (0..4).map(|i| chat(a, body(i))).collect();
+    assert!(widest.load(std::sync::atomic::Ordering::SeqCst) <= 1);
+    let together: Vec<Value> = (0..4)
+        .map(|i| std::thread::spawn(move || chat(a, body(i))))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    let widest = widest.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(widest >= 2, "never batched: widest step {widest}");
+    for (i, (x, y)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(
+            x["choices"][0]["message"], y["choices"][0]["message"],
+            "request {i}: alone vs batched"
+        );
+        let n = &y["usage"]["completion_tokens"];
+        assert_eq!(&x["usage"]["completion_tokens"], n, "request {i}");
+    }
+}

@@ -7,9 +7,10 @@
 //! The [`Scheduler`] admits waiting jobs in arrival order up to `max_running` sequences
 //! (admission = checks + prefix-cache lookup), then advances every running sequence by one
 //! step per round ([`Scheduler::step`]): a prefill chunk (saving snapshots at their points)
-//! or one decode token, each one forward call per sequence today. Batched decode
-//! slots in there: one forward over all running sequences' next tokens, the per-sequence
-//! bookkeeping (sampling, text, stops, events) unchanged.
+//! or one decode token. The decoding sequences' tokens of a round then go through the model
+//! together, one batched step ([`Engine::forward_batch_greedy`] for those decoded greedily on
+//! the device, [`Engine::forward_batch`] for those that sample or want log-probabilities):
+//! on the GPU each weight is read once for all of them.
 
 use super::Shared;
 use super::cache::PrefixCache;
@@ -89,6 +90,21 @@ struct Seq<S> {
     reasoning_tokens: usize,
     t0: Instant,
     last: Option<Instant>,
+}
+
+/// What one round did with a sequence.
+enum Advanced {
+    /// A prefill chunk ran (or nothing is due yet).
+    Prefilled,
+    /// It picked `id`, to run through the model with the round's others: greedily on the
+    /// device (`greedy`, argmax below `vocab_limit`) or for its logits.
+    Feed {
+        id: u32,
+        greedy: bool,
+        vocab_limit: usize,
+    },
+    /// It is done.
+    End(End),
 }
 
 /// Why a sequence left the running set.
@@ -317,8 +333,11 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         }))
     }
 
-    /// One token for every running sequence, in admission order; finished ones leave.
+    /// One round: every running sequence, in admission order, runs a prefill chunk or picks
+    /// and reports its next token; finished ones leave; then the picked tokens go through the
+    /// model in one batched step per kind ([`Scheduler::feed`]).
     pub fn step(&mut self) {
+        let mut feeds = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
             let Running { job, seq } = &mut self.running[i];
@@ -328,8 +347,16 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             }))
             .unwrap_or_else(|p| Err(panic_message(p)));
             match outcome {
-                Ok(None) => i += 1,
-                Ok(Some(end)) => {
+                Ok(Advanced::Prefilled) => i += 1,
+                Ok(Advanced::Feed {
+                    id,
+                    greedy,
+                    vocab_limit,
+                }) => {
+                    feeds.push((i, id, greedy, vocab_limit));
+                    i += 1;
+                }
+                Ok(Advanced::End(end)) => {
                     let r = self.running.remove(i);
                     self.finish(r, end);
                 }
@@ -340,6 +367,85 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 }
             }
         }
+        self.feed(feeds);
+    }
+
+    /// Runs the round's picked tokens (`(running index, id, greedy, vocab limit)`) through the
+    /// model: one batched step for each (greedy, vocab limit) group. Where a batched step
+    /// fails, its rows run one by one, so that only a sequence that fails alone is failed.
+    fn feed(&mut self, feeds: Vec<(usize, u32, bool, usize)>) {
+        let mut groups: Vec<(bool, usize)> = feeds.iter().map(|f| (f.2, f.3)).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        let mut failed: Vec<(usize, anyhow::Error)> = Vec::new();
+        for (greedy, limit) in groups {
+            let rows: Vec<(usize, u32)> = feeds
+                .iter()
+                .filter(|f| (f.2, f.3) == (greedy, limit))
+                .map(|f| (f.0, f.1))
+                .collect();
+            if let Err(e) = self.feed_rows(&rows, greedy, limit) {
+                tracing::warn!(
+                    "a batched step of {} sequences failed ({e:#}); running them one by one",
+                    rows.len()
+                );
+                for &row in &rows {
+                    if let Err(e) = self.feed_rows(&[row], greedy, limit) {
+                        failed.push((row.0, e));
+                    }
+                }
+            }
+        }
+        failed.sort_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, e) in failed {
+            let r = self.running.remove(i);
+            self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+            fail(&r.job, e);
+        }
+    }
+
+    /// One batched step of `rows` (`(running index, id)`, indices ascending): each row's state
+    /// advances by its id and its decode loop gets the next greedy id or the logits.
+    fn feed_rows(
+        &mut self,
+        rows: &[(usize, u32)],
+        greedy: bool,
+        limit: usize,
+    ) -> anyhow::Result<()> {
+        let engine = self.engine;
+        let ids: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        let mut seqs: Vec<&mut Seq<E::State>> = self
+            .running
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| rows.iter().any(|r| r.0 == *i))
+            .map(|(_, r)| &mut r.seq)
+            .collect();
+        let mut states: Vec<&mut E::State> = seqs.iter_mut().map(|s| &mut s.state).collect();
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if greedy {
+                engine
+                    .forward_batch_greedy(&mut states, &ids, limit)
+                    .map(|n| (n, Vec::new()))
+            } else {
+                engine
+                    .forward_batch(&mut states, &ids)
+                    .map(|l| (Vec::new(), l))
+            }
+        }))
+        .unwrap_or_else(|p| Err(panic_message(p)));
+        drop(states);
+        let (next, logits) = out?;
+        let v = engine.config().vocab_size;
+        for (j, s) in seqs.iter_mut().enumerate() {
+            let Some(dl) = &mut s.dl else { continue };
+            if greedy {
+                dl.set_next(next[j]);
+            } else {
+                dl.set_logits(logits[j * v..(j + 1) * v].to_vec());
+            }
+        }
+        Ok(())
     }
 
     fn finish(&mut self, r: Running<E::State>, end: End) {
@@ -443,27 +549,27 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     }
 }
 
-/// One decode step of `job`'s sequence `r`: pick a token, report it, check the limits, run it through the
-/// model. `Some(end)` when the sequence is done.
+/// One round of `job`'s sequence `r`: a prefill chunk, or pick a token, report it and check
+/// the limits (the caller then runs the token through the model with the round's others).
 fn advance<E: Engine>(
     engine: &E,
     shared: &Shared,
     cache: &mut PrefixCache<E::State>,
     job: &Job,
     r: &mut Seq<E::State>,
-) -> anyhow::Result<Option<End>> {
+) -> anyhow::Result<Advanced> {
     let m = &shared.metrics;
     let opts = &r.settings.opts;
     if job.events.is_closed() || job.cancel.load(Ordering::SeqCst) {
-        return Ok(Some(End::Gone));
+        return Ok(Advanced::End(End::Gone));
     }
     let Some(dl) = &mut r.dl else {
         // Prefill: one chunk per round, so running sequences keep decoding meanwhile.
         if Instant::now() >= job.deadline {
-            return Ok(Some(End::TimedOut));
+            return Ok(Advanced::End(End::TimedOut));
         }
         if shared.stopping.load(Ordering::SeqCst) {
-            return Ok(Some(End::ShuttingDown));
+            return Ok(Advanced::End(End::ShuttingDown));
         }
         let prompt = &job.prompt;
         let done = engine.state_len(&r.state);
@@ -498,7 +604,7 @@ fn advance<E: Engine>(
                 r.dl = Some(DecodeLoop::new(stats, r.in_thinking, logits, r.t0));
             }
         }
-        return Ok(None);
+        return Ok(Advanced::Prefilled);
     };
     let id = dl.pick(opts, &mut r.sampler);
     let now = Instant::now();
@@ -526,27 +632,30 @@ fn advance<E: Engine>(
             })
             .is_err()
     {
-        return Ok(Some(End::Gone));
+        return Ok(Advanced::End(End::Gone));
     }
     if job.events.is_closed() || job.cancel.load(Ordering::SeqCst) {
-        return Ok(Some(End::Gone));
+        return Ok(Advanced::End(End::Gone));
     }
     if now >= job.deadline {
-        return Ok(Some(End::TimedOut));
+        return Ok(Advanced::End(End::TimedOut));
     }
     if shared.stopping.load(Ordering::SeqCst) {
-        return Ok(Some(End::ShuttingDown));
+        return Ok(Advanced::End(End::ShuttingDown));
     }
     if stopped {
-        return Ok(Some(End::Stop(StopReason::StopString)));
+        return Ok(Advanced::End(End::Stop(StopReason::StopString)));
     }
     if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
-        return Ok(Some(End::Stop(stop)));
+        return Ok(Advanced::End(End::Stop(stop)));
     }
     // logprobs need the logits
-    let device_greedy = opts.device_greedy && job.logprobs.is_none() && r.sampler.is_plain_greedy();
-    dl.feed(engine, &mut r.state, id, device_greedy, r.vocab_limit)?;
-    Ok(None)
+    let greedy = opts.device_greedy && job.logprobs.is_none() && r.sampler.is_plain_greedy();
+    Ok(Advanced::Feed {
+        id,
+        greedy,
+        vocab_limit: r.vocab_limit,
+    })
 }
 
 #[cfg(test)]
