@@ -5,7 +5,7 @@
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
-#          [concurrency STREAMS CONTEXTS]
+#          [concurrency STREAMS CONTEXTS] [serveload]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
@@ -16,6 +16,11 @@
 #   concurrency: the batched decode bench (`kestrel bench --concurrency STREAMS`, e.g. 1,8,32,64
 #   at CONTEXTS tokens a stream) into $OUT/concurrency.json / .log (KESTREL_PROFILE=1 there
 #   prints the GPU time per op).
+#   serveload: `kestrel serve --device cuda --synthetic full` (default --max-running, from
+#   memory) driven by scripts/serve_load.py: streaming greedy requests at 1 / 8 / 32 / 64 in
+#   flight, sampled ones (the server's defaults) at 8 and 64, open-loop arrivals at 4 and 16 a
+#   second; then a --max-seq 32768 server given 256 requests at once (admitted or queued, none
+#   failing). $OUT/serveload*.json / .log.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -67,6 +72,32 @@ while [ $# -gt 0 ]; do
       .device/bin/kestrel bench --synthetic full --concurrency "$2" --contexts "$3" ${KESTREL_BENCH_ARGS:-} \
         --json "$OUT/concurrency.json" 2>&1 | tee "$OUT/concurrency.log" || status=1
       shift 2 ;;
+    serveload)
+      # start_server PORT ARGS..: a synthetic full-size server in the background, ready
+      start_server() {
+        local port=$1
+        shift
+        .device/bin/kestrel serve --device cuda --synthetic full --bind 127.0.0.1:$port "$@" \
+          > "$OUT/serve-$port.log" 2>&1 &
+        for _ in $(seq 300); do
+          python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+            2> /dev/null && return 0
+          sleep 1
+        done
+        echo "server on $port never ready"; status=1
+      }
+      start_server 8123 --max-seq 4096
+      load="python3 scripts/serve_load.py --url http://127.0.0.1:8123 --max-tokens 128"
+      $load --greedy --concurrency 1,8,32,64 --json "$OUT/serveload-greedy.json" 2>&1 | tee "$OUT/serveload.log" || status=1
+      $load --concurrency 8,64 --requests 64 --json "$OUT/serveload-sampled.json" 2>&1 | tee -a "$OUT/serveload.log" || status=1
+      $load --greedy --rates 4,16 --requests 64 --json "$OUT/serveload-rates.json" 2>&1 | tee -a "$OUT/serveload.log" || status=1
+      python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/metrics').read().decode())" | grep -E '^kestrel_(running|waiting|queue|requests)' >> "$OUT/serveload.log"
+      kill %1; wait
+      start_server 8124 --max-seq 32768
+      python3 scripts/serve_load.py --url http://127.0.0.1:8124 --max-tokens 16 --greedy --concurrency 256 \
+        --requests 256 --json "$OUT/serveload-256.json" 2>&1 | tee -a "$OUT/serveload.log" || status=1
+      kill %1; wait
+      grep -h "sequences at once" "$OUT"/serve-*.log | tee -a "$OUT/serveload.log" ;;
     profile)
       shift
       # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.

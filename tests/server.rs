@@ -26,7 +26,7 @@ fn config(max_seq: usize, api_key: Option<&str>) -> ServerConfig {
         default_max_tokens: 8,
         prefill_chunk: 4096,
         max_queue: 64,
-        max_running: 4,
+        max_running: Some(4),
     }
 }
 
@@ -1056,7 +1056,7 @@ fn scripted_thinking_budget_and_context_limit() {
 fn a_full_queue_is_refused_with_429() {
     let mut cfg = config(32_768, None);
     cfg.max_queue = 1;
-    cfg.max_running = 1;
+    cfg.max_running = Some(1);
     cfg.request_timeout = Duration::from_secs(3);
     let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
     wait_ready(a);

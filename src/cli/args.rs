@@ -16,6 +16,11 @@ pub(super) struct ModelArgs {
     /// demo model (random weights) runs.
     #[arg(long)]
     pub(super) model: Option<String>,
+    /// `full`: seeded random weights of the exact 40-layer Qwen3.6-35B-A3B shape, made on the
+    /// GPU (--device cuda), in place of a checkpoint: for load tests and benchmarks, the text
+    /// is gibberish.
+    #[arg(long, conflicts_with = "model", value_parser = ["full"])]
+    pub(super) synthetic: Option<String>,
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub(super) device: Device,
@@ -58,9 +63,11 @@ pub(super) struct ServeArgs {
     /// Requests that may wait for the model; more are refused with 429.
     #[arg(long, default_value_t = 1024)]
     pub(super) max_queue: usize,
-    /// Sequences generated at once, interleaved token by token (each holds its own state).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(super) max_running: u64,
+    /// Sequences generated at once, one batched decode step a token (each holds its own
+    /// state) [default: on the GPU as many as free memory holds at --max-seq, at most 64,
+    /// said at start; 4 on the CPU].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) max_running: Option<u64>,
 }
 
 #[derive(Args, Clone, Debug)]

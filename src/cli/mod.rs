@@ -326,6 +326,21 @@ fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<B
             }
         }
     };
+    if args.synthetic.is_some() {
+        let Some(g) = &gpu else {
+            anyhow::bail!("--synthetic full makes its weights on the GPU: it needs --device cuda");
+        };
+        let cfg = TextConfig::qwen36_35b_a3b();
+        let max_seq = (args.max_seq as usize).min(cfg.max_position_embeddings);
+        let chunk = kestrel::cuda::model::CudaModel::pick_chunk(g, &cfg, max_seq, &PREFILL_CHUNKS)?;
+        if !args.quiet {
+            eprintln!(
+                "kestrel: SYNTHETIC weights (seeded random, exact 40-layer Qwen3.6-35B-A3B shape): for load tests and benchmarks only, the text is gibberish"
+            );
+        }
+        let m = kestrel::cuda::model::CudaModel::synthetic(g.clone(), cfg, 7, max_seq, chunk)?;
+        return Ok(Backend::Cuda(m));
+    }
     let Some(dir) = dir else {
         if !args.quiet {
             eprintln!(

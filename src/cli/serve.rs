@@ -25,7 +25,7 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         max_queue,
         max_running,
     } = args;
-    let max_running = max_running as usize;
+    let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
         Some(path) => Some(read_api_key(&path)?),
         None => api_key,
@@ -43,6 +43,7 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
     };
     let model_id = served_model_name.unwrap_or_else(|| match &model.model {
         Some(spec) => spec.clone(),
+        None if model.synthetic.is_some() => "synthetic-full".into(),
         None => "kestrel-demo".into(),
     });
     let config = ServerConfig {

@@ -376,7 +376,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn row_buckets_are_quarter_octaves_above_32() {
+    fn row_buckets_are_powers_of_two_then_quarter_octaves() {
         let bucket = |t| {
             AlgoKey::of(Key {
                 n: 8,
@@ -393,16 +393,14 @@ mod tests {
             .collect();
         assert_eq!(
             got,
-            [
-                32, 32, 32, 32, 40, 80, 80, 80, 96, 224, 256, 5120, 8192, 10240
-            ]
+            [1, 4, 8, 32, 40, 80, 80, 80, 96, 224, 256, 5120, 8192, 10240]
         );
-        // up to 32 rows one bucket; above, every t at most 25% below its bucket; and a
+        // up to 32 rows powers of two; above, every t at most 25% below its bucket; and a
         // bucket's own t maps to itself
         for t in 1..20_000 {
             let b = bucket(t);
             let near = if t <= SMALL_ROWS {
-                b == SMALL_ROWS
+                b.is_power_of_two() && b >= t && b < 2 * t
             } else {
                 b >= t && b * 4 <= t * 5 + 4
             };

@@ -54,8 +54,10 @@ pub struct ServerConfig {
     pub prefill_chunk: usize,
     /// Requests waiting for the model beyond this are refused with 429.
     pub max_queue: usize,
-    /// Sequences decoded at once (interleaved token by token; admitted in arrival order).
-    pub max_running: usize,
+    /// Sequences decoded at once (one batched step a token; admitted in arrival order).
+    /// `None`: as many as device memory holds ([`worker::default_max_running`]; 4 where
+    /// states live in host memory).
+    pub max_running: Option<usize>,
 }
 
 /// What the HTTP handlers and the model thread share.
@@ -117,36 +119,65 @@ impl Shared {
 /// Runs the model loop on the calling thread until the server's job queue closes.
 ///
 /// Where the engine's states live in device memory, `max_running` of them must fit in what
-/// the weights left free (else an error, before anything is served), and the prefix cache is
-/// limited to the rest (with a warning when that is less than `cache_mem`).
+/// the weights left free (else an error, before anything is served; without `--max-running`
+/// as many as fit beside the cache's share, [`worker::default_max_running`], said at start),
+/// and the prefix cache is limited to the rest (with a warning when that is less than
+/// `cache_mem`).
 pub fn run_model<E: Engine>(
     engine: &E,
     shared: Arc<Shared>,
     rx: Receiver<Job>,
 ) -> anyhow::Result<()> {
-    if engine.state_memory().is_some() {
-        // The GPU engine: a short prompt and a greedy step on a scratch state before the first
-        // request, so that it loads its kernels and picks its GEMM algorithms (one for all
-        // products of up to 32 rows, a first chat turn's pieces included) here and not in the
-        // first client's time to first token.
-        let mut scratch = engine.new_state()?;
-        engine.forward(&mut scratch, &[0; 16], crate::model::Logits::Last)?;
-        engine.forward_greedy_id(&mut scratch, 0, engine.config().vocab_size)?;
-    }
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let mut cache_cap = shared.config.cache_mem;
+    let mut max_running = shared.config.max_running.unwrap_or(4).max(1);
     if let Some(mem) = engine.state_memory() {
-        let cap = worker::device_cache_budget(mem, shared.config.max_running.max(1), cache_cap)?;
+        if shared.config.max_running.is_none() {
+            max_running = worker::default_max_running(mem, cache_cap);
+            eprintln!(
+                "kestrel serve: up to {max_running} sequences at once (--max-running): {:.2} GiB of GPU memory free, {:.2} GiB a sequence state at --max-seq, {:.2} GiB kept for the prefix cache",
+                gib(mem.free),
+                gib(mem.per_state),
+                gib(cache_cap.min(mem.free / 4))
+            );
+        }
+        let cap = worker::device_cache_budget(mem, max_running, cache_cap)?;
         if cap < cache_cap {
             tracing::warn!(
-                "the prefix cache gets {:.2} GiB of GPU memory, not the {:.2} GiB of --cache-mem: that is what {} running sequence states leave free",
-                cap as f64 / (1u64 << 30) as f64,
-                cache_cap as f64 / (1u64 << 30) as f64,
-                shared.config.max_running.max(1)
+                "the prefix cache gets {:.2} GiB of GPU memory, not the {:.2} GiB of --cache-mem: that is what {max_running} running sequence states leave free",
+                gib(cap),
+                gib(cache_cap),
             );
         }
         cache_cap = cap;
+        warm_up(engine, max_running)?;
     }
-    worker::Scheduler::new(engine, shared, cache_cap).run(rx);
+    let mut scheduler = worker::Scheduler::new(engine, shared, cache_cap);
+    scheduler.max_running = max_running;
+    scheduler.run(rx);
+    Ok(())
+}
+
+/// The GPU engine before the first request: a short prompt, a greedy step, and batched steps
+/// of 2, 4, 8, .. sequences up to `max_running`, so that it loads its kernels and picks its
+/// GEMM algorithms (per power of two of rows up to 32) here and not in the first clients'
+/// time to first token.
+fn warm_up<E: Engine>(engine: &E, max_running: usize) -> anyhow::Result<()> {
+    let mut states = vec![engine.new_state()?];
+    engine.forward(&mut states[0], &[0; 16], crate::model::Logits::Last)?;
+    let v = engine.config().vocab_size;
+    engine.forward_greedy_id(&mut states[0], 0, v)?;
+    let mut rows = 2;
+    while rows <= max_running.min(64) {
+        while states.len() < rows {
+            let mut s = engine.new_state()?;
+            engine.forward(&mut s, &[0; 16], crate::model::Logits::Last)?;
+            states.push(s);
+        }
+        let mut refs: Vec<&mut E::State> = states.iter_mut().collect();
+        engine.forward_batch_greedy(&mut refs, &vec![0; rows], v)?;
+        rows *= 2;
+    }
     Ok(())
 }
 
