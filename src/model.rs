@@ -75,6 +75,27 @@ pub trait Engine {
     ) -> Result<Vec<u32>> {
         forward_rows_greedy(self, states, tokens, vocab_limit)
     }
+    /// Several sequences' next tokens at once (prefill pieces): `pieces[i]` appended to
+    /// `states[i]`; the logits of each piece's last position. The GPU runs pieces that fit one
+    /// call together (each weight read once for all of them); this default, the CPU's and
+    /// the oracle, runs them one after another.
+    fn forward_many(
+        &self,
+        states: &mut [&mut Self::State],
+        pieces: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>> {
+        anyhow::ensure!(
+            states.len() == pieces.len(),
+            "{} pieces for {} sequences",
+            pieces.len(),
+            states.len()
+        );
+        states
+            .iter_mut()
+            .zip(pieces)
+            .map(|(s, p)| self.forward(s, p, Logits::Last))
+            .collect()
+    }
     /// Memory a state holds (what a cached snapshot of it costs), in bytes.
     fn state_bytes(&self, state: &Self::State) -> usize;
     /// Where states live in a fixed device memory (the GPU): what is still free there and

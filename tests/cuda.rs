@@ -705,3 +705,58 @@ fn batched_decode_rejects_bad_rows_without_moving_any_state() {
         "{err:#}"
     );
 }
+
+/// Several sequences' prompts in one forward (`forward_many`: a batched prefill, the weights
+/// read once for all of them) against each prompt alone: pieces of 1, 5 and 17 tokens (the
+/// last on the flash attention and chunked GDN kernels) share a call, one of 40 is longer than
+/// the workspace's 32 and runs alone, and one continues a prefilled state. The last
+/// positions' logits agree within summation order, and so do the next decode steps.
+#[test]
+fn batched_prefill_matches_each_prompt_alone() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        let (_cpu, cuda) = load(&gpu, &dir, 32);
+        let p: Vec<u32> = r.prompt_ids.iter().chain(&r.decode_ids).copied().collect();
+        let starts = [0usize, 0, 0, 0, 3];
+        let lens = [1usize, 5, 17, 40, 9];
+        let fresh = |pre: usize| {
+            let mut s = cuda.new_state().unwrap();
+            if pre > 0 {
+                cuda.forward(&mut s, &p[..pre], Logits::Last).unwrap();
+            }
+            s
+        };
+        let mut many: Vec<_> = starts.iter().map(|&a| fresh(a)).collect();
+        let mut alone: Vec<_> = starts.iter().map(|&a| fresh(a)).collect();
+        let pieces: Vec<&[u32]> = starts
+            .iter()
+            .zip(&lens)
+            .map(|(&a, &n)| &p[a..a + n])
+            .collect();
+        let mut refs: Vec<_> = many.iter_mut().collect();
+        let got = cuda.forward_many(&mut refs, &pieces).unwrap();
+        let (mut a_all, mut b_all) = (Vec::new(), Vec::new());
+        for (j, piece) in pieces.iter().enumerate() {
+            let want = cuda.forward(&mut alone[j], piece, Logits::Last).unwrap();
+            assert_eq!(many[j].len, alone[j].len, "{}: piece {j}", dir.display());
+            a_all.extend_from_slice(&got[j]);
+            b_all.extend(want);
+            // and the states go on alike
+            let x = cuda.forward(&mut many[j], &[7], Logits::Last).unwrap();
+            let y = cuda.forward(&mut alone[j], &[7], Logits::Last).unwrap();
+            a_all.extend(x);
+            b_all.extend(y);
+        }
+        let n = norm_rel_err(&a_all, &b_all);
+        println!(
+            "{}: batched prefill vs each alone {n:.2e} (pieces {lens:?})",
+            dir.display()
+        );
+        assert!(n <= NORM_TOL, "{}: {n}", dir.display());
+        let err = cuda
+            .forward_many(&mut [&mut fresh(0)], &[&p[..3], &p[..2]])
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("2 pieces for 1 sequences"), "{err:#}");
+    }
+}

@@ -360,7 +360,8 @@ impl CudaModel {
         let mut r0 = 0;
         while r0 < rows {
             let n = LOGITS_ROWS.min(rows - r0);
-            self.logits_rows(&ws, r0, n)?;
+            let d = self.config.hidden_size;
+            self.logits_rows(&ws, ws.h.f32().at(r0 * d), n)?;
             match out {
                 RowsOut::Greedy(limit) => ArgmaxRows {
                     logits: ws.logits.f32(),
@@ -383,6 +384,39 @@ impl CudaModel {
             ids.extend(next.iter().map(|&x| x as u32));
         }
         Ok(())
+    }
+
+    /// One forward over several sequences' pieces (together at most `max_chunk` tokens):
+    /// every piece checked first, then the logits of each piece's last position (gathered
+    /// into rows of `ws.ys` for one lm_head product).
+    fn prefill_group(
+        &self,
+        states: &mut [&mut CudaState],
+        pieces: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>> {
+        for (s, p) in states.iter_mut().zip(pieces) {
+            self.admit_tokens(s, p)?;
+        }
+        let lens: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+        let tokens = pieces.concat();
+        let ws = self.ws.borrow();
+        self.forward_chunk(&ws, &mut Seqs::Many(states, &lens), &tokens)?;
+        let (d, v) = (self.config.hidden_size, self.config.vocab_size);
+        let mut last = 0;
+        for (j, &n) in lens.iter().enumerate() {
+            last += n;
+            let (dst, src) = (ws.ys.f32().at(j * d), ws.h.f32().at((last - 1) * d));
+            self.gpu.copy_device(dst.ptr, src.ptr, d * 4)?;
+        }
+        let mut out = Vec::with_capacity(lens.len());
+        for r0 in (0..lens.len()).step_by(LOGITS_ROWS) {
+            let n = LOGITS_ROWS.min(lens.len() - r0);
+            self.logits_rows(&ws, ws.ys.f32().at(r0 * d), n)?;
+            let mut buf = vec![0f32; n * v];
+            self.gpu.copy_to_host(ws.logits.ptr, &mut buf)?;
+            out.extend(buf.chunks_exact(v).map(|r| r.to_vec()));
+        }
+        Ok(out)
     }
 
     /// [`CudaModel::batch_step`] over any number of sequences, in groups of at most
@@ -453,6 +487,39 @@ impl Engine for CudaModel {
         Ok(if (id as usize) < vocab_limit { id } else { 0 })
     }
 
+    fn forward_many(
+        &self,
+        states: &mut [&mut CudaState],
+        pieces: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>> {
+        anyhow::ensure!(
+            states.len() == pieces.len(),
+            "{} pieces for {} sequences",
+            pieces.len(),
+            states.len()
+        );
+        self.gpu.bind()?;
+        // Consecutive pieces that fit one call go together; a longer one runs alone (in its
+        // own chunks).
+        let mut out = Vec::with_capacity(pieces.len());
+        let mut i = 0;
+        while i < pieces.len() {
+            let (mut j, mut total) = (i, 0);
+            while j < pieces.len() && total + pieces[j].len() <= self.max_chunk {
+                total += pieces[j].len();
+                j += 1;
+            }
+            if j <= i + 1 {
+                j = i + 1;
+                out.push(self.forward(states[i], pieces[i], Logits::Last)?);
+            } else {
+                out.extend(self.prefill_group(&mut states[i..j], &pieces[i..j])?);
+            }
+            i = j;
+        }
+        Ok(out)
+    }
+
     fn forward_batch(&self, states: &mut [&mut CudaState], tokens: &[u32]) -> Result<Vec<f32>> {
         if states.len() <= 1 || !self.batch_fits() {
             return crate::model::forward_rows(self, states, tokens);
@@ -493,14 +560,15 @@ impl Engine for CudaModel {
                 let mut r0 = 0;
                 while r0 < piece.len() {
                     let n = LOGITS_ROWS.min(piece.len() - r0);
-                    self.logits_rows(&ws, r0, n)?;
+                    self.logits_rows(&ws, ws.h.f32().at(r0 * self.config.hidden_size), n)?;
                     let mut buf = vec![0f32; n * v];
                     self.gpu.copy_to_host(ws.logits.ptr, &mut buf)?;
                     out.extend(buf);
                     r0 += n;
                 }
             } else if ci + 1 == n_chunks {
-                self.logits_rows(&ws, piece.len() - 1, 1)?;
+                let last = ws.h.f32().at((piece.len() - 1) * self.config.hidden_size);
+                self.logits_rows(&ws, last, 1)?;
                 let mut buf = vec![0f32; v];
                 self.gpu.copy_to_host(ws.logits.ptr, &mut buf)?;
                 out = buf;

@@ -51,6 +51,9 @@ fn batch_splits(n: usize, rows: usize, nkv: usize, sms: usize) -> usize {
 pub(super) enum Seqs<'a, 'b> {
     /// One sequence: the rows are its next tokens, in order.
     One(&'a mut CudaState),
+    /// Several sequences' next tokens one after another: rows of `lens[i]` tokens each
+    /// (a batched prefill: the weights read once for all of them).
+    Many(&'a mut [&'b mut CudaState], &'a [usize]),
     /// A batched decode step: row r is the next token of sequence r, whose position and
     /// per-layer state pointers [`CudaModel::batch_tables`] wrote into `ws.batch_pos` and
     /// `ws.batch_tab`.
@@ -253,8 +256,9 @@ impl CudaModel {
         self.gpu.copy_to_device(ws.batch_pos.ptr, &pos)
     }
 
-    /// One forward pass over at most `max_chunk` rows: one sequence's next tokens or, batched,
-    /// one token of each of several sequences ([`Seqs`]); the last hidden rows stay in `ws.h`.
+    /// One forward pass over at most `max_chunk` rows: one sequence's next tokens, several
+    /// sequences' next tokens one after another, or, batched, one token of each of several
+    /// sequences ([`Seqs`]); the last hidden rows stay in `ws.h`.
     pub(super) fn forward_chunk(
         &self,
         ws: &Workspace,
@@ -265,13 +269,35 @@ impl CudaModel {
         let g = &*self.gpu;
         let t = tokens.len();
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
-        if let Seqs::Batch(states) = seqs {
-            anyhow::ensure!(
-                states.len() == t && t <= MAX_BATCH.min(self.max_chunk),
-                "a batched step of {t} tokens for {} sequences (at most {})",
-                states.len(),
-                MAX_BATCH.min(self.max_chunk)
-            );
+        // Rows [r0, r0 + n) are a sequence's own next tokens (prefill): the token-mixing ops
+        // run on each such segment with its state; a batched decode step has one row a state.
+        let mut segs: Vec<(&mut CudaState, usize, usize)> = Vec::new();
+        // a batched step's longest sequence (positions, the new one included)
+        let mut batch: Option<usize> = None;
+        match seqs {
+            Seqs::One(state) => segs.push((&mut **state, 0, t)),
+            Seqs::Many(states, lens) => {
+                anyhow::ensure!(
+                    lens.iter().sum::<usize>() == t
+                        && states.len() == lens.len()
+                        && lens.iter().all(|&n| n > 0),
+                    "a forward of {t} tokens for pieces of {lens:?}"
+                );
+                let mut r0 = 0;
+                for (s, &n) in states.iter_mut().zip(lens.iter()) {
+                    segs.push((&mut **s, r0, n));
+                    r0 += n;
+                }
+            }
+            Seqs::Batch(states) => {
+                anyhow::ensure!(
+                    states.len() == t && t <= MAX_BATCH.min(self.max_chunk),
+                    "a batched step of {t} tokens for {} sequences (at most {})",
+                    states.len(),
+                    MAX_BATCH.min(self.max_chunk)
+                );
+                batch = Some(states.iter().map(|s| s.len + 1).max().unwrap_or(1));
+            }
         }
         // The table of layer `li` in a batched step: [2, t] state pointers.
         let layer_tab = |li: usize| ws.batch_tab.view::<u64>().at(li * 2 * t);
@@ -281,7 +307,7 @@ impl CudaModel {
             let plan = DensePlan::contents(self.max_chunk, t)?;
             g.copy_to_device(ws.dense_plan.ptr, &plan)?;
         }
-        let (ti, di) = (t as i32, d as i32);
+        let di = d as i32;
 
         // Embedding
         EmbedGather {
@@ -305,8 +331,8 @@ impl CudaModel {
                 }
                 .launch(g, t, On::Prefill)?;
             }
-            match (&layer.mixer, &mut *seqs) {
-                (MixerW::Gdn(w), seqs) => {
+            match &layer.mixer {
+                MixerW::Gdn(w) => {
                     let sh = GdnShape::of(c, t);
                     let (hv, dv) = (sh.hv, sh.dv);
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
@@ -316,97 +342,97 @@ impl CudaModel {
                     g.gemm(w.in_proj.ptr, ld, d, ws.xb.ptr, t, ws.p.ptr, ld, 0.0)?;
                     let p = ws.p.f32();
                     let (z, ba) = (p.at(ch), p.at(ch + vw));
-                    match seqs {
-                        Seqs::Batch(_) => {
-                            // batched: each row's conv + delta-rule step on its own states
-                            // (the decode step's kernel, a grid row a sequence)
-                            GdnConvstepDec {
-                                p,
-                                conv_state: Dev::null(),
-                                conv_w: w.conv.f32(),
-                                z,
-                                ba,
-                                a_log: w.a_log.f32(),
-                                dt_bias: w.dt_bias.f32(),
-                                nw: w.norm.f32(),
-                                state: Dev::null(),
-                                out: ws.ob.bf16(),
-                                c: ch as i32,
-                                hk: sh.hk as i32,
-                                hv: hv as i32,
-                                dv: dv as i32,
-                                q_scale: 1.0 / (sh.dk as f32).sqrt(),
-                                eps,
-                                tab: layer_tab(li),
-                                ldp: ld as i32,
-                                ldo: vw as i32,
-                            }
-                            .launch(g, sh.dk, t, On::Plain)?;
+                    if batch.is_some() {
+                        // each row's conv + delta-rule step on its own states (the decode
+                        // step's kernel, a grid row a sequence)
+                        GdnConvstepDec {
+                            p,
+                            conv_state: Dev::null(),
+                            conv_w: w.conv.f32(),
+                            z,
+                            ba,
+                            a_log: w.a_log.f32(),
+                            dt_bias: w.dt_bias.f32(),
+                            nw: w.norm.f32(),
+                            state: Dev::null(),
+                            out: ws.ob.bf16(),
+                            c: ch as i32,
+                            hk: sh.hk as i32,
+                            hv: hv as i32,
+                            dv: dv as i32,
+                            q_scale: 1.0 / (sh.dk as f32).sqrt(),
+                            eps,
+                            tab: layer_tab(li),
+                            ldp: ld as i32,
+                            ldo: vw as i32,
                         }
-                        Seqs::One(state) => {
-                            let (st_conv, st_rec) = &state.gdn[gdn_i];
-                            gdn_i += 1;
-                            let conv_in = ConvRows { p, ld };
-                            let chunked = t > 1
-                                && self.gdn_chunked
-                                && sh.chunked_fits(g.max_smem_per_block, g.sm_count);
-                            let conv = if chunked {
-                                Gpu::gdn_conv_prefill
-                            } else {
-                                Gpu::gdn_conv_sequential
-                            };
-                            let (conv_w, conv_st) = (w.conv.f32(), st_conv.f32());
-                            conv(
-                                g,
-                                &sh,
-                                c.conv_kernel,
-                                conv_in,
-                                conv_st,
-                                conv_w,
-                                ws.qkv.f32(),
-                            )?;
-                            GdnGates {
-                                b: ba,
-                                a: ba.at(hv),
-                                ld: ld as i32,
-                                a_log: w.a_log.f32(),
-                                dt_bias: w.dt_bias.f32(),
-                                beta: ws.beta.f32(),
-                                g: ws.g.f32(),
-                                t: ti,
-                                hv: hv as i32,
-                            }
-                            .launch(g, On::Prefill)?;
-                            let bufs = DeltaBufs {
-                                qkv: ws.qkv.f32(),
-                                g: ws.g.f32(),
-                                beta: ws.beta.f32(),
-                                state: st_rec.f32(),
-                                o: ws.o.f32(),
-                            };
-                            if chunked {
-                                g.gdn_delta_chunked(&sh, &bufs, ws.gdn.f32())?;
-                            } else {
-                                g.gdn_delta_recurrent(&sh, &bufs)?;
-                            }
-                            GdnGatedNorm {
-                                o: ws.o.f32(),
-                                z_in: z,
-                                w: w.norm.f32(),
-                                out: ws.ob.bf16(),
-                                rows: (t * hv) as i32,
-                                dv: dv as i32,
-                                hv: hv as i32,
-                                ldz: ld as i32,
-                                eps,
-                            }
-                            .launch(g, On::Prefill)?;
-                        }
+                        .launch(g, sh.dk, t, On::Plain)?;
                     }
+                    for (state, r0, n) in &mut segs {
+                        let (r0, n) = (*r0, *n);
+                        let (st_conv, st_rec) = &state.gdn[gdn_i];
+                        let sh = GdnShape::of(c, n);
+                        let p = p.at(r0 * ld);
+                        let (z, ba) = (p.at(ch), p.at(ch + vw));
+                        let (qkv, beta, gg, o) = (
+                            ws.qkv.f32().at(r0 * ch),
+                            ws.beta.f32().at(r0 * hv),
+                            ws.g.f32().at(r0 * hv),
+                            ws.o.f32().at(r0 * vw),
+                        );
+                        let conv_in = ConvRows { p, ld };
+                        let chunked = n > 1
+                            && self.gdn_chunked
+                            && sh.chunked_fits(g.max_smem_per_block, g.sm_count);
+                        let conv = if chunked {
+                            Gpu::gdn_conv_prefill
+                        } else {
+                            Gpu::gdn_conv_sequential
+                        };
+                        let (conv_w, conv_st) = (w.conv.f32(), st_conv.f32());
+                        conv(g, &sh, c.conv_kernel, conv_in, conv_st, conv_w, qkv)?;
+                        GdnGates {
+                            b: ba,
+                            a: ba.at(hv),
+                            ld: ld as i32,
+                            a_log: w.a_log.f32(),
+                            dt_bias: w.dt_bias.f32(),
+                            beta,
+                            g: gg,
+                            t: n as i32,
+                            hv: hv as i32,
+                        }
+                        .launch(g, On::Prefill)?;
+                        let bufs = DeltaBufs {
+                            qkv,
+                            g: gg,
+                            beta,
+                            state: st_rec.f32(),
+                            o,
+                        };
+                        if chunked {
+                            g.gdn_delta_chunked(&sh, &bufs, ws.gdn.f32())?;
+                        } else {
+                            g.gdn_delta_recurrent(&sh, &bufs)?;
+                        }
+                        GdnGatedNorm {
+                            o,
+                            z_in: z,
+                            w: w.norm.f32(),
+                            out: ws.ob.bf16().at(r0 * vw),
+                            rows: (n * hv) as i32,
+                            dv: dv as i32,
+                            hv: hv as i32,
+                            ldz: ld as i32,
+                            eps,
+                        }
+                        .launch(g, On::Prefill)?;
+                    }
+                    gdn_i += 1;
                     // Residual add fused into the GEMM (beta = 1).
                     g.gemm(w.out.ptr, d, vw, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }
-                (MixerW::Attn(w), seqs) => {
+                MixerW::Attn(w) => {
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     let (wq, wk, wv) = w.qkv_parts(c);
                     // k and v on the second stream beside the q|gate product.
@@ -425,142 +451,146 @@ impl CudaModel {
                     )?;
                     g.join_aux()?;
                     let rot_half = c.rotary_dim / 2;
-                    match seqs {
-                        Seqs::Batch(states) => {
-                            // batched: the decode step's kernels, a grid row a sequence at its own
-                            // position, the caches through the layer's table
-                            let (tab, pos) = (layer_tab(li), ws.batch_pos.i32());
-                            AttnPrep {
-                                qg: ws.qg.f32(),
-                                k: ws.k.f32(),
-                                v: ws.v.f32(),
-                                q_norm: w.q_norm.f32(),
-                                k_norm: w.k_norm.f32(),
-                                inv_freq: self.w.inv_freq.f32(),
-                                q_out: ws.q.f32(),
-                                k_cache: Dev::null(),
-                                v_cache: Dev::null(),
-                                past: 0,
-                                past_dev: pos,
-                                nq: nq as i32,
-                                nkv: nkv as i32,
-                                hd: hd as i32,
-                                rot_half: rot_half as i32,
-                                eps,
-                                tab,
-                            }
-                            .launch(g, t, On::Prefill)?;
-                            let longest = states.iter().map(|s| s.len + 1).max().unwrap_or(1);
-                            let cap = ws.part_floats / (t * nq * (hd + 2));
-                            let nsplit = batch_splits(longest, t, nkv, g.sm_count).min(cap).max(1);
-                            AttnDecodeMma {
-                                q: ws.q.f32(),
-                                kc: Dev::null(),
-                                vc: Dev::null(),
-                                part: ws.part.f32(),
-                                past_dev: pos,
-                                nq: nq as i32,
-                                nkv: nkv as i32,
-                                nsplit: nsplit as i32,
-                                scale: 1.0 / (hd as f32).sqrt(),
-                                tab,
-                            }
-                            .launch(g, hd, t, On::Prefill)?;
-                            AttnCombineDec {
-                                part: ws.part.f32(),
-                                qg: ws.qg.f32(),
-                                out: ws.ob.bf16(),
-                                past_dev: pos,
-                                nq: nq as i32,
-                                hd: hd as i32,
-                                nsplit: nsplit as i32,
-                                ldqg: (nq * 2 * hd) as i32,
-                            }
-                            .launch(g, t, On::Prefill)?;
+                    if let Some(longest) = batch {
+                        // batched: the decode step's kernels, a grid row a sequence at its own
+                        // position, the caches through the layer's table
+                        let (tab, pos) = (layer_tab(li), ws.batch_pos.i32());
+                        AttnPrep {
+                            qg: ws.qg.f32(),
+                            k: ws.k.f32(),
+                            v: ws.v.f32(),
+                            q_norm: w.q_norm.f32(),
+                            k_norm: w.k_norm.f32(),
+                            inv_freq: self.w.inv_freq.f32(),
+                            q_out: ws.q.f32(),
+                            k_cache: Dev::null(),
+                            v_cache: Dev::null(),
+                            past: 0,
+                            past_dev: pos,
+                            nq: nq as i32,
+                            nkv: nkv as i32,
+                            hd: hd as i32,
+                            rot_half: rot_half as i32,
+                            eps,
+                            tab,
                         }
-                        Seqs::One(state) => {
-                            let (kc, vc) = &state.kv[attn_i];
-                            attn_i += 1;
-                            let past = state.len;
-                            // A warp per (token, head) row (attn_prep_rows; its first head is nq where
-                            // attn_flash4 prepares the queries itself, so it writes the KV heads only).
-                            let flash = t >= FLASH_MIN_TOKENS;
-                            let h0 = if flash { nq } else { 0 };
-                            let (k_cache, v_cache) = (kc.bf16(), vc.bf16());
-                            AttnPrepRows {
-                                qg: ws.qg.f32(),
-                                k: ws.k.f32(),
-                                v: ws.v.f32(),
-                                q_norm: w.q_norm.f32(),
-                                k_norm: w.k_norm.f32(),
-                                inv_freq: self.w.inv_freq.f32(),
-                                q_out: ws.q.f32(),
+                        .launch(g, t, On::Prefill)?;
+                        let cap = ws.part_floats / (t * nq * (hd + 2));
+                        let nsplit = batch_splits(longest, t, nkv, g.sm_count).min(cap).max(1);
+                        AttnDecodeMma {
+                            q: ws.q.f32(),
+                            kc: Dev::null(),
+                            vc: Dev::null(),
+                            part: ws.part.f32(),
+                            past_dev: pos,
+                            nq: nq as i32,
+                            nkv: nkv as i32,
+                            nsplit: nsplit as i32,
+                            scale: 1.0 / (hd as f32).sqrt(),
+                            tab,
+                        }
+                        .launch(g, hd, t, On::Prefill)?;
+                        AttnCombineDec {
+                            part: ws.part.f32(),
+                            qg: ws.qg.f32(),
+                            out: ws.ob.bf16(),
+                            past_dev: pos,
+                            nq: nq as i32,
+                            hd: hd as i32,
+                            nsplit: nsplit as i32,
+                            ldqg: (nq * 2 * hd) as i32,
+                        }
+                        .launch(g, t, On::Prefill)?;
+                    }
+                    for (state, r0, n) in &mut segs {
+                        let (r0, n) = (*r0, *n);
+                        let (kc, vc) = &state.kv[attn_i];
+                        let past = state.len;
+                        let (qg, q, out) = (
+                            ws.qg.f32().at(r0 * nq * 2 * hd),
+                            ws.q.f32().at(r0 * nq * hd),
+                            ws.ob.bf16().at(r0 * nq * hd),
+                        );
+                        // A warp per (token, head) row (attn_prep_rows; its first head is nq
+                        // where attn_flash4 prepares the queries itself, so it writes the KV
+                        // heads only).
+                        let flash = n >= FLASH_MIN_TOKENS;
+                        let h0 = if flash { nq } else { 0 };
+                        let (k_cache, v_cache) = (kc.bf16(), vc.bf16());
+                        AttnPrepRows {
+                            qg,
+                            k: ws.k.f32().at(r0 * nkv * hd),
+                            v: ws.v.f32().at(r0 * nkv * hd),
+                            q_norm: w.q_norm.f32(),
+                            k_norm: w.k_norm.f32(),
+                            inv_freq: self.w.inv_freq.f32(),
+                            q_out: q,
+                            k_cache,
+                            v_cache,
+                            past: past as i32,
+                            t: n as i32,
+                            nq: nq as i32,
+                            nkv: nkv as i32,
+                            hd: hd as i32,
+                            rot_half: rot_half as i32,
+                            eps,
+                            h0: h0 as i32,
+                        }
+                        .launch(g, On::Prefill)?;
+                        if flash {
+                            g.attn_flash(&FlashCall {
+                                q_prep: QPrep {
+                                    q_norm: w.q_norm.f32(),
+                                    inv_freq: self.w.inv_freq.f32(),
+                                    rot_half,
+                                    eps,
+                                },
                                 k_cache,
                                 v_cache,
+                                qg,
+                                out,
+                                t: n,
+                                past,
+                                nq,
+                                nkv,
+                                hd,
+                            })?;
+                        } else {
+                            let n_max = past + n;
+                            let cap =
+                                (ws.part_floats / (n * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
+                            let chunk = n_max.div_ceil(cap).max(64);
+                            let nsplit = n_max.div_ceil(chunk);
+                            AttnSplit {
+                                q,
+                                k_cache,
+                                v_cache,
+                                part: ws.part.f32(),
                                 past: past as i32,
-                                t: ti,
+                                past_dev: Dev::null(),
                                 nq: nq as i32,
                                 nkv: nkv as i32,
                                 hd: hd as i32,
-                                rot_half: rot_half as i32,
-                                eps,
-                                h0: h0 as i32,
+                                nsplit: nsplit as i32,
+                                chunk: chunk as i32,
+                                scale: 1.0 / (hd as f32).sqrt(),
                             }
-                            .launch(g, On::Prefill)?;
-                            if flash {
-                                g.attn_flash(&FlashCall {
-                                    q_prep: QPrep {
-                                        q_norm: w.q_norm.f32(),
-                                        inv_freq: self.w.inv_freq.f32(),
-                                        rot_half,
-                                        eps,
-                                    },
-                                    k_cache,
-                                    v_cache,
-                                    qg: ws.qg.f32(),
-                                    out: ws.ob.bf16(),
-                                    t,
-                                    past,
-                                    nq,
-                                    nkv,
-                                    hd,
-                                })?;
-                            } else {
-                                let n_max = past + t;
-                                let cap =
-                                    (ws.part_floats / (t * nq * (hd + 2))).clamp(1, DECODE_SPLITS);
-                                let chunk = n_max.div_ceil(cap).max(64);
-                                let nsplit = n_max.div_ceil(chunk);
-                                AttnSplit {
-                                    q: ws.q.f32(),
-                                    k_cache,
-                                    v_cache,
-                                    part: ws.part.f32(),
-                                    past: past as i32,
-                                    past_dev: Dev::null(),
-                                    nq: nq as i32,
-                                    nkv: nkv as i32,
-                                    hd: hd as i32,
-                                    nsplit: nsplit as i32,
-                                    chunk: chunk as i32,
-                                    scale: 1.0 / (hd as f32).sqrt(),
-                                }
-                                .launch(g, t, On::Plain)?;
-                                AttnCombine {
-                                    part: ws.part.f32(),
-                                    qg: ws.qg.f32(),
-                                    out: ws.ob.bf16(),
-                                    past: past as i32,
-                                    past_dev: Dev::null(),
-                                    nq: nq as i32,
-                                    hd: hd as i32,
-                                    nsplit: nsplit as i32,
-                                    chunk: chunk as i32,
-                                }
-                                .launch(g, t, On::Plain)?;
+                            .launch(g, n, On::Plain)?;
+                            AttnCombine {
+                                part: ws.part.f32(),
+                                qg,
+                                out,
+                                past: past as i32,
+                                past_dev: Dev::null(),
+                                nq: nq as i32,
+                                hd: hd as i32,
+                                nsplit: nsplit as i32,
+                                chunk: chunk as i32,
                             }
+                            .launch(g, n, On::Plain)?;
                         }
                     }
+                    attn_i += 1;
                     g.gemm(w.o.ptr, d, nq * hd, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
                 }
             }
@@ -575,9 +605,11 @@ impl CudaModel {
             let next_norm = self.w.layers.get(li + 1).map(|l| &l.input_norm);
             self.moe(ws, layer, t, next_norm)?;
         }
-        match seqs {
-            Seqs::One(state) => state.len += t,
-            Seqs::Batch(states) => states.iter_mut().for_each(|s| s.len += 1),
+        for (s, _, n) in segs {
+            s.len += n;
+        }
+        if let Seqs::Batch(states) = seqs {
+            states.iter_mut().for_each(|s| s.len += 1);
         }
         Ok(())
     }
@@ -787,13 +819,14 @@ impl CudaModel {
         }
     }
 
-    /// Final norm + lm_head for `n` rows of `ws.h` starting at row `r0`, into `ws.logits`.
-    pub(super) fn logits_rows(&self, ws: &Workspace, r0: usize, n: usize) -> Result<()> {
+    /// Final norm + lm_head for `n` hidden rows from `x` (rows of `ws.h`, or gathered ones),
+    /// into `ws.logits`.
+    pub(super) fn logits_rows(&self, ws: &Workspace, x: Dev<f32>, n: usize) -> Result<()> {
         let c = &self.config;
         let g = &*self.gpu;
         let d = c.hidden_size;
         RmsnormZcBf16 {
-            x: ws.h.f32().at(r0 * d),
+            x,
             w: self.w.final_norm.f32(),
             out: ws.xb.bf16(),
             d: d as i32,

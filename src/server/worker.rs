@@ -19,7 +19,7 @@ use crate::generate::{
     Channel, DecodeLoop, GenerationStats, ReplyDecoder, ReplySettings, StopReason,
     ends_inside_thinking,
 };
-use crate::model::{Engine, Logits, StateMemory};
+use crate::model::{Engine, StateMemory};
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs, logprobs};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -94,8 +94,9 @@ struct Seq<S> {
 
 /// What one round did with a sequence.
 enum Advanced {
-    /// A prefill chunk ran (or nothing is due yet).
-    Prefilled,
+    /// Its prompt is being prefilled: the next piece would end at prompt position `end`
+    /// (the caller runs the round's pieces together, within the round's token budget).
+    Prefill { end: usize },
     /// It picked `id`, to run through the model with the round's others: greedily on the
     /// device (`greedy`, argmax below `vocab_limit`) or for its logits.
     Feed {
@@ -353,16 +354,28 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     /// model in one batched step per kind ([`Scheduler::feed`]).
     pub fn step(&mut self) {
         let mut feeds = Vec::new();
+        let mut prefills = Vec::new();
+        // Prompt tokens a round prefills at most, first come first served: the running
+        // sequences' next token waits for at most this much prefill.
+        let mut budget = self.shared.config.prefill_chunk.max(1);
         let mut i = 0;
         while i < self.running.len() {
             let Running { job, seq } = &mut self.running[i];
-            let (engine, shared, cache) = (self.engine, &self.shared, &mut self.cache);
+            let (engine, shared) = (self.engine, &self.shared);
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                advance(engine, shared, cache, job, seq)
+                advance(engine, shared, job, seq)
             }))
             .unwrap_or_else(|p| Err(panic_message(p)));
             match outcome {
-                Ok(Advanced::Prefilled) => i += 1,
+                Ok(Advanced::Prefill { end }) => {
+                    let done = self.engine.state_len(&self.running[i].seq.state);
+                    let end = end.min(done + budget);
+                    if end > done {
+                        budget -= end - done;
+                        prefills.push((i, end));
+                    }
+                    i += 1;
+                }
                 Ok(Advanced::Feed {
                     id,
                     greedy,
@@ -382,7 +395,74 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 }
             }
         }
+        // Prefill pieces first (together), then the decode step: the indices stay valid
+        // until `feed` removes failed sequences, and `prefill` removes none before it ends.
+        self.prefill(prefills);
         self.feed(feeds);
+    }
+
+    /// Runs the round's prefill pieces (`(running index, prompt end)`, ascending) in one
+    /// [`Engine::forward_many`], then saves the snapshots and starts the decode loops of the
+    /// completed prompts. Where the call fails, the pieces run one by one, so that only a
+    /// sequence that fails alone is failed (after the round's decode step).
+    fn prefill(&mut self, pieces: Vec<(usize, usize)>) {
+        if pieces.is_empty() {
+            return;
+        }
+        let engine = self.engine;
+        let mut run = |rows: &[(usize, usize)]| -> anyhow::Result<Vec<Vec<f32>>> {
+            let mut seqs: Vec<&mut Running<E::State>> = self
+                .running
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| rows.iter().any(|r| r.0 == *i))
+                .map(|(_, r)| r)
+                .collect();
+            let (pieces, mut states): (Vec<&[u32]>, Vec<&mut E::State>) = seqs
+                .iter_mut()
+                .zip(rows)
+                .map(|(r, &(_, end))| {
+                    let Running { job, seq } = &mut **r;
+                    let done = engine.state_len(&seq.state);
+                    (&job.prompt[done..end], &mut seq.state)
+                })
+                .unzip();
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.forward_many(&mut states, &pieces)
+            }))
+            .unwrap_or_else(|p| Err(panic_message(p)))
+        };
+        let mut done: Vec<(usize, anyhow::Result<Vec<f32>>)> = match run(&pieces) {
+            Ok(logits) => pieces
+                .iter()
+                .map(|p| p.0)
+                .zip(logits.into_iter().map(Ok))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(
+                    "a batched prefill of {} sequences failed ({e:#}); running them one by one",
+                    pieces.len()
+                );
+                pieces
+                    .iter()
+                    .map(|&p| (p.0, run(&[p]).map(|mut l| l.remove(0))))
+                    .collect()
+            }
+        };
+        let mut failed = Vec::new();
+        for (i, logits) in done.drain(..) {
+            let Running { job, seq } = &mut self.running[i];
+            let r =
+                logits.and_then(|l| prefilled(engine, &self.shared, &mut self.cache, job, seq, l));
+            if let Err(e) = r {
+                failed.push((i, e));
+            }
+        }
+        for (i, e) in failed.into_iter().rev() {
+            let r = self.running.remove(i);
+            self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+            fail(&r.job, e);
+        }
     }
 
     /// Runs the round's picked tokens (`(running index, id, greedy, vocab limit)`) through the
@@ -564,12 +644,57 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     }
 }
 
+/// After a prefill piece of `job`'s sequence `r` ran (`logits`: its last position's): at a
+/// snapshot point the state goes to the prefix cache; at the prompt's end the decode loop
+/// starts.
+fn prefilled<E: Engine>(
+    engine: &E,
+    shared: &Shared,
+    cache: &mut PrefixCache<E::State>,
+    job: &Job,
+    r: &mut Seq<E::State>,
+    logits: Vec<f32>,
+) -> anyhow::Result<()> {
+    let m = &shared.metrics;
+    let prompt = &job.prompt;
+    let p = *r.points.front().unwrap_or(&prompt.len());
+    if engine.state_len(&r.state) != p {
+        return Ok(());
+    }
+    r.points.pop_front();
+    if p < prompt.len() {
+        // What the snapshot holds (on the GPU its KV only as far as it is filled).
+        let snapshot = r.state.clone();
+        let bytes = engine.state_bytes(&snapshot);
+        cache.insert(
+            prompt[..p].to_vec(),
+            snapshot,
+            bytes,
+            job.cache_key.as_deref(),
+        );
+        m.cache_bytes.store(cache.bytes() as u64, Ordering::Relaxed);
+        m.cache_entries.store(cache.len() as u64, Ordering::Relaxed);
+    } else {
+        let stats = GenerationStats {
+            prompt_tokens: prompt.len(),
+            cached_tokens: r.cached,
+            generated: Vec::new(),
+            forced_tokens: 0,
+            time_to_first_token: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            stop: StopReason::Cancelled,
+            prefill_complete: true,
+        };
+        r.dl = Some(DecodeLoop::new(stats, r.in_thinking, logits, r.t0));
+    }
+    Ok(())
+}
+
 /// One round of `job`'s sequence `r`: a prefill chunk, or pick a token, report it and check
 /// the limits (the caller then runs the token through the model with the round's others).
 fn advance<E: Engine>(
     engine: &E,
     shared: &Shared,
-    cache: &mut PrefixCache<E::State>,
     job: &Job,
     r: &mut Seq<E::State>,
 ) -> anyhow::Result<Advanced> {
@@ -579,47 +704,19 @@ fn advance<E: Engine>(
         return Ok(Advanced::End(End::Gone));
     }
     let Some(dl) = &mut r.dl else {
-        // Prefill: one chunk per round, so running sequences keep decoding meanwhile.
+        // Prefill: a piece per round (with the round's other sequences' pieces), so running
+        // sequences keep decoding meanwhile.
         if Instant::now() >= job.deadline {
             return Ok(Advanced::End(End::TimedOut));
         }
         if shared.stopping.load(Ordering::SeqCst) {
             return Ok(Advanced::End(End::ShuttingDown));
         }
-        let prompt = &job.prompt;
         let done = engine.state_len(&r.state);
-        let p = *r.points.front().unwrap_or(&prompt.len());
-        let end = p.min(done + opts.prefill_chunk.max(1));
-        let logits = engine.forward(&mut r.state, &prompt[done..end], Logits::Last)?;
-        if end == p {
-            r.points.pop_front();
-            if p < prompt.len() {
-                // What the snapshot holds (on the GPU its KV only as far as it is filled).
-                let snapshot = r.state.clone();
-                let bytes = engine.state_bytes(&snapshot);
-                cache.insert(
-                    prompt[..p].to_vec(),
-                    snapshot,
-                    bytes,
-                    job.cache_key.as_deref(),
-                );
-                m.cache_bytes.store(cache.bytes() as u64, Ordering::Relaxed);
-                m.cache_entries.store(cache.len() as u64, Ordering::Relaxed);
-            } else {
-                let stats = GenerationStats {
-                    prompt_tokens: prompt.len(),
-                    cached_tokens: r.cached,
-                    generated: Vec::new(),
-                    forced_tokens: 0,
-                    time_to_first_token: Duration::ZERO,
-                    decode_time: Duration::ZERO,
-                    stop: StopReason::Cancelled,
-                    prefill_complete: true,
-                };
-                r.dl = Some(DecodeLoop::new(stats, r.in_thinking, logits, r.t0));
-            }
-        }
-        return Ok(Advanced::Prefilled);
+        let p = *r.points.front().unwrap_or(&job.prompt.len());
+        return Ok(Advanced::Prefill {
+            end: p.min(done + opts.prefill_chunk.max(1)),
+        });
     };
     let id = dl.pick(opts, &mut r.sampler);
     let now = Instant::now();
