@@ -757,6 +757,9 @@ fn batched_prefill_matches_each_prompt_alone() {
         let err = cuda
             .forward_many(&mut [&mut fresh(0)], &[&p[..3], &p[..2]])
             .unwrap_err();
-        assert!(format!("{err:#}").contains("2 pieces for 1 sequences"), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("2 pieces for 1 sequences"),
+            "{err:#}"
+        );
     }
 }

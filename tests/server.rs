@@ -1231,29 +1231,32 @@ impl Engine for BatchProbe {
 }
 
 /// Concurrent requests are decoded together, one batched step a round over all of them
-/// (greedy and sampling ones alike), and each reply is what it is alone.
+/// (greedy and sampling ones alike; the sampled ones' picks on several threads), and each
+/// reply is what it is alone.
 #[test]
 fn concurrent_requests_decode_in_batched_steps_with_their_own_replies() {
     let widest = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let w = widest.clone();
+    let mut cfg = config(4096, None);
+    cfg.max_running = Some(8);
     let a = start(
         move || BatchProbe {
             inner: demo_engine(),
             widest: w,
         },
-        config(4096, None),
+        cfg,
         Duration::ZERO,
     );
     wait_ready(a);
     let body = |i: usize| {
-        // two greedy (device-greedy path), two sampled with a seed
+        // two greedy (device-greedy path), four sampled with a seed
         let t = if i < 2 { 0.0 } else { 0.8 };
         json!({"messages": user(&format!("tell me about {i}")), "max_tokens": 24,
                "temperature": t, "seed": i})
     };
-    let alone: Vec<Value> = (0..4).map(|i| chat(a, body(i))).collect();
+    let alone: Vec<Value> = (0..6).map(|i| chat(a, body(i))).collect();
     assert!(widest.load(std::sync::atomic::Ordering::SeqCst) <= 1);
-    let together: Vec<Value> = (0..4)
+    let together: Vec<Value> = (0..6)
         .map(|i| std::thread::spawn(move || chat(a, body(i))))
         .collect::<Vec<_>>()
         .into_iter()

@@ -90,6 +90,8 @@ struct Seq<S> {
     reasoning_tokens: usize,
     t0: Instant,
     last: Option<Instant>,
+    /// The next id, when [`pick_all`] chose it ahead of the round's bookkeeping.
+    picked: Option<u32>,
 }
 
 /// What one round did with a sequence.
@@ -346,6 +348,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             reasoning_tokens: 0,
             t0,
             last: None,
+            picked: None,
         }))
     }
 
@@ -358,6 +361,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         // Prompt tokens a round prefills at most, first come first served: the running
         // sequences' next token waits for at most this much prefill.
         let mut budget = self.shared.config.prefill_chunk.max(1);
+        pick_all(&mut self.running);
         let mut i = 0;
         while i < self.running.len() {
             let Running { job, seq } = &mut self.running[i];
@@ -644,6 +648,54 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     }
 }
 
+/// Sampling rows of a round below which [`pick_all`] leaves the picks to [`advance`].
+const PARALLEL_PICKS_MIN: usize = 4;
+
+/// Picks the next id of every decoding sequence that samples on the host (its logits came
+/// back), on several threads at once: each sequence's sampler is its own, so the ids are the
+/// ones it would pick alone, and a round of 64 sampled rows (a vocabulary-wide top-k scan
+/// each) does not wait for them one after another.
+fn pick_all<S>(running: &mut [Running<S>]) {
+    // (decode loop, options, sampler, where the id goes) of each sequence that samples
+    let mut rows: Vec<_> = running
+        .iter_mut()
+        .filter_map(|r| {
+            let Seq {
+                dl: Some(dl),
+                settings,
+                sampler,
+                picked,
+                ..
+            } = &mut r.seq
+            else {
+                return None;
+            };
+            (!dl.logits.is_empty() && picked.is_none()).then_some((
+                dl,
+                &settings.opts,
+                sampler,
+                picked,
+            ))
+        })
+        .collect();
+    if rows.len() < PARALLEL_PICKS_MIN {
+        return;
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8);
+    let per = rows.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for part in rows.chunks_mut(per) {
+            scope.spawn(move || {
+                for (dl, opts, sampler, picked) in part {
+                    **picked = Some(dl.pick(opts, sampler));
+                }
+            });
+        }
+    });
+}
+
 /// After a prefill piece of `job`'s sequence `r` ran (`logits`: its last position's): at a
 /// snapshot point the state goes to the prefix cache; at the prompt's end the decode loop
 /// starts.
@@ -718,7 +770,10 @@ fn advance<E: Engine>(
             end: p.min(done + opts.prefill_chunk.max(1)),
         });
     };
-    let id = dl.pick(opts, &mut r.sampler);
+    let id = match r.picked.take() {
+        Some(id) => id,
+        None => dl.pick(opts, &mut r.sampler),
+    };
     let now = Instant::now();
     match r.last {
         None => m.ttft.observe((now - r.t0).as_secs_f64()),
