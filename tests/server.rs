@@ -1273,3 +1273,68 @@ fn concurrent_requests_decode_in_batched_steps_with_their_own_replies() {
         assert_eq!(&x["usage"]["completion_tokens"], n, "request {i}");
     }
 }
+
+/// The demo model, but any prefill piece of a sequence already past 600 tokens fails.
+struct FailsLongPrefill(CpuModel);
+
+impl Engine for FailsLongPrefill {
+    type State = <CpuModel as Engine>::State;
+    fn config(&self) -> &TextConfig {
+        self.0.config()
+    }
+    fn new_state(&self) -> Result<Self::State> {
+        self.0.new_state()
+    }
+    fn state_len(&self, s: &Self::State) -> usize {
+        self.0.state_len(s)
+    }
+    fn state_bytes(&self, s: &Self::State) -> usize {
+        self.0.state_bytes(s)
+    }
+    fn forward(&self, s: &mut Self::State, tokens: &[u32], l: Logits) -> Result<Vec<f32>> {
+        if tokens.len() > 1 && self.0.state_len(s) >= 600 {
+            anyhow::bail!("poisoned prefill");
+        }
+        self.0.forward(s, tokens, l)
+    }
+}
+
+/// A sequence whose prefill fails leaves with the error, and a sequence running beside it
+/// goes on unharmed (its reply as alone); the server keeps serving.
+#[test]
+fn a_failed_prefill_fails_only_its_own_request() {
+    let mut cfg = config(8192, None);
+    cfg.prefill_chunk = 100;
+    cfg.cache_mem = 0;
+    let a = start(|| FailsLongPrefill(demo_engine()), cfg, Duration::ZERO);
+    wait_ready(a);
+    let short = json!({"messages": user("a short one"), "max_tokens": 300, "temperature": 0});
+    let alone = chat(a, short.clone());
+    // long enough to be decoding when the other prefill fails
+    assert!(
+        alone["usage"]["completion_tokens"].as_u64().unwrap() >= 100,
+        "{alone}"
+    );
+    let long_prompt = "word ".repeat(2500);
+    let long = std::thread::spawn(move || {
+        post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": user(&long_prompt), "max_tokens": 4}),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    let beside = chat(a, short);
+    let (status, err) = long.join().unwrap();
+    assert!(status >= 500, "{status}: {err}");
+    assert!(err.to_string().contains("poisoned prefill"), "{err}");
+    assert_eq!(
+        alone["choices"][0]["message"],
+        beside["choices"][0]["message"]
+    );
+    // and the server still serves
+    assert_eq!(
+        chat(a, json!({"messages": user("after"), "max_tokens": 2}))["usage"]["completion_tokens"],
+        2
+    );
+}

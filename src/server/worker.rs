@@ -399,19 +399,25 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 }
             }
         }
-        // Prefill pieces first (together), then the decode step: the indices stay valid
-        // until `feed` removes failed sequences, and `prefill` removes none before it ends.
-        self.prefill(prefills);
-        self.feed(feeds);
+        // Prefill pieces first (together), then the decode step; both only report failures,
+        // so the indices stay valid until the failed sequences leave, last index first.
+        let mut failed = self.prefill(prefills);
+        failed.extend(self.feed(feeds));
+        failed.sort_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, e) in failed {
+            let r = self.running.remove(i);
+            self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+            fail(&r.job, e);
+        }
     }
 
     /// Runs the round's prefill pieces (`(running index, prompt end)`, ascending) in one
     /// [`Engine::forward_many`], then saves the snapshots and starts the decode loops of the
     /// completed prompts. Where the call fails, the pieces run one by one, so that only a
-    /// sequence that fails alone is failed (after the round's decode step).
-    fn prefill(&mut self, pieces: Vec<(usize, usize)>) {
+    /// sequence that fails alone fails: returned (running index, error) for [`Self::step`].
+    fn prefill(&mut self, pieces: Vec<(usize, usize)>) -> Vec<(usize, anyhow::Error)> {
         if pieces.is_empty() {
-            return;
+            return Vec::new();
         }
         let engine = self.engine;
         let mut run = |rows: &[(usize, usize)]| -> anyhow::Result<Vec<Vec<f32>>> {
@@ -462,17 +468,14 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 failed.push((i, e));
             }
         }
-        for (i, e) in failed.into_iter().rev() {
-            let r = self.running.remove(i);
-            self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
-            fail(&r.job, e);
-        }
+        failed
     }
 
     /// Runs the round's picked tokens (`(running index, id, greedy, vocab limit)`) through the
     /// model: one batched step for each (greedy, vocab limit) group. Where a batched step
-    /// fails, its rows run one by one, so that only a sequence that fails alone is failed.
-    fn feed(&mut self, feeds: Vec<(usize, u32, bool, usize)>) {
+    /// fails, its rows run one by one, so that only a sequence that fails alone fails:
+    /// returned (running index, error) for [`Self::step`].
+    fn feed(&mut self, feeds: Vec<(usize, u32, bool, usize)>) -> Vec<(usize, anyhow::Error)> {
         let mut groups: Vec<(bool, usize)> = feeds.iter().map(|f| (f.2, f.3)).collect();
         groups.sort_unstable();
         groups.dedup();
@@ -495,12 +498,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 }
             }
         }
-        failed.sort_by_key(|f| std::cmp::Reverse(f.0));
-        for (i, e) in failed {
-            let r = self.running.remove(i);
-            self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
-            fail(&r.job, e);
-        }
+        failed
     }
 
     /// One batched step of `rows` (`(running index, id)`, indices ascending): each row's state
