@@ -84,12 +84,7 @@ pub trait Engine {
         states: &mut [&mut Self::State],
         pieces: &[&[u32]],
     ) -> Result<Vec<Vec<f32>>> {
-        anyhow::ensure!(
-            states.len() == pieces.len(),
-            "{} pieces for {} sequences",
-            pieces.len(),
-            states.len()
-        );
+        check_pieces(states.len(), pieces.len())?;
         states
             .iter_mut()
             .zip(pieces)
@@ -106,9 +101,15 @@ pub trait Engine {
     }
 }
 
+/// Checks a batched prefill's shape: one piece a state.
+pub fn check_pieces(states: usize, pieces: usize) -> Result<()> {
+    anyhow::ensure!(states == pieces, "{pieces} pieces for {states} sequences");
+    Ok(())
+}
+
 /// Checks a batched step's rows: as many tokens as states, every id in the vocabulary (so that
 /// a bad token fails the step before any state has moved).
-fn check_rows<E: Engine + ?Sized>(e: &E, states: usize, tokens: &[u32]) -> Result<()> {
+pub fn check_rows<E: Engine + ?Sized>(e: &E, states: usize, tokens: &[u32]) -> Result<()> {
     anyhow::ensure!(
         states == tokens.len(),
         "a batched step of {} tokens for {states} sequences",

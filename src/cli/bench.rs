@@ -375,17 +375,29 @@ fn write_concurrency_json(
     weights: &str,
     read_bw: f64,
 ) -> Result<()> {
+    write_report(
+        path,
+        serde_json::json!({
+            "device": device,
+            "weights": weights,
+            "read_bandwidth_bytes_per_s": read_bw,
+            "contract": "N streams, each its own contract prompt (offset by the stream index) of `context` tokens, greedy, 4 warm-up then 64 measured batched decode steps, median of 2 rounds",
+            "rows": rows,
+        }),
+    )
+}
+
+/// A bench report: the command, commit and date, then `fields` (an object).
+fn write_report(path: Option<&Path>, fields: serde_json::Value) -> Result<()> {
     let Some(path) = path else { return Ok(()) };
-    let report = serde_json::json!({
+    let mut report = serde_json::json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "commit": kestrel::settings::Settings::get().commit.as_deref().unwrap_or("unknown"),
         "date": utc_date(),
-        "device": device,
-        "weights": weights,
-        "read_bandwidth_bytes_per_s": read_bw,
-        "contract": "N streams, each its own contract prompt (offset by the stream index) of `context` tokens, greedy, 4 warm-up then 64 measured batched decode steps, median of 2 rounds",
-        "rows": rows,
     });
+    if let (Some(r), serde_json::Value::Object(f)) = (report.as_object_mut(), fields) {
+        r.extend(f);
+    }
     std::fs::write(path, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("cannot write {}", path.display()))
 }
@@ -398,18 +410,15 @@ fn write_bench_json(
     copy_bw: f64,
     prefill_chunk: Option<usize>,
 ) -> Result<()> {
-    let Some(path) = path else { return Ok(()) };
-    let report = serde_json::json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "commit": kestrel::settings::Settings::get().commit.as_deref().unwrap_or("unknown"),
-        "date": utc_date(),
-        "device": device,
-        "weights": weights,
-        "copy_bandwidth_bytes_per_s": copy_bw,
-        "prefill_chunk": prefill_chunk,
-        "contract": "batch 1, greedy, prompt[i] = ((i*2654435761) mod 2^32) mod vocab, exact-shape warm-up, TTFT prefill, 64 decode steps, median of 2 rounds",
-        "rows": rows,
-    });
-    std::fs::write(path, serde_json::to_string_pretty(&report)?)
-        .with_context(|| format!("cannot write {}", path.display()))
+    write_report(
+        path,
+        serde_json::json!({
+            "device": device,
+            "weights": weights,
+            "copy_bandwidth_bytes_per_s": copy_bw,
+            "prefill_chunk": prefill_chunk,
+            "contract": "batch 1, greedy, prompt[i] = ((i*2654435761) mod 2^32) mod vocab, exact-shape warm-up, TTFT prefill, 64 decode steps, median of 2 rounds",
+            "rows": rows,
+        }),
+    )
 }

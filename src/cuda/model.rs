@@ -427,12 +427,7 @@ impl CudaModel {
         tokens: &[u32],
         out: RowsOut,
     ) -> Result<(Vec<u32>, Vec<f32>)> {
-        anyhow::ensure!(
-            states.len() == tokens.len(),
-            "a batched step of {} tokens for {} sequences",
-            tokens.len(),
-            states.len()
-        );
+        crate::model::check_rows(self, states.len(), tokens)?;
         self.gpu.bind()?;
         let (mut ids, mut logits) = (Vec::new(), Vec::new());
         let m = self.batch_max();
@@ -492,12 +487,7 @@ impl Engine for CudaModel {
         states: &mut [&mut CudaState],
         pieces: &[&[u32]],
     ) -> Result<Vec<Vec<f32>>> {
-        anyhow::ensure!(
-            states.len() == pieces.len(),
-            "{} pieces for {} sequences",
-            pieces.len(),
-            states.len()
-        );
+        crate::model::check_pieces(states.len(), pieces.len())?;
         self.gpu.bind()?;
         // Consecutive pieces that fit one call go together; a longer one runs alone (in its
         // own chunks).
