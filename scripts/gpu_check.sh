@@ -5,7 +5,7 @@
 #   HF peer, all logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
-#          [concurrency STREAMS CONTEXTS] [serveload]
+#          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
@@ -68,9 +68,13 @@ while [ $# -gt 0 ]; do
       [ -e "$OUT/bench.json" ] && tag="-${1//,/_}"
       .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench$tag.json" 2>&1 \
         | tee "$OUT/bench$tag.log" || status=1 ;;
-    concurrency)
-      .device/bin/kestrel bench --synthetic full --concurrency "$2" --contexts "$3" ${KESTREL_BENCH_ARGS:-} \
-        --json "$OUT/concurrency.json" 2>&1 | tee "$OUT/concurrency.log" || status=1
+    concurrency|concurrency-sampling)
+      # concurrency-sampling: every stream samples, drawn on the device (--sampling)
+      tag=${1#concurrency}
+      extra=""
+      [ -n "$tag" ] && extra="--sampling"
+      .device/bin/kestrel bench --synthetic full --concurrency "$2" --contexts "$3" $extra ${KESTREL_BENCH_ARGS:-} \
+        --json "$OUT/concurrency$tag.json" 2>&1 | tee "$OUT/concurrency$tag.log" || status=1
       shift 2 ;;
     serveload)
       # start_server PORT ARGS..: a synthetic full-size server in the background, ready

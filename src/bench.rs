@@ -158,6 +158,8 @@ pub struct ConcurrencyRow {
     pub expected_experts_per_layer: f64,
     /// Achieved bytes/s over the read bandwidth given (`read_bw`).
     pub bandwidth_fraction: f64,
+    /// Whether every stream sampled (temperature 1, top-k 20, top-p 0.95) instead of greedy.
+    pub sampling: bool,
     pub digest: String,
 }
 
@@ -182,17 +184,28 @@ pub fn batch_decode_bytes(cfg: &TextConfig, context: usize, n: usize) -> f64 {
 
 /// The concurrency benchmark at one (streams, context): `streams` sequences, each prefilled
 /// with its own prompt of `context` tokens (the contract's prompt, offset by the stream's
-/// index), then 4 warm-up and [`DECODE_STEPS`] measured batched greedy steps, median of
-/// [`ROUNDS`] rounds; the digest of all streams' ids must repeat across rounds.
+/// index), then 4 warm-up and [`DECODE_STEPS`] measured batched greedy steps (with
+/// `sampling`: drawn at temperature 1, top-k 20, top-p 0.95, each stream its own seeded
+/// sampler, through [`crate::model::Engine::forward_batch_draw`]), median of [`ROUNDS`]
+/// rounds; the digest of all streams' ids must repeat across rounds.
+#[allow(clippy::too_many_arguments)]
 pub fn bench_concurrency<E: crate::model::Engine>(
     engine: &E,
     cfg: &TextConfig,
     streams: usize,
     context: usize,
     vocab_limit: usize,
+    sampling: bool,
     read_bw: f64,
     mut log: impl FnMut(&str),
 ) -> Result<ConcurrencyRow> {
+    let params = crate::sampling::SamplingParams {
+        temperature: if sampling { 1.0 } else { 0.0 },
+        top_k: 20,
+        top_p: 0.95,
+        vocab_limit,
+        ..Default::default()
+    };
     let prompt_of = |j: usize| prompt(context + j, vocab_limit)[j..].to_vec();
     let run = |steps: usize| -> Result<(f64, Vec<u32>)> {
         let mut states = Vec::with_capacity(streams);
@@ -205,9 +218,27 @@ pub fn bench_concurrency<E: crate::model::Engine>(
         }
         let mut refs: Vec<&mut E::State> = states.iter_mut().collect();
         let mut ids = Vec::with_capacity(steps * streams);
+        let mut samplers: Vec<crate::sampling::Sampler> = (0..streams)
+            .map(|j| crate::sampling::Sampler::new(params.clone(), j as u64))
+            .collect();
         let t0 = Instant::now();
         for _ in 0..steps {
-            next = engine.forward_batch_greedy(&mut refs, &next, vocab_limit)?;
+            next = if sampling {
+                let draws: Vec<crate::sampling::Draw> = samplers
+                    .iter_mut()
+                    .map(|s| crate::sampling::Draw {
+                        u: s.uniform(),
+                        params: &params,
+                        history: &[],
+                        top_logprobs: None,
+                        want_logits: false,
+                    })
+                    .collect();
+                let drawn = engine.forward_batch_draw(&mut refs, &next, &draws)?;
+                drawn.into_iter().map(|d| d.id).collect()
+            } else {
+                engine.forward_batch_greedy(&mut refs, &next, vocab_limit)?
+            };
             ids.extend(&next);
         }
         Ok((t0.elapsed().as_secs_f64(), ids))
@@ -218,7 +249,8 @@ pub fn bench_concurrency<E: crate::model::Engine>(
     for round in 0..ROUNDS {
         let (t, ids) = run(DECODE_STEPS)?;
         log(&format!(
-            "  {streams} streams at context {context} round {round}: {:.2} ms a step, {:.0} tok/s",
+            "  {streams} streams{} at context {context} round {round}: {:.2} ms a step, {:.0} tok/s",
+            if sampling { " sampling" } else { "" },
             t * 1e3 / DECODE_STEPS as f64,
             (streams * DECODE_STEPS) as f64 / t
         ));
@@ -227,7 +259,7 @@ pub fn bench_concurrency<E: crate::model::Engine>(
     }
     if digests.iter().any(|d| *d != digests[0]) {
         bail!(
-            "greedy output differs between rounds at {streams} streams, context {context}: digests {digests:x?}"
+            "the output differs between rounds at {streams} streams, context {context}: digests {digests:x?}"
         );
     }
     let t = median(times);
@@ -250,6 +282,7 @@ pub fn bench_concurrency<E: crate::model::Engine>(
         } else {
             0.0
         },
+        sampling,
         digest: format!("{:016x}", digests[0]),
     })
 }

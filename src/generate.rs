@@ -12,7 +12,7 @@
 use crate::model::{Engine, Logits};
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -206,7 +206,6 @@ pub fn generate<E: Engine>(
     stats.prefill_complete = true;
 
     let mut dl = DecodeLoop::new(stats, in_thinking, logits, t0);
-    let device_greedy = opts.device_greedy && sampler.is_plain_greedy();
     let stop = loop {
         let next = dl.pick(opts, sampler);
         if let Some(reason) = on_token(next, &dl.logits) {
@@ -218,13 +217,7 @@ pub fn generate<E: Engine>(
         if cancel.load(Ordering::SeqCst) {
             break StopReason::Cancelled;
         }
-        dl.feed(
-            engine,
-            state,
-            next,
-            device_greedy,
-            sampler.params().vocab_limit,
-        )?;
+        dl.feed(engine, state, next, opts, sampler)?;
     };
     let stats = dl.finish(stop);
     Ok(Generation { stats, snapshot })
@@ -264,22 +257,37 @@ impl DecodeLoop {
         }
     }
 
-    /// Runs the picked `id` through the model for the next [`pick`](Self::pick): with
-    /// `device_greedy` (a plain greedy sampler, no logits wanted) the engine's own argmax
-    /// chooses the next id ([`Engine::forward_greedy_id`]: on the GPU one id crosses to the
-    /// host, not the vocabulary's logits) and `logits` is left empty; else the new logits.
+    /// Runs the picked `id` through the model for the next [`pick`](Self::pick). With
+    /// `opts.device_greedy` the engine chooses the next id itself and `logits` is left empty:
+    /// a plain greedy sampler by its argmax ([`Engine::forward_greedy_id`]), any other by a
+    /// draw from the sampler's next uniform ([`Engine::forward_batch_draw`]); on the GPU one
+    /// id crosses to the host, not the vocabulary's logits. Otherwise (the test oracle) the
+    /// new logits.
     pub fn feed<E: Engine>(
         &mut self,
         engine: &E,
         state: &mut E::State,
         id: u32,
-        device_greedy: bool,
-        vocab_limit: usize,
+        opts: &GenerateOptions,
+        sampler: &mut Sampler,
     ) -> Result<()> {
-        if device_greedy {
-            self.set_next(engine.forward_greedy_id(state, id, vocab_limit)?);
-        } else {
+        if !opts.device_greedy {
             self.set_logits(engine.forward(state, &[id], Logits::Last)?);
+        } else if sampler.is_plain_greedy() {
+            let limit = sampler.params().vocab_limit;
+            self.set_next(engine.forward_greedy_id(state, id, limit)?);
+        } else {
+            let u = sampler.uniform();
+            let draw = crate::sampling::Draw {
+                params: sampler.params(),
+                u,
+                history: &self.stats.generated,
+                top_logprobs: None,
+                want_logits: false,
+            };
+            let mut drawn = engine.forward_batch_draw(&mut [state], &[id], &[draw])?;
+            let d = drawn.pop().context("a draw of one row gave none")?;
+            self.set_drawn(d.id, d.logits);
         }
         Ok(())
     }
@@ -288,6 +296,13 @@ impl DecodeLoop {
     /// forward itself (the server's batched step).
     pub fn set_next(&mut self, id: u32) {
         self.logits.clear();
+        self.device_next = Some(id);
+    }
+
+    /// What a batched step's draw gives (the server's): the next id, chosen on the device from
+    /// the sampler's uniform, and the logits where they were asked for.
+    pub fn set_drawn(&mut self, id: u32, logits: Option<Vec<f32>>) {
+        self.logits = logits.unwrap_or_default();
         self.device_next = Some(id);
     }
 

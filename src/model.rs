@@ -75,6 +75,18 @@ pub trait Engine {
     ) -> Result<Vec<u32>> {
         forward_rows_greedy(self, states, tokens, vocab_limit)
     }
+    /// [`Engine::forward_batch`] returning each row's draw: the id its sampler would pick from
+    /// the row's logits with `draws[r].u` (and the log-probabilities it asks for). The GPU
+    /// draws on the device, so only ids cross to the host; this default, the CPU's and the
+    /// oracle, draws on the host from the logits ([`crate::sampling::Draw::on_host`]).
+    fn forward_batch_draw(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        draws: &[crate::sampling::Draw],
+    ) -> Result<Vec<crate::sampling::Drawn>> {
+        forward_rows_draw(self, states, tokens, draws)
+    }
     /// Several sequences' next tokens at once (prefill pieces): `pieces[i]` appended to
     /// `states[i]`; the logits of each piece's last position. The GPU runs pieces that fit one
     /// call together (each weight read once for all of them); this default, the CPU's and
@@ -135,6 +147,33 @@ pub fn forward_rows<E: Engine + ?Sized>(
         out.extend(e.forward(s, &[t], Logits::Last)?);
     }
     Ok(out)
+}
+
+/// [`Engine::forward_batch_draw`] row by row on the host: the default, and the path of a
+/// backend that cannot draw on the device.
+pub fn forward_rows_draw<E: Engine + ?Sized>(
+    e: &E,
+    states: &mut [&mut E::State],
+    tokens: &[u32],
+    draws: &[crate::sampling::Draw],
+) -> Result<Vec<crate::sampling::Drawn>> {
+    check_draws(tokens.len(), draws.len())?;
+    let logits = e.forward_batch(states, tokens)?;
+    let v = e.config().vocab_size;
+    Ok(draws
+        .iter()
+        .zip(logits.chunks_exact(v))
+        .map(|(d, l)| d.on_host(l))
+        .collect())
+}
+
+/// A batched draw needs one [`crate::sampling::Draw`] a token.
+pub fn check_draws(tokens: usize, draws: usize) -> Result<()> {
+    anyhow::ensure!(
+        tokens == draws,
+        "a batched step of {tokens} tokens with {draws} draws"
+    );
+    Ok(())
 }
 
 /// A batched greedy step row by row ([`Engine::forward_greedy_id`] of each row).

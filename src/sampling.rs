@@ -398,104 +398,167 @@ impl Sampler {
     /// Chooses the next id from one position's `logits`. `history` is what the penalties
     /// count (the CLI passes the reply generated so far).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let p = &self.params;
-        let n = p.vocab_limit.min(logits.len());
-        if n == 0 {
-            return 0;
+        let u = self.uniform();
+        let (x, cands) = (&mut self.scratch, &mut self.cands);
+        draw_in(&self.params, logits, history, u, x, cands)
+    }
+
+    /// The uniform the next draw uses (one a sampled token; none when greedy), for an engine
+    /// that draws on the device ([`Draw::u`]): with it, [`draw`] picks what
+    /// [`Sampler::sample`] would.
+    pub fn uniform(&mut self) -> f64 {
+        if self.params.is_greedy() {
+            0.0
+        } else {
+            self.rng.next_f64()
         }
-        if p.is_greedy() && (history.is_empty() || !p.has_penalties()) {
-            return greedy_id(logits, n);
+    }
+}
+
+/// The id [`Sampler::sample`] chooses from `logits` with the uniform `u` (unused when greedy):
+/// penalties over `history`, temperature, top-k, top-p, min-p, then the inverse CDF at `u`.
+pub fn draw(p: &SamplingParams, logits: &[f32], history: &[u32], u: f64) -> u32 {
+    draw_in(p, logits, history, u, &mut Vec::new(), &mut Vec::new())
+}
+
+/// [`draw`] with the caller's scratch buffers (a vocabulary of values, the candidates).
+fn draw_in(
+    p: &SamplingParams,
+    logits: &[f32],
+    history: &[u32],
+    u: f64,
+    x: &mut Vec<f32>,
+    cands: &mut Vec<(u32, f32)>,
+) -> u32 {
+    let n = p.vocab_limit.min(logits.len());
+    if n == 0 {
+        return 0;
+    }
+    if p.is_greedy() && (history.is_empty() || !p.has_penalties()) {
+        return greedy_id(logits, n);
+    }
+    x.clear();
+    x.extend(
+        logits[..n]
+            .iter()
+            .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v }),
+    );
+    apply_penalties(
+        x,
+        history,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    );
+    if p.is_greedy() {
+        return argmax(x);
+    }
+    let t = p.temperature.max(f32::MIN_POSITIVE);
+    if t != 1.0 {
+        x.iter_mut().for_each(|v| *v /= t);
+    }
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return argmax(x);
+    }
+    let total = if p.top_k > 0 && p.top_k < n {
+        top_k_scan(x, p.top_k, cands);
+        weights(cands).1
+    } else if p.top_p >= 1.0 && p.min_p <= 0.0 {
+        // Plain sampling over the whole vocabulary, in id order: the weights replace the
+        // logits in place, so each needs one exp.
+        let mut total = 0.0f64;
+        for v in x.iter_mut() {
+            *v = (*v - max).exp();
+            total += *v as f64;
         }
-        let x = &mut self.scratch;
-        x.clear();
-        x.extend(
-            logits[..n]
-                .iter()
-                .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v }),
-        );
-        apply_penalties(
-            x,
-            history,
-            p.repetition_penalty,
-            p.presence_penalty,
-            p.frequency_penalty,
-        );
-        if p.is_greedy() {
-            return argmax(x);
-        }
-        let t = p.temperature.max(f32::MIN_POSITIVE);
-        if t != 1.0 {
-            x.iter_mut().for_each(|v| *v /= t);
-        }
-        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::NEG_INFINITY {
-            return argmax(x);
-        }
-        let cands = &mut self.cands;
-        let total = if p.top_k > 0 && p.top_k < n {
-            top_k_scan(x, p.top_k, cands);
-            weights(cands).1
-        } else if p.top_p >= 1.0 && p.min_p <= 0.0 {
-            // Plain sampling over the whole vocabulary, in id order: the weights replace the
-            // logits in place, so each needs one exp.
-            let mut total = 0.0f64;
-            for v in x.iter_mut() {
-                *v = (*v - max).exp();
-                total += *v as f64;
-            }
-            let u = self.rng.next_f64() * total;
-            let mut acc = 0.0;
-            let mut last = 0;
-            for (i, &w) in x.iter().enumerate() {
-                if w > 0.0 {
-                    acc += w as f64;
-                    last = i as u32;
-                    if u < acc {
-                        return i as u32;
-                    }
+        let u = u * total;
+        let mut acc = 0.0;
+        let mut last = 0;
+        for (i, &w) in x.iter().enumerate() {
+            if w > 0.0 {
+                acc += w as f64;
+                last = i as u32;
+                if u < acc {
+                    return i as u32;
                 }
             }
-            return last;
-        } else if p.min_p > 0.0 {
-            // Min-p keeps a prefix of the sorted order, so filtering first and sorting only
-            // the survivors gives the same result; top-p still needs the full mass.
-            let total = if p.top_p < 1.0 {
-                x.iter().map(|&v| (v - max).exp() as f64).sum()
-            } else {
-                0.0
-            };
-            let threshold = max as f64 + (p.min_p as f64).ln();
-            cands.clear();
-            cands.extend(
-                x.iter()
-                    .enumerate()
-                    .filter(|(_, v)| **v as f64 >= threshold)
-                    .map(|(i, &v)| (i as u32, v)),
-            );
-            cands.sort_unstable_by(by_logit_desc);
-            total
-        } else {
-            cands.clear();
-            cands.extend(
-                x.iter()
-                    .enumerate()
-                    .filter(|(_, v)| **v > f32::NEG_INFINITY)
-                    .map(|(i, &v)| (i as u32, v)),
-            );
-            sort_enough(cands, p.top_p, 0.0)
-        };
-        top_p_of_mass(cands, p.top_p, total);
-        min_p(cands, p.min_p);
-        let probs = probabilities(cands);
-        let u = self.rng.next_f64();
-        let mut acc = 0.0;
-        for (c, pr) in cands.iter().zip(&probs) {
-            acc += pr;
-            if u < acc {
-                return c.0;
-            }
         }
-        cands.last().map_or(0, |c| c.0)
+        return last;
+    } else if p.min_p > 0.0 {
+        // Min-p keeps a prefix of the sorted order, so filtering first and sorting only
+        // the survivors gives the same result; top-p still needs the full mass.
+        let total = if p.top_p < 1.0 {
+            x.iter().map(|&v| (v - max).exp() as f64).sum()
+        } else {
+            0.0
+        };
+        let threshold = max as f64 + (p.min_p as f64).ln();
+        cands.clear();
+        cands.extend(
+            x.iter()
+                .enumerate()
+                .filter(|(_, v)| **v as f64 >= threshold)
+                .map(|(i, &v)| (i as u32, v)),
+        );
+        cands.sort_unstable_by(by_logit_desc);
+        total
+    } else {
+        cands.clear();
+        cands.extend(
+            x.iter()
+                .enumerate()
+                .filter(|(_, v)| **v > f32::NEG_INFINITY)
+                .map(|(i, &v)| (i as u32, v)),
+        );
+        sort_enough(cands, p.top_p, 0.0)
+    };
+    top_p_of_mass(cands, p.top_p, total);
+    min_p(cands, p.min_p);
+    let probs = probabilities(cands);
+    let mut acc = 0.0;
+    for (c, pr) in cands.iter().zip(&probs) {
+        acc += pr;
+        if u < acc {
+            return c.0;
+        }
+    }
+    cands.last().map_or(0, |c| c.0)
+}
+
+/// One row of a batched step's draw ([`crate::model::Engine::forward_batch_draw`]): the
+/// request's settings, the uniform its sampler gave for this token ([`Sampler::uniform`]), the
+/// history the penalties count, how many top log-probabilities it wants (`None`: none), and
+/// whether it needs the logits row itself (the thinking budget may replace the drawn id).
+#[derive(Clone, Copy, Debug)]
+pub struct Draw<'a> {
+    pub params: &'a SamplingParams,
+    pub u: f64,
+    pub history: &'a [u32],
+    pub top_logprobs: Option<usize>,
+    pub want_logits: bool,
+}
+
+/// What a row's draw gave.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Drawn {
+    pub id: u32,
+    pub logprobs: Option<TokenLogprobs>,
+    /// The row's logits, where [`Draw::want_logits`] asked.
+    pub logits: Option<Vec<f32>>,
+}
+
+impl Draw<'_> {
+    /// The draw from the row's `logits` on the host (the reference every device draw matches).
+    pub fn on_host(&self, logits: &[f32]) -> Drawn {
+        let id = draw(self.params, logits, self.history, self.u);
+        Drawn {
+            id,
+            logprobs: self
+                .top_logprobs
+                .map(|n| logprobs(logits, self.params.vocab_limit, id, n)),
+            logits: self.want_logits.then(|| logits.to_vec()),
+        }
     }
 }
 

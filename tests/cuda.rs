@@ -763,3 +763,104 @@ fn batched_prefill_matches_each_prompt_alone() {
         );
     }
 }
+
+/// The batched step's draw on the device (`forward_batch_draw`) against the host's draw from
+/// the same step's logits: batches of 1 (the fused decode step), 3 and 6 sequences, each row
+/// with its own settings (sampled, greedy, penalized over its history, with logprobs) and
+/// uniform, stepped 12 times on snapshots of the same states. The ids must be the host's on
+/// every row but where the batched logits themselves differ between the two runs (they do not
+/// here: the step is deterministic), the log-probabilities within 1e-4, and the states advance
+/// as the logits run's.
+#[test]
+fn batched_draws_match_the_host_draw_of_the_same_logits() {
+    use kestrel::sampling::{Draw, Rng, SamplingParams};
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let r = read_reference(&dir);
+        let (_cpu, cuda) = load(&gpu, &dir, 256);
+        let v = cuda.config.vocab_size;
+        let p = &r.prompt_ids;
+        let kinds = [
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 20,
+                top_p: 0.95,
+                vocab_limit: v,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 0.0,
+                vocab_limit: v,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 1.2,
+                repetition_penalty: 1.3,
+                frequency_penalty: 0.5,
+                vocab_limit: v - 3,
+                ..SamplingParams::default()
+            },
+        ];
+        let mut rng = Rng::new(3);
+        let (mut rows, mut sampled) = (0, 0);
+        for n in [1usize, 3, 6] {
+            let mut states: Vec<_> = (0..n)
+                .map(|j| {
+                    let mut s = cuda.new_state().unwrap();
+                    cuda.forward(&mut s, &p[..(2 + 3 * j).min(p.len())], Logits::Last)
+                        .unwrap();
+                    s
+                })
+                .collect();
+            let mut hist: Vec<Vec<u32>> = (0..n).map(|j| vec![j as u32 + 1; j + 1]).collect();
+            let mut toks: Vec<u32> = (0..n)
+                .map(|j| r.decode_ids[j % r.decode_ids.len()])
+                .collect();
+            for step in 0..12 {
+                let us: Vec<f64> = (0..n).map(|_| rng.next_f64()).collect();
+                let draws: Vec<Draw> = (0..n)
+                    .map(|j| Draw {
+                        params: &kinds[(j + step) % kinds.len()],
+                        u: us[j],
+                        history: &hist[j],
+                        top_logprobs: (j % 2 == 0).then_some(3),
+                        want_logits: false,
+                    })
+                    .collect();
+                let mut snaps: Vec<_> = states.clone();
+                let mut refs: Vec<_> = snaps.iter_mut().collect();
+                let logits = cuda.forward_batch(&mut refs, &toks).unwrap();
+                let mut refs: Vec<_> = states.iter_mut().collect();
+                let got = cuda.forward_batch_draw(&mut refs, &toks, &draws).unwrap();
+                assert_eq!(got.len(), n);
+                for j in 0..n {
+                    let want = draws[j].on_host(&logits[j * v..(j + 1) * v]);
+                    assert_eq!(
+                        got[j].id,
+                        want.id,
+                        "{}: {n} rows, step {step}, row {j} ({:?})",
+                        dir.display(),
+                        draws[j].params
+                    );
+                    if let (Some(g), Some(w)) = (&got[j].logprobs, &want.logprobs) {
+                        assert!((g.logprob - w.logprob).abs() <= 1e-4, "{g:?} vs {w:?}");
+                        let ids = |t: &[(u32, f32)]| t.iter().map(|x| x.0).collect::<Vec<_>>();
+                        assert_eq!(ids(&g.top), ids(&w.top));
+                    }
+                    assert_eq!(got[j].logprobs.is_some(), want.logprobs.is_some());
+                    assert_eq!(cuda.state_len(&states[j]), cuda.state_len(&snaps[j]));
+                    rows += 1;
+                    sampled += (!draws[j].params.is_greedy()) as usize;
+                }
+                for j in 0..n {
+                    hist[j].push(got[j].id);
+                    toks[j] = got[j].id;
+                }
+            }
+        }
+        println!(
+            "{}: {rows} drawn rows ({sampled} sampled) the host's",
+            dir.display()
+        );
+    }
+}

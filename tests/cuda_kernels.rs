@@ -756,3 +756,245 @@ fn attn_flash4_matches_reference_full_shape() {
         );
     }
 }
+
+/// Logits rows of the model's vocabulary (248,320; the last 1,000 past the limit) like a
+/// language model's: a few likely ids spread over the vocabulary above a noise floor, scaled
+/// by `peak` (small: nearly flat).
+fn vocab_rows(rows: usize, seed: u64, peak: f32) -> Vec<f32> {
+    let v = 248_320;
+    let mut rng = Lcg(seed);
+    let mut x = rng.vec(rows * v, 3.0);
+    for r in 0..rows {
+        for j in 0..40 {
+            let id = (j * 6_151 + r * 977 + 13) % v;
+            x[r * v + id] += peak * (1.0 + j as f32 / 8.0);
+        }
+    }
+    x
+}
+
+/// The draw on the device (`sample.cu` through `Gpu::draw_rows`) against the host sampler
+/// (`Draw::on_host`) on the model's vocabulary: every row of a 64-row batch has its own
+/// settings (the server's default top-k 20 / top-p 0.95, top-k alone, top-p and min-p alone,
+/// plain sampling, greedy, penalties over a history, a vocabulary limit, top-k past the
+/// device's candidates and a flat top-p, which the host draws) and its own uniform; the ids
+/// must be the host's (plain sampling in id order may differ in f32 summation order: at most
+/// one row in 64), the log-probabilities within 1e-4, and a row asking for its logits gets
+/// them unchanged (penalized rows' raw values restored).
+#[test]
+fn device_draws_match_the_host_sampler() {
+    use kestrel::cuda::sample::SampleWs;
+    use kestrel::sampling::{Draw, Rng, SamplingParams};
+    let Some(gpu) = gpu() else { return };
+    let (v, rows) = (248_320usize, 64usize);
+    let ws = SampleWs::new(&gpu, rows).unwrap();
+    let base = SamplingParams {
+        vocab_limit: v - 1_000,
+        ..SamplingParams::default()
+    };
+    let set = |f: &dyn Fn(&mut SamplingParams)| {
+        let mut p = base.clone();
+        f(&mut p);
+        p
+    };
+    let kinds: Vec<(&str, SamplingParams)> = vec![
+        (
+            "top-k 20 top-p 0.95",
+            set(&|p| {
+                p.top_k = 20;
+                p.top_p = 0.95;
+                p.temperature = 0.7;
+            }),
+        ),
+        ("top-k 50", set(&|p| p.top_k = 50)),
+        (
+            "top-p 0.9",
+            set(&|p| {
+                p.top_p = 0.9;
+                p.temperature = 0.3;
+            }),
+        ),
+        (
+            "min-p 0.1",
+            set(&|p| {
+                p.min_p = 0.1;
+                p.temperature = 0.5;
+            }),
+        ),
+        ("plain", set(&|p| p.temperature = 1.0)),
+        ("greedy", set(&|p| p.temperature = 0.0)),
+        (
+            "penalties",
+            set(&|p| {
+                p.top_k = 30;
+                p.repetition_penalty = 1.3;
+                p.presence_penalty = 0.5;
+                p.frequency_penalty = 0.25;
+            }),
+        ),
+        (
+            "greedy penalties",
+            set(&|p| {
+                p.temperature = 0.0;
+                p.repetition_penalty = 1.5;
+            }),
+        ),
+        ("top-k 100 (host)", set(&|p| p.top_k = 100)),
+        (
+            "flat top-p (host)",
+            set(&|p| {
+                p.top_p = 0.95;
+                p.temperature = 5.0;
+            }),
+        ),
+    ];
+    let mut rng = Rng::new(5);
+    for (round, peak) in [(0u64, 12.0f32), (1, 6.0), (2, 12.0)] {
+        let logits = vocab_rows(rows, 100 + round, peak);
+        let dev = gpu.upload(&logits).unwrap();
+        let params: Vec<&SamplingParams> = (0..rows).map(|r| &kinds[r % kinds.len()].1).collect();
+        let hist: Vec<Vec<u32>> = (0..rows)
+            .map(|r| {
+                (0..200)
+                    .map(|j| ((j * 6_151 + r * 977 + 13) % v) as u32)
+                    .chain([v as u32 - 10])
+                    .collect()
+            })
+            .collect();
+        let us: Vec<f64> = (0..rows).map(|_| rng.next_f64()).collect();
+        let draws: Vec<Draw> = (0..rows)
+            .map(|r| Draw {
+                params: params[r],
+                u: us[r],
+                history: &hist[r],
+                top_logprobs: (r % 3 == 0).then_some(5),
+                want_logits: round == 2 && r % 5 == 0,
+            })
+            .collect();
+        let got = gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap();
+        let (mut plain_differ, mut compared) = (0, 0);
+        for (r, d) in draws.iter().enumerate() {
+            let row = &logits[r * v..(r + 1) * v];
+            let want = d.on_host(row);
+            let kind = kinds[r % kinds.len()].0;
+            if got[r].id != want.id {
+                assert_eq!(
+                    kind, "plain",
+                    "round {round} row {r} ({kind}): {} vs {}",
+                    got[r].id, want.id
+                );
+                plain_differ += 1;
+            }
+            compared += 1;
+            match (&got[r].logprobs, &want.logprobs) {
+                (Some(g), Some(w)) if g.id == w.id => {
+                    assert!(
+                        (g.logprob - w.logprob).abs() <= 1e-4,
+                        "row {r}: {g:?} vs {w:?}"
+                    );
+                    assert_eq!(g.top.len(), w.top.len(), "row {r}");
+                    for (a, b) in g.top.iter().zip(&w.top) {
+                        assert_eq!(a.0, b.0, "row {r}: top ids");
+                        assert!((a.1 - b.1).abs() <= 1e-4, "row {r}: {a:?} vs {b:?}");
+                    }
+                }
+                (g, w) => assert_eq!(g.is_some(), w.is_some(), "row {r}"),
+            }
+            assert_eq!(
+                got[r].logits.as_deref(),
+                d.want_logits.then_some(row),
+                "row {r}"
+            );
+        }
+        println!(
+            "draws round {round}: {compared} rows the host's, plain sampling differs on {plain_differ}"
+        );
+        assert!(
+            plain_differ <= 1,
+            "round {round}: {plain_differ} plain rows differ"
+        );
+    }
+}
+
+/// The device's draws follow the host sampler's distribution: 4,096 draws (64-row batches of
+/// one row's logits, each row its own random uniform) at the server's default settings (top-k
+/// 20, top-p 0.95, temperature 0.7) on a moderately peaked row, against the probabilities the
+/// host's draw gives (its id at 200,000 evenly spaced uniforms): chi-square over the ids the
+/// host can choose (those expected fewer than 5 times in one bin), at most its 0.999 quantile.
+#[test]
+fn device_draws_follow_the_host_distribution() {
+    use kestrel::cuda::sample::SampleWs;
+    use kestrel::sampling::{Draw, Rng, SamplingParams, draw};
+    let Some(gpu) = gpu() else { return };
+    let (v, rows) = (248_320usize, 64usize);
+    let ws = SampleWs::new(&gpu, rows).unwrap();
+    let one = vocab_rows(1, 77, 2.5);
+    let logits: Vec<f32> = (0..rows).flat_map(|_| one.iter().copied()).collect();
+    let dev = gpu.upload(&logits).unwrap();
+    let p = SamplingParams {
+        temperature: 0.7,
+        top_k: 20,
+        top_p: 0.95,
+        vocab_limit: v,
+        ..SamplingParams::default()
+    };
+    let grid = 200_000;
+    let mut expect = std::collections::BTreeMap::<u32, f64>::new();
+    for i in 0..grid {
+        let id = draw(&p, &one, &[], (i as f64 + 0.5) / grid as f64);
+        *expect.entry(id).or_default() += 1.0 / grid as f64;
+    }
+    let mut rng = Rng::new(11);
+    let mut seen = std::collections::BTreeMap::<u32, f64>::new();
+    let n = 4096;
+    for _ in 0..n / rows {
+        let us: Vec<f64> = (0..rows).map(|_| rng.next_f64()).collect();
+        let draws: Vec<Draw> = us
+            .iter()
+            .map(|&u| Draw {
+                params: &p,
+                u,
+                history: &[],
+                top_logprobs: None,
+                want_logits: false,
+            })
+            .collect();
+        for d in gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap() {
+            assert!(
+                expect.contains_key(&d.id),
+                "id {} outside the host's choices",
+                d.id
+            );
+            *seen.entry(d.id).or_default() += 1.0;
+        }
+    }
+    let (mut bins, mut rare) = (Vec::new(), (0.0, 0.0));
+    for (id, &pr) in &expect {
+        let (e, o) = (pr * n as f64, seen.get(id).copied().unwrap_or(0.0));
+        if e < 5.0 {
+            rare = (rare.0 + e, rare.1 + o);
+        } else {
+            bins.push((e, o));
+        }
+    }
+    if rare.0 > 0.0 {
+        bins.push(rare);
+    }
+    let chi2: f64 = bins.iter().map(|(e, o)| (o - e) * (o - e) / e).sum();
+    let dof = bins.len() - 1;
+    // the chi-square 0.999 quantile, by Wilson-Hilferty
+    let z = 3.09;
+    let k = dof as f64;
+    let q = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    println!(
+        "device draws: chi-square {chi2:.1} over {} bins of {} ids (0.999 quantile {q:.1})",
+        bins.len(),
+        expect.len()
+    );
+    assert!(
+        bins.len() >= 5,
+        "the row is too peaked to test: {} bins",
+        bins.len()
+    );
+    assert!(chi2 <= q, "chi-square {chi2:.1} above {q:.1}");
+}

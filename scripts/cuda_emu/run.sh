@@ -19,7 +19,10 @@
 #        moe_gemm6 (wgmma, emulated through its descriptors; SwiGLU-fused and plain, and the bf16
 #        y bitwise its f32 y rounded) against double references at the tiny fixtures' dims, a
 #        deep-K shape and a reduced real shape; moe_plan over several warps of experts
-# Usage: run.sh [mma|gdn|attn|gemv|moe|all] [full]   (default all). Needs g++ with C++20.
+#   sample sample.cu: the draw on the device (penalties, chunk statistics and candidates, the
+#        pick) against a transcription of the CPU sampler: same ids from the same uniforms for
+#        every filter, ties and NaN, rows past the candidates flagged, log-probabilities
+# Usage: run.sh [mma|gdn|attn|gemv|moe|sample|all] [full]   (default all). Needs g++ with C++20.
 # EMU_DEFINES="A B=1": preprocessor defines for the kernels (as KESTREL_KERNEL_DEFINES on the GPU).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -38,7 +41,7 @@ build() {  # build NAME KERNEL_FILES...
   for d in ${EMU_DEFINES:-}; do defs+=("-D$d"); done
   g++ -std=c++20 -O2 "${defs[@]}" -fno-strict-aliasing -Wno-unknown-pragmas -Wno-psabi -pthread -I"$tmp" "$here/${n}_check.cpp" -o "$tmp/${n}_check"
 }
-for n in mma gdn attn gemv moe; do
+for n in mma gdn attn gemv moe sample; do
   [ "$what" = all ] || [ "$what" = "$n" ] || continue
   case $n in
     mma) build mma ;;
@@ -46,6 +49,7 @@ for n in mma gdn attn gemv moe; do
     attn) build attn attn_prefill.cu attn_decode.cu ;;
     gemv) build gemv gemv.cu ;;
     moe) build moe norm.cu moe_route.cu moe_gemm.cu moe_decode.cu ;;
+    sample) build sample sample.cu ;;
   esac
   echo "== $n"
   "$tmp/${n}_check" "$@"

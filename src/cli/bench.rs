@@ -120,6 +120,7 @@ pub(super) fn bench_cmd(
     max_chunk: Option<usize>,
     json: Option<PathBuf>,
     concurrency: Option<String>,
+    sampling: bool,
 ) -> Result<()> {
     let contexts = positive_list("--contexts", &contexts)?;
     let streams = concurrency
@@ -197,7 +198,8 @@ pub(super) fn bench_cmd(
             if let Some(streams) = &streams {
                 let read_bw = gpu.measure_weight_stream(2048, 256)?;
                 eprintln!("read bandwidth {:.2} TB/s", read_bw / 1e12);
-                let rows = concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, read_bw)?;
+                let rows =
+                    concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, sampling, read_bw)?;
                 print_profile(&gpu);
                 return write_concurrency_json(
                     json.as_deref(),
@@ -243,7 +245,8 @@ pub(super) fn bench_cmd(
                 }
             };
             if let Some(streams) = &streams {
-                let rows = concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, 0.0)?;
+                let rows =
+                    concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, sampling, 0.0)?;
                 return write_concurrency_json(json.as_deref(), &rows, "cpu", &weights_label, 0.0);
             }
             let runner = CpuRunner(&m, vocab_limit);
@@ -333,6 +336,7 @@ fn concurrency_rows<E: Engine>(
     streams: &[usize],
     contexts: &[usize],
     vocab_limit: usize,
+    sampling: bool,
     read_bw: f64,
 ) -> Result<Vec<kestrel::bench::ConcurrencyRow>> {
     let mut rows = Vec::new();
@@ -344,6 +348,7 @@ fn concurrency_rows<E: Engine>(
                 n,
                 c,
                 vocab_limit,
+                sampling,
                 read_bw,
                 |s| eprintln!("{s}"),
             )?);
@@ -381,7 +386,7 @@ fn write_concurrency_json(
             "device": device,
             "weights": weights,
             "read_bandwidth_bytes_per_s": read_bw,
-            "contract": "N streams, each its own contract prompt (offset by the stream index) of `context` tokens, greedy, 4 warm-up then 64 measured batched decode steps, median of 2 rounds",
+            "contract": "N streams, each its own contract prompt (offset by the stream index) of `context` tokens, greedy (rows with `sampling`: temperature 1, top-k 20, top-p 0.95, drawn on the device), 4 warm-up then 64 measured batched decode steps, median of 2 rounds",
             "rows": rows,
         }),
     )

@@ -137,6 +137,10 @@ enum Command {
         /// tok/s, bytes a step against the read bandwidth).
         #[arg(long)]
         concurrency: Option<String>,
+        /// With --concurrency: every stream samples (temperature 1, top-k 20, top-p 0.95, the
+        /// model card's settings) instead of decoding greedily.
+        #[arg(long, requires = "concurrency")]
+        sampling: bool,
     },
 }
 
@@ -226,6 +230,7 @@ fn run(cli: Cli) -> Result<i32> {
             max_chunk,
             json,
             concurrency,
+            sampling,
         } => {
             bench_cmd(
                 synthetic,
@@ -235,6 +240,7 @@ fn run(cli: Cli) -> Result<i32> {
                 max_chunk,
                 json,
                 concurrency,
+                sampling,
             )?;
             Ok(0)
         }

@@ -14,6 +14,7 @@ pub mod model;
 pub mod moe;
 mod prefill;
 pub mod probe;
+pub mod sample;
 pub mod state;
 mod upload;
 
@@ -27,7 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 /// The kernel sources, one file per op family, compiled as one module.
-const SOURCES: [(&str, &str); 17] = [
+const SOURCES: [(&str, &str); 18] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("ptx.cuh", include_str!("kernels/ptx.cuh")),
     ("sync.cuh", include_str!("kernels/sync.cuh")),
@@ -45,6 +46,7 @@ const SOURCES: [(&str, &str); 17] = [
     ("moe_route.cu", include_str!("kernels/moe_route.cu")),
     ("moe_gemm.cu", include_str!("kernels/moe_gemm.cu")),
     ("moe_decode.cu", include_str!("kernels/moe_decode.cu")),
+    ("sample.cu", include_str!("kernels/sample.cu")),
 ];
 
 /// Threads for `n` lanes of work: whole warps, at most 1024.

@@ -19,10 +19,12 @@ use super::kernels::gdn_decode::GdnConvstepDec;
 use super::kernels::gemv::Input;
 use super::kernels::misc::ArgmaxRows;
 use super::prefill::{LOGITS_ROWS, MAX_BATCH, Seqs, Workspace};
+use super::sample::SampleWs;
 pub use super::state::CudaState;
 use super::upload::{Source, Weights};
 use crate::config::TextConfig;
 use crate::model::{Engine, Logits, StateMemory};
+use crate::sampling::{Draw, Drawn};
 use crate::weights::ModelWeights;
 use anyhow::{Result, bail};
 use std::sync::Arc;
@@ -39,6 +41,8 @@ pub struct CudaModel {
     pub weight_bytes: usize,
     /// The fused decode step's buffers (`decode.rs`).
     pub(super) dws: DecodeWs,
+    /// The draw's buffers (`sample.rs`), for a lm_head call's rows.
+    pub(super) sws: SampleWs,
     /// One-token steps through the fused decode kernels (off: the general path, the test
     /// oracle `KESTREL_DECODE=unfused`).
     pub fused_decode: bool,
@@ -80,7 +84,8 @@ impl CudaModel {
             weights: total as usize * 2 + vec_extra,
             state: Self::state_bytes(cfg, max_seq),
             workspace: Self::workspace_floats(cfg, max_chunk).1
-                + DecodeWs::sizes(cfg).iter().map(|(_, b)| b).sum::<usize>(),
+                + DecodeWs::sizes(cfg).iter().map(|(_, b)| b).sum::<usize>()
+                + SampleWs::bytes(LOGITS_ROWS),
         }
     }
 
@@ -221,6 +226,7 @@ impl CudaModel {
         let w = Weights::upload(&gpu, &cfg, &src, plan.weights as u64, progress)?;
         let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
         let dws = DecodeWs::alloc(&gpu, &cfg)?;
+        let sws = SampleWs::new(&gpu, LOGITS_ROWS)?;
         gpu.sync()?;
         let settings = crate::settings::Settings::get();
         Ok(CudaModel {
@@ -231,6 +237,7 @@ impl CudaModel {
             max_seq,
             weight_bytes: plan.weights,
             dws,
+            sws,
             fused_decode: fused_decode_fits(&cfg) && !settings.unfused_decode,
             decode_graph: true,
             gdn_chunked: !settings.recurrent_gdn,
@@ -310,11 +317,21 @@ impl CudaModel {
 
 /// What a batched decode step hands back per row.
 #[derive(Clone, Copy)]
-enum RowsOut {
+enum RowsOut<'a> {
     /// The greedy id, argmax over ids below the limit.
     Greedy(usize),
     /// The logits.
     Logits,
+    /// The rows' draws on the device ([`Gpu::draw_rows`]).
+    Draw(&'a [Draw<'a>]),
+}
+
+/// What the rows of a batched decode step gave, as its [`RowsOut`] asked.
+#[derive(Default)]
+struct Rows {
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+    drawn: Vec<Drawn>,
 }
 
 impl CudaModel {
@@ -346,8 +363,7 @@ impl CudaModel {
         states: &mut [&mut CudaState],
         tokens: &[u32],
         out: RowsOut,
-        ids: &mut Vec<u32>,
-        logits: &mut Vec<f32>,
+        res: &mut Rows,
     ) -> Result<()> {
         let rows = tokens.len();
         for (s, &t) in states.iter_mut().zip(tokens) {
@@ -371,9 +387,15 @@ impl CudaModel {
                 }
                 .launch(&self.gpu, n, On::Prefill)?,
                 RowsOut::Logits => {
-                    let at = logits.len();
-                    logits.resize(at + n * v, 0.0);
-                    self.gpu.copy_to_host(ws.logits.ptr, &mut logits[at..])?;
+                    let at = res.logits.len();
+                    res.logits.resize(at + n * v, 0.0);
+                    self.gpu
+                        .copy_to_host(ws.logits.ptr, &mut res.logits[at..])?;
+                }
+                RowsOut::Draw(draws) => {
+                    let group = &draws[r0..r0 + n];
+                    let drawn = self.gpu.draw_rows(&self.sws, ws.logits.f32(), v, group)?;
+                    res.drawn.extend(drawn);
                 }
             }
             r0 += n;
@@ -381,7 +403,7 @@ impl CudaModel {
         if let RowsOut::Greedy(_) = out {
             let mut next = vec![0i32; rows];
             self.gpu.copy_to_host(ws.batch_next.ptr, &mut next)?;
-            ids.extend(next.iter().map(|&x| x as u32));
+            res.ids.extend(next.iter().map(|&x| x as u32));
         }
         Ok(())
     }
@@ -426,15 +448,19 @@ impl CudaModel {
         states: &mut [&mut CudaState],
         tokens: &[u32],
         out: RowsOut,
-    ) -> Result<(Vec<u32>, Vec<f32>)> {
+    ) -> Result<Rows> {
         crate::model::check_rows(self, states.len(), tokens)?;
         self.gpu.bind()?;
-        let (mut ids, mut logits) = (Vec::new(), Vec::new());
+        let mut res = Rows::default();
         let m = self.batch_max();
-        for (st, tk) in states.chunks_mut(m).zip(tokens.chunks(m)) {
-            self.batch_step(st, tk, out, &mut ids, &mut logits)?;
+        for (i, (st, tk)) in states.chunks_mut(m).zip(tokens.chunks(m)).enumerate() {
+            let out = match out {
+                RowsOut::Draw(d) => RowsOut::Draw(&d[i * m..i * m + tk.len()]),
+                o => o,
+            };
+            self.batch_step(st, tk, out, &mut res)?;
         }
-        Ok((ids, logits))
+        Ok(res)
     }
 }
 
@@ -514,7 +540,7 @@ impl Engine for CudaModel {
         if states.len() <= 1 || !self.batch_fits() {
             return crate::model::forward_rows(self, states, tokens);
         }
-        Ok(self.batch_steps(states, tokens, RowsOut::Logits)?.1)
+        Ok(self.batch_steps(states, tokens, RowsOut::Logits)?.logits)
     }
 
     fn forward_batch_greedy(
@@ -528,7 +554,33 @@ impl Engine for CudaModel {
         }
         Ok(self
             .batch_steps(states, tokens, RowsOut::Greedy(vocab_limit))?
-            .0)
+            .ids)
+    }
+
+    fn forward_batch_draw(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        draws: &[Draw],
+    ) -> Result<Vec<Drawn>> {
+        crate::model::check_rows(self, states.len(), tokens)?;
+        crate::model::check_draws(tokens.len(), draws.len())?;
+        if states.len() == 1 && self.fused_decode {
+            self.gpu.bind()?;
+            let state = &mut *states[0];
+            self.admit_tokens(state, tokens)?;
+            let v = self.config.vocab_size;
+            self.decode_step(state, tokens[0], v)?;
+            return self
+                .gpu
+                .draw_rows(&self.sws, self.dws.logits.f32(), v, draws);
+        }
+        if states.len() <= 1 || !self.batch_fits() {
+            return crate::model::forward_rows_draw(self, states, tokens, draws);
+        }
+        Ok(self
+            .batch_steps(states, tokens, RowsOut::Draw(draws))?
+            .drawn)
     }
 
     fn forward(&self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {

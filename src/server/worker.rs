@@ -20,7 +20,7 @@ use crate::generate::{
     ends_inside_thinking,
 };
 use crate::model::{Engine, StateMemory};
-use crate::sampling::{Sampler, SamplingParams, TokenLogprobs, logprobs};
+use crate::sampling::{Draw, Sampler, SamplingParams, TokenLogprobs, logprobs};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -92,6 +92,11 @@ struct Seq<S> {
     last: Option<Instant>,
     /// The next id, when [`pick_all`] chose it ahead of the round's bookkeeping.
     picked: Option<u32>,
+    /// The uniform of the next draw, taken from the sampler once per token (kept when a
+    /// batched step fails and its rows run again).
+    u: Option<f64>,
+    /// The log-probabilities the device's draw reported with the next id.
+    drawn_logprobs: Option<TokenLogprobs>,
 }
 
 /// What one round did with a sequence.
@@ -349,6 +354,8 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             t0,
             last: None,
             picked: None,
+            u: None,
+            drawn_logprobs: None,
         }))
     }
 
@@ -472,27 +479,33 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     }
 
     /// Runs the round's picked tokens (`(running index, id, greedy, vocab limit)`) through the
-    /// model: one batched step for each (greedy, vocab limit) group. Where a batched step
-    /// fails, its rows run one by one, so that only a sequence that fails alone fails:
-    /// returned (running index, error) for [`Self::step`].
+    /// model in one batched step: where every row is greedy (an argmax, no logprobs), one
+    /// greedy step per vocabulary limit; otherwise one step that draws every row's next id
+    /// on the device ([`Engine::forward_batch_draw`]). Where a batched step fails, its rows
+    /// run one by one, so that only a sequence that fails alone fails: returned (running
+    /// index, error) for [`Self::step`].
     fn feed(&mut self, feeds: Vec<(usize, u32, bool, usize)>) -> Vec<(usize, anyhow::Error)> {
-        let mut groups: Vec<(bool, usize)> = feeds.iter().map(|f| (f.2, f.3)).collect();
+        let mut groups: Vec<Option<usize>> = if feeds.iter().all(|f| f.2) {
+            feeds.iter().map(|f| Some(f.3)).collect()
+        } else {
+            vec![None]
+        };
         groups.sort_unstable();
         groups.dedup();
         let mut failed: Vec<(usize, anyhow::Error)> = Vec::new();
-        for (greedy, limit) in groups {
+        for greedy in groups {
             let rows: Vec<(usize, u32)> = feeds
                 .iter()
-                .filter(|f| (f.2, f.3) == (greedy, limit))
+                .filter(|f| greedy.is_none() || greedy == Some(f.3))
                 .map(|f| (f.0, f.1))
                 .collect();
-            if let Err(e) = self.feed_rows(&rows, greedy, limit) {
+            if let Err(e) = self.feed_rows(&rows, greedy) {
                 tracing::warn!(
                     "a batched step of {} sequences failed ({e:#}); running them one by one",
                     rows.len()
                 );
                 for &row in &rows {
-                    if let Err(e) = self.feed_rows(&[row], greedy, limit) {
+                    if let Err(e) = self.feed_rows(&[row], greedy) {
                         failed.push((row.0, e));
                     }
                 }
@@ -502,45 +515,71 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     }
 
     /// One batched step of `rows` (`(running index, id)`, indices ascending): each row's state
-    /// advances by its id and its decode loop gets the next greedy id or the logits.
-    fn feed_rows(
-        &mut self,
-        rows: &[(usize, u32)],
-        greedy: bool,
-        limit: usize,
-    ) -> anyhow::Result<()> {
+    /// advances by its id and its decode loop gets the next id, the device's argmax below the
+    /// limit (`greedy`) or each row's draw.
+    fn feed_rows(&mut self, rows: &[(usize, u32)], greedy: Option<usize>) -> anyhow::Result<()> {
         let engine = self.engine;
         let ids: Vec<u32> = rows.iter().map(|r| r.1).collect();
-        let mut seqs: Vec<&mut Seq<E::State>> = self
+        let mut seqs: Vec<(&Job, &mut Seq<E::State>)> = self
             .running
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| rows.iter().any(|r| r.0 == *i))
-            .map(|(_, r)| &mut r.seq)
+            .map(|(_, r)| (&r.job, &mut r.seq))
             .collect();
-        let mut states: Vec<&mut E::State> = seqs.iter_mut().map(|s| &mut s.state).collect();
-        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if greedy {
-                engine
+        if greedy.is_none() {
+            for (_, s) in seqs.iter_mut() {
+                if s.u.is_none() {
+                    s.u = Some(s.sampler.uniform());
+                }
+            }
+        }
+        let out = {
+            let mut states = Vec::with_capacity(seqs.len());
+            let mut draws = Vec::with_capacity(seqs.len());
+            for (job, s) in seqs.iter_mut() {
+                let Seq {
+                    state,
+                    sampler,
+                    dl,
+                    settings,
+                    u,
+                    ..
+                } = &mut **s;
+                let opts = &settings.opts;
+                // The thinking budget may replace the drawn id by a forced one, whose
+                // log-probability needs the logits; the test oracle keeps every row's
+                // logits on the host.
+                let forced_maybe = opts.thinking.as_ref().is_some_and(|t| t.budget.is_some());
+                draws.push(Draw {
+                    params: sampler.params(),
+                    u: u.unwrap_or(0.0),
+                    history: dl.as_ref().map_or(&[][..], |d| &d.stats.generated[..]),
+                    top_logprobs: job.logprobs,
+                    want_logits: !opts.device_greedy || (forced_maybe && job.logprobs.is_some()),
+                });
+                states.push(state);
+            }
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match greedy {
+                Some(limit) => engine
                     .forward_batch_greedy(&mut states, &ids, limit)
-                    .map(|n| (n, Vec::new()))
-            } else {
-                engine
-                    .forward_batch(&mut states, &ids)
-                    .map(|l| (Vec::new(), l))
-            }
-        }))
-        .unwrap_or_else(|p| Err(panic_message(p)));
-        drop(states);
-        let (next, logits) = out?;
-        let v = engine.config().vocab_size;
-        for (j, s) in seqs.iter_mut().enumerate() {
+                    .map(|n| n.into_iter().map(|id| (id, None, None)).collect::<Vec<_>>()),
+                None => engine
+                    .forward_batch_draw(&mut states, &ids, &draws)
+                    .map(|d| {
+                        d.into_iter()
+                            .map(|d| (d.id, d.logprobs, d.logits))
+                            .collect::<Vec<_>>()
+                    }),
+            }))
+            .unwrap_or_else(|p| Err(panic_message(p)))
+        };
+        let next = out?;
+        for ((_, s), (id, lp, logits)) in seqs.iter_mut().zip(next) {
+            s.u = None;
+            s.drawn_logprobs = lp;
             let Some(dl) = &mut s.dl else { continue };
-            if greedy {
-                dl.set_next(next[j]);
-            } else {
-                dl.set_logits(logits[j * v..(j + 1) * v].to_vec());
-            }
+            dl.set_drawn(id, logits);
         }
         Ok(())
     }
@@ -782,10 +821,13 @@ fn advance<E: Engine>(
         r.reasoning_tokens += 1;
     }
     let hidden = opts.stop_ids.contains(&id);
+    // The device's draw reported them with its id; a forced id (or the first one, from the
+    // prefill's logits) takes them from the logits.
+    let drawn = r.drawn_logprobs.take().filter(|lp| lp.id == id);
     let lp = job
         .logprobs
         .filter(|_| !hidden)
-        .map(|n| logprobs(&dl.logits, r.vocab_limit, id, n));
+        .map(|n| drawn.unwrap_or_else(|| logprobs(&dl.logits, r.vocab_limit, id, n)));
     let tok = &shared.tokenizer;
     let (pieces, stopped) = r.decoder.push(id, |ids: &[u32]| tok.decode(ids, true))?;
     if (!pieces.is_empty() || lp.is_some())

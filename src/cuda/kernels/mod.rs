@@ -21,6 +21,7 @@ pub mod moe_decode;
 pub mod moe_gemm;
 pub mod moe_route;
 pub mod norm;
+pub mod sample;
 pub mod trace;
 
 /// A typed device pointer: `len` elements of `T` at `ptr`; [`Dev::null`] where a kernel takes
@@ -274,6 +275,7 @@ fn all_signatures() -> Vec<&'static Signature> {
         moe_gemm::SIGNATURES,
         moe_route::SIGNATURES,
         norm::SIGNATURES,
+        sample::SIGNATURES,
         trace::SIGNATURES,
     ]
     .into_iter()

@@ -1,0 +1,475 @@
+// Sampling on the device: each row of a batch's logits gets the draw of the CPU `Sampler`
+// (src/sampling.rs) from the same uniform, so only ids and the requested log-probabilities
+// cross to the host (not 1 MB of logits a row). Three kernels, launched in this order:
+//   sample_penalize  (rows with penalties) the repetition / presence / frequency penalties in
+//                    place on the ids of the row's history, the raw values saved;
+//   sample_stats     a block per (chunk of SAMPLE_CHUNK ids, row): the chunk's maximum, its
+//                    softmax mass at temperature 1 and at the row's temperature, and its
+//                    SAMPLE_K largest logits (radix select on the float bits; ties: lowest id);
+//   sample_pick      a block per row: the chunks' candidates merged into the row's SAMPLE_K
+//                    largest, then the CPU sampler's filters and draw on them (top-k, top-p
+//                    against the full mass, min-p, the inverse CDF in descending order), or for
+//                    plain sampling the inverse CDF over the whole vocabulary in id order
+//                    (the chunk masses locate the chunk, a scan of it the id). It also writes the
+//                    log-sum-exp and top log-probabilities of the raw logits.
+// Where the candidates cannot decide (top-k above SAMPLE_K, or a top-p / min-p set that may
+// reach past them) the row is flagged and the host samples its logits row instead.
+// Row parameters: SAMPLE_PW 32-bit words (SP_*); results: SAMPLE_OW words (SO_*).
+
+#define SAMPLE_K 64
+#define SAMPLE_CHUNK 8192
+#define SAMPLE_MAX_CHUNKS 32
+#define SAMPLE_TOPN 20
+#define SAMPLE_PW 16
+#define SAMPLE_OW 48
+// parameter words: temperature (0: greedy), top_k (0: off), top_p, min_p, the three penalties
+// (f32), the id limit, the row's penalty list (offset and length in `pen`, pairs of id and
+// count), top log-probabilities wanted (-1: none), and the uniform (f64, low word first)
+#define SP_TEMP 0
+#define SP_TOPK 1
+#define SP_TOPP 2
+#define SP_MINP 3
+#define SP_REP 4
+#define SP_PRES 5
+#define SP_FREQ 6
+#define SP_LIMIT 7
+#define SP_PEN_OFF 8
+#define SP_PEN_LEN 9
+#define SP_NLP 10
+#define SP_U_LO 12
+#define SP_U_HI 13
+// result words: the id, 1 where the host must sample, the raw log-sum-exp (f32), the id's
+// log-probability (f32), the number of top pairs, then (id, log-probability) pairs
+#define SO_ID 0
+#define SO_FLAG 1
+#define SO_LSE 2
+#define SO_LP 3
+#define SO_NTOP 4
+#define SO_TOP 5
+// sample_pick's phases: the stats are of the raw logits (write the log-sum-exp and the top
+// log-probabilities), draw, and the buffer holds penalized values (the raw ones in `saved`)
+#define SAMPLE_RAW 1
+#define SAMPLE_DRAW 2
+#define SAMPLE_PENALIZED 4
+
+// The float's order as an unsigned key (NaN as -inf).
+__device__ __forceinline__ unsigned sample_key(float v) {
+    unsigned u = v != v ? 0xff800000u : __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+#define SAMPLE_KEY_NEG_INF 0x007fffffu
+
+// (v, id) ranks before (w, jd): larger value, then lower id.
+__device__ __forceinline__ bool sample_before(float v, int id, float w, int jd) {
+    return v > w || (v == w && id < jd);
+}
+
+// Bitonic sort of n (a power of two) pairs in shared memory, best first; all threads call it.
+__device__ void sample_sort(float* v, int* id, int n) {
+    for (int k = 2; k <= n; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                const int l = i ^ j;
+                if (l > i) {
+                    const bool lb = sample_before(v[l], id[l], v[i], id[i]);
+                    const bool ib = sample_before(v[i], id[i], v[l], id[l]);
+                    if ((i & k) == 0 ? lb : ib) {
+                        const float tv = v[i];
+                        v[i] = v[l];
+                        v[l] = tv;
+                        const int ti = id[i];
+                        id[i] = id[l];
+                        id[l] = ti;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+}
+
+__device__ float sample_block_max(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float m = lane < (int)(blockDim.x >> 5) ? part[lane] : -INFINITY;
+        m = warp_max(m);
+        if (lane == 0) total = m;
+    }
+    __syncthreads();
+    return total;
+}
+
+__device__ __forceinline__ float sample_f(const unsigned* p, int w) { return __uint_as_float(p[w]); }
+
+// The temperature the sampler divides by (greedy rows: 1).
+__device__ __forceinline__ float sample_temp(const unsigned* p) {
+    const float t = sample_f(p, SP_TEMP);
+    return t == 0.0f ? 1.0f : fmaxf(t, 1.17549435e-38f);
+}
+
+extern "C" __global__ void __launch_bounds__(256) sample_penalize(float* __restrict__ logits, int ld,
+                                                                  const unsigned* __restrict__ params,
+                                                                  const int* __restrict__ pen,
+                                                                  float* __restrict__ saved) {
+    PREFILL_KERNEL();
+    const unsigned* p = params + (size_t)blockIdx.x * SAMPLE_PW;
+    const int off = (int)p[SP_PEN_OFF], len = (int)p[SP_PEN_LEN], limit = (int)p[SP_LIMIT];
+    const float rep = sample_f(p, SP_REP), pres = sample_f(p, SP_PRES), freq = sample_f(p, SP_FREQ);
+    float* x = logits + (size_t)blockIdx.x * ld;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const int id = pen[2 * (off + j)], n = pen[2 * (off + j) + 1];
+        if (id < 0 || id >= limit) continue;  // the ids are distinct: no two threads meet
+        float v = x[id];
+        saved[off + j] = v;
+        if (v != v) v = -INFINITY;
+        if (rep != 1.0f) v = v > 0.0f ? v / rep : v * rep;
+        v -= pres + freq * (float)n;
+        x[id] = v;
+    }
+}
+
+// stats [rows, chunks, 4]: max, sum exp(v - max), sum exp(v / t - max / t), finite values;
+// cand_v / cand_id [rows, chunks, SAMPLE_K]: the chunk's largest raw values, best first (id -1
+// past the finite ones). Grid (chunks, rows), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __restrict__ logits, int ld,
+                                                               const unsigned* __restrict__ params,
+                                                               float* __restrict__ stats,
+                                                               int* __restrict__ cand_id,
+                                                               float* __restrict__ cand_v) {
+    PREFILL_KERNEL();
+    __shared__ float sv[SAMPLE_CHUNK];
+    __shared__ int hist[256];
+    __shared__ int scan[256];
+    __shared__ float kv[SAMPLE_K];
+    __shared__ int ki[SAMPLE_K];
+    __shared__ unsigned s_prefix;
+    __shared__ int s_rem, s_count;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    const unsigned* p = params + (size_t)r * SAMPLE_PW;
+    const int limit = (int)p[SP_LIMIT], start = c * SAMPLE_CHUNK;
+    const int n = max(0, min(SAMPLE_CHUNK, limit - start));
+    const float t = sample_temp(p);
+    const float* x = logits + (size_t)r * ld + start;
+    float m = -INFINITY, valid = 0.0f;
+    for (int i = tid; i < n; i += nt) {
+        float v = x[i];
+        if (v != v) v = -INFINITY;
+        sv[i] = v;
+        m = fmaxf(m, v);
+        valid += v > -INFINITY ? 1.0f : 0.0f;
+    }
+    m = sample_block_max(m);
+    const int nvalid = (int)block_sum(valid);
+    float s1 = 0.0f, st = 0.0f;
+    if (m > -INFINITY) {
+        const float mt = t != 1.0f ? m / t : m;
+        for (int i = tid; i < n; i += nt) {
+            const float v = sv[i];
+            s1 += expf(v - m);
+            st += expf((t != 1.0f ? v / t : v) - mt);
+        }
+    }
+    s1 = block_sum(s1);
+    st = block_sum(st);
+    // the SAMPLE_K-th largest key (radix select, 8 bits a pass) and how many equal to it to take
+    const int want = min(SAMPLE_K, nvalid);
+    unsigned prefix = SAMPLE_KEY_NEG_INF;
+    int rem = 0;
+    if (nvalid > SAMPLE_K) {
+        unsigned mask = 0;
+        prefix = 0;
+        rem = SAMPLE_K;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int i = tid; i < 256; i += nt) hist[i] = 0;
+            __syncthreads();
+            for (int i = tid; i < n; i += nt) {
+                const unsigned k = sample_key(sv[i]);
+                if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                int acc = 0, b = 255;
+                for (; b > 0; b--) {
+                    if (acc + hist[b] >= rem) break;
+                    acc += hist[b];
+                }
+                s_prefix = prefix | ((unsigned)b << shift);
+                s_rem = rem - acc;
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            rem = s_rem;
+            mask |= 255u << shift;
+        }
+    }
+    // everything above the threshold (in any order), then the `rem` lowest ids equal to it
+    if (tid == 0) s_count = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += nt)
+        if (sample_key(sv[i]) > prefix) {
+            const int s = atomicAdd(&s_count, 1);
+            kv[s] = sv[i];
+            ki[s] = start + i;
+        }
+    const int per = (n + nt - 1) / nt, lo = tid * per, hi = min(n, lo + per);
+    int ties = 0;
+    if (rem > 0)
+        for (int i = lo; i < hi; i++) ties += sample_key(sv[i]) == prefix;
+    scan[tid] = ties;
+    __syncthreads();
+    if (tid == 0) {
+        int acc = 0;
+        for (int i = 0; i < nt; i++) {
+            const int v = scan[i];
+            scan[i] = acc;
+            acc += v;
+        }
+    }
+    __syncthreads();
+    if (rem > 0) {
+        int j = scan[tid];
+        const int base = want - rem;
+        for (int i = lo; i < hi && j < rem; i++)
+            if (sample_key(sv[i]) == prefix) {
+                kv[base + j] = sv[i];
+                ki[base + j] = start + i;
+                j++;
+            }
+    }
+    __syncthreads();
+    for (int j = tid; j < SAMPLE_K; j += nt)
+        if (j >= want) {
+            kv[j] = -INFINITY;
+            ki[j] = 0x7fffffff;
+        }
+    __syncthreads();
+    sample_sort(kv, ki, SAMPLE_K);
+    const size_t at = (size_t)r * gridDim.x + c;
+    for (int j = tid; j < SAMPLE_K; j += nt) {
+        cand_v[at * SAMPLE_K + j] = kv[j];
+        cand_id[at * SAMPLE_K + j] = j < want ? ki[j] : -1;
+    }
+    if (tid == 0) {
+        stats[at * 4 + 0] = m;
+        stats[at * 4 + 1] = s1;
+        stats[at * 4 + 2] = st;
+        stats[at * 4 + 3] = (float)nvalid;
+    }
+}
+
+// A block per row (256 threads) over sample_stats' `chunks` chunks; `phase` as SAMPLE_*.
+extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __restrict__ logits, int ld,
+                                                              const unsigned* __restrict__ params, int chunks,
+                                                              const float* __restrict__ stats,
+                                                              const int* __restrict__ cand_id,
+                                                              const float* __restrict__ cand_v,
+                                                              const int* __restrict__ pen,
+                                                              const float* __restrict__ saved, int phase,
+                                                              unsigned* __restrict__ out) {
+    PREFILL_KERNEL();
+    __shared__ float mv[SAMPLE_MAX_CHUNKS * SAMPLE_K];
+    __shared__ int mi[SAMPLE_MAX_CHUNKS * SAMPLE_K];
+    __shared__ double part[256];
+    __shared__ double s_target;
+    __shared__ int s_chunk, s_id, s_thread;
+    __shared__ float s_raw;
+    const int r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    const unsigned* p = params + (size_t)r * SAMPLE_PW;
+    unsigned* o = out + (size_t)r * SAMPLE_OW;
+    const float* x = logits + (size_t)r * ld;
+    const float* st = stats + (size_t)r * chunks * 4;
+    const int limit = (int)p[SP_LIMIT], nlp = (int)p[SP_NLP];
+    const float t = sample_temp(p);
+    float m = -INFINITY;
+    int nvalid = 0;
+    for (int c = 0; c < chunks; c++) {
+        m = fmaxf(m, st[c * 4]);
+        nvalid += (int)st[c * 4 + 3];
+    }
+    int n = SAMPLE_K;
+    while (n < chunks * SAMPLE_K) n <<= 1;
+    for (int j = tid; j < n; j += nt) {
+        const bool in = j < chunks * SAMPLE_K;
+        const int id = in ? cand_id[(size_t)r * chunks * SAMPLE_K + j] : -1;
+        mv[j] = id >= 0 ? cand_v[(size_t)r * chunks * SAMPLE_K + j] : -INFINITY;
+        mi[j] = id >= 0 ? id : 0x7fffffff;
+    }
+    __syncthreads();
+    sample_sort(mv, mi, n);
+    const int nc = min(nvalid, SAMPLE_K);
+    if ((phase & SAMPLE_RAW) && tid == 0) {
+        double s = 0.0;
+        for (int c = 0; c < chunks; c++)
+            if (st[c * 4] > -INFINITY) s += (double)st[c * 4 + 1] * exp((double)st[c * 4] - (double)m);
+        const double lse = (double)m + log(s);
+        o[SO_LSE] = __float_as_uint((float)lse);
+        const int top = max(0, min(nlp, min(nc, SAMPLE_TOPN)));
+        o[SO_NTOP] = (unsigned)top;
+        for (int j = 0; j < top; j++) {
+            o[SO_TOP + 2 * j] = (unsigned)mi[j];
+            o[SO_TOP + 2 * j + 1] = __float_as_uint((float)((double)mv[j] - lse));
+        }
+    }
+    if (!(phase & SAMPLE_DRAW)) return;
+    if (tid == 0) {
+        const float temp = sample_f(p, SP_TEMP), top_p = sample_f(p, SP_TOPP), min_p = sample_f(p, SP_MINP);
+        const int top_k = (int)p[SP_TOPK];
+        const double u = __longlong_as_double((long long)(((u64)p[SP_U_HI] << 32) | p[SP_U_LO]));
+        const bool complete = nvalid <= SAMPLE_K;  // the candidates are every finite logit
+        int id = 0, flag = 0, len = 0;
+        s_chunk = -1;
+        if (temp == 0.0f || top_k == 1) {
+            id = nc > 0 ? mi[0] : 0;
+        } else if (nc > 0) {
+            for (int j = 0; j < nc; j++) mv[j] = t != 1.0f ? mv[j] / t : mv[j];
+            const double x0 = mv[0];
+            // the full softmax mass at temperature t, relative to the largest value
+            const float mt = t != 1.0f ? m / t : m;
+            double full = 0.0;
+            for (int c = 0; c < chunks; c++) {
+                const float cm = st[c * 4];
+                if (cm > -INFINITY) full += (double)st[c * 4 + 2] * exp((double)(t != 1.0f ? cm / t : cm) - (double)mt);
+            }
+            double total = 0.0;
+            if (top_k > 0 && top_k < limit) {
+                if (top_k > SAMPLE_K && !complete) {
+                    flag = 1;
+                } else {
+                    len = min(top_k, nc);
+                    for (int j = 0; j < len; j++) total += exp((double)mv[j] - x0);
+                }
+            } else if (top_p >= 1.0f && min_p <= 0.0f) {
+                // plain sampling: the inverse CDF over every id in id order; find the chunk
+                const double target = u * full;
+                double acc = 0.0;
+                int last = -1;
+                for (int c = 0; c < chunks && s_chunk < 0; c++) {
+                    const float cm = st[c * 4];
+                    if (!(cm > -INFINITY)) continue;
+                    const double w = (double)st[c * 4 + 2] * exp((double)(t != 1.0f ? cm / t : cm) - (double)mt);
+                    last = c;
+                    if (target < acc + w) {
+                        s_chunk = c;
+                        s_target = target - acc;
+                    }
+                    acc += w;
+                }
+                if (s_chunk < 0) {  // rounding: the last positive weight
+                    s_chunk = last;
+                    s_target = 1e300;
+                }
+            } else if (min_p > 0.0f) {
+                total = top_p < 1.0f ? full : 0.0;
+                const double thr = x0 + log((double)min_p);
+                while (len < nc && (double)mv[len] >= thr) len++;
+                if (len == nc && !complete) flag = 1;  // more ids past the candidates may pass
+            } else {
+                total = full;
+                double mass = 0.0;
+                for (int j = 0; j < nc; j++) mass += exp((double)mv[j] - x0);
+                if (!(mass >= (double)top_p * total) && !complete) flag = 1;
+                len = nc;
+            }
+            if (!flag && s_chunk < 0) {
+                if (top_p < 1.0f && len > 1) {
+                    const double target = (double)top_p * total;
+                    double acc = 0.0;
+                    for (int j = 0; j < len; j++) {
+                        acc += exp((double)mv[j] - x0);
+                        if (acc >= target) {
+                            len = j + 1;
+                            break;
+                        }
+                    }
+                }
+                if (min_p > 0.0f) {
+                    const double thr = x0 + log((double)min_p);
+                    int keep = 0;
+                    while (keep < len && !((double)mv[keep] < thr)) keep++;
+                    len = max(keep, 1);
+                }
+                double sum = 0.0;
+                for (int j = 0; j < len; j++) sum += exp((double)mv[j] - x0);
+                double acc = 0.0;
+                id = mi[len - 1];
+                for (int j = 0; j < len; j++) {
+                    acc += exp((double)mv[j] - x0) / sum;
+                    if (u < acc) {
+                        id = mi[j];
+                        break;
+                    }
+                }
+            }
+        }
+        s_id = id;
+        o[SO_FLAG] = (unsigned)flag;
+        s_thread = -1;
+    }
+    __syncthreads();
+    if (s_chunk >= 0) {
+        // plain sampling, the chosen chunk: each thread a contiguous range of ids, in order
+        const int c = s_chunk, start = c * SAMPLE_CHUNK, cn = max(0, min(SAMPLE_CHUNK, limit - start));
+        const float mt = t != 1.0f ? m / t : m;
+        const int per = (cn + nt - 1) / nt, lo = start + tid * per, hi = min(start + cn, lo + per);
+        double s = 0.0;
+        for (int i = lo; i < hi; i++) {
+            float v = x[i];
+            if (v != v) v = -INFINITY;
+            s += (double)expf((t != 1.0f ? v / t : v) - mt);
+        }
+        part[tid] = s;
+        __syncthreads();
+        if (tid == 0) {
+            double acc = 0.0, target = s_target;
+            int last = -1;
+            for (int i = 0; i < nt; i++) {
+                if (part[i] > 0.0) last = i;
+                if (s_thread < 0 && part[i] > 0.0 && target < acc + part[i]) {
+                    s_thread = i;
+                    s_target = target - acc;
+                }
+                acc += part[i];
+            }
+            if (s_thread < 0) {
+                s_thread = last;
+                s_target = 1e300;
+            }
+        }
+        __syncthreads();
+        if (tid == s_thread) {
+            double acc = 0.0;
+            int id = lo;
+            for (int i = lo; i < hi; i++) {
+                float v = x[i];
+                if (v != v) v = -INFINITY;
+                const float w = expf((t != 1.0f ? v / t : v) - mt);
+                if (w > 0.0f) {
+                    acc += (double)w;
+                    id = i;
+                    if (s_target < acc) break;
+                }
+            }
+            s_id = id;
+        }
+        __syncthreads();
+    }
+    // the id's raw log-probability (its value before the penalties where they were applied)
+    const int id = s_id;
+    if (tid == 0) s_raw = x[id];
+    __syncthreads();
+    if ((phase & SAMPLE_PENALIZED) && nlp >= 0) {
+        const int off = (int)p[SP_PEN_OFF], len = (int)p[SP_PEN_LEN];
+        for (int j = tid; j < len; j += nt)
+            if (pen[2 * (off + j)] == id) s_raw = saved[off + j];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        o[SO_ID] = (unsigned)id;
+        o[SO_LP] = __float_as_uint((float)((double)s_raw - (double)__uint_as_float(o[SO_LSE])));
+    }
+}
