@@ -363,6 +363,16 @@ inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, [src](int) { r
 template <class T>
 inline T __shfl_up_sync(unsigned, T v, int o) { return emu_shfl(v, [o](int l) { return l >= o ? l - o : l; }); }
 // Warp-wide integer reductions (redux.sync): every lane publishes v, then all read all 32.
+// __match_any_sync: the lanes whose value equals this lane's (all 32 lanes take part).
+template <class T>
+inline unsigned __match_any_sync(unsigned, T v) {
+    unsigned m = 0;
+    for (int l = 0; l < 32; l++)
+        if (__shfl_sync(0xffffffffu, v, l) == v) m |= 1u << l;
+    return m;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 template <class F>
 inline unsigned emu_reduce(unsigned v, F op) {
     Warp* w = t_warp;

@@ -21,8 +21,8 @@ const PEN_CAP: usize = 1 << 18;
 /// The draw's device buffers, for up to `rows` rows a call.
 pub struct SampleWs {
     rows: usize,
-    params: DeviceBuf,
-    pen: DeviceBuf,
+    /// The rows' parameter words, then the penalty pairs: one upload a call.
+    up: DeviceBuf,
     saved: DeviceBuf,
     stats: DeviceBuf,
     cand_id: DeviceBuf,
@@ -35,8 +35,7 @@ impl SampleWs {
         let per_row = SAMPLE_MAX_CHUNKS * SAMPLE_K * 4;
         Ok(SampleWs {
             rows,
-            params: gpu.alloc_zeroed(rows * SAMPLE_PW * 4)?,
-            pen: gpu.alloc_zeroed(PEN_CAP * 8)?,
+            up: gpu.alloc_zeroed(rows * SAMPLE_PW * 4 + PEN_CAP * 8)?,
             saved: gpu.alloc_zeroed(PEN_CAP * 4)?,
             stats: gpu.alloc_zeroed(rows * SAMPLE_MAX_CHUNKS * 16)?,
             cand_id: gpu.alloc_zeroed(rows * per_row)?,
@@ -136,9 +135,12 @@ impl Gpu {
         }
         let mut out = vec![0u32; rows * SAMPLE_OW];
         if host.iter().any(|h| !h) {
-            self.copy_to_device(ws.params.ptr, &words)?;
-            self.copy_to_device(ws.pen.ptr, &pen)?;
-            let params: Dev<u32> = ws.params.view();
+            let pen_at_dev = ws.rows * SAMPLE_PW;
+            words.resize(pen_at_dev, 0);
+            words.extend(pen.iter().map(|&x| x as u32));
+            self.copy_to_device(ws.up.ptr, &words)?;
+            let params: Dev<u32> = Dev::new(ws.up.ptr, pen_at_dev);
+            let pen_dev: Dev<i32> = Dev::new(ws.up.ptr + 4 * pen_at_dev as u64, PEN_CAP * 2);
             let (ldi, nc) = (ld as i32, nchunks as i32);
             let stats = SampleStats {
                 logits,
@@ -156,7 +158,7 @@ impl Gpu {
                 stats: ws.stats.f32(),
                 cand_id: ws.cand_id.i32(),
                 cand_v: ws.cand_v.f32(),
-                pen: ws.pen.i32(),
+                pen: pen_dev,
                 saved: ws.saved.f32(),
                 phase,
                 out: ws.out.view(),
@@ -173,7 +175,7 @@ impl Gpu {
                     logits,
                     ld: ldi,
                     params,
-                    pen: ws.pen.i32(),
+                    pen: pen_dev,
                     saved: ws.saved.f32(),
                 }
                 .launch(self, rows, On::Prefill)?;

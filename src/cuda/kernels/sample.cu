@@ -187,9 +187,13 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __re
         for (int shift = 24; shift >= 0; shift -= 8) {
             for (int i = tid; i < 256; i += nt) hist[i] = 0;
             __syncthreads();
-            for (int i = tid; i < n; i += nt) {
-                const unsigned k = sample_key(sv[i]);
-                if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1);
+            // a warp's lanes with the same bin add once (most values share the top byte)
+            for (int i0 = 0; i0 < n; i0 += nt) {
+                const int i = i0 + tid;
+                const unsigned k = i < n ? sample_key(sv[i]) : 0u;
+                const int bin = i < n && (k & mask) == prefix ? (int)((k >> shift) & 255) : -1;
+                const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                if (bin >= 0 && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
             }
             __syncthreads();
             if (tid == 0) {
@@ -291,16 +295,45 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
         m = fmaxf(m, st[c * 4]);
         nvalid += (int)st[c * 4 + 3];
     }
-    int n = SAMPLE_K;
-    while (n < chunks * SAMPLE_K) n <<= 1;
-    for (int j = tid; j < n; j += nt) {
-        const bool in = j < chunks * SAMPLE_K;
-        const int id = in ? cand_id[(size_t)r * chunks * SAMPLE_K + j] : -1;
+    // The chunks' lists are sorted best first: a candidate's rank in the row is its place in
+    // its own list plus, in every other list, how many rank before it (a binary search each).
+    for (int j = tid; j < chunks * SAMPLE_K; j += nt) {
+        const int id = cand_id[(size_t)r * chunks * SAMPLE_K + j];
         mv[j] = id >= 0 ? cand_v[(size_t)r * chunks * SAMPLE_K + j] : -INFINITY;
         mi[j] = id >= 0 ? id : 0x7fffffff;
     }
     __syncthreads();
-    sample_sort(mv, mi, n);
+    __shared__ float top_v[SAMPLE_K];
+    __shared__ int top_i[SAMPLE_K];
+    for (int j = tid; j < chunks * SAMPLE_K; j += nt) {
+        const int own = j / SAMPLE_K;
+        const float v = mv[j];
+        const int id = mi[j];
+        if (id == 0x7fffffff) continue;
+        int rank = j - own * SAMPLE_K;
+        for (int c = 0; c < chunks && rank < SAMPLE_K; c++) {
+            if (c == own) continue;
+            const float* lv = mv + c * SAMPLE_K;
+            const int* li = mi + c * SAMPLE_K;
+            int lo = 0, hi = SAMPLE_K;  // the first entry that does not rank before (v, id)
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (sample_before(lv[mid], li[mid], v, id)) lo = mid + 1;
+                else hi = mid;
+            }
+            rank += lo;
+        }
+        if (rank < SAMPLE_K) {
+            top_v[rank] = v;
+            top_i[rank] = id;
+        }
+    }
+    __syncthreads();
+    for (int j = tid; j < SAMPLE_K; j += nt) {
+        mv[j] = top_v[j];
+        mi[j] = top_i[j];
+    }
+    __syncthreads();
     const int nc = min(nvalid, SAMPLE_K);
     if ((phase & SAMPLE_RAW) && tid == 0) {
         double s = 0.0;
