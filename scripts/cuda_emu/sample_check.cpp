@@ -193,12 +193,12 @@ int main() {
             std::vector<float> saved(std::max<size_t>(pen.size() / 2, 1));
             std::vector<unsigned> out((size_t)ROWS * SAMPLE_OW, 0xdeadbeef);
             auto stats_launch = [&] {
-                emu_launch({(unsigned)chunks, (unsigned)ROWS, 1}, 256, 0, [&] {
+                emu_launch({(unsigned)chunks, (unsigned)ROWS, 1}, 1024, 0, [&] {
                     sample_stats(logits.data(), LD, params.data(), stats.data(), cand_id.data(), cand_v.data());
                 });
             };
             auto pick_launch = [&](int phase) {
-                emu_launch({(unsigned)ROWS, 1, 1}, 256, 0, [&] {
+                emu_launch({(unsigned)ROWS, 1, 1}, 1024, 0, [&] {
                     sample_pick(logits.data(), LD, params.data(), chunks, stats.data(), cand_id.data(), cand_v.data(),
                                 pen.data(), saved.data(), phase, out.data());
                 });
@@ -283,10 +283,10 @@ int main() {
         std::vector<float> stats((size_t)rows * 4), cand_v((size_t)rows * SAMPLE_K), saved(1);
         std::vector<int> cand_id(cand_v.size()), pen(2);
         std::vector<unsigned> out((size_t)rows * SAMPLE_OW);
-        emu_launch({1, (unsigned)rows, 1}, 256, 0, [&] {
+        emu_launch({1, (unsigned)rows, 1}, 1024, 0, [&] {
             sample_stats(logits.data(), v, params.data(), stats.data(), cand_id.data(), cand_v.data());
         });
-        emu_launch({(unsigned)rows, 1, 1}, 256, 0, [&] {
+        emu_launch({(unsigned)rows, 1, 1}, 1024, 0, [&] {
             sample_pick(logits.data(), v, params.data(), 1, stats.data(), cand_id.data(), cand_v.data(), pen.data(),
                         saved.data(), SAMPLE_RAW | SAMPLE_DRAW, out.data());
         });

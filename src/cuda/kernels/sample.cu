@@ -136,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_penalize(float* __restr
 // stats [rows, chunks, 4]: max, sum exp(v - max), sum exp(v / t - max / t), finite values;
 // cand_v / cand_id [rows, chunks, SAMPLE_K]: the chunk's largest raw values, best first (id -1
 // past the finite ones). Grid (chunks, rows), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __restrict__ logits, int ld,
+extern "C" __global__ void __launch_bounds__(1024) sample_stats(const float* __restrict__ logits, int ld,
                                                                const unsigned* __restrict__ params,
                                                                float* __restrict__ stats,
                                                                int* __restrict__ cand_id,
@@ -144,11 +144,11 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __re
     PREFILL_KERNEL();
     __shared__ float sv[SAMPLE_CHUNK];
     __shared__ int hist[256];
-    __shared__ int scan[256];
+    __shared__ int scan[1024];
     __shared__ float kv[SAMPLE_K];
     __shared__ int ki[SAMPLE_K];
     __shared__ unsigned s_prefix;
-    __shared__ int s_rem, s_count;
+    __shared__ int s_rem, s_count, s_eq;
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const unsigned* p = params + (size_t)r * SAMPLE_PW;
     const int limit = (int)p[SP_LIMIT], start = c * SAMPLE_CHUNK;
@@ -156,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __re
     const float t = sample_temp(p);
     const float* x = logits + (size_t)r * ld + start;
     float m = -INFINITY, valid = 0.0f;
+#pragma unroll 8
     for (int i = tid; i < n; i += nt) {
         float v = x[i];
         if (v != v) v = -INFINITY;
@@ -179,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __re
     // the SAMPLE_K-th largest key (radix select, 8 bits a pass) and how many equal to it to take
     const int want = min(SAMPLE_K, nvalid);
     unsigned prefix = SAMPLE_KEY_NEG_INF;
-    int rem = 0;
+    int rem = 0, eq = 0;
     if (nvalid > SAMPLE_K) {
         unsigned mask = 0;
         prefix = 0;
@@ -196,46 +197,66 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __re
                 if (bin >= 0 && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
             }
             __syncthreads();
-            if (tid == 0) {
-                int acc = 0, b = 255;
-                for (; b > 0; b--) {
-                    if (acc + hist[b] >= rem) break;
-                    acc += hist[b];
+            if (tid < 32) {
+                // the largest bin b with at least `rem` values in bins >= b: lane l holds bins
+                // 255 - 8l down to 248 - 8l, its lanes' counts before it by a shuffle scan
+                int cnt[8], tot = 0;
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    cnt[q] = hist[255 - 8 * tid - q];
+                    tot += cnt[q];
                 }
-                s_prefix = prefix | ((unsigned)b << shift);
-                s_rem = rem - acc;
+                int incl = tot;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (tid >= o) incl += y;
+                }
+                const int excl = incl - tot;
+                const unsigned win = __reduce_min_sync(0xffffffffu, excl < rem && rem <= incl ? tid : 32u);
+                if (tid == (int)win) {
+                    int acc = excl, q = 0;
+                    while (q < 7 && acc + cnt[q] < rem) acc += cnt[q++];
+                    s_prefix = prefix | ((unsigned)(255 - 8 * tid - q) << shift);
+                    s_rem = rem - acc;
+                    s_eq = cnt[q];
+                }
             }
             __syncthreads();
             prefix = s_prefix;
             rem = s_rem;
+            eq = s_eq;
             mask |= 255u << shift;
         }
     }
-    // everything above the threshold (in any order), then the `rem` lowest ids equal to it
+    // everything above the threshold (in any order), then the `rem` lowest ids equal to it; when
+    // all the values equal to it are taken (no tie to break, the usual case) in the same pass
     if (tid == 0) s_count = 0;
+    const bool all_eq = rem == eq;
     __syncthreads();
-    for (int i = tid; i < n; i += nt)
-        if (sample_key(sv[i]) > prefix) {
+    for (int i = tid; i < n; i += nt) {
+        const unsigned k = sample_key(sv[i]);
+        if (k > prefix || (all_eq && k == prefix && rem > 0)) {
             const int s = atomicAdd(&s_count, 1);
             kv[s] = sv[i];
             ki[s] = start + i;
         }
-    const int per = (n + nt - 1) / nt, lo = tid * per, hi = min(n, lo + per);
-    int ties = 0;
-    if (rem > 0)
-        for (int i = lo; i < hi; i++) ties += sample_key(sv[i]) == prefix;
-    scan[tid] = ties;
-    __syncthreads();
-    if (tid == 0) {
-        int acc = 0;
-        for (int i = 0; i < nt; i++) {
-            const int v = scan[i];
-            scan[i] = acc;
-            acc += v;
-        }
     }
-    __syncthreads();
-    if (rem > 0) {
+    if (rem > 0 && !all_eq) {
+        const int per = (n + nt - 1) / nt, lo = tid * per, hi = min(n, lo + per);
+        int ties = 0;
+        for (int i = lo; i < hi; i++) ties += sample_key(sv[i]) == prefix;
+        scan[tid] = ties;
+        __syncthreads();
+        if (tid == 0) {
+            int acc = 0;
+            for (int i = 0; i < nt; i++) {
+                const int v = scan[i];
+                scan[i] = acc;
+                acc += v;
+            }
+        }
+        __syncthreads();
         int j = scan[tid];
         const int base = want - rem;
         for (int i = lo; i < hi && j < rem; i++)
@@ -266,19 +287,23 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(const float* __re
     }
 }
 
-// A block per row (256 threads) over sample_stats' `chunks` chunks; `phase` as SAMPLE_*.
-extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __restrict__ logits, int ld,
-                                                              const unsigned* __restrict__ params, int chunks,
-                                                              const float* __restrict__ stats,
-                                                              const int* __restrict__ cand_id,
-                                                              const float* __restrict__ cand_v,
-                                                              const int* __restrict__ pen,
-                                                              const float* __restrict__ saved, int phase,
-                                                              unsigned* __restrict__ out) {
+// A block per row (1024 threads) over sample_stats' `chunks` chunks; `phase` as SAMPLE_*.
+extern "C" __global__ void __launch_bounds__(1024) sample_pick(const float* __restrict__ logits, int ld,
+                                                               const unsigned* __restrict__ params, int chunks,
+                                                               const float* __restrict__ stats,
+                                                               const int* __restrict__ cand_id,
+                                                               const float* __restrict__ cand_v,
+                                                               const int* __restrict__ pen,
+                                                               const float* __restrict__ saved, int phase,
+                                                               unsigned* __restrict__ out) {
     PREFILL_KERNEL();
     __shared__ float mv[SAMPLE_MAX_CHUNKS * SAMPLE_K];
     __shared__ int mi[SAMPLE_MAX_CHUNKS * SAMPLE_K];
-    __shared__ double part[256];
+    __shared__ float top_v[SAMPLE_K];
+    __shared__ int top_i[SAMPLE_K];
+    __shared__ double wj[SAMPLE_K];  // exp(x_j - x_0) of the transformed candidates
+    __shared__ double cw_raw[SAMPLE_MAX_CHUNKS], cw_t[SAMPLE_MAX_CHUNKS];  // chunk masses
+    __shared__ double part[1024];
     __shared__ double s_target;
     __shared__ int s_chunk, s_id, s_thread;
     __shared__ float s_raw;
@@ -295,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
         m = fmaxf(m, st[c * 4]);
         nvalid += (int)st[c * 4 + 3];
     }
+    const float mt = t != 1.0f ? m / t : m;
     // The chunks' lists are sorted best first: a candidate's rank in the row is its place in
     // its own list plus, in every other list, how many rank before it (a binary search each).
     for (int j = tid; j < chunks * SAMPLE_K; j += nt) {
@@ -302,9 +328,13 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
         mv[j] = id >= 0 ? cand_v[(size_t)r * chunks * SAMPLE_K + j] : -INFINITY;
         mi[j] = id >= 0 ? id : 0x7fffffff;
     }
+    if (tid < chunks) {
+        const float cm = st[tid * 4];
+        const bool any = cm > -INFINITY;
+        cw_raw[tid] = any ? (double)st[tid * 4 + 1] * exp((double)cm - (double)m) : 0.0;
+        cw_t[tid] = any ? (double)st[tid * 4 + 2] * exp((double)(t != 1.0f ? cm / t : cm) - (double)mt) : 0.0;
+    }
     __syncthreads();
-    __shared__ float top_v[SAMPLE_K];
-    __shared__ int top_i[SAMPLE_K];
     for (int j = tid; j < chunks * SAMPLE_K; j += nt) {
         const int own = j / SAMPLE_K;
         const float v = mv[j];
@@ -329,23 +359,26 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
         }
     }
     __syncthreads();
-    for (int j = tid; j < SAMPLE_K; j += nt) {
-        mv[j] = top_v[j];
-        mi[j] = top_i[j];
+    const int nc = min(nvalid, SAMPLE_K);
+    // the transformed candidates x_j = v_j / t (the sampler's f32 division) and their weights
+    const float x0 = nc > 0 ? (t != 1.0f ? top_v[0] / t : top_v[0]) : 0.0f;
+    if (tid < SAMPLE_K) {
+        const float xj = tid < nc ? (t != 1.0f ? top_v[tid] / t : top_v[tid]) : -INFINITY;
+        mv[tid] = xj;
+        mi[tid] = top_i[tid];
+        wj[tid] = tid < nc ? exp((double)xj - (double)x0) : 0.0;
     }
     __syncthreads();
-    const int nc = min(nvalid, SAMPLE_K);
     if ((phase & SAMPLE_RAW) && tid == 0) {
         double s = 0.0;
-        for (int c = 0; c < chunks; c++)
-            if (st[c * 4] > -INFINITY) s += (double)st[c * 4 + 1] * exp((double)st[c * 4] - (double)m);
+        for (int c = 0; c < chunks; c++) s += cw_raw[c];
         const double lse = (double)m + log(s);
         o[SO_LSE] = __float_as_uint((float)lse);
         const int top = max(0, min(nlp, min(nc, SAMPLE_TOPN)));
         o[SO_NTOP] = (unsigned)top;
         for (int j = 0; j < top; j++) {
-            o[SO_TOP + 2 * j] = (unsigned)mi[j];
-            o[SO_TOP + 2 * j + 1] = __float_as_uint((float)((double)mv[j] - lse));
+            o[SO_TOP + 2 * j] = (unsigned)top_i[j];
+            o[SO_TOP + 2 * j + 1] = __float_as_uint((float)((double)top_v[j] - lse));
         }
     }
     if (!(phase & SAMPLE_DRAW)) return;
@@ -359,22 +392,15 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
         if (temp == 0.0f || top_k == 1) {
             id = nc > 0 ? mi[0] : 0;
         } else if (nc > 0) {
-            for (int j = 0; j < nc; j++) mv[j] = t != 1.0f ? mv[j] / t : mv[j];
-            const double x0 = mv[0];
-            // the full softmax mass at temperature t, relative to the largest value
-            const float mt = t != 1.0f ? m / t : m;
-            double full = 0.0;
-            for (int c = 0; c < chunks; c++) {
-                const float cm = st[c * 4];
-                if (cm > -INFINITY) full += (double)st[c * 4 + 2] * exp((double)(t != 1.0f ? cm / t : cm) - (double)mt);
-            }
+            double full = 0.0;  // the softmax mass at temperature t, relative to x_0
+            for (int c = 0; c < chunks; c++) full += cw_t[c];
             double total = 0.0;
             if (top_k > 0 && top_k < limit) {
                 if (top_k > SAMPLE_K && !complete) {
                     flag = 1;
                 } else {
                     len = min(top_k, nc);
-                    for (int j = 0; j < len; j++) total += exp((double)mv[j] - x0);
+                    for (int j = 0; j < len; j++) total += wj[j];
                 }
             } else if (top_p >= 1.0f && min_p <= 0.0f) {
                 // plain sampling: the inverse CDF over every id in id order; find the chunk
@@ -382,15 +408,13 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
                 double acc = 0.0;
                 int last = -1;
                 for (int c = 0; c < chunks && s_chunk < 0; c++) {
-                    const float cm = st[c * 4];
-                    if (!(cm > -INFINITY)) continue;
-                    const double w = (double)st[c * 4 + 2] * exp((double)(t != 1.0f ? cm / t : cm) - (double)mt);
+                    if (!(cw_t[c] > 0.0)) continue;
                     last = c;
-                    if (target < acc + w) {
+                    if (target < acc + cw_t[c]) {
                         s_chunk = c;
                         s_target = target - acc;
                     }
-                    acc += w;
+                    acc += cw_t[c];
                 }
                 if (s_chunk < 0) {  // rounding: the last positive weight
                     s_chunk = last;
@@ -398,13 +422,13 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
                 }
             } else if (min_p > 0.0f) {
                 total = top_p < 1.0f ? full : 0.0;
-                const double thr = x0 + log((double)min_p);
+                const double thr = (double)x0 + log((double)min_p);
                 while (len < nc && (double)mv[len] >= thr) len++;
                 if (len == nc && !complete) flag = 1;  // more ids past the candidates may pass
             } else {
                 total = full;
                 double mass = 0.0;
-                for (int j = 0; j < nc; j++) mass += exp((double)mv[j] - x0);
+                for (int j = 0; j < nc; j++) mass += wj[j];
                 if (!(mass >= (double)top_p * total) && !complete) flag = 1;
                 len = nc;
             }
@@ -413,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
                     const double target = (double)top_p * total;
                     double acc = 0.0;
                     for (int j = 0; j < len; j++) {
-                        acc += exp((double)mv[j] - x0);
+                        acc += wj[j];
                         if (acc >= target) {
                             len = j + 1;
                             break;
@@ -421,17 +445,17 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
                     }
                 }
                 if (min_p > 0.0f) {
-                    const double thr = x0 + log((double)min_p);
+                    const double thr = (double)x0 + log((double)min_p);
                     int keep = 0;
                     while (keep < len && !((double)mv[keep] < thr)) keep++;
                     len = max(keep, 1);
                 }
                 double sum = 0.0;
-                for (int j = 0; j < len; j++) sum += exp((double)mv[j] - x0);
+                for (int j = 0; j < len; j++) sum += wj[j];
                 double acc = 0.0;
                 id = mi[len - 1];
                 for (int j = 0; j < len; j++) {
-                    acc += exp((double)mv[j] - x0) / sum;
+                    acc += wj[j] / sum;
                     if (u < acc) {
                         id = mi[j];
                         break;
@@ -447,7 +471,6 @@ extern "C" __global__ void __launch_bounds__(256) sample_pick(const float* __res
     if (s_chunk >= 0) {
         // plain sampling, the chosen chunk: each thread a contiguous range of ids, in order
         const int c = s_chunk, start = c * SAMPLE_CHUNK, cn = max(0, min(SAMPLE_CHUNK, limit - start));
-        const float mt = t != 1.0f ? m / t : m;
         const int per = (cn + nt - 1) / nt, lo = start + tid * per, hi = min(start + cn, lo + per);
         double s = 0.0;
         for (int i = lo; i < hi; i++) {

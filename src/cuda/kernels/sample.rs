@@ -114,7 +114,7 @@ impl SampleStats {
         gpu.run(
             "sample_stats",
             (chunks as u32, rows as u32, 1),
-            256,
+            1024,
             0,
             &self.args(),
             on,
