@@ -307,11 +307,16 @@ extern "C" __global__ void __launch_bounds__(1024) sample_pick(const float* __re
     __shared__ double s_target;
     __shared__ int s_chunk, s_id, s_thread;
     __shared__ float s_raw;
+    __shared__ unsigned p[SAMPLE_PW];
+    __shared__ float st[SAMPLE_MAX_CHUNKS * 4];
+    __shared__ double s_lse;
     const int r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-    const unsigned* p = params + (size_t)r * SAMPLE_PW;
     unsigned* o = out + (size_t)r * SAMPLE_OW;
     const float* x = logits + (size_t)r * ld;
-    const float* st = stats + (size_t)r * chunks * 4;
+    // the row's parameters and chunk statistics into shared memory, a thread a word
+    if (tid < SAMPLE_PW) p[tid] = params[(size_t)r * SAMPLE_PW + tid];
+    if (tid < chunks * 4) st[tid] = stats[(size_t)r * chunks * 4 + tid];
+    __syncthreads();
     const int limit = (int)p[SP_LIMIT], nlp = (int)p[SP_NLP];
     const float t = sample_temp(p);
     float m = -INFINITY;
@@ -373,6 +378,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_pick(const float* __re
         double s = 0.0;
         for (int c = 0; c < chunks; c++) s += cw_raw[c];
         const double lse = (double)m + log(s);
+        s_lse = lse;
         o[SO_LSE] = __float_as_uint((float)lse);
         const int top = max(0, min(nlp, min(nc, SAMPLE_TOPN)));
         o[SO_NTOP] = (unsigned)top;
@@ -525,7 +531,9 @@ extern "C" __global__ void __launch_bounds__(1024) sample_pick(const float* __re
         __syncthreads();
     }
     if (tid == 0) {
+        // the log-sum-exp of this launch, or of the raw pass before the penalties
+        const double lse = (phase & SAMPLE_RAW) ? s_lse : (double)__uint_as_float(o[SO_LSE]);
         o[SO_ID] = (unsigned)id;
-        o[SO_LP] = __float_as_uint((float)((double)s_raw - (double)__uint_as_float(o[SO_LSE])));
+        o[SO_LP] = __float_as_uint((float)((double)s_raw - lse));
     }
 }
