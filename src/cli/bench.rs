@@ -112,6 +112,7 @@ fn utc_date() -> String {
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn bench_cmd(
     synthetic: Option<String>,
     model: Option<PathBuf>,

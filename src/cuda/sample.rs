@@ -251,7 +251,7 @@ mod tests {
             frequency_penalty: -0.25,
             vocab_limit: 1000,
         };
-        let u = 0.123456789012345678f64;
+        let u = 0.123_456_789_012_345_68_f64;
         let d = Draw {
             params: &p,
             u,
