@@ -138,3 +138,57 @@ impl SamplePick {
         gpu.run("sample_pick", (rows as u32, 1, 1), 256, 0, &self.args(), on)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The constants here are the `#define`s of `sample.cu`: a value changed on one side only
+    /// fails here instead of misreading the parameter or result words.
+    #[test]
+    fn constants_match_the_cuda_defines() {
+        let src = include_str!("sample.cu");
+        let define = |name: &str| -> usize {
+            src.lines()
+                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("no #define {name}"))
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        let ours = [
+            ("SAMPLE_K", SAMPLE_K),
+            ("SAMPLE_CHUNK", SAMPLE_CHUNK),
+            ("SAMPLE_MAX_CHUNKS", SAMPLE_MAX_CHUNKS),
+            ("SAMPLE_TOPN", SAMPLE_TOPN),
+            ("SAMPLE_PW", SAMPLE_PW),
+            ("SAMPLE_OW", SAMPLE_OW),
+            ("SP_TEMP", sp::TEMP),
+            ("SP_TOPK", sp::TOPK),
+            ("SP_TOPP", sp::TOPP),
+            ("SP_MINP", sp::MINP),
+            ("SP_REP", sp::REP),
+            ("SP_PRES", sp::PRES),
+            ("SP_FREQ", sp::FREQ),
+            ("SP_LIMIT", sp::LIMIT),
+            ("SP_PEN_OFF", sp::PEN_OFF),
+            ("SP_PEN_LEN", sp::PEN_LEN),
+            ("SP_NLP", sp::NLP),
+            ("SP_U_LO", sp::U_LO),
+            ("SP_U_HI", sp::U_HI),
+            ("SO_ID", so::ID),
+            ("SO_FLAG", so::FLAG),
+            ("SO_LSE", so::LSE),
+            ("SO_LP", so::LP),
+            ("SO_NTOP", so::NTOP),
+            ("SO_TOP", so::TOP),
+            ("SAMPLE_RAW", SAMPLE_RAW as usize),
+            ("SAMPLE_DRAW", SAMPLE_DRAW as usize),
+            ("SAMPLE_PENALIZED", SAMPLE_PENALIZED as usize),
+        ];
+        for (name, v) in ours {
+            assert_eq!(define(name), v, "{name}");
+        }
+        const { assert!(so::TOP + 2 * SAMPLE_TOPN <= SAMPLE_OW) };
+    }
+}
