@@ -106,9 +106,14 @@ pub trait Engine {
     /// Memory a state holds (what a cached snapshot of it costs), in bytes.
     fn state_bytes(&self, state: &Self::State) -> usize;
     /// Where states live in a fixed device memory (the GPU): what is still free there and
-    /// what one fresh state takes. `None` (the CPU): states live in host memory and grow as
+    /// what a state of so many positions takes. `None` (the CPU): states live in host memory and grow as
     /// they fill.
     fn state_memory(&self) -> Option<StateMemory> {
+        None
+    }
+    /// KV blocks the live states and snapshots hold now (where states live in device memory,
+    /// [`Engine::state_memory`]); `None` on the CPU.
+    fn kv_blocks_in_use(&self) -> Option<usize> {
         None
     }
 }
@@ -196,8 +201,25 @@ pub fn forward_rows_greedy<E: Engine + ?Sized>(
 pub struct StateMemory {
     /// Bytes free on the device now.
     pub free: usize,
-    /// Bytes of one sequence state (a snapshot of it costs the same).
-    pub per_state: usize,
+    /// Bytes of a state besides its KV cache (the GDN conv and recurrent states).
+    pub fixed: usize,
+    /// Bytes of one KV block: `block_tokens` positions of every attention layer's K and V
+    /// (on the GPU one page in each layer's K and V range).
+    pub block_bytes: usize,
+    pub block_tokens: usize,
+}
+
+impl StateMemory {
+    /// KV blocks a state holding `tokens` positions maps.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_tokens.max(1))
+    }
+
+    /// Bytes a state holding `tokens` positions takes (a snapshot of it at most the same: it
+    /// shares the full pages).
+    pub fn bytes_for(&self, tokens: usize) -> usize {
+        self.fixed + self.blocks_for(tokens) * self.block_bytes
+    }
 }
 
 pub struct CpuModel {

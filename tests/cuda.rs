@@ -31,6 +31,11 @@ const NORM_TOL: f64 = 3e-2;
 
 /// The GPU model of a fixture and the CPU reference at the GPU's precision.
 fn load(gpu: &Arc<Gpu>, dir: &Path, max_chunk: usize) -> (CpuModel, CudaModel) {
+    load_seq(gpu, dir, 512, max_chunk)
+}
+
+/// [`load`] with room for `max_seq` positions a state.
+fn load_seq(gpu: &Arc<Gpu>, dir: &Path, max_seq: usize, max_chunk: usize) -> (CpuModel, CudaModel) {
     let mut cpu = CpuModel::load(dir).unwrap();
     cpu.weights.round_to_bf16();
     cpu.bf16_activations = true;
@@ -38,7 +43,7 @@ fn load(gpu: &Arc<Gpu>, dir: &Path, max_chunk: usize) -> (CpuModel, CudaModel) {
         gpu.clone(),
         cpu.config.clone(),
         &cpu.weights,
-        512,
+        max_seq,
         max_chunk,
     )
     .unwrap();
@@ -862,5 +867,70 @@ fn batched_draws_match_the_host_draw_of_the_same_logits() {
             "{}: {rows} drawn rows ({sampled} sampled) the host's",
             dir.display()
         );
+    }
+}
+
+/// The KV cache in pages (2,048 positions each: these fixtures have the model's 2 KV heads
+/// of 256 dims): a sequence crossing a page boundary matches the CPU reference at every
+/// piece's end; a snapshot shares its full pages and copies the partly filled one, and
+/// both continue alike; a snapshot at a page boundary copies none; every page goes back to
+/// the pool when the states drop.
+#[test]
+fn paged_kv_crosses_pages_shares_them_and_gives_them_back() {
+    let Some(gpu) = gpu() else { return };
+    for dir in fixtures() {
+        let (cpu, cuda) = load_seq(&gpu, &dir, 4096, 512);
+        let v = cpu.config.vocab_size as u32;
+        let ids: Vec<u32> = (0..3600u32).map(|i| (i * 7919 + 13) % v).collect();
+        let blocks = || cuda.kv_blocks_in_use().unwrap();
+        assert_eq!(blocks(), 0);
+        let (mut st, mut cs) = (cuda.new_state().unwrap(), cpu.new_state().unwrap());
+        let mut at_boundary = None;
+        for (end, held) in [(1000, 1), (2047, 1), (2048, 1), (2049, 2), (3000, 2)] {
+            let piece = &ids[cuda.state_len(&st)..end];
+            let g = cuda.forward(&mut st, piece, Logits::Last).unwrap();
+            let c = cpu.forward(&mut cs, piece, Logits::Last).unwrap();
+            let e = rel_err(&g, &c);
+            assert!(e <= REL_TOL, "{}: at {end} vs CPU {e}", dir.display());
+            // pages are counted once however many states map them
+            assert_eq!(blocks(), held, "{}: at {end}", dir.display());
+            if end == 2048 {
+                // a full page: shared, nothing copied
+                at_boundary = Some(st.clone());
+                assert_eq!(blocks(), 1, "a snapshot at a page boundary copied a page");
+            }
+        }
+        // 3000 positions: page 0 shared (with the boundary snapshot too), page 1 copied
+        let snap = st.clone();
+        assert_eq!(blocks(), 3);
+        let mut resumed = snap.clone();
+        assert_eq!(blocks(), 4);
+        let rest = &ids[3000..];
+        let a = cuda.forward(&mut st, rest, Logits::Last).unwrap();
+        let b = cuda.forward(&mut resumed, rest, Logits::Last).unwrap();
+        assert_eq!(a, b, "{}: resumed from a paged snapshot", dir.display());
+        for tok in [5u32, 6, 7] {
+            let x = cuda.forward_greedy_id(&mut st, tok, v as usize).unwrap();
+            let y = cuda
+                .forward_greedy_id(&mut resumed, tok, v as usize)
+                .unwrap();
+            assert_eq!(x, y, "{}: decode after a paged snapshot", dir.display());
+        }
+        let mut from_boundary = at_boundary.take().unwrap().clone();
+        let c = cuda
+            .forward(&mut from_boundary, &ids[2048..3000], Logits::Last)
+            .unwrap();
+        let mut direct = cuda.new_state().unwrap();
+        let e = cuda
+            .forward(&mut direct, &ids[..3000], Logits::Last)
+            .unwrap();
+        let err = rel_err(&c, &e);
+        assert!(
+            err <= REL_TOL,
+            "{}: from the boundary snapshot {err}",
+            dir.display()
+        );
+        drop((st, snap, resumed, from_boundary, direct));
+        assert_eq!(blocks(), 0, "{}: pages not given back", dir.display());
     }
 }

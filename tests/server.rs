@@ -1338,3 +1338,229 @@ fn a_failed_prefill_fails_only_its_own_request() {
         2
     );
 }
+
+/// What [`PagedScripted`]'s states hold of its small "device memory".
+struct Ledger {
+    mem: kestrel::model::StateMemory,
+    /// Bytes the budget may use (what the server sees free, less its headroom).
+    limit: usize,
+    used: std::sync::Mutex<usize>,
+    blocks: std::sync::atomic::AtomicUsize,
+    live: std::sync::atomic::AtomicUsize,
+    peak_live: std::sync::atomic::AtomicUsize,
+}
+
+impl Ledger {
+    /// Takes `bytes` and `blocks`, or fails as a GPU out of memory does.
+    fn take(&self, bytes: usize, blocks: usize) -> Result<()> {
+        let mut used = self.used.lock().unwrap();
+        if *used + bytes > self.limit {
+            return Err(kestrel::cuda::GpuError::OutOfMemory {
+                bytes,
+                driver: "test ledger".into(),
+            }
+            .into());
+        }
+        *used += bytes;
+        self.blocks
+            .fetch_add(blocks, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn give(&self, bytes: usize, blocks: usize) {
+        *self.used.lock().unwrap() -= bytes;
+        self.blocks
+            .fetch_sub(blocks, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The scripted engine with states in a paged memory: a state holds `fixed` bytes and one
+/// block per `block_tokens` positions; a step that needs a block the memory does not have
+/// fails like an out-of-memory GPU.
+struct PagedScripted {
+    inner: Scripted,
+    ledger: std::sync::Arc<Ledger>,
+}
+
+struct PagedState {
+    s: ScriptState,
+    blocks: usize,
+    ledger: std::sync::Arc<Ledger>,
+}
+
+impl PagedState {
+    fn new(s: ScriptState, blocks: usize, ledger: &std::sync::Arc<Ledger>) -> Result<Self> {
+        ledger.take(
+            ledger.mem.bytes_for(0) + blocks * ledger.mem.block_bytes,
+            blocks,
+        )?;
+        let live = ledger
+            .live
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        ledger
+            .peak_live
+            .fetch_max(live, std::sync::atomic::Ordering::SeqCst);
+        Ok(PagedState {
+            s,
+            blocks,
+            ledger: ledger.clone(),
+        })
+    }
+}
+
+impl Clone for PagedState {
+    fn clone(&self) -> Self {
+        PagedState::new(self.s.clone(), self.blocks, &self.ledger)
+            .expect("a snapshot beyond the state memory")
+    }
+}
+
+impl Drop for PagedState {
+    fn drop(&mut self) {
+        let l = &self.ledger;
+        l.give(
+            l.mem.bytes_for(0) + self.blocks * l.mem.block_bytes,
+            self.blocks,
+        );
+        l.live.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Engine for PagedScripted {
+    type State = PagedState;
+    fn config(&self) -> &TextConfig {
+        self.inner.config()
+    }
+    fn new_state(&self) -> Result<PagedState> {
+        PagedState::new(self.inner.new_state()?, 0, &self.ledger)
+    }
+    fn state_len(&self, s: &PagedState) -> usize {
+        s.s.len
+    }
+    fn state_bytes(&self, s: &PagedState) -> usize {
+        self.ledger.mem.bytes_for(s.s.len)
+    }
+    fn forward(&self, s: &mut PagedState, tokens: &[u32], l: Logits) -> Result<Vec<f32>> {
+        let m = &self.ledger.mem;
+        let more = m.blocks_for(s.s.len + tokens.len()) - s.blocks;
+        self.ledger.take(more * m.block_bytes, more)?;
+        s.blocks += more;
+        std::thread::sleep(Duration::from_millis(2));
+        self.inner.forward(&mut s.s, tokens, l)
+    }
+    fn state_memory(&self) -> Option<kestrel::model::StateMemory> {
+        Some(self.ledger.mem)
+    }
+    fn kv_blocks_in_use(&self) -> Option<usize> {
+        Some(self.ledger.blocks.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// A state memory far too small for the load: 24 streaming requests (every third client
+/// hangs up mid-stream) against room for 3 at a time. Admission waits for memory instead of
+/// running out of it: every remaining request finishes with its `finish_reason`, the
+/// scheduler never overcommits (the engine would fail the step), and at the end every block
+/// is back and `/metrics` says so.
+#[test]
+fn a_state_memory_too_small_for_the_load_queues_and_frees_every_block() {
+    const HEADROOM: usize = kestrel::server::worker::DEVICE_HEADROOM;
+    let mem = kestrel::model::StateMemory {
+        // fixed 100 + 4 blocks a request (~54 positions at its longest): 4,100 bytes each;
+        // a whole 256-position sequence (16 blocks) must fit alone.
+        free: HEADROOM + 3 * 4_100 + 4_000,
+        fixed: 100,
+        block_bytes: 1_000,
+        block_tokens: 16,
+    };
+    let ledger = std::sync::Arc::new(Ledger {
+        mem,
+        limit: mem.free - HEADROOM,
+        used: Default::default(),
+        blocks: Default::default(),
+        live: Default::default(),
+        peak_live: Default::default(),
+    });
+    let l = ledger.clone();
+    let words: String = (0..80).map(|i| format!(" w{i}")).collect();
+    let make = scripted(&words);
+    let mut cfg = config(256, None);
+    cfg.cache_mem = 0;
+    cfg.max_running = None; // from memory
+    let a = start(
+        move || PagedScripted {
+            inner: make(),
+            ledger: l,
+        },
+        cfg,
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    ledger
+        .peak_live
+        .store(0, std::sync::atomic::Ordering::SeqCst); // after the warm-up
+    let n = 24;
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body = json!({"prompt": format!("client {i}"), "max_tokens": 50,
+                                  "stream": true, "seed": i});
+                let mut s = TcpStream::connect(a).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                let req = request("POST", "/v1/completions", Some(&body.to_string()), &[]);
+                s.write_all(req.as_bytes()).unwrap();
+                let mut reader = BufReader::new(s);
+                let (mut line, mut datas, mut finish) = (String::new(), 0, None);
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap() == 0 {
+                        break;
+                    }
+                    if let Some(d) = line.trim().strip_prefix("data: ") {
+                        datas += 1;
+                        if i % 3 == 0 && datas == 3 {
+                            return None; // hang up mid-stream
+                        }
+                        if let Ok(v) = serde_json::from_str::<Value>(d)
+                            && let Some(f) = v["choices"][0]["finish_reason"].as_str()
+                        {
+                            finish = Some(f.to_string());
+                        }
+                    }
+                }
+                Some(finish)
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        if let Some(finish) = h.join().unwrap() {
+            assert_eq!(finish.as_deref(), Some("length"), "request {i}");
+        }
+    }
+    let peak = ledger.peak_live.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (2..=3).contains(&peak),
+        "{peak} states at once (room for 3)"
+    );
+    let t0 = Instant::now();
+    let m = loop {
+        let m = http(a, "GET", "/metrics", None, &[]).1;
+        if metric(&m, "kestrel_running_sequences") == 0 && metric(&m, "kestrel_kv_blocks_used") == 0
+        {
+            break m;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "blocks never freed:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(*ledger.used.lock().unwrap(), 0, "state memory not returned");
+    assert_eq!(metric(&m, "kestrel_kv_blocks_reserved"), 0);
+    assert_eq!(metric(&m, "kestrel_kv_blocks_free"), 16, "{m}");
+    assert_eq!(metric(&m, "kestrel_queue_depth"), 0);
+    assert_eq!(
+        metric(&m, "kestrel_cancelled_total"),
+        (0..n).filter(|i| i % 3 == 0).count() as u64
+    );
+    assert!(!m.contains("status=\"503\""), "{m}");
+}

@@ -307,7 +307,7 @@ impl CudaModel {
                     gemv(&w.out, d, vw, ob, h, 1.0, None)?;
                 }
                 MixerW::Attn(w) => {
-                    let (kc, vc) = &state.kv[attn_i];
+                    let (kc, vc) = state.kv_caches(attn_i);
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                     gemv(
@@ -328,8 +328,8 @@ impl CudaModel {
                         k_norm: w.k_norm.f32(),
                         inv_freq: self.w.inv_freq.f32(),
                         q_out: dw.q.f32(),
-                        k_cache: kc.bf16(),
-                        v_cache: vc.bf16(),
+                        k_cache: kc,
+                        v_cache: vc,
                         past: 0,
                         past_dev: pos,
                         nq: nq as i32,
@@ -344,8 +344,8 @@ impl CudaModel {
                     // shape has a kernel).
                     AttnDecodeMma {
                         q: dw.q.f32(),
-                        kc: kc.bf16(),
-                        vc: vc.bf16(),
+                        kc,
+                        vc,
                         part: dw.part.f32(),
                         past_dev: pos,
                         nq: nq as i32,

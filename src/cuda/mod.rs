@@ -10,6 +10,7 @@ pub mod error;
 pub mod gdn;
 pub mod gemm;
 pub mod kernels;
+pub mod kv;
 pub mod model;
 pub mod moe;
 mod prefill;
@@ -378,6 +379,11 @@ impl Gpu {
             .bind_to_thread()
             .map_err(GpuError::driver("CUDA bind"))
             .map_err(Into::into)
+    }
+
+    /// The device's ordinal.
+    pub fn device(&self) -> i32 {
+        self.ctx.ordinal() as i32
     }
 
     /// Free and total device memory in bytes.

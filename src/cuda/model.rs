@@ -18,6 +18,7 @@ use super::kernels::attn_decode::AttnDecodeMma;
 use super::kernels::gdn_decode::GdnConvstepDec;
 use super::kernels::gemv::Input;
 use super::kernels::misc::ArgmaxRows;
+use super::kv::KvPool;
 use super::prefill::{LOGITS_ROWS, MAX_BATCH, Seqs, Workspace};
 use super::sample::SampleWs;
 pub use super::state::CudaState;
@@ -43,6 +44,8 @@ pub struct CudaModel {
     pub(super) dws: DecodeWs,
     /// The draw's buffers (`sample.rs`), for a lm_head call's rows.
     pub(super) sws: SampleWs,
+    /// The KV pages every state's cache maps (`kv.rs`).
+    pub(super) kv_pool: Arc<KvPool>,
     /// One-token steps through the fused decode kernels (off: the general path, the test
     /// oracle `KESTREL_DECODE=unfused`).
     pub fused_decode: bool,
@@ -227,6 +230,7 @@ impl CudaModel {
         let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
         let dws = DecodeWs::alloc(&gpu, &cfg)?;
         let sws = SampleWs::new(&gpu, LOGITS_ROWS)?;
+        let kv_pool = KvPool::new(gpu.clone())?;
         gpu.sync()?;
         let settings = crate::settings::Settings::get();
         Ok(CudaModel {
@@ -238,6 +242,7 @@ impl CudaModel {
             weight_bytes: plan.weights,
             dws,
             sws,
+            kv_pool,
             fused_decode: fused_decode_fits(&cfg) && !settings.unfused_decode,
             decode_graph: true,
             gdn_chunked: !settings.recurrent_gdn,
@@ -247,7 +252,7 @@ impl CudaModel {
     }
 
     /// Admits `tokens` into `state`: checks them against the vocabulary and the state's
-    /// `max_seq`, and gives a snapshot's copy its KV room for them.
+    /// `max_seq`, and maps the KV pages their positions need.
     pub(super) fn admit_tokens(&self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             bail!("forward called with no tokens");
@@ -268,10 +273,7 @@ impl CudaModel {
                 state.max_seq
             );
         }
-        if state.len + tokens.len() > state.kv_room() {
-            state.reserve_kv()?;
-        }
-        Ok(())
+        state.kv.ensure(state.len + tokens.len())
     }
 
     /// Runs `tokens` and returns the greedy next token (argmax over ids `< vocab_limit`),
@@ -480,20 +482,18 @@ impl Engine for CudaModel {
     }
 
     fn state_bytes(&self, state: &CudaState) -> usize {
-        // Device memory: a snapshot copies every buffer whole.
-        state
-            .gdn
-            .iter()
-            .chain(&state.kv)
-            .map(|(a, b)| a.bytes + b.bytes)
-            .sum()
+        state.memory_bytes()
     }
 
     fn state_memory(&self) -> Option<StateMemory> {
-        Some(StateMemory {
-            free: self.gpu.memory().ok()?.0,
-            per_state: Self::state_bytes(&self.config, self.max_seq),
-        })
+        let free = self.gpu.memory().ok()?.0;
+        Some(Self::state_memory_for(&self.config, free))
+    }
+
+    fn kv_blocks_in_use(&self) -> Option<usize> {
+        // every state maps as many pages in each of its 2 x attention-layers ranges
+        let ranges = 2 * (self.config.num_layers - self.config.num_gdn_layers());
+        Some(self.kv_pool.pages_in_use() / ranges.max(1))
     }
 
     fn forward_greedy_id(

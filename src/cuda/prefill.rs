@@ -242,7 +242,10 @@ impl CudaModel {
         for layer in &self.w.layers {
             let pair = |s: &CudaState| match &layer.mixer {
                 MixerW::Gdn(_) => (s.gdn[gdn_i].0.ptr, s.gdn[gdn_i].1.ptr),
-                MixerW::Attn(_) => (s.kv[attn_i].0.ptr, s.kv[attn_i].1.ptr),
+                MixerW::Attn(_) => {
+                    let (k, v) = s.kv_caches(attn_i);
+                    (k.ptr, v.ptr)
+                }
             };
             tab.extend(states.iter().map(|s| pair(s).0));
             tab.extend(states.iter().map(|s| pair(s).1));
@@ -504,7 +507,7 @@ impl CudaModel {
                     }
                     for (state, r0, n) in &mut segs {
                         let (r0, n) = (*r0, *n);
-                        let (kc, vc) = &state.kv[attn_i];
+                        let (kc, vc) = state.kv_caches(attn_i);
                         let past = state.len;
                         let (qg, q, out) = (
                             ws.qg.f32().at(r0 * nq * 2 * hd),
@@ -516,7 +519,7 @@ impl CudaModel {
                         // heads only).
                         let flash = n >= FLASH_MIN_TOKENS;
                         let h0 = if flash { nq } else { 0 };
-                        let (k_cache, v_cache) = (kc.bf16(), vc.bf16());
+                        let (k_cache, v_cache) = (kc, vc);
                         AttnPrepRows {
                             qg,
                             k: ws.k.f32().at(r0 * nkv * hd),

@@ -34,6 +34,11 @@ impl<S> PrefixCache<S> {
         self.used
     }
 
+    /// The most bytes it holds (a state larger than this is not kept).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -90,6 +95,31 @@ impl<S> PrefixCache<S> {
     }
 }
 
+impl<S> PrefixCache<S> {
+    /// Drops the least recently used state, sparing those whose ids are a prefix of `spare`
+    /// while others are left (the request making room would resume from them). `false`:
+    /// the cache was empty.
+    pub fn evict_lru(&mut self, spare: &[u32]) -> bool {
+        let Some((i, _)) = self
+            .entries
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, e)| (spare.starts_with(&e.ids), e.last_used))
+        else {
+            return false;
+        };
+        let old = self.entries.swap_remove(i);
+        self.used -= old.bytes;
+        true
+    }
+
+    /// Limits the cache to `capacity` bytes, evicting least recently used states to fit.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity;
+        while self.used > capacity && self.evict_lru(&[]) {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -140,5 +170,26 @@ mod tests {
         let mut off = PrefixCache::new(0);
         off.insert(vec![1], "a", 1, None);
         assert!(off.is_empty());
+    }
+
+    #[test]
+    fn eviction_spares_the_prefixes_of_the_prompt_making_room() {
+        let mut c = PrefixCache::new(100);
+        c.insert(vec![1, 2], "mine", 10, None);
+        c.insert(vec![7], "other", 10, None);
+        c.insert(vec![8], "newest", 10, None);
+        // [1, 2] is the least recently used but a prefix of the prompt: [7] goes first.
+        assert!(c.evict_lru(&[1, 2, 3]));
+        assert!(c.lookup(&[7, 0]).is_none());
+        assert_eq!(c.lookup(&[1, 2, 3]), Some((2, &"mine")));
+        // Shrinking evicts least recently used first, down to the new limit.
+        c.set_capacity(10);
+        assert_eq!((c.len(), c.bytes()), (1, 10));
+        assert_eq!(c.lookup(&[1, 2, 3]), Some((2, &"mine")));
+        c.set_capacity(0);
+        assert!(c.is_empty() && c.bytes() == 0);
+        assert!(!c.evict_lru(&[]));
+        c.insert(vec![3], "no room", 1, None);
+        assert!(c.is_empty());
     }
 }

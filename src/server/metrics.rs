@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
 const BUCKETS: [f64; 12] = [
@@ -63,6 +63,12 @@ pub struct Metrics {
     pub cache_misses: AtomicU64,
     pub cache_bytes: AtomicU64,
     pub cache_entries: AtomicU64,
+    /// Set where states live in device memory and their KV is paged (the `kv` gauges mean
+    /// something).
+    pub kv_paged: AtomicBool,
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_reserved: AtomicU64,
+    pub kv_blocks_free: AtomicU64,
     pub cancelled: AtomicU64,
     pub timeouts: AtomicU64,
     pub ttft: Histogram,
@@ -159,6 +165,29 @@ impl Metrics {
             "Cached sequence states.",
             &self.cache_entries,
         );
+        if self.kv_paged.load(Ordering::Relaxed) {
+            scalar(
+                &mut out,
+                "kestrel_kv_blocks_used",
+                "gauge",
+                "KV cache blocks mapped now, by running sequences and cached snapshots (a block: the same positions of every attention layer's K and V).",
+                &self.kv_blocks_used,
+            );
+            scalar(
+                &mut out,
+                "kestrel_kv_blocks_reserved",
+                "gauge",
+                "Blocks' worth of device memory the running sequences reserved (each for its prompt + max_tokens).",
+                &self.kv_blocks_reserved,
+            );
+            scalar(
+                &mut out,
+                "kestrel_kv_blocks_free",
+                "gauge",
+                "Blocks' worth of state memory neither reserved by running sequences nor held by the prefix cache.",
+                &self.kv_blocks_free,
+            );
+        }
         scalar(
             &mut out,
             "kestrel_cancelled_total",

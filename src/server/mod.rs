@@ -55,8 +55,8 @@ pub struct ServerConfig {
     /// Requests waiting for the model beyond this are refused with 429.
     pub max_queue: usize,
     /// Sequences decoded at once (one batched step a token; admitted in arrival order).
-    /// `None`: as many as device memory holds ([`worker::default_max_running`]; 4 where
-    /// states live in host memory).
+    /// `None`: [`worker::MAX_RUNNING_DEFAULT`] where states live in device memory (fewer
+    /// while their reservations do not fit, [`worker::StateBudget`]); 4 in host memory.
     pub max_running: Option<usize>,
 }
 
@@ -118,42 +118,42 @@ impl Shared {
 
 /// Runs the model loop on the calling thread until the server's job queue closes.
 ///
-/// Where the engine's states live in device memory, `max_running` of them must fit in what
-/// the weights left free (else an error, before anything is served; without `--max-running`
-/// as many as fit beside the cache's share, [`worker::default_max_running`], said at start),
-/// and the prefix cache is limited to the rest (with a warning when that is less than
-/// `cache_mem`).
+/// Where the engine's states live in device memory, the memory the weights left free is the
+/// [`worker::StateBudget`] running sequences reserve from and the prefix cache uses the rest
+/// of (said at start; an error before anything is served if not even one `--max-seq`
+/// sequence fits); without `--max-running` up to [`worker::MAX_RUNNING_DEFAULT`] sequences run
+/// at once, as many as their reservations fit.
 pub fn run_model<E: Engine>(
     engine: &E,
     shared: Arc<Shared>,
     rx: Receiver<Job>,
 ) -> anyhow::Result<()> {
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    let mut cache_cap = shared.config.cache_mem;
+    let cache_cap = shared.config.cache_mem;
+    let max_seq = shared
+        .config
+        .max_seq
+        .min(engine.config().max_position_embeddings);
     let mut max_running = shared.config.max_running.unwrap_or(4).max(1);
+    let mut budget = None;
     if let Some(mem) = engine.state_memory() {
-        if shared.config.max_running.is_none() {
-            max_running = worker::default_max_running(mem, cache_cap);
-            eprintln!(
-                "kestrel serve: up to {max_running} sequences at once (--max-running): {:.2} GiB of GPU memory free, {:.2} GiB a sequence state at --max-seq, {:.2} GiB kept for the prefix cache",
-                gib(mem.free),
-                gib(mem.per_state),
-                gib(cache_cap.min(mem.free / 4))
-            );
-        }
-        let cap = worker::device_cache_budget(mem, max_running, cache_cap)?;
-        if cap < cache_cap {
-            tracing::warn!(
-                "the prefix cache gets {:.2} GiB of GPU memory, not the {:.2} GiB of --cache-mem: that is what {max_running} running sequence states leave free",
-                gib(cap),
-                gib(cache_cap),
-            );
-        }
-        cache_cap = cap;
-        warm_up(engine, max_running)?;
+        let b = worker::StateBudget::new(mem, max_seq)?;
+        max_running = shared
+            .config
+            .max_running
+            .unwrap_or(worker::MAX_RUNNING_DEFAULT)
+            .max(1);
+        eprintln!(
+            "kestrel serve: up to {max_running} sequences at once (--max-running), as many as their memory fits; {}",
+            b.describe(max_seq)
+        );
+        // Warm-up states grow to 16 positions + a step per batch width: as many as fit.
+        let warm = max_running.min(b.sequences_of(32).max(1));
+        warm_up(engine, warm)?;
+        budget = Some(b);
     }
     let mut scheduler = worker::Scheduler::new(engine, shared, cache_cap);
     scheduler.max_running = max_running;
+    scheduler.budget = budget;
     scheduler.run(rx);
     Ok(())
 }

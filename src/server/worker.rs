@@ -73,6 +73,8 @@ pub const SNAPSHOT_EVERY: usize = 2048;
 struct Running<S> {
     job: Job,
     seq: Seq<S>,
+    /// Device memory it reserved ([`StateBudget`]).
+    reserved: usize,
 }
 
 struct Seq<S> {
@@ -129,8 +131,13 @@ pub struct Scheduler<'e, E: Engine> {
     waiting: VecDeque<Job>,
     running: Vec<Running<E::State>>,
     cache: PrefixCache<E::State>,
-    /// Sequences decoded at once (interleaved token by token).
+    /// The prefix cache's byte limit (`--cache-mem`; on the GPU also what the running
+    /// sequences leave).
+    cache_cap: usize,
+    /// Sequences decoded at once (one batched step a token).
     pub max_running: usize,
+    /// Where states live in device memory: what the running sequences reserve of it.
+    pub budget: Option<StateBudget>,
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> anyhow::Error {
@@ -163,44 +170,93 @@ fn fail(job: &Job, e: anyhow::Error) {
     });
 }
 
-/// Device memory kept free beside the sequence states (cuBLAS workspaces, decode graphs).
-const DEVICE_HEADROOM: usize = 1 << 30;
+/// Device memory kept free beside the sequence states (cuBLAS workspaces, decode graphs,
+/// the batch workspaces, the KV pool's spare pages).
+pub const DEVICE_HEADROOM: usize = 1 << 30;
 
-/// The prefix cache's byte budget where states live in device memory `mem`: the
-/// `max_running` running states must fit beside [`DEVICE_HEADROOM`] (else an error with the
-/// numbers); the cache gets what is left, at most `cache_mem`.
-pub fn device_cache_budget(
-    mem: StateMemory,
-    max_running: usize,
-    cache_mem: usize,
-) -> anyhow::Result<usize> {
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    let running = max_running * mem.per_state + DEVICE_HEADROOM;
-    if running > mem.free {
-        anyhow::bail!(
-            "not enough GPU memory for --max-running {max_running}: {max_running} sequence states of {:.2} GiB each (their size follows --max-seq) + {:.2} GiB headroom need {:.2} GiB, {:.2} GiB is free after the weights; lower --max-running or --max-seq",
-            gib(mem.per_state),
-            gib(DEVICE_HEADROOM),
-            gib(running),
-            gib(mem.free)
-        );
-    }
-    Ok(cache_mem.min(mem.free - running))
+/// The device memory sequence states and the prefix cache's snapshots share, and how much
+/// of it the running sequences have reserved.
+///
+/// A sequence reserves, when it is admitted, the bytes its state takes at its longest (its
+/// prompt and `max_tokens`, at most the context limit: its GDN state and the KV blocks of that
+/// many positions), and returns them when it leaves; it maps its KV blocks as it fills them, so a
+/// reply that stops early never held the rest. The prefix cache's snapshots live in what
+/// no running sequence reserved: admission evicts them (least recently used first) before it
+/// makes a request wait. A request that does not fit waits in the queue for running ones
+/// to finish; admission never overcommits, so a step cannot run out of device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct StateBudget {
+    pub mem: StateMemory,
+    /// Bytes states and snapshots may take in all: what was free after the weights, less
+    /// [`DEVICE_HEADROOM`].
+    pub total: usize,
+    /// Bytes the running sequences have reserved.
+    pub reserved: usize,
 }
 
-/// Sequences run at once where none was asked for and states live in device memory `mem`:
-/// as many as fit beside [`DEVICE_HEADROOM`] and the prefix cache's share (`cache_mem`, at most
-/// a quarter of what is free), at least 1, at most [`MAX_RUNNING_DEFAULT`].
-pub fn default_max_running(mem: StateMemory, cache_mem: usize) -> usize {
-    let usable = mem
-        .free
-        .saturating_sub(DEVICE_HEADROOM)
-        .saturating_sub(cache_mem.min(mem.free / 4));
-    (usable / mem.per_state.max(1)).clamp(1, MAX_RUNNING_DEFAULT)
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+impl StateBudget {
+    /// The budget of device memory `mem`, where one sequence may hold up to `max_seq`
+    /// positions: an error with the numbers if not even one such sequence fits.
+    pub fn new(mem: StateMemory, max_seq: usize) -> anyhow::Result<Self> {
+        let total = mem.free.saturating_sub(DEVICE_HEADROOM);
+        let one = mem.bytes_for(max_seq);
+        if one > total {
+            anyhow::bail!(
+                "not enough GPU memory for one sequence of --max-seq {max_seq}: its state takes {:.2} GiB (GDN state {:.0} MiB + {} KV blocks of {:.0} MiB), {:.2} GiB is free after the weights and {:.2} GiB is kept as headroom; lower --max-seq",
+                gib(one),
+                mem.fixed as f64 / (1u64 << 20) as f64,
+                mem.blocks_for(max_seq),
+                mem.block_bytes as f64 / (1u64 << 20) as f64,
+                gib(mem.free),
+                gib(DEVICE_HEADROOM)
+            );
+        }
+        Ok(StateBudget {
+            mem,
+            total,
+            reserved: 0,
+        })
+    }
+
+    /// What a sequence of `tokens` positions at its longest reserves.
+    pub fn need(&self, tokens: usize) -> usize {
+        self.mem.bytes_for(tokens)
+    }
+
+    /// Bytes no running sequence has reserved (the prefix cache's at most).
+    pub fn unreserved(&self) -> usize {
+        self.total.saturating_sub(self.reserved)
+    }
+
+    /// Sequences of `tokens` positions each that fit at once.
+    pub fn sequences_of(&self, tokens: usize) -> usize {
+        self.total / self.need(tokens).max(1)
+    }
+
+    /// The startup line: what the budget holds.
+    pub fn describe(&self, max_seq: usize) -> String {
+        let m = &self.mem;
+        format!(
+            "{:.2} GiB of GPU memory for sequence states and the prefix cache ({:.2} GiB free after the weights, {:.2} GiB headroom): {:.1} MiB of GDN state a sequence, KV paged in blocks of {} positions ({:.0} MiB each), reserved per request for prompt + max_tokens; {} sequences of 4,096 positions or {} of --max-seq {max_seq} fit at once",
+            gib(self.total),
+            gib(m.free),
+            gib(DEVICE_HEADROOM),
+            m.fixed as f64 / (1u64 << 20) as f64,
+            m.block_tokens,
+            m.block_bytes as f64 / (1u64 << 20) as f64,
+            self.sequences_of(4096),
+            self.sequences_of(max_seq),
+        )
+    }
 }
 
 /// The most sequences the default `--max-running` takes (where aggregate decode throughput
-/// has grown flat on the H200: 3,042 tok/s at 64 streams of the full model).
+/// has grown flat on the H200: 2,963 tok/s at 64 streams of the full model); how many run at
+/// once below it follows the memory the requests reserve ([`StateBudget`]).
 pub const MAX_RUNNING_DEFAULT: usize = 64;
 
 impl<'e, E: Engine> Scheduler<'e, E> {
@@ -214,8 +270,76 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             cache: PrefixCache::new(cap),
+            cache_cap: cap,
             max_running,
+            budget: None,
         }
+    }
+
+    /// Device memory `job` reserves when it is admitted: its state at its longest (0 where
+    /// states live in host memory, and for a job admission will only report on).
+    fn reservation(&self, job: &Job) -> usize {
+        let Some(b) = &self.budget else { return 0 };
+        if job.cancel.load(Ordering::SeqCst)
+            || job.events.is_closed()
+            || self.shared.stopping.load(Ordering::SeqCst)
+            || Instant::now() >= job.deadline
+        {
+            return 0;
+        }
+        let limit = job
+            .settings
+            .opts
+            .max_seq
+            .min(self.engine.config().max_position_embeddings);
+        if job.prompt.is_empty() || job.prompt.len() >= limit {
+            return 0; // refused by `admit`
+        }
+        b.need((job.prompt.len() + job.settings.opts.max_tokens).min(limit))
+    }
+
+    /// Makes `need` bytes free for `prompt`'s sequence: evicts cached snapshots, least
+    /// recently used first (those a prefix of `prompt` last), until the running sequences'
+    /// reservations, the cache and `need` fit the budget. `false`: they do not even with
+    /// the cache empty (the job waits for running sequences to finish).
+    fn make_room(&mut self, need: usize, prompt: &[u32]) -> bool {
+        let Some(b) = self.budget else { return true };
+        if need == 0 {
+            return true;
+        }
+        if b.reserved + need > b.total {
+            // Nothing running: it is admitted anyway (it fits alone, `StateBudget::new`).
+            return self.running.is_empty();
+        }
+        while b.reserved + need + self.cache.bytes() > b.total {
+            if !self.cache.evict_lru(prompt) {
+                break;
+            }
+        }
+        self.publish_cache();
+        true
+    }
+
+    /// Reserves (`sign` 1) or returns (`sign` -1) `bytes` of the budget, and sets the
+    /// cache's limit to what the running sequences leave.
+    fn reserve(&mut self, bytes: usize, sign: i8) {
+        let Some(b) = &mut self.budget else { return };
+        if sign > 0 {
+            b.reserved += bytes;
+        } else {
+            b.reserved = b.reserved.saturating_sub(bytes);
+        }
+        let cap = self.cache_cap.min(b.unreserved());
+        self.cache.set_capacity(cap);
+        self.publish_cache();
+    }
+
+    /// Takes running sequence `i` out of the running set, returning its reservation.
+    fn leave(&mut self, i: usize) -> Running<E::State> {
+        let r = self.running.remove(i);
+        self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+        self.reserve(r.reserved, -1);
+        r
     }
 
     /// Serves jobs until every sender is gone and nothing is left to do.
@@ -236,6 +360,12 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 let Some(job) = self.waiting.pop_front() else {
                     break;
                 };
+                // It waits (first in line) until the memory its state may take is free.
+                let need = self.reservation(&job);
+                if !self.make_room(need, &job.prompt) {
+                    self.waiting.push_front(job);
+                    break;
+                }
                 let shared = self.shared.clone();
                 let m = &shared.metrics;
                 m.queue_depth.fetch_sub(1, Ordering::Relaxed);
@@ -245,7 +375,12 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                         .unwrap_or_else(|p| Err(panic_message(p)));
                 match admitted {
                     Ok(Some(seq)) => {
-                        self.running.push(Running { job, seq });
+                        self.reserve(need, 1);
+                        self.running.push(Running {
+                            job,
+                            seq,
+                            reserved: need,
+                        });
                         m.running.fetch_add(1, Ordering::Relaxed);
                     }
                     Ok(None) => {}
@@ -371,7 +506,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         pick_all(&mut self.running);
         let mut i = 0;
         while i < self.running.len() {
-            let Running { job, seq } = &mut self.running[i];
+            let Running { job, seq, .. } = &mut self.running[i];
             let (engine, shared) = (self.engine, &self.shared);
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 advance(engine, shared, job, seq)
@@ -396,12 +531,11 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     i += 1;
                 }
                 Ok(Advanced::End(end)) => {
-                    let r = self.running.remove(i);
+                    let r = self.leave(i);
                     self.finish(r, end);
                 }
                 Err(e) => {
-                    let r = self.running.remove(i);
-                    self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+                    let r = self.leave(i);
                     fail(&r.job, e);
                 }
             }
@@ -412,9 +546,12 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         failed.extend(self.feed(feeds));
         failed.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, e) in failed {
-            let r = self.running.remove(i);
-            self.shared.metrics.running.fetch_sub(1, Ordering::Relaxed);
+            let r = self.leave(i);
             fail(&r.job, e);
+        }
+        if let Some(used) = self.engine.kv_blocks_in_use() {
+            let m = &self.shared.metrics;
+            m.kv_blocks_used.store(used as u64, Ordering::Relaxed);
         }
     }
 
@@ -439,7 +576,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 .iter_mut()
                 .zip(rows)
                 .map(|(r, &(_, end))| {
-                    let Running { job, seq } = &mut **r;
+                    let Running { job, seq, .. } = &mut **r;
                     let done = engine.state_len(&seq.state);
                     (&job.prompt[done..end], &mut seq.state)
                 })
@@ -468,7 +605,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         };
         let mut failed = Vec::new();
         for (i, logits) in done.drain(..) {
-            let Running { job, seq } = &mut self.running[i];
+            let Running { job, seq, .. } = &mut self.running[i];
             let r =
                 logits.and_then(|l| prefilled(engine, &self.shared, &mut self.cache, job, seq, l));
             if let Err(e) = r {
@@ -584,9 +721,10 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         Ok(())
     }
 
+    /// Reports how `r` (out of the running set, [`Self::leave`]) ended; a finished reply's
+    /// state goes to the prefix cache.
     fn finish(&mut self, r: Running<E::State>, end: End) {
         let m = &self.shared.metrics;
-        m.running.fetch_sub(1, Ordering::Relaxed);
         let Running {
             job,
             seq:
@@ -598,6 +736,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     cached,
                     ..
                 },
+            ..
         } = r;
         let stop = match end {
             End::Stop(s) => s,
@@ -682,6 +821,17 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             .store(self.cache.bytes() as u64, Ordering::Relaxed);
         m.cache_entries
             .store(self.cache.len() as u64, Ordering::Relaxed);
+        if let Some(b) = &self.budget {
+            let block = b.mem.block_bytes.max(1);
+            let free = b.unreserved().saturating_sub(self.cache.bytes()) / block;
+            m.kv_blocks_free.store(free as u64, Ordering::Relaxed);
+            m.kv_blocks_reserved
+                .store((b.reserved / block) as u64, Ordering::Relaxed);
+            m.kv_paged.store(true, Ordering::Relaxed);
+        }
+        if let Some(used) = self.engine.kv_blocks_in_use() {
+            m.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+        }
     }
 }
 
@@ -751,8 +901,9 @@ fn prefilled<E: Engine>(
         return Ok(());
     }
     r.points.pop_front();
-    if p < prompt.len() {
-        // What the snapshot holds (on the GPU its KV only as far as it is filled).
+    // What the snapshot holds (on the GPU its KV only as far as it is filled, sharing the
+    // state's full blocks); not taken where the cache could not keep it.
+    if p < prompt.len() && engine.state_bytes(&r.state) <= cache.capacity() {
         let snapshot = r.state.clone();
         let bytes = engine.state_bytes(&snapshot);
         cache.insert(
@@ -763,7 +914,7 @@ fn prefilled<E: Engine>(
         );
         m.cache_bytes.store(cache.bytes() as u64, Ordering::Relaxed);
         m.cache_entries.store(cache.len() as u64, Ordering::Relaxed);
-    } else {
+    } else if p == prompt.len() {
         let stats = GenerationStats {
             prompt_tokens: prompt.len(),
             cached_tokens: r.cached,
@@ -893,54 +1044,52 @@ mod tests {
         assert_eq!(error_status(&limit, &format!("{limit:#}")), 400);
     }
 
-    #[test]
-    fn default_max_running_follows_free_memory() {
-        let mem = |free, per_state| StateMemory { free, per_state };
-        // 71 GiB free, 0.66 GiB a state (--max-seq 32768 of the full model), a 4 GiB cache
-        let n = default_max_running(mem(71 * GIB, GIB * 2 / 3), 4 * GIB);
-        assert_eq!(n, MAX_RUNNING_DEFAULT);
-        // 262,144 positions a state (5.4 GiB): what fits beside the cache and headroom
-        let n = default_max_running(mem(71 * GIB, 5 * GIB + GIB * 2 / 5), 4 * GIB);
-        assert_eq!(n, (71 - 1 - 4) * 5 / 27);
-        // the cache takes at most a quarter of what is free; never below one sequence
-        assert_eq!(default_max_running(mem(8 * GIB, GIB), 100 * GIB), 5);
-        assert_eq!(default_max_running(mem(GIB, 4 * GIB), 0), 1);
-        // whatever it picks fits the budget check
-        for (free, per) in [(71 * GIB, GIB / 3), (20 * GIB, 3 * GIB), (3 * GIB, GIB)] {
-            let n = default_max_running(mem(free, per), 4 * GIB);
-            assert!(
-                device_cache_budget(mem(free, per), n, 4 * GIB).is_ok(),
-                "{free} {per} {n}"
-            );
+    /// The full model's state memory (bf16 KV of 10 attention layers, 2,048-position blocks
+    /// of 40 MiB, ~63 MiB of GDN state) with `free` bytes free.
+    fn full(free: usize) -> StateMemory {
+        StateMemory {
+            free,
+            fixed: 63 << 20,
+            block_bytes: 40 << 20,
+            block_tokens: 2048,
         }
     }
 
     #[test]
-    fn device_cache_budget_fits_clamps_and_refuses() {
-        let mem = |free: usize| StateMemory {
-            free,
-            per_state: GIB,
-        };
-        // 4 states + 1 GiB headroom = 5 GiB of 20 free: the cache keeps its 4 GiB.
-        assert_eq!(
-            device_cache_budget(mem(20 * GIB), 4, 4 * GIB).unwrap(),
-            4 * GIB
+    fn state_budget_sizes_sequences_by_their_tokens() {
+        let b = StateBudget::new(full(71 * GIB), 262_144).unwrap();
+        assert_eq!(b.total, 70 * GIB);
+        // 4,096 positions: 2 blocks + the GDN state
+        assert_eq!(b.need(4096), (63 << 20) + 2 * (40 << 20));
+        assert_eq!(b.need(4097), (63 << 20) + 3 * (40 << 20));
+        assert_eq!(b.sequences_of(4096), 70 * 1024 / (63 + 80));
+        // a whole 262,144-position sequence: 128 blocks, 5.06 GiB; 13 fit
+        assert_eq!(b.sequences_of(262_144), 13);
+        let line = b.describe(262_144);
+        assert!(
+            line.contains("blocks of 2048 positions (40 MiB each)"),
+            "{line}"
         );
-        // 8 GiB free: the cache gets the 3 GiB left, not the 4 asked.
-        assert_eq!(
-            device_cache_budget(mem(8 * GIB), 4, 4 * GIB).unwrap(),
-            3 * GIB
+        assert!(
+            line.contains("501 sequences of 4,096 positions or 13 of --max-seq 262144"),
+            "{line}"
         );
-        // Exactly the running states: no cache at all.
-        assert_eq!(device_cache_budget(mem(5 * GIB), 4, 4 * GIB).unwrap(), 0);
-        // Not even the running states: an error that says what to lower, with the numbers.
-        let e = device_cache_budget(mem(4 * GIB), 4, 4 * GIB)
+    }
+
+    #[test]
+    fn state_budget_refuses_a_card_too_small_for_one_sequence() {
+        // 4 GiB free, 1 GiB headroom: a 262,144-position sequence (5.06 GiB) does not fit
+        let e = StateBudget::new(full(4 * GIB), 262_144)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("--max-running 4"), "{e}");
         assert!(
-            e.contains("need 5.00 GiB") && e.contains("4.00 GiB is free"),
+            e.contains("--max-seq 262144") && e.contains("lower --max-seq"),
             "{e}"
         );
+        assert!(
+            e.contains("128 KV blocks of 40 MiB") && e.contains("4.00 GiB is free"),
+            "{e}"
+        );
+        assert!(StateBudget::new(full(4 * GIB), 32_768).is_ok());
     }
 }
