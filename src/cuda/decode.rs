@@ -236,7 +236,7 @@ impl CudaModel {
             let proj = dw.proj.f32();
             match &layer.mixer {
                 MixerW::Gdn(w) => {
-                    let (st_conv, st_rec) = &state.gdn[gdn_i];
+                    let (st_conv, st_rec) = state.gdn[gdn_i];
                     gdn_i += 1;
                     let (hk, hv, dk, dv) = (
                         c.gdn_num_key_heads,
@@ -253,14 +253,14 @@ impl CudaModel {
                         // has two value heads)
                         GdnConvstepDec {
                             p: proj,
-                            conv_state: st_conv.f32(),
+                            conv_state: st_conv,
                             conv_w: w.conv.f32(),
                             z,
                             ba,
                             a_log: w.a_log.f32(),
                             dt_bias: w.dt_bias.f32(),
                             nw: w.norm.f32(),
-                            state: st_rec.f32(),
+                            state: st_rec,
                             out: dw.ob.bf16(),
                             c: ch as i32,
                             hk: hk as i32,
@@ -276,7 +276,7 @@ impl CudaModel {
                     } else {
                         GdnConvDec {
                             p: proj,
-                            state: st_conv.f32(),
+                            state: st_conv,
                             w: w.conv.f32(),
                             out: dw.qkv.f32(),
                             c: ch as i32,
@@ -294,7 +294,7 @@ impl CudaModel {
                             dt_bias: w.dt_bias.f32(),
                             z,
                             nw: w.norm.f32(),
-                            state: st_rec.f32(),
+                            state: st_rec,
                             out: dw.ob.bf16(),
                             hk: hk as i32,
                             hv: hv as i32,

@@ -371,12 +371,26 @@ impl CudaModel {
                         }
                         .launch(g, sh.dk, t, On::Plain)?;
                     }
+                    if !segs.is_empty() {
+                        // row by row: every piece's gates at once
+                        GdnGates {
+                            b: ba,
+                            a: ba.at(hv),
+                            ld: ld as i32,
+                            a_log: w.a_log.f32(),
+                            dt_bias: w.dt_bias.f32(),
+                            beta: ws.beta.f32(),
+                            g: ws.g.f32(),
+                            t: t as i32,
+                            hv: hv as i32,
+                        }
+                        .launch(g, On::Prefill)?;
+                    }
                     for (state, r0, n) in &mut segs {
                         let (r0, n) = (*r0, *n);
-                        let (st_conv, st_rec) = &state.gdn[gdn_i];
+                        let (st_conv, st_rec) = state.gdn[gdn_i];
                         let sh = GdnShape::of(c, n);
                         let p = p.at(r0 * ld);
-                        let (z, ba) = (p.at(ch), p.at(ch + vw));
                         let (qkv, beta, gg, o) = (
                             ws.qkv.f32().at(r0 * ch),
                             ws.beta.f32().at(r0 * hv),
@@ -392,25 +406,13 @@ impl CudaModel {
                         } else {
                             Gpu::gdn_conv_sequential
                         };
-                        let (conv_w, conv_st) = (w.conv.f32(), st_conv.f32());
+                        let (conv_w, conv_st) = (w.conv.f32(), st_conv);
                         conv(g, &sh, c.conv_kernel, conv_in, conv_st, conv_w, qkv)?;
-                        GdnGates {
-                            b: ba,
-                            a: ba.at(hv),
-                            ld: ld as i32,
-                            a_log: w.a_log.f32(),
-                            dt_bias: w.dt_bias.f32(),
-                            beta,
-                            g: gg,
-                            t: n as i32,
-                            hv: hv as i32,
-                        }
-                        .launch(g, On::Prefill)?;
                         let bufs = DeltaBufs {
                             qkv,
                             g: gg,
                             beta,
-                            state: st_rec.f32(),
+                            state: st_rec,
                             o,
                         };
                         if chunked {
@@ -418,12 +420,15 @@ impl CudaModel {
                         } else {
                             g.gdn_delta_recurrent(&sh, &bufs)?;
                         }
+                    }
+                    if !segs.is_empty() {
+                        // row by row: the gated norm of every piece's rows at once
                         GdnGatedNorm {
-                            o,
+                            o: ws.o.f32(),
                             z_in: z,
                             w: w.norm.f32(),
-                            out: ws.ob.bf16().at(r0 * vw),
-                            rows: (n * hv) as i32,
+                            out: ws.ob.bf16(),
+                            rows: (t * hv) as i32,
                             dv: dv as i32,
                             hv: hv as i32,
                             ldz: ld as i32,

@@ -5,7 +5,7 @@ use super::kernels::Dev;
 use super::kv::{KV_PAGE_BYTES, PagedKv};
 use super::model::CudaModel;
 use super::{DeviceBuf, Gpu};
-use crate::config::{LayerKind, TextConfig};
+use crate::config::TextConfig;
 use crate::model::StateMemory;
 use anyhow::Result;
 use half::bf16;
@@ -19,7 +19,10 @@ pub struct CudaState {
     /// Captured decode graphs of this state, by (attention splits, argmax vocab limit).
     pub(super) graphs: Vec<((usize, usize), DecodeGraph)>,
     pub(super) max_seq: usize,
-    pub(super) gdn: Vec<(DeviceBuf, DeviceBuf)>,
+    /// Each GDN layer's (conv, recurrent) state, views of `gdn_mem`.
+    pub(super) gdn: Vec<(Dev<f32>, Dev<f32>)>,
+    /// All of them in one allocation (one allocation and one free a state, not 60).
+    gdn_mem: DeviceBuf,
     pub(super) kv: PagedKv,
     gpu: Arc<Gpu>,
 }
@@ -31,6 +34,24 @@ fn copy_of(g: &Gpu, b: &DeviceBuf) -> Result<DeviceBuf> {
     Ok(n)
 }
 
+/// The (conv, recurrent) views of each GDN layer in one allocation at `base` (layer after
+/// layer, each part 256-byte aligned), and the bytes they take.
+fn gdn_views(cfg: &TextConfig, base: u64) -> (Vec<(Dev<f32>, Dev<f32>)>, usize) {
+    let conv = (cfg.conv_kernel - 1) * cfg.gdn_conv_channels();
+    let rec = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim;
+    let padded = |floats: usize| (floats * 4).div_ceil(256) * 256;
+    let mut at = 0usize;
+    let mut views = Vec::new();
+    for _ in 0..cfg.num_gdn_layers() {
+        let c = Dev::new(base + at as u64, conv);
+        at += padded(conv);
+        let r = Dev::new(base + at as u64, rec);
+        at += padded(rec);
+        views.push((c, r));
+    }
+    (views, at)
+}
+
 impl CudaState {
     /// Attention layer `i`'s K and V caches `[max_seq, nkv, hd]`.
     pub(super) fn kv_caches(&self, i: usize) -> (Dev<bf16>, Dev<bf16>) {
@@ -39,15 +60,22 @@ impl CudaState {
 
     fn try_clone(&self) -> Result<Self> {
         let g = &self.gpu;
-        let mut gdn = Vec::with_capacity(self.gdn.len());
-        for (c, r) in &self.gdn {
-            gdn.push((copy_of(g, c)?, copy_of(g, r)?));
-        }
+        let gdn_mem = copy_of(g, &self.gdn_mem)?;
+        let base = self.gdn.first().map_or(0, |v| v.0.ptr);
+        let gdn = self
+            .gdn
+            .iter()
+            .map(|(c, r)| {
+                let to = |d: &Dev<f32>| Dev::new(gdn_mem.ptr + (d.ptr - base), d.len);
+                (to(c), to(r))
+            })
+            .collect();
         Ok(CudaState {
             len: self.len,
             graphs: Vec::new(),
             max_seq: self.max_seq,
             gdn,
+            gdn_mem,
             kv: self.kv.snapshot(g, self.len)?,
             gpu: self.gpu.clone(),
         })
@@ -55,11 +83,7 @@ impl CudaState {
 
     /// Bytes of device memory held (KV pages shared with snapshots counted in full).
     pub fn memory_bytes(&self) -> usize {
-        self.gdn
-            .iter()
-            .map(|(a, b)| a.bytes + b.bytes)
-            .sum::<usize>()
-            + self.kv.pages_held() * KV_PAGE_BYTES
+        self.gdn_mem.bytes + self.kv.pages_held() * KV_PAGE_BYTES
     }
 }
 
@@ -86,9 +110,7 @@ impl CudaModel {
 
     /// Bytes of a state's GDN conv and recurrent states (what it holds besides its KV).
     pub fn gdn_state_bytes(cfg: &TextConfig) -> usize {
-        let conv = (cfg.conv_kernel - 1) * cfg.gdn_conv_channels() * 4;
-        let rec = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4;
-        cfg.num_gdn_layers() * (conv + rec)
+        gdn_views(cfg, 0).1
     }
 
     /// What states cost on the device: the GDN part, and KV by the block (a page in each
@@ -113,21 +135,15 @@ impl CudaModel {
     pub fn new_state_checked(&self) -> Result<CudaState> {
         let c = &self.config;
         let g = &self.gpu;
-        let mut gdn = Vec::new();
-        for kind in &c.layer_kinds {
-            if *kind == LayerKind::Gdn {
-                gdn.push((
-                    g.alloc_zeroed((c.conv_kernel - 1) * c.gdn_conv_channels() * 4)?,
-                    g.alloc_zeroed(c.gdn_num_value_heads * c.gdn_key_dim * c.gdn_value_dim * 4)?,
-                ));
-            }
-        }
+        let gdn_mem = g.alloc_zeroed(Self::gdn_state_bytes(c).max(256))?;
+        let (gdn, _) = gdn_views(c, gdn_mem.ptr);
         let attn = c.num_layers - c.num_gdn_layers();
         Ok(CudaState {
             len: 0,
             graphs: Vec::new(),
             max_seq: self.max_seq,
             gdn,
+            gdn_mem,
             kv: PagedKv::new(
                 &self.kv_pool,
                 2 * attn,

@@ -356,6 +356,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             while let Ok(job) = rx.try_recv() {
                 self.waiting.push_back(job);
             }
+            let (t_admit, before) = (Instant::now(), self.running.len());
             while self.running.len() < self.max_running {
                 let Some(job) = self.waiting.pop_front() else {
                     break;
@@ -386,6 +387,13 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     Ok(None) => {}
                     Err(e) => fail(&job, e),
                 }
+            }
+            if self.running.len() > before {
+                tracing::debug!(
+                    "admitted {} in {:.1} ms",
+                    self.running.len() - before,
+                    t_admit.elapsed().as_secs_f64() * 1e3
+                );
             }
             self.step();
         }
@@ -498,6 +506,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     /// and reports its next token; finished ones leave; then the picked tokens go through the
     /// model in one batched step per kind ([`Scheduler::feed`]).
     pub fn step(&mut self) {
+        let start = Instant::now();
         let mut feeds = Vec::new();
         let mut prefills = Vec::new();
         // Prompt tokens a round prefills at most, first come first served: the running
@@ -542,8 +551,19 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         }
         // Prefill pieces first (together), then the decode step; both only report failures,
         // so the indices stay valid until the failed sequences leave, last index first.
+        let (t0, rows, pieces) = (Instant::now(), feeds.len(), prefills.len());
+        let prefill_tokens = self.shared.config.prefill_chunk.max(1) - budget;
         let mut failed = self.prefill(prefills);
+        let t1 = Instant::now();
         failed.extend(self.feed(feeds));
+        tracing::debug!(
+            "round: picks {:.1} ms, {pieces} prefill pieces ({prefill_tokens} tokens) {:.1} ms, {rows} decode rows {:.1} ms, {} running, {} waiting",
+            (t0 - start).as_secs_f64() * 1e3,
+            (t1 - t0).as_secs_f64() * 1e3,
+            t1.elapsed().as_secs_f64() * 1e3,
+            self.running.len(),
+            self.waiting.len()
+        );
         failed.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, e) in failed {
             let r = self.leave(i);
