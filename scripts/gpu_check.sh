@@ -95,11 +95,12 @@ while [ $# -gt 0 ]; do
       $load --greedy --concurrency 1,8,32,64 --json "$OUT/serveload-greedy.json" 2>&1 | tee "$OUT/serveload.log" || status=1
       $load --concurrency 8,64 --requests 64 --json "$OUT/serveload-sampled.json" 2>&1 | tee -a "$OUT/serveload.log" || status=1
       $load --greedy --rates 4,16 --requests 64 --json "$OUT/serveload-rates.json" 2>&1 | tee -a "$OUT/serveload.log" || status=1
-      python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/metrics').read().decode())" | grep -E '^kestrel_(running|waiting|queue|requests)' >> "$OUT/serveload.log"
+      python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/metrics').read().decode())" | grep -E '^kestrel_(running|waiting|queue|requests|kv_)' >> "$OUT/serveload.log"
       kill %1; wait
       start_server 8124 --max-seq 32768
       python3 scripts/serve_load.py --url http://127.0.0.1:8124 --max-tokens 16 --greedy --concurrency 256 \
         --requests 256 --json "$OUT/serveload-256.json" 2>&1 | tee -a "$OUT/serveload.log" || status=1
+      python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8124/metrics').read().decode())" | grep -E '^kestrel_(running|queue|requests|kv_)' >> "$OUT/serveload.log"
       kill %1; wait
       grep -h "sequences at once" "$OUT"/serve-*.log | tee -a "$OUT/serveload.log" ;;
     profile)
