@@ -36,6 +36,11 @@ const PREFILL_SPLITS: usize = 8;
 /// Calls with at least this many tokens use the tensor-core flash kernel for attention.
 const FLASH_MIN_TOKENS: usize = 16;
 
+/// Pieces of at most this many tokens run the GDN conv and delta rule token by token (a block
+/// a value head) rather than in chunks: the chunked kernels' fixed cost (the prep, the state
+/// pass on a block an SM) outweighs a few tokens' sequential steps.
+const GDN_RECURRENT_MAX_TOKENS: usize = 32;
+
 /// Sequences a batched decode step takes at most (its tables' rows; also at most the
 /// workspace's `max_chunk`).
 pub(super) const MAX_BATCH: usize = 256;
@@ -398,7 +403,7 @@ impl CudaModel {
                             ws.o.f32().at(r0 * vw),
                         );
                         let conv_in = ConvRows { p, ld };
-                        let chunked = n > 1
+                        let chunked = n > GDN_RECURRENT_MAX_TOKENS
                             && self.gdn_chunked
                             && sh.chunked_fits(g.max_smem_per_block, g.sm_count);
                         let conv = if chunked {
