@@ -1564,3 +1564,87 @@ fn a_state_memory_too_small_for_the_load_queues_and_frees_every_block() {
     );
     assert!(!m.contains("status=\"503\""), "{m}");
 }
+
+/// Short requests arriving behind a 12,000-token prompt are not held until it is prefilled:
+/// each round gives the short prompts their whole pieces first (the long one keeps a quarter
+/// of the round's budget and the rest), so both short replies are complete before the long
+/// prompt's first token, which still comes.
+#[test]
+fn short_requests_are_not_held_behind_a_long_prompt() {
+    let mut cfg = config(32_768, None);
+    cfg.prefill_chunk = 1024; // a dozen rounds for the long prompt
+    cfg.request_timeout = Duration::from_secs(900);
+    let a = start(demo_engine, cfg, Duration::ZERO);
+    wait_ready(a);
+    let long = json!({"messages": user(&"word ".repeat(12_000)), "max_tokens": 1,
+                      "stream": true, "seed": 1});
+    let t0 = Instant::now();
+    let reader = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(a).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
+        s.write_all(
+            request("POST", "/v1/chat/completions", Some(&long.to_string()), &[]).as_bytes(),
+        )
+        .unwrap();
+        let mut reader = BufReader::new(s);
+        let (mut line, mut datas, mut first_token, mut finish) = (String::new(), 0, None, None);
+        while reader.read_line(&mut line).unwrap() > 0 {
+            if let Some(d) = line.trim().strip_prefix("data: ") {
+                datas += 1;
+                // the first event is the role chunk, sent at once; the next needs the prefill
+                if datas == 2 {
+                    first_token = Some(Instant::now());
+                }
+                if let Ok(v) = serde_json::from_str::<Value>(d)
+                    && let Some(f) = v["choices"][0]["finish_reason"].as_str()
+                {
+                    finish = Some(f.to_string());
+                }
+            }
+            line.clear();
+        }
+        (first_token, finish)
+    });
+    // the long prompt is being prefilled
+    let t = Instant::now();
+    while metric(
+        &http(a, "GET", "/metrics", None, &[]).1,
+        "kestrel_running_sequences",
+    ) == 0
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the long request never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let shorts: Vec<_> = (0..2)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let v = chat(
+                    a,
+                    json!({"messages": user(&format!("short {i}")), "max_tokens": 4}),
+                );
+                assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+                Instant::now()
+            })
+        })
+        .collect();
+    let done: Vec<Instant> = shorts.into_iter().map(|h| h.join().unwrap()).collect();
+    let (first_token, finish) = reader.join().unwrap();
+    let first_token = first_token.expect("the long reply never started");
+    assert_eq!(finish.as_deref(), Some("length"));
+    let secs = |t: Instant| (t - t0).as_secs_f64();
+    println!(
+        "short replies done at {:.1} s and {:.1} s, the long prompt's first token at {:.1} s",
+        secs(done[0]),
+        secs(done[1]),
+        secs(first_token)
+    );
+    for d in done {
+        assert!(
+            d < first_token,
+            "a short reply waited for the long prompt's prefill"
+        );
+    }
+}

@@ -508,10 +508,8 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     pub fn step(&mut self) {
         let start = Instant::now();
         let mut feeds = Vec::new();
-        let mut prefills = Vec::new();
-        // Prompt tokens a round prefills at most, first come first served: the running
-        // sequences' next token waits for at most this much prefill.
-        let mut budget = self.shared.config.prefill_chunk.max(1);
+        // (running index, prompt position, the piece's end) of each sequence prefilling
+        let mut wants = Vec::new();
         pick_all(&mut self.running);
         let mut i = 0;
         while i < self.running.len() {
@@ -524,11 +522,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             match outcome {
                 Ok(Advanced::Prefill { end }) => {
                     let done = self.engine.state_len(&self.running[i].seq.state);
-                    let end = end.min(done + budget);
-                    if end > done {
-                        budget -= end - done;
-                        prefills.push((i, end));
-                    }
+                    wants.push((i, done, end));
                     i += 1;
                 }
                 Ok(Advanced::Feed {
@@ -551,8 +545,16 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         }
         // Prefill pieces first (together), then the decode step; both only report failures,
         // so the indices stay valid until the failed sequences leave, last index first.
+        // Prompt tokens a round prefills at most: the running sequences' next token waits for
+        // at most this much prefill.
+        let prefills = share_prefill(&wants, self.shared.config.prefill_chunk.max(1));
         let (t0, rows, pieces) = (Instant::now(), feeds.len(), prefills.len());
-        let prefill_tokens = self.shared.config.prefill_chunk.max(1) - budget;
+        let prefill_tokens: usize = prefills.iter().map(|p| p.1).sum::<usize>()
+            - wants
+                .iter()
+                .filter(|w| prefills.iter().any(|p| p.0 == w.0))
+                .map(|w| w.1)
+                .sum::<usize>();
         let mut failed = self.prefill(prefills);
         let t1 = Instant::now();
         failed.extend(self.feed(feeds));
@@ -855,6 +857,35 @@ impl<'e, E: Engine> Scheduler<'e, E> {
     }
 }
 
+/// A round's prefill: of `budget` prompt tokens, the oldest prefilling sequence (the first of
+/// `wants`, `(running index, prompt position, piece end)` in admission order) is sure of a
+/// quarter, then the others get their pieces shortest first, then the oldest the rest. So a
+/// short prompt arriving behind a long one is prefilled in the next round instead of after
+/// the whole long prompt, and a stream of short prompts cannot starve the long one. Returns
+/// `(running index, piece end)` ascending, the pieces that got tokens.
+fn share_prefill(wants: &[(usize, usize, usize)], budget: usize) -> Vec<(usize, usize)> {
+    let Some(&(_, done0, end0)) = wants.first() else {
+        return Vec::new();
+    };
+    let mut given = vec![0usize; wants.len()];
+    given[0] = (end0 - done0).min(budget.div_ceil(4));
+    let mut left = budget - given[0];
+    let mut order: Vec<usize> = (1..wants.len()).collect();
+    order.sort_by_key(|&k| (wants[k].2 - wants[k].1, k));
+    for k in order {
+        let n = (wants[k].2 - wants[k].1).min(left);
+        given[k] = n;
+        left -= n;
+    }
+    given[0] += (end0 - done0 - given[0]).min(left);
+    wants
+        .iter()
+        .zip(given)
+        .filter(|(_, n)| *n > 0)
+        .map(|(w, n)| (w.0, w.1 + n))
+        .collect()
+}
+
 /// Sampling rows of a round below which [`pick_all`] leaves the picks to [`advance`].
 const PARALLEL_PICKS_MIN: usize = 4;
 
@@ -1073,6 +1104,40 @@ mod tests {
             block_bytes: 40 << 20,
             block_tokens: 2048,
         }
+    }
+
+    #[test]
+    fn a_round_shares_its_prefill_budget_shortest_first_oldest_assured() {
+        // (running index, position, piece end)
+        // a long prompt first: alone it takes the whole budget
+        assert_eq!(share_prefill(&[(0, 0, 30_000)], 8192), vec![(0, 8192)]);
+        // two short prompts behind it: both whole, the long one the rest
+        assert_eq!(
+            share_prefill(&[(0, 8192, 30_000), (2, 0, 300), (3, 0, 40)], 8192),
+            vec![(0, 8192 + 8192 - 340), (2, 300), (3, 40)]
+        );
+        // many short ones: the oldest keeps its quarter; shortest first, the last cut
+        let wants: Vec<_> = (0..10)
+            .map(|i| (i, 0, if i == 0 { 9000 } else { 1000 + i }))
+            .collect();
+        let got = share_prefill(&wants, 8192);
+        assert_eq!(got[0], (0, 2048));
+        assert_eq!(
+            &got[1..6],
+            &[(1, 1001), (2, 1002), (3, 1003), (4, 1004), (5, 1005)][..]
+        );
+        assert_eq!(got[6], (6, 1006));
+        assert_eq!(got[7], (7, 8192 - 2048 - 5015 - 1006));
+        assert_eq!(got.len(), 8);
+        // every piece within its want, the total within the budget
+        let total: usize = got.iter().map(|g| g.1 - wants[g.0].1).sum();
+        assert_eq!(total, 8192);
+        // a short oldest prompt takes only what it wants; nothing prefilling, nothing run
+        assert_eq!(
+            share_prefill(&[(1, 5, 9), (4, 0, 3)], 8192),
+            vec![(1, 9), (4, 3)]
+        );
+        assert!(share_prefill(&[], 8192).is_empty());
     }
 
     #[test]
