@@ -20,7 +20,7 @@ pub struct CudaState {
     pub(super) graphs: Vec<((usize, usize), DecodeGraph)>,
     pub(super) max_seq: usize,
     /// Each GDN layer's (conv, recurrent) state, views of `gdn_mem`.
-    pub(super) gdn: Vec<(Dev<f32>, Dev<f32>)>,
+    pub(super) gdn: Vec<GdnLayer>,
     /// All of them in one allocation (one allocation and one free a state, not 60).
     gdn_mem: DeviceBuf,
     pub(super) kv: PagedKv,
@@ -34,9 +34,12 @@ fn copy_of(g: &Gpu, b: &DeviceBuf) -> Result<DeviceBuf> {
     Ok(n)
 }
 
+/// One GDN layer's (conv, recurrent) state.
+type GdnLayer = (Dev<f32>, Dev<f32>);
+
 /// The (conv, recurrent) views of each GDN layer in one allocation at `base` (layer after
 /// layer, each part 256-byte aligned), and the bytes they take.
-fn gdn_views(cfg: &TextConfig, base: u64) -> (Vec<(Dev<f32>, Dev<f32>)>, usize) {
+fn gdn_views(cfg: &TextConfig, base: u64) -> (Vec<GdnLayer>, usize) {
     let conv = (cfg.conv_kernel - 1) * cfg.gdn_conv_channels();
     let rec = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim;
     let padded = |floats: usize| (floats * 4).div_ceil(256) * 256;
