@@ -6,6 +6,7 @@
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
+#          [serveload-long]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
@@ -103,6 +104,21 @@ while [ $# -gt 0 ]; do
       python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8124/metrics').read().decode())" | grep -E '^kestrel_(running|queue|requests|kv_)' >> "$OUT/serveload.log"
       kill %1; wait
       grep -h "sequences at once" "$OUT"/serve-*.log | tee -a "$OUT/serveload.log" ;;
+    serveload-long)
+      # A 30,000-word prompt admitted while 8 streams decode, at --prefill-per-round 8192
+      # (the default) and 2048: the streams' worst inter-token gap and the prompt's TTFT.
+      for per in 8192 2048; do
+        .device/bin/kestrel serve --device cuda --synthetic full --bind 127.0.0.1:8125 --max-seq 32768 \
+          --prefill-per-round $per > "$OUT/serve-long-$per.log" 2>&1 &
+        for _ in $(seq 300); do
+          python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8125/health', timeout=2)" 2> /dev/null && break
+          sleep 1
+        done
+        echo "--prefill-per-round $per" | tee -a "$OUT/serveload-long.log"
+        python3 scripts/serve_load.py --url http://127.0.0.1:8125 --max-tokens 256 --greedy --concurrency 8 \
+          --requests 8 --long-prompt-words 30000 --json "$OUT/serveload-long-$per.json" 2>&1 | tee -a "$OUT/serveload-long.log" || status=1
+        kill %1; wait
+      done ;;
     profile)
       shift
       # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.

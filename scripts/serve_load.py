@@ -4,6 +4,10 @@
 Two kinds of load, each a row of the report:
   --concurrency 1,8,32,64   closed loop: that many requests in flight at all times
   --rates 2,8,32            open loop: requests arrive as a Poisson process of that many a second
+--long-prompt-words N adds to each closed-loop row one request with a prompt of N words
+("word" each, about a token apiece), sent a second into the row: the row then also reports
+that request's time to first token and the other streams' worst inter-token gap while it was
+prefilled (how a long prompt's admission stalls running streams).
 Each row sends --requests requests (default 4 x the concurrency, at least 16) of --max-tokens
 tokens each and reports output tok/s over the row's wall time, time to first token and
 inter-token latency (p50 / p99, over every token of every request), and failures (any non-200
@@ -95,6 +99,7 @@ def body_for(i, args):
 async def run_row(host, port, args, concurrency=None, rate=None):
     n = args.requests or max(16, 4 * (concurrency or int(rate) or 1))
     results = []
+    long_result = None
     t0 = time.perf_counter()
     if concurrency:
         queue = list(range(n))
@@ -104,7 +109,19 @@ async def run_row(host, port, args, concurrency=None, rate=None):
                 i = queue.pop()
                 results.append(await one_request(host, port, body_for(i, args), args.timeout))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        async def long_one():
+            await asyncio.sleep(1.0)
+            b = body_for(n, args)
+            b["messages"][0]["content"] = "word " * args.long_prompt_words
+            b["max_tokens"] = 16
+            return await one_request(host, port, b, args.timeout)
+
+        tasks = [worker() for _ in range(concurrency)]
+        if args.long_prompt_words:
+            tasks.append(long_one())
+        done = await asyncio.gather(*tasks)
+        if args.long_prompt_words:
+            long_result = done[-1]
     else:
         rng = random.Random(1)
         tasks = []
@@ -125,10 +142,20 @@ async def run_row(host, port, args, concurrency=None, rate=None):
         "wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
         "ttft_p50_ms": (pct(ttfts, 50) or 0) * 1e3, "ttft_p99_ms": (pct(ttfts, 99) or 0) * 1e3,
         "itl_p50_ms": (pct(itls, 50) or 0) * 1e3, "itl_p99_ms": (pct(itls, 99) or 0) * 1e3,
+        "itl_max_ms": max(itls, default=0) * 1e3,
     }
+    if long_result is not None:
+        row["long_prompt_words"] = args.long_prompt_words
+        row["long_ok"] = bool(long_result[0])
+        row["long_ttft_ms"] = (long_result[1] or 0) * 1e3
+        if not long_result[0]:
+            row["failed"] += 1
+            row["errors"] = row["errors"] + [long_result[4]]
     print(f"{row['mode']:>11} {concurrency or rate:>6} {n:>5} req {row['failed']:>3} failed "
           f"{row['output_tok_s']:>9.1f} tok/s  ttft p50 {row['ttft_p50_ms']:>8.1f} p99 {row['ttft_p99_ms']:>8.1f} ms  "
-          f"itl p50 {row['itl_p50_ms']:>6.1f} p99 {row['itl_p99_ms']:>6.1f} ms {errors if errors else ''}",
+          f"itl p50 {row['itl_p50_ms']:>6.1f} p99 {row['itl_p99_ms']:>6.1f} max {row['itl_max_ms']:>6.1f} ms"
+          + (f"  long prompt ttft {row['long_ttft_ms']:.0f} ms" if long_result is not None else "")
+          + f" {row['errors'] if row['errors'] else ''}",
           flush=True)
     return row
 
@@ -142,6 +169,7 @@ def main():
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=64)
+    ap.add_argument("--long-prompt-words", type=int, default=0)
     ap.add_argument("--greedy", action="store_true", help="temperature 0 (else the server's sampling defaults)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json")

@@ -64,10 +64,15 @@ pub(super) struct ServeArgs {
     #[arg(long, default_value_t = 1024)]
     pub(super) max_queue: usize,
     /// Sequences generated at once, one batched decode step a token (each holds its own
-    /// state) [default: on the GPU as many as free memory holds at --max-seq, at most 64,
+    /// state) [default: on the GPU up to 64, as many as the requests' reserved memory fits,
     /// said at start; 4 on the CPU].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub(super) max_running: Option<u64>,
+    /// Prompt tokens one round prefills at most, over all the prompts being prefilled: the
+    /// decoding sequences' next token waits for that much. Smaller bounds their inter-token
+    /// latency while a long prompt is admitted. Larger prefills bursts of prompts faster.
+    #[arg(long, default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) prefill_per_round: u64,
 }
 
 #[derive(Args, Clone, Debug)]

@@ -289,9 +289,6 @@ fn load(args: &ModelArgs) -> Result<Loaded> {
 const PREFILL_CHUNKS: [usize; 2] = [16384, 8192];
 /// What `generate` hands the model per call (the model splits it to its workspace).
 const PREFILL_CHUNK: usize = PREFILL_CHUNKS[0];
-/// The server's prefill step: one round advances a prompt by at most this many tokens, so
-/// the other running sequences wait at most one such call per round.
-const SERVER_PREFILL_CHUNK: usize = 8192;
 
 /// The engine for `device`: a checkpoint directory, or the bundled demo model.
 fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<Backend> {

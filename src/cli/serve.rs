@@ -1,7 +1,7 @@
 //! `kestrel serve`: the OpenAI-compatible HTTP server.
 
 use super::args::{ModelArgs, ServeArgs};
-use super::{BUNDLED_GENERATION_CONFIG, Backend, SERVER_PREFILL_CHUNK, load_engine};
+use super::{BUNDLED_GENERATION_CONFIG, Backend, load_engine};
 use anyhow::{Context, Result};
 use kestrel::config::GenerationConfig;
 use kestrel::hub;
@@ -24,6 +24,7 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         default_max_tokens,
         max_queue,
         max_running,
+        prefill_per_round,
     } = args;
     let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
@@ -53,7 +54,7 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         cache_mem: cache_mem.min(usize::MAX as u64) as usize,
         request_timeout: Duration::from_secs(request_timeout.max(1)),
         default_max_tokens: default_max_tokens.unwrap_or(if dir.is_none() { 64 } else { 4096 }),
-        prefill_chunk: SERVER_PREFILL_CHUNK,
+        prefill_chunk: prefill_per_round as usize,
         max_queue,
         max_running,
     };
