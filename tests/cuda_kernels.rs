@@ -5,7 +5,9 @@
 
 use kestrel::cuda::attention::{FlashCall, QPrep};
 use kestrel::cuda::gdn::{ConvRows, DeltaBufs, GdnShape};
-use kestrel::cuda::kernels::{Dev, Untyped};
+use kestrel::cuda::kernels::misc::ArgmaxRows;
+use kestrel::cuda::kernels::moe_route::MoeGemvSorted;
+use kestrel::cuda::kernels::{Dev, On, Untyped};
 use kestrel::cuda::moe::{self, Grouped, GroupedOut, MoePlan};
 use kestrel::cuda::{Arg, Gpu};
 mod common;
@@ -23,17 +25,23 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
 /// over 4,096 tokens routed ~9:1 from the first expert to the last, 2,048 routed uniformly and
 /// 40 (a few rows an expert: partial tiles). Against f64 products of the same bf16 inputs on a
 /// sample of rows: act within bf16 rounding, y (from the GPU's act) within 1e-4 of its row's
-/// scale, bf16 y bitwise bf16(f32 y); the kernels' item counter back at zero.
+/// scale, bf16 y bitwise bf16(f32 y); the kernels' item counter back at zero. Then the few-row
+/// path (`moe_gemv_sorted`, batched decode steps) the same way: 8 tokens (a batch of 8), 1, and
+/// 16 routed ~9:1 (a hot expert's rows in a run).
 #[test]
 fn moe_grouped_gemm_matches_reference_full_shape() {
     let Some(gpu) = gpu() else { return };
     for (t, skewed) in [(4096, true), (2048, false), (40, false)] {
-        moe_grouped_case(&gpu, t, skewed);
+        moe_grouped_case(&gpu, t, skewed, false);
+    }
+    for (t, skewed) in [(8, false), (1, false), (16, true)] {
+        moe_grouped_case(&gpu, t, skewed, true);
     }
 }
 
-/// One chunk of `t` tokens for [`moe_grouped_gemm_matches_reference_full_shape`].
-fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool) {
+/// One chunk of `t` tokens for [`moe_grouped_gemm_matches_reference_full_shape`], on the
+/// grouped GEMM or (`tiles`) the few-row GEMVs over sorted rows.
+fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool, tiles: bool) {
     let (d, i, e, k) = (2048usize, 512usize, 256usize, 8usize);
     let rows = t * k;
     let mut rng = Lcg(23 + t as u64);
@@ -66,7 +74,7 @@ fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool) {
             counts[x] += 1;
         }
     }
-    let max_tiles = moe::max_tiles(rows, e);
+    let max_tiles = moe::max_tiles(rows, e).max(rows);
     let i32buf = |n: usize| gpu.alloc(n * 4).unwrap();
     let (counts_d, topk_d) = (gpu.upload(&counts).unwrap(), gpu.upload(&topk).unwrap());
     let (offsets, cursor, num_tiles) = (i32buf(e + 1), i32buf(e), i32buf(1));
@@ -94,7 +102,8 @@ fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool) {
     let xb = random_bf16(t * d, 1, 1.0);
     let w_gu = random_bf16(e * 2 * i * d, 2, 1.0 / (d as f32).sqrt());
     let w_down = random_bf16(e * d * i, 3, 1.0 / (i as f32).sqrt());
-    gpu.moe_plan(&plan, e, moe::TILE_M).unwrap();
+    let tile_m = if tiles { 1 } else { moe::TILE_M };
+    gpu.moe_plan(&plan, e, tile_m).unwrap();
     gpu.moe_scatter(
         topk_d.i32(),
         rows,
@@ -123,26 +132,54 @@ fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool) {
         ndim: d,
         kdim: i,
     };
-    gpu.moe_grouped(GroupedOut::SwiGlu, &plan, rows, e, &gate_up, false)
+    if tiles {
+        // a tile a row: tile_expert is each sorted row's expert
+        let gemv = |a: Dev<half::bf16>, gather: Dev<i32>, w: Dev<half::bf16>, out, nf, kdim| {
+            MoeGemvSorted {
+                a,
+                gather,
+                w,
+                out,
+                expert: plan.tile_expert,
+                nf: nf as i32,
+                kdim: kdim as i32,
+            }
+        };
+        gemv(
+            xb.bf16(),
+            sorted_token.i32(),
+            w_gu.bf16(),
+            act.bf16().into(),
+            i,
+            d,
+        )
+        .launch(gpu, true, rows, e)
         .unwrap();
-    gpu.moe_grouped(
-        GroupedOut::F32,
-        &plan,
-        rows,
-        e,
-        &down(y.f32().into()),
-        false,
-    )
-    .unwrap();
-    gpu.moe_grouped(
-        GroupedOut::Bf16,
-        &plan,
-        rows,
-        e,
-        &down(y16.bf16().into()),
-        false,
-    )
-    .unwrap();
+        gemv(act.bf16(), Dev::null(), w_down.bf16(), y.f32().into(), d, i)
+            .launch(gpu, false, rows, e)
+            .unwrap();
+    } else {
+        gpu.moe_grouped(GroupedOut::SwiGlu, &plan, rows, e, &gate_up, false)
+            .unwrap();
+        gpu.moe_grouped(
+            GroupedOut::F32,
+            &plan,
+            rows,
+            e,
+            &down(y.f32().into()),
+            false,
+        )
+        .unwrap();
+        gpu.moe_grouped(
+            GroupedOut::Bf16,
+            &plan,
+            rows,
+            e,
+            &down(y16.bf16().into()),
+            false,
+        )
+        .unwrap();
+    }
     let u16s = |b: &kestrel::cuda::DeviceBuf, n: usize| {
         let mut v = vec![0u16; n];
         gpu.copy_to_host(b.ptr, &mut v).unwrap();
@@ -154,7 +191,14 @@ fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool) {
         v
     };
     let act_h = bf16_to_f32(&u16s(&act, rows * i));
-    let y16_h = bf16_to_f32(&u16s(&y16, rows * d));
+    // the few-row path writes no bf16 y: take f32 y's rounding in its place
+    let y16_h = if tiles {
+        let mut v = vec![0f32; rows * d];
+        gpu.copy_to_host(y.ptr, &mut v).unwrap();
+        kestrel::ops::gemm::round_bf16(&v)
+    } else {
+        bf16_to_f32(&u16s(&y16, rows * d))
+    };
     let mut y_h = vec![0f32; rows * d];
     gpu.copy_to_host(y.ptr, &mut y_h).unwrap();
     assert!(
@@ -225,8 +269,13 @@ fn moe_grouped_case(gpu: &Gpu, t: usize, skewed: bool) {
     }
     let act_norm = norm_rel_err(&act_got, &act_want);
     println!(
-        "t {t} ({}): act vs f64 max {act_err:.2e} of the row scale, norm {act_norm:.2e}; y max {y_err:.2e}",
-        if skewed { "skewed" } else { "uniform" }
+        "t {t} ({}, {}): act vs f64 max {act_err:.2e} of the row scale, norm {act_norm:.2e}; y max {y_err:.2e}",
+        if skewed { "skewed" } else { "uniform" },
+        if tiles {
+            "moe_gemv_sorted"
+        } else {
+            "moe_gemm6"
+        }
     );
     assert!(
         act_err <= 1e-2 && act_norm <= 3e-3,
@@ -997,4 +1046,59 @@ fn device_draws_follow_the_host_distribution() {
         bins.len()
     );
     assert!(chi2 <= q, "chi-square {chi2:.1} above {q:.1}");
+}
+
+/// `argmax_rows` (the batched greedy pick) against a host scan: the largest of ids below the
+/// limit, the lowest on ties, NaN never chosen, 0 when nothing beats -inf; at the real
+/// vocabulary (float4 loads) and at an odd row width (the scalar path), with the maximum
+/// planted in the last float4, in the scalar tail, tied, beside NaNs and past the limit.
+#[test]
+fn argmax_rows_matches_host_scan() {
+    let Some(gpu) = gpu() else { return };
+    for (ld, limit) in [
+        (248_320usize, 248_320usize),
+        (248_320, 248_077),
+        (1_003, 1_001),
+    ] {
+        let rows = 7;
+        let mut rng = Lcg(ld as u64 + limit as u64);
+        let mut x: Vec<f32> = (0..rows * ld).map(|_| rng.next()).collect();
+        let row = |r: usize| r * ld;
+        x[row(0) + limit - 1] = 9.0; // the last id below the limit
+        x[row(1) + 5] = 7.0; // a tie: the lowest id wins
+        x[row(1) + limit - 3] = 7.0;
+        x[row(2) + 17] = f32::NAN; // NaN beside the maximum
+        x[row(2) + 18] = 8.0;
+        if limit < ld {
+            x[row(3) + limit] = 50.0; // past the limit: never chosen
+        }
+        x[row(4)..row(5)].fill(f32::NEG_INFINITY); // nothing beats -inf: 0
+        x[row(5) + (limit & !3) - 1] = 6.0; // the last whole float4
+        x[row(6)..row(7)].fill(f32::NAN);
+        x[row(6) + limit / 2] = -3.0;
+        let want: Vec<i32> = (0..rows)
+            .map(|r| {
+                let (mut best, mut id) = (f32::NEG_INFINITY, 0usize);
+                for (i, &v) in x[row(r)..row(r) + limit].iter().enumerate() {
+                    if v > best {
+                        (best, id) = (v, i);
+                    }
+                }
+                id as i32
+            })
+            .collect();
+        let logits = gpu.upload(&x).unwrap();
+        let out = gpu.upload(&vec![-1i32; rows]).unwrap();
+        ArgmaxRows {
+            logits: logits.f32(),
+            ld: ld as i32,
+            limit: limit as i32,
+            out: out.i32(),
+        }
+        .launch(&gpu, rows, On::Plain)
+        .unwrap();
+        let mut got = vec![0i32; rows];
+        gpu.copy_to_host(out.ptr, &mut got).unwrap();
+        assert_eq!(got, want, "rows of {ld} (limit {limit})");
+    }
 }

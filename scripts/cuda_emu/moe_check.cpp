@@ -1,7 +1,8 @@
 // Runs moe_route.cu's, moe_gemm.cu's and moe_decode.cu's kernels on the CPU emulator (through
 // run.sh): the routing top-k (moe_route) against a plain top-k; moe_combine; the decode MoE block
 // (router, gate/up, down) against a double reference; then the prefill MoE kernels: moe_plan and
-// moe_scatter on skewed random routing (one expert hot, one unused), then moe_gemm6: SwiGLU-fused
+// moe_scatter on skewed random routing (one expert hot, one unused), the few-row moe_gemv_sorted
+// (SwiGLU-fused gate/up and plain down over the sorted rows), then moe_gemm6: SwiGLU-fused
 // gate/up (bf16 act), plain gate/up (f32) and plain down (f32, no gather), each against a
 // double-precision reference over every sorted row, and the bf16 down; outputs start as NaN so
 // that a missed row or column shows.
@@ -57,7 +58,7 @@ static void run(const Shape& s, bool deferred) {
     auto wgu = rand_bf16((size_t)E * 2 * I * d, 1.0f / std::sqrt((float)d));
     auto wdn = rand_bf16((size_t)E * d * I, 1.0f / std::sqrt((float)I));
     auto act_in = rand_bf16((size_t)rows * I, 1.0f);
-    const int max_tiles = (rows + 63) / 64 + E;  // the workspace's bound (smallest tile)
+    const int max_tiles = rows + E;  // the workspace's bound (smallest tile: one row)
     std::vector<int> offsets(E + 1), cursor(E), te(max_tiles), tr(max_tiles), tn(max_tiles), nt(1);
     std::vector<int> sorted_token(rows, -1), slot_row(rows, -1);
     auto plan = [&](int tile_m) {
@@ -121,6 +122,28 @@ static void run(const Shape& s, bool deferred) {
         }
         return m;
     };
+    // moe_gemv_sorted (the few-row path) over the sorted rows, a plan of one-row tiles giving
+    // each row's expert: SwiGLU-fused gate/up (bf16 act, gathered input rows) and the plain down
+    // (f32), into NaN-filled outputs.
+    plan(1);
+    {
+        using KS = void (*)(const bf16*, const int*, const bf16*, void*, const int*, int, int);
+        auto launch_s = [&](KS kern, bool swiglu, const bf16* a, const int* gather, const bf16* w, void* out, int nf,
+                            int kdim) {
+            const int feat = gemv_sorted_features(swiglu, kdim);
+            emu_launch({(unsigned)rows, (unsigned)((nf + feat - 1) / feat), 1}, 256, (size_t)kdim * 2,
+                       [&] { kern(a, gather, w, out, te.data(), nf, kdim); });
+        };
+        std::vector<bf16> act_s((size_t)rows * I, bf16{0x7fff});
+        std::vector<float> y_s((size_t)rows * d, NAN);
+        launch_s(moe_gemv_sorted_swiglu, true, xb.data(), sorted_token.data(), wgu.data(), act_s.data(), I, d);
+        launch_s(moe_gemv_sorted, false, act_in.data(), nullptr, wdn.data(), y_s.data(), d, I);
+        const double ea = act_err(act_s, act_ref), ey = f32_err(y_s, y_ref);
+        const bool ok = ea <= 1.0 && ey <= 1e-6;
+        fails += !ok;
+        printf("%s %-22s d=%d i=%d E=%d rows=%d: moe_gemv_sorted swiglu act %.2f of its bound, down %.1e\n",
+               ok ? "ok  " : "FAIL", s.name, d, I, E, rows, ea, ey);
+    }
     // moe_gemm6 (wgmma, emulated through its descriptors; warp-specialised, persistent) on the
     // plan's 128-row tiles: its three products (gate/up + SwiGLU, plain gate/up, down) into fresh
     // NaN-filled outputs against the double references; a grid of 3 blocks walks all (tile, column

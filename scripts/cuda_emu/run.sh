@@ -16,6 +16,7 @@
 #   moe  moe_route.cu, moe_gemm.cu, moe_decode.cu: the routing top-k (ties included); the decode
 #        MoE block (router, gate/up, down) at small and reduced real shapes; moe_combine (and its
 #        fused RMSNorm against norm.cu's rmsnorm_zc_bf16, bitwise); moe_plan + moe_scatter +
+#        moe_gemv_sorted (the few-row path) +
 #        moe_gemm6 (wgmma, emulated through its descriptors; SwiGLU-fused and plain, and the bf16
 #        y bitwise its f32 y rounded) against double references at the tiny fixtures' dims, a
 #        deep-K shape and a reduced real shape; moe_plan over several warps of experts

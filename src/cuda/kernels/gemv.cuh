@@ -1,4 +1,4 @@
-// The decode GEMVs' building blocks (gemv.cu, and the MoE's moe_gemv and decode kernels).
+// The decode GEMVs' building blocks (gemv.cu, and the MoE's decode kernels and moe_gemv_tiles).
 
 // ---- Decode GEMV machinery: a warp owns R weight rows, each lane streams 16-byte vectors
 // c = lane + 32*j of them. With VPL (vectors per lane) known at compile time, all R*VPL loads

@@ -35,7 +35,7 @@ pub const STREAM: (usize, usize, usize) = (2, 1, 3);
 const MAX_BLOCKS: usize = 132 * 8;
 
 /// Output rows per block of the decode GEMVs with inner dimension `k` (gemv.cuh's
-/// `gemv_rows_per_block`; `whole_rows`: `gemv_dec_w`, a warp per row, else `moe_gemv`).
+/// `gemv_rows_per_block`; `whole_rows`: `gemv_dec_w`, a warp per row).
 pub fn rows_per_block(k: usize, whole_rows: bool) -> usize {
     match k {
         0..=2048 => 16,

@@ -1,6 +1,6 @@
 // Sparse MoE, prefill: routing (softmax over all experts, top-k renormalised), a device-side
 // counting sort of (token, slot) pairs by expert (moe_plan, moe_scatter: the rows the grouped
-// GEMM of moe_gemm.cu takes), the few-row moe_gemv, SwiGLU, and the combine with the
+// GEMM of moe_gemm.cu and the few-row moe_gemv_sorted take), SwiGLU, and the combine with the
 // sigmoid-gated shared expert. The decode step's MoE block is in moe_decode.cu.
 
 // Order-preserving key of a float (larger float, larger unsigned) and back.
@@ -165,20 +165,76 @@ extern "C" __global__ void moe_scatter(const int* __restrict__ topk_ids, int n, 
     slot_row[i] = row;
 }
 
-// Few-row path (short prefill chunks): a block = rows of one (token, slot) product.
-// Row r = token * k + slot reads expert topk_ids[r] and input row (gather_by_k ? r / k : r)
-// of a [*, kdim] bf16; y: f32 [rows, ndim]. grid (rows, ceil(ndim / (gemv_rows_per_block(kdim)))),
-// block 256, smem kdim floats.
-extern "C" __global__ void __launch_bounds__(256) moe_gemv(
-    const bf16* __restrict__ a, int gather_by_k, const int* __restrict__ topk_ids, int k,
-    const bf16* __restrict__ w, float* __restrict__ y, int ndim, int kdim) {
-    extern __shared__ float xs[];
-    int r = blockIdx.x;
-    const bf16* x = a + (size_t)(gather_by_k ? r / k : r) * kdim;
-    const bf16* wx = w + (size_t)topk_ids[r] * ndim * kdim;
-    int row0 = blockIdx.y * gemv_rows_per_block(kdim);
-    block_gemv(wx, ndim, kdim, row0, false, x, nullptr, nullptr, 0.0f, nullptr, xs, y + (size_t)r * ndim, 0.0f);
+// Few-row path (batched decode steps, short prefill chunks): a GEMV per (token, slot) row, the
+// rows in expert-sorted order (moe_scatter's), so that the tokens that chose one expert are
+// neighbours in the grid and all but the first read its weight rows from L2. A block takes one
+// row and a group of its expert's output features; each warp holds its weight rows in
+// registers, loaded before the input is staged (per-lane sums in block_gemv's order). expert:
+// the expert of each sorted row (moe_plan's tile_expert with tile_m 1). SWIGLU: w [E, 2 nf,
+// kdim] (gate rows, then up rows), a warp per feature j (its gate and up rows), out bf16 act
+// [rows, nf] = bf16(SiLU(g) * u); else w [E, nf, kdim], gemv_sorted_rows features a warp, out f32
+// y [rows, nf]. Input of sorted row r: a[gather[r]] (gather null: a[r]), bf16 [*, kdim], kdim %
+// 8 == 0. grid (rows, ceil(nf / gemv_sorted_features)), block 256, smem kdim bf16.
+// (Tiles of 2 or 4 rows of one expert, each weight word taken against all of them, ran 8 and 16
+// streams 2-4% slower on the H200: the L2 already serves the repeats, and the unpacked words
+// cost registers.)
+// Weight rows a warp: the gate and up rows of one feature (SWIGLU), else 8 rows of 512 (the down
+// product) or 2 of any other width: 64 registers of 16-byte words in flight either way. A
+// kernel's registers are the most any of its paths needs (4 rows of 2,048 in the down kernel's
+// unused wide path held 168 a thread, one block an SM: 2.4 TB/s against gate/up's 3.9).
+__host__ __device__ __forceinline__ constexpr int gemv_sorted_rows(bool swiglu, int kdim) {
+    return swiglu ? 2 : kdim == 512 ? 8 : 2;
 }
+// Output features a block (8 warps).
+__host__ __device__ __forceinline__ int gemv_sorted_features(bool swiglu, int kdim) {
+    return 8 * (swiglu ? 1 : gemv_sorted_rows(false, kdim));
+}
+template <int VPL, bool SWIGLU>
+__device__ __forceinline__ void moe_gemv_sorted_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                                     const bf16* __restrict__ w, void* __restrict__ out,
+                                                     const int* __restrict__ expert, int nf, int kdim, uint4* xs) {
+    constexpr int R = gemv_sorted_rows(SWIGLU, VPL * 256), NV = VPL > 0 ? VPL : 1;
+    griddep_wait_plain();
+    griddep_launch();
+    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kv = kdim >> 3;
+    const int f0 = (blockIdx.y * 8 + warp) * (SWIGLU ? 1 : R);  // the warp's first feature
+    const bf16* we = w + (size_t)expert[r] * (SWIGLU ? 2 : 1) * nf * kdim;
+    const bf16* rows[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+        const int f = SWIGLU ? f0 : f0 + q;
+        rows[q] = f < nf ? we + ((size_t)(SWIGLU ? q * nf : 0) + f) * kdim : nullptr;
+    }
+    uint4 v[R][NV];
+    if (VPL > 0) load_rows<R, NV>(v, rows);
+    stage_bf16(xs, a + (size_t)(gather ? gather[r] : r) * kdim, kdim);
+    float acc[R];
+    if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
+    else dot_rows_any<R>(rows, xs, kdim, acc);
+    float s[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) s[q] = warp_sum(acc[q]);
+    if (SWIGLU) {
+        if (lane == 0 && f0 < nf) reinterpret_cast<bf16*>(out)[(size_t)r * nf + f0] = __float2bfloat16(silu_f(s[0]) * s[1]);
+    } else {
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (lane == q && f0 + q < nf) reinterpret_cast<float*>(out)[(size_t)r * nf + f0 + q] = s[q];
+    }
+}
+
+#define MOE_GEMV_SORTED(NAME, SWIGLU)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* __restrict__ a,                       \
+                                                           const int* __restrict__ gather,                   \
+                                                           const bf16* __restrict__ w, void* __restrict__ out, \
+                                                           const int* __restrict__ expert, int nf, int kdim) { \
+        extern __shared__ uint4 gemv_xs[];                                                                   \
+        if (kdim == 2048) moe_gemv_sorted_impl<8, SWIGLU>(a, gather, w, out, expert, nf, kdim, gemv_xs);      \
+        else if (kdim == 512) moe_gemv_sorted_impl<2, SWIGLU>(a, gather, w, out, expert, nf, kdim, gemv_xs);  \
+        else moe_gemv_sorted_impl<0, SWIGLU>(a, gather, w, out, expert, nf, kdim, gemv_xs);                   \
+    }
+MOE_GEMV_SORTED(moe_gemv_sorted, false)
+MOE_GEMV_SORTED(moe_gemv_sorted_swiglu, true)
 
 // act[r, i] = SiLU(gu[r, i]) * gu[r, inter + i], bf16 out; gu: [rows, 2*inter].
 extern "C" __global__ void swiglu_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int rows, int inter) {

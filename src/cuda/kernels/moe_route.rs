@@ -1,11 +1,10 @@
 //! `moe_route.cu`: the prefill MoE around its grouped GEMM: the router's top-k with the
 //! shared expert's gate (`moe_route`), the tile plan over expert-sorted rows (`moe_plan`), the
-//! scatter into that order (`moe_scatter`), the per-row GEMVs of short calls (`moe_gemv`), the
+//! scatter into that order (`moe_scatter`), the few-row GEMVs of short calls over expert-sorted rows (`moe_gemv_sorted`, `_swiglu`), the
 //! SwiGLU of unfused products (`swiglu_bf16`), and the weighted combine into the residual with
 //! the next layer's RMSNorm fused (`moe_combine`, `moe_combine_bf16` for bf16 y).
 
-use super::gemv::rows_per_block;
-use super::{Dev, On, kernels};
+use super::{Dev, On, Untyped, kernels};
 use crate::cuda::Gpu;
 use anyhow::{Result, ensure};
 use half::bf16;
@@ -30,11 +29,13 @@ kernels! {
         topk_ids: Dev<i32>, n: i32, k: i32, cursor: Dev<i32>, sorted_token: Dev<i32>,
         slot_row: Dev<i32>,
     }
-    /// `y[row] = A[row or row / k] · W_e[..]ᵀ` for the row's expert, a block a row and group of
-    /// output rows (short prefill calls, unsorted rows = token * k + slot).
-    MoeGemv ["moe_gemv"] {
-        a: Dev<bf16>, gather_by_k: i32, topk_ids: Dev<i32>, k: i32, w: Dev<bf16>, y: Dev<f32>,
-        ndim: i32, kdim: i32,
+    /// `out[r] = A[gather[r] or r] · W_x[..]ᵀ` for each expert-sorted row r of expert
+    /// x = `expert[r]`, a GEMV a row (the repeats of an expert neighbours: L2 reads);
+    /// `_swiglu`: `w` holds gate then up rows (`2 nf` an expert) and `out` is bf16 act =
+    /// bf16(SiLU(gate) * up) `[rows, nf]`, else f32 `[rows, nf]`.
+    MoeGemvSorted ["moe_gemv_sorted", "moe_gemv_sorted_swiglu"] {
+        a: Dev<bf16>, gather: Dev<i32>, w: Dev<bf16>, out: Untyped, expert: Dev<i32>, nf: i32,
+        kdim: i32,
     }
     /// `act = bf16(SiLU(gu[:, :inter]) * gu[:, inter:])`.
     SwigluBf16 ["swiglu_bf16"] { gu: Dev<f32>, act: Dev<bf16>, rows: i32, inter: i32 }
@@ -107,17 +108,41 @@ impl MoeScatter {
     }
 }
 
-impl MoeGemv {
-    /// A block a (row, group of output rows), `rows` rows.
-    pub fn launch(&self, gpu: &Gpu, rows: usize, on: On) -> Result<()> {
-        let (ndim, kdim) = (self.ndim as usize, self.kdim as usize);
-        ensure!(self.y.len >= rows * ndim, "moe_gemv: y {:?}", self.y);
+/// Output features a block of [`MoeGemvSorted`] (moe_route.cu's gemv_sorted_features): 8
+/// warps of one feature (SwiGLU: its gate and up rows), of 8 rows of 512, or of 2 rows of other
+/// widths.
+fn gemv_sorted_features(swiglu: bool, kdim: usize) -> usize {
+    8 * match (swiglu, kdim) {
+        (true, _) => 1,
+        (false, 512) => 8,
+        _ => 2,
+    }
+}
+
+impl MoeGemvSorted {
+    /// Over `rows` sorted rows of `experts` experts' weights (a block a row and group of
+    /// output features).
+    pub fn launch(&self, gpu: &Gpu, swiglu: bool, rows: usize, experts: usize) -> Result<()> {
+        let (nf, kdim) = (self.nf as usize, self.kdim as usize);
+        let wrows = if swiglu { 2 * nf } else { nf };
+        ensure!(
+            kdim.is_multiple_of(8)
+                && self.w.len >= experts * wrows * kdim
+                && self.expert.len >= rows
+                && (self.gather.is_null() || self.gather.len >= rows),
+            "moe_gemv_sorted: {rows} rows over {experts} experts of {wrows} x {kdim}: w {:?}, \
+             expert {:?}, gather {:?}",
+            self.w,
+            self.expert,
+            self.gather
+        );
         let grid = (
             rows as u32,
-            ndim.div_ceil(rows_per_block(kdim, false)) as u32,
+            nf.div_ceil(gemv_sorted_features(swiglu, kdim)) as u32,
             1,
         );
-        gpu.run("moe_gemv", grid, 256, kdim * 4, &self.args(), on)
+        let name = Self::NAMES[swiglu as usize];
+        gpu.run(name, grid, 256, kdim * 2, &self.args(), On::Prefill)
     }
 }
 
