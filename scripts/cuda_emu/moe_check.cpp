@@ -1,11 +1,11 @@
 // Runs moe_route.cu's, moe_gemm.cu's and moe_decode.cu's kernels on the CPU emulator (through
-// run.sh): the routing top-k (moe_route) against a plain top-k; moe_combine; the decode MoE block
-// (router, gate/up, down) against a double reference; then the prefill MoE kernels: moe_plan and
-// moe_scatter on skewed random routing (one expert hot, one unused), the few-row moe_gemv_sorted
-// (SwiGLU-fused gate/up and plain down over the sorted rows), then moe_gemm6: SwiGLU-fused
-// gate/up (bf16 act), plain gate/up (f32) and plain down (f32, no gather), each against a
-// double-precision reference over every sorted row, and the bf16 down; outputs start as NaN so
-// that a missed row or column shows.
+// run.sh): the routing top-k (moe_route) against a plain top-k; the few-row path's one-launch
+// routing (moe_route_small); moe_combine; the decode MoE block (router, gate/up, down) against a
+// double reference; then the prefill MoE kernels: moe_plan and moe_scatter on skewed random
+// routing (one expert hot, one unused), the few-row moe_gemv_sorted (SwiGLU-fused gate/up and
+// plain down over the sorted rows), then moe_gemm6: SwiGLU-fused gate/up (bf16 act), plain
+// gate/up (f32) and plain down (f32, no gather), each against a double-precision reference over
+// every sorted row, and the bf16 down; outputs start as NaN so that a missed row or column shows.
 #include "kernels_emu.inc"
 #include <algorithm>
 #include <cmath>
@@ -187,6 +187,69 @@ static void run(const Shape& s, bool deferred) {
     fails += !same16;
     printf("%s %-22s v6 m128 bf16 y: %s moe_gemm6's y rounded to bf16\n", same16 ? "ok  " : "FAIL", s.name,
            same16 ? "bitwise equal to" : "DIFFERS from");
+}
+
+// moe_route_small (the few-row path's routing in one launch): its logits against a double
+// product of the same bf16 inputs; ids and weights against a plain top-k of its own logits (so
+// that near-ties decided by rounding do not count); shared gates against a double reference;
+// the sorted order: row_expert ascending with each expert's count, sorted_token / slot_row a
+// permutation that puts each (token, slot) in its expert's run; the ticket back at zero. Over
+// several groups of staged tokens, and router rows past the last block's 8 (e % 8 != 0).
+static void route_small_check(int t, int e, int k, int d) {
+    auto x = rand_bf16((size_t)t * d, 1.0f);
+    auto wr = rand_bf16((size_t)e * d, 1.0f / std::sqrt((float)d));
+    std::vector<float> w_sg(d), logits((size_t)t * e, NAN), w((size_t)t * k, NAN), sgate(t, NAN);
+    for (auto& v : w_sg) v = uni(-0.5f, 0.5f);
+    const int rows = t * k;
+    std::vector<int> ids(rows, -1), row_expert(rows, -1), sorted_token(rows, -1), slot_row(rows, -1);
+    unsigned ticket = 0;
+    emu_launch({(unsigned)((e + 7) / 8), 1, 1}, 256, (size_t)moe_route_small_smem(d, e), [&] {
+        moe_route_small(x.data(), t, d, wr.data(), e, k, w_sg.data(), logits.data(), ids.data(), w.data(),
+                        sgate.data(), row_expert.data(), sorted_token.data(), slot_row.data(), &ticket);
+    });
+    double worst_l = 0, worst_w = 0, worst_g = 0, scale = 0;
+    bool ids_ok = true;
+    std::vector<int> counts(e, 0);
+    for (int tok = 0; tok < t; tok++) {
+        const float* l = &logits[(size_t)tok * e];
+        for (int r = 0; r < e; r++) {
+            double dot = 0;
+            for (int c = 0; c < d; c++) dot += f(x[(size_t)tok * d + c]) * f(wr[(size_t)r * d + c]);
+            scale = std::max(scale, std::fabs(dot));
+            const double dl = std::fabs(l[r] - dot);
+            if (!(dl <= worst_l)) worst_l = dl;
+        }
+        std::vector<int> order(e);
+        for (int i = 0; i < e; i++) order[i] = i;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+        double sum = 0;
+        for (int j = 0; j < k; j++) sum += std::exp((double)l[order[j]] - l[order[0]]);
+        for (int j = 0; j < k; j++) {
+            ids_ok &= ids[(size_t)tok * k + j] == order[j];
+            const double dv = std::fabs(w[(size_t)tok * k + j] - std::exp((double)l[order[j]] - l[order[0]]) / sum);
+            if (!(dv <= worst_w)) worst_w = dv;
+            counts[order[j]]++;
+        }
+        double dot = 0;
+        for (int i = 0; i < d; i++) dot += f(x[(size_t)tok * d + i]) * w_sg[i];
+        const double dg = std::fabs(sgate[tok] - 1.0 / (1.0 + std::exp(-dot)));
+        if (!(dg <= worst_g)) worst_g = dg;
+    }
+    bool order_ok = true;
+    for (int r = 0, x1 = 0; x1 < e; x1++)
+        for (int j = 0; j < counts[x1]; j++, r++) order_ok &= row_expert[r] == x1;
+    std::vector<bool> seen(rows, false);
+    for (int i = 0; i < rows; i++) {
+        const int r = slot_row[i];
+        order_ok &= r >= 0 && r < rows && !seen[r] && sorted_token[r] == i / k && row_expert[r] == ids[i];
+        if (r >= 0 && r < rows) seen[r] = true;
+    }
+    const bool ok = worst_l <= 1e-5 * scale && ids_ok && worst_w < 1e-6 && worst_g < 1e-6 && order_ok && ticket == 0;
+    printf("moe_route_small t %d e %d k %d d %d: logits %.1e of %.1e, ids %s, weights %.1e, gates %.1e, sorted "
+           "order %s, ticket %u %s\n",
+           t, e, k, d, worst_l, scale, ids_ok ? "equal" : "DIFFER", worst_w, worst_g, order_ok ? "right" : "WRONG",
+           ticket, ok ? "ok" : "FAILED");
+    fails += !ok;
 }
 
 // moe_route (route_topk_warp, a warp per token) against a plain top-k: the k largest logits,
@@ -429,6 +492,10 @@ int main(int argc, char** argv) {
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(k % 2 ? 12 : 21, e, k, k % 2 ? 36 : 64);
+    route_small_check(8, 256, 8, 2048);
+    route_small_check(16, 256, 8, 2048);
+    route_small_check(37, 20, 2, 64);
+    route_small_check(5, 300, 4, 96);
     for (bool sorted : {true, false}) {
         combine_check(5, 8, 2048, sorted);
         combine_check(3, 10, 36, sorted);

@@ -13,7 +13,8 @@
 #        query prep bitwise the separate prep); the tensor-core decode attention and its
 #        combine (head dim 256)
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w, gemv_dec_stream)
-#   moe  moe_route.cu, moe_gemm.cu, moe_decode.cu: the routing top-k (ties included); the decode
+#   moe  moe_route.cu, moe_gemm.cu, moe_decode.cu: the routing top-k (ties included), the few-row
+#        path's one-launch routing (moe_route_small); the decode
 #        MoE block (router, gate/up, down) at small and reduced real shapes; moe_combine (and its
 #        fused RMSNorm against norm.cu's rmsnorm_zc_bf16, bitwise); moe_plan + moe_scatter +
 #        moe_gemv_sorted (the few-row path) +

@@ -11,7 +11,9 @@ use super::kernels::attn_decode::{
 use super::kernels::attn_prefill::AttnPrepRows;
 use super::kernels::gdn_decode::{GdnConvstepDec, GdnGatedNorm, GdnGates};
 use super::kernels::misc::EmbedGather;
-use super::kernels::moe_route::{MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeRoute};
+use super::kernels::moe_route::{
+    MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeRoute, MoeRouteSmall,
+};
 use super::kernels::norm::RmsnormZcBf16;
 use super::kernels::{Dev, On, Untyped};
 use super::model::CudaModel;
@@ -95,6 +97,8 @@ pub(super) struct Workspace {
     pub(super) tile_row: DeviceBuf,
     pub(super) tile_rows: DeviceBuf,
     pub(super) num_tiles: DeviceBuf,
+    /// `moe_route_small`'s last-block counter (zero between launches).
+    pub(super) route_ticket: DeviceBuf,
     pub(super) dense_plan: DeviceBuf,
     pub(super) topk_ids: DeviceBuf,
     pub(super) topk_w: DeviceBuf,
@@ -164,6 +168,8 @@ impl CudaModel {
             ("tile_row", max_tiles, 4),
             ("tile_rows", max_tiles, 4),
             ("num_tiles", 1, 4),
+            // moe_route_small's last-block counter (zero between launches)
+            ("route_ticket", 1, 4),
             // the shared expert's one-expert plan (DensePlan): tiles, their count, a counter
             ("dense_plan", DensePlan::ints(t), 4),
             ("topk_ids", t * k, 4),
@@ -193,7 +199,14 @@ impl CudaModel {
             if name == "part" {
                 part_floats = n;
             }
-            bufs.insert(name, gpu.alloc((n * b).max(4))?);
+            let bytes = (n * b).max(4);
+            // the last-block counter starts at zero (each launch leaves it so)
+            let buf = if name == "route_ticket" {
+                gpu.alloc_zeroed(bytes)?
+            } else {
+                gpu.alloc(bytes)?
+            };
+            bufs.insert(name, buf);
         }
         let mut take = |n: &str| bufs.remove(n).ok_or_else(|| anyhow!("workspace {n}"));
         Ok(Workspace {
@@ -221,6 +234,7 @@ impl CudaModel {
             tile_row: take("tile_row")?,
             tile_rows: take("tile_rows")?,
             num_tiles: take("num_tiles")?,
+            route_ticket: take("route_ticket")?,
             dense_plan: take("dense_plan")?,
             topk_ids: take("topk_ids")?,
             topk_w: take("topk_w")?,
@@ -702,22 +716,6 @@ impl CudaModel {
                 0.0,
             )?;
         }
-        g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
-        g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
-        MoeRoute {
-            logits: ws.router.f32(),
-            e: e as i32,
-            k: k as i32,
-            topk_ids: ws.topk_ids.i32(),
-            topk_w: ws.topk_w.f32(),
-            counts: ws.counts.i32(),
-            x: ws.xb.bf16(),
-            w_sg: layer.shared_gate.f32(),
-            sgate: ws.sgate.f32(),
-            d: d as i32,
-            t: t as i32,
-        }
-        .launch(g, On::Prefill)?;
         let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
         // y in bf16 from the grouped GEMM's tiles (16-byte rows of 8 features).
         let y_bf16 = !gemv_path && d % 8 == 0;
@@ -732,17 +730,54 @@ impl CudaModel {
             num_tiles: ws.num_tiles.i32(),
             claim: counts.at(e),
         };
-        // the few-row path: a tile a row, so tile_expert is each sorted row's expert
-        let tile_m = if gemv_path { 1 } else { super::moe::TILE_M };
-        g.moe_plan(&plan, e, tile_m)?;
-        g.moe_scatter(
-            ws.topk_ids.i32(),
-            rows,
-            k,
-            ws.cursor.i32(),
-            ws.sorted_token.i32(),
-            ws.slot_row.i32(),
-        )?;
+        if gemv_path {
+            // the router, top-k, gates and the sorted order in one launch; tile_expert is each
+            // sorted row's expert
+            MoeRouteSmall {
+                x: ws.xb.bf16(),
+                t: t as i32,
+                d: d as i32,
+                wr: layer.router.bf16(),
+                e: e as i32,
+                k: k as i32,
+                w_sg: layer.shared_gate.f32(),
+                logits: ws.router.f32(),
+                topk_ids: ws.topk_ids.i32(),
+                topk_w: ws.topk_w.f32(),
+                sgate: ws.sgate.f32(),
+                row_expert: plan.tile_expert,
+                sorted_token: ws.sorted_token.i32(),
+                slot_row: ws.slot_row.i32(),
+                ticket: ws.route_ticket.view(),
+            }
+            .launch(g)?;
+        } else {
+            g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
+            g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
+            MoeRoute {
+                logits: ws.router.f32(),
+                e: e as i32,
+                k: k as i32,
+                topk_ids: ws.topk_ids.i32(),
+                topk_w: ws.topk_w.f32(),
+                counts,
+                x: ws.xb.bf16(),
+                w_sg: layer.shared_gate.f32(),
+                sgate: ws.sgate.f32(),
+                d: d as i32,
+                t: t as i32,
+            }
+            .launch(g, On::Prefill)?;
+            g.moe_plan(&plan, e, super::moe::TILE_M)?;
+            g.moe_scatter(
+                ws.topk_ids.i32(),
+                rows,
+                k,
+                ws.cursor.i32(),
+                ws.sorted_token.i32(),
+                ws.slot_row.i32(),
+            )?;
+        }
         if gemv_path {
             let gemv = |a: Dev<bf16>, gather: Dev<i32>, w: &DeviceBuf, out: Untyped, nf, kdim| {
                 MoeGemvSorted {

@@ -108,6 +108,117 @@ extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS) moe_route(
     if (lane == 0) sgate[s] = sigmoid_f(dot);
 }
 
+// Few-row routing (the calls moe_gemv_sorted runs, e <= 1024): the router's logits, each
+// token's top-k and shared-expert gate, the rows per expert, the expert-sorted order and each
+// sorted row's expert, in one launch where longer calls take five (the router GEMM, the counts'
+// reset, moe_route, moe_plan, moe_scatter; ~25 us a layer at 8 tokens on the H200). Block b's 8
+// warps take router rows 8b..8b+7, a warp a row (its words in registers before the wait), against
+// the tokens' inputs x [t, d] bf16, staged ROUTE_SMALL_TOKENS at a time. The last block to finish
+// (ticket, reset for the next launch) routes: a warp a token (route_topk_warp on its logits, read
+// through L2, and sigmoid(x . w_sg)); the counts in shared memory, scanned into each expert's
+// first sorted row; row_expert[r] = the expert of sorted row r; the scatter as moe_scatter's
+// (sorted_token, slot_row; the order within an expert not deterministic, each row's product is).
+// grid ceil(e / 8), block 256, smem moe_route_small_smem(d, e) bytes.
+#define ROUTE_SMALL_TOKENS 8
+__host__ __device__ __forceinline__ int moe_route_small_smem(int d, int e) {
+    const int stage = ROUTE_SMALL_TOKENS * d * 2, route = (8 * e + 2 * e + 8) * 4;
+    return stage > route ? stage : route;
+}
+template <int VPL>
+__device__ __forceinline__ void moe_route_small_impl(const bf16* x, int t, int d, const bf16* __restrict__ wr, int e,
+                                                     int k, const float* __restrict__ w_sg, float* logits,
+                                                     int* topk_ids, float* topk_w, float* __restrict__ sgate,
+                                                     int* __restrict__ row_expert, int* __restrict__ sorted_token,
+                                                     int* __restrict__ slot_row, unsigned* ticket, uint4* sm) {
+    constexpr int NV = VPL > 0 ? VPL : 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = blockIdx.x * 8 + warp, kv = d >> 3;
+    const uint4* wrow = row < e ? reinterpret_cast<const uint4*>(wr + (size_t)row * d) : nullptr;
+    uint4 v[NV];
+    if (VPL > 0)
+#pragma unroll
+        for (int j = 0; j < NV; j++) v[j] = wrow ? __ldg(wrow + lane + 32 * j) : make_uint4(0, 0, 0, 0);
+    griddep_wait_plain();
+    griddep_launch();
+    for (int s0 = 0; s0 < t; s0 += ROUTE_SMALL_TOKENS) {
+        const int n = min(ROUTE_SMALL_TOKENS, t - s0);
+        __syncthreads();  // the previous group's reads of the stage are done
+        for (int i = threadIdx.x; i < n * kv; i += blockDim.x)
+            sm[i] = reinterpret_cast<const uint4*>(x + (size_t)s0 * d)[i];
+        __syncthreads();
+        if (wrow)
+            for (int s = 0; s < n; s++) {
+                const uint4* xr = sm + s * kv;
+                float acc = 0.0f;
+                if (VPL > 0) {
+#pragma unroll
+                    for (int j = 0; j < NV; j++) acc += dot8(v[j], unpack8(xr[lane + 32 * j]));
+                } else {
+                    for (int c = lane; c < kv; c += 32) acc += dot8(__ldg(wrow + c), unpack8(xr[c]));
+                }
+                acc = warp_sum(acc);
+                if (lane == 0) logits[(size_t)(s0 + s) * e + row] = acc;
+            }
+    }
+    if (!last_block_done(ticket)) return;
+    float* rl = reinterpret_cast<float*>(sm) + warp * e;  // this warp's logits row
+    int* cnt = reinterpret_cast<int*>(sm) + 8 * e;
+    int* first = cnt + e;
+    int* warp_total = first + e;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    for (int s = warp; s < t; s += 8) {
+        const uint4* xs = reinterpret_cast<const uint4*>(x + (size_t)s * d);
+        float dot = 0.0f;  // the shared expert's gate
+        for (int c = lane; c < kv; c += 32) dot += dot8(xs[c], w_sg + 8 * c);
+        for (int i = lane; i < e; i += 32) rl[i] = __ldcg(logits + (size_t)s * e + i);
+        __syncwarp();
+        route_topk_warp(rl, e, k, topk_ids + s * k, topk_w + s * k);
+        if (lane < k) atomicAdd(&cnt[topk_ids[s * k + lane]], 1);  // the id this lane wrote
+        dot = warp_sum(dot);
+        if (lane == 0) sgate[s] = sigmoid_f(dot);
+        __syncwarp();  // rl is the next token's
+    }
+    __syncthreads();
+    // Exclusive scan of the counts: thread i takes experts [q i, q i + q), q = ceil(e / 256).
+    const int q = (e + blockDim.x - 1) / blockDim.x, x0 = threadIdx.x * q;
+    int mine = 0;
+    for (int x1 = x0; x1 < min(x0 + q, e); x1++) mine += cnt[x1];
+    int incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    int off = incl - mine;
+    for (int w = 0; w < warp; w++) off += warp_total[w];
+    for (int x1 = x0; x1 < min(x0 + q, e); x1++) {
+        first[x1] = off;
+        for (int j = 0; j < cnt[x1]; j++) row_expert[off + j] = x1;
+        off += cnt[x1];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < t * k; i += blockDim.x) {
+        const int r = atomicAdd(&first[topk_ids[i]], 1);
+        sorted_token[r] = i / k;
+        slot_row[i] = r;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_route_small(
+    const bf16* x, int t, int d, const bf16* __restrict__ wr, int e, int k, const float* __restrict__ w_sg,
+    float* logits, int* topk_ids, float* topk_w, float* __restrict__ sgate, int* __restrict__ row_expert,
+    int* __restrict__ sorted_token, int* __restrict__ slot_row, unsigned* ticket) {
+    extern __shared__ uint4 route_small_sm[];
+    if (d == 2048)
+        moe_route_small_impl<8>(x, t, d, wr, e, k, w_sg, logits, topk_ids, topk_w, sgate, row_expert, sorted_token,
+                                slot_row, ticket, route_small_sm);
+    else
+        moe_route_small_impl<0>(x, t, d, wr, e, k, w_sg, logits, topk_ids, topk_w, sgate, row_expert, sorted_token,
+                                slot_row, ticket, route_small_sm);
+}
+
 // One block, a thread per expert (e <= 1024, block e rounded up to 32): exclusive scans of the
 // counts and of the tiles per expert, then each expert writes its own tiles. tiles: (expert,
 // first row in sorted order, rows) for every tile_m rows of every expert.

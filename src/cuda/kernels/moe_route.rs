@@ -17,6 +17,15 @@ kernels! {
         logits: Dev<f32>, e: i32, k: i32, topk_ids: Dev<i32>, topk_w: Dev<f32>, counts: Dev<i32>,
         x: Dev<bf16>, w_sg: Dev<f32>, sgate: Dev<f32>, d: i32, t: i32,
     }
+    /// The few-row path's routing in one launch: the router's logits `wr · x` into `logits`
+    /// `[t, e]`, each token's top-k (`topk_ids` / `topk_w`) and shared gate (`sgate`), and the
+    /// expert-sorted order: `row_expert[sorted row]`, `sorted_token`, `slot_row` (as
+    /// [`MoeScatter`]'s); `ticket` the last-block counter (zero between launches).
+    MoeRouteSmall ["moe_route_small"] {
+        x: Dev<bf16>, t: i32, d: i32, wr: Dev<bf16>, e: i32, k: i32, w_sg: Dev<f32>,
+        logits: Dev<f32>, topk_ids: Dev<i32>, topk_w: Dev<f32>, sgate: Dev<f32>,
+        row_expert: Dev<i32>, sorted_token: Dev<i32>, slot_row: Dev<i32>, ticket: Dev<u32>,
+    }
     /// From `counts`: the experts' first sorted rows (`offsets`), the scatter's cursors and
     /// the list of `tile_m`-row tiles (expert, first row, rows) and its length.
     MoeTilePlan ["moe_plan"] {
@@ -72,6 +81,52 @@ impl MoeRoute {
             ROUTE_WARPS * e * 4,
             &self.args(),
             on,
+        )
+    }
+}
+
+/// Tokens `moe_route_small` stages at a time (moe_route.cu's ROUTE_SMALL_TOKENS).
+const ROUTE_SMALL_TOKENS: usize = 8;
+
+impl MoeRouteSmall {
+    /// Shared memory in bytes (moe_route.cu's moe_route_small_smem): a stage of input rows,
+    /// then (the last block) a logits row a warp, the counts, the first rows, 8 warp sums.
+    pub fn smem(d: usize, e: usize) -> usize {
+        (ROUTE_SMALL_TOKENS * d * 2).max((10 * e + 8) * 4)
+    }
+
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        let (t, d, e, k) = (
+            self.t as usize,
+            self.d as usize,
+            self.e as usize,
+            self.k as usize,
+        );
+        ensure!(
+            d.is_multiple_of(8)
+                && (1..=1024).contains(&e)
+                && k <= e.min(32)
+                && self.wr.len >= e * d
+                && self.x.len >= t * d
+                && self.logits.len >= t * e
+                && self.topk_ids.len >= t * k
+                && self.row_expert.len >= t * k
+                && self.slot_row.len >= t * k
+                && Self::smem(d, e) <= 48 * 1024,
+            "moe_route_small: {t} tokens of {d} over {e} experts (top {k}): logits {:?}, ids {:?}, \
+             row_expert {:?}",
+            self.logits,
+            self.topk_ids,
+            self.row_expert
+        );
+        let grid = (e.div_ceil(8) as u32, 1, 1);
+        gpu.run(
+            "moe_route_small",
+            grid,
+            256,
+            Self::smem(d, e),
+            &self.args(),
+            On::Prefill,
         )
     }
 }
