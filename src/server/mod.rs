@@ -6,20 +6,24 @@
 //! `/metrics` or the validation of other requests.
 //!
 //! Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /metrics`, `POST /v1/chat/completions`,
-//! `POST /v1/completions`. Wire formats are in [`api`].
+//! `POST /v1/completions`, `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic),
+//! `POST /tokenize` and `/detokenize` (llama.cpp's shapes). Wire formats are in [`api`].
 //!
 //! Files: `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
-//! `chat` and `completions` (the two POST endpoints), `submit` (queueing a job for the model
-//! thread and reading its events), [`worker`] (the model thread), [`cache`] (the prefix
-//! cache), [`metrics`].
+//! `chat` and `completions` (the OpenAI POST endpoints), `messages` (Anthropic's, on the chat
+//! path), `tokens` (tokenize / detokenize), `submit` (queueing a job for the model thread and
+//! reading its events), [`worker`] (the model thread), [`cache`] (the prefix cache),
+//! [`metrics`].
 
 pub mod api;
 pub mod cache;
 mod chat;
 mod completions;
 mod http;
+mod messages;
 pub mod metrics;
 mod submit;
+mod tokens;
 pub mod worker;
 
 use crate::config::GenerationConfig;
@@ -27,7 +31,7 @@ use crate::model::Engine;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use chat::chat_completions;
 use completions::completions;
 use http::{health, method_not_allowed, metrics_text, model, models, not_found};
@@ -76,6 +80,8 @@ pub struct Shared {
     im_start: Option<u32>,
     jobs: Mutex<Sender<Job>>,
     next_id: AtomicU64,
+    /// When the server started (Unix seconds): the model's `created` time.
+    started: u64,
 }
 
 impl Shared {
@@ -111,6 +117,7 @@ impl Shared {
             im_start,
             jobs: Mutex::new(tx),
             next_id: AtomicU64::new(1),
+            started: http::unix_now(),
         };
         Ok((Arc::new(shared), rx))
     }
@@ -190,6 +197,17 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route(
+            "/v1/messages",
+            post(messages::messages).fallback(messages::method_not_allowed),
+        )
+        .route(
+            "/v1/messages/count_tokens",
+            post(messages::count_tokens).fallback(messages::method_not_allowed),
+        )
+        .route("/v1/messages/{*rest}", any(messages::not_found))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
