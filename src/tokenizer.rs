@@ -150,6 +150,17 @@ impl Tokenizer {
             .collect()
     }
 
+    /// The most bytes of text one token stands for (a vocabulary token's byte-level
+    /// characters are a byte each; an added token is its text): so text of `n` bytes is at
+    /// least `n / max_token_bytes()` tokens, known without tokenizing it.
+    pub fn max_token_bytes(&self) -> usize {
+        let vocab = self.inner.get_vocab(false);
+        let added = self.inner.get_added_tokens_decoder();
+        let regular = vocab.keys().map(|t| t.chars().count());
+        let special = added.values().map(|t| t.content.len());
+        regular.chain(special).max().unwrap_or(1).max(1)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

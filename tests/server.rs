@@ -27,6 +27,10 @@ fn config(max_seq: usize, api_key: Option<&str>) -> ServerConfig {
         prefill_chunk: 4096,
         max_queue: 64,
         max_running: Some(4),
+        max_body: ServerConfig::MAX_BODY,
+        header_timeout: ServerConfig::HEADER_TIMEOUT,
+        body_timeout: ServerConfig::BODY_TIMEOUT,
+        max_connections: ServerConfig::MAX_CONNECTIONS,
     }
 }
 
@@ -2518,4 +2522,166 @@ fn models_list_details_for_both_sdks() {
             created % 60
         )
     );
+}
+
+// ---- limits on clients: body size, read timeouts, the connection cap, the context floor ----
+
+/// Writes `req` on a fresh connection and reads until the server closes it (or `wait`
+/// passes): what came back and how long until the close.
+fn send_and_wait(addr: SocketAddr, req: &[u8], wait: Duration) -> (String, Duration) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(wait)).unwrap();
+    let t0 = Instant::now();
+    let _ = s.write_all(req);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    (String::from_utf8_lossy(&out).into_owned(), t0.elapsed())
+}
+
+fn status_of(resp: &str) -> u16 {
+    resp.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn body_limit_and_read_timeouts() {
+    let mut cfg = config(4096, None);
+    cfg.max_body = 1000;
+    cfg.header_timeout = Duration::from_millis(1500);
+    cfg.body_timeout = Duration::from_millis(1500);
+    let a = start(scripted("hello"), cfg, Duration::ZERO);
+    wait_ready(a);
+    let small = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
+    assert_eq!(
+        http(a, "POST", "/v1/chat/completions", Some(&small), &[]).0,
+        200
+    );
+    // declared over the limit: refused before the body is sent, in each API's shape
+    for (path, anthropic) in [
+        ("/v1/chat/completions", false),
+        ("/v1/messages", true),
+        ("/tokenize", false),
+    ] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+        );
+        let (resp, took) = send_and_wait(a, head.as_bytes(), Duration::from_secs(10));
+        assert_eq!(status_of(&resp), 413, "{path}: {resp}");
+        assert!(took < Duration::from_secs(1), "{path}: {took:?}");
+        let body = resp.split_once("\r\n\r\n").unwrap().1;
+        if anthropic {
+            assert_anthropic_error(413, body, 413, path);
+        } else {
+            let v: Value = serde_json::from_str(body).unwrap();
+            assert_eq!(v["error"]["code"], "request_too_large", "{body}");
+        }
+    }
+    // chunked, without a length: cut off at the limit
+    let chunk = format!(
+        "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}",
+        "a".repeat(2000)
+    );
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n0\r\n\r\n",
+        chunk.len()
+    );
+    let (resp, _) = send_and_wait(a, req.as_bytes(), Duration::from_secs(10));
+    assert_eq!(status_of(&resp), 413, "{resp}");
+    // half-sent headers, and an idle connection: closed after the header timeout
+    for req in [
+        &b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"[..],
+        &b""[..],
+    ] {
+        let (resp, took) = send_and_wait(a, req, Duration::from_secs(20));
+        assert!(
+            took >= Duration::from_millis(1000) && took < Duration::from_secs(8),
+            "{took:?} {resp}"
+        );
+        assert!(!resp.contains("200 OK"), "{resp}");
+    }
+    // an idle keep-alive connection after a response: closed the same way
+    let mut s = TcpStream::connect(a).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let took = t0.elapsed();
+    assert!(
+        String::from_utf8_lossy(&out).starts_with("HTTP/1.1 200"),
+        "{out:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(1000) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
+    // a body that stops coming: 408 after the body timeout
+    let req = "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"max";
+    let (resp, took) = send_and_wait(a, req.as_bytes(), Duration::from_secs(20));
+    assert_eq!(status_of(&resp), 408, "{resp}");
+    assert!(took < Duration::from_secs(8), "{took:?}");
+    assert_anthropic_error(
+        408,
+        resp.split_once("\r\n\r\n").unwrap().1,
+        408,
+        "slow body",
+    );
+}
+
+#[test]
+fn the_connection_cap_keeps_health_and_requests_served() {
+    let mut cfg = config(4096, None);
+    cfg.max_connections = 8;
+    cfg.header_timeout = Duration::from_secs(60);
+    let a = start(scripted("hello"), cfg, Duration::ZERO);
+    wait_ready(a);
+    // 40 idle connections: the first 8 are kept (60 s to send headers), the rest are
+    // closed after a second
+    let idle: Vec<TcpStream> = (0..40).map(|_| TcpStream::connect(a).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    let (status, body) = http(a, "GET", "/health", None, &[]);
+    assert_eq!(status, 200, "{body}");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    let v = chat(a, json!({"messages": user("hi"), "max_tokens": 1}));
+    assert_eq!(v["usage"]["completion_tokens"], 1);
+    std::thread::sleep(Duration::from_millis(1500));
+    let closed = idle
+        .iter()
+        .filter(|s| {
+            let mut s = s.try_clone().unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+            let mut b = [0u8; 1];
+            matches!(s.read(&mut b), Ok(0))
+        })
+        .count();
+    assert_eq!(closed, 32, "connections beyond the cap of 8 are closed");
+}
+
+#[test]
+fn a_prompt_far_over_the_context_is_refused_before_tokenizing() {
+    let a = demo();
+    // 6 MB: at least 6e6 / (the longest token's 128 bytes) > 32,768 tokens
+    let huge = "x".repeat(6_000_000);
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"messages": user(&huge)})),
+        ("/v1/completions", json!({"prompt": huge})),
+        (
+            "/v1/messages",
+            json!({"max_tokens": 1, "messages": anthropic_user(&huge)}),
+        ),
+    ] {
+        let t0 = Instant::now();
+        let (status, text) = http(a, "POST", path, Some(&body.to_string()), &[]);
+        let took = t0.elapsed();
+        assert_eq!(status, 400, "{path}: {text:.300}");
+        assert!(
+            text.contains("at least") && text.contains("32768"),
+            "{path}: {text}"
+        );
+        assert!(took < Duration::from_secs(5), "{path}: {took:?}");
+    }
 }

@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
 use super::http::{error_response, json_response, read_request, sse_response};
 use super::submit::{
-    Submitted, context_error, event_error, finish_reason, meta, model_gone, settings, submit,
-    token_text,
+    Submitted, context_error, context_floor, event_error, finish_reason, meta, model_gone,
+    settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::chat::ChatRequest;
@@ -133,6 +133,16 @@ pub(super) async fn start_chat(
     input: api::ChatInput,
 ) -> Result<ChatRun, ApiError> {
     let params = input.params.clone();
+    // The template writes system, user and tool contents whole (trimmed): text the prompt
+    // surely holds.
+    let surely: usize = input
+        .messages
+        .iter()
+        .filter(|m| matches!(m["role"].as_str(), Some("system" | "user" | "tool")))
+        .filter_map(|m| m["content"].as_str())
+        .map(|c| c.trim().len())
+        .sum();
+    context_floor(s, surely, "messages")?;
     let prompt = chat_prompt(s, input).await?;
     if prompt.ids.len() >= s.config.max_seq {
         return Err(context_error(s, prompt.ids.len(), "messages"));

@@ -11,9 +11,6 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-/// Largest request body accepted.
-const BODY_LIMIT: usize = 32 << 20;
-
 pub(super) fn error_response(e: &ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     json_response(status, &e.body())
@@ -237,29 +234,44 @@ pub(super) async fn read_json(
         .with_code("unsupported_media_type"));
     }
     // A body declared too large is refused before any of it is read.
+    let limit = s.config.max_body;
+    let too_large = || {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!("the request body exceeds {limit} bytes"),
+        )
+        .with_code("request_too_large")
+    };
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
-    if declared.is_some_and(|n| n > BODY_LIMIT as u64) {
-        return Err(ApiError::new(
-            413,
-            "invalid_request_error",
-            format!("the request body exceeds {BODY_LIMIT} bytes"),
-        ));
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, BODY_LIMIT).await.map_err(|e| {
-        let msg = format!("{e}");
-        if msg.contains("length limit") {
-            ApiError::new(
-                413,
+    let read = tokio::time::timeout(s.config.body_timeout, axum::body::to_bytes(body, limit));
+    let bytes = match read.await {
+        Err(_) => {
+            return Err(ApiError::new(
+                408,
                 "invalid_request_error",
-                format!("the request body exceeds {BODY_LIMIT} bytes"),
+                format!(
+                    "the request body was not received within {} s",
+                    s.config.body_timeout.as_secs_f64()
+                ),
             )
-        } else {
-            ApiError::invalid("", format!("cannot read the request body: {msg}"))
+            .with_code("request_timeout"));
         }
-    })?;
+        Ok(Err(e)) if format!("{e}").contains("length limit") => return Err(too_large()),
+        Ok(Err(e)) => {
+            return Err(ApiError::invalid(
+                "",
+                format!("cannot read the request body: {e:#}"),
+            ));
+        }
+        Ok(Ok(b)) => b,
+    };
     let v: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid("", format!("the request body is not valid JSON: {e}")))?;
     if let Some(obj) = v.as_object()
