@@ -953,32 +953,7 @@ fn scripted_truncated_tool_call_is_returned_as_content() {
 
 #[test]
 fn binary_serves_the_demo_model() {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
-        .args(["serve", "--bind", "127.0.0.1:0", "--max-seq", "2048"])
-        .stderr(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut addr = None;
-    let mut line = String::new();
-    while addr.is_none() {
-        line.clear();
-        if err.read_line(&mut line).unwrap() == 0 {
-            break;
-        }
-        if let Some(rest) = line.split("http://").nth(1) {
-            addr = rest
-                .split_whitespace()
-                .next()
-                .map(|a| a.parse::<SocketAddr>().unwrap());
-        }
-    }
-    let addr = addr.expect("no listening line");
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
-    });
+    let (mut child, addr) = spawn_binary(&["--max-seq", "2048"]);
     wait_ready(addr);
     let (status, v) = post(
         addr,
@@ -2684,4 +2659,82 @@ fn a_prompt_far_over_the_context_is_refused_before_tokenizing() {
         );
         assert!(took < Duration::from_secs(5), "{path}: {took:?}");
     }
+}
+
+/// Starts the `serve` binary on a free port: the child and its address.
+fn spawn_binary(args: &[&str]) -> (std::process::Child, SocketAddr) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .args(args)
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut addr = None;
+    let mut line = String::new();
+    while addr.is_none() {
+        line.clear();
+        if err.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        if let Some(rest) = line.split("http://").nth(1) {
+            addr = rest
+                .split_whitespace()
+                .next()
+                .map(|a| a.parse::<SocketAddr>().unwrap());
+        }
+    }
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    (child, addr.expect("no listening line"))
+}
+
+/// SIGINT while streams run (both APIs): each ends with an error event, the server stops
+/// accepting and exits 0 once the responses are closed.
+#[test]
+fn sigint_ends_open_streams_with_an_error_event_and_exits_0() {
+    let (mut child, a) = spawn_binary(&["--max-seq", "8192"]);
+    wait_ready(a);
+    let streams: Vec<_> = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "max_tokens": 8000, "stream": true}),
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": anthropic_user("hi"), "max_tokens": 8000, "stream": true}),
+        ),
+    ]
+    .into_iter()
+    .map(|(path, body)| {
+        std::thread::spawn(move || http(a, "POST", path, Some(&body.to_string()), &[]))
+    })
+    .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "serve did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0));
+    let results: Vec<(u16, String)> = streams.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(results[0].0, 200);
+    let ev = results[0].1.trim_end();
+    assert!(ev.ends_with("data: [DONE]"), "{ev:.300}");
+    assert!(ev.contains("the server is shutting down"), "{ev:.300}");
+    let events = anthropic_events(&results[1].1);
+    let (name, err) = events.last().unwrap();
+    assert_eq!(name, "error");
+    assert_eq!(err["error"]["type"], "overloaded_error");
 }
