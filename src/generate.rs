@@ -441,6 +441,9 @@ impl TextStream {
 pub struct StopMatcher {
     stops: Vec<String>,
     pending: String,
+    /// The stop string that ended the text (the earliest found; of two at one place, the
+    /// first given).
+    pub matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -448,6 +451,7 @@ impl StopMatcher {
         StopMatcher {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             pending: String::new(),
+            matched: None,
         }
     }
 
@@ -461,11 +465,13 @@ impl StopMatcher {
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(i, s)| self.pending.find(s.as_str()).map(|at| (at, i)))
             .min();
-        if let Some(at) = first {
+        if let Some((at, i)) = first {
             let out = self.pending[..at].to_string();
             self.pending.clear();
+            self.matched = Some(self.stops[i].clone());
             return (out, true);
         }
         // Hold back the longest tail that is a proper prefix of some stop string.
@@ -545,6 +551,11 @@ impl ReplyDecoder {
 
     pub fn channel(&self) -> Channel {
         self.channel
+    }
+
+    /// The stop string that ended the reply, if one did.
+    pub fn stop_matched(&self) -> Option<&str> {
+        self.stop.matched.as_deref()
     }
 
     fn emit(&mut self, text: String, out: &mut Vec<(Channel, String)>) {
@@ -783,6 +794,21 @@ mod tests {
             ("これで".into(), true)
         );
         assert_eq!(run_stops(&[], &["a", "b"]), ("ab".into(), false));
+    }
+
+    #[test]
+    fn the_stop_string_that_matched_is_named() {
+        let stops: Vec<String> = ["zzz", "lo w", "world"].map(String::from).to_vec();
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push("a b"), ("a b".into(), false));
+        assert_eq!(m.matched, None);
+        assert_eq!(m.push("hello world"), ("hel".into(), true));
+        // the earliest in the text, not the first in the list
+        assert_eq!(m.matched.as_deref(), Some("lo w"));
+        let mut m = StopMatcher::new(&["ab".to_string(), "a".to_string()]);
+        m.push("xab");
+        // two at the same place: the first given
+        assert_eq!(m.matched.as_deref(), Some("ab"));
     }
 
     #[test]

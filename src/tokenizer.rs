@@ -124,6 +124,43 @@ impl Tokenizer {
             .map_err(|e| anyhow!("detokenization failed: {e}"))
     }
 
+    /// The bytes token `id` stands for: its decoded text where that is whole UTF-8 (special
+    /// tokens included), else its byte-level BPE characters mapped back to their bytes (a
+    /// piece of a multi-byte character). `None` for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        let text = self.decode(&[id], false).ok()?;
+        if !text.contains('\u{FFFD}') {
+            return Some(text.into_bytes());
+        }
+        // GPT-2's byte-to-unicode table, inverted: printable bytes stand for themselves, the
+        // others (in order) for U+0100 upwards.
+        let direct = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+        let others: Vec<u8> = (0..=255u32)
+            .filter(|&b| !direct(b))
+            .map(|b| b as u8)
+            .collect();
+        piece
+            .chars()
+            .map(|c| match c as u32 {
+                b if b < 256 && direct(b) => Some(b as u8),
+                b if b >= 256 => others.get((b - 256) as usize).copied(),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The most bytes of text one token stands for (a vocabulary token's byte-level
+    /// characters are a byte each; an added token is its text): so text of `n` bytes is at
+    /// least `n / max_token_bytes()` tokens, known without tokenizing it.
+    pub fn max_token_bytes(&self) -> usize {
+        let vocab = self.inner.get_vocab(false);
+        let added = self.inner.get_added_tokens_decoder();
+        let regular = vocab.keys().map(|t| t.chars().count());
+        let special = added.values().map(|t| t.content.len());
+        regular.chain(special).max().unwrap_or(1).max(1)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

@@ -27,6 +27,10 @@ fn config(max_seq: usize, api_key: Option<&str>) -> ServerConfig {
         prefill_chunk: 4096,
         max_queue: 64,
         max_running: Some(4),
+        max_body: ServerConfig::MAX_BODY,
+        header_timeout: ServerConfig::HEADER_TIMEOUT,
+        body_timeout: ServerConfig::BODY_TIMEOUT,
+        max_connections: ServerConfig::MAX_CONNECTIONS,
     }
 }
 
@@ -949,32 +953,7 @@ fn scripted_truncated_tool_call_is_returned_as_content() {
 
 #[test]
 fn binary_serves_the_demo_model() {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
-        .args(["serve", "--bind", "127.0.0.1:0", "--max-seq", "2048"])
-        .stderr(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut addr = None;
-    let mut line = String::new();
-    while addr.is_none() {
-        line.clear();
-        if err.read_line(&mut line).unwrap() == 0 {
-            break;
-        }
-        if let Some(rest) = line.split("http://").nth(1) {
-            addr = rest
-                .split_whitespace()
-                .next()
-                .map(|a| a.parse::<SocketAddr>().unwrap());
-        }
-    }
-    let addr = addr.expect("no listening line");
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
-    });
+    let (mut child, addr) = spawn_binary(&["--max-seq", "2048"]);
     wait_ready(addr);
     let (status, v) = post(
         addr,
@@ -1015,6 +994,40 @@ fn official_openai_python_client() {
     assert!(
         out.status.success(),
         "openai client failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The official `anthropic` Python client (tests/anthropic_client.py) against the scripted
+/// engine: models, messages with and without thinking, streaming, tools, count_tokens, errors.
+#[test]
+fn official_anthropic_python_client() {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import anthropic"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "SKIPPED official_anthropic_python_client: `python3 -c \"import anthropic\"` fails (pip install anthropic to run it)"
+        );
+        return;
+    }
+    let a = scripted_server(
+        "Checking the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    );
+    let out = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/anthropic_client.py"
+        ))
+        .arg(format!("http://{a}"))
+        .arg("test-model")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "anthropic client failed:\n{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -1647,4 +1660,1081 @@ fn short_requests_are_not_held_behind_a_long_prompt() {
             "a short reply waited for the long prompt's prefill"
         );
     }
+}
+
+// ---- Anthropic Messages API (`/v1/messages`), token endpoints, model details ----
+
+/// `(event name, data)` of an Anthropic SSE body; every event's name is its data's `type`.
+fn anthropic_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (name, data) = e
+                .split_once('\n')
+                .unwrap_or_else(|| panic!("not an event: {e:?}"));
+            let name = name
+                .strip_prefix("event: ")
+                .unwrap_or_else(|| panic!("no event name: {e:?}"));
+            let data: Value = serde_json::from_str(
+                data.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("no data: {e:?}")),
+            )
+            .unwrap();
+            assert_eq!(data["type"], name, "{e}");
+            (name.to_string(), data)
+        })
+        .collect()
+}
+
+/// The event names of a stream with runs of the same delta type shown once.
+fn event_outline(events: &[(String, Value)]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for (name, data) in events {
+        let item = match name.as_str() {
+            "content_block_start" => {
+                format!("start {} {}", data["index"], data["content_block"]["type"])
+            }
+            "content_block_delta" => format!(
+                "delta {} {}",
+                data["index"],
+                data["delta"]["type"].as_str().unwrap()
+            ),
+            "content_block_stop" => format!("stop {}", data["index"]),
+            other => other.to_string(),
+        };
+        if out.last() != Some(&item) {
+            out.push(item);
+        }
+    }
+    out
+}
+
+/// The content blocks a stream's events build (the way the SDKs accumulate them).
+fn blocks_from_events(events: &[(String, Value)]) -> Vec<Value> {
+    let mut blocks: Vec<Value> = Vec::new();
+    let mut json_input: Vec<String> = Vec::new();
+    for (name, d) in events {
+        match name.as_str() {
+            "content_block_start" => {
+                assert_eq!(d["index"], blocks.len());
+                blocks.push(d["content_block"].clone());
+                json_input.push(String::new());
+            }
+            "content_block_delta" => {
+                let i = d["index"].as_u64().unwrap() as usize;
+                let b = &mut blocks[i];
+                match d["delta"]["type"].as_str().unwrap() {
+                    "text_delta" => {
+                        b["text"] = json!(format!(
+                            "{}{}",
+                            b["text"].as_str().unwrap(),
+                            d["delta"]["text"].as_str().unwrap()
+                        ))
+                    }
+                    "thinking_delta" => {
+                        b["thinking"] = json!(format!(
+                            "{}{}",
+                            b["thinking"].as_str().unwrap(),
+                            d["delta"]["thinking"].as_str().unwrap()
+                        ))
+                    }
+                    "input_json_delta" => {
+                        json_input[i].push_str(d["delta"]["partial_json"].as_str().unwrap())
+                    }
+                    other => panic!("unexpected delta {other}"),
+                }
+            }
+            "content_block_stop" => {
+                let i = d["index"].as_u64().unwrap() as usize;
+                if blocks[i]["type"] == "tool_use" {
+                    blocks[i]["input"] = serde_json::from_str(&json_input[i]).unwrap();
+                }
+            }
+            _ => {}
+        }
+    }
+    blocks
+}
+
+/// Checks an error response has Anthropic's shape, the status `want` and the error type
+/// Anthropic gives that status (a table of its own, not the server's mapping).
+fn assert_anthropic_error(got: u16, text: &str, want: u16, what: &str) -> Value {
+    assert_eq!(got, want, "{what}: {text}");
+    let kind = match want {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        500 => "api_error",
+        504 => "timeout_error",
+        529 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => panic!("{what}: no Anthropic error type for {want}"),
+    };
+    let v: Value =
+        serde_json::from_str(text).unwrap_or_else(|_| panic!("{what}: not JSON: {text}"));
+    assert_eq!(v["type"], "error", "{what}: {text}");
+    assert_eq!(v["error"]["type"], kind, "{what}: {text}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{what}: {text}"
+    );
+    assert_eq!(v.as_object().unwrap().len(), 2, "{what}: {text}");
+    v
+}
+
+fn anthropic_user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+#[test]
+fn anthropic_messages_shape_usage_and_count_tokens() {
+    let a = demo();
+    let body = json!({"model": "test-model", "max_tokens": 5, "messages": anthropic_user("Hello!"),
+                      "metadata": {"user_id": "u1"}, "temperature": 0.7, "top_p": 0.9, "top_k": 20});
+    let (status, v) = post(a, "/v1/messages", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["role"], "assistant");
+    assert_eq!(v["model"], "test-model");
+    assert!(v["id"].as_str().unwrap().starts_with("msg_"), "{v}");
+    assert_eq!(v["stop_reason"], "max_tokens");
+    assert!(v["stop_sequence"].is_null());
+    // no `thinking`: off, so no thinking block
+    for b in v["content"].as_array().unwrap() {
+        assert_eq!(b["type"], "text", "{v}");
+    }
+    let u = &v["usage"];
+    assert_eq!(u["output_tokens"], 5);
+    let (status, c) = post(a, "/v1/messages/count_tokens", &body);
+    assert_eq!(status, 200, "{c}");
+    let n = c["input_tokens"].as_u64().unwrap();
+    assert_eq!(
+        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
+        n,
+        "{v}"
+    );
+    // The same conversation sent both ways renders the same prompt: system blocks, tools,
+    // a tool_use and its tool_result against OpenAI's system, tools, tool_calls and tool.
+    let anthropic = json!({"max_tokens": 1,
+        "system": [{"type": "text", "text": "You are terse."}],
+        "tools": [{"name": "get_weather", "description": "Weather forecast",
+                   "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Rome?"}]},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                {"type": "text", "text": "Thanks. And Oslo?"}]}]});
+    let openai = json!({"max_tokens": 1, "chat_template_kwargs": {"enable_thinking": false},
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters":
+                   {"type": "object", "properties": {"city": {"type": "string"}}}, "description": "Weather forecast"}}],
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Weather in Rome?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "toolu_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+            {"role": "user", "content": "Thanks. And Oslo?"}]});
+    let (status, c) = post(a, "/v1/messages/count_tokens", &anthropic);
+    assert_eq!(status, 200, "{c}");
+    let v = chat(a, openai);
+    assert_eq!(c["input_tokens"], v["usage"]["prompt_tokens"], "{c} {v}");
+    let (status, m) = post(a, "/v1/messages", &anthropic);
+    assert_eq!(status, 200, "{m}");
+    let u = &m["usage"];
+    assert_eq!(
+        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
+        c["input_tokens"].as_u64().unwrap()
+    );
+    // the OpenAI request just ran the same prompt: the prefix cache serves it
+    assert!(u["cache_read_input_tokens"].as_u64().unwrap() > 0, "{m}");
+    // thinking on makes the prompt end inside `<think>`: another count
+    let mut thinking = anthropic.clone();
+    thinking["thinking"] = json!({"type": "adaptive"});
+    let (_, t) = post(a, "/v1/messages/count_tokens", &thinking);
+    assert_ne!(t["input_tokens"], c["input_tokens"]);
+    // the metrics count the endpoint like the others
+    let (_, text) = http(a, "GET", "/metrics", None, &[]);
+    assert!(
+        text.contains("kestrel_requests_total{endpoint=\"/v1/messages\",status=\"200\"}"),
+        "{text}"
+    );
+}
+
+const THINK_TOOL_SCRIPT: &str = "I should call the tool.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+
+fn anthropic_weather_tools() -> Value {
+    json!([{"name": "get_weather", "description": "Weather forecast", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}])
+}
+
+#[test]
+fn anthropic_streaming_event_order_matches_the_whole_reply() {
+    let a = scripted_server(THINK_TOOL_SCRIPT);
+    let body = json!({"max_tokens": 200, "messages": anthropic_user("Weather in Paris?"),
+                      "tools": anthropic_weather_tools(),
+                      "thinking": {"type": "enabled", "budget_tokens": 100}});
+    let (status, whole) = post(a, "/v1/messages", &body);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["stop_reason"], "tool_use", "{whole}");
+    let content = whole["content"].as_array().unwrap();
+    let types: Vec<&str> = content
+        .iter()
+        .map(|b| b["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, ["thinking", "text", "tool_use"], "{whole}");
+    assert_eq!(
+        content[0]["thinking"].as_str().unwrap().trim(),
+        "I should call the tool."
+    );
+    assert!(content[0]["signature"].is_string());
+    assert_eq!(content[1]["text"].as_str().unwrap().trim(), "Let me check.");
+    assert_eq!(content[2]["name"], "get_weather");
+    assert_eq!(content[2]["input"], json!({"city": "Paris", "days": 3}));
+    assert!(content[2]["id"].as_str().unwrap().starts_with("toolu_"));
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let (status, raw) = http(a, "POST", "/v1/messages", Some(&sbody.to_string()), &[]);
+    assert_eq!(status, 200, "{raw}");
+    let events = anthropic_events(&raw);
+    assert_eq!(
+        event_outline(&events),
+        [
+            "message_start",
+            "ping",
+            "start 0 \"thinking\"",
+            "delta 0 thinking_delta",
+            "stop 0",
+            "start 1 \"text\"",
+            "delta 1 text_delta",
+            "stop 1",
+            "start 2 \"tool_use\"",
+            "delta 2 input_json_delta",
+            "stop 2",
+            "message_delta",
+            "message_stop",
+        ],
+        "{raw}"
+    );
+    let start = &events[0].1["message"];
+    assert_eq!(start["content"], json!([]));
+    assert!(start["stop_reason"].is_null());
+    // the same prompt (now mostly from the cache)
+    let prompt = |u: &Value| {
+        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap()
+    };
+    assert_eq!(prompt(&start["usage"]), prompt(&whole["usage"]));
+    assert!(start["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(events[2].1["content_block"]["thinking"], "");
+    assert_eq!(
+        events
+            .iter()
+            .find(|e| e.0 == "content_block_start" && e.1["index"] == 2)
+            .unwrap()
+            .1["content_block"]["input"],
+        json!({})
+    );
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], "tool_use");
+    assert!(delta["delta"]["stop_sequence"].is_null());
+    assert_eq!(
+        delta["usage"]["output_tokens"],
+        whole["usage"]["output_tokens"]
+    );
+    // the stream builds the same blocks (but the tool_use id, per response)
+    let mut streamed = blocks_from_events(&events);
+    let mut expected = content.clone();
+    streamed[2]["id"] = json!("x");
+    expected[2]["id"] = json!("x");
+    assert_eq!(streamed, expected);
+}
+
+#[test]
+fn anthropic_tool_use_round_trip_and_tool_choice() {
+    let a = scripted_server(THINK_TOOL_SCRIPT);
+    let tools = anthropic_weather_tools();
+    let mut messages = vec![json!({"role": "user", "content": "Weather in Paris for 3 days?"})];
+    let (status, r1) = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 200, "messages": messages, "tools": tools,
+                "thinking": {"type": "enabled", "budget_tokens": 100}}),
+    );
+    assert_eq!(status, 200, "{r1}");
+    assert_eq!(r1["stop_reason"], "tool_use");
+    let call = r1["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .unwrap()
+        .clone();
+    // the reply goes back as it came, thinking block and all, then the tool's result
+    messages.push(json!({"role": "assistant", "content": r1["content"]}));
+    messages.push(json!({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": call["id"], "content": "sunny, 24 C"}]}));
+    let second = json!({"max_tokens": 200, "messages": messages, "tools": tools,
+                        "thinking": {"type": "enabled", "budget_tokens": 100}});
+    let (status, r2) = post(a, "/v1/messages", &second);
+    assert_eq!(status, 200, "{r2}");
+    assert_eq!(r2["stop_reason"], "tool_use");
+    // it resumed from the first turn's cached prefix
+    assert!(
+        r2["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0,
+        "{r2}"
+    );
+    let (_, c1) = post(
+        a,
+        "/v1/messages/count_tokens",
+        &json!({"messages": messages[..1], "tools": tools}),
+    );
+    let (_, c2) = post(a, "/v1/messages/count_tokens", &second);
+    assert!(c2["input_tokens"].as_u64() > c1["input_tokens"].as_u64());
+    // a result for a call that was never made is refused
+    let mut bad = second.clone();
+    bad["messages"][2]["content"][0]["tool_use_id"] = json!("toolu_nope");
+    let (status, text) = http(a, "POST", "/v1/messages", Some(&bad.to_string()), &[]);
+    assert_anthropic_error(status, &text, 400, "unknown tool_use_id");
+    // tool_choice none: no tools in the prompt, the call's text is plain text
+    let (_, r) = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 200, "messages": messages[..1], "tools": tools,
+                "tool_choice": {"type": "none"}}),
+    );
+    assert_eq!(r["stop_reason"], "end_turn", "{r}");
+    assert!(
+        r["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| b["type"] == "text"),
+        "{r}"
+    );
+    assert!(
+        r["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("<tool_call>"),
+        "{r}"
+    );
+    // tool_choice auto without thinking: the call still comes as a tool_use block
+    let (_, r) = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 200, "messages": messages[..1], "tools": tools,
+                "tool_choice": {"type": "auto", "disable_parallel_tool_use": true}}),
+    );
+    assert_eq!(r["stop_reason"], "tool_use", "{r}");
+    assert!(
+        r["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| b["type"] != "thinking"),
+        "{r}"
+    );
+}
+
+#[test]
+fn anthropic_forced_tool_choice_writes_the_call() {
+    // The prompt is prefilled with `<tool_call>\n<function=get_weather>\n`; the script
+    // writes the rest of the call.
+    let a = scripted_server("<parameter=city>\nLima\n</parameter>\n</function>\n</tool_call>");
+    let (status, r) = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 50, "messages": anthropic_user("weather?"),
+                "tools": anthropic_weather_tools(),
+                "tool_choice": {"type": "tool", "name": "get_weather"}}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["stop_reason"], "tool_use", "{r}");
+    assert_eq!(r["content"].as_array().unwrap().len(), 1, "{r}");
+    assert_eq!(r["content"][0]["type"], "tool_use");
+    assert_eq!(r["content"][0]["input"], json!({"city": "Lima"}));
+}
+
+#[test]
+fn anthropic_thinking_on_off_and_budget() {
+    let a = scripted_server("Two plus two.\n</think>\n\nThe answer is 4.");
+    let ask = |thinking: Value| {
+        let mut body = json!({"max_tokens": 40, "messages": anthropic_user("2+2?")});
+        if !thinking.is_null() {
+            body["thinking"] = thinking;
+        }
+        let (status, v) = post(a, "/v1/messages", &body);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["stop_reason"], "end_turn", "{v}");
+        v
+    };
+    let on = ask(json!({"type": "enabled", "budget_tokens": 30}));
+    let c = on["content"].as_array().unwrap();
+    assert_eq!(c.len(), 2, "{on}");
+    assert_eq!(c[0]["type"], "thinking");
+    assert_eq!(c[0]["thinking"].as_str().unwrap().trim(), "Two plus two.");
+    assert_eq!(c[1], json!({"type": "text", "text": "The answer is 4."}));
+    // off, and absent (Anthropic's default): the prompt closes the thinking block, so all of
+    // the reply is text
+    for thinking in [json!({"type": "disabled"}), Value::Null] {
+        let off = ask(thinking);
+        let c = off["content"].as_array().unwrap();
+        assert!(c.iter().all(|b| b["type"] == "text"), "{off}");
+        assert!(
+            c[0]["text"].as_str().unwrap().ends_with("The answer is 4."),
+            "{off}"
+        );
+    }
+    // the budget: after 2 thinking tokens `</think>` is fed; the script then starts over as
+    // the answer
+    let text = "one two three four five six seven eight nine ten eleven twelve";
+    let a = scripted_server(text);
+    let (status, v) = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 30, "messages": anthropic_user("count"),
+                "thinking": {"type": "enabled", "budget_tokens": 2}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["content"][0]["type"], "thinking", "{v}");
+    assert_eq!(
+        v["content"][0]["thinking"].as_str().unwrap().trim(),
+        "one two"
+    );
+    assert_eq!(v["content"][1]["text"], text);
+}
+
+#[test]
+fn anthropic_stop_sequences_max_tokens_and_prefill() {
+    let a = scripted_server("Hello world. END and more text");
+    let body = json!({"max_tokens": 40, "messages": anthropic_user("hi"),
+                      "stop_sequences": ["zzz", "END"]});
+    let (status, v) = post(a, "/v1/messages", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["stop_reason"], "stop_sequence");
+    assert_eq!(v["stop_sequence"], "END");
+    assert_eq!(
+        v["content"],
+        json!([{"type": "text", "text": "Hello world. "}])
+    );
+    let mut s = body.clone();
+    s["stream"] = json!(true);
+    let (_, raw) = http(a, "POST", "/v1/messages", Some(&s.to_string()), &[]);
+    let events = anthropic_events(&raw);
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], "stop_sequence", "{raw}");
+    assert_eq!(delta["delta"]["stop_sequence"], "END", "{raw}");
+    assert_eq!(
+        blocks_from_events(&events),
+        v["content"].as_array().unwrap().clone()
+    );
+    let (_, v) = post(
+        a,
+        "/v1/messages",
+        &json!({"max_tokens": 2, "messages": anthropic_user("hi")}),
+    );
+    assert_eq!(v["stop_reason"], "max_tokens", "{v}");
+    assert_eq!(v["usage"]["output_tokens"], 2);
+    // a final assistant message is the reply's start: the prompt holds it, the reply does not
+    let (_, plain) = post(
+        a,
+        "/v1/messages/count_tokens",
+        &json!({"messages": anthropic_user("hi")}),
+    );
+    let prefill = json!({"max_tokens": 40, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]});
+    let (_, pre) = post(a, "/v1/messages/count_tokens", &prefill);
+    assert!(
+        pre["input_tokens"].as_u64() > plain["input_tokens"].as_u64(),
+        "{pre} {plain}"
+    );
+    let (status, v) = post(a, "/v1/messages", &prefill);
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        !v["content"][0]["text"].as_str().unwrap().contains("Sure"),
+        "{v}"
+    );
+}
+
+#[test]
+fn anthropic_errors_have_anthropic_shape_and_status() {
+    let a = demo();
+    let ok = anthropic_user("hi");
+    let m = |extra: Value| {
+        let mut b = json!({"max_tokens": 5, "messages": ok});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let bad: Vec<(&str, String, u16)> = vec![
+        ("/v1/messages", "{not json".into(), 400),
+        ("/v1/messages", "".into(), 400),
+        ("/v1/messages", "[1]".into(), 400),
+        ("/v1/messages", json!({"messages": ok}).to_string(), 400),
+        ("/v1/messages", json!({"max_tokens": 5}).to_string(), 400),
+        ("/v1/messages", m(json!({"messages": []})), 400),
+        (
+            "/v1/messages",
+            m(json!({"messages": [{"role": "system", "content": "x"}]})),
+            400,
+        ),
+        (
+            "/v1/messages",
+            m(
+                json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+            ),
+            400,
+        ),
+        (
+            "/v1/messages",
+            m(json!({"messages": [{"role": "user", "content": 5}]})),
+            400,
+        ),
+        (
+            "/v1/messages",
+            m(json!({"messages": [{"role": "user"}]})),
+            400,
+        ),
+        (
+            "/v1/messages",
+            m(json!({"messages": [{"role": "assistant", "content": "x"}]})),
+            400,
+        ),
+        ("/v1/messages", m(json!({"max_tokens": -1})), 400),
+        ("/v1/messages", m(json!({"max_tokens": "many"})), 400),
+        ("/v1/messages", m(json!({"temperature": 9})), 400),
+        ("/v1/messages", m(json!({"top_p": 0})), 400),
+        ("/v1/messages", m(json!({"top_k": -3})), 400),
+        ("/v1/messages", m(json!({"stop_sequences": [1]})), 400),
+        ("/v1/messages", m(json!({"stream": 1})), 400),
+        ("/v1/messages", m(json!({"system": {"text": "x"}})), 400),
+        ("/v1/messages", m(json!({"tools": [{"name": "f"}]})), 400),
+        ("/v1/messages", m(json!({"tools": "f"})), 400),
+        (
+            "/v1/messages",
+            m(json!({"tool_choice": {"type": "any"}})),
+            400,
+        ),
+        (
+            "/v1/messages",
+            m(json!({"thinking": {"type": "enabled", "budget_tokens": 5}})),
+            400,
+        ),
+        ("/v1/messages", m(json!({"thinking": true})), 400),
+        ("/v1/messages", m(json!({"model": "claude-sonnet-4"})), 404),
+        ("/v1/messages", m(json!({"model": 5})), 400),
+        ("/v1/messages/count_tokens", "{not json".into(), 400),
+        (
+            "/v1/messages/count_tokens",
+            json!({"max_tokens": 5}).to_string(),
+            400,
+        ),
+        (
+            "/v1/messages/count_tokens",
+            json!({"messages": ok, "model": "gpt-4"}).to_string(),
+            404,
+        ),
+        ("/v1/messages/batches", json!({}).to_string(), 404),
+    ];
+    for (path, body, status) in bad {
+        let (got, text) = http(a, "POST", path, Some(&body), &[]);
+        assert_anthropic_error(got, &text, status, &format!("{path} {body:.80}"));
+    }
+    // the context limit names both numbers
+    let (got, text) = http(
+        a,
+        "POST",
+        "/v1/messages",
+        Some(&m(
+            json!({"messages": [{"role": "user", "content": "word ".repeat(40_000)}]}),
+        )),
+        &[],
+    );
+    let v = assert_anthropic_error(got, &text, 400, "context");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("32768"),
+        "{v}"
+    );
+    // not JSON-typed, the wrong method, a body over the limit
+    let raw = |req: String| {
+        let mut s = TcpStream::connect(a).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        // the server may answer (and close) before the whole body is sent
+        let _ = s.write_all(req.as_bytes());
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        let (head, rest) = out.split_once("\r\n\r\n").expect("no header end");
+        let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, rest.to_string())
+    };
+    let body = m(json!({}));
+    let (got, text) = raw(format!(
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    ));
+    assert_anthropic_error(got, &text, 415, "text/plain");
+    for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+        let (got, text) = http(a, "GET", path, None, &[]);
+        assert_anthropic_error(got, &text, 405, &format!("GET {path}"));
+    }
+    // refused from its declared length, before any of it is read
+    let (got, text) = raw(format!(
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
+        33 << 20
+    ));
+    assert_anthropic_error(got, &text, 413, "33 MiB body");
+}
+
+#[test]
+fn anthropic_errors_of_the_server_side() {
+    // authentication: x-api-key (Anthropic's header) or the bearer token
+    let a = start(
+        scripted("hello"),
+        config(4096, Some("sekret")),
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let body = json!({"max_tokens": 2, "messages": anthropic_user("hi")}).to_string();
+    for (headers, want) in [
+        (vec![], 401),
+        (vec![("x-api-key", "wrong")], 401),
+        (vec![("Authorization", "Bearer wrong")], 401),
+        (
+            vec![("x-api-key", "sekret"), ("anthropic-version", "2023-06-01")],
+            200,
+        ),
+        (vec![("Authorization", "Bearer sekret")], 200),
+    ] {
+        for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+            let (got, text) = http(a, "POST", path, Some(&body), &headers);
+            if want == 200 {
+                assert_eq!(got, 200, "{headers:?}: {text}");
+            } else {
+                assert_anthropic_error(got, &text, want, &format!("{path} {headers:?}"));
+            }
+        }
+    }
+    // loading: overloaded (529, as Anthropic answers); counting tokens needs no model
+    let a = start(
+        scripted("hello"),
+        config(4096, None),
+        Duration::from_millis(1500),
+    );
+    let (got, text) = http(a, "POST", "/v1/messages", Some(&body), &[]);
+    assert_anthropic_error(got, &text, 529, "loading");
+    let (got, text) = http(a, "POST", "/v1/messages/count_tokens", Some(&body), &[]);
+    assert_eq!(got, 200, "{text}");
+    // a timeout: before the stream, an error response; after it started, an error event
+    let mut cfg = config(32_768, None);
+    cfg.request_timeout = Duration::from_millis(800);
+    let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
+    wait_ready(a);
+    let long = json!({"max_tokens": 100_000, "messages": anthropic_user("go on")});
+    let (got, text) = http(a, "POST", "/v1/messages", Some(&long.to_string()), &[]);
+    assert_anthropic_error(got, &text, 504, "timeout");
+    let mut s = long.clone();
+    s["stream"] = json!(true);
+    let (got, raw) = http(a, "POST", "/v1/messages", Some(&s.to_string()), &[]);
+    assert_eq!(got, 200);
+    let events = anthropic_events(&raw);
+    assert_eq!(events[0].0, "message_start");
+    let (name, err) = events.last().unwrap();
+    assert_eq!(name, "error", "{raw:.300}");
+    assert_eq!(err["error"]["type"], "timeout_error");
+    // a full queue: rate limited
+    let mut cfg = config(32_768, None);
+    cfg.max_queue = 1;
+    cfg.max_running = Some(1);
+    cfg.request_timeout = Duration::from_secs(3);
+    let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
+    wait_ready(a);
+    let running = std::thread::spawn(move || post(a, "/v1/messages", &long).0);
+    std::thread::sleep(Duration::from_millis(300));
+    let queued = std::thread::spawn(move || {
+        post(
+            a,
+            "/v1/messages",
+            &json!({"max_tokens": 1, "messages": anthropic_user("q")}),
+        )
+        .0
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let (got, text) = http(a, "POST", "/v1/messages", Some(&body), &[]);
+    assert_anthropic_error(got, &text, 429, "queue full");
+    assert_eq!(running.join().unwrap(), 504);
+    assert_eq!(queued.join().unwrap(), 200);
+    // the engine failing: api_error
+    let mut cfg = config(8192, None);
+    cfg.prefill_chunk = 100;
+    cfg.cache_mem = 0;
+    let a = start(|| FailsLongPrefill(demo_engine()), cfg, Duration::ZERO);
+    wait_ready(a);
+    let poisoned = json!({"max_tokens": 2, "messages": anthropic_user(&"word ".repeat(2500))});
+    let (got, text) = http(a, "POST", "/v1/messages", Some(&poisoned.to_string()), &[]);
+    let v = assert_anthropic_error(got, &text, 500, "engine failure");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("poisoned prefill"),
+        "{v}"
+    );
+}
+
+#[test]
+fn tokenize_and_detokenize_in_llama_cpp_shapes() {
+    let a = demo();
+    let tok = Tokenizer::bundled().unwrap();
+    let text = "Hello world, 東京 🦀 𠜎𝔘ᚠ <|im_start|>";
+    let (status, v) = post(a, "/tokenize", &json!({"content": text}));
+    assert_eq!(status, 200, "{v}");
+    let ids: Vec<u32> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, tok.encode(text, true).unwrap());
+    assert!(ids.contains(&special::IM_START));
+    // special-token text as ordinary text
+    let (_, lit) = post(
+        a,
+        "/tokenize",
+        &json!({"content": text, "parse_special": false, "add_special": true}),
+    );
+    assert!(
+        !lit["tokens"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(special::IM_START)),
+        "{lit}"
+    );
+    // pieces: text where whole UTF-8, else bytes; together the text's bytes
+    let (_, p) = post(
+        a,
+        "/tokenize",
+        &json!({"content": text, "with_pieces": true}),
+    );
+    let mut bytes = Vec::new();
+    let mut split = 0;
+    for (t, id) in p["tokens"].as_array().unwrap().iter().zip(&ids) {
+        assert_eq!(t["id"], *id);
+        match &t["piece"] {
+            Value::String(s) => bytes.extend_from_slice(s.as_bytes()),
+            Value::Array(b) => {
+                split += 1;
+                bytes.extend(b.iter().map(|x| x.as_u64().unwrap() as u8));
+            }
+            other => panic!("piece {other}"),
+        }
+    }
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    assert!(
+        split > 0,
+        "some rare character's bytes should span tokens: {p}"
+    );
+    let (status, d) = post(a, "/detokenize", &json!({"tokens": ids}));
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(d["content"], text);
+    for (path, body) in [
+        ("/tokenize", json!({})),
+        ("/tokenize", json!({"content": 5})),
+        ("/tokenize", json!({"content": "x", "with_pieces": "yes"})),
+        ("/detokenize", json!({"tokens": "1 2"})),
+        ("/detokenize", json!({"tokens": [-1]})),
+        ("/detokenize", json!({"tokens": [1u64 << 40]})),
+    ] {
+        let (status, v) = post(a, path, &body);
+        assert_eq!(status, 400, "{path} {body}: {v}");
+        assert!(v["error"]["message"].is_string(), "{v}");
+    }
+    // they need only the tokenizer: answered while the weights load
+    let a = start(
+        scripted("hello"),
+        config(4096, None),
+        Duration::from_millis(1500),
+    );
+    let (status, v) = post(a, "/tokenize", &json!({"content": "hi"}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(http(a, "GET", "/health", None, &[]).0, 503);
+}
+
+#[test]
+fn models_list_details_for_both_sdks() {
+    let a = demo();
+    let (status, t) = http(a, "GET", "/v1/models", None, &[]);
+    assert_eq!(status, 200, "{t}");
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(v["has_more"], false);
+    assert_eq!(v["first_id"], "test-model");
+    let m = &v["data"][0];
+    assert_eq!(m["max_model_len"], 32_768);
+    assert_eq!(m["type"], "model");
+    assert_eq!(m["display_name"], "test-model");
+    assert_eq!(
+        m["vocab_size"].as_u64().unwrap() as usize,
+        Tokenizer::bundled().unwrap().vocab_size()
+    );
+    // created_at is `created` in RFC 3339
+    let at = m["created_at"].as_str().unwrap();
+    assert_eq!(at.len(), 20, "{at}");
+    assert!(at.ends_with('Z') && at.as_bytes()[10] == b'T', "{at}");
+    let created = m["created"].as_u64().unwrap();
+    assert!(at.starts_with("20"), "{at}");
+    assert_eq!(
+        at[11..19],
+        format!(
+            "{:02}:{:02}:{:02}",
+            created % 86_400 / 3600,
+            created % 3600 / 60,
+            created % 60
+        )
+    );
+}
+
+// ---- limits on clients: body size, read timeouts, the connection cap, the context floor ----
+
+/// Writes `req` on a fresh connection and reads until the server closes it (or `wait`
+/// passes): what came back and how long until the close.
+fn send_and_wait(addr: SocketAddr, req: &[u8], wait: Duration) -> (String, Duration) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(wait)).unwrap();
+    let t0 = Instant::now();
+    let _ = s.write_all(req);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    (String::from_utf8_lossy(&out).into_owned(), t0.elapsed())
+}
+
+fn status_of(resp: &str) -> u16 {
+    resp.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn body_limit_and_read_timeouts() {
+    let mut cfg = config(4096, None);
+    cfg.max_body = 1000;
+    cfg.header_timeout = Duration::from_millis(1500);
+    cfg.body_timeout = Duration::from_millis(1500);
+    let a = start(scripted("hello"), cfg, Duration::ZERO);
+    wait_ready(a);
+    let small = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
+    assert_eq!(
+        http(a, "POST", "/v1/chat/completions", Some(&small), &[]).0,
+        200
+    );
+    // declared over the limit: refused before the body is sent, in each API's shape
+    for (path, anthropic) in [
+        ("/v1/chat/completions", false),
+        ("/v1/messages", true),
+        ("/tokenize", false),
+    ] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+        );
+        let (resp, took) = send_and_wait(a, head.as_bytes(), Duration::from_secs(10));
+        assert_eq!(status_of(&resp), 413, "{path}: {resp}");
+        assert!(took < Duration::from_secs(1), "{path}: {took:?}");
+        let body = resp.split_once("\r\n\r\n").unwrap().1;
+        if anthropic {
+            assert_anthropic_error(413, body, 413, path);
+        } else {
+            let v: Value = serde_json::from_str(body).unwrap();
+            assert_eq!(v["error"]["code"], "request_too_large", "{body}");
+        }
+    }
+    // chunked, without a length: cut off at the limit
+    let chunk = format!(
+        "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}",
+        "a".repeat(2000)
+    );
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n0\r\n\r\n",
+        chunk.len()
+    );
+    let (resp, _) = send_and_wait(a, req.as_bytes(), Duration::from_secs(10));
+    assert_eq!(status_of(&resp), 413, "{resp}");
+    // half-sent headers, and an idle connection: closed after the header timeout
+    for req in [
+        &b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"[..],
+        &b""[..],
+    ] {
+        let (resp, took) = send_and_wait(a, req, Duration::from_secs(20));
+        assert!(
+            took >= Duration::from_millis(1000) && took < Duration::from_secs(8),
+            "{took:?} {resp}"
+        );
+        assert!(!resp.contains("200 OK"), "{resp}");
+    }
+    // an idle keep-alive connection after a response: closed the same way
+    let mut s = TcpStream::connect(a).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let took = t0.elapsed();
+    assert!(
+        String::from_utf8_lossy(&out).starts_with("HTTP/1.1 200"),
+        "{out:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(1000) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
+    // a body that stops coming: 408 after the body timeout
+    let req = "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"max";
+    let (resp, took) = send_and_wait(a, req.as_bytes(), Duration::from_secs(20));
+    assert_eq!(status_of(&resp), 408, "{resp}");
+    assert!(took < Duration::from_secs(8), "{took:?}");
+    assert_anthropic_error(
+        408,
+        resp.split_once("\r\n\r\n").unwrap().1,
+        408,
+        "slow body",
+    );
+}
+
+#[test]
+fn the_connection_cap_keeps_health_and_requests_served() {
+    let mut cfg = config(4096, None);
+    cfg.max_connections = 8;
+    cfg.header_timeout = Duration::from_secs(60);
+    let a = start(scripted("hello"), cfg, Duration::ZERO);
+    wait_ready(a);
+    // 40 idle connections: the first 8 are kept (60 s to send headers), the rest are
+    // closed after a second
+    let idle: Vec<TcpStream> = (0..40).map(|_| TcpStream::connect(a).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    let (status, body) = http(a, "GET", "/health", None, &[]);
+    assert_eq!(status, 200, "{body}");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    let v = chat(a, json!({"messages": user("hi"), "max_tokens": 1}));
+    assert_eq!(v["usage"]["completion_tokens"], 1);
+    std::thread::sleep(Duration::from_millis(1500));
+    let closed = idle
+        .iter()
+        .filter(|s| {
+            let mut s = s.try_clone().unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+            let mut b = [0u8; 1];
+            matches!(s.read(&mut b), Ok(0))
+        })
+        .count();
+    assert_eq!(closed, 32, "connections beyond the cap of 8 are closed");
+}
+
+#[test]
+fn a_prompt_far_over_the_context_is_refused_before_tokenizing() {
+    let a = demo();
+    // 6 MB: at least 6e6 / (the longest token's 128 bytes) > 32,768 tokens
+    let huge = "x".repeat(6_000_000);
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"messages": user(&huge)})),
+        ("/v1/completions", json!({"prompt": huge})),
+        (
+            "/v1/messages",
+            json!({"max_tokens": 1, "messages": anthropic_user(&huge)}),
+        ),
+    ] {
+        let t0 = Instant::now();
+        let (status, text) = http(a, "POST", path, Some(&body.to_string()), &[]);
+        let took = t0.elapsed();
+        assert_eq!(status, 400, "{path}: {text:.300}");
+        assert!(
+            text.contains("at least") && text.contains("32768"),
+            "{path}: {text}"
+        );
+        assert!(took < Duration::from_secs(5), "{path}: {took:?}");
+    }
+}
+
+/// Starts the `serve` binary on a free port: the child and its address.
+fn spawn_binary(args: &[&str]) -> (std::process::Child, SocketAddr) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .args(args)
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut addr = None;
+    let mut line = String::new();
+    while addr.is_none() {
+        line.clear();
+        if err.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        if let Some(rest) = line.split("http://").nth(1) {
+            addr = rest
+                .split_whitespace()
+                .next()
+                .map(|a| a.parse::<SocketAddr>().unwrap());
+        }
+    }
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    (child, addr.expect("no listening line"))
+}
+
+/// SIGINT while streams run (both APIs): each ends with an error event, the server stops
+/// accepting and exits 0 once the responses are closed.
+#[test]
+fn sigint_ends_open_streams_with_an_error_event_and_exits_0() {
+    let (mut child, a) = spawn_binary(&["--max-seq", "8192"]);
+    wait_ready(a);
+    let streams: Vec<_> = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "max_tokens": 8000, "stream": true}),
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": anthropic_user("hi"), "max_tokens": 8000, "stream": true}),
+        ),
+    ]
+    .into_iter()
+    .map(|(path, body)| {
+        std::thread::spawn(move || http(a, "POST", path, Some(&body.to_string()), &[]))
+    })
+    .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "serve did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0));
+    let results: Vec<(u16, String)> = streams.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(results[0].0, 200);
+    let ev = results[0].1.trim_end();
+    assert!(ev.ends_with("data: [DONE]"), "{ev:.300}");
+    assert!(ev.contains("the server is shutting down"), "{ev:.300}");
+    let events = anthropic_events(&results[1].1);
+    let (name, err) = events.last().unwrap();
+    assert_eq!(name, "error");
+    assert_eq!(err["error"]["type"], "overloaded_error");
 }

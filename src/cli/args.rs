@@ -73,6 +73,21 @@ pub(super) struct ServeArgs {
     /// latency while a long prompt is admitted. Larger prefills bursts of prompts faster.
     #[arg(long, default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..))]
     pub(super) prefill_per_round: u64,
+    /// Largest request body (K, M, G suffixes allowed); larger is refused with 413 (one whose
+    /// Content-Length says so before any of it is read).
+    #[arg(long, default_value = "32M", value_parser = parse_bytes)]
+    pub(super) max_body: u64,
+    /// Seconds a client has to send a request's headers, from connecting or from the end of
+    /// its previous response (so also how long an idle keep-alive connection stays open).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) header_timeout: u64,
+    /// Seconds a client has to send a request's body once its headers are in (408 after).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) body_timeout: u64,
+    /// Connections served as usual at once; beyond it each still gets one request, which it
+    /// must send within a second (so /health keeps answering), and is then closed.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) max_connections: u64,
 }
 
 #[derive(Args, Clone, Debug)]

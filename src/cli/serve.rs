@@ -25,6 +25,10 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         max_queue,
         max_running,
         prefill_per_round,
+        max_body,
+        header_timeout,
+        body_timeout,
+        max_connections,
     } = args;
     let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
@@ -57,6 +61,10 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         prefill_chunk: prefill_per_round as usize,
         max_queue,
         max_running,
+        max_body: max_body.min(usize::MAX as u64) as usize,
+        header_timeout: Duration::from_secs(header_timeout),
+        body_timeout: Duration::from_secs(body_timeout),
+        max_connections: max_connections as usize,
     };
     let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
 use super::http::{error_response, json_response, read_request, sse_response};
 use super::submit::{
-    Submitted, context_error, event_error, finish_reason, meta, model_gone, settings, submit,
-    token_text,
+    Submitted, context_error, context_floor, event_error, finish_reason, meta, model_gone,
+    settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::chat::ChatRequest;
@@ -43,8 +43,8 @@ pub(super) async fn chat_completions(
 }
 
 /// The rendered prompt of a chat request: ids, snapshot points and a forced answer prefix.
-struct ChatPrompt {
-    ids: Vec<u32>,
+pub(super) struct ChatPrompt {
+    pub(super) ids: Vec<u32>,
     points: Vec<usize>,
     forced: String,
     tools: Option<Vec<Value>>,
@@ -72,10 +72,11 @@ fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiErro
         ToolChoice::Named(n) => format!("<tool_call>\n<function={n}>\n"),
         _ => String::new(),
     };
-    if !forced.is_empty() {
+    if !forced.is_empty() || input.prefill.is_some() {
         if text.ends_with("<think>\n") {
             text.push_str("\n</think>\n\n");
         }
+        text.push_str(input.prefill.as_deref().unwrap_or_default());
         text.push_str(&forced);
     }
     let ids = s
@@ -104,21 +105,45 @@ fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiErro
     })
 }
 
-async fn chat_inner(
+/// Renders and tokenizes a chat request's prompt off the async workers (a long prompt takes
+/// a while).
+pub(super) async fn chat_prompt(
     s: &Arc<Shared>,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<Response, ApiError> {
-    let v = read_request(s, headers, body).await?;
-    let input = api::parse_chat(&v, &s.defaults)?;
-    let params = input.params.clone();
-    // Rendering and tokenizing a long prompt takes a while: off the async workers.
+    input: api::ChatInput,
+) -> Result<ChatPrompt, ApiError> {
     let s2 = s.clone();
-    let prompt = tokio::task::spawn_blocking(move || render_chat(&s2, &input))
+    tokio::task::spawn_blocking(move || render_chat(&s2, &input))
         .await
-        .map_err(|e| {
-            ApiError::new(500, "server_error", format!("prompt rendering failed: {e}"))
-        })??;
+        .map_err(|e| ApiError::new(500, "server_error", format!("prompt rendering failed: {e}")))?
+}
+
+/// A chat request the model has started: its events, the [`Assembler`] for them, the usage
+/// so far and the request's options. Both chat endpoints (OpenAI's and Anthropic's) build
+/// their responses from it.
+pub(super) struct ChatRun {
+    pub(super) sub: Submitted,
+    pub(super) asm: Assembler,
+    pub(super) usage: Usage,
+    pub(super) params: api::GenParams,
+}
+
+/// Renders `input`, checks it against the context limit and queues it for the model.
+pub(super) async fn start_chat(
+    s: &Arc<Shared>,
+    input: api::ChatInput,
+) -> Result<ChatRun, ApiError> {
+    let params = input.params.clone();
+    // The template writes system, user and tool contents whole (trimmed): text the prompt
+    // surely holds.
+    let surely: usize = input
+        .messages
+        .iter()
+        .filter(|m| matches!(m["role"].as_str(), Some("system" | "user" | "tool")))
+        .filter_map(|m| m["content"].as_str())
+        .map(|c| c.trim().len())
+        .sum();
+    context_floor(s, surely, "messages")?;
+    let prompt = chat_prompt(s, input).await?;
     if prompt.ids.len() >= s.config.max_seq {
         return Err(context_error(s, prompt.ids.len(), "messages"));
     }
@@ -126,12 +151,33 @@ async fn chat_inner(
     let prompt_tokens = prompt.ids.len();
     let sub = submit(s, prompt.ids, prompt.points, settings, &params).await?;
     let asm = Assembler::new(prompt.tools.as_deref(), &prompt.forced);
-    let meta = meta(s, "chatcmpl");
     let usage = Usage {
         prompt_tokens,
         cached_tokens: sub.cached_tokens,
         ..Default::default()
     };
+    Ok(ChatRun {
+        sub,
+        asm,
+        usage,
+        params,
+    })
+}
+
+async fn chat_inner(
+    s: &Arc<Shared>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let v = read_request(s, headers, body).await?;
+    let input = api::parse_chat(&v, &s.defaults)?;
+    let ChatRun {
+        sub,
+        asm,
+        usage,
+        params,
+    } = start_chat(s, input).await?;
+    let meta = meta(s, "chatcmpl");
     if params.stream {
         Ok(sse_response(chat_stream(
             s.clone(),
@@ -170,6 +216,7 @@ async fn chat_collect(
                 stop,
                 completion_tokens,
                 reasoning_tokens,
+                ..
             }) => {
                 asm.finish();
                 usage.completion_tokens = completion_tokens;
@@ -250,6 +297,7 @@ impl ChatStream {
                 stop,
                 completion_tokens,
                 reasoning_tokens,
+                ..
             } => {
                 let ds = self.asm.finish();
                 let mut out = self.deltas(ds);

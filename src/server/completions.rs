@@ -5,7 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Usage};
 use super::http::{error_response, json_response, read_request, sse_response};
 use super::submit::{
-    context_error, event_error, finish_reason, meta, model_gone, settings, submit, token_text,
+    context_error, context_floor, event_error, finish_reason, meta, model_gone, settings, submit,
+    token_text,
 };
 use super::worker::Event;
 use crate::generate::Channel;
@@ -61,6 +62,7 @@ async fn completion_inner(
     let (prompt, params) = api::parse_completion(&v, &s.defaults)?;
     let ids = match prompt {
         api::PromptInput::Text(t) => {
+            context_floor(s, t.len(), "prompt")?;
             let s2 = s.clone();
             tokio::task::spawn_blocking(move || s2.tokenizer.encode(&t, true))
                 .await

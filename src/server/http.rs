@@ -11,9 +11,6 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-/// Largest request body accepted.
-const BODY_LIMIT: usize = 32 << 20;
-
 pub(super) fn error_response(e: &ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     json_response(status, &e.body())
@@ -92,7 +89,7 @@ fn check_auth(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
         None => Err(ApiError::new(
             401,
             "invalid_request_error",
-            "Missing API key: send `Authorization: Bearer KEY`.",
+            "Missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`.",
         )
         .with_code("invalid_api_key")),
     }
@@ -103,15 +100,44 @@ fn same_secret(given: &[u8], key: &[u8]) -> bool {
     given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
-/// The one model this server runs, as `/v1/models` lists it.
+/// The one model this server runs, as `/v1/models` lists it: OpenAI's fields, vLLM's
+/// `max_model_len` (the context limit: prompt + reply tokens) and `root`, the vocabulary size,
+/// and Anthropic's `type` / `display_name` / `created_at`, so both SDKs' model listings read it.
+/// Its creation time is the server's start.
 fn model_object(s: &Shared) -> Value {
     json!({
         "id": s.config.model_id,
         "object": "model",
-        "created": unix_now(),
+        "created": s.started,
         "owned_by": "kestrel",
+        "root": s.config.model_id,
         "max_model_len": s.config.max_seq,
+        "vocab_size": s.tokenizer.vocab_size(),
+        "type": "model",
+        "display_name": s.config.model_id,
+        "created_at": rfc3339(s.started),
     })
+}
+
+/// `secs` since the Unix epoch as an RFC 3339 UTC time, `1970-01-01T00:00:00Z`.
+pub(super) fn rfc3339(secs: u64) -> String {
+    // Civil date from days since the epoch (proleptic Gregorian, eras of 400 years).
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }
 
 pub(super) async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
@@ -119,7 +145,9 @@ pub(super) async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> 
         Err(e) => error_response(&e),
         Ok(()) => json_response(
             StatusCode::OK,
-            &json!({"object": "list", "data": [model_object(&s)]}),
+            // Anthropic's list fields beside OpenAI's.
+            &json!({"object": "list", "data": [model_object(&s)], "has_more": false,
+                    "first_id": s.config.model_id, "last_id": s.config.model_id}),
         ),
     };
     s.metrics.request("/v1/models", resp.status().as_u16());
@@ -164,15 +192,26 @@ pub(super) async fn read_request(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Value, ApiError> {
+    read_json(s, headers, body, true).await
+}
+
+/// [`read_request`]; without `need_model` (endpoints that only tokenize) it answers while
+/// the weights load and while the server shuts down.
+pub(super) async fn read_json(
+    s: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+    need_model: bool,
+) -> Result<Value, ApiError> {
     check_auth(s, headers)?;
-    if s.stopping.load(Ordering::SeqCst) {
+    if need_model && s.stopping.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             503,
             "service_unavailable",
             "the server is shutting down",
         ));
     }
-    if !s.ready.load(Ordering::SeqCst) {
+    if need_model && !s.ready.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             503,
             "service_unavailable",
@@ -194,18 +233,45 @@ pub(super) async fn read_request(
         )
         .with_code("unsupported_media_type"));
     }
-    let bytes = axum::body::to_bytes(body, BODY_LIMIT).await.map_err(|e| {
-        let msg = format!("{e}");
-        if msg.contains("length limit") {
-            ApiError::new(
-                413,
+    // A body declared too large is refused before any of it is read.
+    let limit = s.config.max_body;
+    let too_large = || {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!("the request body exceeds {limit} bytes"),
+        )
+        .with_code("request_too_large")
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let read = tokio::time::timeout(s.config.body_timeout, axum::body::to_bytes(body, limit));
+    let bytes = match read.await {
+        Err(_) => {
+            return Err(ApiError::new(
+                408,
                 "invalid_request_error",
-                format!("the request body exceeds {BODY_LIMIT} bytes"),
+                format!(
+                    "the request body was not received within {} s",
+                    s.config.body_timeout.as_secs_f64()
+                ),
             )
-        } else {
-            ApiError::invalid("", format!("cannot read the request body: {msg}"))
+            .with_code("request_timeout"));
         }
-    })?;
+        Ok(Err(e)) if format!("{e}").contains("length limit") => return Err(too_large()),
+        Ok(Err(e)) => {
+            return Err(ApiError::invalid(
+                "",
+                format!("cannot read the request body: {e:#}"),
+            ));
+        }
+        Ok(Ok(b)) => b,
+    };
     let v: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid("", format!("the request body is not valid JSON: {e}")))?;
     if let Some(obj) = v.as_object()
@@ -244,4 +310,15 @@ where
         Body::from_stream(stream),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::rfc3339(1_709_251_199), "2024-02-29T23:59:59Z");
+        assert_eq!(super::rfc3339(4_102_444_800), "2100-01-01T00:00:00Z");
+    }
 }

@@ -6,20 +6,25 @@
 //! `/metrics` or the validation of other requests.
 //!
 //! Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /metrics`, `POST /v1/chat/completions`,
-//! `POST /v1/completions`. Wire formats are in [`api`].
+//! `POST /v1/completions`, `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic),
+//! `POST /tokenize` and `/detokenize` (llama.cpp's shapes). Wire formats are in [`api`].
 //!
-//! Files: `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
-//! `chat` and `completions` (the two POST endpoints), `submit` (queueing a job for the model
-//! thread and reading its events), [`worker`] (the model thread), [`cache`] (the prefix
-//! cache), [`metrics`].
+//! Files: `conn` (the accept loop: timeouts and the connection cap), `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
+//! `chat` and `completions` (the OpenAI POST endpoints), `messages` (Anthropic's, on the chat
+//! path), `tokens` (tokenize / detokenize), `submit` (queueing a job for the model thread and
+//! reading its events), [`worker`] (the model thread), [`cache`] (the prefix cache),
+//! [`metrics`].
 
 pub mod api;
 pub mod cache;
 mod chat;
 mod completions;
+mod conn;
 mod http;
+mod messages;
 pub mod metrics;
 mod submit;
+mod tokens;
 pub mod worker;
 
 use crate::config::GenerationConfig;
@@ -27,7 +32,7 @@ use crate::model::Engine;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use chat::chat_completions;
 use completions::completions;
 use http::{health, method_not_allowed, metrics_text, model, models, not_found};
@@ -37,6 +42,8 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use worker::Job;
+
+pub use conn::serve;
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -58,6 +65,26 @@ pub struct ServerConfig {
     /// `None`: [`worker::MAX_RUNNING_DEFAULT`] where states live in device memory (fewer
     /// while their reservations do not fit, [`worker::StateBudget`]); 4 in host memory.
     pub max_running: Option<usize>,
+    /// Largest request body (bytes); a larger one is refused with 413, one declared larger
+    /// before any of it is read.
+    pub max_body: usize,
+    /// Time a client has to send a request's headers, counted from connecting or from the
+    /// end of its previous response (so also how long an idle keep-alive connection stays).
+    pub header_timeout: Duration,
+    /// Time a client has to send a request's body once its headers are in (408 after).
+    pub body_timeout: Duration,
+    /// Connections served as usual at once; beyond it each gets one request, sent within
+    /// [`conn::OVER_CAP_HEADER_TIMEOUT`], and is closed ([`conn`]).
+    pub max_connections: usize,
+}
+
+impl ServerConfig {
+    /// The defaults of the limits on clients: 32 MiB bodies, 30 s for headers (and idle
+    /// keep-alive), 60 s for a body, 512 connections.
+    pub const MAX_BODY: usize = 32 << 20;
+    pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
+    pub const MAX_CONNECTIONS: usize = 512;
 }
 
 /// What the HTTP handlers and the model thread share.
@@ -76,6 +103,11 @@ pub struct Shared {
     im_start: Option<u32>,
     jobs: Mutex<Sender<Job>>,
     next_id: AtomicU64,
+    /// When the server started (Unix seconds): the model's `created` time.
+    started: u64,
+    /// [`Tokenizer::max_token_bytes`]: a prompt's token count is known to be at least its
+    /// bytes over this before it is tokenized.
+    max_token_bytes: usize,
 }
 
 impl Shared {
@@ -97,6 +129,7 @@ impl Shared {
             .zip(tokenizer.token_to_id("</think>"));
         let close_think_ids = tokenizer.encode("</think>\n\n", true)?;
         let im_start = tokenizer.token_to_id("<|im_start|>");
+        let max_token_bytes = tokenizer.max_token_bytes();
         let (tx, rx) = channel();
         let shared = Shared {
             config,
@@ -111,6 +144,8 @@ impl Shared {
             im_start,
             jobs: Mutex::new(tx),
             next_id: AtomicU64::new(1),
+            started: http::unix_now(),
+            max_token_bytes,
         };
         Ok((Arc::new(shared), rx))
     }
@@ -190,18 +225,18 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route(
+            "/v1/messages",
+            post(messages::messages).fallback(messages::method_not_allowed),
+        )
+        .route(
+            "/v1/messages/count_tokens",
+            post(messages::count_tokens).fallback(messages::method_not_allowed),
+        )
+        .route("/v1/messages/{*rest}", any(messages::not_found))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
-}
-
-/// Serves `router(shared)` on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    shared: Arc<Shared>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(shared))
-        .with_graceful_shutdown(shutdown)
-        .await
 }

@@ -17,6 +17,10 @@ pub(super) fn model_gone() -> ApiError {
 }
 
 pub(super) fn context_error(s: &Shared, n: usize, param: &str) -> ApiError {
+    context_error_msg(s, &n.to_string(), param)
+}
+
+fn context_error_msg(s: &Shared, n: &str, param: &str) -> ApiError {
     ApiError::invalid(
         param,
         format!(
@@ -25,6 +29,17 @@ pub(super) fn context_error(s: &Shared, n: usize, param: &str) -> ApiError {
         ),
     )
     .with_code("context_length_exceeded")
+}
+
+/// The context check before any tokenizing: text of `bytes` bytes (that the prompt surely
+/// holds) is at least `bytes / max_token_bytes` tokens, so a prompt far over the limit is
+/// refused at once, with bounded work and memory.
+pub(super) fn context_floor(s: &Shared, bytes: usize, param: &str) -> Result<(), ApiError> {
+    let floor = bytes / s.max_token_bytes;
+    if floor >= s.config.max_seq {
+        return Err(context_error_msg(s, &format!("at least {floor}"), param));
+    }
+    Ok(())
 }
 
 pub(super) fn settings(

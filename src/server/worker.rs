@@ -42,6 +42,8 @@ pub enum Event {
         stop: StopReason,
         completion_tokens: usize,
         reasoning_tokens: usize,
+        /// The stop string that ended the reply (`stop` is then [`StopReason::StopString`]).
+        stop_string: Option<String>,
     },
     /// The job failed (`status` for the HTTP response when nothing was sent yet).
     Error { status: u16, message: String },
@@ -822,6 +824,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     stop,
                     completion_tokens: stats.generated.len(),
                     reasoning_tokens,
+                    stop_string: decoder.stop_matched().map(str::to_string),
                 });
                 // The state after prompt + reply: the next turn of the conversation may
                 // extend it.

@@ -3,8 +3,10 @@
 //! answer and tool calls; the `*_json` / `*_chunk` functions write OpenAI's exact shapes).
 //!
 //! Files: `error` ([`ApiError`]), `params` (the options both endpoints share, [`GenParams`]),
-//! `request` (chat and completion bodies), `response` (reply shapes and SSE framing).
+//! `request` (chat and completion bodies), `response` (reply shapes and SSE framing),
+//! [`anthropic`] (the Anthropic Messages format onto the same chat input and replies).
 
+pub mod anthropic;
 mod error;
 mod params;
 mod request;

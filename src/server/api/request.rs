@@ -24,6 +24,9 @@ pub struct ChatInput {
     pub enable_thinking: Option<bool>,
     pub extra: Map<String, Value>,
     pub params: GenParams,
+    /// The start of the reply, written after the generation prompt for the model to continue
+    /// (Anthropic's final assistant message); not part of the response.
+    pub prefill: Option<String>,
 }
 
 fn text_content(v: &Value, param: &str) -> R<Option<String>> {
@@ -301,6 +304,7 @@ pub fn parse_chat(body: &Value, defaults: &SamplingParams) -> R<ChatInput> {
         enable_thinking,
         extra,
         params,
+        prefill: None,
     })
 }
 
