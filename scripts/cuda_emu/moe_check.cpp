@@ -203,7 +203,7 @@ static void route_small_check(int t, int e, int k, int d) {
     const int rows = t * k;
     std::vector<int> ids(rows, -1), row_expert(rows, -1), sorted_token(rows, -1), slot_row(rows, -1);
     unsigned ticket = 0;
-    emu_launch({(unsigned)((e + 7) / 8), 1, 1}, 256, (size_t)moe_route_small_smem(d, e), [&] {
+    emu_launch({(unsigned)((e + 8) / 8), 1, 1}, 256, (size_t)moe_route_small_smem(d, e), [&] {
         moe_route_small(x.data(), t, d, wr.data(), e, k, w_sg.data(), logits.data(), ids.data(), w.data(),
                         sgate.data(), row_expert.data(), sorted_token.data(), slot_row.data(), &ticket);
     });

@@ -112,13 +112,15 @@ extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS) moe_route(
 // token's top-k and shared-expert gate, the rows per expert, the expert-sorted order and each
 // sorted row's expert, in one launch where longer calls take five (the router GEMM, the counts'
 // reset, moe_route, moe_plan, moe_scatter; ~25 us a layer at 8 tokens on the H200). Block b's 8
-// warps take router rows 8b..8b+7, a warp a row (its words in registers before the wait), against
-// the tokens' inputs x [t, d] bf16, staged ROUTE_SMALL_TOKENS at a time. The last block to finish
-// (ticket, reset for the next launch) routes: a warp a token (route_topk_warp on its logits, read
-// through L2, and sigmoid(x . w_sg)); the counts in shared memory, scanned into each expert's
+// warps take router rows 8b..8b+7, a warp a row (its words in registers before the wait), and
+// "row" e the shared expert's gates sigmoid(x . w_sg), against the tokens' inputs x [t, d] bf16,
+// staged ROUTE_SMALL_TOKENS at a time. The last block to finish (ticket, reset for the next
+// launch) routes: a warp a token (route_topk_warp on its logits, read through L2, all of a row's
+// loads in flight at once: the first version read them and w_sg in dependent trips, 15.7 us a
+// call by Nsight Compute at 8 tokens); the counts in shared memory, scanned into each expert's
 // first sorted row; row_expert[r] = the expert of sorted row r; the scatter as moe_scatter's
 // (sorted_token, slot_row; the order within an expert not deterministic, each row's product is).
-// grid ceil(e / 8), block 256, smem moe_route_small_smem(d, e) bytes.
+// grid ceil((e + 1) / 8), block 256, smem moe_route_small_smem(d, e) bytes.
 #define ROUTE_SMALL_TOKENS 8
 __host__ __device__ __forceinline__ int moe_route_small_smem(int d, int e) {
     const int stage = ROUTE_SMALL_TOKENS * d * 2, route = (8 * e + 2 * e + 8) * 4;
@@ -133,30 +135,63 @@ __device__ __forceinline__ void moe_route_small_impl(const bf16* x, int t, int d
     constexpr int NV = VPL > 0 ? VPL : 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = blockIdx.x * 8 + warp, kv = d >> 3;
     const uint4* wrow = row < e ? reinterpret_cast<const uint4*>(wr + (size_t)row * d) : nullptr;
+    const bool gate = row == e;  // this warp computes the shared expert's gates
     uint4 v[NV];
-    if (VPL > 0)
+    float4 g[VPL > 0 ? 2 * VPL : 1];
+    if (VPL > 0) {
 #pragma unroll
         for (int j = 0; j < NV; j++) v[j] = wrow ? __ldg(wrow + lane + 32 * j) : make_uint4(0, 0, 0, 0);
+        if (gate)
+#pragma unroll
+            for (int j = 0; j < NV; j++) {
+                g[2 * j] = __ldg(reinterpret_cast<const float4*>(w_sg) + 2 * (lane + 32 * j));
+                g[2 * j + 1] = __ldg(reinterpret_cast<const float4*>(w_sg) + 2 * (lane + 32 * j) + 1);
+            }
+    }
     griddep_wait_plain();
     griddep_launch();
     for (int s0 = 0; s0 < t; s0 += ROUTE_SMALL_TOKENS) {
         const int n = min(ROUTE_SMALL_TOKENS, t - s0);
         __syncthreads();  // the previous group's reads of the stage are done
-        for (int i = threadIdx.x; i < n * kv; i += blockDim.x)
-            sm[i] = reinterpret_cast<const uint4*>(x + (size_t)s0 * d)[i];
+        // 8 words a thread in flight at once (a loop of dependent trips through L2 cost ~6 us)
+        const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)s0 * d);
+        for (int i0 = threadIdx.x; i0 < n * kv; i0 += 8 * blockDim.x) {
+            uint4 w8[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const int i = i0 + u * blockDim.x;
+                w8[u] = i < n * kv ? src[i] : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (i0 + u * blockDim.x < n * kv) sm[i0 + u * blockDim.x] = w8[u];
+        }
         __syncthreads();
-        if (wrow)
+        if (wrow || gate)
             for (int s = 0; s < n; s++) {
                 const uint4* xr = sm + s * kv;
                 float acc = 0.0f;
-                if (VPL > 0) {
+                if (VPL > 0 && gate) {
+#pragma unroll
+                    for (int j = 0; j < NV; j++) {
+                        const X8 xv = unpack8(xr[lane + 32 * j]);
+                        acc += xv.a.x * g[2 * j].x + xv.a.y * g[2 * j].y + xv.b.x * g[2 * j].z + xv.b.y * g[2 * j].w +
+                               xv.c.x * g[2 * j + 1].x + xv.c.y * g[2 * j + 1].y + xv.d.x * g[2 * j + 1].z +
+                               xv.d.y * g[2 * j + 1].w;
+                    }
+                } else if (gate) {
+                    for (int c = lane; c < kv; c += 32) acc += dot8(xr[c], w_sg + 8 * c);
+                } else if (VPL > 0) {
 #pragma unroll
                     for (int j = 0; j < NV; j++) acc += dot8(v[j], unpack8(xr[lane + 32 * j]));
                 } else {
                     for (int c = lane; c < kv; c += 32) acc += dot8(__ldg(wrow + c), unpack8(xr[c]));
                 }
                 acc = warp_sum(acc);
-                if (lane == 0) logits[(size_t)(s0 + s) * e + row] = acc;
+                if (lane == 0) {
+                    if (gate) sgate[s0 + s] = sigmoid_f(acc);
+                    else logits[(size_t)(s0 + s) * e + row] = acc;
+                }
             }
     }
     if (!last_block_done(ticket)) return;
@@ -167,15 +202,18 @@ __device__ __forceinline__ void moe_route_small_impl(const bf16* x, int t, int d
     for (int i = threadIdx.x; i < e; i += blockDim.x) cnt[i] = 0;
     __syncthreads();
     for (int s = warp; s < t; s += 8) {
-        const uint4* xs = reinterpret_cast<const uint4*>(x + (size_t)s * d);
-        float dot = 0.0f;  // the shared expert's gate
-        for (int c = lane; c < kv; c += 32) dot += dot8(xs[c], w_sg + 8 * c);
-        for (int i = lane; i < e; i += 32) rl[i] = __ldcg(logits + (size_t)s * e + i);
+        // the row's first 256 logits loaded at once (one trip through L2, not eight)
+        const float* ls = logits + (size_t)s * e;
+        float lv[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++) lv[m] = lane + 32 * m < e ? __ldcg(ls + lane + 32 * m) : 0.0f;
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+            if (lane + 32 * m < e) rl[lane + 32 * m] = lv[m];
+        for (int i = lane + 256; i < e; i += 32) rl[i] = __ldcg(ls + i);
         __syncwarp();
         route_topk_warp(rl, e, k, topk_ids + s * k, topk_w + s * k);
         if (lane < k) atomicAdd(&cnt[topk_ids[s * k + lane]], 1);  // the id this lane wrote
-        dot = warp_sum(dot);
-        if (lane == 0) sgate[s] = sigmoid_f(dot);
         __syncwarp();  // rl is the next token's
     }
     __syncthreads();

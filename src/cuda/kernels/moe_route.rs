@@ -119,7 +119,8 @@ impl MoeRouteSmall {
             self.topk_ids,
             self.row_expert
         );
-        let grid = (e.div_ceil(8) as u32, 1, 1);
+        // 8 router rows a block, then the shared gates' "row" e
+        let grid = ((e + 1).div_ceil(8) as u32, 1, 1);
         gpu.run(
             "moe_route_small",
             grid,
