@@ -147,6 +147,7 @@ pub fn demo_config() -> TextConfig {
         max_position_embeddings: 262_144,
         eos_token_ids: vec![248_046, 248_044],
         mtp_layers: 0,
+        quantization: None,
     }
 }
 

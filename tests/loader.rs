@@ -36,6 +36,7 @@ fn tiny_config() -> TextConfig {
         max_position_embeddings: 4096,
         eos_token_ids: vec![1],
         mtp_layers: 0,
+        quantization: None,
     }
 }
 
