@@ -411,6 +411,7 @@ pub fn write_checkpoint(
         DType::F32 => safetensors::Dtype::F32,
         DType::F16 => safetensors::Dtype::F16,
         DType::BF16 => safetensors::Dtype::BF16,
+        DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
     };
     let shards = shards.max(1);
     let per = tensors.len().div_ceil(shards);

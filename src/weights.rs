@@ -286,6 +286,7 @@ impl Checkpoint {
             dtype,
             rows,
             cols,
+            scales: None,
         })
     }
 
@@ -428,10 +429,10 @@ impl ModelWeights {
     }
 
     /// Every matrix re-stored as bf16 (what the GPU backend holds), so the CPU reference can
-    /// run at the GPU's precision.
+    /// run at the GPU's precision. FP8 matrices stay FP8 (the GPU will hold them so too).
     pub fn round_to_bf16(&mut self) {
         let r = |m: &mut Mat| {
-            if m.dtype != DType::BF16 {
+            if m.dtype != DType::BF16 && m.dtype != DType::F8E4M3 {
                 *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
             }
         };

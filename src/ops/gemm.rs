@@ -1,10 +1,16 @@
 //! Dense products against stored weights: `y = x · Wᵀ` with `W` in PyTorch `[out, in]` order.
 //!
 //! Weights stay in their stored dtype; blocks of rows are widened to f32 just before the
-//! f32 GEMM (matrixmultiply), so a bf16 checkpoint is never expanded whole.
+//! f32 GEMM (matrixmultiply), so a bf16 checkpoint is never expanded whole. FP8 weights are
+//! widened the same way (e4m3 table times the block's scale, [`Mat::rows_f32`]) for prefill;
+//! for a few rows ([`FP8_DIRECT_MAX_ROWS`], decode) [`matmul_fp8_direct`] reads the bytes once
+//! and applies each 128-block's scale to its partial sum, the order a W8A16 GEMV uses.
 
-use crate::tensor::Mat;
+use crate::tensor::{DType, E4M3_TABLE, Mat};
 use rayon::prelude::*;
+
+/// Up to this many input rows an FP8 product takes [`matmul_fp8_direct`].
+pub const FP8_DIRECT_MAX_ROWS: usize = 8;
 
 /// Rows of `W` widened per block: about 256 KiB of f32, at least 16 rows.
 fn block_rows(cols: usize) -> usize {
@@ -15,6 +21,9 @@ fn block_rows(cols: usize) -> usize {
 pub fn matmul(x: &[f32], t: usize, w: &Mat) -> Vec<f32> {
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), t * k, "matmul: input is not [t, {k}]");
+    if w.dtype == DType::F8E4M3 && t <= FP8_DIRECT_MAX_ROWS {
+        return matmul_fp8_direct(x, t, w);
+    }
     let mut y = vec![0.0f32; t * n];
     if t == 0 || n == 0 {
         return y;
@@ -55,6 +64,57 @@ pub fn matmul(x: &[f32], t: usize, w: &Mat) -> Vec<f32> {
         let rows = out.len() / t;
         for i in 0..t {
             y[i * n + r0..i * n + r0 + rows].copy_from_slice(&out[i * rows..(i + 1) * rows]);
+        }
+    }
+    y
+}
+
+/// `y = x · Wᵀ` for an FP8 `W` (`x [t, w.cols]`, `y [t, w.rows]`) straight from the e4m3
+/// bytes: per weight row and 128-column block, the decoded block is dotted with each input
+/// row and the sum scaled by the block's `weight_scale_inv` (f32 throughout).
+pub fn matmul_fp8_direct(x: &[f32], t: usize, w: &Mat) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), t * k, "matmul_fp8_direct: input is not [t, {k}]");
+    let s = w
+        .scales
+        .as_ref()
+        .expect("matmul_fp8_direct: an FP8 matrix has block scales");
+    let bc = s.block_cols;
+    let mut y = vec![0.0f32; t * n];
+    if t == 0 || n == 0 {
+        return y;
+    }
+    let bytes = w.bytes();
+    const ROWS: usize = 64;
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(ROWS))
+        .into_par_iter()
+        .map(|p| {
+            let (r0, r1) = (p * ROWS, ((p + 1) * ROWS).min(n));
+            let mut out = vec![0.0f32; (r1 - r0) * t];
+            let mut wb = vec![0.0f32; bc];
+            for r in r0..r1 {
+                let srow = s.row(r);
+                let q = &bytes[r * k..(r + 1) * k];
+                for (b, (qb, sc)) in q.chunks(bc).zip(srow).enumerate() {
+                    let wb = &mut wb[..qb.len()];
+                    for (o, v) in wb.iter_mut().zip(qb) {
+                        *o = E4M3_TABLE[*v as usize];
+                    }
+                    let c0 = b * bc;
+                    for i in 0..t {
+                        let xb = &x[i * k + c0..i * k + c0 + qb.len()];
+                        out[(r - r0) * t + i] += dot(xb, wb) * sc;
+                    }
+                }
+            }
+            (r0, out)
+        })
+        .collect();
+    for (r0, out) in parts {
+        for (j, row) in out.chunks_exact(t).enumerate() {
+            for (i, v) in row.iter().enumerate() {
+                y[i * n + r0 + j] = *v;
+            }
         }
     }
     y
@@ -104,6 +164,85 @@ mod tests {
                 for j in 0..n {
                     let r = dot(&x[i * k..(i + 1) * k], &wf[j * k..(j + 1) * k]);
                     assert!((y[i * n + j] - r).abs() < 1e-4, "{dt:?} {i} {j}");
+                }
+            }
+        }
+    }
+
+    /// The reference for FP8: dequantise every element by the format's definition (e4m3 by
+    /// its bit fields, times the scale of its block), then a plain f64 product.
+    fn fp8_reference(x: &[f32], t: usize, w: &Mat) -> Vec<f32> {
+        let s = w.scales.as_ref().unwrap();
+        let decode = |b: u8| -> f64 {
+            let (e, m) = (((b >> 3) & 0xf) as i32, (b & 7) as f64);
+            let mag = if e == 0 {
+                m / 8.0 * 2f64.powi(-6)
+            } else {
+                (1.0 + m / 8.0) * 2f64.powi(e - 7)
+            };
+            if b & 0x80 != 0 { -mag } else { mag }
+        };
+        let (n, k) = (w.rows, w.cols);
+        let mut deq = vec![0.0f64; n * k];
+        for r in 0..n {
+            for c in 0..k {
+                let sr = (s.row0 + r) / s.block_rows;
+                let sc = s.values[sr * s.grid_cols + c / s.block_cols] as f64;
+                deq[r * k + c] = decode(w.bytes()[r * k + c]) * sc;
+            }
+        }
+        let mut y = vec![0.0f32; t * n];
+        for i in 0..t {
+            for j in 0..n {
+                let mut acc = 0.0f64;
+                for c in 0..k {
+                    acc += x[i * k + c] as f64 * deq[j * k + c];
+                }
+                y[i * n + j] = acc as f32;
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn fp8_kernels_match_dequantise_then_matmul() {
+        // Ragged both ways (300 = 2*128 + 44 rows, 330 = 2*128 + 74 cols) and block-aligned;
+        // the weights vary in scale by block so a wrong block index shows.
+        for (n, k) in [(300, 330), (256, 128), (5, 130)] {
+            let wv: Vec<f32> = (0..n * k)
+                .map(|i| {
+                    let (r, c) = (i / k, i % k);
+                    let mag = 0.01 * (1 + (r / 128) * 3 + (c / 128) * 7) as f32;
+                    (((i * 11) % 17) as f32 / 17.0 - 0.5) * mag
+                })
+                .collect();
+            let w = Mat::quantize_fp8(&wv, n, k, [128, 128]);
+            for t in [1, 3, FP8_DIRECT_MAX_ROWS, FP8_DIRECT_MAX_ROWS + 1, 20] {
+                let x: Vec<f32> = (0..t * k)
+                    .map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5)
+                    .collect();
+                let want = fp8_reference(&x, t, &w);
+                let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let check = |got: &[f32], what: &str| {
+                    for (j, (g, r)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - r).abs() <= 1e-5 * scale.max(1e-3),
+                            "{what} n {n} k {k} t {t} at {j}: {g} vs {r}"
+                        );
+                    }
+                };
+                check(&matmul_fp8_direct(&x, t, &w), "direct");
+                check(&matmul(&x, t, &w), "matmul");
+                // A view starting mid-block (the per-expert views of a fused tensor).
+                if n > 140 {
+                    let v = w.rows_view(100, 40);
+                    let want_v: Vec<f32> = (0..t)
+                        .flat_map(|i| want[i * n + 100..i * n + 140].to_vec())
+                        .collect();
+                    let got = matmul(&x, t, &v);
+                    for (g, r) in got.iter().zip(&want_v) {
+                        assert!((g - r).abs() <= 1e-5 * scale.max(1e-3), "view t {t}");
+                    }
                 }
             }
         }
