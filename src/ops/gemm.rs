@@ -120,6 +120,81 @@ pub fn matmul_fp8_direct(x: &[f32], t: usize, w: &Mat) -> Vec<f32> {
     y
 }
 
+/// Dynamic activation quantisation (`activation_scheme: dynamic`), per input row and
+/// `group`-column group: `s = max(amax, 1e-10) / 448`, `q = e4m3(clamp(x / s, ±448))`, as
+/// vLLM's per-token-group FP8 quantiser does. Returns (`q [t, k]`, `s [t, ceil(k / group)]`).
+pub fn quantize_activations_e4m3(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    group: usize,
+) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(x.len(), t * k);
+    let g = k.div_ceil(group);
+    let mut q = vec![0u8; t * k];
+    let mut s = vec![0.0f32; t * g];
+    for i in 0..t {
+        for b in 0..g {
+            let (c0, c1) = (b * group, ((b + 1) * group).min(k));
+            let xs = &x[i * k + c0..i * k + c1];
+            let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let sc = amax.max(1e-10) / crate::tensor::E4M3_MAX;
+            s[i * g + b] = sc;
+            for (o, v) in q[i * k + c0..i * k + c1].iter_mut().zip(xs) {
+                *o = crate::tensor::e4m3_from_f32(v / sc);
+            }
+        }
+    }
+    (q, s)
+}
+
+/// The W8A8 product the GPU's FP8 tensor-core GEMMs compute (transformers' and vLLM's
+/// fine-grained FP8 path): activations quantised per row and 128-group
+/// ([`quantize_activations_e4m3`]), then `y[i, r] = Σ_b s_x[i, b] · s_w[r/128, b] ·
+/// Σ_{c in b} x_q[i, c] · w_q[r, c]`, accumulated in f32. Not used by the CPU model (which is
+/// weight-only, [`matmul`]); an oracle for the GPU kernels. The activation group is the
+/// weight's column block.
+pub fn matmul_fp8_w8a8(x: &[f32], t: usize, w: &Mat) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), t * k, "matmul_fp8_w8a8: input is not [t, {k}]");
+    let s = w
+        .scales
+        .as_ref()
+        .expect("matmul_fp8_w8a8: an FP8 matrix has block scales");
+    let bc = s.block_cols;
+    let g = k.div_ceil(bc);
+    let (xq, xs) = quantize_activations_e4m3(x, t, k, bc);
+    let xd: Vec<f32> = xq.iter().map(|b| E4M3_TABLE[*b as usize]).collect();
+    let bytes = w.bytes();
+    let rows: Vec<Vec<f32>> = (0..n)
+        .into_par_iter()
+        .map(|r| {
+            let srow = s.row(r);
+            let wd: Vec<f32> = bytes[r * k..(r + 1) * k]
+                .iter()
+                .map(|b| E4M3_TABLE[*b as usize])
+                .collect();
+            (0..t)
+                .map(|i| {
+                    (0..g)
+                        .map(|b| {
+                            let (c0, c1) = (b * bc, ((b + 1) * bc).min(k));
+                            dot(&xd[i * k + c0..i * k + c1], &wd[c0..c1]) * xs[i * g + b] * srow[b]
+                        })
+                        .sum::<f32>()
+                })
+                .collect()
+        })
+        .collect();
+    let mut y = vec![0.0f32; t * n];
+    for (r, col) in rows.iter().enumerate() {
+        for (i, v) in col.iter().enumerate() {
+            y[i * n + r] = *v;
+        }
+    }
+    y
+}
+
 /// Rounds values to bf16 precision (kept as f32): what a bf16 GEMM input sees.
 pub fn round_bf16(x: &[f32]) -> Vec<f32> {
     x.iter()
@@ -246,5 +321,49 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn w8a8_fp8_matches_its_definition_and_stays_near_the_weight_only_product() {
+        let (n, k, t) = (150, 300, 3);
+        let wv: Vec<f32> = (0..n * k)
+            .map(|i| (((i * 11) % 17) as f32 / 17.0 - 0.5) * 0.05)
+            .collect();
+        let w = Mat::quantize_fp8(&wv, n, k, [128, 128]);
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| (((i * 7) % 13) as f32 / 13.0 - 0.5) * if i % 5 == 0 { 3.0 } else { 1.0 })
+            .collect();
+        // Reference: quantise each 128-group of x by the definition, dequantise, then the
+        // f64 dequantise-then-matmul reference of the weight-only test.
+        let mut xdq = vec![0.0f32; t * k];
+        for i in 0..t {
+            for b in 0..k.div_ceil(128) {
+                let (c0, c1) = (b * 128, ((b + 1) * 128).min(k));
+                let amax = x[i * k + c0..i * k + c1]
+                    .iter()
+                    .fold(0.0f32, |a, v| a.max(v.abs()));
+                let sc = amax / 448.0;
+                for c in c0..c1 {
+                    let q = crate::tensor::e4m3_from_f32(x[i * k + c] / sc);
+                    xdq[i * k + c] = crate::tensor::E4M3_TABLE[q as usize] * sc;
+                }
+            }
+        }
+        let want = fp8_reference(&xdq, t, &w);
+        let got = matmul_fp8_w8a8(&x, t, &w);
+        let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        for (g, r) in got.iter().zip(&want) {
+            assert!((g - r).abs() <= 1e-5 * scale, "{g} vs {r}");
+        }
+        // Activation rounding moves the product by a few percent of its scale at most.
+        let wo = matmul(&x, t, &w);
+        let d = got
+            .iter()
+            .zip(&wo)
+            .fold(0.0f32, |a, (g, r)| a.max((g - r).abs()));
+        assert!(
+            d > 0.0 && d < 0.05 * scale,
+            "W8A8 vs weight-only: {d} of {scale}"
+        );
     }
 }
