@@ -42,6 +42,182 @@ pub struct TextConfig {
     pub max_position_embeddings: usize,
     pub eos_token_ids: Vec<u32>,
     pub mtp_layers: usize,
+    /// `quantization_config`: `None` for a bf16/f16/f32 checkpoint.
+    pub quantization: Option<Fp8Quant>,
+}
+
+/// The one quantized format Kestrel runs: the official FP8 release's fine-grained FP8
+/// (`quant_method: fp8`, `fmt: e4m3`, `activation_scheme: dynamic`,
+/// `weight_block_size: [128, 128]`). Each quantized `W [rows, cols]` is stored F8_E4M3 with
+/// `W.weight_scale_inv [ceil(rows/128), ceil(cols/128)]`, and `w = q * scale` per block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8Quant {
+    /// `weight_block_size`: rows, cols of one scale block (always 128 x 128 today).
+    pub block: [usize; 2],
+    /// `modules_to_not_convert`: module-name patterns kept unquantized.
+    pub modules_to_not_convert: Vec<String>,
+}
+
+/// The only block size Kestrel runs (the release's; the GPU kernels will be built for it).
+pub const FP8_BLOCK: [usize; 2] = [128, 128];
+
+impl Fp8Quant {
+    /// The release's format with an empty skip list.
+    pub fn block_128() -> Self {
+        Fp8Quant {
+            block: FP8_BLOCK,
+            modules_to_not_convert: Vec::new(),
+        }
+    }
+
+    /// Whether `module` (a stored tensor name without `.weight`, e.g.
+    /// `model.language_model.layers.0.mlp.gate`) is listed in `modules_to_not_convert`.
+    /// transformers' rule (`should_convert_module`): the pattern matches at the start of the
+    /// name (a regex there) or the name ends with it. Here a pattern is literal except `*`,
+    /// which matches any run of characters; no released list is known to use other regex.
+    pub fn keeps_unquantized(&self, module: &str) -> bool {
+        self.modules_to_not_convert
+            .iter()
+            .any(|p| module.ends_with(p.as_str()) || glob_prefix(p, module))
+    }
+
+    /// Parses and validates `quantization_config`, adding every problem to `problems`.
+    /// `field` is the JSON path used in messages (`quantization_config`).
+    fn from_json(q: &Value, field: &str, problems: &mut Vec<String>) -> Option<Self> {
+        let Some(obj) = q.as_object() else {
+            problems.push(format!("`{field}` must be an object, found {q}"));
+            return None;
+        };
+        let before = problems.len();
+        let s = |k: &str| obj.get(k).filter(|v| !v.is_null());
+        // Keys transformers' FineGrainedFP8Config knows, plus the release's `fmt`.
+        const KNOWN: [&str; 9] = [
+            "quant_method",
+            "fmt",
+            "activation_scheme",
+            "weight_block_size",
+            "modules_to_not_convert",
+            "ignored_layers",
+            "modules_to_convert",
+            "scale_fmt",
+            "dequantize",
+        ];
+        for k in obj.keys() {
+            if !KNOWN.contains(&k.as_str()) {
+                problems.push(format!(
+                    "`{field}.{k}` is not a field Kestrel knows for FP8 checkpoints (known: {})",
+                    KNOWN.join(", ")
+                ));
+            }
+        }
+        match s("quant_method") {
+            Some(Value::String(m)) if m == "fp8" => {}
+            Some(v) => problems.push(format!(
+                "`{field}.quant_method` is {v}; Kestrel runs only \"fp8\" (fine-grained FP8 with 128x128 block scales, as the official Qwen3.6-35B-A3B-FP8 release)"
+            )),
+            None => problems.push(format!("`{field}.quant_method` is missing (expected \"fp8\")")),
+        }
+        // transformers assumes e4m3 (float8_e4m3fn) and writes no `fmt`; the release writes it.
+        match s("fmt") {
+            None => {}
+            Some(Value::String(f)) if f == "e4m3" => {}
+            Some(v) => problems.push(format!(
+                "`{field}.fmt` is {v}; Kestrel runs only \"e4m3\" (float8_e4m3fn weights)"
+            )),
+        }
+        match s("activation_scheme") {
+            None => {}
+            Some(Value::String(a)) if a.eq_ignore_ascii_case("dynamic") => {}
+            Some(v) => problems.push(format!(
+                "`{field}.activation_scheme` is {v}; Kestrel runs only \"dynamic\" (no stored activation scales)"
+            )),
+        }
+        let mut block = FP8_BLOCK;
+        match s("weight_block_size") {
+            // transformers' default is (128, 128); null would mean per-tensor scales.
+            None if !obj.contains_key("weight_block_size") => {}
+            Some(Value::Array(a))
+                if a.len() == 2 && a.iter().all(|x| x.as_u64().is_some_and(|x| x > 0)) =>
+            {
+                block = [a[0].as_u64().unwrap() as usize, a[1].as_u64().unwrap() as usize];
+                if block != FP8_BLOCK {
+                    problems.push(format!(
+                        "`{field}.weight_block_size` is [{}, {}]; Kestrel runs only [128, 128] block scales",
+                        block[0], block[1]
+                    ));
+                }
+            }
+            Some(v) => problems.push(format!(
+                "`{field}.weight_block_size` must be [128, 128], found {v}"
+            )),
+            None => problems.push(format!(
+                "`{field}.weight_block_size` is null (per-tensor scales); Kestrel runs only [128, 128] block scales"
+            )),
+        }
+        match s("scale_fmt") {
+            None => {}
+            Some(Value::String(f)) if f == "float" => {}
+            Some(v) => problems.push(format!(
+                "`{field}.scale_fmt` is {v}; Kestrel runs only \"float\" scales (f32/bf16 `weight_scale_inv`)"
+            )),
+        }
+        match s("modules_to_convert") {
+            None => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(v) => problems.push(format!(
+                "`{field}.modules_to_convert` is {v}; Kestrel does not run FP8 embeddings"
+            )),
+        }
+        if let Some(v) = s("dequantize")
+            && !v.is_boolean()
+        {
+            problems.push(format!(
+                "`{field}.dequantize` must be true or false, found {v}"
+            ));
+        }
+        let mut skip = Vec::new();
+        for key in ["modules_to_not_convert", "ignored_layers"] {
+            match s(key) {
+                None => {}
+                Some(Value::Array(a)) => {
+                    for (i, x) in a.iter().enumerate() {
+                        match x.as_str() {
+                            Some(n) if !n.is_empty() => skip.push(n.to_string()),
+                            _ => problems.push(format!(
+                                "`{field}.{key}[{i}]` must be a module name, found {x}"
+                            )),
+                        }
+                    }
+                }
+                Some(v) => problems.push(format!(
+                    "`{field}.{key}` must be a list of module names, found {v}"
+                )),
+            }
+        }
+        if problems.len() > before {
+            return None;
+        }
+        Some(Fp8Quant {
+            block,
+            modules_to_not_convert: skip,
+        })
+    }
+}
+
+/// `pattern` (literal, `*` = any run) matches a prefix of `name`.
+fn glob_prefix(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = name.strip_prefix(first) else {
+        return false;
+    };
+    for part in parts {
+        match rest.find(part) {
+            Some(i) => rest = &rest[i + part.len()..],
+            None => return false,
+        }
+    }
+    true
 }
 
 /// Everything that is wrong with a config, each with the field it concerns.
@@ -428,6 +604,29 @@ impl TextConfig {
             .or_else(|| token_ids(json.get("eos_token_id")))
             .unwrap_or_default();
 
+        // transformers keeps `quantization_config` at the top level (the wrapper's, for the
+        // release); a text config nested by hand may carry it in `text_config`.
+        let quantization = match (
+            json.get("quantization_config").filter(|v| !v.is_null()),
+            f.get("quantization_config")
+                .filter(|_| prefix == "text_config."),
+        ) {
+            (None, None) => None,
+            (Some(q), None) => Fp8Quant::from_json(q, "quantization_config", &mut f.problems),
+            (None, Some(q)) => {
+                Fp8Quant::from_json(q, "text_config.quantization_config", &mut f.problems)
+            }
+            (Some(q), Some(t)) => {
+                if q != t {
+                    f.problems.push(
+                        "`quantization_config` and `text_config.quantization_config` differ; give one"
+                            .into(),
+                    );
+                }
+                Fp8Quant::from_json(q, "quantization_config", &mut f.problems)
+            }
+        };
+
         if !f.problems.is_empty() {
             return Err(err(f.problems));
         }
@@ -454,6 +653,7 @@ impl TextConfig {
             max_position_embeddings,
             eos_token_ids,
             mtp_layers,
+            quantization,
         })
     }
 
@@ -490,6 +690,7 @@ impl TextConfig {
             max_position_embeddings: 262_144,
             eos_token_ids: vec![248_044],
             mtp_layers: 1,
+            quantization: None,
         }
     }
 
@@ -680,6 +881,131 @@ mod tests {
         j["layer_types"] = json!(["linear_attention"]);
         let e = TextConfig::from_json(&j, "c").unwrap_err().to_string();
         assert!(e.contains("has 1 entries"), "{e}");
+    }
+
+    fn fp8_wrapper(q: Value) -> Value {
+        json!({"model_type": "qwen3_5_moe", "text_config": tiny(), "quantization_config": q})
+    }
+
+    fn release_quant() -> Value {
+        json!({
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head", "model.language_model.embed_tokens",
+                                       "mlp.gate", "mlp.shared_expert_gate",
+                                       "model.language_model.layers.*.linear_attn.in_proj_a"]
+        })
+    }
+
+    #[test]
+    fn parses_the_fp8_release_quantization_config() {
+        let c = TextConfig::from_json(&fp8_wrapper(release_quant()), "c").unwrap();
+        let q = c.quantization.expect("quantized");
+        assert_eq!(q.block, [128, 128]);
+        assert_eq!(q.modules_to_not_convert.len(), 5);
+        // transformers' rule: a prefix (here with a `*`) or a suffix of the module name.
+        assert!(q.keeps_unquantized("lm_head"));
+        assert!(q.keeps_unquantized("model.language_model.layers.3.mlp.gate"));
+        assert!(q.keeps_unquantized("model.language_model.layers.12.linear_attn.in_proj_a"));
+        assert!(!q.keeps_unquantized("model.language_model.layers.3.mlp.gate_proj"));
+        assert!(!q.keeps_unquantized("model.language_model.layers.0.linear_attn.in_proj_qkv"));
+        assert!(!q.keeps_unquantized("model.language_model.layers.0.mlp.experts.1.gate_proj"));
+        // transformers' own defaults (no fmt, no activation scheme, no block size) are the
+        // same format; a bf16 config has none.
+        let c = TextConfig::from_json(&fp8_wrapper(json!({"quant_method": "fp8"})), "c").unwrap();
+        assert_eq!(c.quantization, Some(Fp8Quant::block_128()));
+        assert_eq!(
+            TextConfig::from_json(&tiny(), "c").unwrap().quantization,
+            None
+        );
+        // Flat text configs carry it at the top level too.
+        let mut flat = tiny();
+        flat["quantization_config"] = release_quant();
+        assert!(
+            TextConfig::from_json(&flat, "c")
+                .unwrap()
+                .quantization
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn rejects_every_fp8_variant_we_do_not_run_naming_the_field() {
+        let cases: [(&str, Value, &str); 10] = [
+            (
+                "quant_method",
+                json!("awq"),
+                "`quantization_config.quant_method` is \"awq\"",
+            ),
+            (
+                "fmt",
+                json!("e5m2"),
+                "`quantization_config.fmt` is \"e5m2\"",
+            ),
+            (
+                "activation_scheme",
+                json!("static"),
+                "`quantization_config.activation_scheme` is \"static\"",
+            ),
+            (
+                "weight_block_size",
+                json!([64, 64]),
+                "`quantization_config.weight_block_size` is [64, 64]",
+            ),
+            (
+                "weight_block_size",
+                json!([128]),
+                "`quantization_config.weight_block_size` must be [128, 128]",
+            ),
+            ("weight_block_size", Value::Null, "per-tensor scales"),
+            (
+                "scale_fmt",
+                json!("ue8m0"),
+                "`quantization_config.scale_fmt` is \"ue8m0\"",
+            ),
+            (
+                "modules_to_not_convert",
+                json!("lm_head"),
+                "`quantization_config.modules_to_not_convert` must be a list",
+            ),
+            (
+                "modules_to_convert",
+                json!(["embed_tokens"]),
+                "FP8 embeddings",
+            ),
+            (
+                "kv_cache_scheme",
+                json!("fp8"),
+                "`quantization_config.kv_cache_scheme` is not a field",
+            ),
+        ];
+        for (key, value, needle) in cases {
+            let mut q = release_quant();
+            q[key] = value;
+            let e = TextConfig::from_json(&fp8_wrapper(q), "cfg.json")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{key}: missing {needle:?} in:\n{e}");
+        }
+        // Every problem at once, alongside the architecture's.
+        let mut j = fp8_wrapper(
+            json!({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [64, 128]}),
+        );
+        j["text_config"]["num_key_value_heads"] = json!(3);
+        let e = TextConfig::from_json(&j, "cfg.json").unwrap_err();
+        assert_eq!(e.problems.len(), 3, "{e}");
+        let e = TextConfig::from_json(&fp8_wrapper(json!("fp8")), "c").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("`quantization_config` must be an object"),
+            "{e}"
+        );
+        let e = TextConfig::from_json(&fp8_wrapper(json!({"fmt": "e4m3"})), "c").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("`quantization_config.quant_method` is missing"),
+            "{e}"
+        );
     }
 
     #[test]

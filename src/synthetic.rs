@@ -147,6 +147,7 @@ pub fn demo_config() -> TextConfig {
         max_position_embeddings: 262_144,
         eos_token_ids: vec![248_046, 248_044],
         mtp_layers: 0,
+        quantization: None,
     }
 }
 
@@ -226,6 +227,19 @@ pub fn write_checkpoint(
         m: &Mat,
         shape: Vec<usize>,
     ) {
+        if let Some(s) = &m.scales {
+            // FP8: `<name minus .weight>.weight_scale_inv` [ceil(rows/b), ceil(cols/b)], f32.
+            assert_eq!(s.row0, 0, "write whole FP8 tensors, not views");
+            let base = name
+                .strip_suffix(".weight")
+                .expect("FP8 tensors end in .weight");
+            tensors.push((
+                format!("{base}.weight_scale_inv"),
+                DType::F32,
+                vec![s.grid_rows, s.grid_cols],
+                crate::tensor::encode_f32(&s.values, DType::F32),
+            ));
+        }
         tensors.push((name, m.dtype, shape, m.bytes().to_vec()));
     }
     let mut vecs: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
@@ -335,8 +349,10 @@ pub fn write_checkpoint(
             &l.moe.router,
             shape(&l.moe.router),
         );
+        // The FP8 release stores experts per expert (under the official prefix).
+        let fp8_experts = l.moe.experts[0].gate.dtype == DType::F8E4M3;
         match layout {
-            Layout::Official => {
+            Layout::Official if !fp8_experts => {
                 let (mut gu, mut dn) = (Vec::new(), Vec::new());
                 for e in &l.moe.experts {
                     gu.extend_from_slice(e.gate.bytes());
@@ -353,7 +369,7 @@ pub fn write_checkpoint(
                 ));
                 tensors.push((format!("{m}experts.down_proj"), dt, vec![ne, d, i], dn));
             }
-            Layout::PerExpert => {
+            _ => {
                 for (x, e) in l.moe.experts.iter().enumerate() {
                     add_mat(
                         &mut tensors,
@@ -410,6 +426,7 @@ pub fn write_checkpoint(
         DType::F32 => safetensors::Dtype::F32,
         DType::F16 => safetensors::Dtype::F16,
         DType::BF16 => safetensors::Dtype::BF16,
+        DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
     };
     let shards = shards.max(1);
     let per = tensors.len().div_ceil(shards);
@@ -443,7 +460,7 @@ pub fn write_checkpoint(
         )?;
     }
     let text = config_json(cfg);
-    let config = match layout {
+    let mut config = match layout {
         Layout::PerExpert => text,
         Layout::Official => serde_json::json!({
             "model_type": "qwen3_5_moe",
@@ -452,6 +469,16 @@ pub fn write_checkpoint(
             "text_config": text,
         }),
     };
+    if let Some(q) = &cfg.quantization {
+        // Top level, where transformers (and the release) keep it.
+        config["quantization_config"] = serde_json::json!({
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": q.block,
+            "modules_to_not_convert": q.modules_to_not_convert,
+        });
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,

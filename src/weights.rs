@@ -9,9 +9,16 @@
 //! * the plain `model.*` prefix.
 //!
 //! `model.visual.*` is skipped; `mtp.*` is kept (listed) for speculative decoding later.
+//!
+//! FP8 (`quantization_config` fp8 / e4m3 / 128x128, the official FP8 release): the attention
+//! q/k/v/o, GDN `in_proj_qkv` / `in_proj_z` / `out_proj`, shared-expert and per-expert
+//! routed-expert matrices may be F8_E4M3 with `<m>.weight_scale_inv [ceil(rows/128),
+//! ceil(cols/128)]`; the bytes stay mapped and the scales (upcast to f32) ride on the `Mat`.
+//! Everything else (embeddings, lm_head, norms, router, `shared_expert_gate`, GDN
+//! `in_proj_a` / `in_proj_b` / `conv1d` / `A_log` / `dt_bias` / `norm`) must be unquantized.
 
-use crate::config::{LayerKind, TextConfig};
-use crate::tensor::{DType, Mat, Storage, convert_to_f32};
+use crate::config::{Fp8Quant, LayerKind, TextConfig};
+use crate::tensor::{BlockScales, DType, Mat, Storage, convert_to_f32};
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -252,6 +259,14 @@ impl Checkpoint {
             safetensors::Dtype::F32 => Ok(DType::F32),
             safetensors::Dtype::F16 => Ok(DType::F16),
             safetensors::Dtype::BF16 => Ok(DType::BF16),
+            safetensors::Dtype::F8_E4M3 => bail!(
+                "tensor `{}` in {} has dtype F8_E4M3, but it must be unquantized (BF16, F16 or F32): \
+                 the FP8 format quantizes only the attention, GDN in_proj_qkv/in_proj_z/out_proj and \
+                 expert projections, and keeps embeddings, lm_head, norms, the router, \
+                 shared_expert_gate and GDN in_proj_a/in_proj_b/conv1d/A_log/dt_bias in bf16",
+                e.name,
+                e.file.display()
+            ),
             other => bail!(
                 "tensor `{}` in {} has dtype {other:?}; expected BF16, F16 or F32",
                 e.name,
@@ -276,8 +291,8 @@ impl Checkpoint {
     /// A matrix `[rows, cols]`, or a 3-D tensor viewed as `[shape[0]*shape[1], shape[2]]`.
     pub fn mat(&self, name: &str, shape: &[usize]) -> Result<Mat> {
         let e = self.entry(name)?;
-        Self::check_shape(e, shape)?;
         let dtype = Self::float_dtype(e)?;
+        Self::check_shape(e, shape)?;
         let cols = *shape.last().unwrap_or(&1);
         let rows = shape.iter().product::<usize>() / cols.max(1);
         Ok(Mat {
@@ -286,14 +301,125 @@ impl Checkpoint {
             dtype,
             rows,
             cols,
+            scales: None,
+        })
+    }
+
+    /// A projection matrix `[rows, cols]` that the FP8 format quantizes: F8_E4M3 with its
+    /// `weight_scale_inv` block scales when `quant` says so, else unquantized as [`Self::mat`].
+    pub fn weight(&self, name: &str, shape: &[usize], quant: Option<&Fp8Quant>) -> Result<Mat> {
+        let e = self.entry(name)?;
+        let module = e.name.strip_suffix(".weight").unwrap_or(&e.name);
+        if e.dtype != safetensors::Dtype::F8_E4M3 {
+            if let Some(q) = quant
+                && !q.keeps_unquantized(module)
+            {
+                bail!(
+                    "tensor `{}` in {} has dtype {:?}, but config.json's `quantization_config` \
+                     quantizes `{module}` (it is not in `modules_to_not_convert`): expected \
+                     F8_E4M3 with block scales `{module}.weight_scale_inv`",
+                    e.name,
+                    e.file.display(),
+                    e.dtype
+                );
+            }
+            return self.mat(name, shape);
+        }
+        let Some(q) = quant else {
+            bail!(
+                "tensor `{}` in {} is F8_E4M3, but {}/config.json has no `quantization_config` \
+                 (expected quant_method fp8, fmt e4m3, weight_block_size [128, 128])",
+                e.name,
+                e.file.display(),
+                self.dir.display()
+            );
+        };
+        if q.keeps_unquantized(module) {
+            bail!(
+                "tensor `{}` in {} is F8_E4M3, but `quantization_config.modules_to_not_convert` \
+                 lists `{module}` as unquantized",
+                e.name,
+                e.file.display()
+            );
+        }
+        Self::check_shape(e, shape)?;
+        let (rows, cols) = (shape[0], shape[1]);
+        let canon_scale = format!(
+            "{}.weight_scale_inv",
+            name.strip_suffix(".weight").unwrap_or(name)
+        );
+        let se = self.tensors.get(&canon_scale).ok_or_else(|| {
+            anyhow!(
+                "tensor `{}` in {} is F8_E4M3, but its block scales `{module}.weight_scale_inv` \
+                 are missing from the checkpoint in {}",
+                e.name,
+                e.file.display(),
+                self.dir.display()
+            )
+        })?;
+        let [br, bc] = q.block;
+        let grid = [rows.div_ceil(br), cols.div_ceil(bc)];
+        if se.shape != grid {
+            bail!(
+                "tensor `{}` in {} has shape {:?}, expected {grid:?} = [ceil({rows}/{br}), \
+                 ceil({cols}/{bc})]: the {br}x{bc} block scales of `{}` [{rows}, {cols}] \
+                 (`quantization_config.weight_block_size`)",
+                se.name,
+                se.file.display(),
+                se.shape,
+                e.name
+            );
+        }
+        let sd = match se.dtype {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::F16 => DType::F16,
+            other => bail!(
+                "tensor `{}` in {} has dtype {other:?}; block scales must be F32, BF16 or F16",
+                se.name,
+                se.file.display()
+            ),
+        };
+        let n = grid[0] * grid[1];
+        let mut values = vec![0.0f32; n];
+        convert_to_f32(
+            sd,
+            &se.storage.bytes()[se.offset..se.offset + n * sd.size()],
+            &mut values,
+        );
+        if let Some(i) = values.iter().position(|v| !v.is_finite() || *v < 0.0) {
+            bail!(
+                "tensor `{}` in {} has scale {} at block [{}, {}]; block scales must be finite \
+                 and non-negative",
+                se.name,
+                se.file.display(),
+                values[i],
+                i / grid[1],
+                i % grid[1]
+            );
+        }
+        Ok(Mat {
+            storage: e.storage.clone(),
+            offset: e.offset,
+            dtype: DType::F8E4M3,
+            rows,
+            cols,
+            scales: Some(BlockScales {
+                values: Arc::new(values),
+                grid_rows: grid[0],
+                grid_cols: grid[1],
+                block_rows: br,
+                block_cols: bc,
+                row0: 0,
+            }),
         })
     }
 
     /// A small vector read at its stored dtype and kept in f32.
     pub fn vec_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let e = self.entry(name)?;
-        Self::check_shape(e, shape)?;
         let dtype = Self::float_dtype(e)?;
+        Self::check_shape(e, shape)?;
         let n: usize = shape.iter().product();
         let mut out = vec![0.0; n];
         convert_to_f32(
@@ -377,6 +503,7 @@ impl ModelWeights {
     /// Builds the typed weights from a checkpoint, checking every shape against `cfg`.
     pub fn from_checkpoint(ck: &Checkpoint, cfg: &TextConfig) -> Result<Self> {
         let d = cfg.hidden_size;
+        let q = cfg.quantization.as_ref();
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for (i, kind) in cfg.layer_kinds.iter().enumerate() {
             let p = format!("layers.{i}.");
@@ -386,8 +513,12 @@ impl ModelWeights {
                     let hv = cfg.gdn_num_value_heads;
                     let ch = cfg.gdn_conv_channels();
                     Mixer::Gdn(GdnWeights {
-                        in_qkv: ck.mat(&format!("{a}in_proj_qkv.weight"), &[ch, d])?,
-                        in_z: ck.mat(&format!("{a}in_proj_z.weight"), &[cfg.gdn_v_width(), d])?,
+                        in_qkv: ck.weight(&format!("{a}in_proj_qkv.weight"), &[ch, d], q)?,
+                        in_z: ck.weight(
+                            &format!("{a}in_proj_z.weight"),
+                            &[cfg.gdn_v_width(), d],
+                            q,
+                        )?,
                         in_b: ck.mat(&format!("{a}in_proj_b.weight"), &[hv, d])?,
                         in_a: ck.mat(&format!("{a}in_proj_a.weight"), &[hv, d])?,
                         conv: ck
@@ -395,17 +526,21 @@ impl ModelWeights {
                         a_log: ck.vec_f32(&format!("{a}A_log"), &[hv])?,
                         dt_bias: ck.vec_f32(&format!("{a}dt_bias"), &[hv])?,
                         norm: ck.vec_f32(&format!("{a}norm.weight"), &[cfg.gdn_value_dim])?,
-                        out: ck.mat(&format!("{a}out_proj.weight"), &[d, cfg.gdn_v_width()])?,
+                        out: ck.weight(
+                            &format!("{a}out_proj.weight"),
+                            &[d, cfg.gdn_v_width()],
+                            q,
+                        )?,
                     })
                 }
                 LayerKind::Attention => {
                     let a = format!("{p}self_attn.");
                     let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
                     Mixer::Attention(AttentionWeights {
-                        q: ck.mat(&format!("{a}q_proj.weight"), &[nq * 2 * hd, d])?,
-                        k: ck.mat(&format!("{a}k_proj.weight"), &[nkv * hd, d])?,
-                        v: ck.mat(&format!("{a}v_proj.weight"), &[nkv * hd, d])?,
-                        o: ck.mat(&format!("{a}o_proj.weight"), &[d, nq * hd])?,
+                        q: ck.weight(&format!("{a}q_proj.weight"), &[nq * 2 * hd, d], q)?,
+                        k: ck.weight(&format!("{a}k_proj.weight"), &[nkv * hd, d], q)?,
+                        v: ck.weight(&format!("{a}v_proj.weight"), &[nkv * hd, d], q)?,
+                        o: ck.weight(&format!("{a}o_proj.weight"), &[d, nq * hd], q)?,
                         q_norm: ck.vec_f32(&format!("{a}q_norm.weight"), &[hd])?,
                         k_norm: ck.vec_f32(&format!("{a}k_norm.weight"), &[hd])?,
                     })
@@ -428,10 +563,10 @@ impl ModelWeights {
     }
 
     /// Every matrix re-stored as bf16 (what the GPU backend holds), so the CPU reference can
-    /// run at the GPU's precision.
+    /// run at the GPU's precision. FP8 matrices stay FP8 (the GPU will hold them so too).
     pub fn round_to_bf16(&mut self) {
         let r = |m: &mut Mat| {
-            if m.dtype != DType::BF16 {
+            if m.dtype != DType::BF16 && m.dtype != DType::F8E4M3 {
                 *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
             }
         };
@@ -470,38 +605,114 @@ impl ModelWeights {
         }
     }
 
-    /// Bytes of all weights the graph reads (as stored).
+    /// Every matrix the FP8 format quantizes, and the ones it keeps unquantized.
+    fn matrices_by_role(&self) -> (Vec<&Mat>, Vec<&Mat>) {
+        let (mut quantizable, mut kept) = (Vec::new(), vec![&self.embed, &self.lm_head]);
+        for l in &self.layers {
+            match &l.mixer {
+                Mixer::Gdn(g) => {
+                    quantizable.extend([&g.in_qkv, &g.in_z, &g.out]);
+                    kept.extend([&g.in_a, &g.in_b]);
+                }
+                Mixer::Attention(a) => quantizable.extend([&a.q, &a.k, &a.v, &a.o]),
+            }
+            kept.push(&l.moe.router);
+            for e in l.moe.experts.iter().chain([&l.moe.shared]) {
+                quantizable.extend([&e.gate, &e.up, &e.down]);
+            }
+        }
+        (quantizable, kept)
+    }
+
+    /// Every quantizable matrix (see [`Self::matrices_by_role`]) re-stored as FP8 with
+    /// `quant`'s block scales, by [`Mat::quantize_fp8`] (synthetic FP8 checkpoints, tests).
+    pub fn quantize_fp8(&mut self, quant: &Fp8Quant) {
+        let f = |m: &mut Mat| {
+            if m.dtype != DType::F8E4M3 {
+                *m = Mat::quantize_fp8(&m.to_f32(), m.rows, m.cols, quant.block);
+            }
+        };
+        for l in &mut self.layers {
+            match &mut l.mixer {
+                Mixer::Gdn(g) => [&mut g.in_qkv, &mut g.in_z, &mut g.out]
+                    .into_iter()
+                    .for_each(f),
+                Mixer::Attention(a) => [&mut a.q, &mut a.k, &mut a.v, &mut a.o]
+                    .into_iter()
+                    .for_each(f),
+            }
+            for e in l
+                .moe
+                .experts
+                .iter_mut()
+                .chain(std::iter::once(&mut l.moe.shared))
+            {
+                [&mut e.gate, &mut e.up, &mut e.down]
+                    .into_iter()
+                    .for_each(f);
+            }
+        }
+    }
+
+    /// Whether any matrix is stored FP8.
+    pub fn is_fp8(&self) -> bool {
+        self.matrices_by_role()
+            .0
+            .iter()
+            .any(|m| m.dtype == DType::F8E4M3)
+    }
+
+    /// The weight format: `"fp8 e4m3 block 128x128"` when any matrix is FP8, else the
+    /// matrices' dtypes (`"bf16"`, `"f32"`, `"bf16+f32"`).
+    pub fn format(&self) -> String {
+        let (q, k) = self.matrices_by_role();
+        if let Some(s) = q.iter().find_map(|m| m.scales.as_ref()) {
+            return format!("fp8 e4m3 block {}x{}", s.block_rows, s.block_cols);
+        }
+        let mut names: Vec<String> = q
+            .iter()
+            .chain(&k)
+            .map(|m| m.dtype.name().to_lowercase())
+            .collect();
+        names.sort();
+        names.dedup();
+        names.join("+")
+    }
+
+    /// Bytes by kind, as stored: each matrix dtype (`F8_E4M3`, `BF16`, ...), the FP8 block
+    /// scales (`FP8 block scales (f32)`) and the small vectors (`f32 vectors`), in that order.
+    pub fn bytes_by_kind(&self) -> Vec<(String, usize)> {
+        let (q, k) = self.matrices_by_role();
+        let mut by: BTreeMap<&'static str, usize> = BTreeMap::new();
+        let mut scales = 0;
+        for m in q.iter().chain(&k) {
+            *by.entry(m.dtype.name()).or_default() += m.nbytes();
+            scales += m.scale_bytes();
+        }
+        let mut out: Vec<(String, usize)> =
+            by.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        if scales > 0 {
+            out.push(("FP8 block scales (f32)".into(), scales));
+        }
+        let vectors = self.nbytes() - out.iter().map(|x| x.1).sum::<usize>();
+        out.push(("f32 vectors".into(), vectors));
+        out
+    }
+
+    /// Bytes of all weights the graph reads (as stored, FP8 block scales included).
     pub fn nbytes(&self) -> usize {
         let v = |x: &Vec<f32>| x.len() * 4;
-        let e = |x: &ExpertWeights| x.gate.nbytes() + x.up.nbytes() + x.down.nbytes();
-        let mut n = self.embed.nbytes() + self.lm_head.nbytes() + v(&self.final_norm);
+        let (q, k) = self.matrices_by_role();
+        let mut n = v(&self.final_norm);
+        for m in q.iter().chain(&k) {
+            n += m.nbytes() + m.scale_bytes();
+        }
         for l in &self.layers {
-            n += v(&l.input_norm) + v(&l.post_attention_norm);
+            n += v(&l.input_norm) + v(&l.post_attention_norm) + v(&l.moe.shared_gate);
             n += match &l.mixer {
-                Mixer::Gdn(g) => {
-                    g.in_qkv.nbytes()
-                        + g.in_z.nbytes()
-                        + g.in_a.nbytes()
-                        + g.in_b.nbytes()
-                        + g.out.nbytes()
-                        + v(&g.conv)
-                        + v(&g.a_log)
-                        + v(&g.dt_bias)
-                        + v(&g.norm)
-                }
-                Mixer::Attention(a) => {
-                    a.q.nbytes()
-                        + a.k.nbytes()
-                        + a.v.nbytes()
-                        + a.o.nbytes()
-                        + v(&a.q_norm)
-                        + v(&a.k_norm)
-                }
+                Mixer::Gdn(g) => v(&g.conv) + v(&g.a_log) + v(&g.dt_bias) + v(&g.norm),
+                Mixer::Attention(a) => v(&a.q_norm) + v(&a.k_norm),
             };
-            n += l.moe.router.nbytes()
-                + l.moe.experts.iter().map(e).sum::<usize>()
-                + e(&l.moe.shared)
-                + v(&l.moe.shared_gate);
         }
         n
     }
@@ -509,8 +720,19 @@ impl ModelWeights {
 
 fn load_moe(ck: &Checkpoint, cfg: &TextConfig, p: &str) -> Result<MoeWeights> {
     let (d, e, i) = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate);
+    let q = cfg.quantization.as_ref();
     let fused = format!("{p}experts.gate_up_proj");
     let experts = if ck.contains(&fused) {
+        let fe = ck.entry(&fused)?;
+        if fe.dtype == safetensors::Dtype::F8_E4M3 {
+            bail!(
+                "tensor `{}` in {} is a fused F8_E4M3 expert tensor; Kestrel reads FP8 experts \
+                 per expert (`mlp.experts.{{e}}.{{gate,up,down}}_proj.weight` with \
+                 `weight_scale_inv`, as the official FP8 release stores them)",
+                fe.name,
+                fe.file.display()
+            );
+        }
         // Fused [E, 2I, D] (gate rows first) and [E, D, I], viewed per expert without copying.
         let gate_up = ck.mat(&fused, &[e, 2 * i, d])?;
         let down = ck.mat(&format!("{p}experts.down_proj"), &[e, d, i])?;
@@ -524,11 +746,11 @@ fn load_moe(ck: &Checkpoint, cfg: &TextConfig, p: &str) -> Result<MoeWeights> {
     } else {
         let mut v = Vec::with_capacity(e);
         for x in 0..e {
-            let q = format!("{p}experts.{x}.");
+            let n = format!("{p}experts.{x}.");
             v.push(ExpertWeights {
-                gate: ck.mat(&format!("{q}gate_proj.weight"), &[i, d])?,
-                up: ck.mat(&format!("{q}up_proj.weight"), &[i, d])?,
-                down: ck.mat(&format!("{q}down_proj.weight"), &[d, i])?,
+                gate: ck.weight(&format!("{n}gate_proj.weight"), &[i, d], q)?,
+                up: ck.weight(&format!("{n}up_proj.weight"), &[i, d], q)?,
+                down: ck.weight(&format!("{n}down_proj.weight"), &[d, i], q)?,
             });
         }
         v
@@ -538,9 +760,9 @@ fn load_moe(ck: &Checkpoint, cfg: &TextConfig, p: &str) -> Result<MoeWeights> {
         router: ck.mat(&format!("{p}gate.weight"), &[e, d])?,
         experts,
         shared: ExpertWeights {
-            gate: ck.mat(&format!("{p}shared_expert.gate_proj.weight"), &[s, d])?,
-            up: ck.mat(&format!("{p}shared_expert.up_proj.weight"), &[s, d])?,
-            down: ck.mat(&format!("{p}shared_expert.down_proj.weight"), &[d, s])?,
+            gate: ck.weight(&format!("{p}shared_expert.gate_proj.weight"), &[s, d], q)?,
+            up: ck.weight(&format!("{p}shared_expert.up_proj.weight"), &[s, d], q)?,
+            down: ck.weight(&format!("{p}shared_expert.down_proj.weight"), &[d, s], q)?,
         },
         shared_gate: ck.vec_f32(&format!("{p}shared_expert_gate.weight"), &[1, d])?,
     })

@@ -495,3 +495,43 @@ fn serve_api_key_file_missing_or_empty_is_a_clear_error() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn inspect_shows_the_weight_format_and_bytes_per_kind() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let out = kestrel(
+        &[
+            "inspect",
+            "--model",
+            root.join("tiny-official-fp8").to_str().unwrap(),
+        ],
+        None,
+        &[],
+    );
+    assert_ok(&out);
+    let s = text(&out.stdout);
+    for needle in [
+        "format          fp8 e4m3 block 128x128 (quantization_config: fp8, e4m3, dynamic activations",
+        // 73 FP8 matrices of 128x128 (experts, shared experts) or larger, 1 byte an element
+        "  F8_E4M3                       1638400",
+        // one f32 scale per 128x128 block: 1638400 / 16384 * 4
+        "  FP8 block scales (f32)            400",
+        "  BF16 ",
+        "  f32 vectors ",
+    ] {
+        assert!(s.contains(needle), "missing {needle:?} in:\n{s}");
+    }
+    let out = kestrel(
+        &[
+            "inspect",
+            "--model",
+            root.join("tiny-official-bf16").to_str().unwrap(),
+        ],
+        None,
+        &[],
+    );
+    assert_ok(&out);
+    let s = text(&out.stdout);
+    assert!(s.contains("format          bf16\n"), "{s}");
+    assert!(!s.contains("F8_E4M3"), "{s}");
+}

@@ -36,6 +36,7 @@ fn tiny_config() -> TextConfig {
         max_position_embeddings: 4096,
         eos_token_ids: vec![1],
         mtp_layers: 0,
+        quantization: None,
     }
 }
 
@@ -303,6 +304,195 @@ fn bad_config_values_name_the_field() {
     let e = load_err(&dir);
     assert!(
         e.contains("config.json") && e.contains("not valid JSON"),
+        "{e}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// FP8 (the official FP8 release's format): synthetic checkpoints quantised by
+// `Mat::quantize_fp8`, with dims that make the 128-blocks ragged (160 = 128 + 32, 144).
+
+fn fp8_config() -> TextConfig {
+    TextConfig {
+        hidden_size: 160,
+        moe_intermediate: 144,
+        shared_intermediate: 16,
+        quantization: Some(kestrel::config::Fp8Quant {
+            block: [128, 128],
+            modules_to_not_convert: [
+                "lm_head",
+                "embed_tokens",
+                "mlp.gate",
+                "mlp.shared_expert_gate",
+                "linear_attn.in_proj_a",
+                "linear_attn.in_proj_b",
+            ]
+            .map(String::from)
+            .to_vec(),
+        }),
+        ..tiny_config()
+    }
+}
+
+fn fp8_weights(cfg: &TextConfig) -> kestrel::weights::ModelWeights {
+    let mut w = random_weights(cfg, 11, DType::BF16);
+    w.quantize_fp8(cfg.quantization.as_ref().unwrap());
+    w
+}
+
+fn write_fp8(layout: Layout) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = fp8_config();
+    write_checkpoint(dir.path(), &cfg, &fp8_weights(&cfg), layout, 1).unwrap();
+    let p = dir.path().to_path_buf();
+    (dir, p)
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut cfg);
+    std::fs::write(&p, cfg.to_string()).unwrap();
+}
+
+#[test]
+fn fp8_checkpoints_load_as_written_without_dequantising() {
+    let cfg = fp8_config();
+    let tokens = [3u32, 14, 15, 92, 65, 35, 8, 9, 79];
+    let reference = {
+        let m = CpuModel::new(cfg.clone(), fp8_weights(&cfg));
+        assert_eq!(m.weights.format(), "fp8 e4m3 block 128x128");
+        m.forward(&mut m.new_state().unwrap(), &tokens, Logits::All)
+            .unwrap()
+    };
+    for layout in [Layout::Official, Layout::PerExpert] {
+        let (_t, dir) = write_fp8(layout);
+        let m = CpuModel::load(&dir).unwrap();
+        assert_eq!(m.config, cfg, "{layout:?}");
+        let w = &m.weights;
+        assert!(w.is_fp8());
+        // The stored bytes stay mapped; scales are the ragged ceil grid.
+        let e = &w.layers[0].moe.experts[1];
+        assert_eq!(e.gate.dtype, DType::F8E4M3);
+        let s = e.gate.scales.as_ref().unwrap();
+        assert_eq!((s.grid_rows, s.grid_cols), (2, 2)); // [144, 160]
+        assert_eq!(w.layers[0].moe.router.dtype, DType::BF16);
+        assert_eq!(w.embed.dtype, DType::BF16);
+        let kinds: Vec<String> = w.bytes_by_kind().into_iter().map(|k| k.0).collect();
+        assert_eq!(
+            kinds,
+            ["BF16", "F8_E4M3", "FP8 block scales (f32)", "f32 vectors"]
+        );
+        let got = m
+            .forward(&mut m.new_state().unwrap(), &tokens, Logits::All)
+            .unwrap();
+        assert_eq!(got, reference, "{layout:?}");
+    }
+}
+
+#[test]
+fn fp8_missing_scale_is_named() {
+    let (_t, dir) = write_fp8(Layout::Official);
+    let name = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv";
+    edit_header(&dir.join("model.safetensors"), |h| {
+        let o = h.as_object_mut().unwrap();
+        let v = o.remove(name).unwrap();
+        o.insert(
+            "model.language_model.layers.0.linear_attn.in_proj_qkv.scale_x".into(),
+            v,
+        );
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains("`model.language_model.layers.0.linear_attn.in_proj_qkv.weight`")
+            && e.contains("model.safetensors")
+            && e.contains("weight_scale_inv")
+            && e.contains("missing"),
+        "{e}"
+    );
+}
+
+#[test]
+fn fp8_scale_of_the_wrong_shape_is_named() {
+    let (_t, dir) = write_fp8(Layout::Official);
+    let name = "model.language_model.layers.1.mlp.experts.2.down_proj.weight_scale_inv";
+    edit_header(&dir.join("model.safetensors"), |h| {
+        assert_eq!(h[name]["shape"], serde_json::json!([2, 2]));
+        h[name]["shape"] = serde_json::json!([4, 1]);
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains(name)
+            && e.contains("model.safetensors")
+            && e.contains("[4, 1]")
+            && e.contains("[2, 2] = [ceil(160/128), ceil(144/128)]")
+            && e.contains("weight_block_size"),
+        "{e}"
+    );
+}
+
+#[test]
+fn fp8_where_bf16_is_required_is_named() {
+    let (_t, dir) = write_fp8(Layout::Official);
+    // The router [4, 160] bf16 relabelled as F8_E4M3 [4, 320] (the same bytes).
+    let name = "model.language_model.layers.2.mlp.gate.weight";
+    edit_header(&dir.join("model.safetensors"), |h| {
+        h[name]["dtype"] = serde_json::json!("F8_E4M3");
+        h[name]["shape"] = serde_json::json!([4, 320]);
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains(name) && e.contains("F8_E4M3") && e.contains("must be unquantized"),
+        "{e}"
+    );
+}
+
+#[test]
+fn fp8_config_and_dtypes_must_agree() {
+    // FP8 tensors without a quantization_config.
+    let (_t, dir) = write_fp8(Layout::Official);
+    edit_config(&dir, |c| {
+        c.as_object_mut().unwrap().remove("quantization_config");
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains("is F8_E4M3") && e.contains("no `quantization_config`"),
+        "{e}"
+    );
+    // A block size we do not run names the field.
+    let (_t, dir) = write_fp8(Layout::Official);
+    edit_config(&dir, |c| {
+        c["quantization_config"]["weight_block_size"] = serde_json::json!([64, 64]);
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains("config.json") && e.contains("`quantization_config.weight_block_size`"),
+        "{e}"
+    );
+    // An FP8 tensor in a module the config keeps unquantized.
+    let (_t, dir) = write_fp8(Layout::PerExpert);
+    edit_config(&dir, |c| {
+        c["quantization_config"]["modules_to_not_convert"] =
+            serde_json::json!(["lm_head", "model.layers.*.self_attn.o_proj"]);
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains("`model.layers.3.self_attn.o_proj.weight`")
+            && e.contains("modules_to_not_convert"),
+        "{e}"
+    );
+    // A bf16 checkpoint whose config claims FP8: the first projection that should be FP8.
+    let (_t, dir) = write(Layout::Official, DType::BF16, 1);
+    edit_config(&dir, |c| {
+        c["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains("`model.language_model.layers.0.linear_attn.in_proj_qkv.weight`")
+            && e.contains("model.safetensors")
+            && e.contains("has dtype BF16")
+            && e.contains("`quantization_config`"),
         "{e}"
     );
 }

@@ -49,11 +49,22 @@ pub(super) fn inspect(dir: &Path) -> Result<()> {
     println!(
         "parameters      {total} total, {active} active per token (incl. lm_head, excl. embedding)"
     );
+    match &cfg.quantization {
+        Some(q) => println!(
+            "format          {} (quantization_config: fp8, e4m3, dynamic activations, {} modules_to_not_convert)",
+            weights.format(),
+            q.modules_to_not_convert.len()
+        ),
+        None => println!("format          {}", weights.format()),
+    }
     println!(
         "weight bytes    {} ({})",
         weights.nbytes(),
         human_bytes(weights.nbytes() as u64)
     );
+    for (kind, n) in weights.bytes_by_kind() {
+        println!("  {kind:<22} {n:>14} ({})", human_bytes(n as u64));
+    }
     println!(
         "state per seq   KV {} per token (bf16), GDN state {} (bf16 conv + f32 recurrent)",
         human_bytes(cfg.kv_bytes_per_token(2) as u64),

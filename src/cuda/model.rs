@@ -173,6 +173,7 @@ impl CudaModel {
         max_chunk: usize,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
+        super::upload::ensure_no_fp8(weights)?;
         Self::build(
             gpu,
             cfg,

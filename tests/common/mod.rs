@@ -3,10 +3,14 @@
 
 use std::path::{Path, PathBuf};
 
-/// The HF fixture directories (those with a `reference.safetensors`): under the crate the test
-/// was built in, or, where that path does not exist (a test executable carried to the GPU
-/// machine from another checkout), under the working directory.
-pub fn fixtures() -> Vec<PathBuf> {
+/// Whether a fixture is in the FP8 release's format (its config has a `quantization_config`).
+fn is_fp8(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .map(|c| c.contains("\"quantization_config\""))
+        .unwrap_or(false)
+}
+
+fn reference_dirs() -> (PathBuf, Vec<PathBuf>) {
     let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let root = if built.is_dir() {
         built
@@ -18,6 +22,29 @@ pub fn fixtures() -> Vec<PathBuf> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("reference.safetensors").exists())
         .collect();
+    dirs.sort();
+    (root, dirs)
+}
+
+/// The FP8 HF fixtures (`tiny-official-fp8`): kept out of [`fixtures`], which the GPU tests
+/// also run, until the GPU reads FP8.
+pub fn fp8_fixtures() -> Vec<PathBuf> {
+    let (root, dirs) = reference_dirs();
+    let dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| is_fp8(d)).collect();
+    assert!(
+        !dirs.is_empty(),
+        "expected the FP8 fixture in {}",
+        root.display()
+    );
+    dirs
+}
+
+/// The unquantized HF fixture directories (those with a `reference.safetensors`): under the
+/// crate the test was built in, or, where that path does not exist (a test executable carried
+/// to the GPU machine from another checkout), under the working directory.
+pub fn fixtures() -> Vec<PathBuf> {
+    let (root, dirs) = reference_dirs();
+    let mut dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| !is_fp8(d)).collect();
     dirs.sort();
     assert!(
         dirs.len() >= 2,
