@@ -239,6 +239,8 @@ pub struct DecodeLoop {
     forced: std::collections::VecDeque<u32>,
     t0: Instant,
     t_decode: Option<Instant>,
+    /// The structured-output constraint of the answer ([`Self::constrain`]).
+    guide: Option<crate::grammar::Guide>,
 }
 
 impl DecodeLoop {
@@ -254,7 +256,24 @@ impl DecodeLoop {
             forced: Default::default(),
             t0,
             t_decode: None,
+            guide: None,
         }
+    }
+
+    /// Constrains the answer (every id picked outside the thinking block, forced ids
+    /// aside) to `guide`'s grammar.
+    pub fn constrain(&mut self, guide: crate::grammar::Guide) {
+        self.guide = Some(guide);
+    }
+
+    /// The mask the next id is picked under, if the constraint applies to it: outside the
+    /// thinking block and with no forced id due. Valid after [`pick`](Self::pick) (for the
+    /// draw that chooses the id after the one picked) and before it.
+    pub fn next_mask(&self) -> Option<&crate::grammar::PendingMask> {
+        self.guide
+            .as_ref()
+            .filter(|_| !self.thinking && self.forced.is_empty())
+            .map(|g| g.next_mask())
     }
 
     /// Runs the picked `id` through the model for the next [`pick`](Self::pick). With
@@ -273,7 +292,7 @@ impl DecodeLoop {
     ) -> Result<()> {
         if !opts.device_greedy {
             self.set_logits(engine.forward(state, &[id], Logits::Last)?);
-        } else if sampler.is_plain_greedy() {
+        } else if sampler.is_plain_greedy() && self.next_mask().is_none() {
             let limit = sampler.params().vocab_limit;
             self.set_next(engine.forward_greedy_id(state, id, limit)?);
         } else {
@@ -284,6 +303,7 @@ impl DecodeLoop {
                 history: &self.stats.generated,
                 top_logprobs: None,
                 want_logits: false,
+                mask: self.next_mask(),
             };
             let mut drawn = engine.forward_batch_draw(&mut [state], &[id], &[draw])?;
             let d = drawn.pop().context("a draw of one row gave none")?;
@@ -323,15 +343,33 @@ impl DecodeLoop {
         }
         let was_forced = !self.forced.is_empty();
         let device_next = self.device_next.take();
+        // The constraint's mask, where it applies to this id (the device's draw, if it chose
+        // the id, already applied it).
+        let mask = match &self.guide {
+            Some(g) if !self.thinking && self.forced.is_empty() => Some(g.next_mask().get()),
+            _ => None,
+        };
         let next = match self.forced.pop_front() {
             Some(id) => {
                 self.stats.forced_tokens += 1;
                 id
             }
-            None => {
-                device_next.unwrap_or_else(|| sampler.sample(&self.logits, &self.stats.generated))
-            }
+            None => match (device_next, mask) {
+                (Some(id), m) => {
+                    if m.is_some_and(|m| !crate::grammar::allowed(m, id)) {
+                        tracing::warn!("the engine's draw chose id {id}, which the mask refuses");
+                    }
+                    id
+                }
+                (None, Some(m)) => sampler.sample_masked(&self.logits, &self.stats.generated, m),
+                (None, None) => sampler.sample(&self.logits, &self.stats.generated),
+            },
         };
+        if mask.is_some()
+            && let Some(g) = &mut self.guide
+        {
+            g.commit(next);
+        }
         if self.t_decode.is_none() {
             self.stats.time_to_first_token = self.t0.elapsed();
             self.t_decode = Some(Instant::now());

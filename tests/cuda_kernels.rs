@@ -869,6 +869,7 @@ fn device_draws_match_the_host_sampler() {
                 history: &hist[r],
                 top_logprobs: (r % 3 == 0).then_some(5),
                 want_logits: round == 2 && r % 5 == 0,
+                mask: None,
             })
             .collect();
         let got = gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap();
@@ -957,6 +958,7 @@ fn device_draws_follow_the_host_distribution() {
                 history: &[],
                 top_logprobs: None,
                 want_logits: false,
+                mask: None,
             })
             .collect();
         for d in gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap() {

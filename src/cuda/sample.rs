@@ -258,6 +258,7 @@ mod tests {
             history: &[],
             top_logprobs: Some(50),
             want_logits: false,
+            mask: None,
         };
         let w = param_words(&d, 900, 11, 3);
         assert_eq!(f32::from_bits(w[sp::TEMP]), 0.7);

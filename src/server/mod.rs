@@ -76,6 +76,8 @@ pub struct Shared {
     im_start: Option<u32>,
     jobs: Mutex<Sender<Job>>,
     next_id: AtomicU64,
+    /// The structured-output vocabulary and compiler, built on first use.
+    grammar: std::sync::OnceLock<Result<Arc<crate::grammar::GrammarEngine>, String>>,
 }
 
 impl Shared {
@@ -111,8 +113,29 @@ impl Shared {
             im_start,
             jobs: Mutex::new(tx),
             next_id: AtomicU64::new(1),
+            grammar: Default::default(),
         };
         Ok((Arc::new(shared), rx))
+    }
+}
+
+impl Shared {
+    /// The grammar engine of the tokenizer (built on the first call: a few hundred ms over
+    /// the 248k vocabulary).
+    pub fn grammar(&self) -> Result<Arc<crate::grammar::GrammarEngine>, String> {
+        self.grammar
+            .get_or_init(|| {
+                let t = std::time::Instant::now();
+                let vocab = self.tokenizer.vocab_size();
+                let e = crate::grammar::GrammarEngine::shared(&self.tokenizer, vocab)
+                    .map_err(|e| format!("{e:#}"));
+                tracing::info!(
+                    "structured outputs: grammar engine over {vocab} ids built in {:.0} ms",
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+                e
+            })
+            .clone()
     }
 }
 

@@ -90,6 +90,35 @@ pub(super) struct Submitted {
     pub(super) cached_tokens: usize,
 }
 
+/// The structured-output guide of `c`, compiled off the async workers: a schema the grammar
+/// engine cannot use is the request's error (400, naming the problem).
+async fn guide(
+    s: &Arc<Shared>,
+    c: &crate::grammar::Constraint,
+) -> Result<crate::grammar::Guide, ApiError> {
+    let (s2, c2) = (s.clone(), c.clone());
+    tokio::task::spawn_blocking(move || {
+        let engine = s2
+            .grammar()
+            .map_err(|e| ApiError::new(500, "server_error", format!("structured outputs: {e}")))?;
+        engine.guide(&c2).map_err(|e| {
+            let param = match c2 {
+                crate::grammar::Constraint::JsonObject => "response_format",
+                crate::grammar::Constraint::JsonSchema(_) => "response_format.json_schema.schema",
+            };
+            ApiError::invalid(param, format!("`{param}` cannot be used: {e}"))
+        })
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            500,
+            "server_error",
+            format!("schema compilation failed: {e}"),
+        )
+    })?
+}
+
 /// Queues a job and waits until the model starts it (or refuses it).
 pub(super) async fn submit(
     s: &Arc<Shared>,
@@ -98,9 +127,14 @@ pub(super) async fn submit(
     settings: ReplySettings,
     params: &GenParams,
 ) -> Result<Submitted, ApiError> {
+    let guide = match &params.constraint {
+        None => None,
+        Some(c) => Some(guide(s, c).await?),
+    };
     let (tx, mut rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
+        guide: std::sync::Mutex::new(guide),
         prompt,
         snapshot_points,
         settings,

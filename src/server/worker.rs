@@ -64,6 +64,8 @@ pub struct Job {
     /// Set when the client has gone away.
     pub cancel: Arc<AtomicBool>,
     pub deadline: Instant,
+    /// The structured-output constraint of the answer, taken by the decode loop.
+    pub guide: std::sync::Mutex<Option<crate::grammar::Guide>>,
 }
 
 /// Prompt tokens between chunk-boundary snapshots of long prompts.
@@ -716,6 +718,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     history: dl.as_ref().map_or(&[][..], |d| &d.stats.generated[..]),
                     top_logprobs: job.logprobs,
                     want_logits: !opts.device_greedy || (forced_maybe && job.logprobs.is_some()),
+                    mask: dl.as_ref().and_then(|d| d.next_mask()),
                 });
                 states.push(state);
             }
@@ -976,7 +979,11 @@ fn prefilled<E: Engine>(
             stop: StopReason::Cancelled,
             prefill_complete: true,
         };
-        r.dl = Some(DecodeLoop::new(stats, r.in_thinking, logits, r.t0));
+        let mut dl = DecodeLoop::new(stats, r.in_thinking, logits, r.t0);
+        if let Some(g) = job.guide.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            dl.constrain(g);
+        }
+        r.dl = Some(dl);
     }
     Ok(())
 }
@@ -1058,8 +1065,11 @@ fn advance<E: Engine>(
     if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
         return Ok(Advanced::End(End::Stop(stop)));
     }
-    // logprobs need the logits
-    let greedy = opts.device_greedy && job.logprobs.is_none() && r.sampler.is_plain_greedy();
+    // logprobs need the logits; a constrained id is drawn under its mask
+    let greedy = opts.device_greedy
+        && job.logprobs.is_none()
+        && r.sampler.is_plain_greedy()
+        && dl.next_mask().is_none();
     Ok(Advanced::Feed {
         id,
         greedy,

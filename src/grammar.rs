@@ -1,0 +1,304 @@
+//! Structured outputs: a reply's answer constrained to a JSON schema (or to any JSON object)
+//! through `llguidance`, token by token.
+//!
+//! * [`GrammarEngine`]: the tokenizer's vocabulary as `llguidance` sees it (built once; every
+//!   added token such as `<think>` or `<tool_call>` is special, so a grammar never produces
+//!   one) and the compiler of a [`Constraint`] into a matcher; a bad schema is an error
+//!   naming the problem, found when the request arrives.
+//! * [`Guide`]: one sequence's matcher on a thread of its own. After each committed id it
+//!   computes the next token mask at once, so the mask is being computed while the model
+//!   runs that id; the draw waits for it only when it needs it ([`PendingMask::get`]), which
+//!   on the GPU is after the step's kernels were launched.
+//!
+//! A mask is a bitmask of the vocabulary: bit `i % 32` of word `i / 32` set when id `i` is
+//! allowed ([`mask_words`] words). The decode loop ([`crate::generate::DecodeLoop`]) applies
+//! it only outside the thinking block: the reasoning stays free text.
+
+use crate::tokenizer::Tokenizer;
+use anyhow::{Context, Result, anyhow};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{Value, json};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// What a reply's answer must be.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Constraint {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against this schema (`response_format: {"type": "json_schema"}`).
+    JsonSchema(Value),
+}
+
+/// Words of a mask over `vocab` ids.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// Whether `mask` allows id `id` (ids past the mask are not allowed).
+pub fn allowed(mask: &[u32], id: u32) -> bool {
+    mask.get(id as usize / 32)
+        .is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
+/// Sets every logit `mask` does not allow to −∞ (the host's masking; the GPU's is the
+/// `sample_mask` kernel).
+pub fn apply_mask(logits: &mut [f32], mask: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = mask.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, x) in chunk.iter_mut().enumerate() {
+            if bits >> b & 1 == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// The JSON layout every constraint uses: `", "` and `": "` separators and no other
+/// whitespace, so output stays compact and a model cannot wander into endless whitespace.
+fn layout() -> Value {
+    json!({
+        "whitespace_flexible": false,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    })
+}
+
+impl Constraint {
+    fn schema(&self) -> Value {
+        let mut s = match self {
+            Constraint::JsonObject => json!({"type": "object"}),
+            Constraint::JsonSchema(s) => s.clone(),
+        };
+        if let Value::Object(o) = &mut s {
+            o.insert("x-guidance".into(), layout());
+        }
+        s
+    }
+}
+
+/// The vocabulary and compiler, shared by every constrained request.
+pub struct GrammarEngine {
+    factory: ParserFactory,
+    vocab: usize,
+    eos: u32,
+}
+
+impl GrammarEngine {
+    /// The engine for `tok` over a model vocabulary of `vocab` ids (the embedding's rows:
+    /// ids the tokenizer does not define are never allowed); `eos` ends a finished answer.
+    pub fn new(tok: &Tokenizer, vocab: usize, eos: u32) -> Result<Self> {
+        let json: Value =
+            serde_json::from_str(&tok.to_json()?).context("the tokenizer's JSON does not parse")?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&json)?;
+        words.resize(vocab, Vec::new());
+        // Added tokens (<|im_end|>, <think>, <tool_call>, ...) are markers, never text a
+        // grammar may produce: special in llguidance's terms.
+        for t in json["added_tokens"].as_array().into_iter().flatten() {
+            let (Some(id), Some(content)) = (t["id"].as_u64(), t["content"].as_str()) else {
+                continue;
+            };
+            if let Some(w) = words.get_mut(id as usize) {
+                let mut b = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                b.extend_from_slice(content.as_bytes());
+                *w = b;
+            }
+        }
+        anyhow::ensure!(
+            (eos as usize) < vocab,
+            "the end token {eos} is past the vocabulary ({vocab})"
+        );
+        let trie = TokTrie::from(&TokRxInfo::new(vocab as u32, eos), &words);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new_simple(&env)?;
+        factory.quiet();
+        Ok(GrammarEngine {
+            factory,
+            vocab,
+            eos,
+        })
+    }
+
+    /// The engine of the server's tokenizer (`<|im_end|>` ends an answer), built once.
+    pub fn shared(tok: &Tokenizer, vocab: usize) -> Result<Arc<GrammarEngine>> {
+        let eos = tok
+            .token_to_id("<|im_end|>")
+            .ok_or_else(|| anyhow!("the tokenizer has no <|im_end|>"))?;
+        Ok(Arc::new(Self::new(tok, vocab, eos)?))
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    fn matcher(&self, c: &Constraint) -> Result<Matcher, String> {
+        // Up to two newlines may come first: what a model writes after `</think>`.
+        let grammar = TopLevelGrammar::from_lark(format!(
+            "start: NL? answer\nNL: /\\n{{1,2}}/\nanswer: %json {}\n",
+            c.schema()
+        ));
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| e.to_string())?;
+        let m = Matcher::new(Ok(parser));
+        match m.get_error() {
+            Some(e) => Err(e),
+            None => Ok(m),
+        }
+    }
+
+    /// Compiles `c` (the check a request's schema gets before it is admitted): the
+    /// compiler's message when it cannot be used.
+    pub fn check(&self, c: &Constraint) -> Result<(), String> {
+        self.matcher(c).map(drop)
+    }
+
+    /// A sequence's guide for `c`, computing its first mask already.
+    pub fn guide(&self, c: &Constraint) -> Result<Guide, String> {
+        let m = self.matcher(c)?;
+        Ok(Guide::start(m, self.vocab, self.eos))
+    }
+}
+
+/// A mask as the guide's thread sends it: the words and how long they took to compute.
+type Computed = (Vec<u32>, Duration);
+
+/// A mask still being computed (or computed): [`get`](Self::get) waits for it.
+pub struct PendingMask {
+    rx: Mutex<Receiver<Computed>>,
+    mask: OnceLock<Computed>,
+    /// What is allowed if the guide's thread is gone: the end token only.
+    words: usize,
+    eos: u32,
+}
+
+impl PendingMask {
+    /// The mask: bit `i` of the vocabulary set where id `i` is allowed.
+    pub fn get(&self) -> &[u32] {
+        &self.computed().0
+    }
+
+    /// How long the guide's thread took to commit the previous id and compute this mask
+    /// (waits for it): the constraint's cost per token, whether or not it was hidden behind
+    /// the model's step.
+    pub fn compute_time(&self) -> Duration {
+        self.computed().1
+    }
+
+    fn computed(&self) -> &Computed {
+        self.mask.get_or_init(|| {
+            let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            rx.recv()
+                .unwrap_or_else(|_| (only(self.words, self.eos), Duration::ZERO))
+        })
+    }
+}
+
+fn only(words: usize, id: u32) -> Vec<u32> {
+    let mut m = vec![0u32; words];
+    if let Some(w) = m.get_mut(id as usize / 32) {
+        *w |= 1 << (id % 32);
+    }
+    m
+}
+
+/// One sequence's constraint: its matcher on a thread that computes the mask after every
+/// committed id.
+pub struct Guide {
+    tx: Option<Sender<(u32, Sender<Computed>)>>,
+    next: PendingMask,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The mask the matcher gives now (words of the vocabulary), or the end token alone when it
+/// has stopped or failed (a failure is logged).
+fn compute(m: &mut Matcher, words: usize, eos: u32) -> Vec<u32> {
+    match m.compute_mask_or_eos() {
+        Ok(v) => {
+            let mut out = v.as_slice().to_vec();
+            out.resize(words, 0);
+            if out.iter().all(|&w| w == 0) {
+                out = only(words, eos);
+            }
+            out
+        }
+        Err(e) => {
+            tracing::warn!("structured output: the grammar failed ({e}); ending the answer");
+            only(words, eos)
+        }
+    }
+}
+
+impl Guide {
+    fn start(mut m: Matcher, vocab: usize, eos: u32) -> Guide {
+        let words = mask_words(vocab);
+        let (tx, rx) = channel::<(u32, Sender<Computed>)>();
+        let (first_tx, first_rx) = channel();
+        let thread = std::thread::Builder::new()
+            .name("kestrel-grammar".into())
+            .spawn(move || {
+                let t = Instant::now();
+                let _ = first_tx.send((compute(&mut m, words, eos), t.elapsed()));
+                while let Ok((id, reply)) = rx.recv() {
+                    let t = Instant::now();
+                    if let Err(e) = m.consume_token(id) {
+                        tracing::warn!("structured output: id {id} was refused ({e})");
+                    }
+                    let _ = reply.send((compute(&mut m, words, eos), t.elapsed()));
+                }
+            })
+            .ok();
+        Guide {
+            tx: Some(tx),
+            next: PendingMask {
+                rx: Mutex::new(first_rx),
+                mask: OnceLock::new(),
+                words,
+                eos,
+            },
+            thread,
+        }
+    }
+
+    /// The mask of the next id (computing, or computed).
+    pub fn next_mask(&self) -> &PendingMask {
+        &self.next
+    }
+
+    /// Records the id chosen under [`next_mask`](Self::next_mask) and starts computing the
+    /// mask after it.
+    pub fn commit(&mut self, id: u32) {
+        let (reply, rx) = channel();
+        if let Some(tx) = &self.tx {
+            let _ = tx.send((id, reply));
+        }
+        self.next = PendingMask {
+            rx: Mutex::new(rx),
+            mask: OnceLock::new(),
+            words: self.next.words,
+            eos: self.next.eos,
+        };
+    }
+}
+
+impl Drop for Guide {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Guide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Guide")
+    }
+}
