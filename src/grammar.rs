@@ -180,6 +180,17 @@ pub struct PendingMask {
 }
 
 impl PendingMask {
+    /// A mask already known (tests, callers with a fixed set of ids).
+    pub fn ready(mask: Vec<u32>) -> PendingMask {
+        let words = mask.len();
+        PendingMask {
+            rx: Mutex::new(channel().1),
+            mask: OnceLock::from((mask, Duration::ZERO)),
+            words,
+            eos: 0,
+        }
+    }
+
     /// The mask: bit `i` of the vocabulary set where id `i` is allowed.
     pub fn get(&self) -> &[u32] {
         &self.computed().0
