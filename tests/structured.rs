@@ -416,6 +416,32 @@ fn demo_model_json_schema_answers_always_validate() {
 }
 
 #[test]
+fn demo_model_thinks_freely_then_answers_valid_json() {
+    // thinking on, closed by the budget: the reasoning is the model's free text, the answer
+    // after `</think>` the schema's
+    let v = chat(
+        demo(),
+        json!({
+            "messages": [{"role": "user", "content": "Describe a person."}],
+            "max_tokens": 200,
+            "thinking_budget": 6,
+            "seed": 3,
+            "temperature": 0.7,
+            "response_format": schema_format(person_schema()),
+        }),
+    );
+    let m = &v["choices"][0]["message"];
+    assert!(
+        !m["reasoning_content"].as_str().unwrap().trim().is_empty(),
+        "{v}"
+    );
+    let content = m["content"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    validate(&serde_json::from_str(content).unwrap(), &person_schema())
+        .unwrap_or_else(|e| panic!("{e}: {content}"));
+}
+
+#[test]
 fn demo_model_json_object_is_an_object_and_length_stops_mid_json() {
     let a = demo();
     let v = chat(
