@@ -241,6 +241,8 @@ pub struct DecodeLoop {
     t_decode: Option<Instant>,
     /// The structured-output constraint of the answer ([`Self::constrain`]).
     guide: Option<crate::grammar::Guide>,
+    /// Strict tool calls ([`Self::constrain_tools`]), where the answer has no `guide`.
+    tools: Option<crate::grammar::ToolGate>,
 }
 
 impl DecodeLoop {
@@ -257,6 +259,7 @@ impl DecodeLoop {
             t0,
             t_decode: None,
             guide: None,
+            tools: None,
         }
     }
 
@@ -270,10 +273,19 @@ impl DecodeLoop {
     /// thinking block and with no forced id due. Valid after [`pick`](Self::pick) (for the
     /// draw that chooses the id after the one picked) and before it.
     pub fn next_mask(&self) -> Option<&crate::grammar::PendingMask> {
-        self.guide
-            .as_ref()
-            .filter(|_| !self.thinking && self.forced.is_empty())
-            .map(|g| g.next_mask())
+        if self.thinking || !self.forced.is_empty() {
+            return None;
+        }
+        match (&self.guide, &self.tools) {
+            (Some(g), _) => Some(g.next_mask()),
+            (None, Some(t)) => t.next_mask(),
+            (None, None) => None,
+        }
+    }
+
+    /// Constrains the arguments of the answer's tool calls (strict tools) to `gate`.
+    pub fn constrain_tools(&mut self, gate: crate::grammar::ToolGate) {
+        self.tools = Some(gate);
     }
 
     /// Runs the picked `id` through the model for the next [`pick`](Self::pick). With
@@ -345,9 +357,12 @@ impl DecodeLoop {
         let device_next = self.device_next.take();
         // The constraint's mask, where it applies to this id (the device's draw, if it chose
         // the id, already applied it).
-        let mask = match &self.guide {
-            Some(g) if !self.thinking && self.forced.is_empty() => Some(g.next_mask().get()),
-            _ => None,
+        let constrainable = !self.thinking && self.forced.is_empty();
+        let mask = match (&self.guide, &self.tools) {
+            _ if !constrainable => None,
+            (Some(g), _) => Some(g.next_mask().get()),
+            (None, Some(t)) => t.next_mask().map(|m| m.get()),
+            (None, None) => None,
         };
         let next = match self.forced.pop_front() {
             Some(id) => {
@@ -365,10 +380,12 @@ impl DecodeLoop {
                 (None, None) => sampler.sample(&self.logits, &self.stats.generated),
             },
         };
-        if mask.is_some()
-            && let Some(g) = &mut self.guide
-        {
-            g.commit(next);
+        if constrainable {
+            if let Some(g) = &mut self.guide {
+                g.commit(next);
+            } else if let Some(t) = &mut self.tools {
+                t.observe(next);
+            }
         }
         if self.t_decode.is_none() {
             self.stats.time_to_first_token = self.t0.elapsed();

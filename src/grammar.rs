@@ -33,6 +33,119 @@ pub enum Constraint {
     JsonSchema(Value),
 }
 
+/// Strict tool calls: the calls of the request's tools (`tools[i].function.strict: true`
+/// ones with their arguments constrained to their `parameters` schema), in the model's
+/// `<tool_call>` format. The answer around the calls stays free; the constraint applies from
+/// each `<tool_call>` to its `</tool_call>`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCalls {
+    /// OpenAI `tools` entries.
+    pub tools: Vec<Value>,
+    /// Text of the call the prompt already holds after `<tool_call>` (`tool_choice`
+    /// required or named forces `\n<function=` or `\n<function=NAME>\n`): the reply starts
+    /// inside a call.
+    pub started: Option<String>,
+}
+
+impl ToolCalls {
+    /// The constraint of `tools` where any is strict.
+    pub fn of(tools: &[Value]) -> Option<ToolCalls> {
+        tools
+            .iter()
+            .any(|t| t.pointer("/function/strict") == Some(&Value::Bool(true)))
+            .then(|| ToolCalls {
+                tools: tools.to_vec(),
+                started: None,
+            })
+    }
+}
+
+/// A Lark string literal.
+fn lit(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
+/// A parameter's value rule in the call format (`\nVALUE\n</parameter>\n` after the
+/// parameter's tag): a string is raw text (one of an enum's strings, where it has one), any
+/// other schema JSON.
+fn value_rule(name: &str, schema: &Value) -> String {
+    const END: &str = "\n</parameter>\n";
+    let enum_strings: Option<Vec<&str>> = schema
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|e| e.iter().map(Value::as_str).collect());
+    if let Some(e) = enum_strings.filter(|e| !e.is_empty()) {
+        let alts: Vec<String> = e.iter().map(|s| lit(s)).collect();
+        return format!("{name}: ({}) {}\n", alts.join(" | "), lit(END));
+    }
+    if schema.get("type").and_then(Value::as_str) == Some("string") {
+        return format!("{name}[suffix={}]: /(?s:.*)/\n", lit(END));
+    }
+    let mut s = schema.clone();
+    if let Value::Object(o) = &mut s {
+        o.insert("x-guidance".into(), layout());
+    }
+    format!("{name}: %json {s} {}\n", lit(END))
+}
+
+/// The Lark grammar of one call's text after `<tool_call>`, up to and including the
+/// `</tool_call>` token (`close`): a strict tool's parameters in its schema's order, the
+/// required ones always and the others optionally, each value by [`value_rule`]; a
+/// non-strict tool's body free up to `</function>`.
+fn tool_call_lark(tools: &[Value], close: u32) -> Result<String, String> {
+    let mut rules = String::new();
+    let mut calls = Vec::new();
+    for (i, t) in tools.iter().enumerate() {
+        let f = t.get("function").unwrap_or(t);
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("tools[{i}] has no function name"))?;
+        let head = lit(&format!("{name}>\n"));
+        let strict = f.get("strict") == Some(&Value::Bool(true));
+        if !strict {
+            rules.push_str(&format!(
+                "call_{i}: {head} body_{i} <[{close}]>\nbody_{i}[suffix={}]: /(?s:.*)/\n",
+                lit("</function>\n")
+            ));
+            calls.push(format!("call_{i}"));
+            continue;
+        }
+        let params = f.get("parameters").cloned().unwrap_or(json!({}));
+        let props = params.get("properties").and_then(Value::as_object);
+        let required: Vec<&str> = params
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let mut seq = Vec::new();
+        for (j, (pname, pschema)) in props.into_iter().flatten().enumerate() {
+            let tag = lit(&format!("<parameter={pname}>\n"));
+            rules.push_str(&format!("param_{i}_{j}: {tag} value_{i}_{j}\n"));
+            rules.push_str(&value_rule(&format!("value_{i}_{j}"), pschema));
+            seq.push(if required.contains(&pname.as_str()) {
+                format!("param_{i}_{j}")
+            } else {
+                format!("param_{i}_{j}?")
+            });
+        }
+        rules.push_str(&format!(
+            "call_{i}: {head} {} {} <[{close}]>\n",
+            seq.join(" "),
+            lit("</function>\n")
+        ));
+        calls.push(format!("call_{i}"));
+    }
+    if calls.is_empty() {
+        return Err("no tools".into());
+    }
+    Ok(format!(
+        "start: {} ({})\n{rules}",
+        lit("\n<function="),
+        calls.join(" | ")
+    ))
+}
+
 /// Words of a mask over `vocab` ids.
 pub fn mask_words(vocab: usize) -> usize {
     vocab.div_ceil(32)
@@ -158,6 +271,37 @@ impl GrammarEngine {
     /// compiler's message when it cannot be used.
     pub fn check(&self, c: &Constraint) -> Result<(), String> {
         self.matcher(c).map(drop)
+    }
+
+    /// The gate of strict tool calls `t` (its grammar compiled now: an error names the
+    /// problem); `open` / `close` are the `<tool_call>` / `</tool_call>` ids.
+    pub fn tool_calls(&self, t: &ToolCalls, open: u32, close: u32) -> Result<ToolGate, String> {
+        let lark = tool_call_lark(&t.tools, close)?;
+        let parser = self
+            .factory
+            .create_parser(TopLevelGrammar::from_lark(lark))
+            .map_err(|e| e.to_string())?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(e);
+        }
+        let mut gate = ToolGate {
+            matcher,
+            vocab: self.vocab,
+            eos: self.eos,
+            open,
+            close,
+            active: None,
+        };
+        if let Some(text) = &t.started {
+            let mut m = gate.matcher.clone();
+            let ids = self.factory.tok_env().tokenize_bytes(text.as_bytes());
+            m.consume_tokens(&ids).map_err(|e| {
+                format!("the forced start of the call {text:?} does not fit the tools: {e}")
+            })?;
+            gate.active = Some(Guide::start(m, self.vocab, self.eos));
+        }
+        Ok(gate)
     }
 
     /// A sequence's guide for `c`, computing its first mask already.
@@ -304,6 +448,38 @@ impl Drop for Guide {
         self.tx = None;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// Strict tool calls of one sequence: dormant in free text, a [`Guide`] from each
+/// `<tool_call>` the model writes (its first mask computed while the model runs that id) to
+/// the `</tool_call>` the grammar ends with.
+pub struct ToolGate {
+    matcher: Matcher,
+    vocab: usize,
+    eos: u32,
+    open: u32,
+    close: u32,
+    active: Option<Guide>,
+}
+
+impl ToolGate {
+    /// The mask of the next id, inside a call.
+    pub fn next_mask(&self) -> Option<&PendingMask> {
+        self.active.as_ref().map(Guide::next_mask)
+    }
+
+    /// Records an id of the answer (picked under [`next_mask`](Self::next_mask) inside a
+    /// call): a `<tool_call>` opens a call, its `</tool_call>` closes it.
+    pub fn observe(&mut self, id: u32) {
+        match &mut self.active {
+            Some(_) if id == self.close => self.active = None,
+            Some(g) => g.commit(id),
+            None if id == self.open => {
+                self.active = Some(Guide::start(self.matcher.clone(), self.vocab, self.eos));
+            }
+            None => {}
         }
     }
 }

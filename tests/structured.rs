@@ -654,3 +654,177 @@ fn a_model_writing_prose_still_answers_valid_json() {
     validate(&serde_json::from_str(content).unwrap(), &person_schema())
         .unwrap_or_else(|e| panic!("{e}: {content}"));
 }
+
+// ---- strict tool calls ------------------------------------------------------------------
+
+fn weather_tools(strict: bool) -> Vec<Value> {
+    vec![
+        json!({"type": "function", "function": {
+            "name": "get_weather", "strict": strict,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "hourly": {"type": "boolean"}
+                },
+                "required": ["city", "days", "hourly"],
+                "additionalProperties": false
+            }
+        }}),
+        json!({"type": "function", "function": {
+            "name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}
+        }}),
+    ]
+}
+
+fn weather_args_valid(args: &serde_json::Map<String, Value>) -> Result<(), String> {
+    let schema = &weather_tools(true)[0]["function"]["parameters"];
+    validate(&Value::Object(args.clone()), schema)
+}
+
+#[test]
+fn random_walks_through_a_strict_call_give_valid_arguments() {
+    let tok = tokenizer();
+    let tools = weather_tools(true);
+    let calls = kestrel::grammar::ToolCalls::of(&tools).unwrap();
+    let mut gate = engine()
+        .tool_calls(&calls, special::TOOL_CALL, special::TOOL_CALL_END)
+        .unwrap();
+    assert!(gate.next_mask().is_none(), "dormant in free text");
+    let intro = tok.encode("Let me check.\n", false).unwrap();
+    for &id in &intro {
+        gate.observe(id);
+        assert!(gate.next_mask().is_none());
+    }
+    for seed in 0..20u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let mut ids = vec![special::TOOL_CALL];
+        gate.observe(special::TOOL_CALL);
+        for _ in 0..200 {
+            let mask = gate.next_mask().expect("inside a call").get().to_vec();
+            let allowed_ids: Vec<u32> = (0..engine().vocab() as u32)
+                .filter(|&i| allowed(&mask, i))
+                .collect();
+            // get_weather only: a free `note` call could run on for ever
+            let id = loop {
+                let id = allowed_ids[(rng.next() % allowed_ids.len() as u64) as usize];
+                let text = text_of(&[&ids[1..], &[id]].concat());
+                if !text.starts_with("\n<function=n") {
+                    break id;
+                }
+            };
+            ids.push(id);
+            gate.observe(id);
+            if id == special::TOOL_CALL_END {
+                break;
+            }
+        }
+        assert_eq!(ids.last(), Some(&special::TOOL_CALL_END), "seed {seed}");
+        assert!(gate.next_mask().is_none(), "dormant after the call");
+        let text = tok.decode(&ids, false).unwrap();
+        let (rest, calls) = kestrel::tools::extract(&text, &tools);
+        assert_eq!(calls.len(), 1, "seed {seed}: {text:?} left {rest:?}");
+        assert_eq!(calls[0].name, "get_weather");
+        weather_args_valid(&calls[0].arguments).unwrap_or_else(|e| panic!("{e}: {text}"));
+    }
+}
+
+#[test]
+fn a_strict_tool_call_gets_valid_arguments_from_a_model_that_errs() {
+    // the script calls get_weather with an unknown city and days as text
+    let a = scripted(
+        "Checking.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nLondon\n</parameter>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>",
+    );
+    let body = |strict: bool| {
+        json!({"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 120,
+               "tools": weather_tools(strict)})
+    };
+    let v = chat(a, body(true));
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    weather_args_valid(args.as_object().unwrap()).unwrap_or_else(|e| panic!("{e}: {v}"));
+    // not strict: the model's own arguments, as written
+    let v = chat(a, body(false));
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "London", "days": "three"}), "{v}");
+}
+
+#[test]
+fn a_conforming_strict_call_and_free_text_pass_unchanged() {
+    let text = "Sure.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n</function>\n</tool_call>";
+    let a = scripted(text);
+    let v = chat(
+        a,
+        json!({"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 120,
+               "tools": weather_tools(true), "chat_template_kwargs": no_thinking()}),
+    );
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["content"].as_str().unwrap().trim(), "Sure.", "{v}");
+    let args: Value = serde_json::from_str(
+        m["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(args, json!({"city": "Oslo", "days": 2, "hourly": true}));
+}
+
+#[test]
+fn demo_model_forced_strict_calls_validate() {
+    let a = demo();
+    for (seed, choice) in [
+        (1, json!("required")),
+        (
+            2,
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+        ),
+        (
+            3,
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+        ),
+    ] {
+        let v = chat(
+            a,
+            json!({"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 150,
+                   "seed": seed, "temperature": 0.8, "tools": weather_tools(true),
+                   "tool_choice": choice}),
+        );
+        // random weights write on after the call (finish_reason may be "length"); the call
+        // itself, forced to start by tool_choice, is complete and its arguments valid
+        let c = &v["choices"][0];
+        let calls = c["message"]["tool_calls"].as_array();
+        let Some(call) = calls.and_then(|c| c.first()).map(|c| &c["function"]) else {
+            // "required" may pick the free `note` tool, whose text is unbounded
+            assert_eq!(choice, json!("required"), "{v}");
+            continue;
+        };
+        if choice != json!("required") {
+            assert_eq!(call["name"], "get_weather", "{v}");
+        }
+        if call["name"] == "get_weather" {
+            let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+            weather_args_valid(args.as_object().unwrap()).unwrap_or_else(|e| panic!("{e}: {v}"));
+        }
+    }
+}
+
+#[test]
+fn bad_strict_tool_schemas_are_400() {
+    let tools = json!([{"type": "function", "function": {"name": "f", "strict": true,
+        "parameters": {"type": "object", "properties": {"n": {"type": "intgr"}}, "required": ["n"]}}}]);
+    let (status, v) = post(
+        demo(),
+        &json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tools", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("intgr"),
+        "{v}"
+    );
+}

@@ -119,6 +119,41 @@ async fn guide(
     })?
 }
 
+/// The strict tool calls' gate of `t`, compiled off the async workers (400 naming `tools`
+/// where the schemas cannot be used).
+async fn tool_gate(
+    s: &Arc<Shared>,
+    t: &crate::grammar::ToolCalls,
+) -> Result<crate::grammar::ToolGate, ApiError> {
+    let (s2, t2) = (s.clone(), t.clone());
+    tokio::task::spawn_blocking(move || {
+        let engine = s2
+            .grammar()
+            .map_err(|e| ApiError::new(500, "server_error", format!("structured outputs: {e}")))?;
+        let tok = &s2.tokenizer;
+        let (Some(open), Some(close)) = (
+            tok.token_to_id("<tool_call>"),
+            tok.token_to_id("</tool_call>"),
+        ) else {
+            return Err(ApiError::invalid(
+                "tools",
+                "strict tools need the model's <tool_call> tokens",
+            ));
+        };
+        engine
+            .tool_calls(&t2, open, close)
+            .map_err(|e| ApiError::invalid("tools", format!("strict `tools` cannot be used: {e}")))
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            500,
+            "server_error",
+            format!("schema compilation failed: {e}"),
+        )
+    })?
+}
+
 /// Queues a job and waits until the model starts it (or refuses it).
 pub(super) async fn submit(
     s: &Arc<Shared>,
@@ -131,10 +166,15 @@ pub(super) async fn submit(
         None => None,
         Some(c) => Some(guide(s, c).await?),
     };
+    let tool_gate = match &params.tool_calls {
+        None => None,
+        Some(t) => Some(tool_gate(s, t).await?),
+    };
     let (tx, mut rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
         guide: std::sync::Mutex::new(guide),
+        tool_gate: std::sync::Mutex::new(tool_gate),
         prompt,
         snapshot_points,
         settings,

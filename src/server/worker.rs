@@ -66,6 +66,8 @@ pub struct Job {
     pub deadline: Instant,
     /// The structured-output constraint of the answer, taken by the decode loop.
     pub guide: std::sync::Mutex<Option<crate::grammar::Guide>>,
+    /// Strict tools' calls, taken by the decode loop.
+    pub tool_gate: std::sync::Mutex<Option<crate::grammar::ToolGate>>,
 }
 
 /// Prompt tokens between chunk-boundary snapshots of long prompts.
@@ -982,6 +984,14 @@ fn prefilled<E: Engine>(
         let mut dl = DecodeLoop::new(stats, r.in_thinking, logits, r.t0);
         if let Some(g) = job.guide.lock().unwrap_or_else(|p| p.into_inner()).take() {
             dl.constrain(g);
+        }
+        if let Some(t) = job
+            .tool_gate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            dl.constrain_tools(t);
         }
         r.dl = Some(dl);
     }

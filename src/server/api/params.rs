@@ -98,6 +98,8 @@ pub struct GenParams {
     pub cache_key: Option<String>,
     /// `response_format` `json_object` / `json_schema` (chat only): what the answer must be.
     pub constraint: Option<crate::grammar::Constraint>,
+    /// Strict tools' calls (chat, set from `tools` once the prompt is rendered).
+    pub tool_calls: Option<crate::grammar::ToolCalls>,
 }
 
 /// `response_format` (OpenAI's shape): `text` is no constraint; `json_object` any JSON
@@ -375,5 +377,6 @@ pub fn parse_gen_params(
         thinking_budget,
         cache_key,
         constraint,
+        tool_calls: None,
     })
 }
