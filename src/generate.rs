@@ -243,6 +243,8 @@ pub struct DecodeLoop {
     guide: Option<crate::grammar::Guide>,
     /// Strict tool calls ([`Self::constrain_tools`]), where the answer has no `guide`.
     tools: Option<crate::grammar::ToolGate>,
+    /// What the masks the ids were picked under cost.
+    pub mask_cost: crate::grammar::MaskCost,
 }
 
 impl DecodeLoop {
@@ -260,6 +262,7 @@ impl DecodeLoop {
             t_decode: None,
             guide: None,
             tools: None,
+            mask_cost: Default::default(),
         }
     }
 
@@ -358,12 +361,16 @@ impl DecodeLoop {
         // The constraint's mask, where it applies to this id (the device's draw, if it chose
         // the id, already applied it).
         let constrainable = !self.thinking && self.forced.is_empty();
-        let mask = match (&self.guide, &self.tools) {
+        let pending = match (&self.guide, &self.tools) {
             _ if !constrainable => None,
-            (Some(g), _) => Some(g.next_mask().get()),
-            (None, Some(t)) => t.next_mask().map(|m| m.get()),
+            (Some(g), _) => Some(g.next_mask()),
+            (None, Some(t)) => t.next_mask(),
             (None, None) => None,
         };
+        if let Some(m) = pending {
+            self.mask_cost.add(m);
+        }
+        let mask = pending.map(|m| m.get());
         let next = match self.forced.pop_front() {
             Some(id) => {
                 self.stats.forced_tokens += 1;

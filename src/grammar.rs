@@ -318,6 +318,8 @@ type Computed = (Vec<u32>, Duration);
 pub struct PendingMask {
     rx: Mutex<Receiver<Computed>>,
     mask: OnceLock<Computed>,
+    /// How long the first [`get`](Self::get) waited for the guide's thread.
+    waited: OnceLock<Duration>,
     /// What is allowed if the guide's thread is gone: the end token only.
     words: usize,
     eos: u32,
@@ -330,6 +332,7 @@ impl PendingMask {
         PendingMask {
             rx: Mutex::new(channel().1),
             mask: OnceLock::from((mask, Duration::ZERO)),
+            waited: OnceLock::from(Duration::ZERO),
             words,
             eos: 0,
         }
@@ -347,11 +350,22 @@ impl PendingMask {
         self.computed().1
     }
 
+    /// How long the draw waited for the mask (the part of its cost not hidden behind the
+    /// model's step); waits for it.
+    pub fn waited(&self) -> Duration {
+        self.computed();
+        self.waited.get().copied().unwrap_or_default()
+    }
+
     fn computed(&self) -> &Computed {
         self.mask.get_or_init(|| {
+            let t = Instant::now();
             let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
-            rx.recv()
-                .unwrap_or_else(|_| (only(self.words, self.eos), Duration::ZERO))
+            let c = rx
+                .recv()
+                .unwrap_or_else(|_| (only(self.words, self.eos), Duration::ZERO));
+            let _ = self.waited.set(t.elapsed());
+            c
         })
     }
 }
@@ -403,6 +417,11 @@ impl Guide {
                 let _ = first_tx.send((compute(&mut m, words, eos), t.elapsed()));
                 while let Ok((id, reply)) = rx.recv() {
                     let t = Instant::now();
+                    // the end token ends the answer (and the reply): nothing to parse
+                    if id == eos {
+                        let _ = reply.send((only(words, eos), t.elapsed()));
+                        continue;
+                    }
                     if let Err(e) = m.consume_token(id) {
                         tracing::warn!("structured output: id {id} was refused ({e})");
                     }
@@ -415,6 +434,7 @@ impl Guide {
             next: PendingMask {
                 rx: Mutex::new(first_rx),
                 mask: OnceLock::new(),
+                waited: OnceLock::new(),
                 words,
                 eos,
             },
@@ -437,6 +457,7 @@ impl Guide {
         self.next = PendingMask {
             rx: Mutex::new(rx),
             mask: OnceLock::new(),
+            waited: OnceLock::new(),
             words: self.next.words,
             eos: self.next.eos,
         };
@@ -449,6 +470,27 @@ impl Drop for Guide {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// What a sequence's masks cost: how many, their compute time (commit + mask on the guide's
+/// thread) and how long the draws waited for them (the part on the decode step's path).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MaskCost {
+    pub masks: usize,
+    pub compute: Duration,
+    pub waited: Duration,
+    pub max_waited: Duration,
+}
+
+impl MaskCost {
+    /// Counts `m`, a mask an id was just picked under.
+    pub fn add(&mut self, m: &PendingMask) {
+        let w = m.waited();
+        self.masks += 1;
+        self.compute += m.compute_time();
+        self.waited += w;
+        self.max_waited = self.max_waited.max(w);
     }
 }
 

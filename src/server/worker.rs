@@ -769,6 +769,16 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             End::Stop(s) => s,
             _ => StopReason::Cancelled,
         };
+        if let Some(c) = dl.as_ref().map(|d| d.mask_cost).filter(|c| c.masks > 0) {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            tracing::info!(
+                "structured output: {} masks, compute mean {:.3} ms, draw waited mean {:.3} ms max {:.3} ms",
+                c.masks,
+                ms(c.compute) / c.masks as f64,
+                ms(c.waited) / c.masks as f64,
+                ms(c.max_waited)
+            );
+        }
         let stats = match dl {
             Some(dl) => dl.finish(stop),
             // stopped during the prefill
