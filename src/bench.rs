@@ -232,6 +232,7 @@ pub fn bench_concurrency<E: crate::model::Engine>(
                         history: &[],
                         top_logprobs: None,
                         want_logits: false,
+                        mask: None,
                     })
                     .collect();
                 let drawn = engine.forward_batch_draw(&mut refs, &next, &draws)?;

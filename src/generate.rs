@@ -239,6 +239,12 @@ pub struct DecodeLoop {
     forced: std::collections::VecDeque<u32>,
     t0: Instant,
     t_decode: Option<Instant>,
+    /// The structured-output constraint of the answer ([`Self::constrain`]).
+    guide: Option<crate::grammar::Guide>,
+    /// Strict tool calls ([`Self::constrain_tools`]), where the answer has no `guide`.
+    tools: Option<crate::grammar::ToolGate>,
+    /// What the masks the ids were picked under cost.
+    pub mask_cost: crate::grammar::MaskCost,
 }
 
 impl DecodeLoop {
@@ -254,7 +260,35 @@ impl DecodeLoop {
             forced: Default::default(),
             t0,
             t_decode: None,
+            guide: None,
+            tools: None,
+            mask_cost: Default::default(),
         }
+    }
+
+    /// Constrains the answer (every id picked outside the thinking block, forced ids
+    /// aside) to `guide`'s grammar.
+    pub fn constrain(&mut self, guide: crate::grammar::Guide) {
+        self.guide = Some(guide);
+    }
+
+    /// The mask the next id is picked under, if the constraint applies to it: outside the
+    /// thinking block and with no forced id due. Valid after [`pick`](Self::pick) (for the
+    /// draw that chooses the id after the one picked) and before it.
+    pub fn next_mask(&self) -> Option<&crate::grammar::PendingMask> {
+        if self.thinking || !self.forced.is_empty() {
+            return None;
+        }
+        match (&self.guide, &self.tools) {
+            (Some(g), _) => Some(g.next_mask()),
+            (None, Some(t)) => t.next_mask(),
+            (None, None) => None,
+        }
+    }
+
+    /// Constrains the arguments of the answer's tool calls (strict tools) to `gate`.
+    pub fn constrain_tools(&mut self, gate: crate::grammar::ToolGate) {
+        self.tools = Some(gate);
     }
 
     /// Runs the picked `id` through the model for the next [`pick`](Self::pick). With
@@ -273,7 +307,7 @@ impl DecodeLoop {
     ) -> Result<()> {
         if !opts.device_greedy {
             self.set_logits(engine.forward(state, &[id], Logits::Last)?);
-        } else if sampler.is_plain_greedy() {
+        } else if sampler.is_plain_greedy() && self.next_mask().is_none() {
             let limit = sampler.params().vocab_limit;
             self.set_next(engine.forward_greedy_id(state, id, limit)?);
         } else {
@@ -284,6 +318,7 @@ impl DecodeLoop {
                 history: &self.stats.generated,
                 top_logprobs: None,
                 want_logits: false,
+                mask: self.next_mask(),
             };
             let mut drawn = engine.forward_batch_draw(&mut [state], &[id], &[draw])?;
             let d = drawn.pop().context("a draw of one row gave none")?;
@@ -323,15 +358,42 @@ impl DecodeLoop {
         }
         let was_forced = !self.forced.is_empty();
         let device_next = self.device_next.take();
+        // The constraint's mask, where it applies to this id (the device's draw, if it chose
+        // the id, already applied it).
+        let constrainable = !self.thinking && self.forced.is_empty();
+        let pending = match (&self.guide, &self.tools) {
+            _ if !constrainable => None,
+            (Some(g), _) => Some(g.next_mask()),
+            (None, Some(t)) => t.next_mask(),
+            (None, None) => None,
+        };
+        if let Some(m) = pending {
+            self.mask_cost.add(m);
+        }
+        let mask = pending.map(|m| m.get());
         let next = match self.forced.pop_front() {
             Some(id) => {
                 self.stats.forced_tokens += 1;
                 id
             }
-            None => {
-                device_next.unwrap_or_else(|| sampler.sample(&self.logits, &self.stats.generated))
-            }
+            None => match (device_next, mask) {
+                (Some(id), m) => {
+                    if m.is_some_and(|m| !crate::grammar::allowed(m, id)) {
+                        tracing::warn!("the engine's draw chose id {id}, which the mask refuses");
+                    }
+                    id
+                }
+                (None, Some(m)) => sampler.sample_masked(&self.logits, &self.stats.generated, m),
+                (None, None) => sampler.sample(&self.logits, &self.stats.generated),
+            },
         };
+        if constrainable {
+            if let Some(g) = &mut self.guide {
+                g.commit(next);
+            } else if let Some(t) = &mut self.tools {
+                t.observe(next);
+            }
+        }
         if self.t_decode.is_none() {
             self.stats.time_to_first_token = self.t0.elapsed();
             self.t_decode = Some(Instant::now());

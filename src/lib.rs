@@ -6,6 +6,7 @@ pub mod chat;
 pub mod config;
 pub mod cuda;
 pub mod generate;
+pub mod grammar;
 pub mod hub;
 pub mod model;
 pub mod ops;

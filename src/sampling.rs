@@ -403,6 +403,13 @@ impl Sampler {
         draw_in(&self.params, logits, history, u, x, cands)
     }
 
+    /// [`sample`](Self::sample) among the ids `mask` allows (structured outputs).
+    pub fn sample_masked(&mut self, logits: &[f32], history: &[u32], mask: &[u32]) -> u32 {
+        let x = masked_logits(logits, mask);
+        let id = self.sample(&x, history);
+        allowed_or_best(id, &x, mask, self.params.vocab_limit)
+    }
+
     /// The uniform the next draw uses (one a sampled token; none when greedy), for an engine
     /// that draws on the device ([`Draw::u`]): with it, [`draw`] picks what
     /// [`Sampler::sample`] would.
@@ -529,14 +536,30 @@ fn draw_in(
 /// One row of a batched step's draw ([`crate::model::Engine::forward_batch_draw`]): the
 /// request's settings, the uniform its sampler gave for this token ([`Sampler::uniform`]), the
 /// history the penalties count, how many top log-probabilities it wants (`None`: none), and
-/// whether it needs the logits row itself (the thinking budget may replace the drawn id).
-#[derive(Clone, Copy, Debug)]
+/// whether it needs the logits row itself (the thinking budget may replace the drawn id), and
+/// the structured-output mask of the ids it may pick (waited for only when the draw needs it,
+/// so it is computed while the step runs).
+#[derive(Clone, Copy)]
 pub struct Draw<'a> {
     pub params: &'a SamplingParams,
     pub u: f64,
     pub history: &'a [u32],
     pub top_logprobs: Option<usize>,
     pub want_logits: bool,
+    pub mask: Option<&'a crate::grammar::PendingMask>,
+}
+
+impl std::fmt::Debug for Draw<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Draw")
+            .field("params", self.params)
+            .field("u", &self.u)
+            .field("history", &self.history.len())
+            .field("top_logprobs", &self.top_logprobs)
+            .field("want_logits", &self.want_logits)
+            .field("masked", &self.mask.is_some())
+            .finish()
+    }
 }
 
 /// What a row's draw gave.
@@ -549,9 +572,21 @@ pub struct Drawn {
 }
 
 impl Draw<'_> {
-    /// The draw from the row's `logits` on the host (the reference every device draw matches).
+    /// The draw from the row's `logits` on the host (the reference every device draw matches);
+    /// with a mask, from the logits the mask allows (the log-probabilities too).
     pub fn on_host(&self, logits: &[f32]) -> Drawn {
-        let id = draw(self.params, logits, self.history, self.u);
+        let masked;
+        let logits = match self.mask {
+            Some(m) => {
+                masked = masked_logits(logits, m.get());
+                &masked[..]
+            }
+            None => logits,
+        };
+        let mut id = draw(self.params, logits, self.history, self.u);
+        if let Some(m) = self.mask {
+            id = allowed_or_best(id, logits, m.get(), self.params.vocab_limit);
+        }
         Drawn {
             id,
             logprobs: self
@@ -560,6 +595,31 @@ impl Draw<'_> {
             logits: self.want_logits.then(|| logits.to_vec()),
         }
     }
+}
+
+/// A copy of `logits` with every id `mask` does not allow at −∞.
+pub fn masked_logits(logits: &[f32], mask: &[u32]) -> Vec<f32> {
+    let mut x = logits.to_vec();
+    crate::grammar::apply_mask(&mut x, mask);
+    x
+}
+
+/// `id` where the mask allows it, else the best allowed id of the (masked) `logits`: a draw
+/// whose inverse CDF ran past the last candidate of positive mass never lands on a refused
+/// id.
+pub fn allowed_or_best(id: u32, logits: &[f32], mask: &[u32], vocab_limit: usize) -> u32 {
+    if crate::grammar::allowed(mask, id) {
+        return id;
+    }
+    let n = vocab_limit.min(logits.len());
+    (0..n as u32)
+        .filter(|&i| crate::grammar::allowed(mask, i))
+        .max_by(|&a, &b| {
+            logits[a as usize]
+                .total_cmp(&logits[b as usize])
+                .then(b.cmp(&a))
+        })
+        .unwrap_or(id)
 }
 
 /// The greedy id of one position's logits: the first largest among ids `< vocab_limit` (NaN

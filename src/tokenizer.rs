@@ -165,6 +165,13 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The tokenizer as `tokenizer.json` text (for the grammar engine's vocabulary).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))
+    }
+
     /// Number of ids the tokenizer defines (including added tokens).
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

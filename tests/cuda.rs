@@ -834,6 +834,7 @@ fn batched_draws_match_the_host_draw_of_the_same_logits() {
                         history: &hist[j],
                         top_logprobs: (j % 2 == 0).then_some(3),
                         want_logits: false,
+                        mask: None,
                     })
                     .collect();
                 let mut snaps: Vec<_> = states.clone();

@@ -918,6 +918,7 @@ fn device_draws_match_the_host_sampler() {
                 history: &hist[r],
                 top_logprobs: (r % 3 == 0).then_some(5),
                 want_logits: round == 2 && r % 5 == 0,
+                mask: None,
             })
             .collect();
         let got = gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap();
@@ -965,6 +966,98 @@ fn device_draws_match_the_host_sampler() {
     }
 }
 
+/// Structured outputs on the device: rows with a mask (`sample_mask` before the draw) of 1, 3,
+/// 40 or 5,000 allowed ids, or a real JSON grammar's first mask, under every kind of setting,
+/// next to rows without one: each device id is the host's masked draw ([`Draw::on_host`]
+/// masks too), always an allowed id, and a row asking for its logits gets them masked.
+#[test]
+fn device_draws_honour_structured_output_masks() {
+    use kestrel::cuda::sample::SampleWs;
+    use kestrel::grammar::{Constraint, GrammarEngine, PendingMask, allowed, mask_words};
+    use kestrel::sampling::{Draw, Rng, SamplingParams};
+    let Some(gpu) = gpu() else { return };
+    let (v, rows) = (248_320usize, 40usize);
+    let ws = SampleWs::new(&gpu, rows).unwrap();
+    let tok = kestrel::tokenizer::Tokenizer::bundled().unwrap();
+    let engine = GrammarEngine::new(&tok, v, kestrel::tokenizer::special::IM_END).unwrap();
+    let json_mask = engine
+        .guide(&Constraint::JsonObject)
+        .unwrap()
+        .next_mask()
+        .get()
+        .to_vec();
+    let mut rng = Rng::new(23);
+    let mut masks: Vec<Option<PendingMask>> = Vec::new();
+    for r in 0..rows {
+        let n = [1usize, 3, 40, 5_000, 0, usize::MAX][r % 6];
+        masks.push(match n {
+            0 => None,
+            usize::MAX => Some(PendingMask::ready(json_mask.clone())),
+            n => {
+                let mut m = vec![0u32; mask_words(v)];
+                for _ in 0..n {
+                    let id = (rng.next_f64() * (v - 1_000) as f64) as usize;
+                    m[id / 32] |= 1 << (id % 32);
+                }
+                Some(PendingMask::ready(m))
+            }
+        });
+    }
+    let kinds: Vec<SamplingParams> = [0.0f32, 0.7, 1.0]
+        .iter()
+        .flat_map(|&t| {
+            [(0usize, 1.0f32), (20, 0.95), (0, 0.9)].map(|(k, p)| SamplingParams {
+                temperature: t,
+                top_k: k,
+                top_p: p,
+                vocab_limit: v - 1_000,
+                ..SamplingParams::default()
+            })
+        })
+        .collect();
+    let logits = vocab_rows(rows, 321, 10.0);
+    let dev = gpu.upload(&logits).unwrap();
+    let us: Vec<f64> = (0..rows).map(|_| rng.next_f64()).collect();
+    let draws: Vec<Draw> = (0..rows)
+        .map(|r| Draw {
+            params: &kinds[r % kinds.len()],
+            u: us[r],
+            history: &[],
+            top_logprobs: (r % 4 == 0).then_some(3),
+            want_logits: r % 7 == 3,
+            mask: masks[r].as_ref(),
+        })
+        .collect();
+    let got = gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap();
+    let mut plain_differ = 0;
+    for (r, d) in draws.iter().enumerate() {
+        let row = &logits[r * v..(r + 1) * v];
+        let want = d.on_host(row);
+        let p = d.params;
+        // plain sampling in id order may differ in f32 summation order (as above)
+        let plain = p.temperature > 0.0 && p.top_k == 0 && p.top_p >= 1.0;
+        if plain && got[r].id != want.id {
+            plain_differ += 1;
+        } else {
+            assert_eq!(got[r].id, want.id, "row {r}: {d:?}");
+        }
+        if let Some(m) = d.mask {
+            assert!(allowed(m.get(), got[r].id), "row {r}: a refused id");
+        }
+        if d.want_logits {
+            assert_eq!(
+                got[r].logits.as_ref(),
+                want.logits.as_ref(),
+                "row {r}: logits"
+            );
+        }
+    }
+    assert!(plain_differ <= 1, "{plain_differ} plain rows differ");
+    println!(
+        "masked draws: {rows} rows the host's (plain differs on {plain_differ}), every id allowed"
+    );
+}
+
 /// The device's draws follow the host sampler's distribution: 4,096 draws (64-row batches of
 /// one row's logits, each row its own random uniform) at the server's default settings (top-k
 /// 20, top-p 0.95, temperature 0.7) on a moderately peaked row, against the probabilities the
@@ -1006,6 +1099,7 @@ fn device_draws_follow_the_host_distribution() {
                 history: &[],
                 top_logprobs: None,
                 want_logits: false,
+                mask: None,
             })
             .collect();
         for d in gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap() {

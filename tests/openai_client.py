@@ -83,6 +83,40 @@ calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_call
 assert len(calls) == 1 and calls[0].function.name == "get_weather", calls
 assert json.loads(calls[0].function.arguments)["city"] == "Paris"
 
+# structured outputs: the SDK's parse() with a pydantic model. The scripted model writes its
+# reasoning and then a tool call, never JSON: the grammar makes the answer the schema's.
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class Forecast(BaseModel):
+    city: Literal["Paris", "Rome"]
+    days: int = Field(ge=1, le=7)
+
+
+r = client.chat.completions.parse(
+    model=model,
+    messages=[{"role": "user", "content": "Weather in Paris?"}],
+    response_format=Forecast,
+    max_tokens=100,
+)
+msg = r.choices[0].message
+assert r.choices[0].finish_reason == "stop", r
+assert isinstance(msg.parsed, Forecast), msg
+assert Forecast.model_validate_json(msg.content) == msg.parsed, msg.content
+assert (msg.model_extra or {}).get("reasoning_content", "").strip() == "Checking the weather.", msg
+# a schema the grammar engine cannot use is the client's BadRequestError
+try:
+    client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strnig"}}},
+    )
+    raise AssertionError("a bad schema accepted")
+except openai.BadRequestError as e:
+    assert "strnig" in str(e), e
+
 # errors surface as the client's exception types
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])

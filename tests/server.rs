@@ -585,9 +585,9 @@ fn errors_have_openai_shape_and_status() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": ok_msgs, "response_format": {"type": "json_object"}}).to_string(),
+            json!({"messages": ok_msgs, "response_format": {"type": "yaml"}}).to_string(),
             400,
-            Some("response_format"),
+            Some("response_format.type"),
         ),
         (
             "/v1/chat/completions",

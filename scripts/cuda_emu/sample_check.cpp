@@ -3,7 +3,10 @@
 // `logprobs`): every row of a batch has its own settings and uniform, and the device id must
 // be the reference's (top-k, top-k + top-p, top-p alone, min-p, plain sampling in id order,
 // greedy, penalties, ties, NaN, a vocabulary limit); rows whose candidates cannot decide must
-// be flagged for the host; log-sum-exp and top log-probabilities within 1e-4.
+// be flagged for the host; log-sum-exp and top log-probabilities within 1e-4. Then
+// sample_mask (structured outputs): rows with a bitmask of 1, 3, 40 or thousands of allowed
+// ids (and a row without one) draw the reference's id from the masked logits, always an
+// allowed one, for every filter.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <map>
@@ -300,6 +303,97 @@ int main() {
         printf("%s %d stratified draws of one row: %d the reference's, %zu distinct ids\n", ok ? "ok  " : "FAIL", rows,
                same, freq.size());
         fails += !ok;
+    }
+    // sample_mask, then the draw: the reference draws from the row with the refused ids at -inf.
+    {
+        const int V = 20000, LD = 20480, ROWS = 6, WORDS = (V + 31) / 32;
+        const int allowed_n[ROWS] = {1, 3, 40, 5000, 12000, -1};  // -1: no mask
+        Params base;
+        base.limit = V;
+        auto with = [&](auto f) { Params p = base; f(p); return p; };
+        std::vector<std::pair<const char*, Params>> settings = {
+            {"greedy", with([](Params& p) { p.temp = 0; })},
+            {"top-k 20, top-p 0.95, t 0.7", with([](Params& p) { p.top_k = 20; p.top_p = 0.95f; p.temp = 0.7f; })},
+            {"plain, t 1 (id order)", base},
+            {"top-p 0.9, peaked", with([](Params& p) { p.top_p = 0.9f; p.temp = 0.25f; })},
+            {"min-p 0.2, peaked", with([](Params& p) { p.min_p = 0.2f; p.temp = 0.3f; })},
+        };
+        for (auto& [name, prm] : settings) {
+            std::vector<float> logits((size_t)ROWS * LD, -123.0f);
+            std::normal_distribution<float> nd(0, 2);
+            for (int r = 0; r < ROWS; r++)
+                for (int i = 0; i < V; i++) logits[(size_t)r * LD + i] = nd(rng) + (i % 997 == 5 ? 9.0f : 0.0f);
+            std::vector<unsigned> masks, params((size_t)ROWS * SAMPLE_PW, 0);
+            std::vector<std::vector<bool>> allow(ROWS, std::vector<bool>(V, true));
+            std::vector<double> us(ROWS);
+            int nmasks = 0;
+            for (int r = 0; r < ROWS; r++) {
+                unsigned* w = &params[(size_t)r * SAMPLE_PW];
+                w[SP_TEMP] = __float_as_uint(prm.temp);
+                w[SP_TOPK] = prm.top_k;
+                w[SP_TOPP] = __float_as_uint(prm.top_p);
+                w[SP_MINP] = __float_as_uint(prm.min_p);
+                w[SP_REP] = __float_as_uint(1.0f);
+                w[SP_LIMIT] = prm.limit;
+                w[SP_NLP] = (unsigned)-1;
+                w[SP_MASK] = SAMPLE_NO_MASK;
+                us[r] = uni01();
+                unsigned long long ub;
+                memcpy(&ub, &us[r], 8);
+                w[SP_U_LO] = (unsigned)ub;
+                w[SP_U_HI] = (unsigned)(ub >> 32);
+                if (allowed_n[r] < 0) continue;
+                // the allowed ids avoid the likely ones, so the mask decides
+                std::vector<bool> a(V, false);
+                for (int k = 0; k < allowed_n[r];) {
+                    const int id = (int)(uni01() * V);
+                    if (id % 997 == 5 || a[id]) continue;
+                    a[id] = true;
+                    k++;
+                }
+                std::vector<unsigned> m(WORDS, 0);
+                for (int i = 0; i < V; i++)
+                    if (a[i]) m[i >> 5] |= 1u << (i & 31);
+                masks.insert(masks.end(), m.begin(), m.end());
+                w[SP_MASK] = nmasks++;
+                allow[r] = a;
+            }
+            const int chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+            std::vector<float> stats((size_t)ROWS * chunks * 4), cand_v((size_t)ROWS * chunks * SAMPLE_K), saved(1);
+            std::vector<int> cand_id(cand_v.size()), pen(2);
+            std::vector<unsigned> out((size_t)ROWS * SAMPLE_OW, 0xdeadbeef);
+            const std::vector<float> raw = logits;
+            emu_launch({(unsigned)chunks, (unsigned)ROWS, 1}, 256, 0,
+                       [&] { sample_mask(logits.data(), LD, params.data(), masks.data(), WORDS); });
+            emu_launch({(unsigned)chunks, (unsigned)ROWS, 1}, 1024, 0, [&] {
+                sample_stats(logits.data(), LD, params.data(), stats.data(), cand_id.data(), cand_v.data());
+            });
+            emu_launch({(unsigned)ROWS, 1, 1}, 1024, 0, [&] {
+                sample_pick(logits.data(), LD, params.data(), chunks, stats.data(), cand_id.data(), cand_v.data(),
+                            pen.data(), saved.data(), SAMPLE_DRAW, out.data());
+            });
+            int same = 0, flagged = 0, refused = 0, masked_ok = 0;
+            for (int r = 0; r < ROWS; r++) {
+                std::vector<float> row(V);
+                for (int i = 0; i < V; i++) row[i] = allow[r][i] ? raw[(size_t)r * LD + i] : -INFINITY;
+                bool rows_equal = true;  // the kernel's masked row is the host's (the host draws a flagged row)
+                for (int i = 0; i < V; i++) rows_equal &= logits[(size_t)r * LD + i] == row[i];
+                masked_ok += rows_equal;
+                const unsigned* o = &out[(size_t)r * SAMPLE_OW];
+                if (o[SO_FLAG]) { flagged++; continue; }
+                const int want = ref_draw(prm, row, {}, us[r]);
+                same += (int)o[SO_ID] == want;
+                refused += !allow[r][o[SO_ID]];
+                if ((int)o[SO_ID] != want)
+                    printf("     row %d (%d allowed): id %u, reference %d (u %.6f)\n", r, allowed_n[r], o[SO_ID], want,
+                           us[r]);
+            }
+            const bool ok = same == ROWS - flagged && refused == 0 && masked_ok == ROWS && flagged <= 2;
+            printf("%s masked %-31s %d/%d ids the reference's, %d refused ids, %d flagged, rows masked %s\n",
+                   ok ? "ok  " : "FAIL", name, same, ROWS - flagged, refused, flagged,
+                   masked_ok == ROWS ? "ok" : "WRONG");
+            fails += !ok;
+        }
     }
     printf("%s\n", fails ? "SOME CHECKS FAILED" : "all sample checks passed");
     return fails ? 1 : 0;

@@ -67,6 +67,17 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         max_connections: max_connections as usize,
     };
     let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
+    // The structured-output vocabulary takes a few seconds to build: meanwhile the weights
+    // load, so the first `response_format` request does not wait for it.
+    let warm = shared.clone();
+    std::thread::Builder::new()
+        .name("kestrel-grammar-init".into())
+        .spawn(move || {
+            if let Err(e) = warm.grammar() {
+                tracing::warn!("structured outputs are unavailable: {e}");
+            }
+        })
+        .context("cannot start a thread")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -6,8 +6,9 @@
 //! its logits copies its logits row and draws on the host instead, with the same uniform.
 
 use super::kernels::sample::{
-    SAMPLE_DRAW, SAMPLE_K, SAMPLE_MAX_CHUNKS, SAMPLE_OW, SAMPLE_PENALIZED, SAMPLE_PW, SAMPLE_RAW,
-    SAMPLE_TOPN, SamplePenalize, SamplePick, SampleStats, chunks, so, sp,
+    SAMPLE_DRAW, SAMPLE_K, SAMPLE_MASK_WORDS, SAMPLE_MAX_CHUNKS, SAMPLE_NO_MASK, SAMPLE_OW,
+    SAMPLE_PENALIZED, SAMPLE_PW, SAMPLE_RAW, SAMPLE_TOPN, SampleMask, SamplePenalize, SamplePick,
+    SampleStats, chunks, so, sp,
 };
 use super::kernels::{Dev, On};
 use super::{DeviceBuf, Gpu};
@@ -28,6 +29,8 @@ pub struct SampleWs {
     cand_id: DeviceBuf,
     cand_v: DeviceBuf,
     out: DeviceBuf,
+    /// The structured-output masks of a call's masked rows ([`SAMPLE_MASK_WORDS`] a row).
+    masks: DeviceBuf,
 }
 
 impl SampleWs {
@@ -41,12 +44,16 @@ impl SampleWs {
             cand_id: gpu.alloc_zeroed(rows * per_row)?,
             cand_v: gpu.alloc_zeroed(rows * per_row)?,
             out: gpu.alloc_zeroed(rows * SAMPLE_OW * 4)?,
+            masks: gpu.alloc_zeroed(rows * SAMPLE_MASK_WORDS * 4)?,
         })
     }
 
     /// Device bytes these buffers take for `rows` rows.
     pub fn bytes(rows: usize) -> usize {
-        rows * (SAMPLE_PW * 4 + SAMPLE_MAX_CHUNKS * (16 + 2 * SAMPLE_K * 4) + SAMPLE_OW * 4)
+        rows * (SAMPLE_PW * 4
+            + SAMPLE_MAX_CHUNKS * (16 + 2 * SAMPLE_K * 4)
+            + SAMPLE_OW * 4
+            + SAMPLE_MASK_WORDS * 4)
             + PEN_CAP * 12
     }
 }
@@ -66,6 +73,7 @@ fn param_words(d: &Draw, limit: usize, pen_off: usize, pen_len: usize) -> [u32; 
     w[sp::PEN_OFF] = pen_off as u32;
     w[sp::PEN_LEN] = pen_len as u32;
     w[sp::NLP] = d.top_logprobs.map_or(-1, |n| n.min(SAMPLE_TOPN) as i32) as u32;
+    w[sp::MASK] = SAMPLE_NO_MASK;
     let u = d.u.to_bits();
     w[sp::U_LO] = u as u32;
     w[sp::U_HI] = (u >> 32) as u32;
@@ -135,6 +143,19 @@ impl Gpu {
         }
         let mut out = vec![0u32; rows * SAMPLE_OW];
         if host.iter().any(|h| !h) {
+            // The masked rows' masks, waited for only now: the step's kernels are queued, so
+            // the guides computed them while the GPU ran. A host row masks its own logits.
+            let words_per = ld.div_ceil(32).min(SAMPLE_MASK_WORDS);
+            let mut masks: Vec<u32> = Vec::new();
+            for (r, d) in draws.iter().enumerate() {
+                if let Some(m) = d.mask.filter(|_| !host[r]) {
+                    words[r * SAMPLE_PW + sp::MASK] = (masks.len() / words_per) as u32;
+                    let m = m.get();
+                    let at = masks.len();
+                    masks.extend(m.iter().take(words_per));
+                    masks.resize(at + words_per, 0);
+                }
+            }
             let pen_at_dev = ws.rows * SAMPLE_PW;
             words.resize(pen_at_dev, 0);
             words.extend(pen.iter().map(|&x| x as u32));
@@ -163,6 +184,23 @@ impl Gpu {
                 phase,
                 out: ws.out.view(),
             };
+            if !masks.is_empty() {
+                self.copy_to_device(ws.masks.ptr, &masks)?;
+                SampleMask {
+                    logits,
+                    ld: ldi,
+                    params,
+                    masks: ws.masks.view(),
+                    words: words_per as i32,
+                }
+                .launch(
+                    self,
+                    rows,
+                    nchunks,
+                    masks.len() / words_per,
+                    On::Prefill,
+                )?;
+            }
             stats.launch(self, rows, nchunks, On::Prefill)?;
             if pen.is_empty() {
                 pick(SAMPLE_RAW | SAMPLE_DRAW).launch(self, rows, On::Prefill)?;
@@ -258,6 +296,7 @@ mod tests {
             history: &[],
             top_logprobs: Some(50),
             want_logits: false,
+            mask: None,
         };
         let w = param_words(&d, 900, 11, 3);
         assert_eq!(f32::from_bits(w[sp::TEMP]), 0.7);
@@ -268,6 +307,11 @@ mod tests {
         assert_eq!(f32::from_bits(w[sp::PRES]), 0.5);
         assert_eq!(f32::from_bits(w[sp::FREQ]), -0.25);
         assert_eq!((w[sp::LIMIT], w[sp::PEN_OFF], w[sp::PEN_LEN]), (900, 11, 3));
+        assert_eq!(
+            w[sp::MASK],
+            SAMPLE_NO_MASK,
+            "the mask index is set by draw_rows"
+        );
         assert_eq!(
             w[sp::NLP],
             SAMPLE_TOPN as u32,

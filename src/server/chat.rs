@@ -10,6 +10,7 @@ use super::submit::{
 };
 use super::worker::Event;
 use crate::chat::ChatRequest;
+use crate::grammar::ToolCalls;
 use crate::sampling::TokenLogprobs;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -146,6 +147,18 @@ pub(super) async fn start_chat(
     let prompt = chat_prompt(s, input).await?;
     if prompt.ids.len() >= s.config.max_seq {
         return Err(context_error(s, prompt.ids.len(), "messages"));
+    }
+    let mut params = params;
+    // Strict tools: their calls' arguments follow their schemas (a forced call prefix is
+    // where the reply starts inside a call).
+    if params.constraint.is_none()
+        && let Some(mut t) = prompt.tools.as_deref().and_then(ToolCalls::of)
+    {
+        t.started = prompt
+            .forced
+            .strip_prefix("<tool_call>")
+            .map(str::to_string);
+        params.tool_calls = Some(t);
     }
     let settings = settings(s, &params, s.config.default_max_tokens, true)?;
     let prompt_tokens = prompt.ids.len();

@@ -108,6 +108,8 @@ pub struct Shared {
     /// [`Tokenizer::max_token_bytes`]: a prompt's token count is known to be at least its
     /// bytes over this before it is tokenized.
     max_token_bytes: usize,
+    /// The structured-output vocabulary and compiler, built on first use.
+    grammar: std::sync::OnceLock<Result<Arc<crate::grammar::GrammarEngine>, String>>,
 }
 
 impl Shared {
@@ -146,8 +148,29 @@ impl Shared {
             next_id: AtomicU64::new(1),
             started: http::unix_now(),
             max_token_bytes,
+            grammar: Default::default(),
         };
         Ok((Arc::new(shared), rx))
+    }
+}
+
+impl Shared {
+    /// The grammar engine of the tokenizer (built on the first call: a few hundred ms over
+    /// the 248k vocabulary).
+    pub fn grammar(&self) -> Result<Arc<crate::grammar::GrammarEngine>, String> {
+        self.grammar
+            .get_or_init(|| {
+                let t = std::time::Instant::now();
+                let vocab = self.tokenizer.vocab_size();
+                let e = crate::grammar::GrammarEngine::shared(&self.tokenizer, vocab)
+                    .map_err(|e| format!("{e:#}"));
+                tracing::info!(
+                    "structured outputs: grammar engine over {vocab} ids built in {:.0} ms",
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+                e
+            })
+            .clone()
     }
 }
 

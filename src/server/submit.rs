@@ -105,6 +105,70 @@ pub(super) struct Submitted {
     pub(super) cached_tokens: usize,
 }
 
+/// The structured-output guide of `c`, compiled off the async workers: a schema the grammar
+/// engine cannot use is the request's error (400, naming the problem).
+async fn guide(
+    s: &Arc<Shared>,
+    c: &crate::grammar::Constraint,
+) -> Result<crate::grammar::Guide, ApiError> {
+    let (s2, c2) = (s.clone(), c.clone());
+    tokio::task::spawn_blocking(move || {
+        let engine = s2
+            .grammar()
+            .map_err(|e| ApiError::new(500, "server_error", format!("structured outputs: {e}")))?;
+        engine.guide(&c2).map_err(|e| {
+            let param = match c2 {
+                crate::grammar::Constraint::JsonObject => "response_format",
+                crate::grammar::Constraint::JsonSchema(_) => "response_format.json_schema.schema",
+            };
+            ApiError::invalid(param, format!("`{param}` cannot be used: {e}"))
+        })
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            500,
+            "server_error",
+            format!("schema compilation failed: {e}"),
+        )
+    })?
+}
+
+/// The strict tool calls' gate of `t`, compiled off the async workers (400 naming `tools`
+/// where the schemas cannot be used).
+async fn tool_gate(
+    s: &Arc<Shared>,
+    t: &crate::grammar::ToolCalls,
+) -> Result<crate::grammar::ToolGate, ApiError> {
+    let (s2, t2) = (s.clone(), t.clone());
+    tokio::task::spawn_blocking(move || {
+        let engine = s2
+            .grammar()
+            .map_err(|e| ApiError::new(500, "server_error", format!("structured outputs: {e}")))?;
+        let tok = &s2.tokenizer;
+        let (Some(open), Some(close)) = (
+            tok.token_to_id("<tool_call>"),
+            tok.token_to_id("</tool_call>"),
+        ) else {
+            return Err(ApiError::invalid(
+                "tools",
+                "strict tools need the model's <tool_call> tokens",
+            ));
+        };
+        engine
+            .tool_calls(&t2, open, close)
+            .map_err(|e| ApiError::invalid("tools", format!("strict `tools` cannot be used: {e}")))
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            500,
+            "server_error",
+            format!("schema compilation failed: {e}"),
+        )
+    })?
+}
+
 /// Queues a job and waits until the model starts it (or refuses it).
 pub(super) async fn submit(
     s: &Arc<Shared>,
@@ -113,9 +177,19 @@ pub(super) async fn submit(
     settings: ReplySettings,
     params: &GenParams,
 ) -> Result<Submitted, ApiError> {
+    let guide = match &params.constraint {
+        None => None,
+        Some(c) => Some(guide(s, c).await?),
+    };
+    let tool_gate = match &params.tool_calls {
+        None => None,
+        Some(t) => Some(tool_gate(s, t).await?),
+    };
     let (tx, mut rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
+        guide: std::sync::Mutex::new(guide),
+        tool_gate: std::sync::Mutex::new(tool_gate),
         prompt,
         snapshot_points,
         settings,

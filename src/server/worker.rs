@@ -66,6 +66,10 @@ pub struct Job {
     /// Set when the client has gone away.
     pub cancel: Arc<AtomicBool>,
     pub deadline: Instant,
+    /// The structured-output constraint of the answer, taken by the decode loop.
+    pub guide: std::sync::Mutex<Option<crate::grammar::Guide>>,
+    /// Strict tools' calls, taken by the decode loop.
+    pub tool_gate: std::sync::Mutex<Option<crate::grammar::ToolGate>>,
 }
 
 /// Prompt tokens between chunk-boundary snapshots of long prompts.
@@ -718,6 +722,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     history: dl.as_ref().map_or(&[][..], |d| &d.stats.generated[..]),
                     top_logprobs: job.logprobs,
                     want_logits: !opts.device_greedy || (forced_maybe && job.logprobs.is_some()),
+                    mask: dl.as_ref().and_then(|d| d.next_mask()),
                 });
                 states.push(state);
             }
@@ -766,6 +771,16 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             End::Stop(s) => s,
             _ => StopReason::Cancelled,
         };
+        if let Some(c) = dl.as_ref().map(|d| d.mask_cost).filter(|c| c.masks > 0) {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            tracing::info!(
+                "structured output: {} masks, compute mean {:.3} ms, draw waited mean {:.3} ms max {:.3} ms",
+                c.masks,
+                ms(c.compute) / c.masks as f64,
+                ms(c.waited) / c.masks as f64,
+                ms(c.max_waited)
+            );
+        }
         let stats = match dl {
             Some(dl) => dl.finish(stop),
             // stopped during the prefill
@@ -979,7 +994,19 @@ fn prefilled<E: Engine>(
             stop: StopReason::Cancelled,
             prefill_complete: true,
         };
-        r.dl = Some(DecodeLoop::new(stats, r.in_thinking, logits, r.t0));
+        let mut dl = DecodeLoop::new(stats, r.in_thinking, logits, r.t0);
+        if let Some(g) = job.guide.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            dl.constrain(g);
+        }
+        if let Some(t) = job
+            .tool_gate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            dl.constrain_tools(t);
+        }
+        r.dl = Some(dl);
     }
     Ok(())
 }
@@ -1061,8 +1088,11 @@ fn advance<E: Engine>(
     if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
         return Ok(Advanced::End(End::Stop(stop)));
     }
-    // logprobs need the logits
-    let greedy = opts.device_greedy && job.logprobs.is_none() && r.sampler.is_plain_greedy();
+    // logprobs need the logits; a constrained id is drawn under its mask
+    let greedy = opts.device_greedy
+        && job.logprobs.is_none()
+        && r.sampler.is_plain_greedy()
+        && dl.next_mask().is_none();
     Ok(Advanced::Feed {
         id,
         greedy,

@@ -1,6 +1,8 @@
 // Sampling on the device: each row of a batch's logits gets the draw of the CPU `Sampler`
 // (src/sampling.rs) from the same uniform, so only ids and the requested log-probabilities
-// cross to the host (not 1 MB of logits a row). Three kernels, launched in this order:
+// cross to the host (not 1 MB of logits a row). Four kernels, launched in this order:
+//   sample_mask      (rows with a structured-output mask) every id the row's bitmask refuses
+//                    set to -inf in place, so the rest of the draw only sees allowed ids;
 //   sample_penalize  (rows with penalties) the repetition / presence / frequency penalties in
 //                    place on the ids of the row's history, the raw values saved;
 //   sample_stats     a block per (chunk of SAMPLE_CHUNK ids, row): the chunk's maximum, its
@@ -24,7 +26,9 @@
 #define SAMPLE_OW 48
 // parameter words: temperature (0: greedy), top_k (0: off), top_p, min_p, the three penalties
 // (f32), the id limit, the row's penalty list (offset and length in `pen`, pairs of id and
-// count), top log-probabilities wanted (-1: none), and the uniform (f64, low word first)
+// count), top log-probabilities wanted (-1: none), the row's mask (its index among the
+// uploaded masks; SAMPLE_NO_MASK: none), and the uniform (f64, low word first)
+#define SAMPLE_NO_MASK 0xffffffffu
 #define SP_TEMP 0
 #define SP_TOPK 1
 #define SP_TOPP 2
@@ -36,6 +40,7 @@
 #define SP_PEN_OFF 8
 #define SP_PEN_LEN 9
 #define SP_NLP 10
+#define SP_MASK 11
 #define SP_U_LO 12
 #define SP_U_HI 13
 // result words: the id, 1 where the host must sample, the raw log-sum-exp (f32), the id's
@@ -110,6 +115,29 @@ __device__ __forceinline__ float sample_f(const unsigned* p, int w) { return __u
 __device__ __forceinline__ float sample_temp(const unsigned* p) {
     const float t = sample_f(p, SP_TEMP);
     return t == 0.0f ? 1.0f : fmaxf(t, 1.17549435e-38f);
+}
+
+// The structured-output masks: row r's mask is the `words` words at `masks + p[SP_MASK] *
+// words`, bit i % 32 of word i / 32 set where id i is allowed (ids past words * 32 are
+// refused); every refused id below the row's limit becomes -inf. Rows without a mask are left
+// as they are. Grid (chunks of SAMPLE_CHUNK ids, rows), 256 threads: a thread an id, so a
+// warp reads one mask word.
+extern "C" __global__ void __launch_bounds__(256) sample_mask(float* __restrict__ logits, int ld,
+                                                              const unsigned* __restrict__ params,
+                                                              const unsigned* __restrict__ masks, int words) {
+    PREFILL_KERNEL();
+    const unsigned* p = params + (size_t)blockIdx.y * SAMPLE_PW;
+    const unsigned m = p[SP_MASK];
+    if (m == SAMPLE_NO_MASK) return;
+    const unsigned* w = masks + (size_t)m * words;
+    float* x = logits + (size_t)blockIdx.y * ld;
+    const int limit = min((int)p[SP_LIMIT], ld);
+    const int end = min((int)(blockIdx.x + 1) * SAMPLE_CHUNK, limit);
+    for (int i = (int)blockIdx.x * SAMPLE_CHUNK + (int)threadIdx.x; i < end; i += blockDim.x) {
+        const int wi = i >> 5;
+        const unsigned bits = wi < words ? w[wi] : 0u;
+        if (!((bits >> (i & 31)) & 1u)) x[i] = -INFINITY;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256) sample_penalize(float* __restrict__ logits, int ld,

@@ -31,6 +31,7 @@ pub mod sp {
     pub const PEN_OFF: usize = 8;
     pub const PEN_LEN: usize = 9;
     pub const NLP: usize = 10;
+    pub const MASK: usize = 11;
     pub const U_LO: usize = 12;
     pub const U_HI: usize = 13;
 }
@@ -45,12 +46,22 @@ pub mod so {
     pub const TOP: usize = 5;
 }
 
+/// [`sp::MASK`] of a row without a structured-output mask.
+pub const SAMPLE_NO_MASK: u32 = u32::MAX;
+/// Mask words a row has at most (ids below `SAMPLE_MAX_CHUNKS * SAMPLE_CHUNK`).
+pub const SAMPLE_MASK_WORDS: usize = SAMPLE_MAX_CHUNKS * SAMPLE_CHUNK / 32;
+
 /// `sample_pick` phases.
 pub const SAMPLE_RAW: i32 = 1;
 pub const SAMPLE_DRAW: i32 = 2;
 pub const SAMPLE_PENALIZED: i32 = 4;
 
 kernels! {
+    /// The structured-output masks in place: every id a masked row's bitmask (`words` words
+    /// at `masks + params[SP_MASK] * words`) refuses set to −∞.
+    SampleMask ["sample_mask"] {
+        logits: Dev<f32>, ld: i32, params: Dev<u32>, masks: Dev<u32>, words: i32
+    }
     /// The penalties of each row's `pen` pairs (id, count) applied in place to `logits`, the
     /// raw values saved at the same index into `saved`.
     SamplePenalize ["sample_penalize"] {
@@ -81,6 +92,36 @@ fn check_rows(name: &str, logits: Dev<f32>, ld: i32, params: Dev<u32>, rows: usi
         "{name}: {rows} rows of {ld}: logits {logits:?}, params {params:?}"
     );
     Ok(())
+}
+
+impl SampleMask {
+    /// Grid (`chunks`, `rows`); `masked` rows' masks uploaded.
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        rows: usize,
+        chunks: usize,
+        masked: usize,
+        on: On,
+    ) -> Result<()> {
+        check_rows("sample_mask", self.logits, self.ld, self.params, rows)?;
+        ensure!(
+            (1..=SAMPLE_MAX_CHUNKS).contains(&chunks)
+                && self.words >= 0
+                && self.masks.len >= masked * self.words as usize,
+            "sample_mask: {rows} rows of {chunks} chunks, {masked} masks of {} words: {:?}",
+            self.words,
+            self.masks
+        );
+        gpu.run(
+            "sample_mask",
+            (chunks as u32, rows as u32, 1),
+            256,
+            0,
+            &self.args(),
+            on,
+        )
+    }
 }
 
 impl SamplePenalize {
@@ -148,6 +189,10 @@ mod tests {
     #[test]
     fn constants_match_the_cuda_defines() {
         let src = include_str!("sample.cu");
+        assert!(
+            src.contains(&format!("#define SAMPLE_NO_MASK {SAMPLE_NO_MASK:#x}u")),
+            "SAMPLE_NO_MASK differs from the CUDA define"
+        );
         let define = |name: &str| -> usize {
             src.lines()
                 .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
@@ -174,6 +219,7 @@ mod tests {
             ("SP_PEN_OFF", sp::PEN_OFF),
             ("SP_PEN_LEN", sp::PEN_LEN),
             ("SP_NLP", sp::NLP),
+            ("SP_MASK", sp::MASK),
             ("SP_U_LO", sp::U_LO),
             ("SP_U_HI", sp::U_HI),
             ("SO_ID", so::ID),

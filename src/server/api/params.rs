@@ -96,10 +96,94 @@ pub struct GenParams {
     pub thinking_budget: Option<usize>,
     /// `prompt_cache_key`: the caller's cache affinity; its saved prefixes are evicted last.
     pub cache_key: Option<String>,
+    /// `response_format` `json_object` / `json_schema` (chat only): what the answer must be.
+    pub constraint: Option<crate::grammar::Constraint>,
+    /// Strict tools' calls (chat, set from `tools` once the prompt is rendered).
+    pub tool_calls: Option<crate::grammar::ToolCalls>,
+}
+
+/// `response_format` (OpenAI's shape): `text` is no constraint; `json_object` any JSON
+/// object; `json_schema` `{name, schema, strict}` JSON valid against `schema` (enforced
+/// whether or not `strict` is set; a missing `schema` allows any JSON value). Whether the
+/// schema compiles is checked when the request is submitted.
+fn parse_response_format(obj: &Map<String, Value>) -> R<Option<crate::grammar::Constraint>> {
+    use crate::grammar::Constraint;
+    let Some(v) = present(obj, "response_format") else {
+        return Ok(None);
+    };
+    let o = v
+        .as_object()
+        .ok_or_else(|| type_error("response_format", "an object", v))?;
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let key = "response_format.json_schema";
+            let js = match present(o, "json_schema") {
+                Some(Value::Object(js)) => js,
+                Some(v) => return Err(type_error(key, "an object", v)),
+                None => {
+                    return Err(ApiError::invalid(
+                        key,
+                        "`response_format.json_schema` is required when `type` is \"json_schema\"",
+                    ));
+                }
+            };
+            match present(js, "name") {
+                Some(Value::String(n))
+                    if (1..=64).contains(&n.len())
+                        && n.chars()
+                            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') => {}
+                Some(v) => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.name",
+                        format!(
+                            "`response_format.json_schema.name` must be 1 to 64 letters, digits, '_' or '-', not {}",
+                            short_json(v)
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.name",
+                        "`response_format.json_schema.name` is required",
+                    ));
+                }
+            }
+            if let Some(v) = present(js, "strict")
+                && !v.is_boolean()
+            {
+                return Err(type_error(
+                    "response_format.json_schema.strict",
+                    "a boolean",
+                    v,
+                ));
+            }
+            let schema = match present(js, "schema") {
+                None => json!({}),
+                Some(s @ Value::Object(_)) => s.clone(),
+                Some(v) => {
+                    return Err(type_error(
+                        "response_format.json_schema.schema",
+                        "a JSON schema object",
+                        v,
+                    ));
+                }
+            };
+            Ok(Some(Constraint::JsonSchema(schema)))
+        }
+        _ => Err(ApiError::invalid(
+            "response_format.type",
+            format!(
+                "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\", not {}",
+                short_json(o.get("type").unwrap_or(&Value::Null))
+            ),
+        )),
+    }
 }
 
 /// Options this server refuses rather than silently ignores, with the value that is harmless.
-fn refuse_unsupported(obj: &Map<String, Value>) -> R<()> {
+fn refuse_unsupported(obj: &Map<String, Value>, chat: bool) -> R<()> {
     for key in [
         "logit_bias",
         "response_format",
@@ -115,6 +199,7 @@ fn refuse_unsupported(obj: &Map<String, Value>) -> R<()> {
     ] {
         let Some(v) = present(obj, key) else { continue };
         let harmless = match key {
+            "response_format" if chat => true,
             "logit_bias" => v.as_object().is_some_and(Map::is_empty),
             "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
             "modalities" => v == &json!(["text"]),
@@ -138,7 +223,12 @@ pub fn parse_gen_params(
     defaults: &SamplingParams,
     chat: bool,
 ) -> R<GenParams> {
-    refuse_unsupported(obj)?;
+    refuse_unsupported(obj, chat)?;
+    let constraint = if chat {
+        parse_response_format(obj)?
+    } else {
+        None
+    };
     if let Some(n) = present(obj, "n")
         && n.as_i64() != Some(1)
     {
@@ -286,5 +376,7 @@ pub fn parse_gen_params(
         logprobs,
         thinking_budget,
         cache_key,
+        constraint,
+        tool_calls: None,
     })
 }
