@@ -26,6 +26,11 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         max_running,
         prefill_per_round,
     } = args;
+    // Checked before the listener binds, so that a replica with a bad flag never looks alive.
+    anyhow::ensure!(
+        model.gpu.is_none() || model.device == super::args::Device::Cuda,
+        "--gpu selects a CUDA device: it needs --device cuda"
+    );
     let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
         Some(path) => Some(read_api_key(&path)?),
