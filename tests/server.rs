@@ -5,13 +5,13 @@
 use anyhow::Result;
 use kestrel::config::{GenerationConfig, TextConfig};
 use kestrel::model::{CpuModel, Engine, Logits};
-use kestrel::server::{ServerConfig, Shared, run_model, serve};
+use kestrel::server::{Drained, ServerConfig, Shared, drain, run_model, serve};
 use kestrel::tensor::DType;
 use kestrel::tokenizer::{Tokenizer, special};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 const GENERATION_CONFIG: &str = include_str!("../assets/qwen3_6/generation_config.json");
@@ -37,6 +37,15 @@ fn start<E: Engine + 'static>(
     cfg: ServerConfig,
     load_delay: Duration,
 ) -> SocketAddr {
+    start_shared(make, cfg, load_delay).0
+}
+
+/// [`start`], also returning the server's shared state (to drain it).
+fn start_shared<E: Engine + 'static>(
+    make: impl FnOnce() -> E + Send + 'static,
+    cfg: ServerConfig,
+    load_delay: Duration,
+) -> (SocketAddr, Arc<Shared>) {
     let tokenizer = Tokenizer::bundled().unwrap();
     let generation = GenerationConfig::from_json_str(GENERATION_CONFIG).unwrap();
     let (shared, rx) = Shared::new(cfg, tokenizer, &generation).unwrap();
@@ -44,6 +53,7 @@ fn start<E: Engine + 'static>(
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
     let model_shared = shared.clone();
+    let http_shared = shared.clone();
     std::thread::spawn(move || {
         std::thread::sleep(load_delay);
         let engine = make();
@@ -57,10 +67,10 @@ fn start<E: Engine + 'static>(
             .unwrap();
         rt.block_on(async move {
             let l = tokio::net::TcpListener::from_std(listener).unwrap();
-            serve(l, shared, std::future::pending()).await.unwrap();
+            serve(l, http_shared, std::future::pending()).await.unwrap();
         });
     });
-    addr
+    (addr, shared)
 }
 
 fn wait_ready(addr: SocketAddr) {
@@ -92,6 +102,8 @@ fn demo() -> SocketAddr {
 struct Scripted {
     config: TextConfig,
     script: Vec<u32>,
+    /// Time each forward call takes (to keep requests running while a test watches).
+    delay: Duration,
 }
 
 #[derive(Clone)]
@@ -120,6 +132,7 @@ impl Engine for Scripted {
         64
     }
     fn forward(&self, s: &mut ScriptState, tokens: &[u32], _: Logits) -> Result<Vec<f32>> {
+        std::thread::sleep(self.delay);
         s.len += tokens.len();
         s.pos = if s.last.is_some_and(|p| tokens == [p]) {
             s.pos + 1
@@ -146,10 +159,16 @@ fn scripted_server_with(text: &str, max_seq: usize) -> SocketAddr {
 
 /// A factory for a [`Scripted`] engine writing `text`.
 fn scripted(text: &str) -> impl FnOnce() -> Scripted + Send + 'static {
+    slow_scripted(text, Duration::ZERO)
+}
+
+/// [`scripted`], each forward call taking `delay`.
+fn slow_scripted(text: &str, delay: Duration) -> impl FnOnce() -> Scripted + Send + 'static {
     let script = Tokenizer::bundled().unwrap().encode(text, true).unwrap();
     move || Scripted {
         config: kestrel::synthetic::demo_config(),
         script,
+        delay,
     }
 }
 
@@ -250,12 +269,32 @@ fn health_is_503_while_loading_then_200() {
         config(4096, None),
         Duration::from_millis(1000),
     );
-    let (status, body) = http(a, "GET", "/health", None, &[]);
-    assert_eq!(status, 503, "{body}");
+    // Readiness (what routers probe) fails while loading; liveness holds.
+    for path in ["/health", "/ready"] {
+        let (status, body) = http(a, "GET", path, None, &[]);
+        assert_eq!(status, 503, "{path}: {body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["status"],
+            "loading"
+        );
+    }
+    let (status, body) = http(a, "GET", "/live", None, &[]);
+    assert_eq!(status, 200, "{body}");
     let (status, v) = post(a, "/v1/chat/completions", &json!({"messages": user("hi")}));
     assert_eq!(status, 503);
     assert!(v["error"]["message"].is_string());
     wait_ready(a);
+    for path in ["/health", "/ready", "/live"] {
+        let (status, body) = http(a, "GET", path, None, &[]);
+        assert_eq!(status, 200, "{path}: {body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["status"],
+            "ok"
+        );
+    }
+    let (status, body) = http(a, "GET", "/get_load", None, &[]);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["load"], 0);
     let (status, body) = http(a, "GET", "/v1/models", None, &[]);
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -1647,4 +1686,237 @@ fn short_requests_are_not_held_behind_a_long_prompt() {
             "a short reply waited for the long prompt's prefill"
         );
     }
+}
+
+/// A streaming chat request on its own connection: the thread returns its SSE body.
+fn stream_in_thread(a: SocketAddr, body: Value) -> std::thread::JoinHandle<(u16, String)> {
+    std::thread::spawn(move || {
+        http(
+            a,
+            "POST",
+            "/v1/chat/completions",
+            Some(&body.to_string()),
+            &[],
+        )
+    })
+}
+
+/// Waits until the server has `n` requests running and `queued` waiting.
+fn wait_load(a: SocketAddr, running: u64, queued: u64) {
+    let t0 = Instant::now();
+    loop {
+        let (_, m) = http(a, "GET", "/metrics", None, &[]);
+        if metric(&m, "kestrel_running_sequences") == running
+            && metric(&m, "kestrel_queue_depth") == queued
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "load never reached:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs [`drain`] on its own runtime thread.
+fn drain_in_thread(shared: Arc<Shared>, timeout: Duration) -> std::thread::JoinHandle<Drained> {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(drain(&shared, timeout))
+    })
+}
+
+#[test]
+fn drain_refuses_new_requests_and_finishes_the_taken_ones() {
+    let mut cfg = config(32_768, None);
+    cfg.max_running = Some(1);
+    // about 40 ms a token: a 30-token reply runs for over a second
+    let (a, shared) = start_shared(
+        slow_scripted(&"word ".repeat(500), Duration::from_millis(40)),
+        cfg,
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let running = stream_in_thread(
+        a,
+        json!({"messages": user("first"), "max_tokens": 30, "stream": true}),
+    );
+    wait_load(a, 1, 0);
+    let queued = std::thread::spawn(move || {
+        post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": user("second"), "max_tokens": 3}),
+        )
+    });
+    wait_load(a, 1, 1);
+    let drained = drain_in_thread(shared.clone(), Duration::from_secs(60));
+    while !shared.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Readiness fails at once (routers stop sending); liveness holds.
+    for path in ["/health", "/ready"] {
+        let (status, body) = http(a, "GET", path, None, &[]);
+        assert_eq!(status, 503, "{path}: {body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["status"],
+            "draining"
+        );
+    }
+    assert_eq!(http(a, "GET", "/live", None, &[]).0, 200);
+    // New requests get 503 in OpenAI's error shape, streaming or not.
+    for stream in [false, true] {
+        let (status, v) = post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": user("late"), "max_tokens": 2, "stream": stream}),
+        );
+        assert_eq!(status, 503, "{v}");
+        assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+        assert_eq!(v["error"]["code"], "draining", "{v}");
+    }
+    let (status, v) = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "late", "max_tokens": 2}),
+    );
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("draining")),
+        "{v}"
+    );
+    let (_, m) = http(a, "GET", "/metrics", None, &[]);
+    assert_eq!(metric(&m, "kestrel_draining"), 1, "{m}");
+    // The running stream and the queued request both finish normally.
+    let (status, body) = running.join().unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    assert!(events.iter().all(|e| e.get("error").is_none()), "{body}");
+    assert_eq!(
+        events.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    let (status, v) = queued.join().unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(drained.join().unwrap(), Drained::Clean);
+}
+
+#[test]
+fn drain_timeout_ends_an_open_stream_with_an_error_event() {
+    let (a, shared) = start_shared(
+        slow_scripted(&"word ".repeat(500), Duration::from_millis(40)),
+        config(32_768, None),
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let running = stream_in_thread(
+        a,
+        json!({"messages": user("long"), "max_tokens": 400, "stream": true}),
+    );
+    wait_load(a, 1, 0);
+    let t0 = Instant::now();
+    let drained = drain_in_thread(shared, Duration::from_millis(300));
+    let (status, body) = running.join().unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    let last = events.last().unwrap();
+    assert_eq!(last["error"]["type"], "service_unavailable", "{body}");
+    assert!(
+        events.len() > 2,
+        "some tokens came before the error: {body}"
+    );
+    assert_eq!(drained.join().unwrap(), Drained::TimedOut { ended: 1 });
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn metrics_carry_the_load_under_vllm_names_too() {
+    let a = demo();
+    let (_, m) = http(a, "GET", "/metrics", None, &[]);
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting"] {
+        let line = m
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{")))
+            .unwrap_or_else(|| panic!("no {name}:\n{m}"));
+        assert!(line.contains("model_name=\"test-model\""), "{line}");
+        assert!(m.contains(&format!("# TYPE {name} gauge")), "{m}");
+    }
+    assert_eq!(metric(&m, "kestrel_draining"), 0);
+}
+
+/// `kestrel serve` itself: SIGTERM drains (a stream already running finishes, a new request
+/// gets 503), then the process exits 0.
+#[test]
+fn binary_drains_on_sigterm_and_exits_0() {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["serve", "--bind", "127.0.0.1:0", "--max-seq", "2048"])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "no listening line");
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<SocketAddr>()
+                .unwrap();
+        }
+    };
+    let log = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = err.read_to_string(&mut rest);
+        rest
+    });
+    wait_ready(addr);
+    let running = stream_in_thread(
+        addr,
+        json!({"model": "kestrel-demo", "messages": user("drain me"), "max_tokens": 60, "stream": true}),
+    );
+    wait_load(addr, 1, 0);
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let t0 = Instant::now();
+    while http(addr, "GET", "/health", None, &[]).0 != 503 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never draining");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"model": "kestrel-demo", "messages": user("late"), "max_tokens": 2}),
+    );
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("draining")),
+        "{v}"
+    );
+    let (status, body) = running.join().unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    assert!(events.iter().all(|e| e.get("error").is_none()), "{body}");
+    assert!(
+        events.last().unwrap()["choices"][0]["finish_reason"].is_string(),
+        "{body}"
+    );
+    let code = child.wait().unwrap();
+    let log = log.join().unwrap();
+    assert_eq!(code.code(), Some(0), "{log}");
+    assert!(
+        log.contains("SIGTERM: draining") && log.contains("drained"),
+        "{log}"
+    );
 }

@@ -78,6 +78,11 @@ pub(super) struct ServeArgs {
     /// latency while a long prompt is admitted. Larger prefills bursts of prompts faster.
     #[arg(long, default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..))]
     pub(super) prefill_per_round: u64,
+    /// Seconds a graceful stop (SIGTERM or Ctrl-C) waits for the requests already taken to
+    /// finish; new ones get 503 meanwhile. Those still open then end with a 503 error (an
+    /// `error` event when streaming). A second signal exits at once.
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    pub(super) drain_timeout: u64,
 }
 
 #[derive(Args, Clone, Debug)]

@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
 use super::http::{error_response, json_response, read_request, sse_response};
 use super::submit::{
-    Submitted, context_error, event_error, finish_reason, meta, model_gone, settings, submit,
-    token_text,
+    Submitted, context_error, event_error, finish_reason, gone_event, meta, model_gone, settings,
+    submit, token_text,
 };
 use super::worker::Event;
 use crate::chat::ChatRequest;
@@ -33,6 +33,7 @@ pub(super) async fn chat_completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let _busy = s.busy();
     let resp = match chat_inner(&s, &headers, body).await {
         Ok(r) => r,
         Err(e) => error_response(&e),
@@ -311,7 +312,9 @@ fn chat_stream(
             if st.done {
                 return None;
             }
-            let ev = st.sub.rx.recv().await?;
+            // A channel closed before `Done` or `Error` (the model thread is gone) still ends
+            // the stream with an error event, never a silent end.
+            let ev = st.sub.rx.recv().await.unwrap_or_else(gone_event);
             let out = st.handle(ev);
             if !out.is_empty() {
                 return Some((Ok(Bytes::from(out)), st));

@@ -45,15 +45,51 @@ pub(super) async fn method_not_allowed() -> Response {
     ))
 }
 
-pub(super) async fn health(State(s): State<Arc<Shared>>) -> Response {
-    if s.ready.load(Ordering::SeqCst) {
-        json_response(StatusCode::OK, &json!({"status": "ok"}))
+/// What the server is doing, as `/health`, `/ready` and `/live` report it.
+fn status(s: &Shared) -> &'static str {
+    if s.draining.load(Ordering::SeqCst) || s.stopping.load(Ordering::SeqCst) {
+        "draining"
+    } else if s.ready.load(Ordering::SeqCst) {
+        "ok"
     } else {
-        json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &json!({"status": "loading"}),
-        )
+        "loading"
     }
+}
+
+/// `GET /health` and `GET /ready`: readiness, what routers probe (vllm-router and
+/// sglang-router both `GET /health` and take only a 2xx as healthy): 200 while requests are
+/// taken, 503 while loading and while draining.
+pub(super) async fn health(State(s): State<Arc<Shared>>) -> Response {
+    let st = status(&s);
+    let code = if st == "ok" {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(code, &json!({"status": st}))
+}
+
+/// `GET /live`: liveness, 200 whenever the HTTP side answers (loading and draining
+/// included), for a supervisor that restarts a hung process and must not kill one that is
+/// loading or finishing its requests.
+pub(super) async fn live(State(s): State<Arc<Shared>>) -> Response {
+    json_response(StatusCode::OK, &json!({"status": status(&s)}))
+}
+
+/// `GET /get_load`: the load the routers' load-aware policies read (`load`: requests
+/// running and waiting), with the two parts.
+pub(super) async fn load(State(s): State<Arc<Shared>>) -> Response {
+    let running = s.metrics.running.load(Ordering::Relaxed);
+    let waiting = s.metrics.queue_depth.load(Ordering::Relaxed);
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "load": running + waiting,
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
+            "draining": s.draining.load(Ordering::SeqCst),
+        }),
+    )
 }
 
 pub(super) async fn metrics_text(State(s): State<Arc<Shared>>) -> Response {
@@ -62,7 +98,7 @@ pub(super) async fn metrics_text(State(s): State<Arc<Shared>>) -> Response {
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4"),
         )],
-        s.metrics.render(),
+        s.metrics.render(&s.config.model_id),
     )
         .into_response()
 }
@@ -165,6 +201,14 @@ pub(super) async fn read_request(
     body: Body,
 ) -> Result<Value, ApiError> {
     check_auth(s, headers)?;
+    if s.draining.load(Ordering::SeqCst) && !s.stopping.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the server is draining: it finishes the requests it has and takes no new ones; retry on another replica",
+        )
+        .with_code("draining"));
+    }
     if s.stopping.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             503,
