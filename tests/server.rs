@@ -1920,3 +1920,24 @@ fn binary_drains_on_sigterm_and_exits_0() {
         "{log}"
     );
 }
+
+/// `POST /v1/chat/completions/render` (vLLM's): the ids the same chat request runs, which a
+/// cache-aware router routes on.
+#[test]
+fn chat_render_gives_the_prompt_ids_the_request_runs() {
+    let a = demo();
+    let body = json!({"messages": [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a falcon."}], "max_tokens": 2});
+    let (status, r) = post(a, "/v1/chat/completions/render", &body);
+    assert_eq!(status, 200, "{r}");
+    let ids = r["token_ids"].as_array().unwrap();
+    let v = chat(a, body.clone());
+    assert_eq!(
+        ids.len() as u64,
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    let (status, r2) = post(a, "/v1/chat/completions/render", &body);
+    assert_eq!((status, &r2["token_ids"]), (200, &r["token_ids"]));
+    let (status, e) = post(a, "/v1/chat/completions/render", &json!({"messages": 3}));
+    assert_eq!(status, 400, "{e}");
+}

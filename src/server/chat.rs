@@ -3,7 +3,9 @@
 
 use super::Shared;
 use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
-use super::http::{error_response, json_response, read_request, sse_response};
+use super::http::{
+    error_response, json_response, read_request, read_request_any_time, sse_response,
+};
 use super::submit::{
     Submitted, context_error, event_error, finish_reason, gone_event, meta, model_gone, settings,
     submit, token_text,
@@ -103,6 +105,39 @@ fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiErro
         forced,
         tools: input.tools.clone().filter(|_| tools_on),
     })
+}
+
+/// `POST /v1/chat/completions/render` (vLLM's endpoint of that name): the prompt token ids a
+/// chat request would run, without running it. Cache-aware routers (vllm-router) render each
+/// chat request through a backend and route on the ids, so that requests sharing a rendered
+/// prefix (a system prompt, an earlier turn) go to the replica that has it cached.
+pub(super) async fn chat_render(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let resp = match render_inner(&s, &headers, body).await {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => error_response(&e),
+    };
+    s.metrics
+        .request("/v1/chat/completions/render", resp.status().as_u16());
+    resp
+}
+
+async fn render_inner(s: &Arc<Shared>, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+    let v = read_request_any_time(s, headers, body).await?;
+    let input = api::parse_chat(&v, &s.defaults)?;
+    let s2 = s.clone();
+    let prompt = tokio::task::spawn_blocking(move || render_chat(&s2, &input))
+        .await
+        .map_err(|e| {
+            ApiError::new(500, "server_error", format!("prompt rendering failed: {e}"))
+        })??;
+    Ok(json!({
+        "model": s.config.model_id,
+        "token_ids": prompt.ids,
+    }))
 }
 
 async fn chat_inner(

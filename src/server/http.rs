@@ -201,6 +201,12 @@ pub(super) async fn read_request(
     body: Body,
 ) -> Result<Value, ApiError> {
     check_auth(s, headers)?;
+    check_admitting(s)?;
+    read_json(s, headers, body).await
+}
+
+/// 503 unless the server takes new generation requests (loaded, not draining).
+fn check_admitting(s: &Shared) -> Result<(), ApiError> {
     if s.draining.load(Ordering::SeqCst) && !s.stopping.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             503,
@@ -223,6 +229,22 @@ pub(super) async fn read_request(
             "the model is still loading",
         ));
     }
+    Ok(())
+}
+
+/// Auth, body and JSON checks of a POST endpoint that does not generate (rendering a
+/// prompt): answered while loading and draining too.
+pub(super) async fn read_request_any_time(
+    s: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Value, ApiError> {
+    check_auth(s, headers)?;
+    read_json(s, headers, body).await
+}
+
+/// The body as JSON, with the model id checked.
+async fn read_json(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
     // Only JSON bodies: a `text/plain` POST needs no CORS preflight, so accepting one would
     // let any web page the user opens make this server generate.
     let json_type = headers

@@ -7,7 +7,8 @@
 //!
 //! Endpoints: `GET /health` and `GET /ready` (readiness: 503 while loading or draining),
 //! `GET /live` (liveness), `GET /get_load`, `GET /v1/models`, `GET /v1/models/{id}`,
-//! `GET /metrics`, `POST /v1/chat/completions`, `POST /v1/completions`. Wire formats are in
+//! `GET /metrics`, `POST /v1/chat/completions`, `POST /v1/chat/completions/render` (the
+//! prompt's token ids, for cache-aware routers), `POST /v1/completions`. Wire formats are in
 //! [`api`]. [`drain`] is the graceful stop routers need.
 //!
 //! Files: `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
@@ -30,7 +31,7 @@ use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use axum::Router;
 use axum::routing::{get, post};
-use chat::chat_completions;
+use chat::{chat_completions, chat_render};
 use completions::completions;
 use http::{health, live, load, method_not_allowed, metrics_text, model, models, not_found};
 use metrics::Metrics;
@@ -260,6 +261,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions/render", post(chat_render))
         .route("/v1/completions", post(completions))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
