@@ -521,6 +521,10 @@ fn replicas_behind_vllm_router() {
     );
     let seen = answered(d.replicas[dr]).expect("the draining replica is still up");
     assert_eq!(seen.0, ok_before, "the draining replica took a new request");
+    eprintln!(
+        "drain: the draining replica refused {} requests (503) before the router took it out; all were retried elsewhere",
+        seen.1
+    );
     for i in 0..4 {
         let body = chat_body(&alpha, &format!("after the drain was seen {i}"), 4, false);
         let reply = send(r, "POST", "/v1/chat/completions", Some(&body));
