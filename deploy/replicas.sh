@@ -51,6 +51,14 @@ if ! command -v "${router_cmd[0]}" >/dev/null; then
 fi
 mkdir -p "$run_dir"
 
+# 0 when GET http://HOST:PORT/PATH answers 200 (bash's /dev/tcp: no curl needed).
+http_ok() {
+  (exec 3<>"/dev/tcp/$1/$2" || exit 1
+   printf 'GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n' "$3" "$1" >&3
+   read -r _ code _ <&3
+   [ "$code" = 200 ]) 2>/dev/null
+}
+
 pids=()
 router_pid=
 stop() {
@@ -78,7 +86,7 @@ done
 
 # Each replica's readiness (GET /health is 200 once its weights are loaded).
 for ((i = 0; i < replicas; i++)); do
-  until curl -sf -o /dev/null "${urls[$i]}/health"; do
+  until http_ok "$host" "$((base_port + i))" /health; do
     if ! kill -0 "${pids[$i]}" 2>/dev/null; then
       echo "replicas.sh: replica $i exited; its log:" >&2
       tail -n 20 "$run_dir/replica-$i.log" >&2
@@ -103,7 +111,7 @@ done
   ${ROUTER_ARGS:-} > "$run_dir/router.log" 2>&1 &
 router_pid=$!
 echo "$router_pid" > "$run_dir/router.pid"
-until curl -sf -o /dev/null "http://$host:$port/v1/models"; do
+until http_ok "$host" "$port" /v1/models; do
   if ! kill -0 "$router_pid" 2>/dev/null; then
     echo "replicas.sh: the router exited; its log:" >&2
     tail -n 20 "$run_dir/router.log" >&2
