@@ -1,4 +1,4 @@
-//! `kestrel serve`: the OpenAI-compatible HTTP server.
+//! `kestrel serve`: the OpenAI- and Anthropic-compatible HTTP server.
 
 use super::args::{ModelArgs, ServeArgs};
 use super::{BUNDLED_GENERATION_CONFIG, Backend, load_engine};

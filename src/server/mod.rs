@@ -1,4 +1,4 @@
-//! `kestrel serve`: an OpenAI-compatible HTTP server (axum on tokio).
+//! `kestrel serve`: an OpenAI- and Anthropic-compatible HTTP server (axum on tokio).
 //!
 //! The HTTP side validates and tokenizes requests, then hands each one as a [`worker::Job`]
 //! to the model thread ([`run_model`]), which owns the engine and streams [`worker::Event`]s
