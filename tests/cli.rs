@@ -424,6 +424,22 @@ fn bad_input_gives_a_clear_error_and_a_nonzero_exit() {
         "{err}"
     );
 
+    // --gpu picks a CUDA device: refused on the CPU backend (serve refuses it before it
+    // listens), and with --device cuda the error names the ordinal.
+    let err = fails(&g(&["--gpu", "1"]), 1, &[]);
+    assert!(
+        err.contains("--gpu") && err.contains("--device cuda"),
+        "{err}"
+    );
+    let err = fails(&["serve", "--bind", "127.0.0.1:0", "--gpu", "1"], 1, &[]);
+    assert!(
+        err.contains("--gpu") && err.contains("--device cuda"),
+        "{err}"
+    );
+    assert!(!err.contains("listening"), "{err}");
+    let err = fails(&g(&["--device", "cuda", "--gpu", "3"]), 1, &[]);
+    assert!(err.contains("--gpu 3"), "{err}");
+
     // Nonexistent directory; repo id not in the cache (says where it looked).
     let err = fails(&g(&["--model", "/no/such/checkpoint"]), 1, &[]);
     assert!(err.contains("/no/such/checkpoint"), "{err}");

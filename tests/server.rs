@@ -5,13 +5,13 @@
 use anyhow::Result;
 use kestrel::config::{GenerationConfig, TextConfig};
 use kestrel::model::{CpuModel, Engine, Logits};
-use kestrel::server::{ServerConfig, Shared, run_model, serve};
+use kestrel::server::{Drained, ServerConfig, Shared, drain, run_model, serve};
 use kestrel::tensor::DType;
 use kestrel::tokenizer::{Tokenizer, special};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 const GENERATION_CONFIG: &str = include_str!("../assets/qwen3_6/generation_config.json");
@@ -41,6 +41,15 @@ fn start<E: Engine + 'static>(
     cfg: ServerConfig,
     load_delay: Duration,
 ) -> SocketAddr {
+    start_shared(make, cfg, load_delay).0
+}
+
+/// [`start`], also returning the server's shared state (to drain it).
+fn start_shared<E: Engine + 'static>(
+    make: impl FnOnce() -> E + Send + 'static,
+    cfg: ServerConfig,
+    load_delay: Duration,
+) -> (SocketAddr, Arc<Shared>) {
     let tokenizer = Tokenizer::bundled().unwrap();
     let generation = GenerationConfig::from_json_str(GENERATION_CONFIG).unwrap();
     let (shared, rx) = Shared::new(cfg, tokenizer, &generation).unwrap();
@@ -48,6 +57,7 @@ fn start<E: Engine + 'static>(
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
     let model_shared = shared.clone();
+    let http_shared = shared.clone();
     std::thread::spawn(move || {
         std::thread::sleep(load_delay);
         let engine = make();
@@ -61,10 +71,10 @@ fn start<E: Engine + 'static>(
             .unwrap();
         rt.block_on(async move {
             let l = tokio::net::TcpListener::from_std(listener).unwrap();
-            serve(l, shared, std::future::pending()).await.unwrap();
+            serve(l, http_shared, std::future::pending()).await.unwrap();
         });
     });
-    addr
+    (addr, shared)
 }
 
 fn wait_ready(addr: SocketAddr) {
@@ -96,6 +106,8 @@ fn demo() -> SocketAddr {
 struct Scripted {
     config: TextConfig,
     script: Vec<u32>,
+    /// Time each forward call takes (to keep requests running while a test watches).
+    delay: Duration,
 }
 
 #[derive(Clone)]
@@ -124,6 +136,7 @@ impl Engine for Scripted {
         64
     }
     fn forward(&self, s: &mut ScriptState, tokens: &[u32], _: Logits) -> Result<Vec<f32>> {
+        std::thread::sleep(self.delay);
         s.len += tokens.len();
         s.pos = if s.last.is_some_and(|p| tokens == [p]) {
             s.pos + 1
@@ -150,10 +163,16 @@ fn scripted_server_with(text: &str, max_seq: usize) -> SocketAddr {
 
 /// A factory for a [`Scripted`] engine writing `text`.
 fn scripted(text: &str) -> impl FnOnce() -> Scripted + Send + 'static {
+    slow_scripted(text, Duration::ZERO)
+}
+
+/// [`scripted`], each forward call taking `delay`.
+fn slow_scripted(text: &str, delay: Duration) -> impl FnOnce() -> Scripted + Send + 'static {
     let script = Tokenizer::bundled().unwrap().encode(text, true).unwrap();
     move || Scripted {
         config: kestrel::synthetic::demo_config(),
         script,
+        delay,
     }
 }
 
@@ -254,12 +273,32 @@ fn health_is_503_while_loading_then_200() {
         config(4096, None),
         Duration::from_millis(1000),
     );
-    let (status, body) = http(a, "GET", "/health", None, &[]);
-    assert_eq!(status, 503, "{body}");
+    // Readiness (what routers probe) fails while loading; liveness holds.
+    for path in ["/health", "/ready"] {
+        let (status, body) = http(a, "GET", path, None, &[]);
+        assert_eq!(status, 503, "{path}: {body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["status"],
+            "loading"
+        );
+    }
+    let (status, body) = http(a, "GET", "/live", None, &[]);
+    assert_eq!(status, 200, "{body}");
     let (status, v) = post(a, "/v1/chat/completions", &json!({"messages": user("hi")}));
     assert_eq!(status, 503);
     assert!(v["error"]["message"].is_string());
     wait_ready(a);
+    for path in ["/health", "/ready", "/live"] {
+        let (status, body) = http(a, "GET", path, None, &[]);
+        assert_eq!(status, 200, "{path}: {body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["status"],
+            "ok"
+        );
+    }
+    let (status, body) = http(a, "GET", "/get_load", None, &[]);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["load"], 0);
     let (status, body) = http(a, "GET", "/v1/models", None, &[]);
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -953,7 +992,7 @@ fn scripted_truncated_tool_call_is_returned_as_content() {
 
 #[test]
 fn binary_serves_the_demo_model() {
-    let (mut child, addr) = spawn_binary(&["--max-seq", "2048"]);
+    let (mut child, addr, _log) = spawn_binary(&["--max-seq", "2048"]);
     wait_ready(addr);
     let (status, v) = post(
         addr,
@@ -2661,8 +2700,200 @@ fn a_prompt_far_over_the_context_is_refused_before_tokenizing() {
     }
 }
 
-/// Starts the `serve` binary on a free port: the child and its address.
-fn spawn_binary(args: &[&str]) -> (std::process::Child, SocketAddr) {
+/// A streaming chat request on its own connection: the thread returns its SSE body.
+fn stream_in_thread(a: SocketAddr, body: Value) -> std::thread::JoinHandle<(u16, String)> {
+    std::thread::spawn(move || {
+        http(
+            a,
+            "POST",
+            "/v1/chat/completions",
+            Some(&body.to_string()),
+            &[],
+        )
+    })
+}
+
+/// Waits until the server has `n` requests running and `queued` waiting.
+fn wait_load(a: SocketAddr, running: u64, queued: u64) {
+    let t0 = Instant::now();
+    loop {
+        let (_, m) = http(a, "GET", "/metrics", None, &[]);
+        if metric(&m, "kestrel_running_sequences") == running
+            && metric(&m, "kestrel_queue_depth") == queued
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "load never reached:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs [`drain`] on its own runtime thread.
+fn drain_in_thread(shared: Arc<Shared>, timeout: Duration) -> std::thread::JoinHandle<Drained> {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(drain(&shared, timeout))
+    })
+}
+
+#[test]
+fn drain_refuses_new_requests_and_finishes_the_taken_ones() {
+    let mut cfg = config(32_768, None);
+    cfg.max_running = Some(1);
+    // about 40 ms a token: a 30-token reply runs for over a second
+    let (a, shared) = start_shared(
+        slow_scripted(&"word ".repeat(500), Duration::from_millis(40)),
+        cfg,
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let running = stream_in_thread(
+        a,
+        json!({"messages": user("first"), "max_tokens": 30, "stream": true}),
+    );
+    wait_load(a, 1, 0);
+    let queued = std::thread::spawn(move || {
+        post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": user("second"), "max_tokens": 3}),
+        )
+    });
+    wait_load(a, 1, 1);
+    let drained = drain_in_thread(shared.clone(), Duration::from_secs(60));
+    while !shared.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Readiness fails at once (routers stop sending); liveness holds.
+    for path in ["/health", "/ready"] {
+        let (status, body) = http(a, "GET", path, None, &[]);
+        assert_eq!(status, 503, "{path}: {body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["status"],
+            "draining"
+        );
+    }
+    assert_eq!(http(a, "GET", "/live", None, &[]).0, 200);
+    // New requests get 503 in OpenAI's error shape, streaming or not.
+    for stream in [false, true] {
+        let (status, v) = post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": user("late"), "max_tokens": 2, "stream": stream}),
+        );
+        assert_eq!(status, 503, "{v}");
+        assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+        assert_eq!(v["error"]["code"], "draining", "{v}");
+    }
+    let (status, v) = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "late", "max_tokens": 2}),
+    );
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("draining")),
+        "{v}"
+    );
+    // Anthropic's endpoint refuses in its own shape: 529 `overloaded_error`, streaming or not.
+    for stream in [false, true] {
+        let (status, v) = post(
+            a,
+            "/v1/messages",
+            &json!({"messages": anthropic_user("late"), "max_tokens": 2, "stream": stream}),
+        );
+        assert_eq!(status, 529, "{v}");
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "overloaded_error", "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("draining"),
+            "{v}"
+        );
+    }
+    // Endpoints that only need the tokenizer still answer while draining.
+    let (status, v) = post(a, "/tokenize", &json!({"content": "still here"}));
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = post(
+        a,
+        "/v1/chat/completions/render",
+        &json!({"messages": user("still here")}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (_, m) = http(a, "GET", "/metrics", None, &[]);
+    assert_eq!(metric(&m, "kestrel_draining"), 1, "{m}");
+    // The running stream and the queued request both finish normally.
+    let (status, body) = running.join().unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    assert!(events.iter().all(|e| e.get("error").is_none()), "{body}");
+    assert_eq!(
+        events.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    let (status, v) = queued.join().unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(drained.join().unwrap(), Drained::Clean);
+}
+
+#[test]
+fn drain_timeout_ends_an_open_stream_with_an_error_event() {
+    let (a, shared) = start_shared(
+        slow_scripted(&"word ".repeat(500), Duration::from_millis(40)),
+        config(32_768, None),
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let running = stream_in_thread(
+        a,
+        json!({"messages": user("long"), "max_tokens": 400, "stream": true}),
+    );
+    wait_load(a, 1, 0);
+    let t0 = Instant::now();
+    let drained = drain_in_thread(shared, Duration::from_millis(300));
+    let (status, body) = running.join().unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    let last = events.last().unwrap();
+    assert_eq!(last["error"]["type"], "service_unavailable", "{body}");
+    assert!(
+        events.len() > 2,
+        "some tokens came before the error: {body}"
+    );
+    assert_eq!(drained.join().unwrap(), Drained::TimedOut { ended: 1 });
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn metrics_carry_the_load_under_vllm_names_too() {
+    let a = demo();
+    let (_, m) = http(a, "GET", "/metrics", None, &[]);
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting"] {
+        let line = m
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{")))
+            .unwrap_or_else(|| panic!("no {name}:\n{m}"));
+        assert!(line.contains("model_name=\"test-model\""), "{line}");
+        assert!(m.contains(&format!("# TYPE {name} gauge")), "{m}");
+    }
+    assert_eq!(metric(&m, "kestrel_draining"), 0);
+}
+
+/// Starts the `serve` binary on a free port: the child, its address, and a thread that
+/// returns the rest of its stderr once it exits.
+fn spawn_binary(
+    args: &[&str],
+) -> (
+    std::process::Child,
+    SocketAddr,
+    std::thread::JoinHandle<String>,
+) {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
         .args(["serve", "--bind", "127.0.0.1:0"])
         .args(args)
@@ -2685,18 +2916,29 @@ fn spawn_binary(args: &[&str]) -> (std::process::Child, SocketAddr) {
                 .map(|a| a.parse::<SocketAddr>().unwrap());
         }
     }
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
+    let log = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = err.read_to_string(&mut rest);
+        rest
     });
-    (child, addr.expect("no listening line"))
+    (child, addr.expect("no listening line"), log)
 }
 
-/// SIGINT while streams run (both APIs): each ends with an error event, the server stops
+/// Sends `sig` (`INT`, `TERM`) to the child.
+fn signal(child: &std::process::Child, sig: &str) {
+    let killed = std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+}
+
+/// SIGINT while streams run (both APIs) that outlast `--drain-timeout`: the drain waits that
+/// long, then each stream ends with an error event in its API's shape, the server stops
 /// accepting and exits 0 once the responses are closed.
 #[test]
-fn sigint_ends_open_streams_with_an_error_event_and_exits_0() {
-    let (mut child, a) = spawn_binary(&["--max-seq", "8192"]);
+fn sigint_past_the_drain_timeout_ends_open_streams_with_an_error_event_and_exits_0() {
+    let (mut child, a, log) = spawn_binary(&["--max-seq", "8192", "--drain-timeout", "1"]);
     wait_ready(a);
     let streams: Vec<_> = [
         (
@@ -2713,12 +2955,8 @@ fn sigint_ends_open_streams_with_an_error_event_and_exits_0() {
         std::thread::spawn(move || http(a, "POST", path, Some(&body.to_string()), &[]))
     })
     .collect();
-    std::thread::sleep(Duration::from_millis(1500));
-    let killed = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    wait_load(a, 2, 0);
+    signal(&child, "INT");
     let t0 = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -2727,7 +2965,16 @@ fn sigint_ends_open_streams_with_an_error_event_and_exits_0() {
         assert!(t0.elapsed() < Duration::from_secs(20), "serve did not exit");
         std::thread::sleep(Duration::from_millis(50));
     };
-    assert_eq!(status.code(), Some(0));
+    let log = log.join().unwrap();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "exited before --drain-timeout: {log}"
+    );
+    assert!(
+        log.contains("SIGINT: draining") && log.contains("--drain-timeout passed"),
+        "{log}"
+    );
     let results: Vec<(u16, String)> = streams.into_iter().map(|h| h.join().unwrap()).collect();
     assert_eq!(results[0].0, 200);
     let ev = results[0].1.trim_end();
@@ -2737,4 +2984,78 @@ fn sigint_ends_open_streams_with_an_error_event_and_exits_0() {
     let (name, err) = events.last().unwrap();
     assert_eq!(name, "error");
     assert_eq!(err["error"]["type"], "overloaded_error");
+}
+
+/// `kestrel serve` itself: SIGTERM drains (a stream already running finishes, new requests
+/// get 503 or, on `/v1/messages`, Anthropic's 529 `overloaded_error`), then the process
+/// exits 0.
+#[test]
+fn binary_drains_on_sigterm_and_exits_0() {
+    let (mut child, addr, log) = spawn_binary(&["--max-seq", "2048"]);
+    wait_ready(addr);
+    let running = stream_in_thread(
+        addr,
+        json!({"model": "kestrel-demo", "messages": user("drain me"), "max_tokens": 60, "stream": true}),
+    );
+    wait_load(addr, 1, 0);
+    signal(&child, "TERM");
+    let t0 = Instant::now();
+    while http(addr, "GET", "/health", None, &[]).0 != 503 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never draining");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"model": "kestrel-demo", "messages": user("late"), "max_tokens": 2}),
+    );
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("draining")),
+        "{v}"
+    );
+    let (status, v) = post(
+        addr,
+        "/v1/messages",
+        &json!({"model": "kestrel-demo", "messages": anthropic_user("late"), "max_tokens": 2}),
+    );
+    assert_eq!(status, 529, "{v}");
+    assert_eq!(v["type"], "error", "{v}");
+    assert_eq!(v["error"]["type"], "overloaded_error", "{v}");
+    let (status, body) = running.join().unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    assert!(events.iter().all(|e| e.get("error").is_none()), "{body}");
+    assert!(
+        events.last().unwrap()["choices"][0]["finish_reason"].is_string(),
+        "{body}"
+    );
+    let code = child.wait().unwrap();
+    let log = log.join().unwrap();
+    assert_eq!(code.code(), Some(0), "{log}");
+    assert!(
+        log.contains("SIGTERM: draining") && log.contains("drained"),
+        "{log}"
+    );
+}
+
+/// `POST /v1/chat/completions/render` (vLLM's): the ids the same chat request runs, which a
+/// cache-aware router routes on.
+#[test]
+fn chat_render_gives_the_prompt_ids_the_request_runs() {
+    let a = demo();
+    let body = json!({"messages": [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a falcon."}], "max_tokens": 2});
+    let (status, r) = post(a, "/v1/chat/completions/render", &body);
+    assert_eq!(status, 200, "{r}");
+    let ids = r["token_ids"].as_array().unwrap();
+    let v = chat(a, body.clone());
+    assert_eq!(
+        ids.len() as u64,
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    let (status, r2) = post(a, "/v1/chat/completions/render", &body);
+    assert_eq!((status, &r2["token_ids"]), (200, &r["token_ids"]));
+    let (status, e) = post(a, "/v1/chat/completions/render", &json!({"messages": 3}));
+    assert_eq!(status, 400, "{e}");
 }

@@ -27,6 +27,11 @@ pub(super) struct ModelArgs {
     /// Context limit in tokens (prompt + reply), at most the model's maximum positions.
     #[arg(long, allow_negative_numbers = true, default_value_t = 32_768, value_parser = clap::value_parser!(u64).range(2..))]
     pub(super) max_seq: u64,
+    /// CUDA device ordinal to run on, with --device cuda (default 0). Ordinals count the
+    /// devices CUDA_VISIBLE_DEVICES leaves visible, renumbered from 0, so `--gpu 1` and
+    /// `CUDA_VISIBLE_DEVICES=1` (with the default `--gpu 0`) pick the same physical GPU.
+    #[arg(long, value_name = "N")]
+    pub(super) gpu: Option<usize>,
     /// Do not read the weights up front (pages load from disk on first use instead).
     #[arg(long)]
     pub(super) lazy_load: bool,
@@ -88,6 +93,11 @@ pub(super) struct ServeArgs {
     /// must send within a second (so /health keeps answering), and is then closed.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
     pub(super) max_connections: u64,
+    /// Seconds a graceful stop (SIGTERM or Ctrl-C) waits for the requests already taken to
+    /// finish; new ones get 503 meanwhile. Those still open then end with a 503 error (an
+    /// `error` event when streaming). A second signal exits at once.
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    pub(super) drain_timeout: u64,
 }
 
 #[derive(Args, Clone, Debug)]

@@ -294,11 +294,19 @@ const PREFILL_CHUNK: usize = PREFILL_CHUNKS[0];
 fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<Backend> {
     // Open the GPU first: a missing or unsuitable GPU is reported before any weights load.
     let gpu = match device {
-        Device::Cpu => None,
-        Device::Cuda => Some(
-            kestrel::cuda::Gpu::open(0)
-                .context("--device cuda (without a usable GPU, use --device cpu)")?,
-        ),
+        Device::Cpu => {
+            anyhow::ensure!(
+                args.gpu.is_none(),
+                "--gpu selects a CUDA device: it needs --device cuda"
+            );
+            None
+        }
+        Device::Cuda => {
+            let ordinal = args.gpu.unwrap_or(0);
+            Some(kestrel::cuda::Gpu::open(ordinal).with_context(|| {
+                format!("--device cuda --gpu {ordinal} (without a usable GPU, use --device cpu)")
+            })?)
+        }
     };
     let make = |cfg: TextConfig, weights: ModelWeights| -> Result<Backend> {
         match &gpu {

@@ -1,4 +1,4 @@
-//! `kestrel serve`: the OpenAI-compatible HTTP server.
+//! `kestrel serve`: the OpenAI- and Anthropic-compatible HTTP server.
 
 use super::args::{ModelArgs, ServeArgs};
 use super::{BUNDLED_GENERATION_CONFIG, Backend, load_engine};
@@ -6,14 +6,13 @@ use anyhow::{Context, Result};
 use kestrel::config::GenerationConfig;
 use kestrel::hub;
 use kestrel::tokenizer::Tokenizer;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// `kestrel serve`: tokenizer and defaults load first, the HTTP listener starts at once
 /// (`/health` answers 503 until the weights are in), and the engine loads and then runs on
 /// its own thread.
 pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
-    use kestrel::server::{ServerConfig, Shared, run_model, serve};
+    use kestrel::server::{Drained, ServerConfig, Shared, drain, run_model, serve};
     let ServeArgs {
         bind,
         api_key,
@@ -29,7 +28,13 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         header_timeout,
         body_timeout,
         max_connections,
+        drain_timeout,
     } = args;
+    // Checked before the listener binds, so that a replica with a bad flag never looks alive.
+    anyhow::ensure!(
+        model.gpu.is_none() || model.device == super::args::Device::Cuda,
+        "--gpu selects a CUDA device: it needs --device cuda"
+    );
     let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
         Some(path) => Some(read_api_key(&path)?),
@@ -109,19 +114,39 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         })?;
     if !model.quiet {
         eprintln!(
-            "kestrel serve: listening on http://{addr} (model id `{model_id}`); Ctrl-C stops"
+            "kestrel serve: listening on http://{addr} (model id `{model_id}`); SIGTERM or Ctrl-C drains and stops"
         );
     }
-    // Ctrl-C: stop accepting, end running and queued requests (503), then exit once the
-    // open responses are closed; a second Ctrl-C exits at once.
+    // SIGTERM or Ctrl-C: drain (new requests get 503 and readiness fails while the taken
+    // ones finish, at most --drain-timeout), then stop accepting and exit 0 once the open
+    // responses are written; a second signal exits at once.
     let stop_shared = shared.clone();
+    let timeout = Duration::from_secs(drain_timeout);
+    let mut signals = runtime.block_on(async { Signals::new() })?;
     let shutdown = async move {
-        let _ = tokio::signal::ctrl_c().await;
-        eprintln!("kestrel serve: shutting down (Ctrl-C again to exit at once)");
-        stop_shared.stopping.store(true, Ordering::SeqCst);
+        let sig = signals.next().await;
+        eprintln!(
+            "kestrel serve: {sig}: draining ({} requests open; new ones get 503; at most {}s; a second signal exits at once)",
+            stop_shared.in_flight(),
+            timeout.as_secs()
+        );
+        tokio::spawn(async move {
+            let again = signals.next().await;
+            eprintln!("kestrel serve: {again} again: exiting at once");
+            std::process::exit(if again == "SIGTERM" { 143 } else { 130 });
+        });
+        match drain(&stop_shared, timeout).await {
+            Drained::Clean => eprintln!("kestrel serve: drained, stopping"),
+            Drained::TimedOut { ended } => eprintln!(
+                "kestrel serve: --drain-timeout passed: ended {ended} open requests with a 503 error, stopping"
+            ),
+        }
+        // The open connections get a few seconds to take their last bytes (a client that
+        // stopped reading would hold the exit forever).
         tokio::spawn(async {
-            let _ = tokio::signal::ctrl_c().await;
-            std::process::exit(130);
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            eprintln!("kestrel serve: connections still open 10 s after the drain; exiting");
+            std::process::exit(0);
         });
     };
     runtime.block_on(serve(listener, shared, shutdown))?;
@@ -139,4 +164,28 @@ fn read_api_key(path: &std::path::Path) -> Result<String> {
         path.display()
     );
     Ok(key.to_string())
+}
+
+/// SIGTERM and SIGINT, whichever comes first.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Must run inside the runtime.
+    fn new() -> Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("cannot handle SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("cannot handle SIGINT")?,
+        })
+    }
+
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
 }

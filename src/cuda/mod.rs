@@ -262,6 +262,23 @@ pub fn kernel_ptx(arch: &'static str, use_cache: bool) -> Result<cudarc::nvrtc::
     Ok(ptx)
 }
 
+/// Why GPU `ordinal` could not be opened: the driver's error, and when the ordinal is past
+/// the devices this process sees, how many it sees and under which `CUDA_VISIBLE_DEVICES`.
+fn open_failure(ordinal: usize, err: &str) -> String {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let scope = match &visible {
+        Some(v) => format!(" (CUDA_VISIBLE_DEVICES={v:?}: ordinals count only those, from 0)"),
+        None => String::new(),
+    };
+    match CudaContext::device_count() {
+        Ok(n) if ordinal >= n.max(0) as usize => format!(
+            "there is no GPU {ordinal}: this process sees {n} CUDA device{}{scope}",
+            if n == 1 { "" } else { "s" }
+        ),
+        _ => format!("cannot open GPU {ordinal}{scope}: {err}"),
+    }
+}
+
 /// Runs `f`, turning a panic (cudarc panics when a CUDA library cannot be loaded) into
 /// `None` without printing the panic message.
 fn quiet_catch<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Option<T> {
@@ -274,6 +291,10 @@ fn quiet_catch<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> Option<T> {
 
 impl Gpu {
     /// Opens GPU `ordinal`, checks it is Hopper-class, and compiles (or loads cached) kernels.
+    ///
+    /// `ordinal` counts the devices the CUDA driver shows this process: where
+    /// `CUDA_VISIBLE_DEVICES` is set, the driver lists only those, renumbered from 0 in that
+    /// order (so `CUDA_VISIBLE_DEVICES=3` with ordinal 0 opens physical GPU 3).
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
         let ctx = quiet_catch(|| CudaContext::new(ordinal))
             .ok_or_else(|| {
@@ -281,7 +302,7 @@ impl Gpu {
                     "the CUDA driver library (libcuda.so) could not be loaded".into(),
                 )
             })?
-            .map_err(|e| GpuError::Unavailable(format!("cannot open GPU {ordinal}: {e:?}")))?;
+            .map_err(|e| GpuError::Unavailable(open_failure(ordinal, &format!("{e:?}"))))?;
         // We order everything on one stream ourselves.
         // SAFETY: all work of this backend runs on `stream`.
         unsafe { ctx.disable_event_tracking() };

@@ -3,15 +3,15 @@
 
 use super::Shared;
 use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
-use super::http::{error_response, json_response, read_request, sse_response};
+use super::http::{error_response, json_response, read_json, read_request, sse_response};
 use super::submit::{
-    Submitted, context_error, context_floor, event_error, finish_reason, meta, model_gone,
-    settings, submit, token_text,
+    Submitted, context_error, context_floor, event_error, finish_reason, gone_event, meta,
+    model_gone, settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::chat::ChatRequest;
 use crate::grammar::ToolCalls;
-use crate::sampling::TokenLogprobs;
+use crate::sampling::{SamplingParams, TokenLogprobs};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -34,6 +34,7 @@ pub(super) async fn chat_completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let _busy = s.busy();
     let resp = match chat_inner(&s, &headers, body).await {
         Ok(r) => r,
         Err(e) => error_response(&e),
@@ -104,6 +105,43 @@ fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiErro
         forced,
         tools: input.tools.clone().filter(|_| tools_on),
     })
+}
+
+/// `POST /v1/chat/completions/render` (vLLM's endpoint of that name): the prompt token ids a
+/// chat request would run, without running it. Cache-aware routers (vllm-router) render each
+/// chat request through a backend and route on the ids, so that requests sharing a rendered
+/// prefix (a system prompt, an earlier turn) go to the replica that has it cached. It needs
+/// only the tokenizer, so it answers while the weights load and while the server drains.
+pub(super) async fn chat_render(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let resp = match prompt_only(&s, &headers, body, api::parse_chat).await {
+        Ok(prompt) => json_response(
+            StatusCode::OK,
+            &json!({"model": s.config.model_id, "token_ids": prompt.ids}),
+        ),
+        Err(e) => error_response(&e),
+    };
+    s.metrics
+        .request("/v1/chat/completions/render", resp.status().as_u16());
+    resp
+}
+
+/// The prompt a chat request (read with `parse`) would run, without running it: auth, body
+/// and JSON checks, then rendering and tokenizing. Only the tokenizer is needed, so it
+/// answers while the weights load and while the server drains (`/v1/chat/completions/render`,
+/// Anthropic's `count_tokens`).
+pub(super) async fn prompt_only(
+    s: &Arc<Shared>,
+    headers: &HeaderMap,
+    body: Body,
+    parse: impl FnOnce(&Value, &SamplingParams) -> Result<api::ChatInput, ApiError>,
+) -> Result<ChatPrompt, ApiError> {
+    let v = read_json(s, headers, body, false).await?;
+    let input = parse(&v, &s.defaults)?;
+    chat_prompt(s, input).await
 }
 
 /// Renders and tokenizes a chat request's prompt off the async workers (a long prompt takes
@@ -372,7 +410,9 @@ fn chat_stream(
             if st.done {
                 return None;
             }
-            let ev = st.sub.rx.recv().await?;
+            // A channel closed before `Done` or `Error` (the model thread is gone) still ends
+            // the stream with an error event, never a silent end.
+            let ev = st.sub.rx.recv().await.unwrap_or_else(gone_event);
             let out = st.handle(ev);
             if !out.is_empty() {
                 return Some((Ok(Bytes::from(out)), st));

@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Usage};
 use super::http::{error_response, json_response, read_request, sse_response};
 use super::submit::{
-    context_error, context_floor, event_error, finish_reason, meta, model_gone, settings, submit,
-    token_text,
+    context_error, context_floor, event_error, finish_reason, gone_event, meta, model_gone,
+    settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::generate::Channel;
@@ -45,6 +45,7 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let _busy = s.busy();
     let resp = match completion_inner(&s, &headers, body).await {
         Ok(r) => r,
         Err(e) => error_response(&e),
@@ -111,10 +112,8 @@ async fn completion_inner(
                         if done {
                             return None;
                         }
-                        let ev = match sub.rx.recv().await {
-                            Some(ev) => ev,
-                            None => return None,
-                        };
+                        // Closed before `Done` or `Error`: still an error event, not silence.
+                        let ev = sub.rx.recv().await.unwrap_or_else(gone_event);
                         let out = match ev {
                             Event::Token { pieces, logprobs } => {
                                 let text: String = pieces.into_iter().map(|(_, t)| t).collect();

@@ -41,6 +41,11 @@ async fn closing_signal(rx: &mut tokio::sync::watch::Receiver<bool>) {
 
 /// Serves `shared`'s routes on `listener` until `shutdown` resolves, then lets the open
 /// connections finish their responses (keep-alive ones close after the current one).
+///
+/// For a graceful stop, `shutdown` is [`super::drain`] (as `kestrel serve` passes it): while it
+/// runs, connections are still accepted so that `/health` answers 503 `draining` and new
+/// generation requests are refused with 503 (529 on `/v1/messages`) while the taken ones
+/// finish; once it resolves the listener closes.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     shared: Arc<Shared>,

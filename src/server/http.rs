@@ -1,5 +1,6 @@
 //! The HTTP side every endpoint shares (auth, the POST body checks, JSON / SSE / error
-//! responses) and the small endpoints: `/health`, `/metrics`, `/v1/models`, the fallbacks.
+//! responses) and the small endpoints: `/health` / `/ready`, `/live`, `/get_load`, `/metrics`,
+//! `/v1/models`, the fallbacks.
 
 use super::Shared;
 use super::api::ApiError;
@@ -42,15 +43,51 @@ pub(super) async fn method_not_allowed() -> Response {
     ))
 }
 
-pub(super) async fn health(State(s): State<Arc<Shared>>) -> Response {
-    if s.ready.load(Ordering::SeqCst) {
-        json_response(StatusCode::OK, &json!({"status": "ok"}))
+/// What the server is doing, as `/health`, `/ready` and `/live` report it.
+fn status(s: &Shared) -> &'static str {
+    if s.draining.load(Ordering::SeqCst) || s.stopping.load(Ordering::SeqCst) {
+        "draining"
+    } else if s.ready.load(Ordering::SeqCst) {
+        "ok"
     } else {
-        json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &json!({"status": "loading"}),
-        )
+        "loading"
     }
+}
+
+/// `GET /health` and `GET /ready`: readiness, what routers probe (vllm-router and
+/// sglang-router both `GET /health` and take only a 2xx as healthy): 200 while requests are
+/// taken, 503 while loading and while draining.
+pub(super) async fn health(State(s): State<Arc<Shared>>) -> Response {
+    let st = status(&s);
+    let code = if st == "ok" {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(code, &json!({"status": st}))
+}
+
+/// `GET /live`: liveness, 200 whenever the HTTP side answers (loading and draining
+/// included), for a supervisor that restarts a hung process and must not kill one that is
+/// loading or finishing its requests.
+pub(super) async fn live(State(s): State<Arc<Shared>>) -> Response {
+    json_response(StatusCode::OK, &json!({"status": status(&s)}))
+}
+
+/// `GET /get_load`: the load the routers' load-aware policies read (`load`: requests
+/// running and waiting), with the two parts.
+pub(super) async fn load(State(s): State<Arc<Shared>>) -> Response {
+    let running = s.metrics.running.load(Ordering::Relaxed);
+    let waiting = s.metrics.queue_depth.load(Ordering::Relaxed);
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "load": running + waiting,
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
+            "draining": s.draining.load(Ordering::SeqCst),
+        }),
+    )
 }
 
 pub(super) async fn metrics_text(State(s): State<Arc<Shared>>) -> Response {
@@ -59,7 +96,7 @@ pub(super) async fn metrics_text(State(s): State<Arc<Shared>>) -> Response {
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4"),
         )],
-        s.metrics.render(),
+        s.metrics.render(&s.config.model_id),
     )
         .into_response()
 }
@@ -186,7 +223,7 @@ pub(super) fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Auth, readiness, body and JSON checks common to the POST endpoints.
+/// Auth, readiness, body and JSON checks common to the POST endpoints that generate.
 pub(super) async fn read_request(
     s: &Shared,
     headers: &HeaderMap,
@@ -195,8 +232,36 @@ pub(super) async fn read_request(
     read_json(s, headers, body, true).await
 }
 
-/// [`read_request`]; without `need_model` (endpoints that only tokenize) it answers while
-/// the weights load and while the server shuts down.
+/// 503 unless the server takes new generation requests (loaded, not draining, not
+/// stopping).
+fn check_admitting(s: &Shared) -> Result<(), ApiError> {
+    if s.draining.load(Ordering::SeqCst) && !s.stopping.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the server is draining: it finishes the requests it has and takes no new ones; retry on another replica",
+        )
+        .with_code("draining"));
+    }
+    if s.stopping.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the server is shutting down",
+        ));
+    }
+    if !s.ready.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "service_unavailable",
+            "the model is still loading",
+        ));
+    }
+    Ok(())
+}
+
+/// [`read_request`]; without `need_model` (endpoints that only tokenize or render a prompt)
+/// it answers while the weights load, while the server drains and while it shuts down.
 pub(super) async fn read_json(
     s: &Shared,
     headers: &HeaderMap,
@@ -204,19 +269,8 @@ pub(super) async fn read_json(
     need_model: bool,
 ) -> Result<Value, ApiError> {
     check_auth(s, headers)?;
-    if need_model && s.stopping.load(Ordering::SeqCst) {
-        return Err(ApiError::new(
-            503,
-            "service_unavailable",
-            "the server is shutting down",
-        ));
-    }
-    if need_model && !s.ready.load(Ordering::SeqCst) {
-        return Err(ApiError::new(
-            503,
-            "service_unavailable",
-            "the model is still loading",
-        ));
+    if need_model {
+        check_admitting(s)?;
     }
     // Only JSON bodies: a `text/plain` POST needs no CORS preflight, so accepting one would
     // let any web page the user opens make this server generate.

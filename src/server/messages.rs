@@ -6,8 +6,8 @@
 use super::Shared;
 use super::api::anthropic::{self, Blocks};
 use super::api::{ApiError, Assembler, ResponseMeta, Usage};
-use super::chat::{ChatRun, chat_prompt, start_chat};
-use super::http::{json_response, read_json, read_request, sse_response};
+use super::chat::{ChatRun, prompt_only, start_chat};
+use super::http::{json_response, read_request, sse_response};
 use super::submit::{Submitted, event_error, meta, model_gone};
 use super::worker::Event;
 use crate::generate::StopReason;
@@ -32,6 +32,7 @@ pub(super) async fn messages(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let _busy = s.busy();
     let resp = messages_inner(&s, &headers, body)
         .await
         .unwrap_or_else(|e| anthropic_error(&e));
@@ -44,17 +45,11 @@ pub(super) async fn count_tokens(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let counted = async {
-        // Only the tokenizer: it answers while the weights still load.
-        let v = read_json(&s, &headers, body, false).await?;
-        let input = anthropic::parse_anthropic(&v, &s.defaults, true)?;
-        let prompt = chat_prompt(&s, input).await?;
-        Ok::<_, ApiError>(json_response(
-            StatusCode::OK,
-            &json!({"input_tokens": prompt.ids.len()}),
-        ))
+    let parse = |v: &Value, d: &_| anthropic::parse_anthropic(v, d, true);
+    let resp = match prompt_only(&s, &headers, body, parse).await {
+        Ok(prompt) => json_response(StatusCode::OK, &json!({"input_tokens": prompt.ids.len()})),
+        Err(e) => anthropic_error(&e),
     };
-    let resp = counted.await.unwrap_or_else(|e| anthropic_error(&e));
     s.metrics
         .request("/v1/messages/count_tokens", resp.status().as_u16());
     resp

@@ -71,6 +71,8 @@ pub struct Metrics {
     pub kv_blocks_free: AtomicU64,
     pub cancelled: AtomicU64,
     pub timeouts: AtomicU64,
+    /// Set while the server drains (`kestrel_draining`).
+    pub draining: AtomicBool,
     pub ttft: Histogram,
     pub itl: Histogram,
 }
@@ -81,7 +83,8 @@ impl Metrics {
         *m.entry((endpoint.to_string(), status)).or_default() += 1;
     }
 
-    pub fn render(&self) -> String {
+    /// The Prometheus text; `model_id` labels the vLLM-named load gauges.
+    pub fn render(&self, model_id: &str) -> String {
         let mut out = String::new();
         out.push_str("# HELP kestrel_requests_total HTTP requests by endpoint and status.\n# TYPE kestrel_requests_total counter\n");
         for ((ep, status), n) in self
@@ -202,6 +205,32 @@ impl Metrics {
             "Requests stopped by the request timeout.",
             &self.timeouts,
         );
+        let _ = writeln!(
+            out,
+            "# HELP kestrel_draining 1 while the server drains (new requests refused, running ones finishing).\n# TYPE kestrel_draining gauge\nkestrel_draining {}",
+            u8::from(self.draining.load(Ordering::Relaxed))
+        );
+        // The same two load figures under vLLM's names, which routers and dashboards built
+        // for vLLM read (vllm-router's load-aware policies among them).
+        let label = model_id.replace('\\', "\\\\").replace('"', "\\\"");
+        for (name, help, v) in [
+            (
+                "vllm:num_requests_running",
+                "Requests being generated (kestrel_running_sequences).",
+                &self.running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting for the model (kestrel_queue_depth).",
+                &self.queue_depth,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{model_name=\"{label}\"}} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
         self.ttft.render(
             &mut out,
             "kestrel_time_to_first_token_seconds",

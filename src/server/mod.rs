@@ -1,13 +1,17 @@
-//! `kestrel serve`: an OpenAI-compatible HTTP server (axum on tokio).
+//! `kestrel serve`: an OpenAI- and Anthropic-compatible HTTP server (axum on tokio).
 //!
 //! The HTTP side validates and tokenizes requests, then hands each one as a [`worker::Job`]
 //! to the model thread ([`run_model`]), which owns the engine and streams [`worker::Event`]s
 //! back. Handlers never touch the engine, so a slow generation never blocks `/health`,
 //! `/metrics` or the validation of other requests.
 //!
-//! Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /metrics`, `POST /v1/chat/completions`,
-//! `POST /v1/completions`, `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic),
-//! `POST /tokenize` and `/detokenize` (llama.cpp's shapes). Wire formats are in [`api`].
+//! Endpoints: `GET /health` and `GET /ready` (readiness: 503 while loading or draining),
+//! `GET /live` (liveness), `GET /get_load`, `GET /v1/models`, `GET /v1/models/{id}`,
+//! `GET /metrics`, `POST /v1/chat/completions`, `POST /v1/chat/completions/render` (the
+//! prompt's token ids, for cache-aware routers), `POST /v1/completions`, `POST /v1/messages`
+//! and `/v1/messages/count_tokens` (Anthropic), `POST /tokenize` and `/detokenize`
+//! (llama.cpp's shapes). Wire formats are in [`api`]. [`drain`] is the graceful stop routers
+//! need; [`serve`] runs the accept loop it stops.
 //!
 //! Files: `conn` (the accept loop: timeouts and the connection cap), `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
 //! `chat` and `completions` (the OpenAI POST endpoints), `messages` (Anthropic's, on the chat
@@ -33,11 +37,11 @@ use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use axum::Router;
 use axum::routing::{any, get, post};
-use chat::chat_completions;
+use chat::{chat_completions, chat_render};
 use completions::completions;
-use http::{health, method_not_allowed, metrics_text, model, models, not_found};
+use http::{health, live, load, method_not_allowed, metrics_text, model, models, not_found};
 use metrics::Metrics;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -96,6 +100,13 @@ pub struct Shared {
     pub ready: AtomicBool,
     /// Set on shutdown: running and queued requests end with a 503 error.
     pub stopping: AtomicBool,
+    /// Set while draining ([`drain`]): new requests get 503 and readiness fails, while the
+    /// requests already taken (queued or running) finish.
+    pub draining: AtomicBool,
+    /// POST handlers between their start and their response (a stream's response leaves
+    /// once the model started it; the model's `running` and queue gauges count it from
+    /// then on).
+    busy: AtomicUsize,
     defaults: SamplingParams,
     stop_ids: Vec<u32>,
     think_ids: Option<(u32, u32)>,
@@ -139,6 +150,8 @@ impl Shared {
             metrics: Metrics::default(),
             ready: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            busy: AtomicUsize::new(0),
             defaults,
             stop_ids: generation.eos_token_ids.clone(),
             think_ids,
@@ -152,6 +165,65 @@ impl Shared {
         };
         Ok((Arc::new(shared), rx))
     }
+
+    /// Counts a POST handler as busy until the guard drops.
+    pub(crate) fn busy(&self) -> Busy<'_> {
+        self.busy.fetch_add(1, Ordering::SeqCst);
+        Busy(&self.busy)
+    }
+
+    /// Requests taken and not yet answered: handlers at work, queued jobs, running sequences.
+    pub fn in_flight(&self) -> usize {
+        self.busy.load(Ordering::SeqCst)
+            + self.metrics.queue_depth.load(Ordering::SeqCst) as usize
+            + self.metrics.running.load(Ordering::SeqCst) as usize
+    }
+}
+
+/// [`Shared::busy`]'s guard.
+pub(crate) struct Busy<'a>(&'a AtomicUsize);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How a [`drain`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drained {
+    /// Every request taken before the drain finished.
+    Clean,
+    /// The timeout passed first: the rest were ended with a 503 error (an `error` event
+    /// where streaming); this many were still open.
+    TimedOut { ended: usize },
+}
+
+/// Graceful drain: from now on new generation requests are refused in their API's error
+/// shape (OpenAI's 503 on `/v1/chat/completions` and `/v1/completions`, Anthropic's 529
+/// `overloaded_error` on `/v1/messages`) and `/health` and `/ready` answer 503 `draining`, so
+/// routers stop sending here; queued and running requests finish. Returns once none are
+/// left, or once `timeout` has passed, when the rest are ended with a 503 error (streams with
+/// an `error` event, then OpenAI's `[DONE]`), giving the model thread up to 5 s to report
+/// that. [`serve`]'s shutdown future awaits this before the accept loop stops.
+pub async fn drain(shared: &Shared, timeout: Duration) -> Drained {
+    shared.draining.store(true, Ordering::SeqCst);
+    shared.metrics.draining.store(true, Ordering::SeqCst);
+    let t0 = std::time::Instant::now();
+    let tick = Duration::from_millis(20);
+    while shared.in_flight() > 0 {
+        if t0.elapsed() >= timeout {
+            let ended = shared.in_flight();
+            shared.stopping.store(true, Ordering::SeqCst);
+            let t1 = std::time::Instant::now();
+            while shared.in_flight() > 0 && t1.elapsed() < Duration::from_secs(5) {
+                tokio::time::sleep(tick).await;
+            }
+            return Drained::TimedOut { ended };
+        }
+        tokio::time::sleep(tick).await;
+    }
+    Drained::Clean
 }
 
 impl Shared {
@@ -243,10 +315,14 @@ fn warm_up<E: Engine>(engine: &E, max_running: usize) -> anyhow::Result<()> {
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/health", get(health))
+        .route("/ready", get(health))
+        .route("/live", get(live))
+        .route("/get_load", get(load))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions/render", post(chat_render))
         .route("/v1/completions", post(completions))
         .route(
             "/v1/messages",

@@ -16,6 +16,15 @@ pub(super) fn model_gone() -> ApiError {
     ApiError::new(500, "server_error", "the model thread dropped the request")
 }
 
+/// [`model_gone`] as the event a stream reports when its channel closes unanswered.
+pub(super) fn gone_event() -> Event {
+    let e = model_gone();
+    Event::Error {
+        status: e.status,
+        message: e.message,
+    }
+}
+
 pub(super) fn context_error(s: &Shared, n: usize, param: &str) -> ApiError {
     context_error_msg(s, &n.to_string(), param)
 }
