@@ -751,6 +751,22 @@ impl CudaModel {
                 ticket: ws.route_ticket.view(),
             }
             .launch(g)?;
+            let gemv = |a: Dev<bf16>, gather: Dev<i32>, w: &DeviceBuf, out: Untyped, nf, kdim| {
+                MoeGemvSorted {
+                    a,
+                    gather,
+                    w: w.bf16(),
+                    out,
+                    expert: plan.tile_expert,
+                    nf: nf as i32,
+                    kdim: kdim as i32,
+                }
+            };
+            let (xb, act) = (ws.xb.bf16(), ws.act.bf16());
+            gemv(xb, ws.sorted_token.i32(), &layer.gate_up, act.into(), i, d)
+                .launch(g, true, rows, e)?;
+            gemv(act, Dev::null(), &layer.down, ws.y.f32().into(), d, i)
+                .launch(g, false, rows, e)?;
         } else {
             g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
             g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
@@ -777,25 +793,6 @@ impl CudaModel {
                 ws.sorted_token.i32(),
                 ws.slot_row.i32(),
             )?;
-        }
-        if gemv_path {
-            let gemv = |a: Dev<bf16>, gather: Dev<i32>, w: &DeviceBuf, out: Untyped, nf, kdim| {
-                MoeGemvSorted {
-                    a,
-                    gather,
-                    w: w.bf16(),
-                    out,
-                    expert: plan.tile_expert,
-                    nf: nf as i32,
-                    kdim: kdim as i32,
-                }
-            };
-            let (xb, act) = (ws.xb.bf16(), ws.act.bf16());
-            gemv(xb, ws.sorted_token.i32(), &layer.gate_up, act.into(), i, d)
-                .launch(g, true, rows, e)?;
-            gemv(act, Dev::null(), &layer.down, ws.y.f32().into(), d, i)
-                .launch(g, false, rows, e)?;
-        } else {
             let gate_up = Grouped {
                 a: ws.xb.bf16(),
                 gather: ws.sorted_token.i32(),
