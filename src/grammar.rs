@@ -8,7 +8,8 @@
 //! * [`Guide`]: one sequence's matcher on a thread of its own. After each committed id it
 //!   computes the next token mask at once, so the mask is being computed while the model
 //!   runs that id; the draw waits for it only when it needs it ([`PendingMask::get`]), which
-//!   on the GPU is after the step's kernels were launched.
+//!   on the GPU is after the step's kernels were launched ([`PendingMask::get_after`]: only
+//!   the wait past the step's end is a cost, and only it counts as waited).
 //!
 //! A mask is a bitmask of the vocabulary: bit `i % 32` of word `i / 32` set when id `i` is
 //! allowed ([`mask_words`] words). The decode loop ([`crate::generate::DecodeLoop`]) applies
@@ -355,6 +356,38 @@ impl PendingMask {
     pub fn waited(&self) -> Duration {
         self.computed();
         self.waited.get().copied().unwrap_or_default()
+    }
+
+    /// The mask, for a draw that asks for it while the model's step may still be running
+    /// (the GPU's, whose kernels were queued): until `busy()` says the step is done the
+    /// draw takes the mask as soon as it arrives (polling, no thread wake-up on its path)
+    /// and that time is not counted as waited, since the step hid it; only the wait after
+    /// the step ended is. With `busy` false at once, [`get`](Self::get).
+    pub fn get_after(&self, busy: impl Fn() -> bool) -> &[u32] {
+        if let Some(c) = self.mask.get() {
+            return &c.0;
+        }
+        let early = {
+            let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                match rx.try_recv() {
+                    Ok(c) => break Some(c),
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => break None,
+                    // yielding: on few cores the guide's thread may want this one
+                    Err(std::sync::mpsc::TryRecvError::Empty) if busy() => {
+                        std::thread::yield_now();
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break None,
+                }
+            }
+        };
+        match early {
+            Some(c) => {
+                let _ = self.waited.set(Duration::ZERO);
+                &self.mask.get_or_init(|| c).0
+            }
+            None => self.get(),
+        }
     }
 
     fn computed(&self) -> &Computed {

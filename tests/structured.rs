@@ -6,8 +6,10 @@
 
 use anyhow::Result;
 use kestrel::config::{GenerationConfig, TextConfig};
-use kestrel::grammar::{Constraint, GrammarEngine, allowed};
+use kestrel::generate::{DecodeLoop, GenerateOptions, GenerationStats, StopReason};
+use kestrel::grammar::{Constraint, GrammarEngine, MaskCost, allowed};
 use kestrel::model::{CpuModel, Engine, Logits};
+use kestrel::sampling::{Draw, Drawn, Sampler, SamplingParams};
 use kestrel::server::{ServerConfig, Shared, run_model, serve};
 use kestrel::tensor::DType;
 use kestrel::tokenizer::{Tokenizer, special};
@@ -207,6 +209,132 @@ fn random_walks_through_the_masks_end_in_valid_json() {
         pct(0.99).as_secs_f64() * 1e3,
         times.last().unwrap().as_secs_f64() * 1e3
     );
+}
+
+/// The decode step of [`Timed`]: longer than a mask's compute, as the H200's is (its step
+/// ~2.2 ms at batch 1, a schema's mask ~0.67 ms).
+const STEP: Duration = Duration::from_millis(3);
+
+/// A model whose decode step takes [`STEP`] of wall time, with flat logits (the mask alone
+/// chooses). `device`: the step runs on its own, as the GPU's queued kernels do, and the
+/// draw takes the masks while it runs (as `draw_rows` does after the step's launch);
+/// otherwise the step blocks and the draw is on the host after it (the CPU's).
+struct Timed {
+    config: TextConfig,
+    device: bool,
+}
+
+impl Engine for Timed {
+    type State = usize;
+    fn config(&self) -> &TextConfig {
+        &self.config
+    }
+    fn new_state(&self) -> Result<usize> {
+        Ok(0)
+    }
+    fn state_len(&self, s: &usize) -> usize {
+        *s
+    }
+    fn state_bytes(&self, _: &usize) -> usize {
+        64
+    }
+    fn forward(&self, s: &mut usize, tokens: &[u32], _: Logits) -> Result<Vec<f32>> {
+        *s += tokens.len();
+        std::thread::sleep(STEP);
+        Ok(vec![0.0; self.config.vocab_size])
+    }
+    fn forward_batch_draw(
+        &self,
+        states: &mut [&mut usize],
+        tokens: &[u32],
+        draws: &[Draw],
+    ) -> Result<Vec<Drawn>> {
+        if !self.device {
+            return kestrel::model::forward_rows_draw(self, states, tokens, draws);
+        }
+        // the step's kernels are queued: it ends at `end` whatever the host does meanwhile
+        let end = Instant::now() + STEP;
+        for s in states.iter_mut() {
+            **s += 1;
+        }
+        for m in draws.iter().filter_map(|d| d.mask) {
+            m.get_after(|| Instant::now() < end);
+        }
+        std::thread::sleep(end.saturating_duration_since(Instant::now()));
+        let flat = vec![0.0; self.config.vocab_size];
+        Ok(draws.iter().map(|d| d.on_host(&flat)).collect())
+    }
+}
+
+/// What the masks of a schema answer from [`Timed`] cost, through the decode loop as the
+/// server's worker runs it (ids drawn by the engine under each next mask).
+fn timed_mask_cost(device: bool) -> MaskCost {
+    let e = Timed {
+        config: kestrel::synthetic::demo_config(),
+        device,
+    };
+    let opts = GenerateOptions {
+        max_tokens: 48,
+        stop_ids: vec![special::IM_END],
+        prefill_chunk: 64,
+        max_seq: 4096,
+        thinking: None,
+        device_greedy: true,
+    };
+    let mut sampler = Sampler::new(SamplingParams::default(), 7);
+    // the guide starts when the request arrives, its first mask computed during the prefill
+    let guide = engine()
+        .guide(&Constraint::JsonSchema(person_schema()))
+        .unwrap();
+    let mut state = 0;
+    let logits = e.forward(&mut state, &[1, 2, 3], Logits::Last).unwrap();
+    let stats = GenerationStats {
+        prompt_tokens: 3,
+        cached_tokens: 0,
+        generated: Vec::new(),
+        forced_tokens: 0,
+        time_to_first_token: Duration::ZERO,
+        decode_time: Duration::ZERO,
+        stop: StopReason::Cancelled,
+        prefill_complete: true,
+    };
+    let mut dl = DecodeLoop::new(stats, false, logits, Instant::now());
+    dl.constrain(guide);
+    loop {
+        let id = dl.pick(&opts, &mut sampler);
+        if dl.check(&opts, state).is_some() {
+            break;
+        }
+        dl.feed(&e, &mut state, id, &opts, &mut sampler).unwrap();
+    }
+    dl.mask_cost
+}
+
+/// Issue 41: the mask of the next id is computed while the step that gives its logits
+/// runs, so where the step is the longer the draw hardly waits (the H200 showed a wait per
+/// token of 0.78 ms against a compute of 0.67 ms: the wait was counted while the GPU ran).
+#[test]
+fn the_mask_is_hidden_behind_a_longer_step() {
+    engine();
+    for device in [false, true] {
+        let c = timed_mask_cost(device);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / c.masks.max(1) as f64;
+        let (compute, waited) = (ms(c.compute), ms(c.waited));
+        eprintln!(
+            "device {device}: {} masks, compute mean {compute:.3} ms, waited mean {waited:.3} ms, max {:.3} ms",
+            c.masks,
+            c.max_waited.as_secs_f64() * 1e3
+        );
+        assert!(c.masks >= 8, "{} masks", c.masks);
+        assert!(
+            compute < 0.5 * STEP.as_secs_f64() * 1e3,
+            "the masks took {compute:.3} ms each: not shorter than the step"
+        );
+        assert!(
+            waited < 0.25 * compute + 0.05,
+            "device {device}: the draw waited {waited:.3} ms a mask of {compute:.3} ms"
+        );
+    }
 }
 
 #[test]

@@ -493,6 +493,14 @@ impl Gpu {
             .map_err(Into::into)
     }
 
+    /// Whether work queued on the main stream is still running (without waiting; an error
+    /// reads as done, for the next sync to report).
+    pub fn busy(&self) -> bool {
+        // SAFETY: a query of our own live stream.
+        let r = unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) };
+        r == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+    }
+
     pub fn sync(&self) -> Result<()> {
         self.stream
             .synchronize()

@@ -144,13 +144,14 @@ impl Gpu {
         let mut out = vec![0u32; rows * SAMPLE_OW];
         if host.iter().any(|h| !h) {
             // The masked rows' masks, waited for only now: the step's kernels are queued, so
-            // the guides computed them while the GPU ran. A host row masks its own logits.
+            // the guides computed them while the GPU ran; a mask taken before the step ended
+            // cost nothing and is not counted as waited. A host row masks its own logits.
             let words_per = ld.div_ceil(32).min(SAMPLE_MASK_WORDS);
             let mut masks: Vec<u32> = Vec::new();
             for (r, d) in draws.iter().enumerate() {
                 if let Some(m) = d.mask.filter(|_| !host[r]) {
                     words[r * SAMPLE_PW + sp::MASK] = (masks.len() / words_per) as u32;
-                    let m = m.get();
+                    let m = m.get_after(|| self.busy());
                     let at = masks.len();
                     masks.extend(m.iter().take(words_per));
                     masks.resize(at + words_per, 0);
