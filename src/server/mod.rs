@@ -24,6 +24,7 @@ pub mod cache;
 mod chat;
 mod completions;
 mod conn;
+mod cors;
 mod http;
 mod messages;
 pub mod metrics;
@@ -80,6 +81,11 @@ pub struct ServerConfig {
     /// Connections served as usual at once; beyond it each gets one request, sent within
     /// [`conn::OVER_CAP_HEADER_TIMEOUT`], and is closed ([`conn`]).
     pub max_connections: usize,
+    /// Origins (`scheme://host[:port]`, or `*` for any) whose cross-origin requests to the
+    /// API are answered with CORS headers ([`cors`]); empty: none are.
+    pub allow_origins: Vec<String>,
+    /// One `tracing` info line per request (method, path, status, duration, tokens).
+    pub access_log: bool,
 }
 
 impl ServerConfig {
@@ -337,5 +343,9 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/detokenize", post(tokens::detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            cors::cors,
+        ))
         .with_state(shared)
 }
