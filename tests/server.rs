@@ -3391,3 +3391,121 @@ fn requests_the_context_or_the_api_cannot_take_are_refused_clearly() {
     let msg = an(json!({"max_tokens": 505, "messages": user("hi there")}));
     assert!(msg.contains("maximum context length is 512"), "{msg}");
 }
+
+/// A histogram's `_count` in the metrics text.
+fn hist_count(text: &str, name: &str) -> u64 {
+    metric(text, &format!("{name}_count"))
+}
+
+#[test]
+fn queue_ttft_and_e2e_histograms_count_from_arrival() {
+    // One sequence at a time, each forward 20 ms: the second request queues behind the first.
+    let mut cfg = config(4096, None);
+    cfg.max_running = Some(1);
+    let a = start(
+        slow_scripted("one two three four five", Duration::from_millis(20)),
+        cfg,
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let names = [
+        "kestrel_queue_time_seconds",
+        "kestrel_time_to_first_token_seconds",
+        "kestrel_time_to_first_token_after_admission_seconds",
+        "kestrel_e2e_request_latency_seconds",
+    ];
+    let m0 = http(a, "GET", "/metrics", None, &[]).1;
+    for n in names {
+        assert!(m0.contains(&format!("# TYPE {n} histogram")), "{m0}");
+        assert_eq!(hist_count(&m0, n), 0, "{n}");
+    }
+    let body = json!({"messages": user("go"), "max_tokens": 5});
+    let reqs: Vec<_> = (0..2)
+        .map(|_| {
+            let b = body.clone();
+            std::thread::spawn(move || post(a, "/v1/chat/completions", &b).0)
+        })
+        .collect();
+    for r in reqs {
+        assert_eq!(r.join().unwrap(), 200);
+    }
+    let m = http(a, "GET", "/metrics", None, &[]).1;
+    for n in names {
+        assert_eq!(hist_count(&m, n), 2, "{n}: {m}");
+        assert!(m.contains(&format!("{n}_bucket{{le=\"+Inf\"}} 2")), "{n}");
+    }
+    let sum = |n: &str| -> f64 {
+        let key = format!("{n}_sum ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    // The one that waited (about 5 steps of 20 ms) shows in the queue time; TTFT from arrival
+    // includes it, and each end-to-end latency is at least its time to first token.
+    assert!(sum("kestrel_queue_time_seconds") > 0.05, "{m}");
+    assert!(
+        sum("kestrel_time_to_first_token_seconds")
+            >= sum("kestrel_time_to_first_token_after_admission_seconds")
+                + sum("kestrel_queue_time_seconds") * 0.9,
+        "{m}"
+    );
+    assert!(
+        sum("kestrel_e2e_request_latency_seconds") >= sum("kestrel_time_to_first_token_seconds"),
+        "{m}"
+    );
+}
+
+#[test]
+fn binary_writes_an_access_log_line_per_request_unless_told_not_to() {
+    let (mut child, a, log) = spawn_binary(&["--max-seq", "512"]);
+    wait_ready(a);
+    let (st, _) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": user("hi"), "max_tokens": 3}),
+    );
+    assert_eq!(st, 200);
+    let body = json!({"messages": user("hi"), "max_tokens": 2, "stream": true}).to_string();
+    let (st, _) = http(a, "POST", "/v1/chat/completions", Some(&body), &[]);
+    assert_eq!(st, 200);
+    assert_eq!(http(a, "GET", "/v1/nope", None, &[]).0, 404);
+    std::thread::sleep(Duration::from_millis(200));
+    signal(&child, "TERM");
+    let _ = child.wait();
+    let log = log.join().unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("kestrel::access"))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("POST /v1/chat/completions 200")
+                && l.contains("completion_tokens=3")
+                && l.contains(" ms ")),
+        "{log}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("POST /v1/chat/completions 200")
+                && l.contains("completion_tokens=2")),
+        "streamed: {log}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("GET /v1/nope 404")),
+        "{log}"
+    );
+    assert!(lines.iter().all(|l| l.contains("prompt_tokens=")), "{log}");
+
+    let (mut child, a, log) = spawn_binary(&["--max-seq", "512", "--no-access-log"]);
+    wait_ready(a);
+    assert_eq!(http(a, "GET", "/v1/models", None, &[]).0, 200);
+    signal(&child, "TERM");
+    let _ = child.wait();
+    let log = log.join().unwrap();
+    assert!(!log.contains("kestrel::access"), "{log}");
+}

@@ -13,12 +13,14 @@
 //! (llama.cpp's shapes). Wire formats are in [`api`]. [`drain`] is the graceful stop routers
 //! need; [`serve`] runs the accept loop it stops.
 //!
-//! Files: `conn` (the accept loop: timeouts and the connection cap), `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
+//! Files: `conn` (the accept loop: timeouts and the connection cap), `cors` (the CORS
+//! policy), `access` (the access log and each request's arrival time), `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
 //! `chat` and `completions` (the OpenAI POST endpoints), `messages` (Anthropic's, on the chat
 //! path), `tokens` (tokenize / detokenize), `submit` (queueing a job for the model thread and
 //! reading its events), [`worker`] (the model thread), [`cache`] (the prefix cache),
 //! [`metrics`].
 
+mod access;
 pub mod api;
 pub mod cache;
 mod chat;
@@ -346,6 +348,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             shared.clone(),
             cors::cors,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            access::access,
         ))
         .with_state(shared)
 }

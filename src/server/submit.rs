@@ -229,6 +229,10 @@ pub(super) async fn submit(
     settings: ReplySettings,
     params: &GenParams,
 ) -> Result<Submitted, ApiError> {
+    // Counted from the request's arrival at the server (validation and tokenizing
+    // included), as the access log's duration.
+    let log = super::access::current();
+    let arrived = log.as_ref().map_or_else(Instant::now, |l| l.start);
     let guide = match &params.constraint {
         None => None,
         Some(c) => Some(guide(s, c).await?),
@@ -252,6 +256,8 @@ pub(super) async fn submit(
         events: tx,
         cancel: cancel.clone(),
         deadline: Instant::now() + s.config.request_timeout,
+        arrived,
+        log,
     };
     let guard = CancelOnDrop(cancel);
     let waiting = s.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
