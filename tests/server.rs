@@ -3509,3 +3509,88 @@ fn binary_writes_an_access_log_line_per_request_unless_told_not_to() {
     let log = log.join().unwrap();
     assert!(!log.contains("kestrel::access"), "{log}");
 }
+
+/// What held under load (issue 41): 64 concurrent streams on the demo model, 20 of which hang
+/// up mid-stream. Every other stream ends with a finish_reason and `[DONE]`, the 20 are
+/// counted as cancellations, and nothing is left running or queued.
+#[test]
+fn sixty_four_streams_with_twenty_disconnects_all_finish_or_are_counted() {
+    let mut cfg = config(4096, None);
+    cfg.max_running = Some(16);
+    let a = start(demo_engine, cfg, Duration::ZERO);
+    wait_ready(a);
+    let t0 = Instant::now();
+    let clients: Vec<_> = (0..64)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let hang_up = i % 16 < 5; // 20 of the 64
+                let body = json!({"messages": user(&format!("Story number {i}, please.")),
+                    "max_tokens": if hang_up { 4000 } else { 6 }, "stream": true, "seed": i});
+                let mut s = TcpStream::connect(a).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                s.write_all(
+                    request("POST", "/v1/chat/completions", Some(&body.to_string()), &[])
+                        .as_bytes(),
+                )
+                .unwrap();
+                let mut reader = BufReader::new(s);
+                let (mut line, mut datas, mut finish) = (String::new(), 0, None);
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap() == 0 {
+                        break;
+                    }
+                    let Some(data) = line.trim().strip_prefix("data: ") else {
+                        continue;
+                    };
+                    datas += 1;
+                    if hang_up && datas == 3 {
+                        return None; // drops the connection mid-stream
+                    }
+                    if data == "[DONE]" {
+                        break;
+                    }
+                    let v: Value = serde_json::from_str(data).unwrap();
+                    assert!(v.get("error").is_none(), "stream {i}: {v}");
+                    if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                        finish = Some(f.to_string());
+                    }
+                }
+                Some(finish.unwrap_or_else(|| panic!("stream {i} ended without a finish_reason")))
+            })
+        })
+        .collect();
+    let ends: Vec<Option<String>> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let finished: Vec<&String> = ends.iter().flatten().collect();
+    assert_eq!(finished.len(), 44);
+    assert!(
+        finished.iter().all(|f| *f == "length" || *f == "stop"),
+        "{finished:?}"
+    );
+    let t1 = Instant::now();
+    let m = loop {
+        let m = http(a, "GET", "/metrics", None, &[]).1;
+        if metric(&m, "kestrel_cancelled_total") >= 20
+            && metric(&m, "kestrel_running_sequences") == 0
+        {
+            break m;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(20),
+            "cancellations not counted:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(metric(&m, "kestrel_cancelled_total"), 20, "{m}");
+    assert_eq!(metric(&m, "kestrel_queue_depth"), 0, "{m}");
+    assert_eq!(
+        hist_count(&m, "kestrel_e2e_request_latency_seconds"),
+        64,
+        "{m}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
