@@ -65,6 +65,7 @@ fn margin(x: &[f32]) -> f32 {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_matches_reference_prefill_decode_and_greedy() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {
@@ -125,6 +126,7 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_chunked_prefill_equals_one_shot_and_token_by_token() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {
@@ -157,6 +159,7 @@ fn cuda_chunked_prefill_equals_one_shot_and_token_by_token() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_matches_cpu_and_snapshots_restore() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {
@@ -210,6 +213,7 @@ fn cuda_matches_cpu_and_snapshots_restore() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_rejects_bad_tokens_and_overflow() {
     let Some(gpu) = gpu() else { return };
     let cfg = kestrel::synthetic::demo_config();
@@ -233,6 +237,7 @@ fn cuda_rejects_bad_tokens_and_overflow() {
 /// an earlier kernel of the step writes makes these differ (the bench's round check caught
 /// such a race in moe_down_dec; the tiny fixtures did not).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let Some(gpu) = gpu() else { return };
     let mut cfg = kestrel::config::TextConfig::qwen36_35b_a3b();
@@ -312,6 +317,7 @@ fn full_width_decode_is_deterministic_with_graph_and_pdl() {
 /// Needs no fixtures: seeded random weights (demo shape, real vocabulary; and a shape with
 /// dk=32, 8 value heads, 16 experts top-4), GPU against CPU in prefill and decode.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_matches_cpu_on_random_weights() {
     let Some(gpu) = gpu() else { return };
     let mut wide = kestrel::synthetic::demo_config();
@@ -364,6 +370,7 @@ fn cuda_matches_cpu_on_random_weights() {
 /// HF's; the script picked a prompt whose steps have a top-2 margin >= 0.1).
 /// Skips without the checkpoint (KESTREL_FULLWIDTH_DIR).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn fullwidth_checkpoint_matches_hf() {
     let Ok(dir) = std::env::var("KESTREL_FULLWIDTH_DIR") else {
         println!("SKIPPED: KESTREL_FULLWIDTH_DIR not set (see scripts/gpu_check.sh fullwidth)");
@@ -445,6 +452,7 @@ fn fullwidth_checkpoint_matches_hf() {
 /// difference. The greedy ids from the fused lm_head argmax
 /// equal the argmax of the fused logits at every step.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn fused_decode_and_graph_match_general_path() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {
@@ -543,6 +551,7 @@ fn logits_in_pieces(
 /// either setting: pieces of at most 32 tokens skip the chunked kernels), then 40 and 70
 /// (chunked, state carried in from the short pieces).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gdn_chunked_matches_recurrent_through_the_model() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {
@@ -581,6 +590,7 @@ fn gdn_chunked_matches_recurrent_through_the_model() {
 /// greedy ids equal the argmax of the batched logits, and the greedy choice equals the
 /// one-at-a-time one wherever the margin is confident.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_decode_matches_one_at_a_time() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {
@@ -685,6 +695,7 @@ fn batched_decode_matches_one_at_a_time() {
 /// A batched step checks every row before it runs: a bad token or a full sequence fails the
 /// whole step with a clear error and leaves every state where it was.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_decode_rejects_bad_rows_without_moving_any_state() {
     let Some(gpu) = gpu() else { return };
     let dir = &fixtures()[0];
@@ -721,6 +732,7 @@ fn batched_decode_rejects_bad_rows_without_moving_any_state() {
 /// the workspace's 32 and runs alone, and one continues a prefilled state. The last
 /// positions' logits agree within summation order, and so do the next decode steps.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_prefill_matches_each_prompt_alone() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {
@@ -781,6 +793,7 @@ fn batched_prefill_matches_each_prompt_alone() {
 /// here: the step is deterministic), the log-probabilities within 1e-4, and the states advance
 /// as the logits run's.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_draws_match_the_host_draw_of_the_same_logits() {
     use kestrel::sampling::{Draw, Rng, SamplingParams};
     let Some(gpu) = gpu() else { return };
@@ -881,6 +894,7 @@ fn batched_draws_match_the_host_draw_of_the_same_logits() {
 /// both continue alike; a snapshot at a page boundary copies none; every page goes back to
 /// the pool when the states drop.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn paged_kv_crosses_pages_shares_them_and_gives_them_back() {
     let Some(gpu) = gpu() else { return };
     for dir in fixtures() {

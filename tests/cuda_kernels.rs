@@ -29,6 +29,7 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
 /// path (`moe_gemv_sorted`, batched decode steps) the same way: 8 tokens (a batch of 8), 1, and
 /// 16 routed ~9:1 (a hot expert's rows in a run).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn moe_grouped_gemm_matches_reference_full_shape() {
     let Some(gpu) = gpu() else { return };
     for (t, skewed) in [(4096, true), (2048, false), (40, false)] {
@@ -368,6 +369,7 @@ fn model_gdn_shape(t: usize) -> GdnShape {
 /// partial last chunk) and 2 tokens, and with the fixtures' few heads (one or two value heads a
 /// key head).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gdn_chunked_kernel_matches_recurrent() {
     let Some(gpu) = gpu() else { return };
     let shape = |t, hk, hv, dk, dv| GdnShape { t, hk, hv, dk, dv };
@@ -407,6 +409,7 @@ fn gdn_chunked_kernel_matches_recurrent() {
 /// in rows wider than the channels (the whole in-projection's output, as prefill has them)
 /// where `pad` > 0.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gdn_conv_prefill_matches_sequential() {
     let Some(gpu) = gpu() else { return };
     let kern = 4;
@@ -461,6 +464,7 @@ fn gdn_conv_prefill_matches_sequential() {
 /// than n, at 70 rows, then 65 and 80 (the same bucket of row counts: cuBLASLt reuses the
 /// algorithm it chose at 70), on the main and the second stream.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gemm_matches_reference() {
     let Some(gpu) = gpu() else { return };
     let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
@@ -521,6 +525,7 @@ fn gemm_matches_reference() {
 /// an f64 product with bf16 inputs, y = y0 + W·x, at the model's inner dimensions (512 experts'
 /// down, 2,048 in-projections, 4,096 out-projections) and ragged row counts.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn decode_gemv_kernels_match_reference() {
     let Some(gpu) = gpu() else { return };
     let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
@@ -753,6 +758,7 @@ impl QPrepCase {
 /// the output is bf16); from an empty cache, after cached positions, ragged lengths, and one
 /// 2,048-token call against the reference's first and last rows.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn attn_flash4_matches_reference_full_shape() {
     let Some(gpu) = gpu() else { return };
     let rh = QPrepCase::ROT_HALF;
@@ -831,6 +837,7 @@ fn vocab_rows(rows: usize, seed: u64, peak: f32) -> Vec<f32> {
 /// one row in 64), the log-probabilities within 1e-4, and a row asking for its logits gets
 /// them unchanged (penalized rows' raw values restored).
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn device_draws_match_the_host_sampler() {
     use kestrel::cuda::sample::SampleWs;
     use kestrel::sampling::{Draw, Rng, SamplingParams};
@@ -971,6 +978,7 @@ fn device_draws_match_the_host_sampler() {
 /// next to rows without one: each device id is the host's masked draw ([`Draw::on_host`]
 /// masks too), always an allowed id, and a row asking for its logits gets them masked.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn device_draws_honour_structured_output_masks() {
     use kestrel::cuda::sample::SampleWs;
     use kestrel::grammar::{Constraint, GrammarEngine, PendingMask, allowed, mask_words};
@@ -1064,6 +1072,7 @@ fn device_draws_honour_structured_output_masks() {
 /// host's draw gives (its id at 200,000 evenly spaced uniforms): chi-square over the ids the
 /// host can choose (those expected fewer than 5 times in one bin), at most its 0.999 quantile.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn device_draws_follow_the_host_distribution() {
     use kestrel::cuda::sample::SampleWs;
     use kestrel::sampling::{Draw, Rng, SamplingParams, draw};
@@ -1147,6 +1156,7 @@ fn device_draws_follow_the_host_distribution() {
 /// vocabulary (float4 loads) and at an odd row width (the scalar path), with the maximum
 /// planted in the last float4, in the scalar tail, tied, beside NaNs and past the limit.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn argmax_rows_matches_host_scan() {
     let Some(gpu) = gpu() else { return };
     for (ld, limit) in [

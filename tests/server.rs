@@ -31,6 +31,8 @@ fn config(max_seq: usize, api_key: Option<&str>) -> ServerConfig {
         header_timeout: ServerConfig::HEADER_TIMEOUT,
         body_timeout: ServerConfig::BODY_TIMEOUT,
         max_connections: ServerConfig::MAX_CONNECTIONS,
+        allow_origins: Vec::new(),
+        access_log: false,
     }
 }
 
@@ -963,7 +965,7 @@ fn request_timeout_stops_a_long_generation() {
     let (status, v) = post(
         a,
         "/v1/chat/completions",
-        &json!({"messages": user("go on forever"), "max_tokens": 100000}),
+        &json!({"messages": user("go on forever"), "max_tokens": 30_000}),
     );
     assert_eq!(status, 504, "{v}");
     assert_eq!(v["error"]["type"], "timeout");
@@ -1089,13 +1091,32 @@ fn scripted_thinking_budget_and_context_limit() {
     );
     assert_eq!(m["content"], text);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    // --max-seq bounds prompt + reply: the reply stops with `length` at the limit
-    let a = scripted_server_with(&format!("{text} {text} {text} {text}"), 40);
+    // --max-seq bounds prompt + reply: an explicit max_tokens past it is refused (OpenAI's
+    // context_length_exceeded); with the server's default, the reply stops with `length` at
+    // the limit.
+    let mut cfg = config(40, None);
+    cfg.default_max_tokens = 1000;
+    let a = start(
+        scripted(&format!("{text} {text} {text} {text}")),
+        cfg,
+        Duration::ZERO,
+    );
+    wait_ready(a);
     let (status, v) = post(
         a,
         "/v1/completions",
-        &json!({"prompt": "a b", "max_tokens": 1000}),
+        &json!({"prompt": "a b", "max_tokens": 39}),
     );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    let (status, v) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": user("a b"), "max_tokens": 1000}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+    let (status, v) = post(a, "/v1/chat/completions", &json!({"messages": user("a b")}));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     let u = &v["usage"];
@@ -1112,7 +1133,7 @@ fn a_full_queue_is_refused_with_429() {
     cfg.request_timeout = Duration::from_secs(3);
     let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
     wait_ready(a);
-    let long = json!({"messages": user("long"), "max_tokens": 100000});
+    let long = json!({"messages": user("long"), "max_tokens": 30_000});
     let running = std::thread::spawn(move || post(a, "/v1/chat/completions", &long).0);
     std::thread::sleep(Duration::from_millis(300));
     let queued = std::thread::spawn(move || {
@@ -2375,7 +2396,7 @@ fn anthropic_errors_of_the_server_side() {
     cfg.request_timeout = Duration::from_millis(800);
     let a = start(scripted(&"word ".repeat(20_000)), cfg, Duration::ZERO);
     wait_ready(a);
-    let long = json!({"max_tokens": 100_000, "messages": anthropic_user("go on")});
+    let long = json!({"max_tokens": 30_000, "messages": anthropic_user("go on")});
     let (got, text) = http(a, "POST", "/v1/messages", Some(&long.to_string()), &[]);
     assert_anthropic_error(got, &text, 504, "timeout");
     let mut s = long.clone();
@@ -2894,9 +2915,22 @@ fn spawn_binary(
     SocketAddr,
     std::thread::JoinHandle<String>,
 ) {
+    spawn_binary_env(args, &[])
+}
+
+/// [`spawn_binary`] with environment variables set.
+fn spawn_binary_env(
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> (
+    std::process::Child,
+    SocketAddr,
+    std::thread::JoinHandle<String>,
+) {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kestrel"))
         .args(["serve", "--bind", "127.0.0.1:0"])
         .args(args)
+        .envs(envs.iter().copied())
         .stderr(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -3058,4 +3092,505 @@ fn chat_render_gives_the_prompt_ids_the_request_runs() {
     assert_eq!((status, &r2["token_ids"]), (200, &r["token_ids"]));
     let (status, e) = post(a, "/v1/chat/completions/render", &json!({"messages": 3}));
     assert_eq!(status, 400, "{e}");
+}
+
+/// The full response head (lower-cased) and status of a request.
+fn http_head(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(request(method, path, body, headers).as_bytes())
+        .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let (head, rest) = text.split_once("\r\n\r\n").expect("no header end");
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head.to_ascii_lowercase(), rest.to_string())
+}
+
+const PREFLIGHT: [(&str, &str); 3] = [
+    ("Origin", "https://evil.example"),
+    ("Access-Control-Request-Method", "POST"),
+    (
+        "Access-Control-Request-Headers",
+        "content-type, authorization",
+    ),
+];
+
+#[test]
+fn cross_origin_requests_get_no_cors_without_allow_origin() {
+    let a = demo();
+    // A preflight from another origin: 403 in each API's error shape, no CORS headers.
+    let (st, head, body) = http_head(a, "OPTIONS", "/v1/chat/completions", None, &PREFLIGHT);
+    assert_eq!(st, 403, "{head}{body}");
+    assert!(!head.contains("access-control-allow"), "{head}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["code"], "origin_not_allowed", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--allow-origin")
+    );
+    let (st, _, body) = http_head(a, "OPTIONS", "/v1/messages", None, &PREFLIGHT);
+    assert_eq!(st, 403);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "permission_error", "{v}");
+    // A request that needs no preflight is answered, without CORS headers (the browser keeps
+    // the answer from the page).
+    let (st, head, _) = http_head(
+        a,
+        "GET",
+        "/v1/models",
+        None,
+        &[("Origin", "https://evil.example")],
+    );
+    assert_eq!(st, 200);
+    assert!(!head.contains("access-control-allow"), "{head}");
+    // The server's own origin and requests without an Origin are untouched.
+    let body = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
+    let (st, head, _) = http_head(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body),
+        &[("Origin", "http://localhost")],
+    );
+    assert_eq!(st, 200);
+    assert!(!head.contains("access-control-allow"), "{head}");
+}
+
+#[test]
+fn allowed_origins_get_cors_headers_and_preflight_204() {
+    let mut cfg = config(4096, None);
+    cfg.allow_origins = vec!["https://app.example".into(), "http://localhost:3000".into()];
+    let a = start(scripted("hello"), cfg, Duration::ZERO);
+    wait_ready(a);
+    let pre = [
+        ("Origin", "https://app.example"),
+        ("Access-Control-Request-Method", "POST"),
+        (
+            "Access-Control-Request-Headers",
+            "content-type, authorization",
+        ),
+    ];
+    for path in ["/v1/chat/completions", "/v1/messages"] {
+        let (st, head, _) = http_head(a, "OPTIONS", path, None, &pre);
+        assert_eq!(st, 204, "{path}: {head}");
+        assert!(
+            head.contains("access-control-allow-origin: https://app.example"),
+            "{head}"
+        );
+        assert!(head.contains("access-control-allow-methods:"), "{head}");
+        assert!(head.contains("post"), "{head}");
+        assert!(
+            head.contains("access-control-allow-headers: content-type, authorization"),
+            "{head}"
+        );
+        assert!(head.contains("vary: origin"), "{head}");
+    }
+    let body = json!({"messages": user("hi"), "max_tokens": 1}).to_string();
+    let (st, head, _) = http_head(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body),
+        &[("Origin", "http://localhost:3000")],
+    );
+    assert_eq!(st, 200);
+    assert!(
+        head.contains("access-control-allow-origin: http://localhost:3000"),
+        "{head}"
+    );
+    // Another origin is still refused.
+    let (st, head, _) = http_head(a, "OPTIONS", "/v1/chat/completions", None, &PREFLIGHT);
+    assert_eq!(st, 403, "{head}");
+    assert!(!head.contains("access-control-allow"), "{head}");
+
+    // `*`: any origin, answered with `*`.
+    let mut cfg = config(4096, None);
+    cfg.allow_origins = vec!["*".into()];
+    let a = start(scripted("hello"), cfg, Duration::ZERO);
+    wait_ready(a);
+    let (st, head, _) = http_head(a, "OPTIONS", "/v1/completions", None, &PREFLIGHT);
+    assert_eq!(st, 204, "{head}");
+    assert!(head.contains("access-control-allow-origin: *"), "{head}");
+}
+
+#[test]
+fn binary_takes_the_api_key_from_the_environment_and_allow_origin_lists() {
+    let (mut child, a, _log) = spawn_binary_env(
+        &[
+            "--max-seq",
+            "512",
+            "--allow-origin",
+            "https://a.example,https://b.example",
+        ],
+        &[("KESTREL_API_KEY", "envkey")],
+    );
+    wait_ready(a);
+    let no_key = http(a, "GET", "/v1/models", None, &[]).0;
+    let env_key = http(a, "GET", "/v1/models", None, &[("x-api-key", "envkey")]).0;
+    let pre = [
+        ("Origin", "https://b.example"),
+        ("Access-Control-Request-Method", "POST"),
+    ];
+    let (pre_b, _, _) = http_head(a, "OPTIONS", "/v1/chat/completions", None, &pre);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!((no_key, env_key, pre_b), (401, 200, 204));
+    // A flag wins over the environment.
+    let (mut child, a, _log) = spawn_binary_env(
+        &["--max-seq", "512", "--api-key", "flagkey"],
+        &[("KESTREL_API_KEY", "envkey")],
+    );
+    wait_ready(a);
+    let env_key = http(a, "GET", "/v1/models", None, &[("x-api-key", "envkey")]).0;
+    let flag_key = http(a, "GET", "/v1/models", None, &[("x-api-key", "flagkey")]).0;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!((env_key, flag_key), (401, 200));
+}
+
+#[test]
+fn requests_the_context_or_the_api_cannot_take_are_refused_clearly() {
+    // A 512-token context: a short prompt fits, a reply of 10^12 or one past the end does not.
+    let a = start(scripted("hello"), config(512, None), Duration::ZERO);
+    wait_ready(a);
+    let chat_with = |extra: Value| {
+        let mut b = json!({"messages": user("hi")});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let cases: Vec<(&str, Value, &str, Option<&str>, &str)> = vec![
+        (
+            "/v1/chat/completions",
+            chat_with(json!({"max_tokens": 1_000_000_000_000u64})),
+            "max_tokens",
+            Some("context_length_exceeded"),
+            "1000000000000",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(json!({"max_completion_tokens": 1_000_000_000_000u64})),
+            "max_tokens",
+            Some("context_length_exceeded"),
+            "512",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(json!({"max_tokens": 505})),
+            "max_tokens",
+            Some("context_length_exceeded"),
+            "11 in the messages, 505 in the completion",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi there", "max_tokens": 511}),
+            "max_tokens",
+            Some("context_length_exceeded"),
+            "2 in the prompt, 511 in the completion",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 1_000_000_000_000u64}),
+            "max_tokens",
+            Some("context_length_exceeded"),
+            "maximum context length is 512",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(json!({"stream_options": {"include_usage": true}})),
+            "stream_options",
+            None,
+            "`stream` is true",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "stream": false, "stream_options": {"include_usage": true}}),
+            "stream_options",
+            None,
+            "`stream` is true",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(json!({"tools": [{"type": "function",
+                "function": {"name": "f", "parameters": "{\"type\": \"object\"}"}}]})),
+            "tools[0].function.parameters",
+            None,
+            "JSON Schema object",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": "sunny"}]}),
+            "messages[2].tool_call_id",
+            None,
+            "required for a tool message",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "system", "content": "you are terse"}]}),
+            "messages",
+            None,
+            "at least one user message",
+        ),
+    ];
+    for (path, body, param, code, says) in cases {
+        let (st, v) = post(a, path, &body);
+        assert_eq!(st, 400, "{body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        if let Some(c) = code {
+            assert_eq!(v["error"]["code"], c, "{v}");
+        }
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{body}: {msg}");
+        // No template internals (names, line numbers, source) in any refusal.
+        for internal in ["chat:", "template", "line ", "raise_exception", "{%"] {
+            assert!(!msg.contains(internal), "{body}: {msg}");
+        }
+    }
+    // What fits still runs: prompt + max_tokens at most the context, a stream with options,
+    // a tool with an object schema and a tool message with its id.
+    let (st, v) = post(
+        a,
+        "/v1/chat/completions",
+        &chat_with(json!({"max_tokens": 4})),
+    );
+    assert_eq!(st, 200, "{v}");
+    let ok = chat_with(json!({"max_tokens": 2, "tools": [{"type": "function",
+        "function": {"name": "f", "parameters": {"type": "object"}}}]}));
+    let (st, v) = post(a, "/v1/chat/completions", &ok);
+    assert_eq!(st, 200, "{v}");
+    // Without max_tokens the server's default applies and is not checked against the
+    // context: the reply stops where the context ends.
+    let (st, v) = post(a, "/v1/completions", &json!({"prompt": "hi"}));
+    assert_eq!(st, 200, "{v}");
+
+    // Anthropic: the same checks in its shape.
+    let an = |body: Value| {
+        let (st, t) = http(a, "POST", "/v1/messages", Some(&body.to_string()), &[]);
+        let v = assert_anthropic_error(st, &t, 400, &body.to_string());
+        v["error"]["message"].as_str().unwrap().to_string()
+    };
+    let msg = an(json!({"max_tokens": 1_000_000_000_000u64, "messages": user("hi")}));
+    assert!(msg.contains("max_tokens"), "{msg}");
+    let msg = an(json!({"max_tokens": 505, "messages": user("hi there")}));
+    assert!(msg.contains("maximum context length is 512"), "{msg}");
+}
+
+/// A histogram's `_count` in the metrics text.
+fn hist_count(text: &str, name: &str) -> u64 {
+    metric(text, &format!("{name}_count"))
+}
+
+#[test]
+fn queue_ttft_and_e2e_histograms_count_from_arrival() {
+    // One sequence at a time, each forward 20 ms: the second request queues behind the first.
+    let mut cfg = config(4096, None);
+    cfg.max_running = Some(1);
+    let a = start(
+        slow_scripted("one two three four five", Duration::from_millis(20)),
+        cfg,
+        Duration::ZERO,
+    );
+    wait_ready(a);
+    let names = [
+        "kestrel_queue_time_seconds",
+        "kestrel_time_to_first_token_seconds",
+        "kestrel_time_to_first_token_after_admission_seconds",
+        "kestrel_e2e_request_latency_seconds",
+    ];
+    let m0 = http(a, "GET", "/metrics", None, &[]).1;
+    for n in names {
+        assert!(m0.contains(&format!("# TYPE {n} histogram")), "{m0}");
+        assert_eq!(hist_count(&m0, n), 0, "{n}");
+    }
+    let body = json!({"messages": user("go"), "max_tokens": 5});
+    let reqs: Vec<_> = (0..2)
+        .map(|_| {
+            let b = body.clone();
+            std::thread::spawn(move || post(a, "/v1/chat/completions", &b).0)
+        })
+        .collect();
+    for r in reqs {
+        assert_eq!(r.join().unwrap(), 200);
+    }
+    let m = http(a, "GET", "/metrics", None, &[]).1;
+    for n in names {
+        assert_eq!(hist_count(&m, n), 2, "{n}: {m}");
+        assert!(m.contains(&format!("{n}_bucket{{le=\"+Inf\"}} 2")), "{n}");
+    }
+    let sum = |n: &str| -> f64 {
+        let key = format!("{n}_sum ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    // The one that waited (about 5 steps of 20 ms) shows in the queue time; TTFT from arrival
+    // includes it, and each end-to-end latency is at least its time to first token.
+    assert!(sum("kestrel_queue_time_seconds") > 0.05, "{m}");
+    assert!(
+        sum("kestrel_time_to_first_token_seconds")
+            >= sum("kestrel_time_to_first_token_after_admission_seconds")
+                + sum("kestrel_queue_time_seconds") * 0.9,
+        "{m}"
+    );
+    assert!(
+        sum("kestrel_e2e_request_latency_seconds") >= sum("kestrel_time_to_first_token_seconds"),
+        "{m}"
+    );
+}
+
+#[test]
+fn binary_writes_an_access_log_line_per_request_unless_told_not_to() {
+    let (mut child, a, log) = spawn_binary(&["--max-seq", "512"]);
+    wait_ready(a);
+    let (st, _) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": user("hi"), "max_tokens": 3}),
+    );
+    assert_eq!(st, 200);
+    let body = json!({"messages": user("hi"), "max_tokens": 2, "stream": true}).to_string();
+    let (st, _) = http(a, "POST", "/v1/chat/completions", Some(&body), &[]);
+    assert_eq!(st, 200);
+    assert_eq!(http(a, "GET", "/v1/nope", None, &[]).0, 404);
+    std::thread::sleep(Duration::from_millis(200));
+    signal(&child, "TERM");
+    let _ = child.wait();
+    let log = log.join().unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("kestrel::access"))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("POST /v1/chat/completions 200")
+                && l.contains("completion_tokens=3")
+                && l.contains(" ms ")),
+        "{log}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("POST /v1/chat/completions 200")
+                && l.contains("completion_tokens=2")),
+        "streamed: {log}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("GET /v1/nope 404")),
+        "{log}"
+    );
+    assert!(lines.iter().all(|l| l.contains("prompt_tokens=")), "{log}");
+
+    let (mut child, a, log) = spawn_binary(&["--max-seq", "512", "--no-access-log"]);
+    wait_ready(a);
+    assert_eq!(http(a, "GET", "/v1/models", None, &[]).0, 200);
+    signal(&child, "TERM");
+    let _ = child.wait();
+    let log = log.join().unwrap();
+    assert!(!log.contains("kestrel::access"), "{log}");
+}
+
+/// What held under load (issue 41): 64 concurrent streams on the demo model, 20 of which hang
+/// up mid-stream. Every other stream ends with a finish_reason and `[DONE]`, the 20 are
+/// counted as cancellations, and nothing is left running or queued.
+#[test]
+fn sixty_four_streams_with_twenty_disconnects_all_finish_or_are_counted() {
+    let mut cfg = config(4096, None);
+    cfg.max_running = Some(16);
+    let a = start(demo_engine, cfg, Duration::ZERO);
+    wait_ready(a);
+    let t0 = Instant::now();
+    let clients: Vec<_> = (0..64)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let hang_up = i % 16 < 5; // 20 of the 64
+                let body = json!({"messages": user(&format!("Story number {i}, please.")),
+                    "max_tokens": if hang_up { 4000 } else { 6 }, "stream": true, "seed": i});
+                let mut s = TcpStream::connect(a).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                s.write_all(
+                    request("POST", "/v1/chat/completions", Some(&body.to_string()), &[])
+                        .as_bytes(),
+                )
+                .unwrap();
+                let mut reader = BufReader::new(s);
+                let (mut line, mut datas, mut finish) = (String::new(), 0, None);
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap() == 0 {
+                        break;
+                    }
+                    let Some(data) = line.trim().strip_prefix("data: ") else {
+                        continue;
+                    };
+                    datas += 1;
+                    if hang_up && datas == 3 {
+                        return None; // drops the connection mid-stream
+                    }
+                    if data == "[DONE]" {
+                        break;
+                    }
+                    let v: Value = serde_json::from_str(data).unwrap();
+                    assert!(v.get("error").is_none(), "stream {i}: {v}");
+                    if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                        finish = Some(f.to_string());
+                    }
+                }
+                Some(finish.unwrap_or_else(|| panic!("stream {i} ended without a finish_reason")))
+            })
+        })
+        .collect();
+    let ends: Vec<Option<String>> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let finished: Vec<&String> = ends.iter().flatten().collect();
+    assert_eq!(finished.len(), 44);
+    assert!(
+        finished.iter().all(|f| *f == "length" || *f == "stop"),
+        "{finished:?}"
+    );
+    let t1 = Instant::now();
+    let m = loop {
+        let m = http(a, "GET", "/metrics", None, &[]).1;
+        if metric(&m, "kestrel_cancelled_total") >= 20
+            && metric(&m, "kestrel_running_sequences") == 0
+        {
+            break m;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(20),
+            "cancellations not counted:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(metric(&m, "kestrel_cancelled_total"), 20, "{m}");
+    assert_eq!(metric(&m, "kestrel_queue_depth"), 0, "{m}");
+    assert_eq!(
+        hist_count(&m, "kestrel_e2e_request_latency_seconds"),
+        64,
+        "{m}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t0.elapsed()
+    );
 }

@@ -406,6 +406,8 @@ fn config() -> ServerConfig {
         header_timeout: ServerConfig::HEADER_TIMEOUT,
         body_timeout: ServerConfig::BODY_TIMEOUT,
         max_connections: ServerConfig::MAX_CONNECTIONS,
+        allow_origins: Vec::new(),
+        access_log: false,
     }
 }
 

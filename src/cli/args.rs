@@ -50,8 +50,18 @@ pub(super) struct ServeArgs {
     #[arg(long, conflicts_with = "api_key_file")]
     pub(super) api_key: Option<String>,
     /// Read the API key from this file (its first line, surrounding whitespace removed).
+    /// Without --api-key or --api-key-file, the environment variable KESTREL_API_KEY (when
+    /// set and not empty) is the key.
     #[arg(long, value_name = "PATH")]
     pub(super) api_key_file: Option<std::path::PathBuf>,
+    /// Answer cross-origin (browser) requests from ORIGIN (`scheme://host[:port]`) with CORS
+    /// headers; repeatable or a comma list; `*` allows any origin. Without it, cross-origin
+    /// requests get no CORS headers and their preflights 403.
+    #[arg(long, value_name = "ORIGIN", value_delimiter = ',')]
+    pub(super) allow_origin: Vec<String>,
+    /// No access log line (method, path, status, duration, tokens) per request.
+    #[arg(long)]
+    pub(super) no_access_log: bool,
     /// Bytes of sequence states the prefix cache keeps (K, M, G suffixes allowed).
     #[arg(long, default_value = "4G", value_parser = parse_bytes)]
     pub(super) cache_mem: u64,

@@ -181,7 +181,10 @@ pub(crate) fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // Warnings, and `serve`'s access log (off with --no-access-log).
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("warn,kestrel::access=info")
+                }),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())

@@ -17,6 +17,8 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         bind,
         api_key,
         api_key_file,
+        allow_origin,
+        no_access_log,
         cache_mem,
         request_timeout,
         served_model_name,
@@ -38,8 +40,18 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
     let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
         Some(path) => Some(read_api_key(&path)?),
-        None => api_key,
+        None => api_key.or_else(|| {
+            std::env::var("KESTREL_API_KEY")
+                .ok()
+                .map(|k| k.trim().to_string())
+                .filter(|k| !k.is_empty())
+        }),
     };
+    let allow_origins: Vec<String> = allow_origin
+        .iter()
+        .map(|o| o.trim().trim_end_matches('/').to_string())
+        .filter(|o| !o.is_empty())
+        .collect();
     let dir = match &model.model {
         Some(spec) => Some(hub::resolve_model(spec)?),
         None => None,
@@ -70,6 +82,8 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         header_timeout: Duration::from_secs(header_timeout),
         body_timeout: Duration::from_secs(body_timeout),
         max_connections: max_connections as usize,
+        allow_origins,
+        access_log: !no_access_log,
     };
     let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
     // The structured-output vocabulary takes a few seconds to build: meanwhile the weights

@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
 use super::http::{error_response, json_response, read_json, read_request, sse_response};
 use super::submit::{
-    Submitted, context_error, context_floor, event_error, finish_reason, gone_event, meta,
-    model_gone, settings, submit, token_text,
+    Submitted, context_error, context_floor, event_error, finish_reason, fits_context, gone_event,
+    max_tokens_cap, meta, model_gone, settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::chat::ChatRequest;
@@ -44,6 +44,23 @@ pub(super) async fn chat_completions(
     resp
 }
 
+/// A chat template's refusal as the client sees it: the reason only (the template's own
+/// message, as `raise_exception` gave it), without the template's name, line or source.
+fn template_error(e: &anyhow::Error) -> ApiError {
+    let text = format!("{e}");
+    let reason = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_start_matches("chat template: ")
+        .trim_start_matches("invalid operation: ");
+    let reason = reason.split(" (in ").next().unwrap_or(reason).trim();
+    ApiError::invalid(
+        "messages",
+        format!("the messages cannot be rendered as a prompt: {reason}"),
+    )
+}
+
 /// The rendered prompt of a chat request: ids, snapshot points and a forced answer prefix.
 pub(super) struct ChatPrompt {
     pub(super) ids: Vec<u32>,
@@ -65,9 +82,7 @@ fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiErro
         enable_thinking: input.enable_thinking,
         extra: input.extra.clone(),
     };
-    let mut text = template
-        .render(&req)
-        .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+    let mut text = template.render(&req).map_err(|e| template_error(&e))?;
     // tool_choice required / named: the answer starts with the call (no thinking first).
     let forced = match &input.tool_choice {
         ToolChoice::Required => "<tool_call>\n<function=".to_string(),
@@ -181,11 +196,13 @@ pub(super) async fn start_chat(
         .filter_map(|m| m["content"].as_str())
         .map(|c| c.trim().len())
         .sum();
+    max_tokens_cap(s, params.max_tokens)?;
     context_floor(s, surely, "messages")?;
     let prompt = chat_prompt(s, input).await?;
     if prompt.ids.len() >= s.config.max_seq {
         return Err(context_error(s, prompt.ids.len(), "messages"));
     }
+    fits_context(s, prompt.ids.len(), params.max_tokens, "messages")?;
     let mut params = params;
     // Strict tools: their calls' arguments follow their schemas (a forced call prefix is
     // where the reply starts inside a call).

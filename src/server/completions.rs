@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Usage};
 use super::http::{error_response, json_response, read_request, sse_response};
 use super::submit::{
-    context_error, context_floor, event_error, finish_reason, gone_event, meta, model_gone,
-    settings, submit, token_text,
+    context_error, context_floor, event_error, finish_reason, fits_context, gone_event,
+    max_tokens_cap, meta, model_gone, settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::generate::Channel;
@@ -61,6 +61,7 @@ async fn completion_inner(
 ) -> Result<Response, ApiError> {
     let v = read_request(s, headers, body).await?;
     let (prompt, params) = api::parse_completion(&v, &s.defaults)?;
+    max_tokens_cap(s, params.max_tokens)?;
     let ids = match prompt {
         api::PromptInput::Text(t) => {
             context_floor(s, t.len(), "prompt")?;
@@ -89,6 +90,7 @@ async fn completion_inner(
     if ids.len() >= s.config.max_seq {
         return Err(context_error(s, ids.len(), "prompt"));
     }
+    fits_context(s, ids.len(), params.max_tokens, "prompt")?;
     let settings = settings(s, &params, 16, false)?;
     let prompt_tokens = ids.len();
     let mut sub = submit(s, ids, vec![], settings, &params).await?;

@@ -6,8 +6,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
-const BUCKETS: [f64; 12] = [
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+const BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
 #[derive(Default)]
@@ -73,7 +73,14 @@ pub struct Metrics {
     pub timeouts: AtomicU64,
     /// Set while the server drains (`kestrel_draining`).
     pub draining: AtomicBool,
+    /// From the request's arrival at the server to its first generated token.
     pub ttft: Histogram,
+    /// From the model's admitting the request (the end of its queueing) to its first token.
+    pub ttft_admitted: Histogram,
+    /// From arrival at the server to admission.
+    pub queue_time: Histogram,
+    /// From arrival at the server to the end of the reply, whatever ended it.
+    pub e2e: Histogram,
     pub itl: Histogram,
 }
 
@@ -234,7 +241,22 @@ impl Metrics {
         self.ttft.render(
             &mut out,
             "kestrel_time_to_first_token_seconds",
-            "Time from dequeue to the first generated token.",
+            "Time from the request's arrival at the server to its first generated token (queueing included).",
+        );
+        self.ttft_admitted.render(
+            &mut out,
+            "kestrel_time_to_first_token_after_admission_seconds",
+            "Time from the model's admitting a request (its queueing over) to its first generated token.",
+        );
+        self.queue_time.render(
+            &mut out,
+            "kestrel_queue_time_seconds",
+            "Time from a request's arrival at the server to the model's admitting it (validation, tokenizing and queueing).",
+        );
+        self.e2e.render(
+            &mut out,
+            "kestrel_e2e_request_latency_seconds",
+            "Time from a request's arrival at the server to the end of its reply (finished, cancelled, timed out or failed).",
         );
         self.itl.render(
             &mut out,

@@ -13,17 +13,20 @@
 //! (llama.cpp's shapes). Wire formats are in [`api`]. [`drain`] is the graceful stop routers
 //! need; [`serve`] runs the accept loop it stops.
 //!
-//! Files: `conn` (the accept loop: timeouts and the connection cap), `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
+//! Files: `conn` (the accept loop: timeouts and the connection cap), `cors` (the CORS
+//! policy), `access` (the access log and each request's arrival time), `http` (auth, body checks, JSON / SSE / error responses, the small endpoints),
 //! `chat` and `completions` (the OpenAI POST endpoints), `messages` (Anthropic's, on the chat
 //! path), `tokens` (tokenize / detokenize), `submit` (queueing a job for the model thread and
 //! reading its events), [`worker`] (the model thread), [`cache`] (the prefix cache),
 //! [`metrics`].
 
+mod access;
 pub mod api;
 pub mod cache;
 mod chat;
 mod completions;
 mod conn;
+mod cors;
 mod http;
 mod messages;
 pub mod metrics;
@@ -80,6 +83,11 @@ pub struct ServerConfig {
     /// Connections served as usual at once; beyond it each gets one request, sent within
     /// [`conn::OVER_CAP_HEADER_TIMEOUT`], and is closed ([`conn`]).
     pub max_connections: usize,
+    /// Origins (`scheme://host[:port]`, or `*` for any) whose cross-origin requests to the
+    /// API are answered with CORS headers ([`cors`]); empty: none are.
+    pub allow_origins: Vec<String>,
+    /// One `tracing` info line per request (method, path, status, duration, tokens).
+    pub access_log: bool,
 }
 
 impl ServerConfig {
@@ -337,5 +345,13 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/detokenize", post(tokens::detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            cors::cors,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            access::access,
+        ))
         .with_state(shared)
 }

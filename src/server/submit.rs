@@ -40,6 +40,49 @@ fn context_error_msg(s: &Shared, n: &str, param: &str) -> ApiError {
     .with_code("context_length_exceeded")
 }
 
+/// A `max_tokens` the context cannot hold whatever the prompt (at least the whole context):
+/// refused before any rendering or tokenizing.
+pub(super) fn max_tokens_cap(s: &Shared, max_tokens: Option<usize>) -> Result<(), ApiError> {
+    if let Some(m) = max_tokens
+        && m >= s.config.max_seq
+    {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            format!(
+                "`max_tokens` is {m}, but this model's maximum context length is {} tokens (prompt and reply together); ask for fewer",
+                s.config.max_seq
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
+/// The prompt and an explicit `max_tokens` must fit the context together (OpenAI's
+/// `context_length_exceeded`). A `max_tokens` left to the server's default is not checked:
+/// the reply then stops where the context ends (`finish_reason` `length`).
+pub(super) fn fits_context(
+    s: &Shared,
+    prompt: usize,
+    max_tokens: Option<usize>,
+    what: &str,
+) -> Result<(), ApiError> {
+    if let Some(m) = max_tokens
+        && prompt + m > s.config.max_seq
+    {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({prompt} in the {what}, {m} in the completion). Please reduce the length of the {what} or completion.",
+                s.config.max_seq,
+                prompt + m
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
 /// The context check before any tokenizing: text of `bytes` bytes (that the prompt surely
 /// holds) is at least `bytes / max_token_bytes` tokens, so a prompt far over the limit is
 /// refused at once, with bounded work and memory.
@@ -186,6 +229,10 @@ pub(super) async fn submit(
     settings: ReplySettings,
     params: &GenParams,
 ) -> Result<Submitted, ApiError> {
+    // Counted from the request's arrival at the server (validation and tokenizing
+    // included), as the access log's duration.
+    let log = super::access::current();
+    let arrived = log.as_ref().map_or_else(Instant::now, |l| l.start);
     let guide = match &params.constraint {
         None => None,
         Some(c) => Some(guide(s, c).await?),
@@ -209,6 +256,8 @@ pub(super) async fn submit(
         events: tx,
         cancel: cancel.clone(),
         deadline: Instant::now() + s.config.request_timeout,
+        arrived,
+        log,
     };
     let guard = CancelOnDrop(cancel);
     let waiting = s.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);

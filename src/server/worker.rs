@@ -66,6 +66,11 @@ pub struct Job {
     /// Set when the client has gone away.
     pub cancel: Arc<AtomicBool>,
     pub deadline: Instant,
+    /// When the request arrived at the server (its headers read): queue time, time to first
+    /// token and end-to-end latency count from here.
+    pub arrived: Instant,
+    /// Where the access log reads the request's token counts.
+    pub log: Option<Arc<super::access::Tokens>>,
     /// The structured-output constraint of the answer, taken by the decode loop.
     pub guide: std::sync::Mutex<Option<crate::grammar::Guide>>,
     /// Strict tools' calls, taken by the decode loop.
@@ -459,6 +464,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
         } else {
             m.cache_misses.fetch_add(1, Ordering::Relaxed);
         }
+        m.queue_time.observe(job.arrived.elapsed().as_secs_f64());
         let _ = job.events.send(Event::Started {
             cached_tokens: cached,
         });
@@ -808,6 +814,10 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 Err(e) => return fail(&job, e),
             }
         }
+        m.e2e.observe(job.arrived.elapsed().as_secs_f64());
+        if let Some(log) = &job.log {
+            log.set(stats.prompt_tokens, stats.generated.len());
+        }
         m.prompt_tokens
             .fetch_add(stats.prompt_tokens as u64, Ordering::Relaxed);
         m.cached_tokens
@@ -1045,7 +1055,10 @@ fn advance<E: Engine>(
     };
     let now = Instant::now();
     match r.last {
-        None => m.ttft.observe((now - r.t0).as_secs_f64()),
+        None => {
+            m.ttft.observe((now - job.arrived).as_secs_f64());
+            m.ttft_admitted.observe((now - r.t0).as_secs_f64());
+        }
         Some(t) => m.itl.observe((now - t).as_secs_f64()),
     }
     r.last = Some(now);

@@ -320,6 +320,13 @@ pub fn parse_gen_params(
             .unwrap_or(false),
         Some(v) => return Err(type_error("stream_options", "an object", v)),
     };
+    // OpenAI's own answer: stream options only apply to a stream.
+    if !stream && present(obj, "stream_options").is_some() {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "`stream_options` is only allowed when `stream` is true",
+        ));
+    }
     let logprobs = if chat {
         let on = opt_bool(obj, "logprobs")?.unwrap_or(false);
         let top = opt_i64(obj, "top_logprobs")?;

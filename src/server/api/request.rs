@@ -179,6 +179,14 @@ pub fn parse_messages(v: Option<&Value>) -> R<Vec<Value>> {
         if let Some(tc) = tool_calls {
             msg.insert("tool_calls".into(), Value::Array(tc));
         }
+        if role == "tool" && !matches!(present(obj, "tool_call_id"), Some(Value::String(_))) {
+            return Err(ApiError::invalid(
+                &format!("{p}.tool_call_id"),
+                format!(
+                    "`{p}.tool_call_id` is required for a tool message: the id of the assistant's tool call it answers"
+                ),
+            ));
+        }
         for key in ["reasoning_content", "tool_call_id", "name"] {
             match present(obj, key) {
                 Some(Value::String(s)) => {
@@ -217,6 +225,15 @@ fn parse_tools(obj: &Map<String, Value>) -> R<Option<Vec<Value>>> {
             return Err(ApiError::invalid(
                 &format!("{p}.function.name"),
                 format!("`{p}.function.name` must be a string"),
+            ));
+        }
+        if let Some(params) = t.pointer("/function/parameters").filter(|v| !v.is_null())
+            && !params.is_object()
+        {
+            return Err(type_error(
+                &format!("{p}.function.parameters"),
+                "a JSON Schema object",
+                params,
             ));
         }
     }
@@ -278,6 +295,13 @@ pub fn parse_chat(body: &Value, defaults: &SamplingParams) -> R<ChatInput> {
         .as_object()
         .ok_or_else(|| ApiError::invalid("", "the request body must be a JSON object"))?;
     let messages = parse_messages(obj.get("messages"))?;
+    // The chat template needs a user turn; say so before it does in its own terms.
+    if !messages.iter().any(|m| m["role"] == "user") {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` must contain at least one user message (a conversation of only system, assistant or tool messages has no query to answer)",
+        ));
+    }
     let tools = parse_tools(obj)?;
     let tool_choice = parse_tool_choice(obj, tools.as_deref())?;
     let (mut enable_thinking, mut extra) = (None, Map::new());
