@@ -32,6 +32,9 @@ pub struct Settings {
     pub host_sampling: bool,
     /// `KESTREL_COMMIT`: the commit `kestrel bench` records in its JSON.
     pub commit: Option<String>,
+    /// User setting `KESTREL_API_KEY`: `kestrel serve`'s API key where neither `--api-key`
+    /// nor `--api-key-file` is given (trimmed; empty means none).
+    pub api_key: Option<String>,
 }
 
 impl Settings {
@@ -47,6 +50,9 @@ impl Settings {
             recurrent_gdn: is("KESTREL_GDN", "recurrent"),
             host_sampling: get("KESTREL_HOST_SAMPLING").is_some(),
             commit: get("KESTREL_COMMIT"),
+            api_key: get("KESTREL_API_KEY")
+                .map(|k| k.trim().to_string())
+                .filter(|k| !k.is_empty()),
         }
     }
 
@@ -94,5 +100,10 @@ mod tests {
         let s = with(&[("KESTREL_CACHE_DIR", "/tmp/k"), ("KESTREL_COMMIT", "abc")]);
         assert_eq!(s.cache_dir, Some(PathBuf::from("/tmp/k")));
         assert_eq!(s.commit.as_deref(), Some("abc"));
+        assert_eq!(
+            with(&[("KESTREL_API_KEY", " k1 ")]).api_key.as_deref(),
+            Some("k1")
+        );
+        assert_eq!(with(&[("KESTREL_API_KEY", "  ")]).api_key, None);
     }
 }

@@ -40,12 +40,7 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
     let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
         Some(path) => Some(read_api_key(&path)?),
-        None => api_key.or_else(|| {
-            std::env::var("KESTREL_API_KEY")
-                .ok()
-                .map(|k| k.trim().to_string())
-                .filter(|k| !k.is_empty())
-        }),
+        None => api_key.or_else(|| kestrel::settings::Settings::get().api_key.clone()),
     };
     let allow_origins: Vec<String> = allow_origin
         .iter()
