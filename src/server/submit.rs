@@ -157,24 +157,18 @@ pub(super) struct Submitted {
     pub(super) cached_tokens: usize,
 }
 
-/// The structured-output guide of `c`, compiled off the async workers: a schema the grammar
-/// engine cannot use is the request's error (400, naming the problem).
-async fn guide(
+/// `f` with the grammar engine, on a blocking thread (compiling a schema can take long): the
+/// engine's own failure is a 500, `f`'s error the request's.
+async fn with_grammar<T: Send + 'static>(
     s: &Arc<Shared>,
-    c: &crate::grammar::Constraint,
-) -> Result<crate::grammar::Guide, ApiError> {
-    let (s2, c2) = (s.clone(), c.clone());
+    f: impl FnOnce(&Shared, &crate::grammar::GrammarEngine) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let s = s.clone();
     tokio::task::spawn_blocking(move || {
-        let engine = s2
+        let engine = s
             .grammar()
             .map_err(|e| ApiError::new(500, "server_error", format!("structured outputs: {e}")))?;
-        engine.guide(&c2).map_err(|e| {
-            let param = match c2 {
-                crate::grammar::Constraint::JsonObject => "response_format",
-                crate::grammar::Constraint::JsonSchema(_) => "response_format.json_schema.schema",
-            };
-            ApiError::invalid(param, format!("`{param}` cannot be used: {e}"))
-        })
+        f(&s, &engine)
     })
     .await
     .map_err(|e| {
@@ -186,18 +180,33 @@ async fn guide(
     })?
 }
 
-/// The strict tool calls' gate of `t`, compiled off the async workers (400 naming `tools`
-/// where the schemas cannot be used).
+/// The structured-output guide of `c`: a schema the grammar engine cannot use is the
+/// request's error (400, naming the problem).
+async fn guide(
+    s: &Arc<Shared>,
+    c: &crate::grammar::Constraint,
+) -> Result<crate::grammar::Guide, ApiError> {
+    let c = c.clone();
+    with_grammar(s, move |_, engine| {
+        engine.guide(&c).map_err(|e| {
+            let param = match c {
+                crate::grammar::Constraint::JsonObject => "response_format",
+                crate::grammar::Constraint::JsonSchema(_) => "response_format.json_schema.schema",
+            };
+            ApiError::invalid(param, format!("`{param}` cannot be used: {e}"))
+        })
+    })
+    .await
+}
+
+/// The strict tool calls' gate of `t` (400 naming `tools` where the schemas cannot be used).
 async fn tool_gate(
     s: &Arc<Shared>,
     t: &crate::grammar::ToolCalls,
 ) -> Result<crate::grammar::ToolGate, ApiError> {
-    let (s2, t2) = (s.clone(), t.clone());
-    tokio::task::spawn_blocking(move || {
-        let engine = s2
-            .grammar()
-            .map_err(|e| ApiError::new(500, "server_error", format!("structured outputs: {e}")))?;
-        let tok = &s2.tokenizer;
+    let t = t.clone();
+    with_grammar(s, move |s, engine| {
+        let tok = &s.tokenizer;
         let (Some(open), Some(close)) = (
             tok.token_to_id("<tool_call>"),
             tok.token_to_id("</tool_call>"),
@@ -208,17 +217,10 @@ async fn tool_gate(
             ));
         };
         engine
-            .tool_calls(&t2, open, close)
+            .tool_calls(&t, open, close)
             .map_err(|e| ApiError::invalid("tools", format!("strict `tools` cannot be used: {e}")))
     })
     .await
-    .map_err(|e| {
-        ApiError::new(
-            500,
-            "server_error",
-            format!("schema compilation failed: {e}"),
-        )
-    })?
 }
 
 /// Queues a job and waits until the model starts it (or refuses it).
