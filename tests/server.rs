@@ -8,6 +8,8 @@ use kestrel::model::{CpuModel, Engine, Logits};
 use kestrel::server::{Drained, ServerConfig, Shared, drain, run_model, serve};
 use kestrel::tensor::DType;
 use kestrel::tokenizer::{Tokenizer, special};
+mod common;
+use common::{http, request};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -175,63 +177,6 @@ fn slow_scripted(text: &str, delay: Duration) -> impl FnOnce() -> Scripted + Sen
         config: kestrel::synthetic::demo_config(),
         script,
         delay,
-    }
-}
-
-/// A minimal HTTP/1.1 client: (status, body), chunked bodies decoded.
-fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-    headers: &[(&str, &str)],
-) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    s.write_all(request(method, path, body, headers).as_bytes())
-        .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8(raw).unwrap();
-    let (head, rest) = text.split_once("\r\n\r\n").expect("no header end");
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    (status, body)
-}
-
-fn request(method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]) -> String {
-    let mut r = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
-    for (k, v) in headers {
-        r.push_str(&format!("{k}: {v}\r\n"));
-    }
-    if let Some(b) = body {
-        r.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-            b.len()
-        ));
-    } else {
-        r.push_str("\r\n");
-    }
-    r
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let (size, rest) = s.split_once("\r\n").unwrap();
-        let n = usize::from_str_radix(size.trim(), 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
     }
 }
 
@@ -1008,15 +953,17 @@ fn binary_serves_the_demo_model() {
     assert_eq!(v["usage"]["completion_tokens"], 2);
 }
 
-#[test]
-fn official_openai_python_client() {
+/// Runs the official Python SDK test script `tests/{package}_client.py` against the scripted
+/// engine (a reply with reasoning and a tool call) at `{base}` (the server's address plus
+/// `path`); skips, saying why, where `package` does not import.
+fn python_client_test(package: &str, path: &str) {
     let ok = std::process::Command::new("python3")
-        .args(["-c", "import openai"])
+        .args(["-c", &format!("import {package}")])
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
         eprintln!(
-            "SKIPPED official_openai_python_client: `python3 -c \"import openai\"` fails (pip install openai to run it)"
+            "SKIPPED official_{package}_python_client: `python3 -c \"import {package}\"` fails (pip install {package} to run it)"
         );
         return;
     }
@@ -1024,54 +971,32 @@ fn official_openai_python_client() {
         "Checking the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
     );
     let out = std::process::Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/openai_client.py"
+        .arg(format!(
+            "{}/tests/{package}_client.py",
+            env!("CARGO_MANIFEST_DIR")
         ))
-        .arg(format!("http://{a}/v1"))
+        .arg(format!("http://{a}{path}"))
         .arg("test-model")
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "openai client failed:\n{}\n{}",
+        "{package} client failed:\n{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn official_openai_python_client() {
+    python_client_test("openai", "/v1");
 }
 
 /// The official `anthropic` Python client (tests/anthropic_client.py) against the scripted
 /// engine: models, messages with and without thinking, streaming, tools, count_tokens, errors.
 #[test]
 fn official_anthropic_python_client() {
-    let ok = std::process::Command::new("python3")
-        .args(["-c", "import anthropic"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "SKIPPED official_anthropic_python_client: `python3 -c \"import anthropic\"` fails (pip install anthropic to run it)"
-        );
-        return;
-    }
-    let a = scripted_server(
-        "Checking the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
-    );
-    let out = std::process::Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/anthropic_client.py"
-        ))
-        .arg(format!("http://{a}"))
-        .arg("test-model")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "anthropic client failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python_client_test("anthropic", "");
 }
 
 #[test]

@@ -13,9 +13,10 @@ use kestrel::sampling::{Draw, Drawn, Sampler, SamplingParams};
 use kestrel::server::{ServerConfig, Shared, run_model, serve};
 use kestrel::tensor::DType;
 use kestrel::tokenizer::{Tokenizer, special};
+mod common;
+use common::http;
 use serde_json::{Value, json};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -434,7 +435,7 @@ fn start<E: Engine + 'static>(make: impl FnOnce() -> E + Send + 'static) -> Sock
         });
     });
     let t0 = Instant::now();
-    while http(addr, "GET", "/health", None).0 != 200 {
+    while http(addr, "GET", "/health", None, &[]).0 != 200 {
         assert!(t0.elapsed() < Duration::from_secs(30), "server never ready");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -456,53 +457,13 @@ fn demo() -> SocketAddr {
     })
 }
 
-fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let mut r = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
-    match body {
-        Some(b) => r.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-            b.len()
-        )),
-        None => r.push_str("\r\n"),
-    }
-    s.write_all(r.as_bytes()).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8(raw).unwrap();
-    let (head, rest) = text.split_once("\r\n\r\n").expect("no header end");
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    (status, body)
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let (size, rest) = s.split_once("\r\n").unwrap();
-        let n = usize::from_str_radix(size.trim(), 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-}
-
 fn post(addr: SocketAddr, body: &Value) -> (u16, Value) {
     let (status, text) = http(
         addr,
         "POST",
         "/v1/chat/completions",
         Some(&body.to_string()),
+        &[],
     );
     let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
     (status, v)
@@ -624,7 +585,13 @@ fn demo_model_streamed_answer_validates() {
         "response_format": schema_format(person_schema()),
         "chat_template_kwargs": no_thinking(),
     });
-    let (status, raw) = http(a, "POST", "/v1/chat/completions", Some(&body.to_string()));
+    let (status, raw) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body.to_string()),
+        &[],
+    );
     assert_eq!(status, 200, "{raw}");
     let mut content = String::new();
     let mut finish = Value::Null;
@@ -697,6 +664,7 @@ fn bad_response_formats_are_400_in_openai_shape() {
         "POST",
         "/v1/completions",
         Some(&json!({"prompt": "hi", "response_format": {"type": "json_object"}}).to_string()),
+        &[],
     );
     assert_eq!(status, 400);
 }

@@ -1,6 +1,7 @@
 //! Helpers shared by the test files: the HF fixtures and error measures.
 #![allow(dead_code)]
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 /// Whether a fixture is in the FP8 release's format (its config has a `quantization_config`).
@@ -147,5 +148,65 @@ impl Lcg {
     }
     pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| scale * self.next()).collect()
+    }
+}
+
+/// A minimal HTTP/1.1 client for the server tests: (status, body), chunked bodies decoded.
+pub fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120)))
+        .unwrap();
+    s.write_all(request(method, path, body, headers).as_bytes())
+        .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let (head, rest) = text.split_once("\r\n\r\n").expect("no header end");
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+/// The request's bytes: `Connection: close`, `headers`, a JSON body if given.
+pub fn request(method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]) -> String {
+    let mut r = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        r.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        r.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+            b.len()
+        ));
+    } else {
+        r.push_str("\r\n");
+    }
+    r
+}
+
+/// A chunked transfer's body.
+pub fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = s.split_once("\r\n").unwrap();
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
     }
 }
