@@ -250,10 +250,9 @@ impl Gpu {
     }
 
     /// act `[rows, inter]` bf16 = SiLU(gu[:, :inter]) * gu[:, inter:] from f32 `gu`, on the
-    /// second stream when `aux` is set.
-    pub fn swiglu_bf16(
+    /// second stream (the shared expert of short calls).
+    pub fn swiglu_bf16_aux(
         &self,
-        aux: bool,
         gu: Dev<f32>,
         act: Dev<bf16>,
         rows: usize,
@@ -265,7 +264,7 @@ impl Gpu {
             rows: rows as i32,
             inter: inter as i32,
         }
-        .launch(self, if aux { On::Aux } else { On::Plain })
+        .launch(self, On::Aux)
     }
 }
 

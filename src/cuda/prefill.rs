@@ -704,7 +704,7 @@ impl CudaModel {
                 2 * is,
                 0.0,
             )?;
-            g.swiglu_bf16(true, ws.sgu.f32(), ws.sact.bf16(), t, is)?;
+            g.swiglu_bf16_aux(ws.sgu.f32(), ws.sact.bf16(), t, is)?;
             g.gemm_aux(
                 layer.shared_down.ptr,
                 d,
