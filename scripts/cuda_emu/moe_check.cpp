@@ -189,6 +189,24 @@ static void run(const Shape& s, bool deferred) {
            same16 ? "bitwise equal to" : "DIFFERS from");
 }
 
+// One token's routing against a plain top-k of its logits l [e] (the k largest, first index on
+// ties; weights exp(l - max) renormalised over the k): ids equal into ids_ok, the weights'
+// largest error into worst (a NaN sticks), each chosen id counted into counts (if given).
+static void check_topk(const float* l, int e, int k, const int* ids, const float* w, bool& ids_ok, double& worst,
+                       std::vector<int>* counts) {
+    std::vector<int> order(e);
+    for (int i = 0; i < e; i++) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+    double sum = 0;
+    for (int j = 0; j < k; j++) sum += std::exp((double)l[order[j]] - l[order[0]]);
+    for (int j = 0; j < k; j++) {
+        ids_ok &= ids[j] == order[j];
+        const double dv = std::fabs(w[j] - std::exp((double)l[order[j]] - l[order[0]]) / sum);
+        if (!(dv <= worst)) worst = dv;
+        if (counts) (*counts)[order[j]]++;
+    }
+}
+
 // moe_route_small (the few-row path's routing in one launch): its logits against a double
 // product of the same bf16 inputs; ids and weights against a plain top-k of its own logits (so
 // that near-ties decided by rounding do not count); shared gates against a double reference;
@@ -219,17 +237,7 @@ static void route_small_check(int t, int e, int k, int d) {
             const double dl = std::fabs(l[r] - dot);
             if (!(dl <= worst_l)) worst_l = dl;
         }
-        std::vector<int> order(e);
-        for (int i = 0; i < e; i++) order[i] = i;
-        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
-        double sum = 0;
-        for (int j = 0; j < k; j++) sum += std::exp((double)l[order[j]] - l[order[0]]);
-        for (int j = 0; j < k; j++) {
-            ids_ok &= ids[(size_t)tok * k + j] == order[j];
-            const double dv = std::fabs(w[(size_t)tok * k + j] - std::exp((double)l[order[j]] - l[order[0]]) / sum);
-            if (!(dv <= worst_w)) worst_w = dv;
-            counts[order[j]]++;
-        }
+        check_topk(l, e, k, &ids[(size_t)tok * k], &w[(size_t)tok * k], ids_ok, worst_w, &counts);
         double dot = 0;
         for (int i = 0; i < d; i++) dot += f(x[(size_t)tok * d + i]) * w_sg[i];
         const double dg = std::fabs(sgate[tok] - 1.0 / (1.0 + std::exp(-dot)));
@@ -273,17 +281,7 @@ static void route_check(int t, int e, int k, int d) {
     bool ok = true;
     for (int tok = 0; tok < t && ok; tok++) {
         const float* l = &logits[(size_t)tok * e];
-        std::vector<int> order(e);
-        for (int i = 0; i < e; i++) order[i] = i;
-        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
-        double sum = 0;
-        for (int j = 0; j < k; j++) sum += std::exp((double)l[order[j]] - l[order[0]]);
-        for (int j = 0; j < k; j++) {
-            ok &= ids[(size_t)tok * k + j] == order[j];
-            double ref = std::exp((double)l[order[j]] - l[order[0]]) / sum;
-            const double dv = std::fabs(w[(size_t)tok * k + j] - ref);
-            if (!(dv <= worst)) worst = dv;  // NaN sticks
-        }
+        check_topk(l, e, k, &ids[(size_t)tok * k], &w[(size_t)tok * k], ok, worst, nullptr);
         double dot = 0;
         for (int i = 0; i < d; i++) dot += f(x[(size_t)tok * d + i]) * w_sg[i];
         const double dg = std::fabs(sgate[tok] - 1.0 / (1.0 + std::exp(-dot)));
