@@ -7,7 +7,8 @@
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
 #          [serveload-long]
-#   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192")
+#   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
+#   runs bench, concurrency and profile on the synthetic FP8 weights)
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
 #   tagged by binary into $OUT/ab.log: how a change is compared with history (there are no
@@ -69,14 +70,14 @@ while [ $# -gt 0 ]; do
       # bench.json / bench.log, or with the contexts in the name when a bench step ran before
       tag=""
       [ -e "$OUT/bench.json" ] && tag="-${1//,/_}"
-      .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench$tag.json" 2>&1 \
+      .device/bin/kestrel bench --synthetic ${KESTREL_SYNTHETIC:-full} --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench$tag.json" 2>&1 \
         | tee "$OUT/bench$tag.log" || status=1 ;;
     concurrency|concurrency-sampling)
       # concurrency-sampling: every stream samples, drawn on the device (--sampling)
       tag=${1#concurrency}
       extra=""
       [ -n "$tag" ] && extra="--sampling"
-      .device/bin/kestrel bench --synthetic full --concurrency "$2" --contexts "$3" $extra ${KESTREL_BENCH_ARGS:-} \
+      .device/bin/kestrel bench --synthetic ${KESTREL_SYNTHETIC:-full} --concurrency "$2" --contexts "$3" $extra ${KESTREL_BENCH_ARGS:-} \
         --json "$OUT/concurrency$tag.json" 2>&1 | tee "$OUT/concurrency$tag.log" || status=1
       shift 2 ;;
     serveload)
@@ -124,7 +125,7 @@ while [ $# -gt 0 ]; do
     profile)
       shift
       # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.
-      KESTREL_PROFILE=1 .device/bin/kestrel bench --synthetic full --contexts "$1" ${KESTREL_BENCH_ARGS:-} 2>&1 | tee "$OUT/profile-$1.log" || status=1 ;;
+      KESTREL_PROFILE=1 .device/bin/kestrel bench --synthetic ${KESTREL_SYNTHETIC:-full} --contexts "$1" ${KESTREL_BENCH_ARGS:-} 2>&1 | tee "$OUT/profile-$1.log" || status=1 ;;
     kernels)
       shift
       # One decode step = the launches from one embed_gather to the next; skip the warm-up.

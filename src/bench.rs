@@ -3,7 +3,7 @@
 //! measured TTFT-style prefill and exactly 64 measured decode steps; median of 2 rounds; the
 //! FNV-1a digest of the 64 generated ids must repeat across rounds.
 
-use crate::config::TextConfig;
+use crate::config::{TextConfig, WeightFormat};
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::time::Instant;
@@ -51,10 +51,12 @@ pub struct BenchRow {
     pub digest: String,
 }
 
-/// Bytes one batch-1 bf16 decode step must move at `context` tokens of context.
-pub fn decode_bytes(cfg: &TextConfig, context: usize) -> f64 {
-    let (_, active) = cfg.parameter_counts();
-    let weights = active as f64 * 2.0 + cfg.hidden_size as f64 * 2.0; // + one embedding row
+/// Bytes one batch-1 decode step must move at `context` tokens of context, weights in
+/// `format`.
+pub fn decode_bytes(cfg: &TextConfig, format: WeightFormat, context: usize) -> f64 {
+    let (dense, expert) = cfg.step_weight_bytes(format);
+    let routed = (cfg.num_layers * cfg.experts_per_token) as f64 * expert;
+    let weights = dense + routed + cfg.hidden_size as f64 * 2.0; // + one embedding row
     let rec =
         cfg.num_gdn_layers() * cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4;
     let conv = cfg.num_gdn_layers() * (cfg.conv_kernel - 1) * cfg.gdn_conv_channels() * 4;
@@ -73,9 +75,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Runs the contract at one context length. `copy_bw` is bytes/s (read + write).
+#[allow(clippy::too_many_arguments)]
 pub fn bench_context<R: GreedyRunner>(
     runner: &R,
     cfg: &TextConfig,
+    format: WeightFormat,
     context: usize,
     vocab_limit: usize,
     copy_bw: f64,
@@ -123,7 +127,7 @@ pub fn bench_context<R: GreedyRunner>(
     let ttft = median(ttfts);
     let dec = median(decodes);
     let per_token = dec / DECODE_STEPS as f64;
-    let bytes = decode_bytes(cfg, context);
+    let bytes = decode_bytes(cfg, format, context);
     Ok(BenchRow {
         context,
         prefill_tok_s: context as f64 / ttft,
@@ -169,16 +173,14 @@ pub fn expected_experts(e: usize, k: usize, n: usize) -> f64 {
     e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(n as i32))
 }
 
-/// Bytes a batched bf16 decode step of `n` streams at `context` tokens must move (see
-/// [`ConcurrencyRow::bytes_per_step`]).
-pub fn batch_decode_bytes(cfg: &TextConfig, context: usize, n: usize) -> f64 {
-    let (_, active) = cfg.parameter_counts();
-    let expert = 3 * cfg.hidden_size * cfg.moe_intermediate * 2; // gate, up, down in bf16
-    let routed_active = (cfg.num_layers * cfg.experts_per_token * expert) as f64;
-    let dense = active as f64 * 2.0 - routed_active;
+/// Bytes a batched decode step of `n` streams at `context` tokens must move, weights in
+/// `format` (see [`ConcurrencyRow::bytes_per_step`]).
+pub fn batch_decode_bytes(cfg: &TextConfig, format: WeightFormat, context: usize, n: usize) -> f64 {
+    let (dense, expert) = cfg.step_weight_bytes(format);
     let touched = expected_experts(cfg.num_experts, cfg.experts_per_token, n);
-    let experts = cfg.num_layers as f64 * touched * expert as f64;
-    let per_stream = decode_bytes(cfg, context) - active as f64 * 2.0;
+    let experts = cfg.num_layers as f64 * touched * expert;
+    let routed_one = (cfg.num_layers * cfg.experts_per_token) as f64 * expert;
+    let per_stream = decode_bytes(cfg, format, context) - dense - routed_one;
     dense + experts + n as f64 * per_stream
 }
 
@@ -192,6 +194,7 @@ pub fn batch_decode_bytes(cfg: &TextConfig, context: usize, n: usize) -> f64 {
 pub fn bench_concurrency<E: crate::model::Engine>(
     engine: &E,
     cfg: &TextConfig,
+    format: WeightFormat,
     streams: usize,
     context: usize,
     vocab_limit: usize,
@@ -265,7 +268,7 @@ pub fn bench_concurrency<E: crate::model::Engine>(
     }
     let t = median(times);
     let step = t / DECODE_STEPS as f64;
-    let bytes = batch_decode_bytes(cfg, context, streams);
+    let bytes = batch_decode_bytes(cfg, format, context, streams);
     Ok(ConcurrencyRow {
         streams,
         context,
@@ -309,20 +312,39 @@ mod tests {
             assert!((got - want).abs() < 0.5, "{n}: {got}");
         }
         // batch 1 reads what the batch-1 contract counts
-        let one = batch_decode_bytes(&c, 1024, 1);
-        let single = decode_bytes(&c, 1024);
+        let one = batch_decode_bytes(&c, WeightFormat::Bf16, 1024, 1);
+        let single = decode_bytes(&c, WeightFormat::Bf16, 1024);
         assert!((one - single).abs() / single < 1e-9, "{one} vs {single}");
         // the bound at 4.2 TB/s (context 1,024 a stream) near the estimates: roughly
         // 1,700 / 2,600 / 3,700 tok/s at 8 / 32 / 64 streams
         for (n, want) in [(8, 1700.0), (32, 2600.0), (64, 3700.0)] {
-            let bound = n as f64 * 4.2e12 / batch_decode_bytes(&c, 1024, n);
+            let bound = n as f64 * 4.2e12 / batch_decode_bytes(&c, WeightFormat::Bf16, 1024, n);
             assert!((bound / want - 1.0).abs() < 0.1, "{n}: {bound:.0} tok/s");
         }
     }
 
     #[test]
+    fn fp8_steps_read_the_fp8_bytes() {
+        let c = TextConfig::qwen36_35b_a3b();
+        let (bf16, fp8) = (
+            decode_bytes(&c, WeightFormat::Bf16, 0),
+            decode_bytes(&c, WeightFormat::Fp8, 0),
+        );
+        // e4m3 projections and experts, bf16 lm_head (1 GB), router and GDN a/b: ~3.5 GB
+        assert!((3.3e9..3.7e9).contains(&fp8), "{fp8}");
+        assert!(fp8 < 0.62 * bf16, "{fp8} vs {bf16}");
+        let (_, e8) = c.step_weight_bytes(WeightFormat::Fp8);
+        let (_, e16) = c.step_weight_bytes(WeightFormat::Bf16);
+        // an expert: its bytes halve, plus 1/32 KiB of scales a 16 KiB block
+        assert!(
+            (e8 / (e16 / 2.0) - 1.0 - 1.0 / 4096.0).abs() < 1e-6,
+            "{e8} {e16}"
+        );
+    }
+
+    #[test]
     fn full_size_decode_bytes_near_5_9_gb() {
-        let b = decode_bytes(&TextConfig::qwen36_35b_a3b(), 0);
+        let b = decode_bytes(&TextConfig::qwen36_35b_a3b(), WeightFormat::Bf16, 0);
         assert!((5.9e9..6.1e9).contains(&b), "{b}");
     }
 }

@@ -46,6 +46,16 @@ pub struct TextConfig {
     pub quantization: Option<Fp8Quant>,
 }
 
+/// How a checkpoint's projections and experts are stored (the GPU keeps them so).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    Bf16,
+    /// The official FP8 release's layout ([`Fp8Quant`]): the attention and GDN projections
+    /// (but GDN's a and b), the shared and the routed experts e4m3 with 128 x 128 block
+    /// scales, the rest bf16.
+    Fp8,
+}
+
 /// The one quantized format Kestrel runs: the official FP8 release's fine-grained FP8
 /// (`quant_method: fp8`, `fmt: e4m3`, `activation_scheme: dynamic`,
 /// `weight_block_size: [128, 128]`). Each quantized `W [rows, cols]` is stored F8_E4M3 with
@@ -761,6 +771,61 @@ impl TextConfig {
             active += mixer + moe_active + norms;
         }
         (total, active)
+    }
+
+    /// The matrices the FP8 format quantizes, as (rows, cols, copies, routed expert) over the
+    /// whole model: each layer's mixer projections, its shared expert and its experts.
+    pub fn fp8_matrices(&self) -> Vec<(usize, usize, usize, bool)> {
+        let d = self.hidden_size;
+        let (nq, nkv, hd) = (self.num_attention_heads, self.num_kv_heads, self.head_dim);
+        let (e, i, is) = (
+            self.num_experts,
+            self.moe_intermediate,
+            self.shared_intermediate,
+        );
+        let mut m = Vec::new();
+        for kind in &self.layer_kinds {
+            match kind {
+                LayerKind::Gdn => {
+                    m.push((self.gdn_conv_channels() + self.gdn_v_width(), d, 1, false));
+                    m.push((d, self.gdn_v_width(), 1, false));
+                }
+                LayerKind::Attention => {
+                    m.push((nq * 2 * hd + 2 * nkv * hd, d, 1, false));
+                    m.push((d, nq * hd, 1, false));
+                }
+            }
+            m.extend([(2 * is, d, 1, false), (d, is, 1, false)]);
+            m.extend([(2 * i, d, e, true), (d, i, e, true)]);
+        }
+        m
+    }
+
+    /// Bytes a decode step reads of the weights in `format`: (all but the routed experts,
+    /// one routed expert of one layer). FP8 counts each quantized matrix's bytes and its f32
+    /// 128 x 128 block scales.
+    pub fn step_weight_bytes(&self, format: WeightFormat) -> (f64, f64) {
+        let (_, active) = self.parameter_counts();
+        let expert_params = 3 * self.hidden_size * self.moe_intermediate;
+        let routed = (self.num_layers * self.experts_per_token * expert_params) as f64;
+        let dense_params = active as f64 - routed;
+        match format {
+            WeightFormat::Bf16 => (2.0 * dense_params, 2.0 * expert_params as f64),
+            WeightFormat::Fp8 => {
+                let scales = |r: usize, c: usize| (r.div_ceil(128) * c.div_ceil(128) * 4) as f64;
+                let (mut dense_q, mut dense_sc, mut expert) = (0.0, 0.0, 0.0);
+                for (r, c, n, is_routed) in self.fp8_matrices() {
+                    if is_routed {
+                        // one expert of one layer: gate/up and down are each listed per layer
+                        expert += ((r * c) as f64 + scales(r, c)) / self.num_layers as f64;
+                    } else {
+                        dense_q += (r * c * n) as f64;
+                        dense_sc += scales(r, c) * n as f64;
+                    }
+                }
+                (2.0 * (dense_params - dense_q) + dense_q + dense_sc, expert)
+            }
+        }
     }
 }
 

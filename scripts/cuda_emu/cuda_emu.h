@@ -18,6 +18,7 @@
 // emu-provides: wgmma_m64n64k16_rs wgmma_m64n128k16_rs_tb
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: mbar_arrive_expect_tx bulk_load cluster_arrive_release cluster_wait_acquire
+// emu-provides: e4m3x4_to_float4
 // (build.py drops these from the headers and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps;
 // gdn_prefetch_l2: a prefetch, nothing here.
@@ -660,6 +661,16 @@ inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, u
     }
     __syncwarp();
     for (int e = 0; e < 4; e++) d[e] = out[e];
+}
+
+// An e4m3fn byte's value (NaN for 0x7f / 0xff): cvt.rn.f16x2.e4m3x2 then cvt.f32.f16, both exact.
+inline float emu_e4m3(unsigned b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    float mag = (e == 15 && m == 7) ? NAN : e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    return (b & 0x80) ? -mag : mag;
+}
+inline float4 e4m3x4_to_float4(unsigned w) {
+    return {emu_e4m3(w & 0xff), emu_e4m3((w >> 8) & 0xff), emu_e4m3((w >> 16) & 0xff), emu_e4m3(w >> 24)};
 }
 
 // cvt.rna.tf32.f32: keep 10 mantissa bits, round half away from zero (magnitude), NaN/inf kept.

@@ -1,7 +1,8 @@
 // Runs gemv.cu's decode GEMVs on the CPU emulator (through run.sh): gemv_dec and gemv_dec_w
 // (k = 4096 a warp per whole row) against a double-precision y = y0 + W·x with bf16 inputs, at
 // the model's inner dimensions and ragged row counts; the RMSNorm input path; gemv_dec_stream
-// bitwise against gemv_dec.
+// bitwise against gemv_dec; gemv_fp8 (e4m3 weights with 128 x 128 block scales, up to 16 tokens,
+// bf16 or RMSNorm input) against a double product of the dequantised weights.
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <cstring>
@@ -109,6 +110,53 @@ int main() {
                same ? "ok  " : "FAIL", n, blocks, ns, early, launch_at,
                same ? "y (and the bf16 input) bitwise gemv_dec's" : "DIFFERS from gemv_dec");
         fails += !same;
+    }
+    // gemv_fp8: random e4m3 bytes (every finite value, NaN codes skipped) and per-block scales;
+    // the model's k (register-preloaded paths) and others (the generic path); 1, 3 and 16 tokens;
+    // beta 0 and 1; the RMSNorm input for one token.
+    for (auto [n, k, m, norm] : {std::tuple{37, 4096, 1, false}, {300, 2048, 3, false}, {300, 2048, 1, true},
+                                 {20, 512, 16, false}, {129, 128, 2, false}, {21, 48, 1, true}, {9, 4096, 16, false}}) {
+        const int kb = (k + 127) / 128;
+        std::vector<unsigned char> q((size_t)n * k);
+        for (auto& b : q) {
+            do b = (unsigned char)(rng() & 0xff); while ((b & 0x7f) == 0x7f);
+        }
+        std::vector<float> sc((size_t)((n + 127) / 128) * kb), h(k), nw(k), y0((size_t)m * n);
+        for (auto& v : sc) v = uni(0.5f, 2.0f) / 448.0f;
+        for (auto& v : h) v = uni(-2, 2);
+        for (auto& v : nw) v = uni(-0.3f, 0.3f);
+        for (auto& v : y0) v = uni(-1, 1);
+        std::vector<bf16> x((size_t)m * k);
+        for (auto& v : x) v = __float2bfloat16(uni(-1, 1));
+        const float eps = 1e-6f, beta = norm ? 0.0f : 1.0f;
+        std::vector<float> y = y0;
+        const int rows = 8 * gemv_fp8_rows(k);
+        emu_launch({(unsigned)((n + rows - 1) / rows), 1, 1}, 256, (size_t)gemv_fp8_smem(m, k, norm), [&] {
+            gemv_fp8(reinterpret_cast<const uint4*>(q.data()), sc.data(), n, k, norm ? nullptr : x.data(), h.data(),
+                     nw.data(), eps, m, y.data(), n, beta);
+        });
+        std::vector<double> xin((size_t)m * k);
+        if (norm) {
+            double ss = 0;
+            for (float v : h) ss += (double)v * v;
+            const float inv = 1.0f / std::sqrt((float)(ss / k) + eps);
+            for (int i = 0; i < k; i++) xin[i] = __bfloat162float(__float2bfloat16(h[i] * inv * (1.0f + nw[i])));
+        } else {
+            for (size_t i = 0; i < xin.size(); i++) xin[i] = __bfloat162float(x[i]);
+        }
+        double err = 0;
+        for (int t = 0; t < m; t++)
+            for (int r = 0; r < n; r++) {
+                double ref = beta * y0[(size_t)t * n + r];
+                for (int i = 0; i < k; i++)
+                    ref += (double)emu_e4m3(q[(size_t)r * k + i]) * sc[(r / 128) * kb + i / 128] * xin[(size_t)t * k + i];
+                const double e = std::fabs(y[(size_t)t * n + r] - ref) / (1.0 + std::fabs(ref));
+                if (!(e <= err)) err = e;  // NaN sticks
+            }
+        const bool ok = err <= 1e-5;
+        printf("%s gemv_fp8 n=%d k=%d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n, k, m,
+               norm ? "RMSNorm" : "bf16", err);
+        fails += !ok;
     }
     return fails ? 1 : 0;
 }

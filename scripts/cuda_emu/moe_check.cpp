@@ -360,23 +360,58 @@ static void combine_check(int t, int k, int d, bool sorted) {
     fails += !ok;
 }
 
+// FP8 weights [rows, cols]: random e4m3 bytes (every finite code) and a random scale for each
+// 128 x 128 block; at() is the dequantised value.
+struct Fp8W {
+    std::vector<unsigned char> q;
+    std::vector<float> s;
+    int rows = 0, cols = 0;
+    double at(size_t r, int c) const { return (double)emu_e4m3(q[r * cols + c]) * s[(r / 128) * ((cols + 127) / 128) + c / 128]; }
+    const uint4* words() const { return reinterpret_cast<const uint4*>(q.data()); }
+};
+static Fp8W rand_fp8(int rows, int cols, float scale) {
+    Fp8W w;
+    w.rows = rows, w.cols = cols;
+    w.q.resize((size_t)rows * cols);
+    for (auto& b : w.q) {
+        do b = (unsigned char)(rng() & 0xff); while ((b & 0x7f) == 0x7f);
+    }
+    w.s.resize((size_t)((rows + 127) / 128) * ((cols + 127) / 128));
+    for (auto& v : w.s) v = uni(0.5f, 1.5f) * scale / 200.0f;  // |e4m3| up to 448, mostly smaller
+    return w;
+}
+
 // The decode MoE block, router -> gate/up -> down (moe_router_dec, moe_gate_up_dec,
 // moe_down_dec), against a double-precision reference of the same math: x = bf16(RMSNorm(h)),
 // logits = W_r x, the top-k renormalised, sgate = sigmoid(w_sg . x), act = bf16(SiLU(g) u) for
 // the k chosen and the shared expert, h += sum_s w_s down_s act_s + sgate shared_down act.
 // d 2048 / inter 512 take the kernels' register-preloaded paths, the small shape the generic ones.
 // early: moe_down_dec picks the experts from the logits itself (before its griddep_wait).
-static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early) {
+// fp8: the experts e4m3 with block scales (moe_gate_up_dec_fp8, moe_down_dec_fp8; no early).
+static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early, bool fp8 = false) {
     const float eps = 1e-6f;
     std::vector<float> h(d), nw(d), w_sg(d);
     for (auto& v : h) v = uni(-2, 2);
     for (auto& v : nw) v = uni(-0.3f, 0.3f);
     for (auto& v : w_sg) v = uni(-0.05f, 0.05f);
     auto wr = rand_bf16((size_t)e * d, 1.0f / std::sqrt((float)d));
-    auto gu = rand_bf16((size_t)e * 2 * inter * d, 1.0f / std::sqrt((float)d));
-    auto sgu = rand_bf16((size_t)2 * s_inter * d, 1.0f / std::sqrt((float)d));
-    auto dn = rand_bf16((size_t)e * d * inter, 1.0f / std::sqrt((float)inter));
-    auto sdn = rand_bf16((size_t)d * s_inter, 1.0f / std::sqrt((float)s_inter));
+    const float sd = 1.0f / std::sqrt((float)d), si = 1.0f / std::sqrt((float)inter), ss_ = 1.0f / std::sqrt((float)s_inter);
+    auto gu = rand_bf16(fp8 ? 0 : (size_t)e * 2 * inter * d, sd);
+    auto sgu = rand_bf16(fp8 ? 0 : (size_t)2 * s_inter * d, sd);
+    auto dn = rand_bf16(fp8 ? 0 : (size_t)e * d * inter, si);
+    auto sdn = rand_bf16(fp8 ? 0 : (size_t)d * s_inter, ss_);
+    Fp8W gu8, sgu8, dn8, sdn8;
+    if (fp8) {
+        gu8 = rand_fp8(e * 2 * inter, d, sd);
+        sgu8 = rand_fp8(2 * s_inter, d, sd);
+        dn8 = rand_fp8(e * d, inter, si);
+        sdn8 = rand_fp8(d, s_inter, ss_);
+    }
+    // weight (row r, column c) of the stacked gate/up, shared gate/up, down, shared down
+    auto w_gu = [&](size_t r, int c) { return fp8 ? gu8.at(r, c) : f(gu[r * d + c]); };
+    auto w_sgu = [&](size_t r, int c) { return fp8 ? sgu8.at(r, c) : f(sgu[r * d + c]); };
+    auto w_dn = [&](size_t r, int c) { return fp8 ? dn8.at(r, c) : f(dn[r * inter + c]); };
+    auto w_sdn = [&](size_t r, int c) { return fp8 ? sdn8.at(r, c) : f(sdn[r * s_inter + c]); };
     const int act_ld = std::max(inter, s_inter);
     std::vector<bf16> xb(d);
     std::vector<float> logits(e), sgate(1), topk_w(k), act((size_t)(k + 1) * act_ld, NAN), h_out = h;
@@ -387,14 +422,25 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
     });
     emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256,
                (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
-        moe_gate_up_dec(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu.data(), inter,
-                        sgu.data(), s_inter, act.data(), act_ld, early);
+        if (fp8)
+            moe_gate_up_dec_fp8(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu8.words(),
+                                gu8.s.data(), inter, sgu8.words(), sgu8.s.data(), s_inter, act.data(), act_ld, 0);
+        else
+            moe_gate_up_dec(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu.data(), inter,
+                            sgu.data(), s_inter, act.data(), act_ld, early);
     });
     if (early) std::fill(topk_w.begin(), topk_w.end(), NAN);  // the early down must not read them
-    emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early), [&] {
-        moe_down_dec(act.data(), act_ld, early ? nullptr : topk_ids.data(), topk_w.data(), logits.data(), e, early, k,
-                     sgate.data(), dn.data(), inter, sdn.data(), s_inter, h_out.data(), d);
-    });
+    if (fp8) {
+        emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), 0, [&] {
+            moe_down_dec_fp8(act.data(), act_ld, topk_ids.data(), topk_w.data(), k, sgate.data(), dn8.words(),
+                             dn8.s.data(), inter, sdn8.words(), sdn8.s.data(), s_inter, h_out.data(), d);
+        });
+    } else {
+        emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), (size_t)down_dec_smem(e, k, inter, s_inter, early), [&] {
+            moe_down_dec(act.data(), act_ld, early ? nullptr : topk_ids.data(), topk_w.data(), logits.data(), e, early,
+                         k, sgate.data(), dn.data(), inter, sdn.data(), s_inter, h_out.data(), d);
+        });
+    }
     // Reference.
     double ss = 0;
     for (float v : h) ss += (double)v * v;
@@ -416,30 +462,29 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
     sg = 1.0 / (1.0 + std::exp(-sg));
     bool ids_ok = true;
     for (int j = 0; j < k; j++) ids_ok &= topk_ids[j] == order[j];
-    auto expert_act = [&](const bf16* w, int n, int j) {
-        double g = 0, u = 0;
-        for (int i = 0; i < d; i++) {
-            g += f(w[(size_t)j * d + i]) * x[i];
-            u += f(w[(size_t)(n + j) * d + i]) * x[i];
-        }
-        return (double)__bfloat162float(__float2bfloat16((float)(g / (1.0 + std::exp(-g)) * u)));
-    };
     double err = 0, scale = 0;
     std::vector<std::vector<double>> acts(k + 1);
     for (int s = 0; s <= k; s++) {
         const bool sh = s == k;
         const int n = sh ? s_inter : inter;
-        const bf16* w = sh ? sgu.data() : gu.data() + (size_t)order[s] * 2 * inter * d;
-        for (int j = 0; j < n; j++) acts[s].push_back(expert_act(w, n, j));
+        const size_t r0 = sh ? 0 : (size_t)order[s] * 2 * inter;
+        for (int j = 0; j < n; j++) {
+            double g = 0, u = 0;
+            for (int i = 0; i < d; i++) {
+                g += (sh ? w_sgu(r0 + j, i) : w_gu(r0 + j, i)) * x[i];
+                u += (sh ? w_sgu(r0 + n + j, i) : w_gu(r0 + n + j, i)) * x[i];
+            }
+            acts[s].push_back(__bfloat162float(__float2bfloat16((float)(g / (1.0 + std::exp(-g)) * u))));
+        }
     }
     for (int r = 0; r < d; r++) {
         double y = h[r], slack = 0;
         for (int s = 0; s <= k; s++) {
             const bool sh = s == k;
             const int n = sh ? s_inter : inter;
-            const bf16* w = sh ? sdn.data() : dn.data() + (size_t)order[s] * d * inter;
             double a = 0;
-            for (int j = 0; j < n; j++) a += f(w[(size_t)r * n + j]) * acts[s][j];
+            for (int j = 0; j < n; j++)
+                a += (sh ? w_sdn(r, j) : w_dn((size_t)order[s] * d + r, j)) * acts[s][j];
             const double wt = sh ? sg : std::exp(lg[order[s]] - lg[order[0]]) / sum;
             if (!sh) {
                 // A routed expert's output is taken as bf16. Where the sum lies within 1e-5 of a
@@ -456,10 +501,62 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         scale = std::max(scale, std::fabs(y));
     }
     const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
-    printf("%s decode MoE d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
-           ok ? "ok  " : "FAIL", d, e, k, inter, s_inter, early == 2 ? "early, bulk rows" : early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER",
-           err, scale);
+    printf("%s decode MoE%s d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
+           ok ? "ok  " : "FAIL", fp8 ? " fp8" : "", d, e, k, inter, s_inter,
+           early == 2 ? "early, bulk rows" : early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER", err, scale);
     fails += !ok;
+}
+
+// moe_gemv_sorted_fp8 / moe_gemv_sorted_swiglu_fp8 (the few-row path with FP8 experts) over rows
+// of random experts (repeats included), gathered input rows for gate/up, against double products
+// of the dequantised weights: act within its bf16 rounding, y to 1e-6 of its scale.
+static void sorted_fp8_check(int d, int inter, int e, int rows) {
+    auto gu = rand_fp8(e * 2 * inter, d, 1.0f / std::sqrt((float)d));
+    auto dn = rand_fp8(e * d, inter, 1.0f / std::sqrt((float)inter));
+    const int tokens = rows / 2 + 1;
+    auto xb = rand_bf16((size_t)tokens * d, 1.0f), act_in = rand_bf16((size_t)rows * inter, 1.0f);
+    std::vector<int> expert(rows), gather(rows);
+    for (int r = 0; r < rows; r++) expert[r] = (int)(rng() % e), gather[r] = (int)(rng() % tokens);
+    std::sort(expert.begin(), expert.end());
+    std::vector<bf16> act((size_t)rows * inter, bf16{0x7fff});
+    std::vector<float> y((size_t)rows * d, NAN);
+    const int fg = gemv_sorted_features(true, d), fd = gemv_sorted_features(false, inter);
+    emu_launch({(unsigned)rows, (unsigned)((inter + fg - 1) / fg), 1}, 256, (size_t)d * 2, [&] {
+        moe_gemv_sorted_swiglu_fp8(xb.data(), gather.data(), gu.words(), gu.s.data(), act.data(), expert.data(), inter, d);
+    });
+    emu_launch({(unsigned)rows, (unsigned)((d + fd - 1) / fd), 1}, 256, (size_t)inter * 2, [&] {
+        moe_gemv_sorted_fp8(act_in.data(), nullptr, dn.words(), dn.s.data(), y.data(), expert.data(), d, inter);
+    });
+    double ea = 0, ey = 0, ys = 0;
+    std::vector<double> yr((size_t)rows * d);
+    for (int r = 0; r < rows; r++) {
+        const size_t g0 = (size_t)expert[r] * 2 * inter;
+        for (int j = 0; j < inter; j++) {
+            double g = 0, u = 0;
+            for (int i = 0; i < d; i++) {
+                const double xv = f(xb[(size_t)gather[r] * d + i]);
+                g += gu.at(g0 + j, i) * xv;
+                u += gu.at(g0 + inter + j, i) * xv;
+            }
+            const double ref = g / (1.0 + std::exp(-g)) * u, got = f(act[(size_t)r * inter + j]);
+            const double e_ = std::fabs(got - ref) / (std::fabs(ref) * 0.00390625 + 1e-5);
+            if (!(e_ <= ea)) ea = e_;
+        }
+        for (int n = 0; n < d; n++) {
+            double a = 0;
+            for (int j = 0; j < inter; j++) a += dn.at((size_t)expert[r] * d + n, j) * f(act_in[(size_t)r * inter + j]);
+            yr[(size_t)r * d + n] = a;
+            ys = std::max(ys, std::fabs(a));
+        }
+    }
+    for (size_t i = 0; i < yr.size(); i++) {
+        const double e_ = std::fabs(y[i] - yr[i]) / ys;
+        if (!(e_ <= ey)) ey = e_;
+    }
+    const bool ok = ea <= 1.0 && ey <= 1e-6;
+    fails += !ok;
+    printf("%s moe_gemv_sorted fp8 d=%d i=%d E=%d rows=%d: swiglu act %.2f of its bound, down %.1e\n",
+           ok ? "ok  " : "FAIL", d, inter, e, rows, ea, ey);
 }
 
 // moe_plan alone over several warps of experts (the model's 256, and ragged counts), offsets
@@ -487,6 +584,11 @@ int main(int argc, char** argv) {
         decode_moe_check(2048, 16, 8, 512, 512, early);
         decode_moe_check(2048, 256, 8, 512, 512, early);
     }
+    decode_moe_check(128, 8, 2, 128, 128, 0, true);
+    decode_moe_check(2048, 16, 8, 512, 512, 0, true);
+    decode_moe_check(2048, 256, 8, 512, 512, 0, true);
+    sorted_fp8_check(128, 128, 4, 5);
+    sorted_fp8_check(2048, 512, 6, 9);
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(k % 2 ? 12 : 21, e, k, k % 2 ? 36 : 64);

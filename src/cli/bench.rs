@@ -3,6 +3,7 @@
 use super::PREFILL_CHUNKS;
 use anyhow::{Context, Result};
 use kestrel::config::TextConfig;
+use kestrel::config::WeightFormat;
 use kestrel::model::{CpuModel, Engine};
 use kestrel::state::SequenceState;
 use kestrel::synthetic;
@@ -132,16 +133,18 @@ pub(super) fn bench_cmd(
     let (cfg, host, weights_label) = match (&synthetic, &model) {
         (Some(s), None) => {
             let cfg = match s.as_str() {
-                "full" => TextConfig::qwen36_35b_a3b(),
+                "full" | "full-fp8" => TextConfig::qwen36_35b_a3b(),
                 "demo" => synthetic::demo_config(),
-                other => anyhow::bail!("--synthetic must be `full` or `demo`, not {other:?}"),
+                other => {
+                    anyhow::bail!("--synthetic must be `full`, `full-fp8` or `demo`, not {other:?}")
+                }
             };
             eprintln!(
                 "kestrel bench: SYNTHETIC weights (seeded random, {} shape): these numbers measure speed only, never output quality",
-                if s == "full" {
-                    "exact 40-layer Qwen3.6-35B-A3B"
-                } else {
-                    "demo"
+                match s.as_str() {
+                    "full" => "exact 40-layer Qwen3.6-35B-A3B, bf16",
+                    "full-fp8" => "exact 40-layer Qwen3.6-35B-A3B, the official FP8 layout",
+                    _ => "demo",
                 }
             );
             (cfg, None, format!("synthetic-{s}"))
@@ -150,7 +153,12 @@ pub(super) fn bench_cmd(
             let m = CpuModel::load(dir)?;
             (m.config.clone(), Some(m), dir.display().to_string())
         }
-        _ => anyhow::bail!("give exactly one of --synthetic full|demo or --model DIR"),
+        _ => anyhow::bail!("give exactly one of --synthetic full|full-fp8|demo or --model DIR"),
+    };
+    let format = match (&host, synthetic.as_deref()) {
+        (Some(h), _) if h.weights.is_fp8() => WeightFormat::Fp8,
+        (None, Some("full-fp8")) => WeightFormat::Fp8,
+        _ => WeightFormat::Bf16,
     };
     let vocab_limit = cfg
         .vocab_size
@@ -172,6 +180,7 @@ pub(super) fn bench_cmd(
                 None => kestrel::cuda::model::CudaModel::pick_chunk(
                     &gpu,
                     &cfg,
+                    format,
                     max_seq,
                     &PREFILL_CHUNKS,
                 )?,
@@ -190,6 +199,7 @@ pub(super) fn bench_cmd(
                 None => kestrel::cuda::model::CudaModel::synthetic(
                     gpu.clone(),
                     cfg.clone(),
+                    format,
                     7,
                     max_seq,
                     max_chunk,
@@ -199,8 +209,16 @@ pub(super) fn bench_cmd(
             if let Some(streams) = &streams {
                 let read_bw = gpu.measure_weight_stream(2048, 256)?;
                 eprintln!("read bandwidth {:.2} TB/s", read_bw / 1e12);
-                let rows =
-                    concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, sampling, read_bw)?;
+                let rows = concurrency_rows(
+                    &m,
+                    &cfg,
+                    format,
+                    streams,
+                    &contexts,
+                    vocab_limit,
+                    sampling,
+                    read_bw,
+                )?;
                 print_profile(&gpu);
                 return write_concurrency_json(
                     json.as_deref(),
@@ -216,6 +234,7 @@ pub(super) fn bench_cmd(
                 rows.push(kestrel::bench::bench_context(
                     &runner,
                     &cfg,
+                    format,
                     c,
                     vocab_limit,
                     copy_bw,
@@ -246,8 +265,16 @@ pub(super) fn bench_cmd(
                 }
             };
             if let Some(streams) = &streams {
-                let rows =
-                    concurrency_rows(&m, &cfg, streams, &contexts, vocab_limit, sampling, 0.0)?;
+                let rows = concurrency_rows(
+                    &m,
+                    &cfg,
+                    format,
+                    streams,
+                    &contexts,
+                    vocab_limit,
+                    sampling,
+                    0.0,
+                )?;
                 return write_concurrency_json(json.as_deref(), &rows, "cpu", &weights_label, 0.0);
             }
             let runner = CpuRunner(&m, vocab_limit);
@@ -256,6 +283,7 @@ pub(super) fn bench_cmd(
                 rows.push(kestrel::bench::bench_context(
                     &runner,
                     &cfg,
+                    format,
                     c,
                     vocab_limit,
                     0.0,
@@ -331,9 +359,11 @@ fn positive_list(flag: &str, s: &str) -> Result<Vec<usize>> {
 }
 
 /// The concurrency benchmark at every (context, streams), printed as a table.
+#[allow(clippy::too_many_arguments)]
 fn concurrency_rows<E: Engine>(
     m: &E,
     cfg: &TextConfig,
+    format: WeightFormat,
     streams: &[usize],
     contexts: &[usize],
     vocab_limit: usize,
@@ -346,6 +376,7 @@ fn concurrency_rows<E: Engine>(
             rows.push(kestrel::bench::bench_concurrency(
                 m,
                 cfg,
+                format,
                 n,
                 c,
                 vocab_limit,

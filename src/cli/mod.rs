@@ -8,6 +8,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use kestrel::config::WeightFormat;
 use kestrel::config::{GenerationConfig, TextConfig};
 use kestrel::hub;
 use kestrel::model::CpuModel;
@@ -110,7 +111,8 @@ enum Command {
     /// Benchmark (Lily's contract: batch 1, greedy, TTFT-style prefill, 64 decode steps).
     Bench {
         /// Seeded random weights of a known shape instead of a checkpoint: `full` (the exact
-        /// 40-layer Qwen3.6-35B-A3B shape) or `demo`.
+        /// 40-layer Qwen3.6-35B-A3B shape, bf16), `full-fp8` (the same in the official FP8
+        /// layout) or `demo`.
         #[arg(long)]
         synthetic: Option<String>,
         /// Checkpoint directory (when not --synthetic).
@@ -316,8 +318,18 @@ fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<B
             None => Ok(Backend::Cpu(CpuModel::new(cfg, weights))),
             Some(g) => {
                 let max_seq = (args.max_seq as usize).min(cfg.max_position_embeddings);
-                let chunk =
-                    kestrel::cuda::model::CudaModel::pick_chunk(g, &cfg, max_seq, &PREFILL_CHUNKS)?;
+                let format = if weights.is_fp8() {
+                    WeightFormat::Fp8
+                } else {
+                    WeightFormat::Bf16
+                };
+                let chunk = kestrel::cuda::model::CudaModel::pick_chunk(
+                    g,
+                    &cfg,
+                    format,
+                    max_seq,
+                    &PREFILL_CHUNKS,
+                )?;
                 let show = !args.quiet && std::io::stderr().is_terminal();
                 let mut bar: Option<ProgressBar> = None;
                 let m = kestrel::cuda::model::CudaModel::from_weights_with_progress(
@@ -340,19 +352,28 @@ fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<B
             }
         }
     };
-    if args.synthetic.is_some() {
+    if let Some(kind) = &args.synthetic {
         let Some(g) = &gpu else {
-            anyhow::bail!("--synthetic full makes its weights on the GPU: it needs --device cuda");
+            anyhow::bail!(
+                "--synthetic {kind} makes its weights on the GPU: it needs --device cuda"
+            );
+        };
+        let format = if kind == "full-fp8" {
+            WeightFormat::Fp8
+        } else {
+            WeightFormat::Bf16
         };
         let cfg = TextConfig::qwen36_35b_a3b();
         let max_seq = (args.max_seq as usize).min(cfg.max_position_embeddings);
-        let chunk = kestrel::cuda::model::CudaModel::pick_chunk(g, &cfg, max_seq, &PREFILL_CHUNKS)?;
+        let chunk =
+            kestrel::cuda::model::CudaModel::pick_chunk(g, &cfg, format, max_seq, &PREFILL_CHUNKS)?;
         if !args.quiet {
             eprintln!(
-                "kestrel: SYNTHETIC weights (seeded random, exact 40-layer Qwen3.6-35B-A3B shape): for load tests and benchmarks only, the text is gibberish"
+                "kestrel: SYNTHETIC weights (seeded random, exact 40-layer Qwen3.6-35B-A3B shape, {format:?}): for load tests and benchmarks only, the text is gibberish"
             );
         }
-        let m = kestrel::cuda::model::CudaModel::synthetic(g.clone(), cfg, 7, max_seq, chunk)?;
+        let m =
+            kestrel::cuda::model::CudaModel::synthetic(g.clone(), cfg, format, 7, max_seq, chunk)?;
         return Ok(Backend::Cuda(m));
     }
     let Some(dir) = dir else {

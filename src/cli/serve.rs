@@ -60,8 +60,10 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
     };
     let model_id = served_model_name.unwrap_or_else(|| match &model.model {
         Some(spec) => spec.clone(),
-        None if model.synthetic.is_some() => "synthetic-full".into(),
-        None => "kestrel-demo".into(),
+        None => match &model.synthetic {
+            Some(kind) => format!("synthetic-{kind}"),
+            None => "kestrel-demo".into(),
+        },
     });
     let config = ServerConfig {
         model_id: model_id.clone(),

@@ -9,13 +9,14 @@ use super::kernels::gdn_decode::{GdnConvDec, GdnConvstepDec, GdnStepDec};
 use super::kernels::gemv::{self, Argmax, Input};
 use super::kernels::misc::EmbedGather;
 use super::kernels::moe_decode::{
-    MoeDownDec, MoeGateUpDec, MoeRouterDec, down_dec_smem, gate_up_dec_smem, router_smem,
+    MoeDownDec, MoeDownDecFp8, MoeGateUpDec, MoeGateUpDecFp8, MoeRouterDec, down_dec_smem,
+    gate_up_dec_smem, router_smem,
 };
 use super::kernels::trace::TraceSet;
 use super::kernels::{Dev, On};
 use super::model::CudaModel;
 use super::state::{CudaState, DecodeGraph};
-use super::upload::{LayerW, MixerW};
+use super::upload::{LayerW, MixerW, Wt};
 use super::{DeviceBuf, Gpu};
 use crate::config::TextConfig;
 use anyhow::{Result, anyhow};
@@ -186,6 +187,27 @@ impl CudaModel {
         )
     }
 
+    /// A dense projection of the decode step, `y = beta*y + W·input`: bf16 through
+    /// [`Self::gemv_dec`], FP8 through `gemv_fp8` (W8A16).
+    fn dense_dec(
+        &self,
+        w: &Wt,
+        n: usize,
+        k: usize,
+        input: Input,
+        y: Dev<f32>,
+        beta: f32,
+    ) -> Result<()> {
+        match w {
+            Wt::Bf16(b) => self.gemv_dec(b, n, k, input, y, beta, None, self.decode_graph),
+            Wt::Fp8 { .. } => {
+                let f = w.fp8().expect("an FP8 matrix");
+                let on = On::Decode(self.decode_graph);
+                gemv::gemv_fp8(&self.gpu, f, n, k, input, 1, y, n, beta, on)
+            }
+        }
+    }
+
     /// The fused one-token step, top to bottom: every launch reads the token and position
     /// from `dws.step_in` and nothing else changes between steps, so the sequence can be
     /// captured once per state into a CUDA graph. Six launches per GDN layer (in-projection
@@ -245,7 +267,16 @@ impl CudaModel {
                         c.gdn_value_dim,
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
-                    gemv(&w.in_proj, ch + vw + 2 * hv, d, normed, proj, 0.0, None)?;
+                    match &w.in_ba {
+                        // FP8: q|k|v|z in FP8, b|a (bf16 in the format) beside them
+                        Some(ba) => {
+                            self.dense_dec(&w.in_proj, ch + vw, d, normed, proj, 0.0)?;
+                            gemv(ba, 2 * hv, d, normed, proj.at(ch + vw), 0.0, None)?;
+                        }
+                        None => {
+                            self.dense_dec(&w.in_proj, ch + vw + 2 * hv, d, normed, proj, 0.0)?
+                        }
+                    }
                     let (z, ba) = (proj.at(ch), proj.at(ch + vw));
                     let q_scale = 1.0 / (dk as f32).sqrt();
                     if self.gdn_convstep && GdnConvstepDec::fits(c.conv_kernel, hk, hv, dk, dv) {
@@ -304,21 +335,13 @@ impl CudaModel {
                         .launch(g, dk, on)?;
                     }
                     let ob = Input::Bf16(dw.ob.bf16());
-                    gemv(&w.out, d, vw, ob, h, 1.0, None)?;
+                    self.dense_dec(&w.out, d, vw, ob, h, 1.0)?;
                 }
                 MixerW::Attn(w) => {
                     let (kc, vc) = state.kv_caches(attn_i);
                     attn_i += 1;
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-                    gemv(
-                        &w.qkv,
-                        nq * 2 * hd + 2 * nkv * hd,
-                        d,
-                        normed,
-                        proj,
-                        0.0,
-                        None,
-                    )?;
+                    self.dense_dec(&w.qkv, nq * 2 * hd + 2 * nkv * hd, d, normed, proj, 0.0)?;
                     let kp = proj.at(nq * 2 * hd);
                     AttnPrep {
                         qg: proj,
@@ -368,7 +391,7 @@ impl CudaModel {
                     }
                     .launch(g, 1, on)?;
                     let ob = Input::Bf16(dw.ob.bf16());
-                    gemv(&w.o, d, nq * hd, ob, h, 1.0, None)?;
+                    self.dense_dec(&w.o, d, nq * hd, ob, h, 1.0)?;
                 }
             }
             self.moe_decode(layer)?;
@@ -421,6 +444,51 @@ impl CudaModel {
             sgate: dw.sgate.f32(),
         }
         .launch(g, on)?;
+        if let (Some(gu), Some(dn), Some(sgu), Some(sdn)) = (
+            layer.gate_up.fp8(),
+            layer.down.fp8(),
+            layer.shared_gate_up.fp8(),
+            layer.shared_down.fp8(),
+        ) {
+            MoeGateUpDecFp8 {
+                xb: dw.xb.bf16(),
+                d,
+                logits: dw.router.f32(),
+                e,
+                k,
+                topk_ids: dw.topk_ids.i32(),
+                topk_w: dw.topk_w.f32(),
+                gate_up: gu.q,
+                gu_sc: gu.sc,
+                inter: i,
+                shared_gate_up: sgu.q,
+                sgu_sc: sgu.sc,
+                s_inter: is,
+                act: dw.act.f32(),
+                act_ld,
+                late_launch: 0,
+            }
+            .launch(g, on)?;
+            // the experts from topk_ids, after this kernel's wait for gate/up
+            return MoeDownDecFp8 {
+                act: dw.act.f32(),
+                act_ld,
+                topk_ids: dw.topk_ids.i32(),
+                topk_w: dw.topk_w.f32(),
+                k,
+                sgate: dw.sgate.f32(),
+                down: dn.q,
+                down_sc: dn.sc,
+                inter: i,
+                shared_down: sdn.q,
+                sd_sc: sdn.sc,
+                s_inter: is,
+                h: dw.h.f32(),
+                d,
+            }
+            .launch(g, on);
+        }
+        let bf16 = |w: &Wt| w.bf16_buf("the decode MoE").map(|b| b.bf16());
         MoeGateUpDec {
             xb: dw.xb.bf16(),
             d,
@@ -429,9 +497,9 @@ impl CudaModel {
             k,
             topk_ids: dw.topk_ids.i32(),
             topk_w: dw.topk_w.f32(),
-            gate_up: layer.gate_up.bf16(),
+            gate_up: bf16(&layer.gate_up)?,
             inter: i,
-            shared_gate_up: layer.shared_gate_up.bf16(),
+            shared_gate_up: bf16(&layer.shared_gate_up)?,
             s_inter: is,
             act: dw.act.f32(),
             act_ld,
@@ -452,9 +520,9 @@ impl CudaModel {
             early: 2,
             k,
             sgate: dw.sgate.f32(),
-            down: layer.down.bf16(),
+            down: bf16(&layer.down)?,
             inter: i,
-            shared_down: layer.shared_down.bf16(),
+            shared_down: bf16(&layer.shared_down)?,
             s_inter: is,
             h: dw.h.f32(),
             d,

@@ -22,6 +22,7 @@ use super::kv::KvPool;
 use super::prefill::{LOGITS_ROWS, MAX_BATCH, Seqs, Workspace};
 use super::sample::SampleWs;
 pub use super::state::CudaState;
+pub use super::upload::WeightFormat;
 use super::upload::{Source, Weights};
 use crate::config::TextConfig;
 use crate::model::{Engine, Logits, StateMemory};
@@ -74,19 +75,42 @@ impl MemoryPlan {
     }
 }
 
+/// The parameters the FP8 format stores as e4m3 and the bytes of their f32 128 x 128 block
+/// scales.
+fn fp8_split(cfg: &TextConfig) -> (usize, usize) {
+    cfg.fp8_matrices()
+        .into_iter()
+        .fold((0, 0), |(p, s), (r, c, n, _)| {
+            (p + r * c * n, s + r.div_ceil(128) * c.div_ceil(128) * 4 * n)
+        })
+}
+
 fn gib(b: usize) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 
 impl CudaModel {
-    /// The memory plan for `cfg`, a `max_seq` context and `max_chunk`-token prefill chunks.
-    pub fn plan(cfg: &TextConfig, max_seq: usize, max_chunk: usize) -> MemoryPlan {
+    /// The memory plan for `cfg` in `format`, a `max_seq` context and `max_chunk`-token prefill
+    /// chunks.
+    pub fn plan(
+        cfg: &TextConfig,
+        format: WeightFormat,
+        max_seq: usize,
+        max_chunk: usize,
+    ) -> MemoryPlan {
         let (total, _) = cfg.parameter_counts();
         let vec_extra = cfg.num_layers * 4 * cfg.hidden_size * 4;
+        let weights = match format {
+            WeightFormat::Bf16 => total as usize * 2,
+            WeightFormat::Fp8 => {
+                let (quantized, scale_bytes) = fp8_split(cfg);
+                (total as usize - quantized) * 2 + quantized + scale_bytes
+            }
+        };
         MemoryPlan {
-            weights: total as usize * 2 + vec_extra,
+            weights: weights + vec_extra,
             state: Self::state_bytes(cfg, max_seq),
-            workspace: Self::workspace_floats(cfg, max_chunk).1
+            workspace: Self::workspace_floats(cfg, format, max_chunk).1
                 + DecodeWs::sizes(cfg).iter().map(|(_, b)| b).sum::<usize>()
                 + SampleWs::bytes(LOGITS_ROWS),
         }
@@ -98,11 +122,12 @@ impl CudaModel {
     pub fn pick_chunk(
         gpu: &Gpu,
         cfg: &TextConfig,
+        format: WeightFormat,
         max_seq: usize,
         chunks: &[usize],
     ) -> Result<usize> {
         let (free, _) = gpu.memory()?;
-        let fits = |&c: &usize| Self::plan(cfg, max_seq, c).total() + (1 << 30) <= free;
+        let fits = |&c: &usize| Self::plan(cfg, format, max_seq, c).total() + (1 << 30) <= free;
         Ok(chunks
             .iter()
             .copied()
@@ -173,7 +198,6 @@ impl CudaModel {
         max_chunk: usize,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
-        super::upload::ensure_no_fp8(weights)?;
         Self::build(
             gpu,
             cfg,
@@ -188,6 +212,7 @@ impl CudaModel {
     pub fn synthetic(
         gpu: Arc<Gpu>,
         cfg: TextConfig,
+        format: WeightFormat,
         seed: u64,
         max_seq: usize,
         max_chunk: usize,
@@ -195,7 +220,7 @@ impl CudaModel {
         Self::build(
             gpu,
             cfg,
-            Source::Synthetic(seed),
+            Source::Synthetic(seed, format),
             max_seq,
             max_chunk,
             &mut |_, _| {},
@@ -211,7 +236,20 @@ impl CudaModel {
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
         Self::check_supported(&cfg)?;
-        let plan = Self::plan(&cfg, max_seq, max_chunk);
+        let format = src.format();
+        if format == WeightFormat::Fp8 {
+            let sizes = [
+                cfg.hidden_size,
+                cfg.moe_intermediate,
+                cfg.shared_intermediate,
+            ];
+            if sizes.iter().any(|s| !s.is_multiple_of(128)) {
+                bail!(
+                    "the CUDA FP8 kernels read whole 128 x 128 blocks: hidden, expert and shared expert sizes must be multiples of 128, not {sizes:?}"
+                );
+            }
+        }
+        let plan = Self::plan(&cfg, format, max_seq, max_chunk);
         let (free, total) = gpu.memory()?;
         // One sequence state is created by the caller; keep 1 GiB of headroom for cuBLAS.
         let need = plan.total() + (1 << 30);
@@ -228,7 +266,7 @@ impl CudaModel {
             );
         }
         let w = Weights::upload(&gpu, &cfg, &src, plan.weights as u64, progress)?;
-        let ws = Self::alloc_workspace(&gpu, &cfg, max_chunk)?;
+        let ws = Self::alloc_workspace(&gpu, &cfg, format, max_chunk)?;
         let dws = DecodeWs::alloc(&gpu, &cfg)?;
         let sws = SampleWs::new(&gpu, LOGITS_ROWS)?;
         let kv_pool = KvPool::new(gpu.clone())?;

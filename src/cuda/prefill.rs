@@ -10,16 +10,17 @@ use super::kernels::attn_decode::{
 };
 use super::kernels::attn_prefill::AttnPrepRows;
 use super::kernels::gdn_decode::{GdnConvstepDec, GdnGatedNorm, GdnGates};
-use super::kernels::misc::EmbedGather;
+use super::kernels::gemv::{GEMV_FP8_TOKENS, Input, gemv_fp8};
+use super::kernels::misc::{DequantFp8Bf16, EmbedGather};
 use super::kernels::moe_route::{
-    MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeRoute, MoeRouteSmall,
+    MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeGemvSortedFp8, MoeRoute, MoeRouteSmall,
 };
 use super::kernels::norm::RmsnormZcBf16;
 use super::kernels::{Dev, On, Untyped};
 use super::model::CudaModel;
 use super::moe::{DensePlan, Grouped, GroupedOut, MoePlan};
 use super::state::CudaState;
-use super::upload::{LayerW, MixerW};
+use super::upload::{LayerW, MixerW, WeightFormat, Wt, fp8_rows};
 use super::{DeviceBuf, Gpu};
 use crate::config::TextConfig;
 use anyhow::{Result, anyhow};
@@ -34,6 +35,19 @@ pub(super) const LOGITS_ROWS: usize = 64;
 /// H200 (synthetic full, 1,024 a stream): 16 streams 1,486 against the GEMM's 1,405 tok/s, 32
 /// streams 1,886 against 2,020.
 const MOE_GEMV_MAX_ROWS: usize = 128;
+
+/// [`MOE_GEMV_MAX_ROWS`] for FP8 experts: every batched decode step of up to 64 tokens (the
+/// alternative dequantises all 256 experts' weights into bf16 each call, ~2.4 GB of traffic a
+/// layer).
+const MOE_GEMV_MAX_ROWS_FP8: usize = 512;
+
+/// The few-row MoE path's limit in routed rows for `format`.
+fn moe_gemv_max_rows(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::Bf16 => MOE_GEMV_MAX_ROWS,
+        WeightFormat::Fp8 => MOE_GEMV_MAX_ROWS_FP8,
+    }
+}
 
 /// Attention splits per query in prefill (bounded workspace); decode may use up to 256.
 const PREFILL_SPLITS: usize = 8;
@@ -118,11 +132,17 @@ pub(super) struct Workspace {
     pub(super) batch_tab: DeviceBuf,
     pub(super) batch_pos: DeviceBuf,
     pub(super) batch_next: DeviceBuf,
+    /// FP8 weights: a dense product's matrix dequantised to bf16 (main and second stream),
+    /// and a layer's experts (gate/up then down) for the calls past the few-row MoE path.
+    pub(super) dq: DeviceBuf,
+    pub(super) dq_aux: DeviceBuf,
+    pub(super) dq_experts: DeviceBuf,
 }
 
 impl CudaModel {
     pub(super) fn workspace_floats(
         cfg: &TextConfig,
+        format: WeightFormat,
         t: usize,
     ) -> (Vec<(&'static str, usize, usize)>, usize) {
         let d = cfg.hidden_size;
@@ -135,7 +155,30 @@ impl CudaModel {
             cfg.shared_intermediate,
         );
         // the few-row path's plan has a tile a row
-        let max_tiles = super::moe::max_tiles(t * k, e).max(MOE_GEMV_MAX_ROWS.min(t * k));
+        let max_tiles = super::moe::max_tiles(t * k, e).max(moe_gemv_max_rows(format).min(t * k));
+        // FP8: the dequantised bf16 matrix of a dense product past gemv_fp8's tokens (one for
+        // each stream), and a layer's experts where a call passes the few-row MoE path
+        let fp8 = format == WeightFormat::Fp8;
+        let dense_max = [
+            (cfg.gdn_conv_channels() + cfg.gdn_v_width()) * d,
+            d * cfg.gdn_v_width(),
+            (nq * 2 * hd + 2 * nkv * hd) * d,
+            d * nq * hd,
+            2 * is * d,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let dq = if fp8 && t > GEMV_FP8_TOKENS {
+            dense_max
+        } else {
+            0
+        };
+        let dq_experts = if fp8 && t * k > MOE_GEMV_MAX_ROWS_FP8 {
+            e * 3 * i * d
+        } else {
+            0
+        };
         let part = (t * nq * PREFILL_SPLITS).max(nq * DECODE_SPLITS) * (hd + 2);
         // (name, elements, bytes per element)
         let list = vec![
@@ -186,13 +229,21 @@ impl CudaModel {
             ("batch_tab", cfg.num_layers * 2 * t.min(MAX_BATCH), 8),
             ("batch_pos", t.min(MAX_BATCH), 4),
             ("batch_next", t.min(MAX_BATCH), 4),
+            ("dq", dq, 2),
+            ("dq_aux", dq, 2),
+            ("dq_experts", dq_experts, 2),
         ];
         let total = list.iter().map(|(_, n, b)| n * b).sum();
         (list, total)
     }
 
-    pub(super) fn alloc_workspace(gpu: &Gpu, cfg: &TextConfig, t: usize) -> Result<Workspace> {
-        let (list, _) = Self::workspace_floats(cfg, t);
+    pub(super) fn alloc_workspace(
+        gpu: &Gpu,
+        cfg: &TextConfig,
+        format: WeightFormat,
+        t: usize,
+    ) -> Result<Workspace> {
+        let (list, _) = Self::workspace_floats(cfg, format, t);
         let mut bufs: std::collections::HashMap<&str, DeviceBuf> = std::collections::HashMap::new();
         let mut part_floats = 0;
         for (name, n, b) in list {
@@ -250,6 +301,9 @@ impl CudaModel {
             batch_tab: take("batch_tab")?,
             batch_pos: take("batch_pos")?,
             batch_next: take("batch_next")?,
+            dq: take("dq")?,
+            dq_aux: take("dq_aux")?,
+            dq_experts: take("dq_experts")?,
         })
     }
 
@@ -362,7 +416,20 @@ impl CudaModel {
                     // The in-projection's q|k|v, z and b|a side by side in p's rows (the conv,
                     // the gates and the gated norm read them in place): one GEMM.
                     let ld = ch + vw + 2 * hv;
-                    g.gemm(w.in_proj.ptr, ld, d, ws.xb.ptr, t, ws.p.ptr, ld, 0.0)?;
+                    match &w.in_ba {
+                        // FP8: q|k|v|z, then b|a (bf16 in the format) into their columns
+                        Some(ba) => {
+                            let qz = ch + vw;
+                            self.dense(
+                                ws, &w.in_proj, 0, qz, d, ws.xb.ptr, t, ws.p.ptr, ld, 0.0, false,
+                            )?;
+                            let p_ba = ws.p.ptr + (qz * 4) as u64;
+                            g.gemm(ba.ptr, 2 * hv, d, ws.xb.ptr, t, p_ba, ld, 0.0)?;
+                        }
+                        None => self.dense(
+                            ws, &w.in_proj, 0, ld, d, ws.xb.ptr, t, ws.p.ptr, ld, 0.0, false,
+                        )?,
+                    }
                     let p = ws.p.f32();
                     let (z, ba) = (p.at(ch), p.at(ch + vw));
                     if batch.is_some() {
@@ -458,24 +525,24 @@ impl CudaModel {
                     }
                     gdn_i += 1;
                     // Residual add fused into the GEMM (beta = 1).
-                    g.gemm(w.out.ptr, d, vw, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
+                    self.dense(ws, &w.out, 0, d, vw, ws.ob.ptr, t, ws.h.ptr, d, 1.0, false)?;
                 }
                 MixerW::Attn(w) => {
                     let (nq, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-                    let (wq, wk, wv) = w.qkv_parts(c);
-                    // k and v on the second stream beside the q|gate product.
+                    let (q_rows, kv_rows) = (nq * 2 * hd, nkv * hd);
+                    let xb = ws.xb.ptr;
+                    // k and v on the second stream beside the q|gate product
                     g.fork_aux()?;
-                    g.gemm_aux(wk, nkv * hd, d, ws.xb.ptr, t, ws.k.ptr, nkv * hd, 0.0)?;
-                    g.gemm_aux(wv, nkv * hd, d, ws.xb.ptr, t, ws.v.ptr, nkv * hd, 0.0)?;
-                    g.gemm(
-                        wq,
-                        nq * 2 * hd,
-                        d,
-                        ws.xb.ptr,
-                        t,
-                        ws.qg.ptr,
-                        nq * 2 * hd,
-                        0.0,
+                    let (k_ptr, v_ptr) = (ws.k.ptr, ws.v.ptr);
+                    self.dense(
+                        ws, &w.qkv, q_rows, kv_rows, d, xb, t, k_ptr, kv_rows, 0.0, true,
+                    )?;
+                    let v_row0 = q_rows + kv_rows;
+                    self.dense(
+                        ws, &w.qkv, v_row0, kv_rows, d, xb, t, v_ptr, kv_rows, 0.0, true,
+                    )?;
+                    self.dense(
+                        ws, &w.qkv, 0, q_rows, d, xb, t, ws.qg.ptr, q_rows, 0.0, false,
                     )?;
                     g.join_aux()?;
                     let rot_half = c.rotary_dim / 2;
@@ -619,7 +686,19 @@ impl CudaModel {
                         }
                     }
                     attn_i += 1;
-                    g.gemm(w.o.ptr, d, nq * hd, ws.ob.ptr, t, ws.h.ptr, d, 1.0)?;
+                    self.dense(
+                        ws,
+                        &w.o,
+                        0,
+                        d,
+                        nq * hd,
+                        ws.ob.ptr,
+                        t,
+                        ws.h.ptr,
+                        d,
+                        1.0,
+                        false,
+                    )?;
                 }
             }
             RmsnormZcBf16 {
@@ -646,7 +725,55 @@ impl CudaModel {
     /// ([`Gpu::dense_mlp_aux`], SwiGLU fused) rather than cuBLAS and `swiglu_bf16`: where the
     /// routed experts run on it too (not the GEMV path).
     fn shared_on_gemm(&self, t: usize) -> bool {
-        t * self.config.experts_per_token > MOE_GEMV_MAX_ROWS
+        self.w.format == WeightFormat::Bf16 && t * self.config.experts_per_token > MOE_GEMV_MAX_ROWS
+    }
+
+    /// `y [t, ldy] = beta·y + x · W[row0..row0 + n]ᵀ` for the bf16 rows `x [t, k]`: bf16 `W`
+    /// by cuBLASLt; FP8 by `gemv_fp8` (W8A16) up to [`GEMV_FP8_TOKENS`] tokens, else
+    /// dequantised into the workspace's `dq` (`dq_aux` on the second stream) for cuBLASLt.
+    #[allow(clippy::too_many_arguments)]
+    fn dense(
+        &self,
+        ws: &Workspace,
+        w: &Wt,
+        row0: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        t: usize,
+        y: u64,
+        ldy: usize,
+        beta: f32,
+        aux: bool,
+    ) -> Result<()> {
+        let g = &*self.gpu;
+        let gemm = |wp: u64| {
+            if aux {
+                g.gemm_aux(wp, n, k, x, t, y, ldy, beta)
+            } else {
+                g.gemm(wp, n, k, x, t, y, ldy, beta)
+            }
+        };
+        let Some(f) = w.fp8() else {
+            let b = w.bf16_buf("a dense product")?;
+            return gemm(b.ptr + (row0 * k * 2) as u64);
+        };
+        let f = fp8_rows(f, k, row0)?;
+        let on = if aux { On::Aux } else { On::Prefill };
+        if t <= GEMV_FP8_TOKENS {
+            let (x, y) = (Dev::new(x, t * k), Dev::new(y, (t - 1) * ldy + n));
+            return gemv_fp8(g, f, n, k, Input::Bf16(x), t, y, ldy, beta, on);
+        }
+        let dq = if aux { &ws.dq_aux } else { &ws.dq };
+        DequantFp8Bf16 {
+            q: f.q,
+            sc: f.sc,
+            n: n as u64,
+            k: k as i32,
+            out: dq.view(),
+        }
+        .launch(g, on)?;
+        gemm(dq.ptr)
     }
 
     /// The MoE block of `layer` on the `t` rows of `ws.xb`, added into `ws.h`; with
@@ -679,7 +806,10 @@ impl CudaModel {
             let gu = Grouped {
                 a: ws.xb.bf16(),
                 gather: Dev::null(),
-                w: layer.shared_gate_up.bf16(),
+                w: layer
+                    .shared_gate_up
+                    .bf16_buf("the shared expert's GEMM")?
+                    .bf16(),
                 out: ws.sact.bf16().into(),
                 ndim: 2 * is,
                 kdim: d,
@@ -687,36 +817,34 @@ impl CudaModel {
             let down = Grouped {
                 a: ws.sact.bf16(),
                 gather: Dev::null(),
-                w: layer.shared_down.bf16(),
+                w: layer
+                    .shared_down
+                    .bf16_buf("the shared expert's GEMM")?
+                    .bf16(),
                 out: ws.ys.f32().into(),
                 ndim: d,
                 kdim: is,
             };
             g.dense_mlp_aux(&plan, t, &gu, &down)?;
         } else {
-            g.gemm_aux(
-                layer.shared_gate_up.ptr,
+            let (xb, sgu, sact, ys) = (ws.xb.ptr, ws.sgu.ptr, ws.sact.ptr, ws.ys.ptr);
+            self.dense(
+                ws,
+                &layer.shared_gate_up,
+                0,
                 2 * is,
                 d,
-                ws.xb.ptr,
+                xb,
                 t,
-                ws.sgu.ptr,
+                sgu,
                 2 * is,
                 0.0,
+                true,
             )?;
             g.swiglu_bf16_aux(ws.sgu.f32(), ws.sact.bf16(), t, is)?;
-            g.gemm_aux(
-                layer.shared_down.ptr,
-                d,
-                is,
-                ws.sact.ptr,
-                t,
-                ws.ys.ptr,
-                d,
-                0.0,
-            )?;
+            self.dense(ws, &layer.shared_down, 0, d, is, sact, t, ys, d, 0.0, true)?;
         }
-        let gemv_path = rows <= MOE_GEMV_MAX_ROWS;
+        let gemv_path = rows <= moe_gemv_max_rows(self.w.format);
         // y in bf16 from the grouped GEMM's tiles (16-byte rows of 8 features).
         let y_bf16 = !gemv_path && d % 8 == 0;
         let counts = ws.counts.i32();
@@ -751,22 +879,52 @@ impl CudaModel {
                 ticket: ws.route_ticket.view(),
             }
             .launch(g)?;
-            let gemv = |a: Dev<bf16>, gather: Dev<i32>, w: &DeviceBuf, out: Untyped, nf, kdim| {
-                MoeGemvSorted {
-                    a,
-                    gather,
-                    w: w.bf16(),
-                    out,
-                    expert: plan.tile_expert,
-                    nf: nf as i32,
-                    kdim: kdim as i32,
+            let gemv = |a: Dev<bf16>, gather: Dev<i32>, w: &Wt, out: Untyped, nf, kdim, swiglu| {
+                let expert = plan.tile_expert;
+                let (nf, kdim) = (nf as i32, kdim as i32);
+                match w.fp8() {
+                    Some(f) => MoeGemvSortedFp8 {
+                        a,
+                        gather,
+                        w: f.q,
+                        sc: f.sc,
+                        out,
+                        expert,
+                        nf,
+                        kdim,
+                    }
+                    .launch(g, swiglu, rows, e),
+                    None => MoeGemvSorted {
+                        a,
+                        gather,
+                        w: w.bf16_buf("the few-row MoE")?.bf16(),
+                        out,
+                        expert,
+                        nf,
+                        kdim,
+                    }
+                    .launch(g, swiglu, rows, e),
                 }
             };
             let (xb, act) = (ws.xb.bf16(), ws.act.bf16());
-            gemv(xb, ws.sorted_token.i32(), &layer.gate_up, act.into(), i, d)
-                .launch(g, true, rows, e)?;
-            gemv(act, Dev::null(), &layer.down, ws.y.f32().into(), d, i)
-                .launch(g, false, rows, e)?;
+            gemv(
+                xb,
+                ws.sorted_token.i32(),
+                &layer.gate_up,
+                act.into(),
+                i,
+                d,
+                true,
+            )?;
+            gemv(
+                act,
+                Dev::null(),
+                &layer.down,
+                ws.y.f32().into(),
+                d,
+                i,
+                false,
+            )?;
         } else {
             g.gemm(layer.router.ptr, e, d, ws.xb.ptr, t, ws.router.ptr, e, 0.0)?;
             g.memset_zero(ws.counts.ptr, (e + 1) * 4)?;
@@ -793,10 +951,33 @@ impl CudaModel {
                 ws.sorted_token.i32(),
                 ws.slot_row.i32(),
             )?;
+            // FP8: the layer's experts dequantised to bf16 first (gate/up, then down)
+            let (w_gu, w_down) = match (layer.gate_up.fp8(), layer.down.fp8()) {
+                (Some(gu), Some(dn)) => {
+                    let dq = ws.dq_experts.bf16();
+                    for (f, n, kk, out) in
+                        [(gu, e * 2 * i, d, dq), (dn, e * d, i, dq.at(e * 2 * i * d))]
+                    {
+                        DequantFp8Bf16 {
+                            q: f.q,
+                            sc: f.sc,
+                            n: n as u64,
+                            k: kk as i32,
+                            out: Dev::new(out.ptr, out.len / 8),
+                        }
+                        .launch(g, On::Prefill)?;
+                    }
+                    (dq, dq.at(e * 2 * i * d))
+                }
+                _ => (
+                    layer.gate_up.bf16_buf("the grouped MoE")?.bf16(),
+                    layer.down.bf16_buf("the grouped MoE")?.bf16(),
+                ),
+            };
             let gate_up = Grouped {
                 a: ws.xb.bf16(),
                 gather: ws.sorted_token.i32(),
-                w: layer.gate_up.bf16(),
+                w: w_gu,
                 out: ws.act.bf16().into(),
                 ndim: 2 * i,
                 kdim: d,
@@ -805,7 +986,7 @@ impl CudaModel {
             let down = Grouped {
                 a: ws.act.bf16(),
                 gather: Dev::null(),
-                w: layer.down.bf16(),
+                w: w_down,
                 out: ws.y.f32().into(),
                 ndim: d,
                 kdim: i,

@@ -1,44 +1,80 @@
-//! The weights on the device: uploaded from host matrices (converted to bf16; norms and small
-//! vectors f32) or seeded on the device (`--synthetic`), in the layout the kernels read
-//! (fused in-projections, experts stacked `[E, rows, cols]`).
+//! The weights on the device: uploaded from host matrices (bf16, or FP8 as stored with their
+//! block scales; norms and small vectors f32) or seeded on the device (`--synthetic`), in the
+//! layout the kernels read (fused in-projections, experts stacked `[E, rows, cols]`).
 
+use super::kernels::gemv::Fp8;
 use super::{DeviceBuf, Gpu};
+pub use crate::config::WeightFormat;
 use crate::config::{LayerKind, TextConfig};
 use crate::ops::attention::rope_inv_freq;
 use crate::tensor::{DType, Mat, encode_f32};
 use crate::weights::{ExpertWeights, Mixer, ModelWeights};
-use anyhow::Result;
+use anyhow::{Result, bail, ensure};
+
+/// The FP8 block (rows and columns) the GPU kernels read: the official release's 128 x 128.
+pub(super) const FP8_BLOCK: usize = 128;
+
+/// A weight matrix on the device, `[rows, cols]` row-major: bf16, or FP8 (W8A16 in the decode
+/// kernels): e4m3 bytes and f32 block scales `[ceil(rows / 128), ceil(cols / 128)]`, w = q * s.
+/// A stack of parts (fused projections, experts) keeps every part but the last a multiple of
+/// 128 rows, so one block grid serves the stack.
+pub(super) enum Wt {
+    Bf16(DeviceBuf),
+    Fp8 { q: DeviceBuf, sc: DeviceBuf },
+}
+
+impl Wt {
+    pub(super) fn fp8(&self) -> Option<Fp8> {
+        match self {
+            Wt::Bf16(_) => None,
+            Wt::Fp8 { q, sc } => Some(Fp8 {
+                q: q.view(),
+                sc: sc.f32(),
+            }),
+        }
+    }
+    /// The bf16 matrix; an error names the FP8 matrix a bf16-only path was given.
+    pub(super) fn bf16_buf(&self, what: &str) -> Result<&DeviceBuf> {
+        match self {
+            Wt::Bf16(b) => Ok(b),
+            Wt::Fp8 { .. } => bail!("{what}: an FP8 matrix on a bf16-only path"),
+        }
+    }
+}
+
+/// Rows `[row0, row0 + n)` of an FP8 matrix of `cols` columns (row0 % 128 == 0).
+pub(super) fn fp8_rows(w: Fp8, cols: usize, row0: usize) -> Result<Fp8> {
+    ensure!(
+        row0.is_multiple_of(FP8_BLOCK),
+        "FP8 rows from {row0}: not on a {FP8_BLOCK}-row block"
+    );
+    let kb = cols.div_ceil(FP8_BLOCK);
+    Ok(Fp8 {
+        q: w.q.at(row0 * cols / 16),
+        sc: w.sc.at(row0 / FP8_BLOCK * kb),
+    })
+}
 
 pub(super) struct GdnW {
     /// `[C + Hv*Dv + 2*Hv, D]`: the qkv conv inputs, z, b, a rows in one matrix, so decode
-    /// reads them in one GEMV and prefill in one GEMM.
-    pub(super) in_proj: DeviceBuf,
+    /// reads them in one GEMV and prefill in one GEMM. FP8: the qkv and z rows only
+    /// (`[C + Hv*Dv, D]`), b and a (kept bf16 by the format) in `in_ba`.
+    pub(super) in_proj: Wt,
+    /// FP8 checkpoints: the bf16 b and a rows `[2*Hv, D]`.
+    pub(super) in_ba: Option<DeviceBuf>,
     pub(super) conv: DeviceBuf,
     pub(super) a_log: DeviceBuf,
     pub(super) dt_bias: DeviceBuf,
     pub(super) norm: DeviceBuf,
-    pub(super) out: DeviceBuf,
+    pub(super) out: Wt,
 }
 
 pub(super) struct AttnW {
     /// `[Nq*2*Hd + 2*Nkv*Hd, D]`: query+gate, key and value rows in one matrix.
-    pub(super) qkv: DeviceBuf,
-    pub(super) o: DeviceBuf,
+    pub(super) qkv: Wt,
+    pub(super) o: Wt,
     pub(super) q_norm: DeviceBuf,
     pub(super) k_norm: DeviceBuf,
-}
-
-impl AttnW {
-    /// Device pointers of the query+gate, key and value parts of `qkv`.
-    pub(super) fn qkv_parts(&self, c: &TextConfig) -> (u64, u64, u64) {
-        let row = (c.hidden_size * 2) as u64;
-        let (q, kv) = (
-            (c.num_attention_heads * 2 * c.head_dim) as u64,
-            (c.num_kv_heads * c.head_dim) as u64,
-        );
-        let p = self.qkv.ptr;
-        (p, p + q * row, p + (q + kv) * row)
-    }
 }
 
 pub(super) enum MixerW {
@@ -52,45 +88,74 @@ pub(super) struct LayerW {
     pub(super) mixer: MixerW,
     pub(super) router: DeviceBuf,
     /// `[E, 2I, D]`: per expert gate rows then up rows.
-    pub(super) gate_up: DeviceBuf,
+    pub(super) gate_up: Wt,
     /// `[E, D, I]`.
-    pub(super) down: DeviceBuf,
+    pub(super) down: Wt,
     /// `[2Is, D]`.
-    pub(super) shared_gate_up: DeviceBuf,
-    pub(super) shared_down: DeviceBuf,
+    pub(super) shared_gate_up: Wt,
+    pub(super) shared_down: Wt,
     pub(super) shared_gate: DeviceBuf,
 }
 
 /// Weights in the shape the GPU kernels read, from host matrices or seeded on the device.
 pub(super) enum Source<'a> {
     Host(&'a ModelWeights),
-    Synthetic(u64),
+    Synthetic(u64, WeightFormat),
 }
 
-/// The GPU kernels read bf16 weights only: an FP8 checkpoint is refused before anything is
-/// allocated (the W8A16 / FP8 GEMM kernels are not written yet), rather than expanded to
-/// bf16 behind the user's back.
-pub(super) fn ensure_no_fp8(w: &ModelWeights) -> Result<()> {
-    if w.is_fp8() {
-        anyhow::bail!(
-            "FP8 weights on the GPU are not supported yet (this checkpoint is {}); run it on \
-             the CPU backend (`--device cpu`) or use the bf16 checkpoint",
-            w.format()
-        );
+impl Source<'_> {
+    pub(super) fn format(&self) -> WeightFormat {
+        match self {
+            Source::Host(w) if w.is_fp8() => WeightFormat::Fp8,
+            Source::Host(_) => WeightFormat::Bf16,
+            Source::Synthetic(_, f) => *f,
+        }
     }
-    Ok(())
 }
 
 fn bf16_bytes(m: &Mat) -> Vec<u8> {
     assert_ne!(
         m.dtype,
         DType::F8E4M3,
-        "FP8 weights are refused by ensure_no_fp8"
+        "FP8 matrices go up through fp8_bytes"
     );
     match m.dtype {
         DType::BF16 => m.bytes().to_vec(),
         _ => encode_f32(&m.to_f32(), DType::BF16),
     }
+}
+
+/// The e4m3 bytes and f32 block scales of `parts` stacked by rows, as [`Wt::Fp8`] stores them;
+/// `name` names the stack in errors.
+fn fp8_bytes(parts: &[&Mat], name: &str) -> Result<(Vec<u8>, Vec<u8>)> {
+    let (mut q, mut sc) = (Vec::new(), Vec::new());
+    for (i, m) in parts.iter().enumerate() {
+        let Some(s) = m.scales.as_ref().filter(|_| m.dtype == DType::F8E4M3) else {
+            bail!(
+                "{name}: part {i} is {} where the GPU's FP8 layout needs F8_E4M3",
+                m.dtype.name()
+            );
+        };
+        ensure!(
+            (s.block_rows, s.block_cols) == (FP8_BLOCK, FP8_BLOCK)
+                && s.row0.is_multiple_of(FP8_BLOCK)
+                && (i + 1 == parts.len() || m.rows.is_multiple_of(FP8_BLOCK))
+                && m.cols == parts[0].cols
+                && m.cols.is_multiple_of(16),
+            "{name}: part {i} ({} x {}, block {} x {} from row {}) does not fit the GPU's FP8 \
+             layout (128 x 128 blocks, stacked parts of whole blocks, columns a multiple of 16)",
+            m.rows,
+            m.cols,
+            s.block_rows,
+            s.block_cols,
+            s.row0
+        );
+        q.extend_from_slice(m.bytes());
+        for r in (0..m.rows).step_by(FP8_BLOCK) {
+            sc.extend(encode_f32(s.row(r), DType::F32));
+        }
+    }
+    Ok((q, sc))
 }
 
 pub(super) fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -105,6 +170,7 @@ pub(super) struct Weights {
     /// RoPE's inverse frequencies (f32 `[rotary_dim / 2]`).
     pub(super) inv_freq: DeviceBuf,
     pub(super) layers: Vec<LayerW>,
+    pub(super) format: WeightFormat,
 }
 
 impl Weights {
@@ -117,9 +183,8 @@ impl Weights {
         upload_total: u64,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
-        if let Source::Host(w) = src {
-            ensure_no_fp8(w)?;
-        }
+        let format = src.format();
+        let fp8 = format == WeightFormat::Fp8;
         let uploaded = std::cell::Cell::new(0u64);
         let progress = std::cell::RefCell::new(progress);
         let upload = |bytes: &[u8]| -> Result<DeviceBuf> {
@@ -129,30 +194,65 @@ impl Weights {
             Ok(b)
         };
         let d = cfg.hidden_size;
-        let mut seed_counter = 0u64;
-        let mut mat =
+        let seed_counter = std::cell::Cell::new(0u64);
+        let next_seed = |seed: u64| {
+            seed_counter.set(seed_counter.get() + 1);
+            seed.wrapping_add(seed_counter.get())
+        };
+        // A bf16 matrix: the host's bytes, or seeded N(0, std) on the device.
+        let mat =
             |host: Option<Vec<u8>>, rows: usize, cols: usize, std: f32| -> Result<DeviceBuf> {
                 match (host, &src) {
                     (Some(bytes), _) => upload(&bytes),
-                    (None, Source::Synthetic(seed)) => {
+                    (None, Source::Synthetic(seed, _)) => {
                         let b = gpu.alloc(rows * cols * 2)?;
-                        seed_counter += 1;
-                        gpu.fill_random(
-                            b.ptr,
-                            rows * cols,
-                            false,
-                            seed.wrapping_add(seed_counter),
-                            0.0,
-                            std,
-                        )?;
+                        gpu.fill_random(b.ptr, rows * cols, false, next_seed(*seed), 0.0, std)?;
                         Ok(b)
                     }
                     (None, Source::Host(_)) => unreachable!("host weights always give bytes"),
                 }
             };
+        // A quantizable matrix (the stack of `parts`): bf16, or in FP8 checkpoints e4m3 with
+        // its block scales (seeded: bytes of about N(0, 16), every scale std / 16).
+        let wt = |parts: Option<Vec<&Mat>>,
+                  name: &str,
+                  rows: usize,
+                  cols: usize,
+                  std: f32|
+         -> Result<Wt> {
+            if !fp8 {
+                let host = parts.map(|ps| ps.iter().flat_map(|m| bf16_bytes(m)).collect());
+                return Ok(Wt::Bf16(mat(host, rows, cols, std)?));
+            }
+            match (parts, &src) {
+                (Some(ps), _) => {
+                    let (q, sc) = fp8_bytes(&ps, name)?;
+                    Ok(Wt::Fp8 {
+                        q: upload(&q)?,
+                        sc: upload(&sc)?,
+                    })
+                }
+                (None, Source::Synthetic(seed, _)) => {
+                    const MULT: f32 = 16.0;
+                    let q = gpu.alloc(rows * cols)?;
+                    super::kernels::misc::FillRandomE4m3 {
+                        out: q.view(),
+                        n: (rows * cols) as u64,
+                        seed: next_seed(*seed),
+                        mult: MULT,
+                    }
+                    .launch(gpu)?;
+                    let blocks = rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK);
+                    let sc = gpu.alloc(blocks * 4)?;
+                    gpu.fill_random(sc.ptr, blocks, true, 0, std / MULT, 0.0)?;
+                    Ok(Wt::Fp8 { q, sc })
+                }
+                (None, Source::Host(_)) => unreachable!("host weights always give matrices"),
+            }
+        };
         let host = match &src {
             Source::Host(w) => Some(*w),
-            Source::Synthetic(_) => None,
+            Source::Synthetic(..) => None,
         };
         let mut vec_counter = 0u64;
         let mut vecf = |host: Option<&[f32]>, n: usize, mean: f32, std: f32| -> Result<DeviceBuf> {
@@ -176,13 +276,8 @@ impl Weights {
         )?;
         let final_norm = vecf(host.map(|w| w.final_norm.as_slice()), d, 0.0, 0.1)?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
-        let cat = |parts: &[&Mat]| -> Vec<u8> {
-            let mut v = Vec::new();
-            for p in parts {
-                v.extend(bf16_bytes(p));
-            }
-            v
-        };
+        let cat =
+            |parts: &[&Mat]| -> Vec<u8> { parts.iter().flat_map(|m| bf16_bytes(m)).collect() };
         for (l, kind) in cfg.layer_kinds.iter().enumerate() {
             let hl = host.map(|w| &w.layers[l]);
             let mixer = match kind {
@@ -192,13 +287,24 @@ impl Weights {
                         Mixer::Attention(_) => unreachable!("layer kinds come from the config"),
                     });
                     let (hv, ch) = (cfg.gdn_num_value_heads, cfg.gdn_conv_channels());
-                    MixerW::Gdn(GdnW {
-                        in_proj: mat(
-                            g.map(|g| cat(&[&g.in_qkv, &g.in_z, &g.in_b, &g.in_a])),
-                            ch + cfg.gdn_v_width() + 2 * hv,
+                    let (in_proj, in_ba) = if fp8 {
+                        let ba = mat(g.map(|g| cat(&[&g.in_b, &g.in_a])), 2 * hv, d, wstd(d))?;
+                        let qz = wt(
+                            g.map(|g| vec![&g.in_qkv, &g.in_z]),
+                            &format!("layer {l} in_proj_qkv + in_proj_z"),
+                            ch + cfg.gdn_v_width(),
                             d,
                             wstd(d),
-                        )?,
+                        )?;
+                        (qz, Some(ba))
+                    } else {
+                        let all = g.map(|g| vec![&g.in_qkv, &g.in_z, &g.in_b, &g.in_a]);
+                        let w = wt(all, "", ch + cfg.gdn_v_width() + 2 * hv, d, wstd(d))?;
+                        (w, None)
+                    };
+                    MixerW::Gdn(GdnW {
+                        in_proj,
+                        in_ba,
                         conv: vecf(g.map(|g| g.conv.as_slice()), ch * cfg.conv_kernel, 0.0, 0.5)?,
                         a_log: match g {
                             Some(g) => gpu.upload(&f32_bytes(&g.a_log))?,
@@ -210,8 +316,9 @@ impl Weights {
                         },
                         dt_bias: vecf(g.map(|g| g.dt_bias.as_slice()), hv, 0.0, 0.5)?,
                         norm: vecf(g.map(|g| g.norm.as_slice()), cfg.gdn_value_dim, 1.0, 0.1)?,
-                        out: mat(
-                            g.map(|g| bf16_bytes(&g.out)),
+                        out: wt(
+                            g.map(|g| vec![&g.out]),
+                            &format!("layer {l} out_proj"),
                             d,
                             cfg.gdn_v_width(),
                             wstd(cfg.gdn_v_width()),
@@ -225,13 +332,20 @@ impl Weights {
                     });
                     let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
                     MixerW::Attn(AttnW {
-                        qkv: mat(
-                            a.map(|a| cat(&[&a.q, &a.k, &a.v])),
+                        qkv: wt(
+                            a.map(|a| vec![&a.q, &a.k, &a.v]),
+                            &format!("layer {l} q_proj + k_proj + v_proj"),
                             nq * 2 * hd + 2 * nkv * hd,
                             d,
                             wstd(d),
                         )?,
-                        o: mat(a.map(|a| bf16_bytes(&a.o)), d, nq * hd, wstd(nq * hd))?,
+                        o: wt(
+                            a.map(|a| vec![&a.o]),
+                            &format!("layer {l} o_proj"),
+                            d,
+                            nq * hd,
+                            wstd(nq * hd),
+                        )?,
                         q_norm: vecf(a.map(|a| a.q_norm.as_slice()), hd, 0.0, 0.1)?,
                         k_norm: vecf(a.map(|a| a.k_norm.as_slice()), hd, 0.0, 0.1)?,
                     })
@@ -243,25 +357,25 @@ impl Weights {
                 cfg.moe_intermediate,
                 cfg.shared_intermediate,
             );
-            let experts_gate_up = moe.map(|m| {
-                let mut v = Vec::with_capacity(e * 2 * i * d * 2);
-                for x in &m.experts {
-                    v.extend(bf16_bytes(&x.gate));
-                    v.extend(bf16_bytes(&x.up));
-                }
-                v
-            });
-            let experts_down = moe.map(|m| {
-                let mut v = Vec::with_capacity(e * d * i * 2);
-                for x in &m.experts {
-                    v.extend(bf16_bytes(&x.down));
-                }
-                v
-            });
+            let experts_gate_up =
+                moe.map(|m| m.experts.iter().flat_map(|x| [&x.gate, &x.up]).collect());
+            let experts_down = moe.map(|m| m.experts.iter().map(|x| &x.down).collect());
             let shared = moe.map(|m| &m.shared);
-            let sh_gu = shared.map(|s: &ExpertWeights| cat(&[&s.gate, &s.up]));
-            let gate_up = mat(experts_gate_up, e * 2 * i, d, wstd(d))?;
-            let down = mat(experts_down, e * d, i, wstd(i))?;
+            let sh_gu = shared.map(|s: &ExpertWeights| vec![&s.gate, &s.up]);
+            let gate_up = wt(
+                experts_gate_up,
+                &format!("layer {l} experts' gate_proj + up_proj"),
+                e * 2 * i,
+                d,
+                wstd(d),
+            )?;
+            let down = wt(
+                experts_down,
+                &format!("layer {l} experts' down_proj"),
+                e * d,
+                i,
+                wstd(i),
+            )?;
             layers.push(LayerW {
                 input_norm: vecf(hl.map(|x| x.input_norm.as_slice()), d, 0.0, 0.1)?,
                 post_norm: vecf(hl.map(|x| x.post_attention_norm.as_slice()), d, 0.0, 0.1)?,
@@ -269,8 +383,20 @@ impl Weights {
                 router: mat(moe.map(|m| bf16_bytes(&m.router)), e, d, 0.1)?,
                 gate_up,
                 down,
-                shared_gate_up: mat(sh_gu, 2 * is, d, wstd(d))?,
-                shared_down: mat(shared.map(|s| bf16_bytes(&s.down)), d, is, wstd(is))?,
+                shared_gate_up: wt(
+                    sh_gu,
+                    &format!("layer {l} shared_expert gate_proj + up_proj"),
+                    2 * is,
+                    d,
+                    wstd(d),
+                )?,
+                shared_down: wt(
+                    shared.map(|s| vec![&s.down]),
+                    &format!("layer {l} shared_expert down_proj"),
+                    d,
+                    is,
+                    wstd(is),
+                )?,
                 shared_gate: vecf(moe.map(|m| m.shared_gate.as_slice()), d, 0.0, wstd(d))?,
             });
         }
@@ -282,29 +408,7 @@ impl Weights {
             lm_head,
             inv_freq,
             layers,
+            format,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fp8_weights_are_refused_with_a_clear_error() {
-        let cfg = crate::synthetic::demo_config();
-        let cfg = TextConfig {
-            vocab_size: 64,
-            ..cfg
-        };
-        let mut w = crate::synthetic::random_weights(&cfg, 1, DType::BF16);
-        ensure_no_fp8(&w).unwrap();
-        w.quantize_fp8(&crate::config::Fp8Quant::block_128());
-        let e = ensure_no_fp8(&w).unwrap_err().to_string();
-        assert!(
-            e.contains("FP8 weights on the GPU are not supported yet")
-                && e.contains("fp8 e4m3 block 128x128"),
-            "{e}"
-        );
     }
 }

@@ -170,3 +170,72 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
     TRACE_PHASE(2);
     if (launch_at > 0 && mine == 0) griddep_launch();
 }
+
+// W8A16 GEMV of FP8 weights for up to GEMV_FP8_TOKENS tokens (the decode step, batched steps and
+// short chunks): y[t, r] = beta * y[t, r] + sum_c q[r, c] s[r / 128, c / 128] x[t, c] for W e4m3
+// [n, k] (k % 16 == 0) with f32 block scales s [ceil(n / 128), ceil(k / 128)]. The input is the
+// bf16 rows x [m, k], or (x null, m = 1) the zero-centred RMSNorm of h with weight nw; it is
+// staged in shared memory as bf16 after the warp's weight words are in flight (all of them: R
+// rows of k / 512 words a lane). y [m, ldy]. Each token re-converts the words held in registers.
+// grid ceil(n / (8 gemv_fp8_rows(k))), block 256, smem gemv_fp8_smem(m, k, x null) bytes.
+#define GEMV_FP8_TOKENS 16
+__host__ __device__ __forceinline__ constexpr int gemv_fp8_rows(int k) {
+    return k == 4096 ? 1 : k == 2048 ? 4 : k == 512 ? 8 : 2;
+}
+__host__ __device__ __forceinline__ int gemv_fp8_smem(int m, int k, bool norm) { return norm ? 8 * k : 2 * m * k; }
+template <int VPL>
+__device__ __forceinline__ void gemv_fp8_impl(const uint4* __restrict__ w, const float* __restrict__ sc, int n, int k,
+                                              const bf16* __restrict__ x, const float* __restrict__ h,
+                                              const float* __restrict__ nw, float eps, int m, float* __restrict__ y,
+                                              int ldy, float beta, float* xs) {
+    DECODE_KERNEL(TAG_GEMV);
+    constexpr int R = gemv_fp8_rows(VPL * 512), NV = VPL > 0 ? VPL : 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = k >> 4, kb = (k + 127) >> 7;
+    const int r0 = (blockIdx.x * 8 + warp) * R;
+    const uint4* rows[R];
+    const float* srows[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+        const int r = r0 + q;
+        rows[q] = r < n ? w + (size_t)r * kw : nullptr;
+        srows[q] = sc + (size_t)(r >> 7) * kb;
+    }
+    uint4 v[R][NV];
+    float s[R][NV];
+    if (VPL > 0) load_rows_fp8<R, NV>(v, s, rows, srows);
+    uint4* xb = reinterpret_cast<uint4*>(xs);
+    if (x) {
+        griddep_wait();
+        stage_bf16(xb, x, m * k);
+    } else {
+        const float* ws = preload_norm(xs + k, nw, k);
+        griddep_wait();
+        stage_rmsnorm(xb, h, nw, k, eps, nullptr, ws);
+    }
+    for (int t = 0; t < m; t++) {
+        float acc[R];
+        if (VPL > 0) dot_rows_fp8<R, NV>(v, s, xb + t * (k >> 3), acc);
+        else dot_rows_fp8_any<R>(rows, srows, xb + t * (k >> 3), kw, acc);
+#pragma unroll
+        for (int q = 0; q < R; q++) {
+            const float a = warp_sum(acc[q]);
+            if (lane == q && r0 + q < n) {
+                float* o = y + (size_t)t * ldy + r0 + q;
+                *o = beta == 0.0f ? a : beta * *o + a;
+            }
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_fp8(const uint4* __restrict__ w, const float* __restrict__ sc,
+                                                           int n, int k, const bf16* __restrict__ x,
+                                                           const float* __restrict__ h, const float* __restrict__ nw,
+                                                           float eps, int m, float* __restrict__ y, int ldy,
+                                                           float beta) {
+    extern __shared__ float gemv_fp8_xs[];
+    switch (k) {
+        case 512: gemv_fp8_impl<1>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs); break;
+        case 2048: gemv_fp8_impl<4>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs); break;
+        case 4096: gemv_fp8_impl<8>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs); break;
+        default: gemv_fp8_impl<0>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs);
+    }
+}

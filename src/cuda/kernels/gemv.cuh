@@ -77,6 +77,99 @@ __device__ __forceinline__ void dot_rows_any(const bf16* const* row, const float
     }
 }
 
+// ---- FP8 (e4m3) weights, W8A16: a 16-byte word holds 16 weights, columns 16c..16c+15 of its
+// row; the 8 words of a 128-column block share one f32 scale, s[r / 128][c / 128] of the
+// matrix's block grid (row-major, ceil(k / 128) blocks a row). A lane takes words c = lane + 32 j
+// as for bf16, against the input staged as bf16 words of 8 (two a weight word) or as f32.
+
+// 16 e4m3 weights with 16 inputs (two bf16 words, unpacked), summed in f32 in column order.
+__device__ __forceinline__ float dot16_fp8(uint4 w, const X8& x0, const X8& x1) {
+    const float4 a = e4m3x4_to_float4(w.x), b = e4m3x4_to_float4(w.y);
+    const float4 c = e4m3x4_to_float4(w.z), d = e4m3x4_to_float4(w.w);
+    return a.x * x0.a.x + a.y * x0.a.y + a.z * x0.b.x + a.w * x0.b.y + b.x * x0.c.x + b.y * x0.c.y + b.z * x0.d.x +
+           b.w * x0.d.y + c.x * x1.a.x + c.y * x1.a.y + c.z * x1.b.x + c.w * x1.b.y + d.x * x1.c.x + d.y * x1.c.y +
+           d.z * x1.d.x + d.w * x1.d.y;
+}
+// The same with 16 f32 inputs.
+__device__ __forceinline__ float dot16_fp8(uint4 w, const float* x) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4 x0 = x4[0], x1 = x4[1], x2 = x4[2], x3 = x4[3];
+    const float4 a = e4m3x4_to_float4(w.x), b = e4m3x4_to_float4(w.y);
+    const float4 c = e4m3x4_to_float4(w.z), d = e4m3x4_to_float4(w.w);
+    return a.x * x0.x + a.y * x0.y + a.z * x0.z + a.w * x0.w + b.x * x1.x + b.y * x1.y + b.z * x1.z + b.w * x1.w +
+           c.x * x2.x + c.y * x2.y + c.z * x2.z + c.w * x2.w + d.x * x3.x + d.y * x3.y + d.z * x3.z + d.w * x3.w;
+}
+
+// Words c = lane + 32 j of R rows (row[q]: its words, null past the matrix; srow[q]: the scales
+// of its 128-row block) and each word's block scale.
+template <int R, int NV>
+__device__ __forceinline__ void load_rows_fp8(uint4 (&v)[R][NV], float (&s)[R][NV], const uint4* const* row,
+                                              const float* const* srow) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++)
+#pragma unroll
+        for (int j = 0; j < NV; j++) {
+            const int c = lane + 32 * j;
+            v[q][j] = row[q] ? __ldg(row[q] + c) : make_uint4(0, 0, 0, 0);
+            s[q][j] = row[q] ? __ldg(srow[q] + (c >> 3)) : 0.0f;
+        }
+}
+
+// Per-lane partial dots of loaded FP8 rows with the bf16-staged input xb (words of 8) or the
+// f32 input xs.
+template <int R, int NV>
+__device__ __forceinline__ void dot_rows_fp8(const uint4 (&v)[R][NV], const float (&s)[R][NV], const uint4* xb,
+                                             float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NV; j++) {
+        const int c = lane + 32 * j;
+        const X8 x0 = unpack8(xb[2 * c]), x1 = unpack8(xb[2 * c + 1]);
+#pragma unroll
+        for (int q = 0; q < R; q++) acc[q] += s[q][j] * dot16_fp8(v[q][j], x0, x1);
+    }
+}
+template <int R, int NV>
+__device__ __forceinline__ void dot_rows_fp8(const uint4 (&v)[R][NV], const float (&s)[R][NV], const float* xs,
+                                             float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+        acc[q] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NV; j++) acc[q] += s[q][j] * dot16_fp8(v[q][j], xs + (lane + 32 * j) * 16);
+    }
+}
+
+// The same for any row length (kw words a row): the runtime-length fallback.
+template <int R>
+__device__ __forceinline__ void dot_rows_fp8_any(const uint4* const* row, const float* const* srow, const uint4* xb,
+                                                 int kw, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+    for (int c = lane; c < kw; c += 32) {
+        const X8 x0 = unpack8(xb[2 * c]), x1 = unpack8(xb[2 * c + 1]);
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (row[q]) acc[q] += __ldg(srow[q] + (c >> 3)) * dot16_fp8(__ldg(row[q] + c), x0, x1);
+    }
+}
+template <int R>
+__device__ __forceinline__ void dot_rows_fp8_any(const uint4* const* row, const float* const* srow, const float* xs,
+                                                 int kw, float* acc) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] = 0.0f;
+    for (int c = lane; c < kw; c += 32)
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (row[q]) acc[q] += __ldg(srow[q] + (c >> 3)) * dot16_fp8(__ldg(row[q] + c), xs + c * 16);
+}
+
 // Stage a bf16 vector of k values (k % 8 == 0) into shared memory as it is (xb: 16-byte words
 // of 8), then a block barrier.
 __device__ __forceinline__ void stage_bf16(uint4* xb, const bf16* __restrict__ x, int k) {

@@ -3,7 +3,7 @@
 //! row, the greedy argmax over the rows fused for lm_head) and `gemv_dec_stream` (the k = 2,048
 //! in-projections as one stream a block through per-warp rings of bulk copies).
 
-use super::{Dev, On, kernels};
+use super::{Dev, On, U128, kernels};
 use crate::cuda::Gpu;
 use anyhow::{Result, ensure};
 use half::bf16;
@@ -23,6 +23,92 @@ kernels! {
         w: Dev<bf16>, n: i32, x: Dev<bf16>, h: Dev<f32>, nw: Dev<f32>, eps: f32,
         xb_out: Dev<bf16>, y: Dev<f32>, beta: f32, ns: i32, early: i32, launch_at: i32, bulk: i32,
     }
+    /// The W8A16 GEMV of FP8 weights (e4m3 `[n, k]`, 16 a word, block scales `sc`) for `m`
+    /// tokens: the bf16 rows `x [m, k]`, or (x null, m = 1) RMSNorm(h) with weight `nw`; `y
+    /// [m, ldy]`.
+    GemvFp8 ["gemv_fp8"] {
+        w: Dev<U128>, sc: Dev<f32>, n: i32, k: i32, x: Dev<bf16>, h: Dev<f32>, nw: Dev<f32>,
+        eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32,
+    }
+}
+
+/// Tokens a [`GemvFp8`] call takes (gemv.cu's GEMV_FP8_TOKENS).
+pub const GEMV_FP8_TOKENS: usize = 16;
+
+/// Rows a warp of `gemv_fp8` (gemv.cu's gemv_fp8_rows).
+fn gemv_fp8_rows(k: usize) -> usize {
+    match k {
+        4096 => 1,
+        2048 => 4,
+        512 => 8,
+        _ => 2,
+    }
+}
+
+/// FP8 weights on the device: e4m3 `[rows, cols]` row-major (16 a 16-byte word) and their f32
+/// block scales `[ceil(rows / 128), ceil(cols / 128)]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8 {
+    pub q: Dev<U128>,
+    pub sc: Dev<f32>,
+}
+
+/// `y [m, ldy] = beta · y + input · Wᵀ` for FP8 `W [n, k]` (k % 16 == 0): `input` the bf16
+/// rows `[m, k]` (m <= [`GEMV_FP8_TOKENS`]), or a one-token RMSNorm input.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_fp8(
+    gpu: &Gpu,
+    w: Fp8,
+    n: usize,
+    k: usize,
+    input: Input,
+    m: usize,
+    y: Dev<f32>,
+    ldy: usize,
+    beta: f32,
+    on: On,
+) -> Result<()> {
+    let kb = k.div_ceil(128);
+    ensure!(
+        k.is_multiple_of(16)
+            && (1..=GEMV_FP8_TOKENS).contains(&m)
+            && w.q.len * 16 >= n * k
+            && w.sc.len >= n.div_ceil(128) * kb
+            && ldy >= n
+            && y.len >= (m - 1) * ldy + n,
+        "gemv_fp8: W [{n}, {k}] {:?} scales {:?}, {m} tokens, y {y:?} rows of {ldy}",
+        w.q,
+        w.sc
+    );
+    let (x, h, nw, eps, smem) = match input {
+        Input::Bf16(x) => {
+            ensure!(x.len >= m * k, "gemv_fp8: input {x:?} of {m} x {k}");
+            (x, Dev::null(), Dev::null(), 0.0, 2 * m * k)
+        }
+        Input::Norm { h, w, eps } => {
+            ensure!(
+                m == 1 && h.len >= k && w.len >= k,
+                "gemv_fp8: RMSNorm input of {m} tokens: {h:?}, weight {w:?}"
+            );
+            (Dev::null(), h, w, eps, 8 * k)
+        }
+    };
+    let p = GemvFp8 {
+        w: w.q,
+        sc: w.sc,
+        n: n as i32,
+        k: k as i32,
+        x,
+        h,
+        nw,
+        eps,
+        m: m as i32,
+        y,
+        ldy: ldy as i32,
+        beta,
+    };
+    let grid = (n.div_ceil(8 * gemv_fp8_rows(k)) as u32, 1, 1);
+    gpu.run("gemv_fp8", grid, 256, smem, &p.args(), on)
 }
 
 /// `gemv_dec_stream`'s ring: (stages a warp, how many of them are requested before the
@@ -52,7 +138,10 @@ pub fn stream_smem(ns: usize) -> usize {
 }
 
 pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
-    vec![("gemv_dec_stream", stream_smem(3))]
+    vec![
+        ("gemv_dec_stream", stream_smem(3)),
+        ("gemv_fp8", 2 * GEMV_FP8_TOKENS * 4096),
+    ]
 }
 
 /// A decode GEMV's input: a bf16 vector, or RMSNorm(h) with weight `w` (f32, `k` values each).

@@ -75,6 +75,26 @@ extern "C" __global__ void fill_random_f32(float* __restrict__ out, u64 n, u64 s
     }
 }
 
+// Seeded e4m3 bytes of about N(0, 1) * mult (saturated to +-448; the synthetic FP8 weights, whose
+// block scales carry std / mult), 4 bytes a thread: n % 4 == 0.
+extern "C" __global__ void fill_random_e4m3(unsigned* __restrict__ out, u64 n, u64 seed, float mult) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n / 4; i += (u64)gridDim.x * blockDim.x) {
+        float v[4];
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            u64 r = splitmix64(seed * 0x100000001B3ull + 4 * i + b);
+            float s = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 4; k++) s += (float)((r >> (16 * k)) & 0xffff) * (1.0f / 65536.0f);
+            v[b] = (s - 2.0f) * 1.7320508f * mult;
+        }
+        unsigned short lo, hi;  // cvt's first operand goes to the upper byte
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1]), "f"(v[0]));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3]), "f"(v[2]));
+        out[i] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+}
+
 // Memory bandwidth probe: y = x, 16 bytes per thread per step.
 extern "C" __global__ void copy_probe(const uint4* __restrict__ x, uint4* __restrict__ y, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) y[i] = x[i];
@@ -108,4 +128,31 @@ extern "C" __global__ void __launch_bounds__(128) read_probe(const uint4* __rest
     cp_async_wait_all();
     __syncthreads();
     if (tid == 0) xs_out[blockIdx.x] = probe_smem[0].x ^ probe_smem[4095].y;
+}
+
+// FP8 weights to bf16 for the prefill GEMMs: out[r, c] = bf16(q[r, c] s[r / 128, c / 128]) for W
+// e4m3 [n, k] (k % 16 == 0; experts stacked [E n', k] with n' % 128 == 0 read as one matrix)
+// with f32 block scales s [ceil(n / 128), ceil(k / 128)]; a thread a 16-byte word (16 weights),
+// grid-stride.
+extern "C" __global__ void dequant_fp8_bf16(const uint4* __restrict__ q, const float* __restrict__ sc, u64 n, int k,
+                                            uint4* __restrict__ out) {
+    PREFILL_KERNEL();
+    const long long kw = k >> 4, kb = (k + 127) >> 7, total = (long long)n * kw;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / kw, c = i % kw;
+        const float s = __ldg(sc + (r >> 7) * kb + (c >> 3));
+        const uint4 w = __ldg(q + i);
+        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+        unsigned o[8];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const float4 f = e4m3x4_to_float4(words[u]);
+            __nv_bfloat162 lo = __floats2bfloat162_rn(f.x * s, f.y * s), hi = __floats2bfloat162_rn(f.z * s, f.w * s);
+            o[2 * u] = *reinterpret_cast<unsigned*>(&lo);
+            o[2 * u + 1] = *reinterpret_cast<unsigned*>(&hi);
+        }
+        out[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
+        out[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
+    }
 }

@@ -22,6 +22,11 @@ kernels! {
     /// Reads `items` MiB of 4 KiB rows in 32 KiB stages of `run` 16-byte chunks a row, one
     /// persistent block an SM: the read-bandwidth probe (`xs_out` keeps the reads alive).
     ReadProbe ["read_probe"] { w: Dev<U128>, items: i32, run: i32, xs_out: Dev<u32> }
+    /// `out = bf16(q · s)` of FP8 weights `[n, k]` (e4m3 bytes, 16 a word) with their block
+    /// scales, for the prefill GEMMs.
+    DequantFp8Bf16 ["dequant_fp8_bf16"] { q: Dev<U128>, sc: Dev<f32>, n: u64, k: i32, out: Dev<U128> }
+    /// Seeded e4m3 bytes of about `N(0, 1) · mult`, `n` bytes (the synthetic FP8 weights).
+    FillRandomE4m3 ["fill_random_e4m3"] { out: Dev<u32>, n: u64, seed: u64, mult: f32 }
 }
 
 /// Dynamic shared memory of `read_probe`: a 4-stage ring of 32 KiB.
@@ -67,6 +72,44 @@ impl ArgmaxRows {
             0,
             &self.args(),
             on,
+        )
+    }
+}
+
+impl DequantFp8Bf16 {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (n, k) = (self.n as usize, self.k as usize);
+        ensure!(
+            k.is_multiple_of(16)
+                && self.q.len * 16 >= n * k
+                && self.out.len * 8 >= n * k
+                && self.sc.len >= n.div_ceil(128) * k.div_ceil(128),
+            "dequant_fp8_bf16: [{n}, {k}]: q {:?}, scales {:?}, out {:?}",
+            self.q,
+            self.sc,
+            self.out
+        );
+        let words = n * k / 16;
+        let grid = words.div_ceil(256).clamp(1, 132 * 16) as u32;
+        gpu.run("dequant_fp8_bf16", (grid, 1, 1), 256, 0, &self.args(), on)
+    }
+}
+
+impl FillRandomE4m3 {
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        ensure!(
+            self.n.is_multiple_of(4) && self.out.len as u64 * 4 >= self.n,
+            "fill_random_e4m3: {} bytes into {:?}",
+            self.n,
+            self.out
+        );
+        gpu.run(
+            "fill_random_e4m3",
+            (1024, 1, 1),
+            256,
+            0,
+            &self.args(),
+            On::Plain,
         )
     }
 }

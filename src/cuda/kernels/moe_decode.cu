@@ -79,11 +79,14 @@ __host__ __device__ __forceinline__ int gate_up_dec_smem(int d, int e, int k) { 
 // late_launch: let moe_down_dec start only once every block has passed its griddep_wait, so that
 // the router has finished when any of moe_down_dec's blocks runs (it picks the experts from the
 // logits before its own wait).
-template <int VPL>
+// FP8: gate_up / shared_gate_up e4m3 with their block scales gu_sc [E, 2 inter / 128, ceil(d /
+// 128)] and sgu_sc (inter, s_inter % 128 == 0, d % 16 == 0), VPL words of 16 a lane (d / 512).
+template <int VPL, bool FP8>
 __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const float* logits, int e,
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
-                                                     const bf16* __restrict__ gate_up, int inter,
-                                                     const bf16* __restrict__ shared_gate_up, int s_inter,
+                                                     const void* __restrict__ gate_up, const float* __restrict__ gu_sc,
+                                                     int inter, const void* __restrict__ shared_gate_up,
+                                                     const float* __restrict__ sgu_sc, int s_inter,
                                                      float* __restrict__ act, int act_ld, float* xs, int late_launch) {
     DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
     if (!late_launch) griddep_launch();
@@ -108,21 +111,41 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
             topk_w[lane] = wts[lane];
         }
     }
-    int n = shared ? s_inter : inter;
-    const bf16* w = shared ? shared_gate_up : gate_up + (size_t)expert * 2 * inter * d;
-    int j = blockIdx.x * 8 + warp;
-    const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
+    const int n = shared ? s_inter : inter, j = blockIdx.x * 8 + warp;
+    const uint4* xv = reinterpret_cast<const uint4*>(xs);
+    // the shared expert's xb, the normalised input, comes from the router too
+    auto stage = [&] {
+        if (shared) {
+            griddep_wait();
+            if (late_launch) griddep_launch();
+        }
+        stage_bf16(reinterpret_cast<uint4*>(xs), xb, d);
+    };
     constexpr int NV = VPL > 0 ? VPL : 1;
-    uint4 v[2][NV];
-    if (VPL > 0) load_rows<2, NV>(v, rows);
-    if (shared) {
-        griddep_wait();  // xb, the normalised input, comes from the router too
-        if (late_launch) griddep_launch();
-    }
-    stage_bf16(reinterpret_cast<uint4*>(xs), xb, d);
     float acc[2];
-    if (VPL > 0) dot_rows<2, NV>(v, reinterpret_cast<const uint4*>(xs), acc);
-    else dot_rows_any<2>(rows, reinterpret_cast<const uint4*>(xs), d, acc);
+    if (FP8) {
+        const int kw = d >> 4, kb = (d + 127) >> 7;
+        const uint4* w = shared ? reinterpret_cast<const uint4*>(shared_gate_up)
+                                : reinterpret_cast<const uint4*>(gate_up) + (size_t)expert * 2 * inter * kw;
+        const float* sc = shared ? sgu_sc : gu_sc + (size_t)expert * (2 * inter / 128) * kb;
+        const uint4* rows[2] = {j < n ? w + (size_t)j * kw : nullptr, j < n ? w + (size_t)(n + j) * kw : nullptr};
+        const float* srows[2] = {sc + (size_t)(j >> 7) * kb, sc + (size_t)((n + j) >> 7) * kb};
+        uint4 v[2][NV];
+        float s[2][NV];
+        if (VPL > 0) load_rows_fp8<2, NV>(v, s, rows, srows);
+        stage();
+        if (VPL > 0) dot_rows_fp8<2, NV>(v, s, xv, acc);
+        else dot_rows_fp8_any<2>(rows, srows, xv, kw, acc);
+    } else {
+        const bf16* w = shared ? reinterpret_cast<const bf16*>(shared_gate_up)
+                               : reinterpret_cast<const bf16*>(gate_up) + (size_t)expert * 2 * inter * d;
+        const bf16* rows[2] = {j < n ? w + (size_t)j * d : nullptr, j < n ? w + (size_t)(n + j) * d : nullptr};
+        uint4 v[2][NV];
+        if (VPL > 0) load_rows<2, NV>(v, rows);
+        stage();
+        if (VPL > 0) dot_rows<2, NV>(v, xv, acc);
+        else dot_rows_any<2>(rows, xv, d, acc);
+    }
     float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     if (lane == 0 && j < n) act[(size_t)slot * act_ld + j] = __bfloat162float(__float2bfloat16(silu_f(g) * u));
 }
@@ -133,11 +156,25 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec(
     int s_inter, float* __restrict__ act, int act_ld, int late_launch) {
     extern __shared__ float xs[];
     if (d == 2048)
-        moe_gate_up_dec_impl<8>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch);
+        moe_gate_up_dec_impl<8, false>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, nullptr, inter, shared_gate_up,
+                                       nullptr, s_inter, act, act_ld, xs, late_launch);
     else
-        moe_gate_up_dec_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, inter, shared_gate_up, s_inter, act,
-                                act_ld, xs, late_launch);
+        moe_gate_up_dec_impl<0, false>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, nullptr, inter, shared_gate_up,
+                                       nullptr, s_inter, act, act_ld, xs, late_launch);
+}
+// The same for FP8 experts (W8A16).
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec_fp8(
+    const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
+    float* __restrict__ topk_w, const uint4* __restrict__ gate_up, const float* __restrict__ gu_sc, int inter,
+    const uint4* __restrict__ shared_gate_up, const float* __restrict__ sgu_sc, int s_inter, float* __restrict__ act,
+    int act_ld, int late_launch) {
+    extern __shared__ float xs[];
+    if (d == 2048)
+        moe_gate_up_dec_impl<4, true>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, gu_sc, inter, shared_gate_up,
+                                      sgu_sc, s_inter, act, act_ld, xs, late_launch);
+    else
+        moe_gate_up_dec_impl<0, true>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, gu_sc, inter, shared_gate_up,
+                                      sgu_sc, s_inter, act, act_ld, xs, late_launch);
 }
 
 // Down half + combine + residual: h[r] += sum_s w_s * down_s[r, :] . act_s + sgate *
@@ -160,6 +197,27 @@ __host__ __device__ __forceinline__ int down_dec_smem(int e, int k, int inter, i
     return early ? ((e + 2 * k + 3) & ~3) * 4 +
                        (inter == 512 && s_inter == 512 ? (k + 1) * (4 * 2 * 32 * 16 + 8) : 0)
                  : 0;
+}
+// The slots' sums of a block's 4 rows (warp s: slot s's partial sums acc, its weight coef) met
+// in red and added into h.
+__device__ __forceinline__ void down_dec_combine(const float (&acc)[4], float coef, int s, int k, float (&red)[17][4],
+                                                 int r0, float* __restrict__ h, int d) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        float a = warp_sum(acc[q]);
+        // A routed expert's output rounded to bf16, as prefill's y (moe_gemm6_m128_bf16).
+        if (s != k) a = __bfloat162float(__float2bfloat16(a));
+        if (lane == 0) red[s][q] = coef * a;
+    }
+    TRACE_PHASE(1);
+    __syncthreads();
+    TRACE_PHASE(2);
+    if (threadIdx.x < 4 && r0 + threadIdx.x < d) {
+        float t = 0.0f;
+        for (int i = 0; i <= k; i++) t += red[i][threadIdx.x];
+        h[r0 + threadIdx.x] += t;
+    }
 }
 template <int VPL>
 __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
@@ -238,22 +296,7 @@ __device__ __forceinline__ void moe_down_dec_impl(const float* act, int act_ld,
         if (early) griddep_wait();
         dot_rows_any<4>(rows, xs, kk, acc);
     }
-    float coef = s == k ? *sgate : early ? wts[s] : topk_w[s];
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        float a = warp_sum(acc[q]);
-        // A routed expert's output rounded to bf16, as prefill's y (moe_gemm6_m128_bf16).
-        if (s != k) a = __bfloat162float(__float2bfloat16(a));
-        if (lane == 0) red[s][q] = coef * a;
-    }
-    TRACE_PHASE(1);
-    __syncthreads();
-    TRACE_PHASE(2);
-    if (threadIdx.x < 4 && r0 + threadIdx.x < d) {
-        float t = 0.0f;
-        for (int i = 0; i <= k; i++) t += red[i][threadIdx.x];
-        h[r0 + threadIdx.x] += t;
-    }
+    down_dec_combine(acc, s == k ? *sgate : early ? wts[s] : topk_w[s], s, k, red, r0, h, d);
 }
 
 extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
@@ -266,4 +309,54 @@ extern "C" __global__ void __launch_bounds__(544) moe_down_dec(
     else
         moe_down_dec_impl<0>(act, act_ld, topk_ids, topk_w, logits, e, early, k, sgate, down, inter, shared_down,
                              s_inter, h, d);
+}
+
+// moe_down_dec for FP8 down / shared_down (e4m3 with block scales down_sc [E, d / 128, ceil(inter /
+// 128)] and sd_sc; d % 128 == 0, inter % 16 == 0): the experts from topk_ids after the wait (no
+// early path), VPL words of 16 a lane (inter / 512). grid ceil(d / 4), block 32 (k + 1).
+template <int VPL>
+__device__ __forceinline__ void moe_down_dec_fp8_impl(const float* act, int act_ld, const int* topk_ids,
+                                                      const float* topk_w, int k, const float* sgate,
+                                                      const uint4* __restrict__ down, const float* __restrict__ down_sc,
+                                                      int inter, const uint4* __restrict__ shared_down,
+                                                      const float* __restrict__ sd_sc, int s_inter,
+                                                      float* __restrict__ h, int d) {
+    constexpr int NV = VPL > 0 ? VPL : 1;
+    __shared__ float red[17][4];
+    DECODE_KERNEL(TAG_DOWN);
+    const int s = threadIdx.x >> 5, r0 = blockIdx.x * 4;
+    griddep_wait();  // the ids, act and sgate come from the previous kernels
+    const int kk = s == k ? s_inter : inter, kw = kk >> 4, kb = (kk + 127) >> 7;
+    const int e = s == k ? 0 : topk_ids[s];
+    const uint4* base = s == k ? shared_down : down + (size_t)e * d * kw;
+    const float* sb = s == k ? sd_sc : down_sc + (size_t)e * (d >> 7) * kb;
+    const uint4* rows[4];
+    const float* srows[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        rows[q] = r0 + q < d ? base + (size_t)(r0 + q) * kw : nullptr;
+        srows[q] = sb + (size_t)((r0 + q) >> 7) * kb;
+    }
+    const float* xs = act + (size_t)s * act_ld;
+    float acc[4];
+    if (VPL > 0) {
+        uint4 v[4][NV];
+        float sc[4][NV];
+        load_rows_fp8<4, NV>(v, sc, rows, srows);
+        dot_rows_fp8<4, NV>(v, sc, xs, acc);
+    } else {
+        dot_rows_fp8_any<4>(rows, srows, xs, kw, acc);
+    }
+    down_dec_combine(acc, s == k ? *sgate : topk_w[s], s, k, red, r0, h, d);
+}
+extern "C" __global__ void __launch_bounds__(544) moe_down_dec_fp8(
+    const float* act, int act_ld, const int* topk_ids, const float* topk_w, int k, const float* sgate,
+    const uint4* __restrict__ down, const float* __restrict__ down_sc, int inter, const uint4* __restrict__ shared_down,
+    const float* __restrict__ sd_sc, int s_inter, float* __restrict__ h, int d) {
+    if (inter == 512 && s_inter == 512)
+        moe_down_dec_fp8_impl<1>(act, act_ld, topk_ids, topk_w, k, sgate, down, down_sc, inter, shared_down, sd_sc,
+                                 s_inter, h, d);
+    else
+        moe_down_dec_fp8_impl<0>(act, act_ld, topk_ids, topk_w, k, sgate, down, down_sc, inter, shared_down, sd_sc,
+                                 s_inter, h, d);
 }

@@ -4,7 +4,7 @@
 //! down projections combined into the residual (`moe_down_dec`, which picks its experts from the
 //! logits and loads its weight rows before its griddep_wait).
 
-use super::{Dev, On, kernels};
+use super::{Dev, On, U128, kernels};
 use crate::cuda::Gpu;
 use anyhow::{Result, ensure};
 use half::bf16;
@@ -28,6 +28,19 @@ kernels! {
         act: Dev<f32>, act_ld: i32, topk_ids: Dev<i32>, topk_w: Dev<f32>, logits: Dev<f32>,
         e: i32, early: i32, k: i32, sgate: Dev<f32>, down: Dev<bf16>, inter: i32,
         shared_down: Dev<bf16>, s_inter: i32, h: Dev<f32>, d: i32,
+    }
+    /// [`MoeGateUpDec`] for FP8 experts (e4m3 words of 16 and their block scales).
+    MoeGateUpDecFp8 ["moe_gate_up_dec_fp8"] {
+        xb: Dev<bf16>, d: i32, logits: Dev<f32>, e: i32, k: i32, topk_ids: Dev<i32>,
+        topk_w: Dev<f32>, gate_up: Dev<U128>, gu_sc: Dev<f32>, inter: i32,
+        shared_gate_up: Dev<U128>, sgu_sc: Dev<f32>, s_inter: i32, act: Dev<f32>, act_ld: i32,
+        late_launch: i32,
+    }
+    /// [`MoeDownDec`] for FP8 experts, the ids from `topk_ids` after the wait.
+    MoeDownDecFp8 ["moe_down_dec_fp8"] {
+        act: Dev<f32>, act_ld: i32, topk_ids: Dev<i32>, topk_w: Dev<f32>, k: i32,
+        sgate: Dev<f32>, down: Dev<U128>, down_sc: Dev<f32>, inter: i32,
+        shared_down: Dev<U128>, sd_sc: Dev<f32>, s_inter: i32, h: Dev<f32>, d: i32,
     }
 }
 
@@ -118,6 +131,59 @@ impl MoeDownDec {
             grid,
             block,
             down_dec_smem(e, k, i, is),
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl MoeGateUpDecFp8 {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (d, e, k) = (self.d as usize, self.e as usize, self.k as usize);
+        let (i, is) = (self.inter as usize, self.s_inter as usize);
+        ensure!(
+            d.is_multiple_of(16)
+                && i.is_multiple_of(128)
+                && is.is_multiple_of(128)
+                && self.act.len >= (k + 1) * self.act_ld as usize
+                && self.act_ld as usize >= i.max(is)
+                && self.gate_up.len * 16 >= e * 2 * i * d
+                && self.shared_gate_up.len * 16 >= 2 * is * d,
+            "moe_gate_up_dec_fp8: d {d}, inter {i}, shared {is}: act {:?} of rows {}",
+            self.act,
+            self.act_ld
+        );
+        let grid = (i.max(is).div_ceil(8) as u32, (k + 1) as u32, 1);
+        gpu.run(
+            "moe_gate_up_dec_fp8",
+            grid,
+            256,
+            gate_up_dec_smem(d, e, k) * 4,
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl MoeDownDecFp8 {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (d, k) = (self.d as usize, self.k as usize);
+        let (i, is) = (self.inter as usize, self.s_inter as usize);
+        ensure!(
+            d.is_multiple_of(128)
+                && i.is_multiple_of(16)
+                && is.is_multiple_of(16)
+                && self.h.len >= d
+                && self.shared_down.len * 16 >= d * is,
+            "moe_down_dec_fp8: d {d}, inter {i}, shared {is}: h {:?}",
+            self.h
+        );
+        let grid = (d.div_ceil(4) as u32, 1, 1);
+        gpu.run(
+            "moe_down_dec_fp8",
+            grid,
+            (32 * (k + 1)) as u32,
+            0,
             &self.args(),
             on,
         )

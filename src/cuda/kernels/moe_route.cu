@@ -338,28 +338,55 @@ __host__ __device__ __forceinline__ constexpr int gemv_sorted_rows(bool swiglu, 
 __host__ __device__ __forceinline__ int gemv_sorted_features(bool swiglu, int kdim) {
     return 8 * (swiglu ? 1 : gemv_sorted_rows(false, kdim));
 }
-template <int VPL, bool SWIGLU>
+// FP8 (the _fp8 kernels): w e4m3 with its block scales sc [E, rows / 128, ceil(kdim / 128)] (an
+// expert's rows % 128 == 0, kdim % 16 == 0), VPL words of 16 a lane; the same rows a warp.
+template <int VPL, bool SWIGLU, bool FP8>
 __device__ __forceinline__ void moe_gemv_sorted_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
-                                                     const bf16* __restrict__ w, void* __restrict__ out,
-                                                     const int* __restrict__ expert, int nf, int kdim, uint4* xs) {
-    constexpr int R = gemv_sorted_rows(SWIGLU, VPL * 256), NV = VPL > 0 ? VPL : 1;
+                                                     const void* __restrict__ w, const float* __restrict__ sc,
+                                                     void* __restrict__ out, const int* __restrict__ expert, int nf,
+                                                     int kdim, uint4* xs) {
+    constexpr int R = gemv_sorted_rows(SWIGLU, VPL * (FP8 ? 512 : 256)), NV = VPL > 0 ? VPL : 1;
     griddep_wait_plain();
     griddep_launch();
-    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kv = kdim >> 3;
+    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int f0 = (blockIdx.y * 8 + warp) * (SWIGLU ? 1 : R);  // the warp's first feature
-    const bf16* we = w + (size_t)expert[r] * (SWIGLU ? 2 : 1) * nf * kdim;
-    const bf16* rows[R];
+    const int ex = expert[r], per = (SWIGLU ? 2 : 1) * nf;     // the expert, its rows
+    int row[R];                                                // the warp's rows in the expert's
 #pragma unroll
     for (int q = 0; q < R; q++) {
         const int f = SWIGLU ? f0 : f0 + q;
-        rows[q] = f < nf ? we + ((size_t)(SWIGLU ? q * nf : 0) + f) * kdim : nullptr;
+        row[q] = f < nf ? (SWIGLU ? q * nf : 0) + f : -1;
     }
-    uint4 v[R][NV];
-    if (VPL > 0) load_rows<R, NV>(v, rows);
-    stage_bf16(xs, a + (size_t)(gather ? gather[r] : r) * kdim, kdim);
+    const bf16* x = a + (size_t)(gather ? gather[r] : r) * kdim;
     float acc[R];
-    if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
-    else dot_rows_any<R>(rows, xs, kdim, acc);
+    if (FP8) {
+        const int kw = kdim >> 4, kb = (kdim + 127) >> 7;
+        const uint4* we = reinterpret_cast<const uint4*>(w) + (size_t)ex * per * kw;
+        const float* se = sc + (size_t)ex * (per >> 7) * kb;
+        const uint4* rows[R];
+        const float* srows[R];
+#pragma unroll
+        for (int q = 0; q < R; q++) {
+            rows[q] = row[q] >= 0 ? we + (size_t)row[q] * kw : nullptr;
+            srows[q] = se + (size_t)(row[q] >> 7) * kb;
+        }
+        uint4 v[R][NV];
+        float s[R][NV];
+        if (VPL > 0) load_rows_fp8<R, NV>(v, s, rows, srows);
+        stage_bf16(xs, x, kdim);
+        if (VPL > 0) dot_rows_fp8<R, NV>(v, s, xs, acc);
+        else dot_rows_fp8_any<R>(rows, srows, xs, kw, acc);
+    } else {
+        const bf16* we = reinterpret_cast<const bf16*>(w) + (size_t)ex * per * kdim;
+        const bf16* rows[R];
+#pragma unroll
+        for (int q = 0; q < R; q++) rows[q] = row[q] >= 0 ? we + (size_t)row[q] * kdim : nullptr;
+        uint4 v[R][NV];
+        if (VPL > 0) load_rows<R, NV>(v, rows);
+        stage_bf16(xs, x, kdim);
+        if (VPL > 0) dot_rows<R, NV>(v, xs, acc);
+        else dot_rows_any<R>(rows, xs, kdim, acc);
+    }
     float s[R];
 #pragma unroll
     for (int q = 0; q < R; q++) s[q] = warp_sum(acc[q]);
@@ -372,15 +399,23 @@ __device__ __forceinline__ void moe_gemv_sorted_impl(const bf16* __restrict__ a,
     }
 }
 
-#define MOE_GEMV_SORTED(NAME, SWIGLU)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* __restrict__ a,                       \
-                                                           const int* __restrict__ gather,                   \
-                                                           const bf16* __restrict__ w, void* __restrict__ out, \
-                                                           const int* __restrict__ expert, int nf, int kdim) { \
-        extern __shared__ uint4 gemv_xs[];                                                                   \
-        if (kdim == 2048) moe_gemv_sorted_impl<8, SWIGLU>(a, gather, w, out, expert, nf, kdim, gemv_xs);      \
-        else if (kdim == 512) moe_gemv_sorted_impl<2, SWIGLU>(a, gather, w, out, expert, nf, kdim, gemv_xs);  \
-        else moe_gemv_sorted_impl<0, SWIGLU>(a, gather, w, out, expert, nf, kdim, gemv_xs);                   \
+#define MOE_GEMV_SORTED(NAME, SWIGLU)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const bf16* __restrict__ a,                                 \
+                                                           const int* __restrict__ gather,                             \
+                                                           const bf16* __restrict__ w, void* __restrict__ out,          \
+                                                           const int* __restrict__ expert, int nf, int kdim) {          \
+        extern __shared__ uint4 gemv_xs[];                                                                             \
+        if (kdim == 2048) moe_gemv_sorted_impl<8, SWIGLU, false>(a, gather, w, nullptr, out, expert, nf, kdim, gemv_xs); \
+        else if (kdim == 512) moe_gemv_sorted_impl<2, SWIGLU, false>(a, gather, w, nullptr, out, expert, nf, kdim, gemv_xs); \
+        else moe_gemv_sorted_impl<0, SWIGLU, false>(a, gather, w, nullptr, out, expert, nf, kdim, gemv_xs);           \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_fp8(                                                      \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const uint4* __restrict__ w,                       \
+        const float* __restrict__ sc, void* __restrict__ out, const int* __restrict__ expert, int nf, int kdim) {       \
+        extern __shared__ uint4 gemv_xs[];                                                                             \
+        if (kdim == 2048) moe_gemv_sorted_impl<4, SWIGLU, true>(a, gather, w, sc, out, expert, nf, kdim, gemv_xs);     \
+        else if (kdim == 512) moe_gemv_sorted_impl<1, SWIGLU, true>(a, gather, w, sc, out, expert, nf, kdim, gemv_xs); \
+        else moe_gemv_sorted_impl<0, SWIGLU, true>(a, gather, w, sc, out, expert, nf, kdim, gemv_xs);                  \
     }
 MOE_GEMV_SORTED(moe_gemv_sorted, false)
 MOE_GEMV_SORTED(moe_gemv_sorted_swiglu, true)

@@ -4,7 +4,7 @@
 //! SwiGLU of unfused products (`swiglu_bf16`), and the weighted combine into the residual with
 //! the next layer's RMSNorm fused (`moe_combine`, `moe_combine_bf16` for bf16 y).
 
-use super::{Dev, On, Untyped, kernels};
+use super::{Dev, On, U128, Untyped, kernels};
 use crate::cuda::Gpu;
 use anyhow::{Result, ensure};
 use half::bf16;
@@ -45,6 +45,11 @@ kernels! {
     MoeGemvSorted ["moe_gemv_sorted", "moe_gemv_sorted_swiglu"] {
         a: Dev<bf16>, gather: Dev<i32>, w: Dev<bf16>, out: Untyped, expert: Dev<i32>, nf: i32,
         kdim: i32,
+    }
+    /// [`MoeGemvSorted`] for FP8 experts (e4m3 words of 16, block scales `sc`).
+    MoeGemvSortedFp8 ["moe_gemv_sorted_fp8", "moe_gemv_sorted_swiglu_fp8"] {
+        a: Dev<bf16>, gather: Dev<i32>, w: Dev<U128>, sc: Dev<f32>, out: Untyped,
+        expert: Dev<i32>, nf: i32, kdim: i32,
     }
     /// `act = bf16(SiLU(gu[:, :inter]) * gu[:, inter:])`.
     SwigluBf16 ["swiglu_bf16"] { gu: Dev<f32>, act: Dev<bf16>, rows: i32, inter: i32 }
@@ -191,6 +196,34 @@ impl MoeGemvSorted {
             self.w,
             self.expert,
             self.gather
+        );
+        let grid = (
+            rows as u32,
+            nf.div_ceil(gemv_sorted_features(swiglu, kdim)) as u32,
+            1,
+        );
+        let name = Self::NAMES[swiglu as usize];
+        gpu.run(name, grid, 256, kdim * 2, &self.args(), On::Prefill)
+    }
+}
+
+impl MoeGemvSortedFp8 {
+    /// [`MoeGemvSorted::launch`] for FP8 weights.
+    pub fn launch(&self, gpu: &Gpu, swiglu: bool, rows: usize, experts: usize) -> Result<()> {
+        let (nf, kdim) = (self.nf as usize, self.kdim as usize);
+        let wrows = if swiglu { 2 * nf } else { nf };
+        ensure!(
+            kdim.is_multiple_of(16)
+                && wrows.is_multiple_of(128)
+                && self.w.len * 16 >= experts * wrows * kdim
+                && self.sc.len >= experts * wrows / 128 * kdim.div_ceil(128)
+                && self.expert.len >= rows
+                && (self.gather.is_null() || self.gather.len >= rows),
+            "moe_gemv_sorted_fp8: {rows} rows over {experts} experts of {wrows} x {kdim}: w {:?}, \
+             scales {:?}, expert {:?}",
+            self.w,
+            self.sc,
+            self.expert
         );
         let grid = (
             rows as u32,

@@ -25,6 +25,21 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
 }
 
 
+// ---- FP8 (e4m3) weights ----
+// Four e4m3fn bytes of w (byte 0 -> .x) as floats, exactly (cvt.rn.f16x2.e4m3x2 is exact: every
+// e4m3 value is an f16; the byte pair's low byte goes to the low half). volatile: a GEMV over
+// several tokens converts its words again for each, rather than having them hoisted out of the
+// token loop as 16 floats a word (gemv_fp8 then held 255 registers and spilled).
+__device__ __forceinline__ float4 e4m3x4_to_float4(unsigned w) {
+    unsigned lo, hi;
+    asm volatile("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(w));
+    float4 f;
+    asm volatile("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}\n" : "=f"(f.x), "=f"(f.y) : "r"(lo));
+    asm volatile("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}\n" : "=f"(f.z), "=f"(f.w) : "r"(hi));
+    return f;
+}
+
 // ---- Tensor-core fragments (mma.sync m16n8k16, bf16 in, f32 accumulate) ----
 // Fragment layouts (PTX ISA "mma.m16n8k16"), g = lane / 4, c = 2 * (lane % 4):
 //   A 16x16 row-major: a[0] (g, c..c+1), a[1] (g+8, c..), a[2] (g, 8+c..), a[3] (g+8, 8+c..)
