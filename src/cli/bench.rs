@@ -205,7 +205,11 @@ pub(super) fn bench_cmd(
                     max_chunk,
                 )?,
             };
-            eprintln!("weights ready in {:.1} s", t0.elapsed().as_secs_f64());
+            eprintln!(
+                "weights ready in {:.1} s ({:.2} GB on the GPU, {format:?})",
+                t0.elapsed().as_secs_f64(),
+                m.weight_bytes as f64 / 1e9
+            );
             if let Some(streams) = &streams {
                 let read_bw = gpu.measure_weight_stream(2048, 256)?;
                 eprintln!("read bandwidth {:.2} TB/s", read_bw / 1e12);

@@ -658,3 +658,36 @@ impl Engine for CudaModel {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The memory targets for the FP8 release: its weights at most 38 GB on the GPU,
+    /// and `--max-seq 262144` on an 80 GB card by the memory plan (with the load's 1 GiB of
+    /// headroom, at the smaller of the CLI's prefill chunks).
+    #[test]
+    fn fp8_plan_halves_the_weights_and_fits_an_80_gb_card_at_262144() {
+        let c = TextConfig::qwen36_35b_a3b();
+        let bf16 = CudaModel::plan(&c, WeightFormat::Bf16, 4096, 8192);
+        let fp8 = CudaModel::plan(&c, WeightFormat::Fp8, 4096, 8192);
+        let gb = |b: usize| b as f64 / 1e9;
+        println!(
+            "weights: bf16 {:.2} GB, fp8 {:.2} GB",
+            gb(bf16.weights),
+            gb(fp8.weights)
+        );
+        assert!(fp8.weights as f64 <= 38e9, "{}", fp8.weights);
+        assert!((0.45..0.55).contains(&(fp8.weights as f64 / bf16.weights as f64)));
+        let long = CudaModel::plan(&c, WeightFormat::Fp8, 262_144, 8192);
+        let need = long.total() + (1 << 30);
+        println!(
+            "fp8 at --max-seq 262144: {:.2} GB (weights {:.2}, state {:.2}, workspace {:.2})",
+            gb(need),
+            gb(long.weights),
+            gb(long.state),
+            gb(long.workspace)
+        );
+        assert!(need as f64 <= 80e9, "{need}");
+    }
+}
