@@ -302,6 +302,7 @@ impl Checkpoint {
             rows,
             cols,
             scales: None,
+            affine: None,
         })
     }
 
@@ -412,6 +413,7 @@ impl Checkpoint {
                 block_cols: bc,
                 row0: 0,
             }),
+            affine: None,
         })
     }
 
