@@ -37,6 +37,7 @@ fn tiny_config() -> TextConfig {
         eos_token_ids: vec![1],
         mtp_layers: 0,
         quantization: None,
+        affine: None,
     }
 }
 

@@ -67,10 +67,17 @@ pub(super) enum Source<'a> {
     Synthetic(u64),
 }
 
-/// The GPU kernels read bf16 weights only: an FP8 checkpoint is refused before anything is
-/// allocated (the W8A16 / FP8 GEMM kernels are not written yet), rather than expanded to
-/// bf16 behind the user's back.
+/// The GPU kernels read bf16 weights only: an FP8 or affine 4-bit (MLX, GPTQ, AWQ)
+/// checkpoint is refused before anything is allocated (their GEMM kernels are not written
+/// yet), rather than expanded to bf16 behind the user's back.
 pub(super) fn ensure_no_fp8(w: &ModelWeights) -> Result<()> {
+    if w.is_affine() {
+        anyhow::bail!(
+            "4-bit weights on the GPU are not supported yet (issue 39; this checkpoint is {}); \
+             run it on the CPU backend (`--device cpu`) or use the bf16 checkpoint",
+            w.format()
+        );
+    }
     if w.is_fp8() {
         anyhow::bail!(
             "FP8 weights on the GPU are not supported yet (this checkpoint is {}); run it on \
@@ -82,10 +89,9 @@ pub(super) fn ensure_no_fp8(w: &ModelWeights) -> Result<()> {
 }
 
 fn bf16_bytes(m: &Mat) -> Vec<u8> {
-    assert_ne!(
-        m.dtype,
-        DType::F8E4M3,
-        "FP8 weights are refused by ensure_no_fp8"
+    assert!(
+        m.dtype != DType::F8E4M3 && !m.dtype.is_affine(),
+        "FP8 and 4-bit weights are refused by ensure_no_fp8"
     );
     match m.dtype {
         DType::BF16 => m.bytes().to_vec(),
@@ -304,6 +310,23 @@ mod tests {
         assert!(
             e.contains("FP8 weights on the GPU are not supported yet")
                 && e.contains("fp8 e4m3 block 128x128"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn four_bit_weights_are_refused_with_a_clear_error() {
+        let cfg = TextConfig {
+            vocab_size: 64,
+            ..crate::synthetic::demo_config()
+        };
+        let mut w = crate::synthetic::random_weights(&cfg, 1, DType::BF16);
+        let m = &mut w.layers[0].moe.shared.gate;
+        *m = crate::tensor::Mat::quantize_affine(&m.to_f32(), m.rows, m.cols, 4, 64);
+        let e = ensure_no_fp8(&w).unwrap_err().to_string();
+        assert!(
+            e.contains("4-bit weights on the GPU are not supported yet (issue 39")
+                && e.contains("affine 4-bit group 64"),
             "{e}"
         );
     }
