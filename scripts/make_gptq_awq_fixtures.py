@@ -18,6 +18,14 @@ which is all a checkpoint's layout depends on):
   holds column 8c + order[p]), `qzeros [in/g, out/8]` packed the same way, `scales
   [in/g, out]` F16; w = s * (q - z).
 
+* tiny-ct: compressed-tensors `pack-quantized` (llm-compressor's W4A16 format): the
+  experts, shared experts and attention, asymmetric, group 64, bf16 scales.
+  `weight_packed [out, in/8]` I32: column i of row o is bits 4*(i%8) of
+  `weight_packed[o, i//8]`, stored as the signed code + 8; `weight_zero_point
+  [out/8, in/g]` I32 packed along the output the same way (signed + 8); `weight_scale
+  [out, in/g]`; `weight_shape` [2]; w = s * (q - z) in either the signed or the unsigned
+  range.
+
 Each fixture's `reference.json` lists, for every quantised tensor, 16 (row, column, value)
 samples of the dequantised weight computed here in float64 (an independent check of the Rust
 unpacking). Run with the venv of make_mlx_fixtures.py:
@@ -41,7 +49,14 @@ SEED = 4017  # the MLX fixture's weights
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def quantise(w, group, sym):
+def to_bf16(x):
+    """Rounds float values to bf16 (nearest even), returned as float32."""
+    b = np.asarray(x, dtype=np.float32).view(np.uint32)
+    b = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return b.view(np.float32)
+
+
+def quantise(w, group, sym, bf16_scales=False):
     """Round-to-nearest 4-bit codes per group of input columns: (q [out, in], s [G, out] f16, z [G, out])."""
     out, inp = w.shape
     G = inp // group
@@ -54,7 +69,7 @@ def quantise(w, group, sym):
         lo, hi = np.minimum(wg.min(axis=2), 0), np.maximum(wg.max(axis=2), 0)
         s = np.maximum((hi - lo) / 15, 1e-8)
         z = np.clip(np.round(-lo / s), 0, 15).astype(np.int64)
-    s = s.astype(np.float16)
+    s = to_bf16(s) if bf16_scales else s.astype(np.float16)
     q = np.clip(np.round(wg / s.astype(np.float64)[:, :, None]) + z[:, :, None], 0, 15).astype(np.int64)
     return q.reshape(out, inp), s.T.copy(), z.T.copy()
 
@@ -115,16 +130,23 @@ def write(out_dir, name, targets, fmt, group, sym, qcfg):
             tensors[k] = keep
             continue
         wf = v.astype(np.float32)
-        q, s, z = quantise(wf, group, sym)
+        q, s, z = quantise(wf, group, sym, bf16_scales=fmt == "ct")
         deq = dequantise(q, s, z, group)
         if fmt == "gptq":
             tensors[m + ".qweight"] = mx.array(pack_along_rows(q.T))
             tensors[m + ".qzeros"] = mx.array(pack_along_cols(z - 1))
             tensors[m + ".g_idx"] = mx.array((np.arange(q.shape[1]) // group).astype(np.int32))
-        else:
+        elif fmt == "awq":
             tensors[m + ".qweight"] = mx.array(pack_along_cols(q.T, AWQ_ORDER))
             tensors[m + ".qzeros"] = mx.array(pack_along_cols(z, AWQ_ORDER))
-        tensors[m + ".scales"] = mx.array(s)
+        if fmt == "ct":
+            # Unsigned codes are the signed ones + 8 already (quantise works unsigned).
+            tensors[m + ".weight_packed"] = mx.array(pack_along_cols(q))
+            tensors[m + ".weight_zero_point"] = mx.array(pack_along_rows(z.T.copy()))
+            tensors[m + ".weight_scale"] = mx.array(s.T.copy()).astype(mx.bfloat16)
+            tensors[m + ".weight_shape"] = mx.array(np.array(q.shape, dtype=np.int32))
+        else:
+            tensors[m + ".scales"] = mx.array(s)
         rows = srng.integers(0, q.shape[0], 16)
         cols = srng.integers(0, q.shape[1], 16)
         samples[m] = [[int(r), int(c), float(deq[r, c])] for r, c in zip(rows, cols)]
@@ -168,6 +190,17 @@ def main():
               "version": "gemm",
               "modules_to_not_convert": ["mlp.gate", "mlp.shared_expert_gate", "in_proj_a", "in_proj_b"],
           })
+    write(out, "tiny-ct", ["mlp.experts.", "mlp.shared_expert.", "self_attn."], "ct", 64, False, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "kv_cache_scheme": None, "sparsity_config": {},
+        "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*linear_attn.*"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "pack-quantized",
+            "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                        "group_size": 64, "dynamic": False, "actorder": None, "observer": "minmax"},
+            "input_activations": None, "output_activations": None,
+        }},
+    })
 
 
 if __name__ == "__main__":

@@ -63,6 +63,11 @@ pub enum AffineSource {
     /// AWQ GEMM (AutoAWQ): `qweight` / `qzeros` packed along the output dim in the order
     /// [0, 2, 4, 6, 1, 3, 5, 7], `scales`.
     Awq,
+    /// compressed-tensors `pack-quantized` (llm-compressor): `weight_packed [out, in/8]`
+    /// (codes + 8, packed along the input, lowest nibble first: Kestrel's own layout),
+    /// `weight_scale [out, in/group]`, `weight_zero_point [out/8, in/group]` (asymmetric,
+    /// packed along the output), `weight_g_idx`, `weight_shape`.
+    CompressedTensors,
 }
 
 /// An affine-quantised checkpoint's format: the default bits and group size, and (MLX) the
@@ -99,6 +104,7 @@ impl AffineQuant {
             AffineSource::Gptq { desc_act: true, .. } => "GPTQ act-order",
             AffineSource::Gptq { .. } => "GPTQ",
             AffineSource::Awq => "AWQ GEMM",
+            AffineSource::CompressedTensors => "compressed-tensors pack-quantized",
         };
         let sym = match self.source {
             AffineSource::Mlx => "",
@@ -352,6 +358,126 @@ pub struct Fp8Quant {
     pub block: [usize; 2],
     /// `modules_to_not_convert`: module-name patterns kept unquantized.
     pub modules_to_not_convert: Vec<String>,
+}
+
+impl AffineQuant {
+    /// Parses a compressed-tensors `quantization_config` (llm-compressor's W4A16
+    /// `pack-quantized`): every config group must quantise weights only, 4-bit int, group
+    /// strategy, the same group size and symmetry.
+    fn from_ct_json(
+        q: &serde_json::Map<String, Value>,
+        field: &str,
+        problems: &mut Vec<String>,
+    ) -> Option<Self> {
+        let before = problems.len();
+        let fmt_ok = |v: Option<&Value>, f: &str, problems: &mut Vec<String>| match v {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "pack-quantized" => {}
+            Some(v) => problems.push(format!(
+                "`{f}` is {v}; Kestrel reads compressed-tensors \"pack-quantized\" (W4A16) only"
+            )),
+        };
+        fmt_ok(q.get("format"), &format!("{field}.format"), problems);
+        let mut params: Option<(usize, bool)> = None;
+        match q.get("config_groups") {
+            Some(Value::Object(groups)) if !groups.is_empty() => {
+                for (name, g) in groups {
+                    let f = format!("{field}.config_groups.{name}");
+                    fmt_ok(g.get("format"), &format!("{f}.format"), problems);
+                    for act in ["input_activations", "output_activations"] {
+                        if let Some(v) = g.get(act).filter(|v| !v.is_null()) {
+                            problems.push(format!(
+                                "`{f}.{act}` is {v}; Kestrel runs weight-only (W4A16) compressed-tensors checkpoints"
+                            ));
+                        }
+                    }
+                    let Some(w) = g.get("weights").and_then(Value::as_object) else {
+                        problems.push(format!("`{f}.weights` is missing"));
+                        continue;
+                    };
+                    let wf = format!("{f}.weights");
+                    let get = |k: &str| w.get(k).filter(|v| !v.is_null());
+                    if get("num_bits").and_then(Value::as_u64) != Some(4) {
+                        problems.push(format!(
+                            "`{wf}.num_bits` is {}; Kestrel runs 4-bit weights only",
+                            get("num_bits").unwrap_or(&Value::Null)
+                        ));
+                    }
+                    if get("type").and_then(Value::as_str).is_some_and(|t| t != "int") {
+                        problems.push(format!(
+                            "`{wf}.type` is {}; Kestrel runs int weights only",
+                            w["type"]
+                        ));
+                    }
+                    if get("strategy").and_then(Value::as_str) != Some("group") {
+                        problems.push(format!(
+                            "`{wf}.strategy` is {}; Kestrel runs the \"group\" strategy only",
+                            get("strategy").unwrap_or(&Value::Null)
+                        ));
+                    }
+                    if get("dynamic").is_some_and(|d| d != &Value::Bool(false)) {
+                        problems.push(format!(
+                            "`{wf}.dynamic` is {}; Kestrel needs stored weight scales",
+                            w["dynamic"]
+                        ));
+                    }
+                    let group = match get("group_size").and_then(Value::as_u64) {
+                        Some(g @ (32 | 64 | 128)) => g as usize,
+                        _ => {
+                            problems.push(format!(
+                                "`{wf}.group_size` is {}; Kestrel runs group sizes 32, 64 and 128",
+                                get("group_size").unwrap_or(&Value::Null)
+                            ));
+                            0
+                        }
+                    };
+                    let sym = match get("symmetric") {
+                        None => true,
+                        Some(Value::Bool(b)) => *b,
+                        Some(v) => {
+                            problems.push(format!("`{wf}.symmetric` must be true or false, found {v}"));
+                            true
+                        }
+                    };
+                    match params {
+                        None => params = Some((group, sym)),
+                        Some(p) if p == (group, sym) => {}
+                        Some(_) => problems.push(format!(
+                            "`{f}` quantises with another group size or symmetry than the other config groups; Kestrel runs one scheme a checkpoint"
+                        )),
+                    }
+                }
+            }
+            Some(v) => problems.push(format!(
+                "`{field}.config_groups` must be a non-empty object of quantisation schemes, found {v}"
+            )),
+            None => problems.push(format!("`{field}.config_groups` is missing")),
+        }
+        if let Some(v) = q
+            .get("sparsity_config")
+            .filter(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+        {
+            problems.push(format!(
+                "`{field}.sparsity_config` is {v}; sparse compressed-tensors checkpoints are not supported"
+            ));
+        }
+        let mut skip = Vec::new();
+        if let Some(Value::Array(a)) = q.get("ignore") {
+            skip.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
+        }
+        if problems.len() > before {
+            return None;
+        }
+        let (group, sym) = params?;
+        Some(AffineQuant {
+            source: AffineSource::CompressedTensors,
+            bits: 4,
+            group,
+            sym,
+            overrides: BTreeMap::new(),
+            modules_to_not_convert: skip,
+        })
+    }
 }
 
 /// The only block size Kestrel runs (the release's; the GPU kernels will be built for it).
@@ -926,12 +1052,14 @@ impl TextConfig {
             affine = AffineQuant::from_mlx_json(m, "quantization", &mut f.problems);
         } else if let (Some(Value::Object(q)), Some("gptq" | "awq")) = (hf_q, method) {
             affine = AffineQuant::from_hf_json(q, "quantization_config", &mut f.problems);
+        } else if let (Some(Value::Object(q)), Some("compressed-tensors")) = (hf_q, method) {
+            affine = AffineQuant::from_ct_json(q, "quantization_config", &mut f.problems);
         }
         // transformers keeps `quantization_config` at the top level (the wrapper's, for the
         // release); a text config nested by hand may carry it in `text_config`.
         let quantization = if mlx_block.is_some()
             || affine.is_some()
-            || matches!(method, Some("gptq" | "awq"))
+            || matches!(method, Some("gptq" | "awq" | "compressed-tensors"))
         {
             None
         } else {

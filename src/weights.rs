@@ -466,6 +466,24 @@ impl Checkpoint {
             let base = name.strip_suffix(".weight").unwrap_or(name);
             return match a.source {
                 AffineSource::Mlx => self.mlx_weight(name, shape, a),
+                AffineSource::CompressedTensors
+                    if self.contains(&format!("{base}.weight_packed")) =>
+                {
+                    self.ct_weight(base, shape, a)
+                }
+                AffineSource::CompressedTensors => {
+                    for suffix in ["weight_scale", "weight_zero_point", "weight_g_idx"] {
+                        let n = format!("{base}.{suffix}");
+                        if let Some(e) = self.tensors.get(&n) {
+                            bail!(
+                                "tensor `{}` in {} is a {suffix} without its codes: `{base}.weight_packed` is missing",
+                                e.name,
+                                e.file.display()
+                            );
+                        }
+                    }
+                    self.mat(name, shape)
+                }
                 _ if self.contains(&format!("{base}.qweight")) => {
                     self.gptq_awq_weight(base, shape, a)
                 }
@@ -778,6 +796,165 @@ impl Checkpoint {
             affine: Some(Box::new(Affine {
                 group,
                 scales: Mat::from_f32(&scales, rows, groups, DType::F32),
+                biases: Mat::from_f32(&biases, rows, groups, DType::F32),
+                col_group,
+            })),
+        })
+    }
+
+    /// A compressed-tensors `pack-quantized` module for a `[rows, cols]` weight: the codes
+    /// (`weight_packed`, Kestrel's own layout, stored `q + 8`) and `weight_scale` stay
+    /// mapped; `bias = -scale * zero` (f32) with the zero point in the codes' unsigned
+    /// range (`weight_zero_point` as stored, the signed value + 8; 8 when symmetric).
+    fn ct_weight(&self, base: &str, shape: &[usize], q: &AffineQuant) -> Result<Mat> {
+        if shape.len() != 2 {
+            bail!("stacked compressed-tensors experts are not supported (`{base}`)");
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let group = q.group;
+        let wp = &self.tensors[&format!("{base}.weight_packed")];
+        let module = wp.name.strip_suffix(".weight_packed").unwrap_or(&wp.name);
+        let get = |suffix: &str, why: &str| -> Result<&TensorEntry> {
+            self.tensors.get(&format!("{base}.{suffix}")).ok_or_else(|| {
+                anyhow!(
+                    "tensor `{}` in {} has no `{suffix}`: `{module}.{suffix}` is missing ({why})",
+                    wp.name,
+                    wp.file.display()
+                )
+            })
+        };
+        let groups = cols.div_ceil(group);
+        let check = |e: &TensorEntry, want: Vec<usize>, what: &str| -> Result<()> {
+            if e.shape != want {
+                bail!(
+                    "tensor `{}` in {} has shape {:?}, expected {want:?}: {what} of a [{rows}, {cols}] (out, in) weight, 4-bit, group {group} (`quantization_config.config_groups.*.weights`)",
+                    e.name,
+                    e.file.display(),
+                    e.shape
+                );
+            }
+            Ok(())
+        };
+        if !matches!(wp.dtype, safetensors::Dtype::I32 | safetensors::Dtype::U32) {
+            bail!(
+                "tensor `{}` in {} has dtype {:?}; packed 4-bit tensors are I32",
+                wp.name,
+                wp.file.display(),
+                wp.dtype
+            );
+        }
+        if !cols.is_multiple_of(8) {
+            bail!(
+                "tensor `{}` in {}: {cols} columns do not fill whole words",
+                wp.name,
+                wp.file.display()
+            );
+        }
+        check(wp, vec![rows, cols / 8], "weight_packed [out, in/8]")?;
+        if let Some(se) = self.tensors.get(&format!("{base}.weight_shape")) {
+            let dims: Vec<i64> = match se.dtype {
+                safetensors::Dtype::I32 => Self::i32_words(se)?
+                    .iter()
+                    .map(|x| *x as i32 as i64)
+                    .collect(),
+                safetensors::Dtype::I64 => se.storage.bytes()
+                    [se.offset..se.offset + 8 * se.shape.iter().product::<usize>()]
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+                other => bail!(
+                    "tensor `{}` in {} has dtype {other:?}; expected I32 or I64",
+                    se.name,
+                    se.file.display()
+                ),
+            };
+            if dims != [rows as i64, cols as i64] {
+                bail!(
+                    "tensor `{}` in {} says the weight is {dims:?}, but config.json makes it [{rows}, {cols}]",
+                    se.name,
+                    se.file.display()
+                );
+            }
+        }
+        let sc = get("weight_scale", "the group scales")?;
+        check(sc, vec![rows, groups], "weight_scale [out, in/group]")?;
+        let scales = Self::float_mat(sc, "weight_scale", rows, groups)?;
+        let s = scales.to_f32();
+        let zp = self.tensors.get(&format!("{base}.weight_zero_point"));
+        let zeros: Vec<u32> = match (q.sym, zp) {
+            (true, None) => vec![8; rows * groups],
+            (true, Some(z)) => bail!(
+                "tensor `{}` in {} is a zero point, but config.json's scheme is symmetric",
+                z.name,
+                z.file.display()
+            ),
+            (false, None) => bail!(
+                "tensor `{}` in {} has no `weight_zero_point`: `{module}.weight_zero_point` is missing (config.json's scheme is asymmetric)",
+                wp.name,
+                wp.file.display()
+            ),
+            (false, Some(z)) => {
+                check(
+                    z,
+                    vec![rows.div_ceil(8), groups],
+                    "weight_zero_point [out/8, in/group]",
+                )?;
+                let w = Self::i32_words(z)?;
+                (0..rows * groups)
+                    .map(|k| {
+                        let (o, g) = (k / groups, k % groups);
+                        (w[(o / 8) * groups + g] >> (4 * (o % 8))) & 0xf
+                    })
+                    .collect()
+            }
+        };
+        let mut biases = vec![0.0f32; rows * groups];
+        for (k, b) in biases.iter_mut().enumerate() {
+            if !s[k].is_finite() {
+                bail!(
+                    "tensor `{}` in {} has scale {} at [{}, {}]; scales must be finite",
+                    sc.name,
+                    sc.file.display(),
+                    s[k],
+                    k / groups,
+                    k % groups
+                );
+            }
+            *b = -s[k] * zeros[k] as f32;
+        }
+        let col_group = match self.tensors.get(&format!("{base}.weight_g_idx")) {
+            None => None,
+            Some(ge) => {
+                check(ge, vec![cols], "weight_g_idx [in]")?;
+                let idx = Self::i32_words(ge)?;
+                if let Some((i, g)) = idx.iter().enumerate().find(|(_, g)| **g as usize >= groups) {
+                    bail!(
+                        "tensor `{}` in {} maps column {i} to group {g}, but there are {groups} groups",
+                        ge.name,
+                        ge.file.display()
+                    );
+                }
+                if idx
+                    .iter()
+                    .enumerate()
+                    .all(|(i, g)| *g as usize == i / group)
+                {
+                    None
+                } else {
+                    Some(Arc::new(idx))
+                }
+            }
+        };
+        Ok(Mat {
+            storage: wp.storage.clone(),
+            offset: wp.offset,
+            dtype: DType::U4,
+            rows,
+            cols,
+            scales: None,
+            affine: Some(Box::new(Affine {
+                group,
+                scales,
                 biases: Mat::from_f32(&biases, rows, groups, DType::F32),
                 col_group,
             })),
@@ -1140,11 +1317,19 @@ impl ModelWeights {
         let (q, k) = self.matrices_by_role();
         let mut by: BTreeMap<&'static str, usize> = BTreeMap::new();
         let mut scales = 0;
-        let mut affine: BTreeMap<&'static str, usize> = BTreeMap::new();
+        let mut affine: BTreeMap<String, usize> = BTreeMap::new();
         for m in q.iter().chain(&k) {
             *by.entry(m.dtype.name()).or_default() += m.nbytes();
             match &m.affine {
-                Some(a) => *affine.entry(a.scales.dtype.name()).or_default() += m.scale_bytes(),
+                Some(a) => {
+                    let (s, b) = (a.scales.dtype.name(), a.biases.dtype.name());
+                    let kind = if s == b {
+                        s.to_string()
+                    } else {
+                        format!("{s} scales, {b} biases")
+                    };
+                    *affine.entry(kind).or_default() += m.scale_bytes()
+                }
                 None => scales += m.scale_bytes(),
             }
         }

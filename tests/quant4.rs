@@ -506,6 +506,44 @@ enum Fmt {
     Awq,
     /// AWQ's words read without its interleave (to show the fixture depends on it).
     AwqPlainOrder,
+    /// compressed-tensors pack-quantized.
+    Ct,
+}
+
+fn bf16s(t: &Tensor) -> Vec<f32> {
+    assert_eq!(t.dtype, safetensors::Dtype::BF16);
+    t.data
+        .chunks_exact(2)
+        .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+        .collect()
+}
+
+/// A compressed-tensors module's weight `[out, in]` by the format's definition: signed
+/// codes `u - 8` minus signed zero points `uz - 8` (8 - 8 = 0 when there are none), times
+/// the scale.
+fn spec_dequant_ct(
+    t: &std::collections::BTreeMap<String, Tensor>,
+    module: &str,
+    group: usize,
+) -> (usize, usize, Vec<f32>) {
+    let wp = &t[&format!("{module}.weight_packed")];
+    let (out, inp) = (wp.shape[0], wp.shape[1] * 8);
+    let groups = inp / group;
+    let w = words(wp);
+    let s = bf16s(&t[&format!("{module}.weight_scale")]);
+    let zp = t.get(&format!("{module}.weight_zero_point")).map(words);
+    let mut r = vec![0.0f32; out * inp];
+    for o in 0..out {
+        for i in 0..inp {
+            let g = i / group;
+            let q = ((w[o * (inp / 8) + i / 8] >> (4 * (i % 8))) & 15) as i32 - 8;
+            let z = zp.as_ref().map_or(0, |z| {
+                ((z[(o / 8) * groups + g] >> (4 * (o % 8))) & 15) as i32 - 8
+            });
+            r[o * inp + i] = s[o * groups + g] * (q - z) as f32;
+        }
+    }
+    (out, inp, r)
 }
 
 /// `module`'s weight `[out, in]` by the format's definition, element by element.
@@ -515,6 +553,9 @@ fn spec_dequant(
     fmt: Fmt,
     group: usize,
 ) -> (usize, usize, Vec<f32>) {
+    if fmt == Fmt::Ct {
+        return spec_dequant_ct(t, module, group);
+    }
     let qw = &t[&format!("{module}.qweight")];
     let (qwv, zv) = (words(qw), words(&t[&format!("{module}.qzeros")]));
     let s = f16s(&t[&format!("{module}.scales")]);
@@ -596,7 +637,7 @@ fn quantised_modules(dir: &Path) -> (Vec<String>, serde_json::Value) {
     (list, j["dequantised_samples"].clone())
 }
 
-/// Every quantised matrix of both fixtures, as loaded (repacked to the affine form),
+/// Every quantised matrix of the three fixtures, as loaded (repacked to the affine form),
 /// equals its dequantisation by the format's definition (computed here element by element
 /// from the stored words) to f32 rounding, and the script's own float64 dequantisation at
 /// 16 samples a matrix. Reading AWQ without its interleaved order gives other values.
@@ -605,6 +646,7 @@ fn gptq_and_awq_load_to_their_definitions() {
     for (name, fmt, group, format) in [
         ("tiny-gptq", Fmt::Gptq, 128, "affine 4-bit group 128 + bf16"),
         ("tiny-awq", Fmt::Awq, 32, "affine 4-bit group 32 + bf16"),
+        ("tiny-ct", Fmt::Ct, 64, "affine 4-bit group 64 + bf16"),
     ] {
         let dir = fixture(name);
         let model = CpuModel::load(&dir).unwrap();
@@ -651,7 +693,7 @@ fn gptq_and_awq_load_to_their_definitions() {
 fn gptq_and_awq_models_equal_their_dequantised_models() {
     use kestrel::tensor::Mat;
     use kestrel::weights::Mixer;
-    for name in ["tiny-gptq", "tiny-awq"] {
+    for name in ["tiny-gptq", "tiny-awq", "tiny-ct"] {
         let dir = fixture(name);
         let quant = CpuModel::load(&dir).unwrap();
         let mut deq = CpuModel::load(&dir).unwrap();
@@ -846,6 +888,88 @@ fn gptq_awq_bad_tensors_are_named() {
             "expected [128, 32]",
         ],
     );
+}
+
+const CT_Q: &str = "model.language_model.layers.3.self_attn.q_proj";
+
+#[test]
+fn compressed_tensors_bad_tensors_are_named_and_symmetric_reads() {
+    let ct = fixture("tiny-ct");
+    // The codes and scales stay mapped (Kestrel's own layout).
+    let model = CpuModel::load(&ct).unwrap();
+    let q = mat_of(&model.weights, CT_Q);
+    assert!(matches!(*q.storage, kestrel::tensor::Storage::Mmap(_)));
+    let e = load_err(
+        edited_copy_of(
+            &ct,
+            |m| {
+                m.remove(&format!("{CT_Q}.weight_zero_point"));
+            },
+            |_| {},
+        )
+        .path(),
+    );
+    assert_names(
+        &e,
+        &[
+            &format!("`{CT_Q}.weight_packed`"),
+            "model.safetensors",
+            &format!("`{CT_Q}.weight_zero_point` is missing"),
+        ],
+    );
+    let e = load_err(
+        edited_copy_of(
+            &ct,
+            |m| {
+                let s = m.get_mut(&format!("{CT_Q}.weight_shape")).unwrap();
+                s.data = [1024i32, 64].iter().flat_map(|x| x.to_le_bytes()).collect();
+            },
+            |_| {},
+        )
+        .path(),
+    );
+    assert_names(
+        &e,
+        &[
+            &format!("`{CT_Q}.weight_shape`"),
+            "[1024, 64]",
+            "[1024, 128]",
+        ],
+    );
+    let e = load_err(
+        edited_copy_of(
+            &ct,
+            |m| {
+                let s = m.get_mut(&format!("{CT_Q}.weight_scale")).unwrap();
+                s.shape = vec![1024, 1];
+                s.data.truncate(1024 * 2);
+            },
+            |_| {},
+        )
+        .path(),
+    );
+    assert_names(
+        &e,
+        &[
+            &format!("`{CT_Q}.weight_scale`"),
+            "[1024, 1]",
+            "expected [1024, 2]",
+        ],
+    );
+    // Symmetric: no zero points, codes centred on 8. Dropping every zero point and saying
+    // symmetric gives exactly s * (u - 8).
+    let t = edited_copy_of(
+        &ct,
+        |m| m.retain(|k, _| !k.ends_with(".weight_zero_point")),
+        |c| {
+            c["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] =
+                serde_json::json!(true)
+        },
+    );
+    let model = CpuModel::load(t.path()).unwrap();
+    let raw = raw_tensors(t.path());
+    let (_, _, want) = spec_dequant(&raw, CT_Q, Fmt::Ct, 64);
+    assert!(rel_err(&mat_of(&model.weights, CT_Q).to_f32(), &want) <= 1e-6);
 }
 
 #[test]
