@@ -35,6 +35,7 @@
 use crate::config::{AffineQuant, AffineSource, Fp8Quant, LayerKind, TextConfig};
 use crate::tensor::{Affine, BlockScales, DType, Mat, Storage, convert_to_f32, pack_codes};
 use anyhow::{Context, Result, anyhow, bail};
+use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -737,16 +738,17 @@ impl Checkpoint {
             AffineSource::Gptq { zeros_offset, .. } => zeros_offset,
             _ => 0,
         };
+        // One output row at a time, in parallel (a full-size checkpoint has ~32e9 codes).
         let mut codes = vec![0u32; rows * cols];
-        for o in 0..rows {
-            for i in 0..cols {
-                codes[o * cols + i] = if awq {
+        codes.par_chunks_mut(cols).enumerate().for_each(|(o, row)| {
+            for (i, c) in row.iter_mut().enumerate() {
+                *c = if awq {
                     (words[i * (rows / 8) + o / 8] >> (4 * AWQ_POS[o % 8])) & 0xf
                 } else {
                     (words[(i / 8) * rows + o] >> (4 * (i % 8))) & 0xf
                 };
             }
-        }
+        });
         let (mut scales, mut biases) = (vec![0.0f32; rows * groups], vec![0.0f32; rows * groups]);
         for g in 0..groups {
             for o in 0..rows {
