@@ -23,7 +23,9 @@
 //! shared-expert gate), kept mapped; any MLX matrix may be quantised, embeddings and lm_head
 //! included. GPTQ (`qweight [in/8, out]`, `qzeros [in/g, out/8]`, `scales [in/g, out]`,
 //! `g_idx`) and AWQ GEMM (`qweight [in, out/8]`, interleaved) per-module tensors are
-//! repacked at load into the same form (f32 scales, `bias = -scale * zero`).
+//! repacked at load into the same form (f32 scales, `bias = -scale * zero`);
+//! compressed-tensors' `weight_packed` (codes + 8) already is that form and stays mapped
+//! with its `weight_scale`, only the biases being computed.
 //!
 //! FP8 (`quantization_config` fp8 / e4m3 / 128x128, the official FP8 release): the attention
 //! q/k/v/o, GDN `in_proj_qkv` / `in_proj_z` / `out_proj`, shared-expert and per-expert
