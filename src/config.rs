@@ -6,6 +6,7 @@
 //! each with the field it concerns.
 
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
@@ -42,8 +43,309 @@ pub struct TextConfig {
     pub max_position_embeddings: usize,
     pub eos_token_ids: Vec<u32>,
     pub mtp_layers: usize,
-    /// `quantization_config`: `None` for a bf16/f16/f32 checkpoint.
+    /// `quantization_config` of an FP8 checkpoint: `None` for any other.
     pub quantization: Option<Fp8Quant>,
+    /// The affine 4/8-bit formats (MLX's `quantization` block, or a GPTQ / AWQ
+    /// `quantization_config`): `None` for any other.
+    pub affine: Option<AffineQuant>,
+}
+
+/// Where an affine-quantised checkpoint comes from: it decides the tensor names and bit
+/// layouts the loader reads (all are mapped onto [`crate::tensor::Affine`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum AffineSource {
+    /// mlx-lm's `affine` mode: `<m>.weight` (u32 codes), `<m>.scales`, `<m>.biases`.
+    Mlx,
+    /// GPTQ (AutoGPTQ / GPTQModel / optimum): `qweight` packed along the input dim,
+    /// `qzeros` along the output dim, `scales`, `g_idx`. `zeros_offset` is 1 for the
+    /// original format (`checkpoint_format` "gptq": zeros stored minus one), 0 for "gptq_v2".
+    Gptq { zeros_offset: u32, desc_act: bool },
+    /// AWQ GEMM (AutoAWQ): `qweight` / `qzeros` packed along the output dim in the order
+    /// [0, 2, 4, 6, 1, 3, 5, 7], `scales`.
+    Awq,
+    /// compressed-tensors `pack-quantized` (llm-compressor): `weight_packed [out, in/8]`
+    /// (codes + 8, packed along the input, lowest nibble first: Kestrel's own layout),
+    /// `weight_scale [out, in/group]`, `weight_zero_point [out/8, in/group]` (asymmetric,
+    /// packed along the output), `weight_g_idx`, `weight_shape`.
+    CompressedTensors,
+}
+
+/// An affine-quantised checkpoint's format: the default bits and group size, and (MLX) the
+/// per-module overrides of its `quantization` block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AffineQuant {
+    pub source: AffineSource,
+    pub bits: usize,
+    pub group: usize,
+    /// GPTQ / AWQ: symmetric (GPTQ `sym`; AWQ `zero_point: false`).
+    pub sym: bool,
+    /// MLX: module path (`language_model.model.layers.0.mlp.gate`) to its `(bits, group)`,
+    /// or `None` where the block says the module is not quantised.
+    pub overrides: BTreeMap<String, Option<(usize, usize)>>,
+    /// GPTQ / AWQ `modules_to_not_convert`.
+    pub modules_to_not_convert: Vec<String>,
+}
+
+impl AffineQuant {
+    /// The `(bits, group)` the config gives the module at `path` (a stored tensor name
+    /// without its `.weight`), or `None` if it says the module is unquantised.
+    pub fn for_module(&self, path: &str) -> Option<(usize, usize)> {
+        match self.overrides.get(path) {
+            Some(o) => *o,
+            None => Some((self.bits, self.group)),
+        }
+    }
+
+    /// A short description for `inspect`: "MLX affine 4-bit, group 64; 8-bit group 64: 8
+    /// modules".
+    pub fn describe(&self) -> String {
+        let base = match &self.source {
+            AffineSource::Mlx => "MLX affine",
+            AffineSource::Gptq { desc_act: true, .. } => "GPTQ act-order",
+            AffineSource::Gptq { .. } => "GPTQ",
+            AffineSource::Awq => "AWQ GEMM",
+            AffineSource::CompressedTensors => "compressed-tensors pack-quantized",
+        };
+        let sym = match self.source {
+            AffineSource::Mlx => "",
+            _ if self.sym => ", symmetric",
+            _ => ", asymmetric",
+        };
+        let mut s = format!("{base} {}-bit, group {}{sym}", self.bits, self.group);
+        let mut other: BTreeMap<String, usize> = BTreeMap::new();
+        for o in self.overrides.values() {
+            match o {
+                Some((b, g)) if (*b, *g) != (self.bits, self.group) => {
+                    *other.entry(format!("{b}-bit group {g}")).or_default() += 1
+                }
+                Some(_) => {}
+                None => *other.entry("unquantized".into()).or_default() += 1,
+            }
+        }
+        for (k, n) in other {
+            s.push_str(&format!("; {k}: {n} modules"));
+        }
+        s
+    }
+
+    /// Parses mlx-lm's `quantization` block (`field` names it in messages).
+    fn from_mlx_json(q: &Value, field: &str, problems: &mut Vec<String>) -> Option<Self> {
+        let Some(obj) = q.as_object() else {
+            problems.push(format!("`{field}` must be an object, found {q}"));
+            return None;
+        };
+        let before = problems.len();
+        let params = |v: &Value, f: &str, problems: &mut Vec<String>| -> Option<(usize, usize)> {
+            let o = v.as_object()?;
+            let mut bits = None;
+            let mut group = None;
+            for (k, x) in o {
+                match k.as_str() {
+                    "bits" => match x.as_u64() {
+                        Some(b @ (4 | 8)) => bits = Some(b as usize),
+                        _ => problems.push(format!(
+                            "`{f}.bits` is {x}; Kestrel runs MLX affine 4- and 8-bit weights only"
+                        )),
+                    },
+                    "group_size" => match x.as_u64() {
+                        Some(g @ (32 | 64 | 128)) => group = Some(g as usize),
+                        _ => problems.push(format!(
+                            "`{f}.group_size` is {x}; Kestrel runs group sizes 32, 64 and 128"
+                        )),
+                    },
+                    "mode" => {
+                        if x.as_str() != Some("affine") {
+                            problems.push(format!(
+                                "`{f}.mode` is {x}; Kestrel runs only MLX's \"affine\" mode (not mxfp4, nvfp4, mxfp8)"
+                            ))
+                        }
+                    }
+                    _ if f == field => {}
+                    other => problems.push(format!(
+                        "`{f}.{other}` is not a field Kestrel knows (known: bits, group_size, mode)"
+                    )),
+                }
+            }
+            match (bits, group) {
+                (Some(b), Some(g)) => Some((b, g)),
+                _ => {
+                    for (k, v) in [("bits", bits.is_some()), ("group_size", group.is_some())] {
+                        if !v && !o.contains_key(k) {
+                            problems.push(format!("`{f}.{k}` is missing"));
+                        }
+                    }
+                    None
+                }
+            }
+        };
+        let default = params(q, field, problems);
+        let mut overrides = BTreeMap::new();
+        for (k, v) in obj {
+            if matches!(k.as_str(), "bits" | "group_size" | "mode") {
+                continue;
+            }
+            let f = format!("{field}.{k}");
+            match v {
+                Value::Bool(false) => {
+                    overrides.insert(k.clone(), None);
+                }
+                Value::Bool(true) => {
+                    if let Some(d) = default {
+                        overrides.insert(k.clone(), Some(d));
+                    }
+                }
+                Value::Object(_) => {
+                    if let Some(p) = params(v, &f, problems) {
+                        overrides.insert(k.clone(), Some(p));
+                    }
+                }
+                _ => problems.push(format!(
+                    "`{f}` is {v}; a module override must be an object with bits and group_size, or a bool (`{field}.{k}` is not a field Kestrel knows)"
+                )),
+            }
+        }
+        if problems.len() > before {
+            return None;
+        }
+        let (bits, group) = default?;
+        Some(AffineQuant {
+            source: AffineSource::Mlx,
+            bits,
+            group,
+            sym: false,
+            overrides,
+            modules_to_not_convert: Vec::new(),
+        })
+    }
+
+    /// Parses a GPTQ or AWQ `quantization_config` (quant_method "gptq" / "awq").
+    fn from_hf_json(
+        q: &serde_json::Map<String, Value>,
+        field: &str,
+        problems: &mut Vec<String>,
+    ) -> Option<Self> {
+        let before = problems.len();
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+        let s = |k: &str| q.get(k).filter(|v| !v.is_null());
+        let uint =
+            |keys: &[&str], default: Option<u64>, problems: &mut Vec<String>| -> Option<u64> {
+                for k in keys {
+                    if let Some(v) = s(k) {
+                        return match v.as_u64() {
+                            Some(x) => Some(x),
+                            None => {
+                                problems.push(format!(
+                                    "`{field}.{k}` must be a positive integer, found {v}"
+                                ));
+                                None
+                            }
+                        };
+                    }
+                }
+                if default.is_none() {
+                    problems.push(format!("`{field}.{}` is missing", keys[0]));
+                }
+                default
+            };
+        let bits = uint(&["bits", "w_bit"], None, problems);
+        if let Some(b) = bits
+            && b != 4
+        {
+            problems.push(format!(
+                "`{field}.bits` is {b}; Kestrel runs {method} 4-bit weights only"
+            ));
+        }
+        let group = uint(&["group_size", "q_group_size"], None, problems);
+        if let Some(g) = group
+            && g != 32
+            && g != 64
+            && g != 128
+        {
+            problems.push(format!(
+                "`{field}.group_size` is {g}; Kestrel runs group sizes 32, 64 and 128 (not per-channel -1)"
+            ));
+        }
+        let boolean = |k: &str, default: bool, problems: &mut Vec<String>| match s(k) {
+            None => default,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                problems.push(format!("`{field}.{k}` must be true or false, found {v}"));
+                default
+            }
+        };
+        let mut skip = Vec::new();
+        match s("modules_to_not_convert") {
+            None => {}
+            Some(Value::Array(a)) => {
+                for (i, x) in a.iter().enumerate() {
+                    match x.as_str() {
+                        Some(n) if !n.is_empty() => skip.push(n.to_string()),
+                        _ => problems.push(format!(
+                            "`{field}.modules_to_not_convert[{i}]` must be a module name, found {x}"
+                        )),
+                    }
+                }
+            }
+            Some(v) => problems.push(format!(
+                "`{field}.modules_to_not_convert` must be a list of module names, found {v}"
+            )),
+        }
+        let (source, sym) = if method == "gptq" {
+            let desc_act = boolean("desc_act", false, problems);
+            let sym = boolean("sym", true, problems);
+            let zeros_offset = match s("checkpoint_format").or_else(|| s("format")) {
+                None => 1,
+                Some(Value::String(f)) if f == "gptq" => 1,
+                Some(Value::String(f)) if f == "gptq_v2" => 0,
+                Some(v) => {
+                    problems.push(format!(
+                        "`{field}.checkpoint_format` is {v}; Kestrel reads \"gptq\" and \"gptq_v2\" (not marlin, bitblas, ...)"
+                    ));
+                    1
+                }
+            };
+            if let Some(d) = s("dynamic")
+                && d.as_object().is_none_or(|o| !o.is_empty())
+            {
+                problems.push(format!(
+                    "`{field}.dynamic` is {d}; per-module GPTQ overrides are not supported"
+                ));
+            }
+            if boolean("static_groups", false, problems) && desc_act {
+                problems.push(format!(
+                    "`{field}.static_groups` with `desc_act` is not supported"
+                ));
+            }
+            (
+                AffineSource::Gptq {
+                    zeros_offset,
+                    desc_act,
+                },
+                sym,
+            )
+        } else {
+            match s("version") {
+                None => {}
+                Some(Value::String(v)) if v.eq_ignore_ascii_case("gemm") => {}
+                Some(v) => problems.push(format!(
+                    "`{field}.version` is {v}; Kestrel reads AWQ's \"gemm\" packing only"
+                )),
+            }
+            let zp = boolean("zero_point", true, problems);
+            (AffineSource::Awq, !zp)
+        };
+        if problems.len() > before {
+            return None;
+        }
+        Some(AffineQuant {
+            source,
+            bits: bits? as usize,
+            group: group? as usize,
+            sym,
+            overrides: BTreeMap::new(),
+            modules_to_not_convert: skip,
+        })
+    }
 }
 
 /// How a checkpoint's projections and experts are stored (the GPU keeps them so).
@@ -66,6 +368,126 @@ pub struct Fp8Quant {
     pub block: [usize; 2],
     /// `modules_to_not_convert`: module-name patterns kept unquantized.
     pub modules_to_not_convert: Vec<String>,
+}
+
+impl AffineQuant {
+    /// Parses a compressed-tensors `quantization_config` (llm-compressor's W4A16
+    /// `pack-quantized`): every config group must quantise weights only, 4-bit int, group
+    /// strategy, the same group size and symmetry.
+    fn from_ct_json(
+        q: &serde_json::Map<String, Value>,
+        field: &str,
+        problems: &mut Vec<String>,
+    ) -> Option<Self> {
+        let before = problems.len();
+        let fmt_ok = |v: Option<&Value>, f: &str, problems: &mut Vec<String>| match v {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "pack-quantized" => {}
+            Some(v) => problems.push(format!(
+                "`{f}` is {v}; Kestrel reads compressed-tensors \"pack-quantized\" (W4A16) only"
+            )),
+        };
+        fmt_ok(q.get("format"), &format!("{field}.format"), problems);
+        let mut params: Option<(usize, bool)> = None;
+        match q.get("config_groups") {
+            Some(Value::Object(groups)) if !groups.is_empty() => {
+                for (name, g) in groups {
+                    let f = format!("{field}.config_groups.{name}");
+                    fmt_ok(g.get("format"), &format!("{f}.format"), problems);
+                    for act in ["input_activations", "output_activations"] {
+                        if let Some(v) = g.get(act).filter(|v| !v.is_null()) {
+                            problems.push(format!(
+                                "`{f}.{act}` is {v}; Kestrel runs weight-only (W4A16) compressed-tensors checkpoints"
+                            ));
+                        }
+                    }
+                    let Some(w) = g.get("weights").and_then(Value::as_object) else {
+                        problems.push(format!("`{f}.weights` is missing"));
+                        continue;
+                    };
+                    let wf = format!("{f}.weights");
+                    let get = |k: &str| w.get(k).filter(|v| !v.is_null());
+                    if get("num_bits").and_then(Value::as_u64) != Some(4) {
+                        problems.push(format!(
+                            "`{wf}.num_bits` is {}; Kestrel runs 4-bit weights only",
+                            get("num_bits").unwrap_or(&Value::Null)
+                        ));
+                    }
+                    if get("type").and_then(Value::as_str).is_some_and(|t| t != "int") {
+                        problems.push(format!(
+                            "`{wf}.type` is {}; Kestrel runs int weights only",
+                            w["type"]
+                        ));
+                    }
+                    if get("strategy").and_then(Value::as_str) != Some("group") {
+                        problems.push(format!(
+                            "`{wf}.strategy` is {}; Kestrel runs the \"group\" strategy only",
+                            get("strategy").unwrap_or(&Value::Null)
+                        ));
+                    }
+                    if get("dynamic").is_some_and(|d| d != &Value::Bool(false)) {
+                        problems.push(format!(
+                            "`{wf}.dynamic` is {}; Kestrel needs stored weight scales",
+                            w["dynamic"]
+                        ));
+                    }
+                    let group = match get("group_size").and_then(Value::as_u64) {
+                        Some(g @ (32 | 64 | 128)) => g as usize,
+                        _ => {
+                            problems.push(format!(
+                                "`{wf}.group_size` is {}; Kestrel runs group sizes 32, 64 and 128",
+                                get("group_size").unwrap_or(&Value::Null)
+                            ));
+                            0
+                        }
+                    };
+                    let sym = match get("symmetric") {
+                        None => true,
+                        Some(Value::Bool(b)) => *b,
+                        Some(v) => {
+                            problems.push(format!("`{wf}.symmetric` must be true or false, found {v}"));
+                            true
+                        }
+                    };
+                    match params {
+                        None => params = Some((group, sym)),
+                        Some(p) if p == (group, sym) => {}
+                        Some(_) => problems.push(format!(
+                            "`{f}` quantises with another group size or symmetry than the other config groups; Kestrel runs one scheme a checkpoint"
+                        )),
+                    }
+                }
+            }
+            Some(v) => problems.push(format!(
+                "`{field}.config_groups` must be a non-empty object of quantisation schemes, found {v}"
+            )),
+            None => problems.push(format!("`{field}.config_groups` is missing")),
+        }
+        if let Some(v) = q
+            .get("sparsity_config")
+            .filter(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+        {
+            problems.push(format!(
+                "`{field}.sparsity_config` is {v}; sparse compressed-tensors checkpoints are not supported"
+            ));
+        }
+        let mut skip = Vec::new();
+        if let Some(Value::Array(a)) = q.get("ignore") {
+            skip.extend(a.iter().filter_map(Value::as_str).map(str::to_string));
+        }
+        if problems.len() > before {
+            return None;
+        }
+        let (group, sym) = params?;
+        Some(AffineQuant {
+            source: AffineSource::CompressedTensors,
+            bits: 4,
+            group,
+            sym,
+            overrides: BTreeMap::new(),
+            modules_to_not_convert: skip,
+        })
+    }
 }
 
 /// The only block size Kestrel runs (the release's; the GPU kernels will be built for it).
@@ -123,7 +545,7 @@ impl Fp8Quant {
         match s("quant_method") {
             Some(Value::String(m)) if m == "fp8" => {}
             Some(v) => problems.push(format!(
-                "`{field}.quant_method` is {v}; Kestrel runs only \"fp8\" (fine-grained FP8 with 128x128 block scales, as the official Qwen3.6-35B-A3B-FP8 release)"
+                "`{field}.quant_method` is {v}; Kestrel runs \"fp8\" (fine-grained FP8 with 128x128 block scales, as the official Qwen3.6-35B-A3B-FP8 release), \"gptq\" and \"awq\" (4-bit), and MLX affine checkpoints (a `quantization` block)"
             )),
             None => problems.push(format!("`{field}.quant_method` is missing (expected \"fp8\")")),
         }
@@ -614,26 +1036,62 @@ impl TextConfig {
             .or_else(|| token_ids(json.get("eos_token_id")))
             .unwrap_or_default();
 
+        // mlx-lm writes its `quantization` block (and the same object again as
+        // `quantization_config`); GPTQ / AWQ name their `quant_method`.
+        let mut affine = None;
+        let mlx_block = json.get("quantization").filter(|v| !v.is_null());
+        let hf_q = json
+            .get("quantization_config")
+            .filter(|v| !v.is_null())
+            .or_else(|| {
+                f.get("quantization_config")
+                    .filter(|_| prefix == "text_config.")
+            });
+        let method = hf_q
+            .and_then(|q| q.get("quant_method"))
+            .and_then(Value::as_str);
+        if let Some(m) = mlx_block {
+            if let Some(q) = json.get("quantization_config").filter(|v| !v.is_null())
+                && q != m
+            {
+                f.problems.push(
+                    "`quantization_config` differs from the MLX `quantization` block (mlx-lm writes the same object twice); give one"
+                        .into(),
+                );
+            }
+            affine = AffineQuant::from_mlx_json(m, "quantization", &mut f.problems);
+        } else if let (Some(Value::Object(q)), Some("gptq" | "awq")) = (hf_q, method) {
+            affine = AffineQuant::from_hf_json(q, "quantization_config", &mut f.problems);
+        } else if let (Some(Value::Object(q)), Some("compressed-tensors")) = (hf_q, method) {
+            affine = AffineQuant::from_ct_json(q, "quantization_config", &mut f.problems);
+        }
         // transformers keeps `quantization_config` at the top level (the wrapper's, for the
         // release); a text config nested by hand may carry it in `text_config`.
-        let quantization = match (
-            json.get("quantization_config").filter(|v| !v.is_null()),
-            f.get("quantization_config")
-                .filter(|_| prefix == "text_config."),
-        ) {
-            (None, None) => None,
-            (Some(q), None) => Fp8Quant::from_json(q, "quantization_config", &mut f.problems),
-            (None, Some(q)) => {
-                Fp8Quant::from_json(q, "text_config.quantization_config", &mut f.problems)
-            }
-            (Some(q), Some(t)) => {
-                if q != t {
-                    f.problems.push(
+        let quantization = if mlx_block.is_some()
+            || affine.is_some()
+            || matches!(method, Some("gptq" | "awq" | "compressed-tensors"))
+        {
+            None
+        } else {
+            match (
+                json.get("quantization_config").filter(|v| !v.is_null()),
+                f.get("quantization_config")
+                    .filter(|_| prefix == "text_config."),
+            ) {
+                (None, None) => None,
+                (Some(q), None) => Fp8Quant::from_json(q, "quantization_config", &mut f.problems),
+                (None, Some(q)) => {
+                    Fp8Quant::from_json(q, "text_config.quantization_config", &mut f.problems)
+                }
+                (Some(q), Some(t)) => {
+                    if q != t {
+                        f.problems.push(
                         "`quantization_config` and `text_config.quantization_config` differ; give one"
                             .into(),
                     );
+                    }
+                    Fp8Quant::from_json(q, "quantization_config", &mut f.problems)
                 }
-                Fp8Quant::from_json(q, "quantization_config", &mut f.problems)
             }
         };
 
@@ -664,6 +1122,7 @@ impl TextConfig {
             eos_token_ids,
             mtp_layers,
             quantization,
+            affine,
         })
     }
 
@@ -701,6 +1160,7 @@ impl TextConfig {
             eos_token_ids: vec![248_044],
             mtp_layers: 1,
             quantization: None,
+            affine: None,
         }
     }
 
@@ -999,8 +1459,8 @@ mod tests {
         let cases: [(&str, Value, &str); 10] = [
             (
                 "quant_method",
-                json!("awq"),
-                "`quantization_config.quant_method` is \"awq\"",
+                json!("bitsandbytes"),
+                "`quantization_config.quant_method` is \"bitsandbytes\"",
             ),
             (
                 "fmt",
@@ -1069,6 +1529,103 @@ mod tests {
         assert!(
             e.to_string()
                 .contains("`quantization_config.quant_method` is missing"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn parses_the_mlx_quantization_block_with_overrides() {
+        let gate = "language_model.model.layers.0.mlp.gate";
+        let block = json!({"group_size": 64, "bits": 4, "mode": "affine",
+            gate: {"group_size": 64, "bits": 8},
+            "language_model.model.layers.0.mlp.shared_expert_gate": {"group_size": 32, "bits": 8},
+            "language_model.lm_head": false});
+        let mut j = json!({"model_type": "qwen3_5_moe", "text_config": tiny()});
+        j["quantization"] = block.clone();
+        j["quantization_config"] = block;
+        let c = TextConfig::from_json(&j, "c").unwrap();
+        assert_eq!(c.quantization, None);
+        let a = c.affine.unwrap();
+        assert_eq!(
+            (a.source.clone(), a.bits, a.group),
+            (AffineSource::Mlx, 4, 64)
+        );
+        assert_eq!(a.for_module(gate), Some((8, 64)));
+        assert_eq!(a.for_module("language_model.lm_head"), None);
+        assert_eq!(
+            a.for_module("language_model.model.layers.0.mlp.switch_mlp.up_proj"),
+            Some((4, 64))
+        );
+        assert_eq!(
+            a.describe(),
+            "MLX affine 4-bit, group 64; 8-bit group 32: 1 modules; 8-bit group 64: 1 modules; unquantized: 1 modules"
+        );
+        // Every problem at once, each with its field.
+        let mut j = json!({"model_type": "qwen3_5_moe", "text_config": tiny()});
+        j["quantization"] =
+            json!({"group_size": 16, "bits": 2, "mode": "nvfp4", gate: {"bits": 8}, "x": 3});
+        let e = TextConfig::from_json(&j, "c").unwrap_err();
+        let msg = e.to_string();
+        for needle in [
+            "`quantization.bits` is 2",
+            "`quantization.group_size` is 16",
+            "`quantization.mode` is \"nvfp4\"",
+            &format!("`quantization.{gate}.group_size` is missing"),
+            "`quantization.x` is 3",
+        ] {
+            assert!(msg.contains(needle), "missing {needle:?} in {msg}");
+        }
+        assert_eq!(e.problems.len(), 5, "{msg}");
+    }
+
+    #[test]
+    fn parses_gptq_and_awq_quantization_configs() {
+        let c = TextConfig::from_json(
+            &fp8_wrapper(json!({"quant_method": "gptq", "bits": 4, "group_size": 128,
+                "desc_act": false, "sym": true, "damp_percent": 0.01})),
+            "c",
+        )
+        .unwrap();
+        let a = c.affine.unwrap();
+        assert_eq!(
+            a.source,
+            AffineSource::Gptq {
+                zeros_offset: 1,
+                desc_act: false
+            }
+        );
+        assert_eq!((a.bits, a.group, a.sym), (4, 128, true));
+        let c = TextConfig::from_json(
+            &fp8_wrapper(json!({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                "desc_act": true, "sym": false, "checkpoint_format": "gptq_v2"})),
+            "c",
+        )
+        .unwrap();
+        assert_eq!(
+            c.affine.unwrap().source,
+            AffineSource::Gptq {
+                zeros_offset: 0,
+                desc_act: true
+            }
+        );
+        let c = TextConfig::from_json(
+            &fp8_wrapper(
+                json!({"quant_method": "awq", "w_bit": 4, "q_group_size": 128,
+                "zero_point": true, "version": "GEMM"}),
+            ),
+            "c",
+        )
+        .unwrap();
+        let a = c.affine.unwrap();
+        assert_eq!(
+            (a.source, a.bits, a.group, a.sym),
+            (AffineSource::Awq, 4, 128, false)
+        );
+        let e = TextConfig::from_json(&fp8_wrapper(json!({"quant_method": "awq", "bits": 4})), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`quantization_config.group_size` is missing"),
             "{e}"
         );
     }

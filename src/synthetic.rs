@@ -148,6 +148,7 @@ pub fn demo_config() -> TextConfig {
         eos_token_ids: vec![248_046, 248_044],
         mtp_layers: 0,
         quantization: None,
+        affine: None,
     }
 }
 
@@ -227,6 +228,10 @@ pub fn write_checkpoint(
         m: &Mat,
         shape: Vec<usize>,
     ) {
+        assert!(
+            m.affine.is_none(),
+            "the synthetic writer writes bf16/f32/FP8 checkpoints, not affine ones"
+        );
         if let Some(s) = &m.scales {
             // FP8: `<name minus .weight>.weight_scale_inv` [ceil(rows/b), ceil(cols/b)], f32.
             assert_eq!(s.row0, 0, "write whole FP8 tensors, not views");
@@ -427,6 +432,7 @@ pub fn write_checkpoint(
         DType::F16 => safetensors::Dtype::F16,
         DType::BF16 => safetensors::Dtype::BF16,
         DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
+        DType::U4 | DType::U8 => unreachable!("affine matrices are refused by add_mat"),
     };
     let shards = shards.max(1);
     let per = tensors.len().div_ceil(shards);

@@ -8,7 +8,24 @@
 //! * per-expert: `mlp.experts.{e}.{gate,up,down}_proj.weight`;
 //! * the plain `model.*` prefix.
 //!
-//! `model.visual.*` is skipped; `mtp.*` is kept (listed) for speculative decoding later.
+//! * mlx-lm's: `language_model.model.*`, `language_model.lm_head.*`, experts stacked as
+//!   `mlp.switch_mlp.{gate,up,down}_proj.weight [E, out, in]`, conv1d `[C, K, 1]` (the
+//!   same bytes as `[C, 1, K]`), and the zero-centred norms stored with mlx-lm's +1 added
+//!   (`input_layernorm`, `post_attention_layernorm`, the final `norm`, `q_norm`, `k_norm`;
+//!   not the GDN gated norm): the loader subtracts 1 so the graph's `1 + w` is unchanged.
+//!
+//! `model.visual.*` (and mlx-vlm's `vision_tower.*`) is skipped; `mtp.*` is kept (listed)
+//! for speculative decoding later.
+//!
+//! Affine 4/8-bit ([`Checkpoint::any_weight`]): MLX `<m>.weight` (U32 codes, 8 a word for
+//! 4 bits, 4 for 8), `<m>.scales`, `<m>.biases` (`[out, in/group]`), bits and group from
+//! config.json's `quantization` block (per-module overrides; mlx-lm's 8-bit router and
+//! shared-expert gate), kept mapped; any MLX matrix may be quantised, embeddings and lm_head
+//! included. GPTQ (`qweight [in/8, out]`, `qzeros [in/g, out/8]`, `scales [in/g, out]`,
+//! `g_idx`) and AWQ GEMM (`qweight [in, out/8]`, interleaved) per-module tensors are
+//! repacked at load into the same form (f32 scales, `bias = -scale * zero`);
+//! compressed-tensors' `weight_packed` (codes + 8) already is that form and stays mapped
+//! with its `weight_scale`, only the biases being computed.
 //!
 //! FP8 (`quantization_config` fp8 / e4m3 / 128x128, the official FP8 release): the attention
 //! q/k/v/o, GDN `in_proj_qkv` / `in_proj_z` / `out_proj`, shared-expert and per-expert
@@ -17,9 +34,10 @@
 //! Everything else (embeddings, lm_head, norms, router, `shared_expert_gate`, GDN
 //! `in_proj_a` / `in_proj_b` / `conv1d` / `A_log` / `dt_bias` / `norm`) must be unquantized.
 
-use crate::config::{Fp8Quant, LayerKind, TextConfig};
-use crate::tensor::{BlockScales, DType, Mat, Storage, convert_to_f32};
+use crate::config::{AffineQuant, AffineSource, Fp8Quant, LayerKind, TextConfig};
+use crate::tensor::{Affine, BlockScales, DType, Mat, Storage, convert_to_f32, pack_codes};
 use anyhow::{Context, Result, anyhow, bail};
+use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -43,12 +61,26 @@ pub struct Checkpoint {
     tensors: HashMap<String, TensorEntry>,
     pub mtp: Vec<String>,
     pub skipped_vision: usize,
+    /// mlx-lm's layout (`language_model.*` names): zero-centred norms stored with the +1
+    /// added, conv1d `[C, K, 1]`, experts stacked as `mlp.switch_mlp.*`.
+    pub mlx_layout: bool,
 }
 
 /// Maps a stored name to the canonical one, or `None` for tensors we skip.
 fn canonical_name(name: &str) -> Option<String> {
-    if name.starts_with("model.visual.") || name.starts_with("visual.") {
+    // The vision tower: the official names, and mlx-vlm's.
+    if name.starts_with("model.visual.")
+        || name.starts_with("visual.")
+        || name.starts_with("vision_tower.")
+    {
         return None;
+    }
+    // mlx-lm's layout: `language_model.model.*` and `language_model.lm_head.*`.
+    if let Some(rest) = name.strip_prefix("language_model.model.") {
+        return Some(rest.to_string());
+    }
+    if let Some(rest) = name.strip_prefix("language_model.") {
+        return Some(rest.to_string());
     }
     if let Some(rest) = name.strip_prefix("model.language_model.") {
         return Some(rest.to_string());
@@ -161,6 +193,7 @@ impl Checkpoint {
             tensors: HashMap::new(),
             mtp: Vec::new(),
             skipped_vision: 0,
+            mlx_layout: false,
         };
         let mut seen: HashMap<String, PathBuf> = HashMap::new();
         for path in &files {
@@ -194,6 +227,9 @@ impl Checkpoint {
                             index_path.display()
                         ),
                     }
+                }
+                if name.starts_with("language_model.") {
+                    ckpt.mlx_layout = true;
                 }
                 let Some(canon) = canonical_name(&name) else {
                     ckpt.skipped_vision += 1;
@@ -302,6 +338,7 @@ impl Checkpoint {
             rows,
             cols,
             scales: None,
+            affine: None,
         })
     }
 
@@ -412,6 +449,519 @@ impl Checkpoint {
                 block_cols: bc,
                 row0: 0,
             }),
+            affine: None,
+        })
+    }
+
+    /// A projection matrix in whatever format the checkpoint stores it: FP8 where the FP8
+    /// format quantises it (`fp8_ok`), affine 4/8-bit (MLX triples, GPTQ / AWQ) where the
+    /// config is affine and the module's quantised tensors are present, else unquantized.
+    /// `shape` is `[rows, cols]`, or `[E, rows, cols]` for stacked experts (viewed as
+    /// `[E * rows, cols]`).
+    pub fn any_weight(
+        &self,
+        name: &str,
+        shape: &[usize],
+        cfg: &TextConfig,
+        fp8_ok: bool,
+    ) -> Result<Mat> {
+        if let Some(a) = &cfg.affine {
+            let base = name.strip_suffix(".weight").unwrap_or(name);
+            return match a.source {
+                AffineSource::Mlx => self.mlx_weight(name, shape, a),
+                AffineSource::CompressedTensors
+                    if self.contains(&format!("{base}.weight_packed")) =>
+                {
+                    self.ct_weight(base, shape, a)
+                }
+                AffineSource::CompressedTensors => {
+                    for suffix in ["weight_scale", "weight_zero_point", "weight_g_idx"] {
+                        let n = format!("{base}.{suffix}");
+                        if let Some(e) = self.tensors.get(&n) {
+                            bail!(
+                                "tensor `{}` in {} is a {suffix} without its codes: `{base}.weight_packed` is missing",
+                                e.name,
+                                e.file.display()
+                            );
+                        }
+                    }
+                    self.mat(name, shape)
+                }
+                _ if self.contains(&format!("{base}.qweight")) => {
+                    self.gptq_awq_weight(base, shape, a)
+                }
+                _ => {
+                    if let Some(e) = self.tensors.get(name)
+                        && matches!(e.dtype, safetensors::Dtype::I32 | safetensors::Dtype::U32)
+                    {
+                        bail!(
+                            "tensor `{}` in {} is {:?}; a {} checkpoint stores quantised modules as `qweight` / `qzeros` / `scales`, others as BF16, F16 or F32",
+                            e.name,
+                            e.file.display(),
+                            e.dtype,
+                            a.describe()
+                        );
+                    }
+                    for suffix in ["qzeros", "scales", "g_idx"] {
+                        let n = format!("{base}.{suffix}");
+                        if let Some(e) = self.tensors.get(&n) {
+                            bail!(
+                                "tensor `{}` in {} is a {suffix} without its `qweight`: `{base}.qweight` is missing",
+                                e.name,
+                                e.file.display()
+                            );
+                        }
+                    }
+                    self.mat(name, shape)
+                }
+            };
+        }
+        if fp8_ok {
+            self.weight(name, shape, cfg.quantization.as_ref())
+        } else {
+            self.mat(name, shape)
+        }
+    }
+
+    fn float_mat(e: &TensorEntry, what: &str, rows: usize, cols: usize) -> Result<Mat> {
+        let dtype = match e.dtype {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => bail!(
+                "tensor `{}` in {} has dtype {other:?}; {what} must be BF16, F16 or F32",
+                e.name,
+                e.file.display()
+            ),
+        };
+        Ok(Mat {
+            storage: e.storage.clone(),
+            offset: e.offset,
+            dtype,
+            rows,
+            cols,
+            scales: None,
+            affine: None,
+        })
+    }
+
+    /// An MLX module: `<m>.weight` (U32 codes) with `<m>.scales` and `<m>.biases`, or an
+    /// unquantized `<m>.weight` (mlx-lm, too, decides by the presence of `<m>.scales`).
+    fn mlx_weight(&self, name: &str, shape: &[usize], q: &AffineQuant) -> Result<Mat> {
+        let e = self.entry(name)?;
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let module = e.name.strip_suffix(".weight").unwrap_or(&e.name);
+        let (se, be) = (
+            self.tensors.get(&format!("{base}.scales")),
+            self.tensors.get(&format!("{base}.biases")),
+        );
+        let Some(se) = se else {
+            if let Some(be) = be {
+                bail!(
+                    "tensor `{}` in {} has no scales: `{module}.scales` is missing beside its biases",
+                    be.name,
+                    be.file.display()
+                );
+            }
+            if e.dtype == safetensors::Dtype::U32 {
+                bail!(
+                    "tensor `{}` in {} is U32 (packed codes) but `{module}.scales` and `{module}.biases` are missing",
+                    e.name,
+                    e.file.display()
+                );
+            }
+            return self.mat(name, shape);
+        };
+        let Some(be) = be else {
+            bail!(
+                "tensor `{}` in {} is quantised (it has `{module}.scales`) but its bias `{module}.biases` is missing: MLX affine weights are scale * q + bias",
+                e.name,
+                e.file.display()
+            );
+        };
+        if e.dtype != safetensors::Dtype::U32 {
+            bail!(
+                "tensor `{}` in {} has dtype {:?} but has `{module}.scales`: MLX packs quantised weights as U32",
+                e.name,
+                e.file.display(),
+                e.dtype
+            );
+        }
+        let Some((bits, group)) = q.for_module(module) else {
+            bail!(
+                "tensor `{}` in {} is quantised, but config.json's `quantization.{module}` says the module is not",
+                e.name,
+                e.file.display()
+            );
+        };
+        let (lead, (rows, cols)) = (
+            &shape[..shape.len() - 2],
+            (shape[shape.len() - 2], shape[shape.len() - 1]),
+        );
+        let field = if q.overrides.contains_key(module) {
+            format!("quantization.{module}.bits")
+        } else {
+            "quantization.bits".to_string()
+        };
+        let packed = |b: usize| [lead, &[rows, cols * b / 32]].concat();
+        if e.shape != packed(bits) {
+            let other = if bits == 4 { 8 } else { 4 };
+            let hint = if e.shape == packed(other) {
+                format!(": that is the packing of {other}-bit codes, but `{field}` is {bits}")
+            } else {
+                String::new()
+            };
+            bail!(
+                "tensor `{}` in {} has shape {:?}, expected {:?} for {bits}-bit codes of [{rows}, {cols}] ({} a u32 word, `{field}`){hint}",
+                e.name,
+                e.file.display(),
+                e.shape,
+                packed(bits),
+                32 / bits
+            );
+        }
+        if !cols.is_multiple_of(group) {
+            bail!(
+                "tensor `{}` in {}: {cols} columns are not a whole number of groups of {group}",
+                e.name,
+                e.file.display()
+            );
+        }
+        let gshape = [lead, &[rows, cols / group]].concat();
+        for t in [se, be] {
+            if t.shape != gshape {
+                bail!(
+                    "tensor `{}` in {} has shape {:?}, expected {gshape:?}: one value a group of {group} columns of `{}` [{rows}, {cols}] (`quantization.group_size`)",
+                    t.name,
+                    t.file.display(),
+                    t.shape,
+                    e.name
+                );
+            }
+        }
+        let n: usize = lead.iter().product::<usize>() * rows;
+        let scales = Self::float_mat(se, "MLX scales", n, cols / group)?;
+        let biases = Self::float_mat(be, "MLX biases", n, cols / group)?;
+        if let Some((r, c, v)) = first_non_finite(&scales) {
+            bail!(
+                "tensor `{}` in {} has scale {v} at [{r}, {c}]; scales must be finite",
+                se.name,
+                se.file.display()
+            );
+        }
+        Ok(Mat {
+            storage: e.storage.clone(),
+            offset: e.offset,
+            dtype: if bits == 4 { DType::U4 } else { DType::U8 },
+            rows: n,
+            cols,
+            scales: None,
+            affine: Some(Box::new(Affine {
+                group,
+                scales,
+                biases,
+                col_group: None,
+            })),
+        })
+    }
+
+    fn i32_words(e: &TensorEntry) -> Result<Vec<u32>> {
+        if !matches!(e.dtype, safetensors::Dtype::I32 | safetensors::Dtype::U32) {
+            bail!(
+                "tensor `{}` in {} has dtype {:?}; packed 4-bit tensors are I32",
+                e.name,
+                e.file.display(),
+                e.dtype
+            );
+        }
+        let n: usize = e.shape.iter().product();
+        Ok(e.storage.bytes()[e.offset..e.offset + 4 * n]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// A GPTQ or AWQ module `<base>.{qweight,qzeros,scales[,g_idx]}` for a `[rows, cols]`
+    /// (out, in) weight, repacked into Kestrel's affine form: codes `[out, in]` packed
+    /// along the input, `scale = s`, `bias = -s * z` (f32).
+    fn gptq_awq_weight(&self, base: &str, shape: &[usize], q: &AffineQuant) -> Result<Mat> {
+        if shape.len() != 2 {
+            bail!("stacked GPTQ/AWQ experts are not supported (`{base}`)");
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let group = q.group;
+        let get = |suffix: &str, why: &str| -> Result<&TensorEntry> {
+            let qw = &self.tensors[&format!("{base}.qweight")];
+            self.tensors
+                .get(&format!("{base}.{suffix}"))
+                .ok_or_else(|| {
+                    anyhow!(
+                        "tensor `{}` in {} has no `{suffix}`: `{}.{suffix}` is missing ({why})",
+                        qw.name,
+                        qw.file.display(),
+                        qw.name.strip_suffix(".qweight").unwrap_or(&qw.name)
+                    )
+                })
+        };
+        let qw = get("qweight", "")?;
+        let qz = get("qzeros", "the zero points, one a group and output column")?;
+        let sc = get("scales", "the group scales")?;
+        let groups = cols.div_ceil(group);
+        let awq = q.source == AffineSource::Awq;
+        let check = |e: &TensorEntry, want: Vec<usize>, what: &str| -> Result<()> {
+            if e.shape != want {
+                bail!(
+                    "tensor `{}` in {} has shape {:?}, expected {want:?}: {what} of a [{rows}, {cols}] (out, in) weight, 4-bit, group {group} (`quantization_config.bits` / `group_size`)",
+                    e.name,
+                    e.file.display(),
+                    e.shape
+                );
+            }
+            Ok(())
+        };
+        if awq {
+            check(qw, vec![cols, rows / 8], "AWQ qweight [in, out/8]")?;
+        } else {
+            check(qw, vec![cols / 8, rows], "GPTQ qweight [in/8, out]")?;
+        }
+        check(qz, vec![groups, rows / 8], "qzeros [in/group, out/8]")?;
+        check(sc, vec![groups, rows], "scales [in/group, out]")?;
+        let words = Self::i32_words(qw)?;
+        let zwords = Self::i32_words(qz)?;
+        let s = Self::float_mat(sc, "GPTQ/AWQ scales", groups, rows)?.to_f32();
+        // Nibble position of output column j within its word (AWQ's interleaved order).
+        const AWQ_POS: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+        let zero_at = |g: usize, o: usize| -> u32 {
+            let w = zwords[g * (rows / 8) + o / 8];
+            let p = if awq { AWQ_POS[o % 8] } else { o % 8 };
+            (w >> (4 * p)) & 0xf
+        };
+        let offset = match q.source {
+            AffineSource::Gptq { zeros_offset, .. } => zeros_offset,
+            _ => 0,
+        };
+        // One output row at a time, in parallel (a full-size checkpoint has ~32e9 codes).
+        let mut codes = vec![0u32; rows * cols];
+        codes.par_chunks_mut(cols).enumerate().for_each(|(o, row)| {
+            for (i, c) in row.iter_mut().enumerate() {
+                *c = if awq {
+                    (words[i * (rows / 8) + o / 8] >> (4 * AWQ_POS[o % 8])) & 0xf
+                } else {
+                    (words[(i / 8) * rows + o] >> (4 * (i % 8))) & 0xf
+                };
+            }
+        });
+        let (mut scales, mut biases) = (vec![0.0f32; rows * groups], vec![0.0f32; rows * groups]);
+        for g in 0..groups {
+            for o in 0..rows {
+                let sv = s[g * rows + o];
+                if !sv.is_finite() {
+                    bail!(
+                        "tensor `{}` in {} has scale {sv} at [{g}, {o}]; scales must be finite",
+                        sc.name,
+                        sc.file.display()
+                    );
+                }
+                let z = zero_at(g, o) + offset;
+                scales[o * groups + g] = sv;
+                biases[o * groups + g] = -sv * z as f32;
+            }
+        }
+        let col_group = match self.tensors.get(&format!("{base}.g_idx")) {
+            None => None,
+            Some(ge) => {
+                check(ge, vec![cols], "g_idx [in]")?;
+                let idx = Self::i32_words(ge)?;
+                if let Some((i, g)) = idx.iter().enumerate().find(|(_, g)| **g as usize >= groups) {
+                    bail!(
+                        "tensor `{}` in {} maps column {i} to group {g}, but there are {groups} groups",
+                        ge.name,
+                        ge.file.display()
+                    );
+                }
+                if idx
+                    .iter()
+                    .enumerate()
+                    .all(|(i, g)| *g as usize == i / group)
+                {
+                    None
+                } else {
+                    Some(Arc::new(idx))
+                }
+            }
+        };
+        Ok(Mat {
+            storage: Arc::new(Storage::Owned(pack_codes(&codes, 4))),
+            offset: 0,
+            dtype: DType::U4,
+            rows,
+            cols,
+            scales: None,
+            affine: Some(Box::new(Affine {
+                group,
+                scales: Mat::from_f32(&scales, rows, groups, DType::F32),
+                biases: Mat::from_f32(&biases, rows, groups, DType::F32),
+                col_group,
+            })),
+        })
+    }
+
+    /// A compressed-tensors `pack-quantized` module for a `[rows, cols]` weight: the codes
+    /// (`weight_packed`, Kestrel's own layout, stored `q + 8`) and `weight_scale` stay
+    /// mapped; `bias = -scale * zero` (f32) with the zero point in the codes' unsigned
+    /// range (`weight_zero_point` as stored, the signed value + 8; 8 when symmetric).
+    fn ct_weight(&self, base: &str, shape: &[usize], q: &AffineQuant) -> Result<Mat> {
+        if shape.len() != 2 {
+            bail!("stacked compressed-tensors experts are not supported (`{base}`)");
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let group = q.group;
+        let wp = &self.tensors[&format!("{base}.weight_packed")];
+        let module = wp.name.strip_suffix(".weight_packed").unwrap_or(&wp.name);
+        let get = |suffix: &str, why: &str| -> Result<&TensorEntry> {
+            self.tensors.get(&format!("{base}.{suffix}")).ok_or_else(|| {
+                anyhow!(
+                    "tensor `{}` in {} has no `{suffix}`: `{module}.{suffix}` is missing ({why})",
+                    wp.name,
+                    wp.file.display()
+                )
+            })
+        };
+        let groups = cols.div_ceil(group);
+        let check = |e: &TensorEntry, want: Vec<usize>, what: &str| -> Result<()> {
+            if e.shape != want {
+                bail!(
+                    "tensor `{}` in {} has shape {:?}, expected {want:?}: {what} of a [{rows}, {cols}] (out, in) weight, 4-bit, group {group} (`quantization_config.config_groups.*.weights`)",
+                    e.name,
+                    e.file.display(),
+                    e.shape
+                );
+            }
+            Ok(())
+        };
+        if !matches!(wp.dtype, safetensors::Dtype::I32 | safetensors::Dtype::U32) {
+            bail!(
+                "tensor `{}` in {} has dtype {:?}; packed 4-bit tensors are I32",
+                wp.name,
+                wp.file.display(),
+                wp.dtype
+            );
+        }
+        if !cols.is_multiple_of(8) {
+            bail!(
+                "tensor `{}` in {}: {cols} columns do not fill whole words",
+                wp.name,
+                wp.file.display()
+            );
+        }
+        check(wp, vec![rows, cols / 8], "weight_packed [out, in/8]")?;
+        if let Some(se) = self.tensors.get(&format!("{base}.weight_shape")) {
+            let dims: Vec<i64> = match se.dtype {
+                safetensors::Dtype::I32 => Self::i32_words(se)?
+                    .iter()
+                    .map(|x| *x as i32 as i64)
+                    .collect(),
+                safetensors::Dtype::I64 => se.storage.bytes()
+                    [se.offset..se.offset + 8 * se.shape.iter().product::<usize>()]
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+                other => bail!(
+                    "tensor `{}` in {} has dtype {other:?}; expected I32 or I64",
+                    se.name,
+                    se.file.display()
+                ),
+            };
+            if dims != [rows as i64, cols as i64] {
+                bail!(
+                    "tensor `{}` in {} says the weight is {dims:?}, but config.json makes it [{rows}, {cols}]",
+                    se.name,
+                    se.file.display()
+                );
+            }
+        }
+        let sc = get("weight_scale", "the group scales")?;
+        check(sc, vec![rows, groups], "weight_scale [out, in/group]")?;
+        let scales = Self::float_mat(sc, "weight_scale", rows, groups)?;
+        let s = scales.to_f32();
+        let zp = self.tensors.get(&format!("{base}.weight_zero_point"));
+        let zeros: Vec<u32> = match (q.sym, zp) {
+            (true, None) => vec![8; rows * groups],
+            (true, Some(z)) => bail!(
+                "tensor `{}` in {} is a zero point, but config.json's scheme is symmetric",
+                z.name,
+                z.file.display()
+            ),
+            (false, None) => bail!(
+                "tensor `{}` in {} has no `weight_zero_point`: `{module}.weight_zero_point` is missing (config.json's scheme is asymmetric)",
+                wp.name,
+                wp.file.display()
+            ),
+            (false, Some(z)) => {
+                check(
+                    z,
+                    vec![rows.div_ceil(8), groups],
+                    "weight_zero_point [out/8, in/group]",
+                )?;
+                let w = Self::i32_words(z)?;
+                (0..rows * groups)
+                    .map(|k| {
+                        let (o, g) = (k / groups, k % groups);
+                        (w[(o / 8) * groups + g] >> (4 * (o % 8))) & 0xf
+                    })
+                    .collect()
+            }
+        };
+        let mut biases = vec![0.0f32; rows * groups];
+        for (k, b) in biases.iter_mut().enumerate() {
+            if !s[k].is_finite() {
+                bail!(
+                    "tensor `{}` in {} has scale {} at [{}, {}]; scales must be finite",
+                    sc.name,
+                    sc.file.display(),
+                    s[k],
+                    k / groups,
+                    k % groups
+                );
+            }
+            *b = -s[k] * zeros[k] as f32;
+        }
+        let col_group = match self.tensors.get(&format!("{base}.weight_g_idx")) {
+            None => None,
+            Some(ge) => {
+                check(ge, vec![cols], "weight_g_idx [in]")?;
+                let idx = Self::i32_words(ge)?;
+                if let Some((i, g)) = idx.iter().enumerate().find(|(_, g)| **g as usize >= groups) {
+                    bail!(
+                        "tensor `{}` in {} maps column {i} to group {g}, but there are {groups} groups",
+                        ge.name,
+                        ge.file.display()
+                    );
+                }
+                if idx
+                    .iter()
+                    .enumerate()
+                    .all(|(i, g)| *g as usize == i / group)
+                {
+                    None
+                } else {
+                    Some(Arc::new(idx))
+                }
+            }
+        };
+        Ok(Mat {
+            storage: wp.storage.clone(),
+            offset: wp.offset,
+            dtype: DType::U4,
+            rows,
+            cols,
+            scales: None,
+            affine: Some(Box::new(Affine {
+                group,
+                scales,
+                biases: Mat::from_f32(&biases, rows, groups, DType::F32),
+                col_group,
+            })),
         })
     }
 
@@ -434,6 +984,14 @@ impl Checkpoint {
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(String::as_str)
     }
+}
+
+/// The first non-finite value of a float matrix, with its position.
+fn first_non_finite(m: &Mat) -> Option<(usize, usize, f32)> {
+    let v = m.to_f32();
+    v.iter()
+        .position(|x| !x.is_finite())
+        .map(|i| (i / m.cols.max(1), i % m.cols.max(1), v[i]))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -503,7 +1061,21 @@ impl ModelWeights {
     /// Builds the typed weights from a checkpoint, checking every shape against `cfg`.
     pub fn from_checkpoint(ck: &Checkpoint, cfg: &TextConfig) -> Result<Self> {
         let d = cfg.hidden_size;
-        let q = cfg.quantization.as_ref();
+        // mlx-lm stores the zero-centred norms with the +1 added (its sanitize): back to w.
+        let zc = |name: &str, n: usize| -> Result<Vec<f32>> {
+            let mut v = ck.vec_f32(name, &[n])?;
+            if ck.mlx_layout {
+                v.iter_mut().for_each(|x| *x -= 1.0);
+            }
+            Ok(v)
+        };
+        let conv_shape = |ch: usize| {
+            if ck.mlx_layout {
+                [ch, cfg.conv_kernel, 1]
+            } else {
+                [ch, 1, cfg.conv_kernel]
+            }
+        };
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for (i, kind) in cfg.layer_kinds.iter().enumerate() {
             let p = format!("layers.{i}.");
@@ -513,23 +1085,39 @@ impl ModelWeights {
                     let hv = cfg.gdn_num_value_heads;
                     let ch = cfg.gdn_conv_channels();
                     Mixer::Gdn(GdnWeights {
-                        in_qkv: ck.weight(&format!("{a}in_proj_qkv.weight"), &[ch, d], q)?,
-                        in_z: ck.weight(
+                        in_qkv: ck.any_weight(
+                            &format!("{a}in_proj_qkv.weight"),
+                            &[ch, d],
+                            cfg,
+                            true,
+                        )?,
+                        in_z: ck.any_weight(
                             &format!("{a}in_proj_z.weight"),
                             &[cfg.gdn_v_width(), d],
-                            q,
+                            cfg,
+                            true,
                         )?,
-                        in_b: ck.mat(&format!("{a}in_proj_b.weight"), &[hv, d])?,
-                        in_a: ck.mat(&format!("{a}in_proj_a.weight"), &[hv, d])?,
-                        conv: ck
-                            .vec_f32(&format!("{a}conv1d.weight"), &[ch, 1, cfg.conv_kernel])?,
+                        in_b: ck.any_weight(
+                            &format!("{a}in_proj_b.weight"),
+                            &[hv, d],
+                            cfg,
+                            false,
+                        )?,
+                        in_a: ck.any_weight(
+                            &format!("{a}in_proj_a.weight"),
+                            &[hv, d],
+                            cfg,
+                            false,
+                        )?,
+                        conv: ck.vec_f32(&format!("{a}conv1d.weight"), &conv_shape(ch))?,
                         a_log: ck.vec_f32(&format!("{a}A_log"), &[hv])?,
                         dt_bias: ck.vec_f32(&format!("{a}dt_bias"), &[hv])?,
                         norm: ck.vec_f32(&format!("{a}norm.weight"), &[cfg.gdn_value_dim])?,
-                        out: ck.weight(
+                        out: ck.any_weight(
                             &format!("{a}out_proj.weight"),
                             &[d, cfg.gdn_v_width()],
-                            q,
+                            cfg,
+                            true,
                         )?,
                     })
                 }
@@ -537,36 +1125,51 @@ impl ModelWeights {
                     let a = format!("{p}self_attn.");
                     let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
                     Mixer::Attention(AttentionWeights {
-                        q: ck.weight(&format!("{a}q_proj.weight"), &[nq * 2 * hd, d], q)?,
-                        k: ck.weight(&format!("{a}k_proj.weight"), &[nkv * hd, d], q)?,
-                        v: ck.weight(&format!("{a}v_proj.weight"), &[nkv * hd, d], q)?,
-                        o: ck.weight(&format!("{a}o_proj.weight"), &[d, nq * hd], q)?,
-                        q_norm: ck.vec_f32(&format!("{a}q_norm.weight"), &[hd])?,
-                        k_norm: ck.vec_f32(&format!("{a}k_norm.weight"), &[hd])?,
+                        q: ck.any_weight(
+                            &format!("{a}q_proj.weight"),
+                            &[nq * 2 * hd, d],
+                            cfg,
+                            true,
+                        )?,
+                        k: ck.any_weight(
+                            &format!("{a}k_proj.weight"),
+                            &[nkv * hd, d],
+                            cfg,
+                            true,
+                        )?,
+                        v: ck.any_weight(
+                            &format!("{a}v_proj.weight"),
+                            &[nkv * hd, d],
+                            cfg,
+                            true,
+                        )?,
+                        o: ck.any_weight(&format!("{a}o_proj.weight"), &[d, nq * hd], cfg, true)?,
+                        q_norm: zc(&format!("{a}q_norm.weight"), hd)?,
+                        k_norm: zc(&format!("{a}k_norm.weight"), hd)?,
                     })
                 }
             };
             layers.push(LayerWeights {
-                input_norm: ck.vec_f32(&format!("{p}input_layernorm.weight"), &[d])?,
-                post_attention_norm: ck
-                    .vec_f32(&format!("{p}post_attention_layernorm.weight"), &[d])?,
+                input_norm: zc(&format!("{p}input_layernorm.weight"), d)?,
+                post_attention_norm: zc(&format!("{p}post_attention_layernorm.weight"), d)?,
                 mixer,
                 moe: load_moe(ck, cfg, &format!("{p}mlp."))?,
             });
         }
         Ok(ModelWeights {
-            embed: ck.mat("embed_tokens.weight", &[cfg.vocab_size, d])?,
+            embed: ck.any_weight("embed_tokens.weight", &[cfg.vocab_size, d], cfg, false)?,
             layers,
-            final_norm: ck.vec_f32("norm.weight", &[d])?,
-            lm_head: ck.mat("lm_head.weight", &[cfg.vocab_size, d])?,
+            final_norm: zc("norm.weight", d)?,
+            lm_head: ck.any_weight("lm_head.weight", &[cfg.vocab_size, d], cfg, false)?,
         })
     }
 
     /// Every matrix re-stored as bf16 (what the GPU backend holds), so the CPU reference can
-    /// run at the GPU's precision. FP8 matrices stay FP8 (the GPU will hold them so too).
+    /// run at the GPU's precision. FP8 and affine matrices stay as they are (the GPU will
+    /// hold them so too).
     pub fn round_to_bf16(&mut self) {
         let r = |m: &mut Mat| {
-            if m.dtype != DType::BF16 && m.dtype != DType::F8E4M3 {
+            if m.dtype != DType::BF16 && m.dtype != DType::F8E4M3 && !m.dtype.is_affine() {
                 *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
             }
         };
@@ -662,12 +1265,44 @@ impl ModelWeights {
             .any(|m| m.dtype == DType::F8E4M3)
     }
 
-    /// The weight format: `"fp8 e4m3 block 128x128"` when any matrix is FP8, else the
-    /// matrices' dtypes (`"bf16"`, `"f32"`, `"bf16+f32"`).
+    /// Whether any matrix is stored affine 4/8-bit (MLX, GPTQ, AWQ).
+    pub fn is_affine(&self) -> bool {
+        let (q, k) = self.matrices_by_role();
+        q.iter().chain(&k).any(|m| m.dtype.is_affine())
+    }
+
+    /// The weight format: `"fp8 e4m3 block 128x128"` when any matrix is FP8;
+    /// `"affine 4-bit group 64 + 8-bit group 64"` (then `+ bf16` where some matrices are
+    /// unquantized) when any is affine; else the matrices' dtypes (`"bf16"`, `"bf16+f32"`).
     pub fn format(&self) -> String {
         let (q, k) = self.matrices_by_role();
         if let Some(s) = q.iter().find_map(|m| m.scales.as_ref()) {
             return format!("fp8 e4m3 block {}x{}", s.block_rows, s.block_cols);
+        }
+        if self.is_affine() {
+            let mut kinds: Vec<(usize, usize)> = Vec::new();
+            let mut floats: Vec<String> = Vec::new();
+            for m in q.iter().chain(&k) {
+                match &m.affine {
+                    Some(a) => kinds.push((m.dtype.bits(), a.group)),
+                    None => floats.push(m.dtype.name().to_lowercase()),
+                }
+            }
+            // The most common kind first.
+            let count = |x: &(usize, usize)| kinds.iter().filter(|y| *y == x).count();
+            let mut uniq = kinds.clone();
+            uniq.sort();
+            uniq.dedup();
+            uniq.sort_by_key(|x| std::cmp::Reverse(count(x)));
+            floats.sort();
+            floats.dedup();
+            let mut parts: Vec<String> = uniq
+                .iter()
+                .map(|(b, g)| format!("{b}-bit group {g}"))
+                .collect();
+            parts[0] = format!("affine {}", parts[0]);
+            parts.extend(floats);
+            return parts.join(" + ");
         }
         let mut names: Vec<String> = q
             .iter()
@@ -679,20 +1314,36 @@ impl ModelWeights {
         names.join("+")
     }
 
-    /// Bytes by kind, as stored: each matrix dtype (`F8_E4M3`, `BF16`, ...), the FP8 block
-    /// scales (`FP8 block scales (f32)`) and the small vectors (`f32 vectors`), in that order.
+    /// Bytes by kind, as stored: each matrix dtype (`F8_E4M3`, `U4`, `BF16`, ...), the FP8
+    /// block scales (`FP8 block scales (f32)`), the affine group scales and biases
+    /// (`affine scales+biases (BF16)`) and the small vectors (`f32 vectors`), in that order.
     pub fn bytes_by_kind(&self) -> Vec<(String, usize)> {
         let (q, k) = self.matrices_by_role();
         let mut by: BTreeMap<&'static str, usize> = BTreeMap::new();
         let mut scales = 0;
+        let mut affine: BTreeMap<String, usize> = BTreeMap::new();
         for m in q.iter().chain(&k) {
             *by.entry(m.dtype.name()).or_default() += m.nbytes();
-            scales += m.scale_bytes();
+            match &m.affine {
+                Some(a) => {
+                    let (s, b) = (a.scales.dtype.name(), a.biases.dtype.name());
+                    let kind = if s == b {
+                        s.to_string()
+                    } else {
+                        format!("{s} scales, {b} biases")
+                    };
+                    *affine.entry(kind).or_default() += m.scale_bytes()
+                }
+                None => scales += m.scale_bytes(),
+            }
         }
         let mut out: Vec<(String, usize)> =
             by.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         if scales > 0 {
             out.push(("FP8 block scales (f32)".into(), scales));
+        }
+        for (dt, n) in affine {
+            out.push((format!("affine scales+biases ({dt})"), n));
         }
         let vectors = self.nbytes() - out.iter().map(|x| x.1).sum::<usize>();
         out.push(("f32 vectors".into(), vectors));
@@ -720,9 +1371,31 @@ impl ModelWeights {
 
 fn load_moe(ck: &Checkpoint, cfg: &TextConfig, p: &str) -> Result<MoeWeights> {
     let (d, e, i) = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate);
-    let q = cfg.quantization.as_ref();
     let fused = format!("{p}experts.gate_up_proj");
-    let experts = if ck.contains(&fused) {
+    let stacked = format!("{p}switch_mlp.gate_proj.weight");
+    let experts = if ck.contains(&stacked) {
+        // mlx-lm's SwitchGLU: [E, I, D] / [E, D, I], quantised or not, viewed per expert.
+        let gate = ck.any_weight(&stacked, &[e, i, d], cfg, false)?;
+        let up = ck.any_weight(
+            &format!("{p}switch_mlp.up_proj.weight"),
+            &[e, i, d],
+            cfg,
+            false,
+        )?;
+        let down = ck.any_weight(
+            &format!("{p}switch_mlp.down_proj.weight"),
+            &[e, d, i],
+            cfg,
+            false,
+        )?;
+        (0..e)
+            .map(|x| ExpertWeights {
+                gate: gate.rows_view(x * i, i),
+                up: up.rows_view(x * i, i),
+                down: down.rows_view(x * d, d),
+            })
+            .collect()
+    } else if ck.contains(&fused) {
         let fe = ck.entry(&fused)?;
         if fe.dtype == safetensors::Dtype::F8_E4M3 {
             bail!(
@@ -748,22 +1421,45 @@ fn load_moe(ck: &Checkpoint, cfg: &TextConfig, p: &str) -> Result<MoeWeights> {
         for x in 0..e {
             let n = format!("{p}experts.{x}.");
             v.push(ExpertWeights {
-                gate: ck.weight(&format!("{n}gate_proj.weight"), &[i, d], q)?,
-                up: ck.weight(&format!("{n}up_proj.weight"), &[i, d], q)?,
-                down: ck.weight(&format!("{n}down_proj.weight"), &[d, i], q)?,
+                gate: ck.any_weight(&format!("{n}gate_proj.weight"), &[i, d], cfg, true)?,
+                up: ck.any_weight(&format!("{n}up_proj.weight"), &[i, d], cfg, true)?,
+                down: ck.any_weight(&format!("{n}down_proj.weight"), &[d, i], cfg, true)?,
             });
         }
         v
     };
     let s = cfg.shared_intermediate;
     Ok(MoeWeights {
-        router: ck.mat(&format!("{p}gate.weight"), &[e, d])?,
+        router: ck.any_weight(&format!("{p}gate.weight"), &[e, d], cfg, false)?,
         experts,
         shared: ExpertWeights {
-            gate: ck.weight(&format!("{p}shared_expert.gate_proj.weight"), &[s, d], q)?,
-            up: ck.weight(&format!("{p}shared_expert.up_proj.weight"), &[s, d], q)?,
-            down: ck.weight(&format!("{p}shared_expert.down_proj.weight"), &[d, s], q)?,
+            gate: ck.any_weight(
+                &format!("{p}shared_expert.gate_proj.weight"),
+                &[s, d],
+                cfg,
+                true,
+            )?,
+            up: ck.any_weight(
+                &format!("{p}shared_expert.up_proj.weight"),
+                &[s, d],
+                cfg,
+                true,
+            )?,
+            down: ck.any_weight(
+                &format!("{p}shared_expert.down_proj.weight"),
+                &[d, s],
+                cfg,
+                true,
+            )?,
         },
-        shared_gate: ck.vec_f32(&format!("{p}shared_expert_gate.weight"), &[1, d])?,
+        // [1, D]: a vector (dequantised where MLX stores it 8-bit).
+        shared_gate: ck
+            .any_weight(
+                &format!("{p}shared_expert_gate.weight"),
+                &[1, d],
+                cfg,
+                false,
+            )?
+            .to_f32(),
     })
 }

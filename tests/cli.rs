@@ -551,3 +551,44 @@ fn inspect_shows_the_weight_format_and_bytes_per_kind() {
     assert!(s.contains("format          bf16\n"), "{s}");
     assert!(!s.contains("F8_E4M3"), "{s}");
 }
+
+#[test]
+fn mlx_4bit_checkpoint_inspects_and_generates_on_the_cpu() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let dir = root.join("tiny-mlx-4bit");
+    let out = kestrel(&["inspect", "--model", dir.to_str().unwrap()], None, &[]);
+    assert_ok(&out);
+    let s = text(&out.stdout);
+    for needle in [
+        "format          affine 4-bit group 64 + 8-bit group 64 (MLX affine 4-bit, group 64; 8-bit group 64: 8 modules)",
+        // 4 bits a weight: everything but the routers and shared-expert gates (8-bit, 8 x
+        // 128 + 4 x 4 x 128 bytes)
+        "  U4                             852736",
+        "  U8                               2048",
+        // one bf16 scale and one bias a group of 64
+        "  affine scales+biases (BF16)         106720",
+    ] {
+        assert!(s.contains(needle), "missing {needle:?} in:\n{s}");
+    }
+    // The fixture's vocabulary is 256 ids, so a one-byte raw prompt (the bundled tokenizer,
+    // as the fixture ships none).
+    let out = kestrel(
+        &[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--raw",
+            "--prompt",
+            "a",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],
+        None,
+        &[],
+    );
+    assert_ok(&out);
+    let err = text(&out.stderr);
+    assert!(err.contains("generated 8 tokens"), "{err}");
+}

@@ -37,6 +37,7 @@ fn tiny_config() -> TextConfig {
         eos_token_ids: vec![1],
         mtp_layers: 0,
         quantization: None,
+        affine: None,
     }
 }
 
@@ -495,4 +496,26 @@ fn fp8_config_and_dtypes_must_agree() {
             && e.contains("`quantization_config`"),
         "{e}"
     );
+}
+
+/// mlx-vlm's vision tower (`vision_tower.*`) is skipped like `model.visual.*`.
+#[test]
+fn mlx_vlm_vision_tower_is_skipped() {
+    let (_t, dir) = write(Layout::Official, DType::BF16, 1);
+    let f = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
+    let extra = [0u8; 8];
+    tensors.push((
+        "vision_tower.blocks.0.attn.qkv.weight".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![2, 2], &extra).unwrap(),
+    ));
+    let out = safetensors::serialize(tensors, None).unwrap();
+    bytes.clear();
+    std::fs::write(&f, out).unwrap();
+    let ck = kestrel::weights::Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.skipped_vision, 1);
+    assert!(!ck.names().any(|n| n.contains("vision_tower")));
+    CpuModel::load(&dir).unwrap();
 }

@@ -50,6 +50,11 @@ pub(super) fn inspect(dir: &Path) -> Result<()> {
         "parameters      {total} total, {active} active per token (incl. lm_head, excl. embedding)"
     );
     match &cfg.quantization {
+        None if cfg.affine.is_some() => println!(
+            "format          {} ({})",
+            weights.format(),
+            cfg.affine.as_ref().unwrap().describe()
+        ),
         Some(q) => println!(
             "format          {} (quantization_config: fp8, e4m3, dynamic activations, {} modules_to_not_convert)",
             weights.format(),

@@ -198,6 +198,7 @@ impl CudaModel {
         max_chunk: usize,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
+        super::upload::ensure_gpu_format(weights)?;
         Self::build(
             gpu,
             cfg,

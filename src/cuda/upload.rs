@@ -113,11 +113,24 @@ impl Source<'_> {
     }
 }
 
+/// The GPU kernels read bf16 and FP8 weights: an affine 4-bit (MLX, GPTQ, AWQ) checkpoint is
+/// refused before anything is allocated (its kernels are not written yet), rather than
+/// expanded to bf16 behind the user's back.
+pub(super) fn ensure_gpu_format(w: &ModelWeights) -> Result<()> {
+    if w.is_affine() {
+        anyhow::bail!(
+            "4-bit weights on the GPU are not supported yet (issue 39; this checkpoint is {}); \
+             run it on the CPU backend (`--device cpu`) or use the bf16 or FP8 checkpoint",
+            w.format()
+        );
+    }
+    Ok(())
+}
+
 fn bf16_bytes(m: &Mat) -> Vec<u8> {
-    assert_ne!(
-        m.dtype,
-        DType::F8E4M3,
-        "FP8 matrices go up through fp8_bytes"
+    assert!(
+        m.dtype != DType::F8E4M3 && !m.dtype.is_affine(),
+        "FP8 matrices go up through fp8_bytes, 4-bit ones are refused by ensure_gpu_format"
     );
     match m.dtype {
         DType::BF16 => m.bytes().to_vec(),
@@ -410,5 +423,63 @@ impl Weights {
             layers,
             format,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn four_bit_weights_are_refused_with_a_clear_error() {
+        let cfg = TextConfig {
+            vocab_size: 64,
+            ..crate::synthetic::demo_config()
+        };
+        let mut w = crate::synthetic::random_weights(&cfg, 1, DType::BF16);
+        ensure_gpu_format(&w).unwrap();
+        let mut fp8 = crate::synthetic::random_weights(&cfg, 1, DType::BF16);
+        fp8.quantize_fp8(&crate::config::Fp8Quant::block_128());
+        ensure_gpu_format(&fp8).unwrap();
+        let m = &mut w.layers[0].moe.shared.gate;
+        *m = crate::tensor::Mat::quantize_affine(&m.to_f32(), m.rows, m.cols, 4, 64);
+        let e = ensure_gpu_format(&w).unwrap_err().to_string();
+        assert!(
+            e.contains("4-bit weights on the GPU are not supported yet (issue 39")
+                && e.contains("affine 4-bit group 64"),
+            "{e}"
+        );
+    }
+
+    /// FP8 stacks go up as e4m3 bytes and one scale row per 128-row block; a part that is
+    /// not whole blocks, or not FP8, is named in the error.
+    #[test]
+    fn fp8_stacks_keep_whole_blocks_and_name_a_bad_part() {
+        let q = |rows: usize, cols: usize, seed: f32| {
+            let v: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i as f32 + seed) * 0.37).sin())
+                .collect();
+            Mat::quantize_fp8(&v, rows, cols, [128, 128])
+        };
+        let (a, b) = (q(256, 160, 0.0), q(64, 160, 1.0));
+        let (bytes, scales) = fp8_bytes(&[&a, &b], "stack").unwrap();
+        assert_eq!(bytes.len(), (256 + 64) * 160);
+        assert_eq!(&bytes[..256 * 160], a.bytes());
+        assert_eq!(&bytes[256 * 160..], b.bytes());
+        // 2 + 1 row blocks of ceil(160 / 128) = 2 scales each, in order
+        let sc: Vec<f32> = scales
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let s = |m: &Mat, r: usize| m.scales.as_ref().unwrap().row(r).to_vec();
+        assert_eq!(sc, [s(&a, 0), s(&a, 128), s(&b, 0)].concat());
+        // a part of 64 rows before another breaks the shared block grid
+        let e = fp8_bytes(&[&b, &a], "layer 3 q_proj + k_proj")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer 3 q_proj + k_proj: part 0"), "{e}");
+        let bf = Mat::from_f32(&vec![0.5; 128 * 160], 128, 160, DType::BF16);
+        let e = fp8_bytes(&[&a, &bf], "x").unwrap_err().to_string();
+        assert!(e.contains("part 1 is BF16"), "{e}");
     }
 }

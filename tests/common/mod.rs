@@ -4,11 +4,25 @@
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-/// Whether a fixture is in the FP8 release's format (its config has a `quantization_config`).
+fn config_text(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("config.json")).unwrap_or_default()
+}
+
+/// Whether a fixture is quantised in any format (its config has a `quantization_config`,
+/// or mlx-lm's `quantization` block).
+fn is_quantized(dir: &Path) -> bool {
+    let c = config_text(dir);
+    c.contains("\"quantization_config\"") || c.contains("\"quantization\"")
+}
+
+/// Whether a fixture is in the FP8 release's format.
 fn is_fp8(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json"))
-        .map(|c| c.contains("\"quantization_config\""))
-        .unwrap_or(false)
+    is_quantized(dir) && config_text(dir).contains("\"fp8\"")
+}
+
+/// Whether a fixture is an mlx-lm checkpoint (its config has the `quantization` block).
+fn is_mlx(dir: &Path) -> bool {
+    config_text(dir).contains("\"quantization\"")
 }
 
 fn reference_dirs() -> (PathBuf, Vec<PathBuf>) {
@@ -40,12 +54,25 @@ pub fn fp8_fixtures() -> Vec<PathBuf> {
     dirs
 }
 
+/// The MLX affine 4-bit fixtures (`tiny-mlx-4bit`, converted by mlx-lm; its reference is
+/// mlx-lm's): kept out of [`fixtures`] until the GPU reads 4-bit weights.
+pub fn mlx_fixtures() -> Vec<PathBuf> {
+    let (root, dirs) = reference_dirs();
+    let dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| is_mlx(d)).collect();
+    assert!(
+        !dirs.is_empty(),
+        "expected the MLX fixture in {}",
+        root.display()
+    );
+    dirs
+}
+
 /// The unquantized HF fixture directories (those with a `reference.safetensors`): under the
 /// crate the test was built in, or, where that path does not exist (a test executable carried
 /// to the GPU machine from another checkout), under the working directory.
 pub fn fixtures() -> Vec<PathBuf> {
     let (root, dirs) = reference_dirs();
-    let mut dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| !is_fp8(d)).collect();
+    let mut dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| !is_quantized(d)).collect();
     dirs.sort();
     assert!(
         dirs.len() >= 2,
