@@ -35,6 +35,7 @@ fn config(max_seq: usize, api_key: Option<&str>) -> ServerConfig {
         max_connections: ServerConfig::MAX_CONNECTIONS,
         allow_origins: Vec::new(),
         access_log: false,
+        speculative: None,
     }
 }
 

@@ -295,6 +295,12 @@ const PREFILL_CHUNK: usize = PREFILL_CHUNKS[0];
 
 /// The engine for `device`: a checkpoint directory, or the bundled demo model.
 fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<Backend> {
+    if args.speculative.is_some() && device == Device::Cuda {
+        anyhow::bail!(
+            "MTP speculation on the GPU is not built yet (issue 40): --speculative mtp runs with \
+             --device cpu"
+        );
+    }
     // Open the GPU first: a missing or unsuitable GPU is reported before any weights load.
     let gpu = match device {
         Device::Cpu => {
@@ -364,12 +370,22 @@ fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<B
             );
         }
         let cfg = synthetic::demo_config();
-        let weights = synthetic::random_weights(&cfg, synthetic::DEMO_SEED, DType::BF16);
+        let mut weights = synthetic::random_weights(&cfg, synthetic::DEMO_SEED, DType::BF16);
+        if args.speculative.is_some() {
+            weights.mtp = Some(synthetic::random_mtp_weights(
+                &cfg,
+                synthetic::DEMO_SEED,
+                DType::BF16,
+            ));
+        }
         return make(cfg, weights);
     };
     let config = TextConfig::from_file(&dir.join("config.json"))?;
     let ck = Checkpoint::open(dir)?;
-    let weights = ModelWeights::from_checkpoint(&ck, &config)?;
+    let mut weights = ModelWeights::from_checkpoint(&ck, &config)?;
+    if args.speculative.is_some() {
+        weights.mtp = Some(kestrel::weights::MtpWeights::from_checkpoint(&ck, &config)?);
+    }
     if !args.lazy_load && gpu.is_none() {
         let show = !args.quiet && std::io::stderr().is_terminal();
         read_weights(&weights, show);

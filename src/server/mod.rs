@@ -88,6 +88,8 @@ pub struct ServerConfig {
     pub allow_origins: Vec<String>,
     /// One `tracing` info line per request (method, path, status, duration, tokens).
     pub access_log: bool,
+    /// MTP speculative decoding for every request (`--speculative mtp`); `None`: off.
+    pub speculative: Option<crate::generate::Speculative>,
 }
 
 impl ServerConfig {
