@@ -141,6 +141,19 @@ enum Command {
         /// model card's settings) instead of decoding greedily.
         #[arg(long, requires = "concurrency")]
         sampling: bool,
+        /// `mtp`: at each context, plain and MTP-speculative decoding of 64 tokens (checked
+        /// identical), acceptance, tokens per step, and the verification step's cost at
+        /// K = 1..4 with the speedup modelled from it (CPU only for now).
+        #[arg(long, value_parser = ["mtp"], conflicts_with = "concurrency")]
+        speculative: Option<String>,
+        /// With --speculative: tokens drafted per step.
+        #[arg(long, default_value_t = 2, requires = "speculative", value_parser = clap::value_parser!(u64).range(1..=16))]
+        draft_tokens: u64,
+        /// With --speculative: forced acceptance, the drafts replaced by the target's own
+        /// next tokens (from the plain run), so every draft is accepted: the best case end to
+        /// end (the head still runs).
+        #[arg(long, requires = "speculative")]
+        speculative_forced: bool,
     },
 }
 
@@ -234,7 +247,11 @@ fn run(cli: Cli) -> Result<i32> {
             json,
             concurrency,
             sampling,
+            speculative,
+            draft_tokens,
+            speculative_forced,
         } => {
+            let spec = speculative.map(|_| (draft_tokens as usize, speculative_forced));
             bench_cmd(
                 synthetic,
                 model,
@@ -244,6 +261,7 @@ fn run(cli: Cli) -> Result<i32> {
                 json,
                 concurrency,
                 sampling,
+                spec,
             )?;
             Ok(0)
         }
