@@ -661,16 +661,45 @@ def make_mtp_layer_tensors(cfg, seed):
     }
 
 
-def add_mtp_layer(fdir, cfg, seed):
-    """Completes the MTP head of an official bf16 fixture in place: make_mtp_layer_tensors go
-    into the last shard (the other shard's bytes are untouched), and the index follows."""
+def make_mtp_layer_tensors_fp8(cfg, seed, have):
+    """make_mtp_layer_tensors in the FP8 release's format: experts per expert, and every
+    projection the format quantises (attention q/k/v/o, routed and shared experts) quantised by
+    transformers' own Fp8Quantize with its F32 weight_scale_inv. Tensors already in `have` (the
+    one FP8 expert matrix write_official_fp8 writes) are left as they are."""
+    bf = make_mtp_layer_tensors(cfg, seed)
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    p = "mtp.layers.0."
+    plain = {k: v for k, v in bf.items() if "mlp.experts." not in k}
+    gate_up, down = bf[p + "mlp.experts.gate_up_proj"], bf[p + "mlp.experts.down_proj"]
+    for e in range(E):
+        plain[f"{p}mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :I]
+        plain[f"{p}mlp.experts.{e}.up_proj.weight"] = gate_up[e, I:]
+        plain[f"{p}mlp.experts.{e}.down_proj.weight"] = down[e]
+    qop, _ = fp8_ops()
+    out = {}
+    for k, w in sorted(plain.items()):
+        if k in have:
+            continue
+        q = qop.convert({k: w.float()})
+        out[k] = q[k].contiguous()
+        out[k[: -len(".weight")] + ".weight_scale_inv"] = q[k[: -len(".weight")] + ".weight_scale_inv"].contiguous()
+    return out
+
+
+def add_mtp_layer(fdir, cfg, seed, fp8=False):
+    """Completes the MTP head of an official fixture in place: make_mtp_layer_tensors (FP8 for
+    the FP8 fixture) go into the last shard (the other shard's bytes are untouched), and the
+    index follows."""
     idx_path = os.path.join(fdir, "model.safetensors.index.json")
     idx = json.load(open(idx_path))
     last = sorted(set(idx["weight_map"].values()))[-1]
     path = os.path.join(fdir, last)
     with safe_open(path, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    extra = make_mtp_layer_tensors(cfg, seed)
+    if fp8:
+        extra = make_mtp_layer_tensors_fp8(cfg, seed, set(idx["weight_map"]))
+    else:
+        extra = make_mtp_layer_tensors(cfg, seed)
     assert not set(extra) & set(idx["weight_map"]), "the fixture already has the MTP layer"
     tensors.update(extra)
     save_file(tensors, path, metadata={"format": "pt"})
@@ -713,12 +742,28 @@ def write_mtp_reference(fdir):
     tokens = torch.cat([prompt[1:], nxt])
     T, D = y.shape
     idx = json.load(open(os.path.join(fdir, "model.safetensors.index.json")))
-    w = {}
+    raw = {}
     for fname in sorted(set(idx["weight_map"].values())):
         with safe_open(os.path.join(fdir, fname), "pt") as f:
             for k in f.keys():
                 if k.startswith("mtp."):
-                    w[k] = f.get_tensor(k).float()
+                    raw[k] = f.get_tensor(k)
+    # FP8 matrices dequantised by the format's definition; per-expert experts fused as
+    # transformers' decoder layer holds them.
+    w = {}
+    for k, t in raw.items():
+        if k.endswith(".weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            w[k] = fp8_dequantize(t, raw[k[: -len(".weight")] + ".weight_scale_inv"])
+        else:
+            w[k] = t.float()
+    p = "mtp.layers.0.mlp.experts."
+    if p + "0.down_proj.weight" in w:
+        E = cfg.num_experts
+        w[p + "gate_up_proj"] = torch.stack(
+            [torch.cat([w.pop(f"{p}{e}.gate_proj.weight"), w.pop(f"{p}{e}.up_proj.weight")]) for e in range(E)])
+        w[p + "down_proj"] = torch.stack([w.pop(f"{p}{e}.down_proj.weight") for e in range(E)])
     eps = cfg.rms_norm_eps
     e = zc_rms_norm(lm.embed_tokens.weight[tokens].float(), w["mtp.pre_fc_norm_embedding.weight"], eps)
     h = zc_rms_norm(y, w["mtp.pre_fc_norm_hidden.weight"], eps)
@@ -1170,10 +1215,10 @@ def make_fixture(name, fx, out_root, base_seed, fixture_index, max_attempts):
         write_info = write_official(model, cfg, fx, fdir, seed)
         verify = verify_official(fdir, model, cfg, seq)
     write_reference(fdir, res)
-    if fx["layout"] == "official":
+    if fx["layout"] in ("official", "official-fp8"):
         # A complete MTP head (after the reference: transformers ignores mtp.*) and its
         # independent reference, as `--mtp-only` adds them to an existing fixture.
-        write_info["mtp"] = add_mtp_layer(fdir, cfg, seed)
+        write_info["mtp"] = add_mtp_layer(fdir, cfg, seed, fp8=fx["layout"] == "official-fp8")
         write_info["mtp"]["reference"] = write_mtp_reference(fdir)
     print(f"  reload checks: {verify}", flush=True)
 
@@ -1269,18 +1314,20 @@ def main():
     args = ap.parse_args()
     if args.mtp_only:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-        name = "tiny-official-bf16"
-        fdir = os.path.join(args.out, name)
-        info = json.load(open(os.path.join(fdir, "reference.json")))
-        cfg = make_text_config(FIXTURES[name])
-        seed = info["seed"]["used_seed"]
-        mtp = add_mtp_layer(fdir, cfg, seed)
-        mtp["reference"] = write_mtp_reference(fdir)
-        info["write_info"]["mtp"] = mtp
-        with open(os.path.join(fdir, "reference.json"), "w") as f:
-            json.dump(info, f, indent=2)
-            f.write("\n")
-        print(json.dumps(mtp, indent=2))
+        for name in args.only or ["tiny-official-bf16", "tiny-official-fp8"]:
+            fx = FIXTURES[name]
+            assert fx["layout"] in ("official", "official-fp8"), name
+            fdir = os.path.join(args.out, name)
+            info = json.load(open(os.path.join(fdir, "reference.json")))
+            cfg = make_text_config(fx)
+            seed = info["seed"]["used_seed"]
+            mtp = add_mtp_layer(fdir, cfg, seed, fp8=fx["layout"] == "official-fp8")
+            mtp["reference"] = write_mtp_reference(fdir)
+            info["write_info"]["mtp"] = mtp
+            with open(os.path.join(fdir, "reference.json"), "w") as f:
+                json.dump(info, f, indent=2)
+                f.write("\n")
+            print(name, json.dumps(mtp, indent=2))
         return
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

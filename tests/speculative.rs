@@ -26,7 +26,12 @@ fn fixture(name: &str) -> PathBuf {
 
 /// The bf16 official fixture with its complete MTP head (written by make_fixtures.py).
 fn bf16_with_mtp() -> CpuModel {
-    let dir = fixture("tiny-official-bf16");
+    with_mtp("tiny-official-bf16")
+}
+
+/// An official fixture (bf16 or FP8) with its complete MTP head.
+fn with_mtp(name: &str) -> CpuModel {
+    let dir = fixture(name);
     let mut m = CpuModel::load(&dir).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
     m.attach_mtp(MtpWeights::from_checkpoint(&ck, &m.config).unwrap());
@@ -100,8 +105,14 @@ fn prompt_of(m: &CpuModel, n: usize) -> Vec<u32> {
 
 #[test]
 fn mtp_head_matches_the_independent_reference() {
-    let dir = fixture("tiny-official-bf16");
-    let m = bf16_with_mtp();
+    for name in ["tiny-official-bf16", "tiny-official-fp8"] {
+        head_matches_reference(name);
+    }
+}
+
+fn head_matches_reference(name: &str) {
+    let dir = fixture(name);
+    let m = with_mtp(name);
     let bytes = std::fs::read(dir.join("mtp_reference.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let hidden = f32_tensor(&st, "hidden");
@@ -114,11 +125,11 @@ fn mtp_head_matches_the_independent_reference() {
     let err = rel_err(&got, &want);
     assert!(
         err <= 1e-3,
-        "MTP logits {err:.2e} of the logit scale from the reference"
+        "{name}: MTP logits {err:.2e} of the logit scale from the reference"
     );
     let argmax = |l: &[f32]| kestrel::sampling::greedy_id(l, v);
     for (r, (a, b)) in got.chunks(v).zip(want.chunks(v)).enumerate() {
-        assert_eq!(argmax(a), argmax(b), "row {r}");
+        assert_eq!(argmax(a), argmax(b), "{name} row {r}");
     }
 
     // Through the engine: the prompt's hidden states recorded by the main model's forward,
@@ -137,8 +148,9 @@ fn mtp_head_matches_the_independent_reference() {
     let err = rel_err(&seen, last);
     assert!(
         err <= 1e-3,
-        "draft logits {err:.2e} from the reference's last row"
+        "{name}: draft logits {err:.2e} from the reference's last row"
     );
+    eprintln!("{name}: MTP head within {err:.2e} of the reference");
     assert_eq!(d, vec![argmax(last)]);
 }
 
@@ -173,8 +185,8 @@ fn greedy_speculation_is_lossless_for_256_tokens() {
             with_random_head("tiny-flat-f32"),
         ),
         (
-            "tiny-official-fp8 (random head)",
-            with_random_head("tiny-official-fp8"),
+            "tiny-official-fp8 (its FP8 MTP head)",
+            with_mtp("tiny-official-fp8"),
         ),
     ];
     for (name, m) in &models {
@@ -188,16 +200,17 @@ fn greedy_speculation_is_lossless_for_256_tokens() {
                 own.drafted <= own.steps * k && own.drafted + k >= own.steps * k,
                 "{name} K={k}"
             );
-            // Forced drafts from the plain run with every 4th one wrong: accepts and rejects.
+            // Forced drafts from the plain run with about one in four wrong (at hashed
+            // positions, so no draft length aliases with them): accepts and rejects.
             let mut forced = plain.generated.clone();
             for (i, t) in forced.iter_mut().enumerate() {
-                if i % 4 == 3 {
+                if ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) % 4 == 3 {
                     *t = (*t + 1) % m.config.vocab_size as u32;
                 }
             }
             let mixed = same_greedy(m, &prompt, 256, spec(k, Some(forced)));
             assert!(
-                mixed.accepted > 0 && mixed.accepted < mixed.drafted,
+                mixed.acceptance() > 0.3 && mixed.acceptance() < 0.95,
                 "{name} K={k}: {mixed:?} should both accept and reject"
             );
             // The target's own continuation: every draft accepted (verification's logits
@@ -488,12 +501,18 @@ fn checkpoints_without_a_complete_head_are_refused_clearly() {
         .unwrap();
     let msg = format!("{e:#}");
     assert!(msg.contains("no `mtp.*` tensors"), "{msg}");
-    // The FP8 fixture carries only part of a head (norms, fc, router, one expert).
-    let fp8 = fixture("tiny-official-fp8");
-    let cfg = kestrel::config::TextConfig::from_file(&fp8.join("config.json")).unwrap();
-    let e = MtpWeights::from_checkpoint(&Checkpoint::open(&fp8).unwrap(), &cfg)
-        .err()
-        .unwrap();
+    // The bf16 fixture without one of its head's tensors: only part of a head.
+    let partial = tempfile::tempdir().unwrap();
+    drop_tensor(
+        &fixture("tiny-official-bf16"),
+        partial.path(),
+        "mtp.layers.0.self_attn.q_proj.weight",
+    );
+    let cfg = kestrel::config::TextConfig::from_file(&partial.path().join("config.json")).unwrap();
+    let ck = Checkpoint::open(partial.path()).unwrap();
+    // the main model still loads
+    kestrel::weights::ModelWeights::from_checkpoint(&ck, &cfg).unwrap();
+    let e = MtpWeights::from_checkpoint(&ck, &cfg).err().unwrap();
     let msg = format!("{e:#}");
     assert!(msg.contains("not a complete MTP head"), "{msg}");
     assert!(msg.contains("mtp.layers.0.self_attn.q_proj"), "{msg}");
@@ -508,4 +527,37 @@ fn checkpoints_without_a_complete_head_are_refused_clearly() {
         .unwrap()
         .to_string();
     assert!(e.contains("no MTP head"), "{e}");
+}
+
+/// Copies the sharded checkpoint `src` to `dst` without tensor `name` (rewriting the shard
+/// that held it and the index).
+fn drop_tensor(src: &Path, dst: &Path, name: &str) {
+    let idx: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(src.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shard = idx["weight_map"][name].as_str().unwrap().to_string();
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        let f = p.file_name().unwrap().to_str().unwrap().to_string();
+        if f != shard && f != "model.safetensors.index.json" {
+            std::fs::copy(&p, dst.join(&f)).unwrap();
+        }
+    }
+    let bytes = std::fs::read(src.join(&shard)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .collect();
+    let out = safetensors::tensor::serialize(kept, None).unwrap();
+    std::fs::write(dst.join(&shard), out).unwrap();
+    let mut idx = idx;
+    idx["weight_map"].as_object_mut().unwrap().remove(name);
+    std::fs::write(
+        dst.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&idx).unwrap(),
+    )
+    .unwrap();
 }
