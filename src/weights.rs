@@ -8,7 +8,8 @@
 //! * per-expert: `mlp.experts.{e}.{gate,up,down}_proj.weight`;
 //! * the plain `model.*` prefix.
 //!
-//! `model.visual.*` is skipped; `mtp.*` is kept (listed) for speculative decoding later.
+//! `model.visual.*` is skipped; `mtp.*` is listed, and loaded as [`MtpWeights`] for
+//! speculative decoding (`--speculative mtp`).
 //!
 //! FP8 (`quantization_config` fp8 / e4m3 / 128x128, the official FP8 release): the attention
 //! q/k/v/o, GDN `in_proj_qkv` / `in_proj_z` / `out_proj`, shared-expert and per-expert
