@@ -550,6 +550,23 @@ fn inspect_shows_the_weight_format_and_bytes_per_kind() {
     let s = text(&out.stdout);
     assert!(s.contains("format          bf16\n"), "{s}");
     assert!(!s.contains("F8_E4M3"), "{s}");
+    assert!(s.contains("mtp head        complete (19 tensors)"), "{s}");
+    let out = kestrel(
+        &[
+            "inspect",
+            "--model",
+            root.join("tiny-flat-f32").to_str().unwrap(),
+        ],
+        None,
+        &[],
+    );
+    assert_ok(&out);
+    let s = text(&out.stdout);
+    assert!(
+        s.contains("mtp head        unusable for --speculative mtp: "),
+        "{s}"
+    );
+    assert!(s.contains("no `mtp.*` tensors"), "{s}");
 }
 
 /// `--speculative mtp` on the demo model (its seeded random head): the reply is the plain

@@ -268,6 +268,10 @@ pub fn run_model<E: Engine>(
     shared: Arc<Shared>,
     rx: Receiver<Job>,
 ) -> anyhow::Result<()> {
+    if shared.config.speculative.is_some() {
+        // before the server reports ready: every request would fail its first step
+        engine.mtp_check()?;
+    }
     let cache_cap = shared.config.cache_mem;
     let max_seq = shared
         .config
