@@ -326,12 +326,22 @@ fn rejection_sampling_gives_the_target_distribution() {
         let q = distribution(&params, &lq, &[]);
         let n = 200_000;
         let mut counts = vec![0u64; v];
+        // Negative controls, to show the test can fail: the drafts themselves, and a wrong
+        // rule that resamples from p (not the residual) on rejection.
+        let (mut drafts, mut wrong) = (vec![0u64; v], vec![0u64; v]);
         let mut accepted = 0;
         for _ in 0..n {
             let d = kestrel::sampling::sample_from(&q, u.next());
             let (t, ok) = speculative_step(&p, &q, d, u.next(), || u.next());
             counts[t as usize] += 1;
             accepted += ok as u64;
+            drafts[d as usize] += 1;
+            let w = if ok {
+                t
+            } else {
+                kestrel::sampling::sample_from(&p, u.next())
+            };
+            wrong[w as usize] += 1;
         }
         let mut dense = vec![0.0; v];
         for &(id, pr) in &p {
@@ -341,6 +351,23 @@ fn rejection_sampling_gives_the_target_distribution() {
         assert!(
             chi < chi_critical(df),
             "case {case}: chi-square {chi:.1} (df {df}) against the target; counts {counts:?}, p {dense:?}"
+        );
+        let chi_of = |c: &[u64]| -> f64 {
+            let n: u64 = c.iter().sum();
+            c.iter()
+                .zip(&dense)
+                .filter(|(_, p)| **p > 0.0)
+                .map(|(&c, &p)| (c as f64 - n as f64 * p).powi(2) / (n as f64 * p))
+                .sum()
+        };
+        assert!(
+            chi_of(&wrong) > chi_critical(df),
+            "case {case}: the wrong rule passed"
+        );
+        assert!(
+            drafts.iter().zip(&dense).any(|(&c, &p)| p == 0.0 && c > 0)
+                || chi_of(&drafts) > chi_critical(df),
+            "case {case}: the drafts passed as the target"
         );
         // Both branches ran; the acceptance rate is sum min(p, q).
         let overlap: f64 = p
