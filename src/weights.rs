@@ -683,6 +683,38 @@ impl ModelWeights {
         }
     }
 
+    /// [`Self::round_to_bf16`] including the MTP head's matrices (the head's oracle at the
+    /// GPU's precision).
+    pub fn round_to_bf16_with_mtp(&mut self) {
+        self.round_to_bf16();
+        let Some(mtp) = self.mtp.take() else { return };
+        // The head's layer has the main layers' shape: round it as one of them.
+        let MtpWeights {
+            pre_fc_norm_embedding,
+            pre_fc_norm_hidden,
+            fc,
+            layer,
+            norm,
+        } = mtp;
+        let mut fc = fc;
+        if fc.dtype != DType::BF16 && fc.dtype != DType::F8E4M3 {
+            fc = Mat::from_f32(&fc.to_f32(), fc.rows, fc.cols, DType::BF16);
+        }
+        let mut layers = std::mem::take(&mut self.layers);
+        self.layers = vec![layer];
+        self.round_to_bf16();
+        let layer = self.layers.pop().expect("the MTP layer");
+        layers.shrink_to_fit();
+        self.layers = layers;
+        self.mtp = Some(MtpWeights {
+            pre_fc_norm_embedding,
+            pre_fc_norm_hidden,
+            fc,
+            layer,
+            norm,
+        });
+    }
+
     /// Every matrix the FP8 format quantizes, and the ones it keeps unquantized.
     fn matrices_by_role(&self) -> (Vec<&Mat>, Vec<&Mat>) {
         let (mut quantizable, mut kept) = (Vec::new(), vec![&self.embed, &self.lm_head]);

@@ -588,3 +588,24 @@ fn drop_tensor(src: &Path, dst: &Path, name: &str) {
     )
     .unwrap();
 }
+
+/// At the GPU's precision (`round_to_bf16_with_mtp` + `bf16_activations`, the oracle a GPU
+/// speculation path will be checked against) speculation stays lossless, and the head's
+/// matrices are bf16.
+#[test]
+fn speculation_at_gpu_precision_is_lossless_too() {
+    let mut m = CpuModel::load(&fixture("tiny-flat-f32")).unwrap();
+    let head = random_mtp_weights(&m.config, 5, DType::F32);
+    m.attach_mtp(head);
+    m.weights.round_to_bf16_with_mtp();
+    m.bf16_activations = true;
+    let h = m.weights.mtp.as_ref().unwrap();
+    assert_eq!(h.fc.dtype, DType::BF16);
+    assert_eq!(h.layer.moe.experts[0].down.dtype, DType::BF16);
+    assert_eq!(m.weights.layers.len(), m.config.num_layers);
+    let prompt = prompt_of(&m, 30);
+    let (plain, _) = run(&m, &prompt, &opts(96, None), &mut greedy());
+    same_greedy(&m, &prompt, 96, spec(2, None));
+    let all = same_greedy(&m, &prompt, 96, spec(2, Some(plain.generated.clone())));
+    assert_eq!(all.accepted, all.drafted);
+}
