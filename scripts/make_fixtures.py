@@ -631,6 +631,161 @@ def make_mtp_tensors(cfg, gen):
     }
 
 
+MTP_LAYER_SEED_OFFSET = 7919
+
+
+def make_mtp_layer_tensors(cfg, seed):
+    """The rest of a complete MTP head for the bf16 official fixture: the MTP layer's gated
+    attention projections, fused routed experts and shared expert, with the official names and
+    shapes (spec 2.3). Its own generator (seed + MTP_LAYER_SEED_OFFSET), so every other tensor,
+    and the partial set make_mtp_tensors writes, are unchanged."""
+    gen = torch.Generator().manual_seed(seed + MTP_LAYER_SEED_OFFSET)
+    D, hd = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+
+    def n(shape, fan_in):
+        return (torch.randn(shape, generator=gen) / math.sqrt(fan_in)).to(torch.bfloat16)
+
+    p = "mtp.layers.0."
+    return {
+        p + "self_attn.q_proj.weight": n((nq * 2 * hd, D), D),
+        p + "self_attn.k_proj.weight": n((nkv * hd, D), D),
+        p + "self_attn.v_proj.weight": n((nkv * hd, D), D),
+        p + "self_attn.o_proj.weight": n((D, nq * hd), nq * hd),
+        p + "mlp.experts.gate_up_proj": n((E, 2 * I, D), D),
+        p + "mlp.experts.down_proj": n((E, D, I), I),
+        p + "mlp.shared_expert.gate_proj.weight": n((Is, D), D),
+        p + "mlp.shared_expert.up_proj.weight": n((Is, D), D),
+        p + "mlp.shared_expert.down_proj.weight": n((D, Is), Is),
+    }
+
+
+def make_mtp_layer_tensors_fp8(cfg, seed, have):
+    """make_mtp_layer_tensors in the FP8 release's format: experts per expert, and every
+    projection the format quantises (attention q/k/v/o, routed and shared experts) quantised by
+    transformers' own Fp8Quantize with its F32 weight_scale_inv. Tensors already in `have` (the
+    one FP8 expert matrix write_official_fp8 writes) are left as they are."""
+    bf = make_mtp_layer_tensors(cfg, seed)
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    p = "mtp.layers.0."
+    plain = {k: v for k, v in bf.items() if "mlp.experts." not in k}
+    gate_up, down = bf[p + "mlp.experts.gate_up_proj"], bf[p + "mlp.experts.down_proj"]
+    for e in range(E):
+        plain[f"{p}mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :I]
+        plain[f"{p}mlp.experts.{e}.up_proj.weight"] = gate_up[e, I:]
+        plain[f"{p}mlp.experts.{e}.down_proj.weight"] = down[e]
+    qop, _ = fp8_ops()
+    out = {}
+    for k, w in sorted(plain.items()):
+        if k in have:
+            continue
+        q = qop.convert({k: w.float()})
+        out[k] = q[k].contiguous()
+        out[k[: -len(".weight")] + ".weight_scale_inv"] = q[k[: -len(".weight")] + ".weight_scale_inv"].contiguous()
+    return out
+
+
+def add_mtp_layer(fdir, cfg, seed, fp8=False):
+    """Completes the MTP head of an official fixture in place: make_mtp_layer_tensors (FP8 for
+    the FP8 fixture) go into the last shard (the other shard's bytes are untouched), and the
+    index follows."""
+    idx_path = os.path.join(fdir, "model.safetensors.index.json")
+    idx = json.load(open(idx_path))
+    last = sorted(set(idx["weight_map"].values()))[-1]
+    path = os.path.join(fdir, last)
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if fp8:
+        extra = make_mtp_layer_tensors_fp8(cfg, seed, set(idx["weight_map"]))
+    else:
+        extra = make_mtp_layer_tensors(cfg, seed)
+    assert not set(extra) & set(idx["weight_map"]), "the fixture already has the MTP layer"
+    tensors.update(extra)
+    save_file(tensors, path, metadata={"format": "pt"})
+    for k, v in extra.items():
+        idx["weight_map"][k] = last
+        idx["metadata"]["total_size"] += v.numel() * v.element_size()
+    idx["weight_map"] = dict(sorted(idx["weight_map"].items()))
+    with open(idx_path, "w") as f:
+        json.dump(idx, f, indent=2)
+        f.write("\n")
+    return {"mtp_layer_tensors": sorted(extra), "mtp_shard": last,
+            "total_size": idx["metadata"]["total_size"]}
+
+
+def zc_rms_norm(x, w, eps):
+    """Zero-centred RMSNorm (spec 3.2 A), f32: x / rms(x) * (1 + w)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())
+
+
+@torch.no_grad()
+def write_mtp_reference(fdir):
+    """An independent reference for Kestrel's MTP head (transformers has none): the head
+    written out here from its structure (spec 4.2, vLLM's Qwen3_5MultiTokenPredictor), with
+    transformers' own Qwen3_5MoeDecoderLayer (full attention, its MoE) for the MTP layer and
+    transformers' rotary embedding, all in f32 from the stored weights. Rows: the main model's
+    final-normed hidden state at each prompt position p (transformers' last_hidden_state)
+    paired with the token at p + 1, the last row with the prompt's greedy next token, at
+    positions 0..T-1 (causal). Writes mtp_reference.safetensors: hidden [T, D], tokens [T],
+    logits [T, V]."""
+    ref = load_file(os.path.join(fdir, "reference.safetensors"))
+    prompt = ref["prompt_ids"].long()
+    nxt = ref["decode_ids"][:1].long()
+    m = Qwen3_5MoeForConditionalGeneration.from_pretrained(fdir, dtype=torch.float32).eval()
+    m.set_attn_implementation("eager")
+    m.set_experts_implementation("eager")
+    lm = m.model.language_model
+    cfg = lm.config
+    y = lm(input_ids=prompt[None], use_cache=False).last_hidden_state[0].float()
+    tokens = torch.cat([prompt[1:], nxt])
+    T, D = y.shape
+    idx = json.load(open(os.path.join(fdir, "model.safetensors.index.json")))
+    raw = {}
+    for fname in sorted(set(idx["weight_map"].values())):
+        with safe_open(os.path.join(fdir, fname), "pt") as f:
+            for k in f.keys():
+                if k.startswith("mtp."):
+                    raw[k] = f.get_tensor(k)
+    # FP8 matrices dequantised by the format's definition; per-expert experts fused as
+    # transformers' decoder layer holds them.
+    w = {}
+    for k, t in raw.items():
+        if k.endswith(".weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            w[k] = fp8_dequantize(t, raw[k[: -len(".weight")] + ".weight_scale_inv"])
+        else:
+            w[k] = t.float()
+    p = "mtp.layers.0.mlp.experts."
+    if p + "0.down_proj.weight" in w:
+        E = cfg.num_experts
+        w[p + "gate_up_proj"] = torch.stack(
+            [torch.cat([w.pop(f"{p}{e}.gate_proj.weight"), w.pop(f"{p}{e}.up_proj.weight")]) for e in range(E)])
+        w[p + "down_proj"] = torch.stack([w.pop(f"{p}{e}.down_proj.weight") for e in range(E)])
+    eps = cfg.rms_norm_eps
+    e = zc_rms_norm(lm.embed_tokens.weight[tokens].float(), w["mtp.pre_fc_norm_embedding.weight"], eps)
+    h = zc_rms_norm(y, w["mtp.pre_fc_norm_hidden.weight"], eps)
+    h0 = torch.cat([e, h], dim=-1) @ w["mtp.fc.weight"].T
+    full = cfg.layer_types.index("full_attention")
+    layer = hf_mod.Qwen3_5MoeDecoderLayer(cfg, full).float().eval()
+    sd = {k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
+    missing, unexpected = layer.load_state_dict(sd, strict=False)
+    assert not unexpected and not [k for k in missing if "inv_freq" not in k], (missing, unexpected)
+    pos = torch.arange(T).view(1, 1, -1).expand(3, 1, -1)
+    pe = lm.rotary_emb(h0[None], pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    out = layer(h0[None], position_embeddings=pe, attention_mask=mask, position_ids=pos[0])
+    out = out[0] if isinstance(out, tuple) else out
+    mo = zc_rms_norm(out[0], w["mtp.norm.weight"], eps)
+    logits = mo @ m.lm_head.weight.float().T
+    save_file({"hidden": y.contiguous(), "tokens": tokens.to(torch.int64).contiguous(),
+               "logits": logits.contiguous()},
+              os.path.join(fdir, "mtp_reference.safetensors"), metadata={"format": "pt"})
+    return {"rows": T, "max_abs_logit": float(logits.abs().max()), "logit_std": float(logits.std())}
+
+
 TEXT_CONFIG_KEYS = [
     "attention_bias", "attention_dropout", "bos_token_id", "eos_token_id", "full_attention_interval",
     "head_dim", "hidden_act", "hidden_size", "initializer_range", "layer_types",
@@ -1060,6 +1215,11 @@ def make_fixture(name, fx, out_root, base_seed, fixture_index, max_attempts):
         write_info = write_official(model, cfg, fx, fdir, seed)
         verify = verify_official(fdir, model, cfg, seq)
     write_reference(fdir, res)
+    if fx["layout"] in ("official", "official-fp8"):
+        # A complete MTP head (after the reference: transformers ignores mtp.*) and its
+        # independent reference, as `--mtp-only` adds them to an existing fixture.
+        write_info["mtp"] = add_mtp_layer(fdir, cfg, seed, fp8=fx["layout"] == "official-fp8")
+        write_info["mtp"]["reference"] = write_mtp_reference(fdir)
     print(f"  reload checks: {verify}", flush=True)
 
     counts = res["counts"]
@@ -1148,7 +1308,27 @@ def main():
     ap.add_argument("--only", choices=sorted(FIXTURES), action="append",
                     help="write only these fixtures (repeatable)")
     ap.add_argument("--max-attempts", type=int, default=2000)
+    ap.add_argument("--mtp-only", action="store_true",
+                    help="only complete the MTP head of the existing official bf16 fixture under "
+                         "--out and write its mtp_reference.safetensors (everything else untouched)")
     args = ap.parse_args()
+    if args.mtp_only:
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+        for name in args.only or ["tiny-official-bf16", "tiny-official-fp8"]:
+            fx = FIXTURES[name]
+            assert fx["layout"] in ("official", "official-fp8"), name
+            fdir = os.path.join(args.out, name)
+            info = json.load(open(os.path.join(fdir, "reference.json")))
+            cfg = make_text_config(fx)
+            seed = info["seed"]["used_seed"]
+            mtp = add_mtp_layer(fdir, cfg, seed, fp8=fx["layout"] == "official-fp8")
+            mtp["reference"] = write_mtp_reference(fdir)
+            info["write_info"]["mtp"] = mtp
+            with open(os.path.join(fdir, "reference.json"), "w") as f:
+                json.dump(info, f, indent=2)
+                f.write("\n")
+            print(name, json.dumps(mtp, indent=2))
+        return
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     torch.use_deterministic_algorithms(True)

@@ -291,9 +291,179 @@ pub fn bench_concurrency<E: crate::model::Engine>(
     })
 }
 
+/// The verification step's cost at one draft length: `k + 1` tokens in one step against a
+/// one-token step at the same context.
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyCost {
+    pub draft_tokens: usize,
+    pub verify_ms: f64,
+    /// `verify_ms` over a one-token step's.
+    pub vs_one_token: f64,
+    /// The head's drafting of `k` tokens, ms.
+    pub draft_ms: f64,
+    /// Modelled speedup over plain decoding at a per-draft acceptance of 0.8 (what is
+    /// reported for this model's MTP at short context), from these measured costs: expected
+    /// tokens a step `(1 - a^(k+1)) / (1 - a)` over `(draft + verify) / one-token step`.
+    pub modelled_speedup_at_0_8: f64,
+}
+
+/// `kestrel bench --speculative mtp`: at one context, plain greedy decoding of 64 tokens and
+/// speculative decoding of the same (checked token-identical), and the verification step's
+/// cost at K = 1..4.
+#[derive(Clone, Debug, Serialize)]
+pub struct SpecRow {
+    pub context: usize,
+    pub draft_tokens: usize,
+    /// Forced acceptance: the drafts were the target's own continuation (the best case).
+    pub forced: bool,
+    pub plain_decode_tok_s: f64,
+    pub spec_decode_tok_s: f64,
+    /// `spec_decode_tok_s / plain_decode_tok_s`, measured end to end.
+    pub speedup: f64,
+    pub acceptance: f64,
+    pub tokens_per_step: f64,
+    pub verify: Vec<VerifyCost>,
+}
+
+/// Expected tokens a verification step emits with `k` drafts each accepted with probability
+/// `a` (independently): `1 + a + ... + a^k`.
+pub fn expected_tokens(a: f64, k: usize) -> f64 {
+    (0..=k).map(|i| a.powi(i as i32)).sum()
+}
+
+/// Runs [`SpecRow`] at `context` on `engine` (which must have its MTP head).
+pub fn bench_speculative<E: crate::model::Engine>(
+    engine: &E,
+    context: usize,
+    vocab_limit: usize,
+    draft_tokens: usize,
+    forced: bool,
+    mut log: impl FnMut(&str),
+) -> Result<SpecRow> {
+    use crate::generate::{GenerateOptions, Speculative, generate};
+    use crate::sampling::{Sampler, SamplingParams};
+    use std::sync::atomic::AtomicBool;
+    engine.mtp_check()?;
+    let p = prompt(context, vocab_limit);
+    let greedy = || {
+        Sampler::new(
+            SamplingParams {
+                temperature: 0.0,
+                vocab_limit,
+                ..SamplingParams::default()
+            },
+            0,
+        )
+    };
+    let opts = |speculative| GenerateOptions {
+        max_tokens: DECODE_STEPS + 1,
+        stop_ids: vec![],
+        prefill_chunk: 4096,
+        max_seq: context + DECODE_STEPS + 16,
+        thinking: None,
+        device_greedy: false,
+        speculative,
+    };
+    let cancel = AtomicBool::new(false);
+    let once = |o: &GenerateOptions| -> Result<crate::generate::GenerationStats> {
+        let mut st = engine.new_state()?;
+        let g = generate(
+            engine,
+            &mut st,
+            &p,
+            false,
+            o,
+            &mut greedy(),
+            &cancel,
+            None,
+            |_, _| None,
+        )?;
+        Ok(g.stats)
+    };
+    let plain = once(&opts(None))?;
+    let spec = Speculative {
+        draft_tokens,
+        forced: forced.then(|| std::sync::Arc::new(plain.generated.clone())),
+    };
+    let sp = once(&opts(Some(spec)))?;
+    if sp.generated != plain.generated {
+        bail!("speculative decoding gave other tokens than plain decoding at context {context}");
+    }
+    log(&format!(
+        "  context {context} speculative K={draft_tokens}{}: plain {:.1} tok/s, speculative {:.1} tok/s, acceptance {:.3}, {:.2} tokens/step",
+        if forced { " (forced acceptance)" } else { "" },
+        plain.decode_tok_s(),
+        sp.decode_tok_s(),
+        sp.spec.acceptance(),
+        sp.spec.tokens_per_step()
+    ));
+    // The step costs at this context: median of 3 of each, from the state after the prompt.
+    let mut base = engine.new_state()?;
+    let mut next = 0;
+    for piece in p.chunks(4096) {
+        let l = engine.forward(&mut base, piece, crate::model::Logits::Last)?;
+        next = crate::sampling::greedy_id(&l, vocab_limit);
+    }
+    let time3 = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut t = Vec::new();
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            f()?;
+            t.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok(median(t))
+    };
+    let one = time3(&mut || {
+        let mut s = base.clone();
+        engine.forward(&mut s, &[next], crate::model::Logits::Last)?;
+        Ok(())
+    })?;
+    let mut verify = Vec::new();
+    for k in 1..=4 {
+        let tokens = vec![next; k + 1];
+        let v = time3(&mut || {
+            let mut s = base.clone();
+            engine.spec_verify(&mut s, &tokens)?;
+            Ok(())
+        })?;
+        let d = time3(&mut || {
+            let mut s = base.clone();
+            engine.mtp_draft(&mut s, next, k, &mut |l, _| {
+                crate::sampling::greedy_id(l, vocab_limit)
+            })?;
+            Ok(())
+        })?;
+        verify.push(VerifyCost {
+            draft_tokens: k,
+            verify_ms: v,
+            vs_one_token: v / one,
+            draft_ms: d,
+            modelled_speedup_at_0_8: expected_tokens(0.8, k) * one / (v + d),
+        });
+    }
+    Ok(SpecRow {
+        context,
+        draft_tokens,
+        forced,
+        plain_decode_tok_s: plain.decode_tok_s(),
+        spec_decode_tok_s: sp.decode_tok_s(),
+        speedup: sp.decode_tok_s() / plain.decode_tok_s().max(1e-9),
+        acceptance: sp.spec.acceptance(),
+        tokens_per_step: sp.spec.tokens_per_step(),
+        verify,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn expected_tokens_a_step_is_the_geometric_sum() {
+        assert!((expected_tokens(0.8, 2) - 2.44).abs() < 1e-12);
+        assert_eq!(expected_tokens(0.0, 3), 1.0);
+        assert_eq!(expected_tokens(1.0, 3), 4.0);
+    }
 
     #[test]
     fn prompt_follows_the_contract() {

@@ -45,6 +45,49 @@ pub struct GenerateOptions {
     /// the first id. Off for callers that need the logits; the server's worker also keeps
     /// them for a request that asks for logprobs.
     pub device_greedy: bool,
+    /// MTP speculative decoding (`--speculative mtp`); `None`: one token a step.
+    pub speculative: Option<Speculative>,
+}
+
+/// Speculative decoding with the checkpoint's MTP head: after each picked id the head drafts
+/// `draft_tokens` more, the main model verifies them in one step, and the loop emits the
+/// accepted drafts plus one token from the target (greedy: while the draft is the target's
+/// argmax; sampling: rejection sampling, so the output has the target's distribution).
+/// Where the answer is constrained (structured outputs, strict tools) or a thinking budget is
+/// set, the loop decodes one token a step instead.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Speculative {
+    pub draft_tokens: usize,
+    /// Forced acceptance (bench only, the best case): the draft for generated index `i` is
+    /// `forced[i]` (the target's own continuation from a plain greedy run of the same prompt)
+    /// instead of the head's, which still runs.
+    pub forced: Option<std::sync::Arc<Vec<u32>>>,
+}
+
+/// What speculation did over a reply.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Verification steps.
+    pub steps: usize,
+    /// Draft tokens proposed and accepted.
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl SpecStats {
+    /// Accepted drafts over proposed ones.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+    /// Tokens a verification step emitted (accepted drafts + the target's token).
+    pub fn tokens_per_step(&self) -> f64 {
+        (self.accepted + self.steps) as f64 / self.steps.max(1) as f64
+    }
+    pub fn add(&mut self, o: &SpecStats) {
+        self.steps += o.steps;
+        self.drafted += o.drafted;
+        self.accepted += o.accepted;
+    }
 }
 
 /// Whether greedy decoding may take its ids from the engine's own argmax (the CLI's and the
@@ -92,6 +135,8 @@ pub struct GenerationStats {
     pub stop: StopReason,
     /// False when a cancel interrupted the prefill: the state then holds part of the prompt.
     pub prefill_complete: bool,
+    /// Speculative decoding's counts (zero without it).
+    pub spec: SpecStats,
 }
 
 impl GenerationStats {
@@ -183,6 +228,7 @@ pub fn generate<E: Engine>(
         decode_time: Duration::ZERO,
         stop: StopReason::Cancelled,
         prefill_complete: false,
+        spec: SpecStats::default(),
     };
     let mut snapshot = None;
     let split = snapshot_at.filter(|&n| n > 0 && n < prompt.len());
@@ -219,6 +265,7 @@ pub fn generate<E: Engine>(
         }
         dl.feed(engine, state, next, opts, sampler)?;
     };
+    dl.settle(engine, state)?;
     let stats = dl.finish(stop);
     Ok(Generation { stats, snapshot })
 }
@@ -245,6 +292,14 @@ pub struct DecodeLoop {
     tools: Option<crate::grammar::ToolGate>,
     /// What the masks the ids were picked under cost.
     pub mask_cost: crate::grammar::MaskCost,
+    /// Ids a speculative step chose, not picked yet, each with the target's logits at its
+    /// position.
+    spec_queue: std::collections::VecDeque<(u32, Vec<f32>)>,
+    /// Of those, how many the state already holds (accepted drafts): their `feed` runs
+    /// nothing; where the reply ends first, [`settle`](Self::settle) rolls them back.
+    ahead: usize,
+    /// Tokens of the last verification step the state holds.
+    held: usize,
 }
 
 impl DecodeLoop {
@@ -263,7 +318,124 @@ impl DecodeLoop {
             guide: None,
             tools: None,
             mask_cost: Default::default(),
+            spec_queue: Default::default(),
+            ahead: 0,
+            held: 0,
         }
+    }
+
+    /// Whether [`feed`](Self::feed) of the id just picked is a speculative one (an accepted
+    /// draft already in the state, or a new draft + verification step), which a batching
+    /// caller runs on its own rather than in a batched step.
+    pub fn speculates_next(&self, opts: &GenerateOptions) -> bool {
+        self.ahead > 0 || self.speculates(opts)
+    }
+
+    /// Whether speculation may run for the next id: asked for, and no constraint, forced id
+    /// or thinking budget that the loop would have to apply token by token.
+    fn speculates(&self, opts: &GenerateOptions) -> bool {
+        opts.speculative.is_some()
+            && self.guide.is_none()
+            && self.tools.is_none()
+            && self.forced.is_empty()
+            && opts.thinking.as_ref().is_none_or(|t| t.budget.is_none())
+    }
+
+    /// After the last id was picked and reported, before the stats are read or the state is
+    /// reused: rolls back tokens a speculative step put in the state beyond the ones the
+    /// loop fed (the reply ended among its accepted drafts), so the state holds the prompt
+    /// and every generated id but the last, as without speculation.
+    pub fn settle<E: Engine>(&mut self, engine: &E, state: &mut E::State) -> Result<()> {
+        if self.ahead > 0 {
+            engine.spec_keep(state, self.held - self.ahead)?;
+            self.held -= self.ahead;
+            self.ahead = 0;
+        }
+        self.spec_queue.clear();
+        if self.held > 0 {
+            engine.spec_release(state);
+            self.held = 0;
+        }
+        Ok(())
+    }
+
+    /// One speculative step for the picked `id`: draft with the MTP head, verify `id` and the
+    /// drafts in one forward, accept (greedy match or rejection sampling), roll the state back
+    /// to the accepted tokens and queue them with the target's token for `pick`.
+    fn spec_step<E: Engine>(
+        &mut self,
+        engine: &E,
+        state: &mut E::State,
+        id: u32,
+        opts: &GenerateOptions,
+        sampler: &mut Sampler,
+    ) -> Result<()> {
+        let spec = opts.speculative.as_ref().expect("speculates");
+        let g = self.stats.generated.len();
+        let len = engine.state_len(state);
+        // Room for the verified tokens in the context, and no drafts past the token limit.
+        let k = spec
+            .draft_tokens
+            .min(opts.max_seq.saturating_sub(len + 1))
+            .min(opts.max_tokens.saturating_sub(g + 1));
+        if k == 0 {
+            self.set_logits(engine.forward(state, &[id], Logits::Last)?);
+            return Ok(());
+        }
+        let params = sampler.params().clone();
+        let history = self.stats.generated.clone();
+        let mut qs: Vec<Vec<(u32, f64)>> = Vec::with_capacity(k);
+        let forced = spec.forced.clone();
+        let drafts = engine.mtp_draft(state, id, k, &mut |logits, prev| {
+            if let Some(&f) = forced.as_ref().and_then(|f| f.get(g + prev.len())) {
+                qs.push(vec![(f, 1.0)]);
+                return f;
+            }
+            let mut h = history.clone();
+            h.extend_from_slice(prev);
+            let q = crate::sampling::distribution(&params, logits, &h);
+            let d = crate::sampling::sample_from(&q, sampler.uniform());
+            qs.push(q);
+            d
+        })?;
+        let mut tokens = Vec::with_capacity(k + 1);
+        tokens.push(id);
+        tokens.extend_from_slice(&drafts);
+        let logits = engine.spec_verify(state, &tokens)?;
+        let v = engine.config().vocab_size;
+        anyhow::ensure!(
+            logits.len() == (k + 1) * v,
+            "a verification step gave {} logits",
+            logits.len()
+        );
+        let mut h = history;
+        let mut accepted = 0;
+        for (i, row) in logits.chunks_exact(v).enumerate() {
+            let p = crate::sampling::distribution(&params, row, &h);
+            if i == k {
+                let t = crate::sampling::sample_from(&p, sampler.uniform());
+                self.spec_queue.push_back((t, row.to_vec()));
+                break;
+            }
+            let u = sampler.uniform();
+            let (t, ok) =
+                crate::sampling::speculative_step(&p, &qs[i], drafts[i], u, || sampler.uniform());
+            self.spec_queue.push_back((t, row.to_vec()));
+            if !ok {
+                break;
+            }
+            accepted += 1;
+            h.push(t);
+        }
+        engine.spec_keep(state, accepted + 1)?;
+        self.held = accepted + 1;
+        self.ahead = accepted;
+        self.stats.spec.steps += 1;
+        self.stats.spec.drafted += k;
+        self.stats.spec.accepted += accepted;
+        self.logits.clear();
+        self.device_next = None;
+        Ok(())
     }
 
     /// Constrains the answer (every id picked outside the thinking block, forced ids
@@ -305,6 +477,14 @@ impl DecodeLoop {
         opts: &GenerateOptions,
         sampler: &mut Sampler,
     ) -> Result<()> {
+        if self.ahead > 0 {
+            // an accepted draft: the verification step already ran it
+            self.ahead -= 1;
+            return Ok(());
+        }
+        if self.speculates(opts) {
+            return self.spec_step(engine, state, id, opts, sampler);
+        }
         if !opts.device_greedy {
             self.set_logits(engine.forward(state, &[id], Logits::Last)?);
         } else if sampler.is_plain_greedy() && self.next_mask().is_none() {
@@ -357,6 +537,11 @@ impl DecodeLoop {
             self.forced.extend(&t.close_ids);
         }
         let was_forced = !self.forced.is_empty();
+        if let Some((id, row)) = self.spec_queue.pop_front() {
+            // chosen by the last speculative step, against these target logits
+            self.logits = row;
+            self.device_next = Some(id);
+        }
         let device_next = self.device_next.take();
         // The constraint's mask, where it applies to this id (the device's draw, if it chose
         // the id, already applied it).
@@ -422,7 +607,7 @@ impl DecodeLoop {
             Some(StopReason::EndToken)
         } else if self.stats.generated.len() >= opts.max_tokens {
             Some(StopReason::MaxTokens)
-        } else if state_len + 1 > opts.max_seq {
+        } else if state_len.saturating_sub(self.ahead) + 1 > opts.max_seq {
             Some(StopReason::ContextFull)
         } else {
             None

@@ -533,6 +533,94 @@ fn draw_in(
     cands.last().map_or(0, |c| c.0)
 }
 
+/// The distribution [`draw`] samples from, written out: `(id, probability)` of every id it
+/// can pick (penalties over `history`, temperature, top-k, top-p, min-p, then the softmax
+/// of what is left), most likely first. Greedy: the one id [`draw`] picks, probability 1.
+/// Speculative rejection sampling applies it to the target's and the draft's logits alike.
+pub fn distribution(p: &SamplingParams, logits: &[f32], history: &[u32]) -> Vec<(u32, f64)> {
+    let n = p.vocab_limit.min(logits.len());
+    if p.is_greedy() || n == 0 {
+        return vec![(draw(p, logits, history, 0.0), 1.0)];
+    }
+    let mut x: Vec<f32> = logits[..n]
+        .iter()
+        .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v })
+        .collect();
+    apply_penalties(
+        &mut x,
+        history,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    );
+    let t = p.temperature.max(f32::MIN_POSITIVE);
+    if t != 1.0 {
+        x.iter_mut().for_each(|v| *v /= t);
+    }
+    let mut cands: Vec<(u32, f32)> = x
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| **v > f32::NEG_INFINITY)
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
+    if cands.is_empty() {
+        return vec![(argmax(&x), 1.0)];
+    }
+    top_k(&mut cands, p.top_k);
+    top_p(&mut cands, p.top_p);
+    min_p(&mut cands, p.min_p);
+    let probs = probabilities(&cands);
+    cands.iter().map(|c| c.0).zip(probs).collect()
+}
+
+/// The id at `u` in `[0, 1)` of a written-out distribution (its inverse CDF, in its order).
+pub fn sample_from(dist: &[(u32, f64)], u: f64) -> u32 {
+    let total: f64 = dist.iter().map(|d| d.1).sum();
+    let u = u * total;
+    let mut acc = 0.0;
+    for &(id, pr) in dist {
+        acc += pr;
+        if u < acc && pr > 0.0 {
+            return id;
+        }
+    }
+    dist.iter().rev().find(|d| d.1 > 0.0).map_or(0, |d| d.0)
+}
+
+fn prob_of(dist: &[(u32, f64)], id: u32) -> f64 {
+    dist.iter().find(|d| d.0 == id).map_or(0.0, |d| d.1)
+}
+
+/// Speculative rejection sampling (Leviathan et al. / Chen et al.), one draft position:
+/// `draft` was drawn from `q` (the draft's distribution), `p` is the target's. Accepts with
+/// probability `min(1, p(draft) / q(draft))`, `u` uniform in `[0, 1)`; on rejection returns the
+/// id drawn at `u2()` (called only then) from the residual `max(0, p - q)` renormalised. Either way the id has
+/// exactly the distribution `p`. Greedy (`p` and `q` one id each, `u = 0`): accepted exactly
+/// when the draft is the target's choice, else the target's choice.
+pub fn speculative_step(
+    p: &[(u32, f64)],
+    q: &[(u32, f64)],
+    draft: u32,
+    u: f64,
+    u2: impl FnOnce() -> f64,
+) -> (u32, bool) {
+    let (pd, qd) = (prob_of(p, draft), prob_of(q, draft));
+    if qd > 0.0 && u * qd < pd {
+        return (draft, true);
+    }
+    let qs: HashMap<u32, f64> = q.iter().copied().collect();
+    let residual: Vec<(u32, f64)> = p
+        .iter()
+        .map(|&(id, pr)| (id, (pr - qs.get(&id).copied().unwrap_or(0.0)).max(0.0)))
+        .filter(|r| r.1 > 0.0)
+        .collect();
+    if residual.is_empty() {
+        // p <= q everywhere means p == q, where the draft is always accepted; rounding only
+        return (sample_from(p, u2()), false);
+    }
+    (sample_from(&residual, u2()), false)
+}
+
 /// One row of a batched step's draw ([`crate::model::Engine::forward_batch_draw`]): the
 /// request's settings, the uniform its sampler gave for this token ([`Sampler::uniform`]), the
 /// history the penalties count, how many top log-probabilities it wants (`None`: none), and

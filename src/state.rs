@@ -14,7 +14,7 @@ pub struct GdnState {
 }
 
 /// Attention KV cache of one layer: normed + rotated keys and raw values, `[len, nkv, hd]`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Default)]
 pub struct KvCache {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
@@ -26,12 +26,55 @@ pub enum LayerState {
     Attention(KvCache),
 }
 
+/// The MTP head's part of a sequence (speculative decoding, spec §4). Its attention layer
+/// has its own KV cache: the entry at position `p` comes from the pair (the main model's
+/// final-normed hidden state at `p`, the token at `p + 1`), so it always lags the main state;
+/// the rows it has not consumed yet wait in `hidden`. Invariant: `kv` positions + `hidden`
+/// rows = [`SequenceState::len`].
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct MtpState {
+    pub kv: KvCache,
+    /// Main-model hidden states (after the final norm) not yet run through the head,
+    /// `[rows, D]`, oldest first.
+    pub hidden: Vec<f32>,
+    /// The token after each pending row but the last (`rows - 1` ids; the last row's is the
+    /// one the model picks next).
+    pub next: Vec<u32>,
+}
+
+/// What a speculative verification step ([`crate::model::Engine::spec_verify`]) keeps so it
+/// can be rolled back: the GDN states after each verified position (on the CPU copies; the
+/// GPU will keep a slot per draft position), and where the step started.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Verified {
+    /// [`SequenceState::len`] before the step.
+    pub base: usize,
+    /// `gdn[i][j]`: the `j`-th GDN layer's state after verified position `base + i`.
+    pub gdn: Vec<Vec<GdnState>>,
+}
+
 /// Everything one sequence carries between forward calls.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SequenceState {
     /// Tokens already processed (the position of the next token).
     pub len: usize,
     pub layers: Vec<LayerState>,
+    /// The MTP head's KV and pending rows, where the model drafts with it.
+    pub mtp: Option<MtpState>,
+    /// The last verification step's roll-back slots, until the next forward call.
+    pub verified: Option<Verified>,
+}
+
+impl KvCache {
+    /// Positions held (`rows` floats a position).
+    pub fn positions(&self, row: usize) -> usize {
+        self.k.len() / row.max(1)
+    }
+    /// Drops every position from `len` on.
+    pub fn truncate(&mut self, len: usize, row: usize) {
+        self.k.truncate(len * row);
+        self.v.truncate(len * row);
+    }
 }
 
 impl SequenceState {
@@ -53,7 +96,12 @@ impl SequenceState {
                 }),
             })
             .collect();
-        SequenceState { len: 0, layers }
+        SequenceState {
+            len: 0,
+            layers,
+            mtp: None,
+            verified: None,
+        }
     }
 
     /// A copy of the state as it is now.
@@ -74,7 +122,10 @@ impl SequenceState {
                 LayerState::Gdn(g) => (g.conv.len() + g.recurrent.len()) * 4,
                 LayerState::Attention(kv) => (kv.k.len() + kv.v.len()) * 4,
             })
-            .sum()
+            .sum::<usize>()
+            + self.mtp.as_ref().map_or(0, |m| {
+                (m.kv.k.len() + m.kv.v.len() + m.hidden.len()) * 4 + m.next.len() * 4
+            })
     }
 }
 

@@ -5,6 +5,7 @@ use crate::config::{LayerKind, TextConfig};
 use crate::tensor::{DType, Mat};
 use crate::weights::{
     AttentionWeights, ExpertWeights, GdnWeights, LayerWeights, Mixer, ModelWeights, MoeWeights,
+    MtpWeights,
 };
 
 /// SplitMix64: tiny, fast, reproducible on every platform.
@@ -112,6 +113,63 @@ pub fn random_weights(cfg: &TextConfig, seed: u64, dtype: DType) -> ModelWeights
         layers,
         final_norm,
         lm_head,
+        mtp: None,
+    }
+}
+
+/// Seeded random MTP head weights for `cfg` (the demo model's `--speculative mtp`, tests).
+/// Its own generator, so the main weights of [`random_weights`] are unchanged. Random, so its
+/// drafts are almost never accepted.
+pub fn random_mtp_weights(cfg: &TextConfig, seed: u64, dtype: DType) -> MtpWeights {
+    let mut rng = Rng::new(seed ^ 0x4D54_5000);
+    let d = cfg.hidden_size;
+    let mat = |rows: usize, cols: usize, rng: &mut Rng| {
+        let std = 1.0 / (cols as f32).sqrt();
+        let v: Vec<f32> = (0..rows * cols).map(|_| rng.normal(std)).collect();
+        Mat::from_f32(&v, rows, cols, dtype)
+    };
+    let vecn = |n: usize, std: f32, rng: &mut Rng| -> Vec<f32> {
+        (0..n).map(|_| rng.normal(std)).collect()
+    };
+    let expert = |rows: usize, rng: &mut Rng| ExpertWeights {
+        gate: mat(rows, d, rng),
+        up: mat(rows, d, rng),
+        down: mat(d, rows, rng),
+    };
+    let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
+    let fc = mat(d, 2 * d, &mut rng);
+    let mixer = Mixer::Attention(AttentionWeights {
+        q: mat(nq * 2 * hd, d, &mut rng),
+        k: mat(nkv * hd, d, &mut rng),
+        v: mat(nkv * hd, d, &mut rng),
+        o: mat(d, nq * hd, &mut rng),
+        q_norm: vecn(hd, 0.1, &mut rng),
+        k_norm: vecn(hd, 0.1, &mut rng),
+    });
+    let experts = (0..cfg.num_experts)
+        .map(|_| expert(cfg.moe_intermediate, &mut rng))
+        .collect();
+    let shared = expert(cfg.shared_intermediate, &mut rng);
+    let router = {
+        let v: Vec<f32> = (0..cfg.num_experts * d).map(|_| rng.normal(0.1)).collect();
+        Mat::from_f32(&v, cfg.num_experts, d, dtype)
+    };
+    MtpWeights {
+        pre_fc_norm_embedding: vecn(d, 0.1, &mut rng),
+        pre_fc_norm_hidden: vecn(d, 0.1, &mut rng),
+        fc,
+        layer: LayerWeights {
+            input_norm: vecn(d, 0.1, &mut rng),
+            post_attention_norm: vecn(d, 0.1, &mut rng),
+            mixer,
+            moe: MoeWeights {
+                router,
+                experts,
+                shared,
+                shared_gate: vecn(d, 1.0 / (d as f32).sqrt(), &mut rng),
+            },
+        },
+        norm: vecn(d, 0.1, &mut rng),
     }
 }
 

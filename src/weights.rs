@@ -14,8 +14,8 @@
 //!   (`input_layernorm`, `post_attention_layernorm`, the final `norm`, `q_norm`, `k_norm`;
 //!   not the GDN gated norm): the loader subtracts 1 so the graph's `1 + w` is unchanged.
 //!
-//! `model.visual.*` (and mlx-vlm's `vision_tower.*`) is skipped; `mtp.*` is kept (listed)
-//! for speculative decoding later.
+//! `model.visual.*` (and mlx-vlm's `vision_tower.*`) is skipped; `mtp.*` is listed, and
+//! loaded as [`MtpWeights`] for speculative decoding (`--speculative mtp`).
 //!
 //! Affine 4/8-bit ([`Checkpoint::any_weight`]): MLX `<m>.weight` (U32 codes, 8 a word for
 //! 4 bits, 4 for 8), `<m>.scales`, `<m>.biases` (`[out, in/group]`), bits and group from
@@ -1055,6 +1055,82 @@ pub struct ModelWeights {
     pub layers: Vec<LayerWeights>,
     pub final_norm: Vec<f32>,
     pub lm_head: Mat,
+    /// The multi-token-prediction head (`mtp.*`), loaded only for speculative decoding
+    /// ([`MtpWeights::from_checkpoint`]); `None` otherwise.
+    pub mtp: Option<MtpWeights>,
+}
+
+/// The MTP head (spec §4): zero-centred RMSNorms on the next token's embedding and on the
+/// main model's hidden state, `fc` over their concatenation (embedding first), one gated
+/// full-attention decoder layer with its own MoE, and a final norm. Embeddings and lm_head
+/// are the main model's.
+pub struct MtpWeights {
+    pub pre_fc_norm_embedding: Vec<f32>,
+    pub pre_fc_norm_hidden: Vec<f32>,
+    /// `mtp.fc` `[D, 2D]`: input columns `0..D` the normed embedding, `D..2D` the normed
+    /// hidden state.
+    pub fc: Mat,
+    /// `mtp.layers.0.*`: a full-attention layer of the main model's shape.
+    pub layer: LayerWeights,
+    /// `mtp.norm`: the head's final zero-centred norm, before the shared lm_head.
+    pub norm: Vec<f32>,
+}
+
+impl MtpWeights {
+    /// The `mtp.*` tensors of `ck`, every shape checked against `cfg`. A checkpoint without
+    /// them (or with only some) is an error that says so: speculative decoding needs them.
+    pub fn from_checkpoint(ck: &Checkpoint, cfg: &TextConfig) -> Result<Self> {
+        if ck.mtp.is_empty() {
+            bail!(
+                "--speculative mtp needs the checkpoint's multi-token-prediction head, but {} has \
+                 no `mtp.*` tensors (the official Qwen3.6 bf16 and FP8 releases carry them; \
+                 re-exports such as MLX conversions often drop them)",
+                ck.dir.display()
+            );
+        }
+        Self::load(ck, cfg).with_context(|| {
+            format!(
+                "the checkpoint in {} has {} `mtp.*` tensors but not a complete MTP head \
+                 (--speculative mtp needs all of them)",
+                ck.dir.display(),
+                ck.mtp.len()
+            )
+        })
+    }
+
+    fn load(ck: &Checkpoint, cfg: &TextConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let q = cfg.quantization.as_ref();
+        if cfg.mtp_layers > 1 {
+            bail!(
+                "`mtp_num_hidden_layers` is {}; Kestrel's MTP head has one layer",
+                cfg.mtp_layers
+            );
+        }
+        let a = "mtp.layers.0.self_attn.";
+        let (nq, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
+        let layer = LayerWeights {
+            input_norm: ck.vec_f32("mtp.layers.0.input_layernorm.weight", &[d])?,
+            post_attention_norm: ck
+                .vec_f32("mtp.layers.0.post_attention_layernorm.weight", &[d])?,
+            mixer: Mixer::Attention(AttentionWeights {
+                q: ck.weight(&format!("{a}q_proj.weight"), &[nq * 2 * hd, d], q)?,
+                k: ck.weight(&format!("{a}k_proj.weight"), &[nkv * hd, d], q)?,
+                v: ck.weight(&format!("{a}v_proj.weight"), &[nkv * hd, d], q)?,
+                o: ck.weight(&format!("{a}o_proj.weight"), &[d, nq * hd], q)?,
+                q_norm: ck.vec_f32(&format!("{a}q_norm.weight"), &[hd])?,
+                k_norm: ck.vec_f32(&format!("{a}k_norm.weight"), &[hd])?,
+            }),
+            moe: load_moe(ck, cfg, "mtp.layers.0.mlp.")?,
+        };
+        Ok(MtpWeights {
+            pre_fc_norm_embedding: ck.vec_f32("mtp.pre_fc_norm_embedding.weight", &[d])?,
+            pre_fc_norm_hidden: ck.vec_f32("mtp.pre_fc_norm_hidden.weight", &[d])?,
+            fc: ck.mat("mtp.fc.weight", &[d, 2 * d])?,
+            layer,
+            norm: ck.vec_f32("mtp.norm.weight", &[d])?,
+        })
+    }
 }
 
 impl ModelWeights {
@@ -1161,6 +1237,7 @@ impl ModelWeights {
             layers,
             final_norm: zc("norm.weight", d)?,
             lm_head: ck.any_weight("lm_head.weight", &[cfg.vocab_size, d], cfg, false)?,
+            mtp: None,
         })
     }
 
@@ -1206,6 +1283,38 @@ impl ModelWeights {
                 r(&mut e.down);
             }
         }
+    }
+
+    /// [`Self::round_to_bf16`] including the MTP head's matrices (the head's oracle at the
+    /// GPU's precision).
+    pub fn round_to_bf16_with_mtp(&mut self) {
+        self.round_to_bf16();
+        let Some(mtp) = self.mtp.take() else { return };
+        // The head's layer has the main layers' shape: round it as one of them.
+        let MtpWeights {
+            pre_fc_norm_embedding,
+            pre_fc_norm_hidden,
+            fc,
+            layer,
+            norm,
+        } = mtp;
+        let mut fc = fc;
+        if fc.dtype != DType::BF16 && fc.dtype != DType::F8E4M3 {
+            fc = Mat::from_f32(&fc.to_f32(), fc.rows, fc.cols, DType::BF16);
+        }
+        let mut layers = std::mem::take(&mut self.layers);
+        self.layers = vec![layer];
+        self.round_to_bf16();
+        let layer = self.layers.pop().expect("the MTP layer");
+        layers.shrink_to_fit();
+        self.layers = layers;
+        self.mtp = Some(MtpWeights {
+            pre_fc_norm_embedding,
+            pre_fc_norm_hidden,
+            fc,
+            layer,
+            norm,
+        });
     }
 
     /// Every matrix the FP8 format quantizes, and the ones it keeps unquantized.

@@ -550,6 +550,219 @@ fn inspect_shows_the_weight_format_and_bytes_per_kind() {
     let s = text(&out.stdout);
     assert!(s.contains("format          bf16\n"), "{s}");
     assert!(!s.contains("F8_E4M3"), "{s}");
+    assert!(s.contains("mtp head        complete (19 tensors)"), "{s}");
+    let out = kestrel(
+        &[
+            "inspect",
+            "--model",
+            root.join("tiny-flat-f32").to_str().unwrap(),
+        ],
+        None,
+        &[],
+    );
+    assert_ok(&out);
+    let s = text(&out.stdout);
+    assert!(
+        s.contains("mtp head        unusable for --speculative mtp: "),
+        "{s}"
+    );
+    assert!(s.contains("no `mtp.*` tensors"), "{s}");
+}
+
+/// `--speculative mtp` on the demo model (its seeded random head): the reply is the plain
+/// greedy reply, the stats line reports the acceptance and tokens per step, chat resumes a
+/// speculative turn's state, and the GPU and a checkpoint without a head are refused.
+#[test]
+fn speculative_flags_keep_the_reply_and_report_acceptance() {
+    let args = [
+        "generate",
+        "--prompt",
+        "Tell me a story.",
+        "--temperature",
+        "0",
+    ];
+    let plain = kestrel(&[&args[..], &["--max-tokens", "24"]].concat(), None, &[]);
+    assert_ok(&plain);
+    for k in ["1", "3"] {
+        let sp = kestrel(
+            &[
+                &args[..],
+                &[
+                    "--max-tokens",
+                    "24",
+                    "--speculative",
+                    "mtp",
+                    "--draft-tokens",
+                    k,
+                ],
+            ]
+            .concat(),
+            None,
+            &[],
+        );
+        assert_ok(&sp);
+        assert_eq!(text(&sp.stdout), text(&plain.stdout), "K={k}");
+        let err = text(&sp.stderr);
+        let line = stats_lines(&err)[0];
+        assert!(line.contains("mtp acceptance "), "{line}");
+        assert!(line.contains(" tokens/step"), "{line}");
+        assert_eq!(field(line, "generated"), 24);
+        assert!(!stats_lines(&text(&plain.stderr))[0].contains("mtp"));
+    }
+    // chat: the second turn resumes what the first (speculative) turn left
+    let out = kestrel(
+        &[
+            "chat",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+            "--speculative",
+            "mtp",
+        ],
+        Some("Hello there!\nAnd a second question?\n"),
+        &[],
+    );
+    assert_ok(&out);
+    let err = text(&out.stderr);
+    let stats = stats_lines(&err);
+    assert_eq!(stats.len(), 2, "{err}");
+    assert!(field(stats[1], "cached") > 0, "{}", stats[1]);
+    assert!(stats[1].contains("mtp acceptance"), "{}", stats[1]);
+
+    let e = fails(
+        &[
+            "generate",
+            "--prompt",
+            "hi",
+            "--device",
+            "cuda",
+            "--speculative",
+            "mtp",
+        ],
+        1,
+        &[],
+    );
+    assert!(
+        e.contains("MTP speculation on the GPU is not built yet (issue 40)"),
+        "{e}"
+    );
+    let e = fails(
+        &[
+            "serve",
+            "--device",
+            "cuda",
+            "--speculative",
+            "mtp",
+            "--bind",
+            "127.0.0.1:0",
+        ],
+        1,
+        &[],
+    );
+    assert!(e.contains("not built yet (issue 40)"), "{e}");
+    let flat = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-flat-f32");
+    let e = fails(
+        &[
+            "generate",
+            "--prompt",
+            "hi",
+            "--raw",
+            "--model",
+            flat.to_str().unwrap(),
+            "--speculative",
+            "mtp",
+        ],
+        1,
+        &[],
+    );
+    assert!(e.contains("no `mtp.*` tensors"), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+    // --draft-tokens needs --speculative; 0 drafts is refused
+    fails(
+        &["generate", "--prompt", "hi", "--draft-tokens", "2"],
+        2,
+        &[],
+    );
+    fails(
+        &[
+            "generate",
+            "--prompt",
+            "hi",
+            "--speculative",
+            "mtp",
+            "--draft-tokens",
+            "0",
+        ],
+        2,
+        &[],
+    );
+}
+
+/// `bench --speculative mtp` on the CPU: the JSON carries acceptance, tokens per step and the
+/// verify costs; forced acceptance accepts every draft.
+#[test]
+fn bench_speculative_reports_acceptance_and_verify_costs() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-official-bf16");
+    for forced in [false, true] {
+        let json = dir.path().join(format!("spec-{forced}.json"));
+        let mut args = vec![
+            "bench",
+            "--device",
+            "cpu",
+            "--model",
+            fixture.to_str().unwrap(),
+            "--contexts",
+            "32",
+            "--speculative",
+            "mtp",
+            "--draft-tokens",
+            "3",
+            "--json",
+            json.to_str().unwrap(),
+        ];
+        if forced {
+            args.push("--speculative-forced");
+        }
+        let out = kestrel(&args, None, &[]);
+        assert_ok(&out);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let row = &v["rows"][0];
+        assert_eq!(row["context"], 32);
+        assert_eq!(row["draft_tokens"], 3);
+        assert_eq!(row["forced"], forced);
+        let acc = row["acceptance"].as_f64().unwrap();
+        let tps = row["tokens_per_step"].as_f64().unwrap();
+        if forced {
+            assert_eq!(acc, 1.0, "{row}");
+            assert_eq!(tps, 4.0, "{row}");
+        } else {
+            assert!((1.0..=4.0).contains(&tps), "{row}");
+        }
+        let verify = row["verify"].as_array().unwrap();
+        assert_eq!(verify.len(), 4);
+        for (i, c) in verify.iter().enumerate() {
+            assert_eq!(c["draft_tokens"], i + 1);
+            assert!(c["verify_ms"].as_f64().unwrap() > 0.0, "{c}");
+            assert!(c["modelled_speedup_at_0_8"].as_f64().unwrap() > 0.0, "{c}");
+        }
+    }
+    let e = fails(
+        &[
+            "bench",
+            "--device",
+            "cuda",
+            "--synthetic",
+            "demo",
+            "--speculative",
+            "mtp",
+        ],
+        1,
+        &[],
+    );
+    assert!(e.contains("not built yet (issue 40)"), "{e}");
 }
 
 #[test]

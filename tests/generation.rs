@@ -97,6 +97,7 @@ fn opts(max_tokens: usize) -> GenerateOptions {
         max_seq: 10_000,
         thinking: None,
         device_greedy: false,
+        speculative: None,
     }
 }
 

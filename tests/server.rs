@@ -35,6 +35,7 @@ fn config(max_seq: usize, api_key: Option<&str>) -> ServerConfig {
         max_connections: ServerConfig::MAX_CONNECTIONS,
         allow_origins: Vec::new(),
         access_log: false,
+        speculative: None,
     }
 }
 
@@ -3518,4 +3519,84 @@ fn sixty_four_streams_with_twenty_disconnects_all_finish_or_are_counted() {
         "took {:?}",
         t0.elapsed()
     );
+}
+
+/// A server with `--speculative mtp` (the demo model with its seeded random head) answers
+/// exactly as a plain one: greedy replies, their logprobs and a resumed prefix; several
+/// speculating requests run together; `/metrics` counts the verification steps and drafts.
+#[test]
+fn speculative_server_matches_the_plain_one_and_reports_acceptance() {
+    let mut cfg = config(32_768, None);
+    cfg.speculative = Some(kestrel::generate::Speculative {
+        draft_tokens: 2,
+        forced: None,
+    });
+    let spec = start(
+        || {
+            let mut m = demo_engine();
+            let c = m.config.clone();
+            m.attach_mtp(kestrel::synthetic::random_mtp_weights(
+                &c,
+                kestrel::synthetic::DEMO_SEED,
+                DType::BF16,
+            ));
+            m
+        },
+        cfg,
+        Duration::ZERO,
+    );
+    wait_ready(spec);
+    let plain = demo();
+    let ask = |a: SocketAddr, text: &str| {
+        chat(
+            a,
+            json!({"messages": user(text), "max_tokens": 12, "temperature": 0,
+                   "logprobs": true, "top_logprobs": 2}),
+        )
+    };
+    let prompts = [
+        "A first question.",
+        "Another one?",
+        "A first question. And more.",
+    ];
+    let answers: Vec<Value> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| s.spawn(move || ask(spec, p)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (p, got) in prompts.iter().zip(&answers) {
+        let want = ask(plain, p);
+        assert_eq!(
+            got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"],
+            "{p}"
+        );
+        assert_eq!(
+            got["choices"][0]["logprobs"], want["choices"][0]["logprobs"],
+            "{p}"
+        );
+        assert_eq!(got["usage"]["completion_tokens"], 12);
+    }
+    // the same conversation again resumes from the cached speculative state
+    let again = ask(spec, prompts[0]);
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{again}"
+    );
+    assert_eq!(
+        again["choices"][0]["message"]["content"],
+        answers[0]["choices"][0]["message"]["content"]
+    );
+    let m = http(spec, "GET", "/metrics", None, &[]).1;
+    let steps = metric(&m, "kestrel_spec_verify_steps_total");
+    let drafted = metric(&m, "kestrel_spec_draft_tokens_total");
+    assert!(steps > 0 && drafted >= steps, "{m}");
+    assert!(m.contains("kestrel_spec_acceptance_rate "), "{m}");
+    assert!(m.contains("kestrel_spec_tokens_per_step "), "{m}");
+    let p = http(plain, "GET", "/metrics", None, &[]).1;
+    assert_eq!(metric(&p, "kestrel_spec_verify_steps_total"), 0);
 }

@@ -281,6 +281,7 @@ fn timed_mask_cost(device: bool) -> MaskCost {
         max_seq: 4096,
         thinking: None,
         device_greedy: true,
+        speculative: None,
     };
     let mut sampler = Sampler::new(SamplingParams::default(), 7);
     // the guide starts when the request arrives, its first mask computed during the prefill
@@ -298,6 +299,7 @@ fn timed_mask_cost(device: bool) -> MaskCost {
         decode_time: Duration::ZERO,
         stop: StopReason::Cancelled,
         prefill_complete: true,
+        spec: Default::default(),
     };
     let mut dl = DecodeLoop::new(stats, false, logits, Instant::now());
     dl.constrain(guide);
@@ -409,6 +411,7 @@ fn config() -> ServerConfig {
         max_connections: ServerConfig::MAX_CONNECTIONS,
         allow_origins: Vec::new(),
         access_log: false,
+        speculative: None,
     }
 }
 

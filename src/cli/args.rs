@@ -38,6 +38,26 @@ pub(super) struct ModelArgs {
     /// Only the generated text: no banner, progress bar or stats line.
     #[arg(long, short)]
     pub(super) quiet: bool,
+    /// Speculative decoding: `mtp` drafts tokens with the checkpoint's multi-token-prediction
+    /// head and verifies them in one step of the main model (lossless: greedy output is the
+    /// same, sampled output has the same distribution). CPU only for now.
+    #[arg(long, value_parser = ["mtp"])]
+    pub(super) speculative: Option<String>,
+    /// With --speculative mtp: tokens the head drafts per step.
+    #[arg(long, default_value_t = 2, requires = "speculative", value_parser = clap::value_parser!(u64).range(1..=16))]
+    pub(super) draft_tokens: u64,
+}
+
+impl ModelArgs {
+    /// What `--speculative` / `--draft-tokens` ask for.
+    pub(super) fn speculative(&self) -> Option<kestrel::generate::Speculative> {
+        self.speculative
+            .as_ref()
+            .map(|_| kestrel::generate::Speculative {
+                draft_tokens: self.draft_tokens as usize,
+                forced: None,
+            })
+    }
 }
 
 #[derive(Args, Clone, Debug)]

@@ -98,6 +98,7 @@ pub(super) fn setup<E: Engine>(
                 max_seq,
                 thinking,
                 device_greedy: kestrel::generate::device_greedy_allowed(),
+                speculative: model.speculative(),
             },
             stop_strings: opts.stop.clone(),
             think_ids,
@@ -195,8 +196,20 @@ impl Printer {
 }
 
 pub(super) fn stats_line(s: &GenerationStats) -> String {
+    // With speculation: drafts accepted over proposed, and tokens a verification step gave.
+    let spec = if s.spec.steps > 0 {
+        format!(
+            ", mtp acceptance {:.1}% ({}/{}), {:.2} tokens/step",
+            100.0 * s.spec.acceptance(),
+            s.spec.accepted,
+            s.spec.drafted,
+            s.spec.tokens_per_step()
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "[prompt {} tokens, cached {}, ttft {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s, generated {} tokens, stop: {}]",
+        "[prompt {} tokens, cached {}, ttft {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s, generated {} tokens{spec}, stop: {}]",
         s.prompt_tokens,
         s.cached_tokens,
         s.time_to_first_token.as_secs_f64() * 1e3,

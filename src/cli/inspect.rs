@@ -75,6 +75,17 @@ pub(super) fn inspect(dir: &Path) -> Result<()> {
         human_bytes(cfg.kv_bytes_per_token(2) as u64),
         human_bytes(cfg.gdn_state_bytes() as u64)
     );
+    // Whether --speculative mtp can run: the head loads in full (names, shapes, dtypes).
+    match kestrel::weights::MtpWeights::from_checkpoint(&ck, &cfg) {
+        Ok(_) => println!(
+            "mtp head        complete ({} tensors): --speculative mtp can draft with it",
+            ck.mtp.len()
+        ),
+        Err(e) => println!(
+            "mtp head        unusable for --speculative mtp: {}",
+            format!("{e:#}").replace('\n', " ")
+        ),
+    }
     let cpu_state = SequenceState::new(&cfg).memory_bytes();
     println!(
         "cpu backend     {} of f32 state per sequence before any token",

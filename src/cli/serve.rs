@@ -37,6 +37,11 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         model.gpu.is_none() || model.device == super::args::Device::Cuda,
         "--gpu selects a CUDA device: it needs --device cuda"
     );
+    anyhow::ensure!(
+        model.speculative.is_none() || model.device == super::args::Device::Cpu,
+        "MTP speculation on the GPU is not built yet (issue 40): --speculative mtp runs with \
+         --device cpu"
+    );
     let max_running = max_running.map(|n| n as usize);
     let api_key = match api_key_file {
         Some(path) => Some(read_api_key(&path)?),
@@ -81,6 +86,7 @@ pub(super) fn serve_cmd(args: ServeArgs, model: ModelArgs) -> Result<i32> {
         max_connections: max_connections as usize,
         allow_origins,
         access_log: !no_access_log,
+        speculative: model.speculative(),
     };
     let (shared, rx) = Shared::new(config, tokenizer, &generation)?;
     // The structured-output vocabulary takes a few seconds to build: meanwhile the weights

@@ -57,6 +57,10 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
+    /// MTP speculation of finished requests: verification steps, drafts proposed, accepted.
+    pub spec_steps: AtomicU64,
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
     pub queue_depth: AtomicU64,
     pub running: AtomicU64,
     pub cache_hits: AtomicU64,
@@ -133,6 +137,52 @@ impl Metrics {
             "Prompt tokens reused from the prefix cache.",
             &self.cached_tokens,
         );
+        scalar(
+            &mut out,
+            "kestrel_spec_verify_steps_total",
+            "counter",
+            "MTP speculative verification steps (finished requests).",
+            &self.spec_steps,
+        );
+        scalar(
+            &mut out,
+            "kestrel_spec_draft_tokens_total",
+            "counter",
+            "Tokens the MTP head drafted (finished requests).",
+            &self.spec_drafted,
+        );
+        scalar(
+            &mut out,
+            "kestrel_spec_accepted_tokens_total",
+            "counter",
+            "Drafted tokens the main model accepted (finished requests).",
+            &self.spec_accepted,
+        );
+        {
+            let (steps, drafted, accepted) = (
+                self.spec_steps.load(Ordering::Relaxed) as f64,
+                self.spec_drafted.load(Ordering::Relaxed) as f64,
+                self.spec_accepted.load(Ordering::Relaxed) as f64,
+            );
+            let _ = writeln!(
+                out,
+                "# HELP kestrel_spec_acceptance_rate Accepted over drafted MTP tokens (0 before any draft).\n# TYPE kestrel_spec_acceptance_rate gauge\nkestrel_spec_acceptance_rate {}",
+                if drafted > 0.0 {
+                    accepted / drafted
+                } else {
+                    0.0
+                }
+            );
+            let _ = writeln!(
+                out,
+                "# HELP kestrel_spec_tokens_per_step Tokens a verification step emitted (accepted drafts + 1; 0 before any step).\n# TYPE kestrel_spec_tokens_per_step gauge\nkestrel_spec_tokens_per_step {}",
+                if steps > 0.0 {
+                    (accepted + steps) / steps
+                } else {
+                    0.0
+                }
+            );
+        }
         scalar(
             &mut out,
             "kestrel_queue_depth",

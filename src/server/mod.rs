@@ -88,6 +88,8 @@ pub struct ServerConfig {
     pub allow_origins: Vec<String>,
     /// One `tracing` info line per request (method, path, status, duration, tokens).
     pub access_log: bool,
+    /// MTP speculative decoding for every request (`--speculative mtp`); `None`: off.
+    pub speculative: Option<crate::generate::Speculative>,
 }
 
 impl ServerConfig {
@@ -266,6 +268,10 @@ pub fn run_model<E: Engine>(
     shared: Arc<Shared>,
     rx: Receiver<Job>,
 ) -> anyhow::Result<()> {
+    if shared.config.speculative.is_some() {
+        // before the server reports ready: every request would fail its first step
+        engine.mtp_check()?;
+    }
     let cache_cap = shared.config.cache_mem;
     let max_seq = shared
         .config

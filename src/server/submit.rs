@@ -124,6 +124,7 @@ pub(super) fn settings(
             max_seq: s.config.max_seq,
             thinking,
             device_greedy: crate::generate::device_greedy_allowed(),
+            speculative: s.config.speculative.clone(),
         },
         stop_strings: params.stop.clone(),
         think_ids,

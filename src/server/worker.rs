@@ -124,6 +124,9 @@ enum Advanced {
         greedy: bool,
         vocab_limit: usize,
     },
+    /// It picked an id and already ran it (MTP speculation: each such sequence runs its own
+    /// draft and verification step, outside the round's batched step).
+    Fed,
     /// It is done.
     End(End),
 }
@@ -545,6 +548,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                     feeds.push((i, id, greedy, vocab_limit));
                     i += 1;
                 }
+                Ok(Advanced::Fed) => i += 1,
                 Ok(Advanced::End(end)) => {
                     let r = self.leave(i);
                     self.finish(r, end);
@@ -764,9 +768,9 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             job,
             seq:
                 Seq {
-                    state,
+                    mut state,
                     mut decoder,
-                    dl,
+                    mut dl,
                     reasoning_tokens,
                     cached,
                     ..
@@ -787,6 +791,13 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 ms(c.max_waited)
             );
         }
+        // Tokens a speculative step ran beyond the reply's end are rolled back, so the state
+        // holds prompt + reply as the prefix cache expects.
+        if let Some(d) = dl.as_mut()
+            && let Err(e) = d.settle(self.engine, &mut state)
+        {
+            tracing::warn!("rolling back a speculative step failed: {e:#}");
+        }
         let stats = match dl {
             Some(dl) => dl.finish(stop),
             // stopped during the prefill
@@ -799,6 +810,7 @@ impl<'e, E: Engine> Scheduler<'e, E> {
                 decode_time: Duration::ZERO,
                 stop,
                 prefill_complete: false,
+                spec: Default::default(),
             },
         };
         if matches!(end, End::Stop(s) if s != StopReason::StopString) {
@@ -824,6 +836,12 @@ impl<'e, E: Engine> Scheduler<'e, E> {
             .fetch_add(stats.cached_tokens as u64, Ordering::Relaxed);
         m.generated_tokens
             .fetch_add(stats.generated.len() as u64, Ordering::Relaxed);
+        m.spec_steps
+            .fetch_add(stats.spec.steps as u64, Ordering::Relaxed);
+        m.spec_drafted
+            .fetch_add(stats.spec.drafted as u64, Ordering::Relaxed);
+        m.spec_accepted
+            .fetch_add(stats.spec.accepted as u64, Ordering::Relaxed);
         match end {
             End::TimedOut => {
                 m.timeouts.fetch_add(1, Ordering::Relaxed);
@@ -1003,6 +1021,7 @@ fn prefilled<E: Engine>(
             decode_time: Duration::ZERO,
             stop: StopReason::Cancelled,
             prefill_complete: true,
+            spec: Default::default(),
         };
         let mut dl = DecodeLoop::new(stats, r.in_thinking, logits, r.t0);
         if let Some(g) = job.guide.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -1100,6 +1119,10 @@ fn advance<E: Engine>(
     }
     if let Some(stop) = dl.check(opts, engine.state_len(&r.state)) {
         return Ok(Advanced::End(End::Stop(stop)));
+    }
+    if dl.speculates_next(opts) {
+        dl.feed(engine, &mut r.state, id, opts, &mut r.sampler)?;
+        return Ok(Advanced::Fed);
     }
     // logprobs need the logits; a constrained id is drawn under its mask
     let greedy = opts.device_greedy
