@@ -665,6 +665,24 @@ impl Checkpoint {
         })
     }
 
+    /// An act-order `g_idx` tensor (column -> group), checked against `groups`; `None` where it
+    /// is the plain order (column / `group`), so the matrix keeps the fast path.
+    fn col_groups(ge: &TensorEntry, groups: usize, group: usize) -> Result<Option<Arc<Vec<u32>>>> {
+        let idx = Self::i32_words(ge)?;
+        if let Some((i, g)) = idx.iter().enumerate().find(|(_, g)| **g as usize >= groups) {
+            bail!(
+                "tensor `{}` in {} maps column {i} to group {g}, but there are {groups} groups",
+                ge.name,
+                ge.file.display()
+            );
+        }
+        let plain = idx
+            .iter()
+            .enumerate()
+            .all(|(i, g)| *g as usize == i / group);
+        Ok(if plain { None } else { Some(Arc::new(idx)) })
+    }
+
     fn i32_words(e: &TensorEntry) -> Result<Vec<u32>> {
         if !matches!(e.dtype, safetensors::Dtype::I32 | safetensors::Dtype::U32) {
             bail!(
@@ -771,23 +789,7 @@ impl Checkpoint {
             None => None,
             Some(ge) => {
                 check(ge, vec![cols], "g_idx [in]")?;
-                let idx = Self::i32_words(ge)?;
-                if let Some((i, g)) = idx.iter().enumerate().find(|(_, g)| **g as usize >= groups) {
-                    bail!(
-                        "tensor `{}` in {} maps column {i} to group {g}, but there are {groups} groups",
-                        ge.name,
-                        ge.file.display()
-                    );
-                }
-                if idx
-                    .iter()
-                    .enumerate()
-                    .all(|(i, g)| *g as usize == i / group)
-                {
-                    None
-                } else {
-                    Some(Arc::new(idx))
-                }
+                Self::col_groups(ge, groups, group)?
             }
         };
         Ok(Mat {
@@ -930,23 +932,7 @@ impl Checkpoint {
             None => None,
             Some(ge) => {
                 check(ge, vec![cols], "weight_g_idx [in]")?;
-                let idx = Self::i32_words(ge)?;
-                if let Some((i, g)) = idx.iter().enumerate().find(|(_, g)| **g as usize >= groups) {
-                    bail!(
-                        "tensor `{}` in {} maps column {i} to group {g}, but there are {groups} groups",
-                        ge.name,
-                        ge.file.display()
-                    );
-                }
-                if idx
-                    .iter()
-                    .enumerate()
-                    .all(|(i, g)| *g as usize == i / group)
-                {
-                    None
-                } else {
-                    Some(Arc::new(idx))
-                }
+                Self::col_groups(ge, groups, group)?
             }
         };
         Ok(Mat {

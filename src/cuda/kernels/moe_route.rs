@@ -180,6 +180,25 @@ fn gemv_sorted_features(swiglu: bool, kdim: usize) -> usize {
     }
 }
 
+/// Launches a few-row MoE GEMV (`moe_gemv_sorted*`, bf16 or FP8): a block a sorted row and
+/// group of output features, the row's input staged as bf16.
+fn run_sorted(
+    gpu: &Gpu,
+    name: &str,
+    rows: usize,
+    nf: usize,
+    kdim: usize,
+    swiglu: bool,
+    args: &[crate::cuda::Arg],
+) -> Result<()> {
+    let grid = (
+        rows as u32,
+        nf.div_ceil(gemv_sorted_features(swiglu, kdim)) as u32,
+        1,
+    );
+    gpu.run(name, grid, 256, kdim * 2, args, On::Prefill)
+}
+
 impl MoeGemvSorted {
     /// Over `rows` sorted rows of `experts` experts' weights (a block a row and group of
     /// output features).
@@ -197,13 +216,15 @@ impl MoeGemvSorted {
             self.expert,
             self.gather
         );
-        let grid = (
-            rows as u32,
-            nf.div_ceil(gemv_sorted_features(swiglu, kdim)) as u32,
-            1,
-        );
-        let name = Self::NAMES[swiglu as usize];
-        gpu.run(name, grid, 256, kdim * 2, &self.args(), On::Prefill)
+        run_sorted(
+            gpu,
+            Self::NAMES[swiglu as usize],
+            rows,
+            nf,
+            kdim,
+            swiglu,
+            &self.args(),
+        )
     }
 }
 
@@ -225,13 +246,15 @@ impl MoeGemvSortedFp8 {
             self.sc,
             self.expert
         );
-        let grid = (
-            rows as u32,
-            nf.div_ceil(gemv_sorted_features(swiglu, kdim)) as u32,
-            1,
-        );
-        let name = Self::NAMES[swiglu as usize];
-        gpu.run(name, grid, 256, kdim * 2, &self.args(), On::Prefill)
+        run_sorted(
+            gpu,
+            Self::NAMES[swiglu as usize],
+            rows,
+            nf,
+            kdim,
+            swiglu,
+            &self.args(),
+        )
     }
 }
 
