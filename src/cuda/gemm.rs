@@ -290,8 +290,9 @@ impl Gpu {
         self.gemm_on(true, w, n, k, x, t, y, ldy, beta)
     }
 
+    /// [`Gpu::gemm`] on the second stream when `aux`.
     #[allow(clippy::too_many_arguments)]
-    fn gemm_on(
+    pub(super) fn gemm_on(
         &self,
         aux: bool,
         w: u64,

@@ -747,13 +747,7 @@ impl CudaModel {
         aux: bool,
     ) -> Result<()> {
         let g = &*self.gpu;
-        let gemm = |wp: u64| {
-            if aux {
-                g.gemm_aux(wp, n, k, x, t, y, ldy, beta)
-            } else {
-                g.gemm(wp, n, k, x, t, y, ldy, beta)
-            }
-        };
+        let gemm = |wp: u64| g.gemm_on(aux, wp, n, k, x, t, y, ldy, beta);
         let Some(f) = w.fp8() else {
             let b = w.bf16_buf("a dense product")?;
             return gemm(b.ptr + (row0 * k * 2) as u64);
