@@ -8,7 +8,7 @@
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
 #          [serveload-long]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
-#   runs bench, concurrency and profile on the synthetic FP8 weights)
+#   runs bench, concurrency, profile and abbin on the synthetic FP8 weights)
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
 #   tagged by binary into $OUT/ab.log: how a change is compared with history (there are no
@@ -43,7 +43,7 @@ ab_rounds() {
   shift
   for round in 1 2; do
     for r in "$@"; do
-      "$r" bench --synthetic full --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
+      "$r" bench --synthetic ${KESTREL_SYNTHETIC:-full} --contexts "$contexts" ${KESTREL_BENCH_ARGS:-} 2>&1 \
         | grep -E '^ +[0-9]+ ' | sed "s|^|$r round $round |" | tee -a "$OUT/ab.log" || status=1
     done
   done
