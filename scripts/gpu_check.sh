@@ -8,7 +8,7 @@
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
 #          [serveload-long]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
-#   runs bench, concurrency, profile and abbin on the synthetic FP8 weights)
+#   runs bench, concurrency, profile, kernels and abbin on the synthetic FP8 weights)
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
 #   tagged by binary into $OUT/ab.log: how a change is compared with history (there are no
@@ -132,7 +132,7 @@ while [ $# -gt 0 ]; do
       ncu --clock-control none --csv --metrics gpu__time_duration.sum \
         -k regex:'embed_gather|gemv_dec|_dec_|_dec$|attn_decode|attn_prep|attn_combine' \
         --launch-skip 3000 --launch-count 600 \
-        .device/bin/kestrel bench --synthetic full --contexts "$1" > "$OUT/ncu.csv" 2> "$OUT/ncu.log" || status=1
+        .device/bin/kestrel bench --synthetic ${KESTREL_SYNTHETIC:-full} --contexts "$1" > "$OUT/ncu.csv" 2> "$OUT/ncu.log" || status=1
       python3 scripts/kernel_table.py "$OUT/ncu.csv" > "$OUT/decode-kernels.md" || status=1
       cat "$OUT/decode-kernels.md" ;;
     timeline)
