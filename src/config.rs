@@ -274,22 +274,13 @@ impl AffineQuant {
             }
         };
         let mut skip = Vec::new();
-        match s("modules_to_not_convert") {
-            None => {}
-            Some(Value::Array(a)) => {
-                for (i, x) in a.iter().enumerate() {
-                    match x.as_str() {
-                        Some(n) if !n.is_empty() => skip.push(n.to_string()),
-                        _ => problems.push(format!(
-                            "`{field}.modules_to_not_convert[{i}]` must be a module name, found {x}"
-                        )),
-                    }
-                }
-            }
-            Some(v) => problems.push(format!(
-                "`{field}.modules_to_not_convert` must be a list of module names, found {v}"
-            )),
-        }
+        module_names(
+            field,
+            "modules_to_not_convert",
+            s("modules_to_not_convert"),
+            &mut skip,
+            problems,
+        );
         let (source, sym) = if method == "gptq" {
             let desc_act = boolean("desc_act", false, problems);
             let sym = boolean("sym", true, problems);
@@ -609,22 +600,7 @@ impl Fp8Quant {
         }
         let mut skip = Vec::new();
         for key in ["modules_to_not_convert", "ignored_layers"] {
-            match s(key) {
-                None => {}
-                Some(Value::Array(a)) => {
-                    for (i, x) in a.iter().enumerate() {
-                        match x.as_str() {
-                            Some(n) if !n.is_empty() => skip.push(n.to_string()),
-                            _ => problems.push(format!(
-                                "`{field}.{key}[{i}]` must be a module name, found {x}"
-                            )),
-                        }
-                    }
-                }
-                Some(v) => problems.push(format!(
-                    "`{field}.{key}` must be a list of module names, found {v}"
-                )),
-            }
+            module_names(field, key, s(key), &mut skip, problems);
         }
         if problems.len() > before {
             return None;
@@ -1336,6 +1312,33 @@ impl GenerationConfig {
             frequency_penalty: f32_of("frequency_penalty"),
             do_sample: v.get("do_sample").and_then(Value::as_bool),
         })
+    }
+}
+
+/// The module names of the list `field.key` (absent: none) into `out`; anything but a list of
+/// non-empty strings is a problem naming the field (and the entry).
+fn module_names(
+    field: &str,
+    key: &str,
+    v: Option<&Value>,
+    out: &mut Vec<String>,
+    problems: &mut Vec<String>,
+) {
+    match v {
+        None => {}
+        Some(Value::Array(a)) => {
+            for (i, x) in a.iter().enumerate() {
+                match x.as_str() {
+                    Some(n) if !n.is_empty() => out.push(n.to_string()),
+                    _ => problems.push(format!(
+                        "`{field}.{key}[{i}]` must be a module name, found {x}"
+                    )),
+                }
+            }
+        }
+        Some(v) => problems.push(format!(
+            "`{field}.{key}` must be a list of module names, found {v}"
+        )),
     }
 }
 

@@ -475,16 +475,8 @@ impl Checkpoint {
                     self.ct_weight(base, shape, a)
                 }
                 AffineSource::CompressedTensors => {
-                    for suffix in ["weight_scale", "weight_zero_point", "weight_g_idx"] {
-                        let n = format!("{base}.{suffix}");
-                        if let Some(e) = self.tensors.get(&n) {
-                            bail!(
-                                "tensor `{}` in {} is a {suffix} without its codes: `{base}.weight_packed` is missing",
-                                e.name,
-                                e.file.display()
-                            );
-                        }
-                    }
+                    let parts = ["weight_scale", "weight_zero_point", "weight_g_idx"];
+                    self.no_orphan_parts(base, &parts, "weight_packed")?;
                     self.mat(name, shape)
                 }
                 _ if self.contains(&format!("{base}.qweight")) => {
@@ -502,16 +494,7 @@ impl Checkpoint {
                             a.describe()
                         );
                     }
-                    for suffix in ["qzeros", "scales", "g_idx"] {
-                        let n = format!("{base}.{suffix}");
-                        if let Some(e) = self.tensors.get(&n) {
-                            bail!(
-                                "tensor `{}` in {} is a {suffix} without its `qweight`: `{base}.qweight` is missing",
-                                e.name,
-                                e.file.display()
-                            );
-                        }
-                    }
+                    self.no_orphan_parts(base, &["qzeros", "scales", "g_idx"], "qweight")?;
                     self.mat(name, shape)
                 }
             };
@@ -681,6 +664,21 @@ impl Checkpoint {
             .enumerate()
             .all(|(i, g)| *g as usize == i / group);
         Ok(if plain { None } else { Some(Arc::new(idx)) })
+    }
+
+    /// An error naming the first of `base`'s quantisation `parts` present without its codes
+    /// (`base.codes`), which the caller found missing.
+    fn no_orphan_parts(&self, base: &str, parts: &[&str], codes: &str) -> Result<()> {
+        for suffix in parts {
+            if let Some(e) = self.tensors.get(&format!("{base}.{suffix}")) {
+                bail!(
+                    "tensor `{}` in {} is a {suffix} without its `{codes}`: `{base}.{codes}` is missing",
+                    e.name,
+                    e.file.display()
+                );
+            }
+        }
+        Ok(())
     }
 
     fn i32_words(e: &TensorEntry) -> Result<Vec<u32>> {
