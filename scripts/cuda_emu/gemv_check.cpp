@@ -2,8 +2,12 @@
 // (k = 4096 a warp per whole row) against a double-precision y = y0 + W·x with bf16 inputs, at
 // the model's inner dimensions and ragged row counts; the RMSNorm input path; gemv_dec_stream
 // bitwise against gemv_dec; gemv_fp8 (e4m3 weights with 128 x 128 block scales, up to 16 tokens,
-// bf16 or RMSNorm input) against a double product of the dequantised weights.
+// bf16 or RMSNorm input) against a double product of the dequantised weights; gemv_q4 (affine
+// 4-bit q4 tiles on the emulated mma.sync, groups of 32 / 64 / 128, 1-16 tokens, bf16 or RMSNorm
+// input, the model's k and others) the same way; dequant_q4_bf16 (misc.cu) against the rounded
+// dequantised values.
 #include "kernels_emu.inc"
+#include "q4_host.h"
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -157,6 +161,65 @@ int main() {
         printf("%s gemv_fp8 n=%d k=%d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n, k, m,
                norm ? "RMSNorm" : "bf16", err);
         fails += !ok;
+    }
+    // gemv_q4: (n, k, tokens, RMSNorm input, group); beta 1 for bf16 input, 0 with the RMSNorm.
+    for (auto [n, k, m, norm, group] :
+         {std::tuple{48, 2048, 1, true, 64}, {48, 2048, 3, false, 128}, {32, 2048, 16, false, 64},
+          {32, 4096, 1, false, 64}, {16, 4096, 9, false, 32}, {80, 512, 1, false, 64}, {80, 512, 16, false, 128},
+          {16, 128, 2, false, 32}, {32, 256, 1, true, 128}, {16, 192, 5, false, 64}}) {
+        Q4Host wq = make_q4(n, k, group, rng);
+        std::vector<float> h(k), nw(k), y0((size_t)m * n);
+        for (auto& v : h) v = uni(-2, 2);
+        for (auto& v : nw) v = uni(-0.3f, 0.3f);
+        for (auto& v : y0) v = uni(-1, 1);
+        std::vector<bf16> x((size_t)m * k);
+        for (auto& v : x) v = __float2bfloat16(uni(-1, 1));
+        const float eps = 1e-6f, beta = norm ? 0.0f : 1.0f;
+        std::vector<float> y = y0;
+        const int spb = q4_strips(k == 2048 ? 4 : k == 512 ? 1 : k == 4096 ? 8 : 0);
+        emu_launch({(unsigned)((n / 16 + spb - 1) / spb), 1, 1}, 256,
+                   (size_t)q4_smem(m, k, group, norm, 8 * 16 * m * spb), [&] {
+            gemv_q4(wq.tiles.data(), wq.sb.data(), group, n, k, norm ? nullptr : x.data(), h.data(), nw.data(), eps, m,
+                    y.data(), n, beta);
+        });
+        std::vector<double> xin((size_t)m * k);
+        if (norm) {
+            double ss = 0;
+            for (float v : h) ss += (double)v * v;
+            const float inv = 1.0f / std::sqrt((float)(ss / k) + eps);
+            for (int i = 0; i < k; i++) xin[i] = __bfloat162float(__float2bfloat16(h[i] * inv * (1.0f + nw[i])));
+        } else {
+            for (size_t i = 0; i < xin.size(); i++) xin[i] = __bfloat162float(x[i]);
+        }
+        double err = 0;
+        for (int t = 0; t < m; t++)
+            for (int r = 0; r < n; r++) {
+                double ref = beta * y0[(size_t)t * n + r];
+                for (int i = 0; i < k; i++) ref += wq.w(r, i) * xin[(size_t)t * k + i];
+                const double e = std::fabs(y[(size_t)t * n + r] - ref) / (1.0 + std::fabs(ref));
+                if (!(e <= err)) err = e;  // NaN sticks
+            }
+        const bool ok = err <= 1e-5;
+        printf("%s gemv_q4 n=%d k=%d group %d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n, k, group,
+               m, norm ? "RMSNorm" : "bf16", err);
+        fails += !ok;
+    }
+    // dequant_q4_bf16: every element bf16(scale q + bias) of its own (row, column).
+    for (auto [n, k, group] : {std::tuple{32, 2048, 64}, {48, 256, 32}, {16, 512, 128}}) {
+        Q4Host wq = make_q4(n, k, group, rng);
+        std::vector<bf16> out((size_t)n * k);
+        emu_launch({4, 1, 1}, 256, 0, [&] {
+            dequant_q4_bf16(wq.tiles.data(), wq.sb.data(), group, (u64)n, k, out.data());
+        });
+        size_t bad = 0;
+        for (int r = 0; r < n; r++)
+            for (int c = 0; c < k; c++) {
+                const int g = r * (k / group) + c / group;
+                const float want = __bfloat162float(__float2bfloat16(wq.s[g] * (float)wq.q[(size_t)r * k + c] + wq.b[g]));
+                bad += __bfloat162float(out[(size_t)r * k + c]) != want;
+            }
+        printf("%s dequant_q4_bf16 [%d, %d] group %d: %zu elements differ\n", bad ? "FAIL" : "ok  ", n, k, group, bad);
+        fails += bad != 0;
     }
     return fails ? 1 : 0;
 }

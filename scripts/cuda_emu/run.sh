@@ -12,7 +12,8 @@
 #        kernel attn_flash4 (on emulated wgmma, mbarriers and a producer warpgroup; its fused
 #        query prep bitwise the separate prep); the tensor-core decode attention and its
 #        combine (head dim 256)
-#   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w, gemv_dec_stream)
+#   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w, gemv_dec_stream, gemv_fp8, gemv_q4 on
+#        emulated mma.sync) and misc.cu's dequant_q4_bf16
 #   moe  moe_route.cu, moe_gemm.cu, moe_decode.cu: the routing top-k (ties included), the few-row
 #        path's one-launch routing (moe_route_small); the decode
 #        MoE block (router, gate/up, down) at small and reduced real shapes; moe_combine (and its
@@ -49,7 +50,7 @@ for n in mma gdn attn gemv moe sample; do
     mma) build mma ;;
     gdn) build gdn gdn_decode.cu gdn_chunk.cu gdn_state.cu ;;
     attn) build attn attn_prefill.cu attn_decode.cu ;;
-    gemv) build gemv gemv.cu ;;
+    gemv) build gemv misc.cu gemv.cu ;;
     moe) build moe norm.cu moe_route.cu moe_gemm.cu moe_decode.cu ;;
     sample) build sample sample.cu ;;
   esac

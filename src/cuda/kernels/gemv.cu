@@ -239,3 +239,69 @@ extern "C" __global__ void __launch_bounds__(256) gemv_fp8(const uint4* __restri
         default: gemv_fp8_impl<0>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs);
     }
 }
+
+// W4A16 GEMV of affine 4-bit weights (q4 tiles, gemv.cuh) for up to GEMV_Q4_TOKENS tokens on
+// the tensor cores: y[t, r] = beta * y[t, r] + sum_c w[r, c] x[t, c] for w [n, k] (n % 16 == 0,
+// k % 64 == 0) with scale/bias pairs sb. A block takes gemv_q4_strips(k) strips of 16 rows; its
+// 8 warps split each strip's k / 64 units (q4_load / q4_dot: NV consecutive units a warp, all
+// their codes requested before the input is staged); the warps' partial sums meet in shared
+// memory. The input is the bf16 rows x [m, k], or (x null, m = 1) the zero-centred RMSNorm of h
+// with weight nw. y [m, ldy].
+// grid ceil(n / (16 gemv_q4_strips(k))), block 256, smem q4_smem(m, k, group, x null,
+// 8 * 16 * m * gemv_q4_strips(k)) bytes.
+#define GEMV_Q4_TOKENS 16
+template <int NV, int NT>
+__device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const unsigned* __restrict__ sb, int group,
+                                             int n, int k, const bf16* __restrict__ x, const float* __restrict__ h,
+                                             const float* __restrict__ nw, float eps, int m, float* __restrict__ y,
+                                             int ldy, float beta, float* smem) {
+    DECODE_KERNEL(TAG_GEMV);
+    constexpr int SPB = q4_strips(NV);
+    const int nspan = k / q4_span(group), ldw = q4_ldw(m, k);
+    int strip[SPB];
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++) {
+        const int st = (int)blockIdx.x * SPB + sp;
+        strip[sp] = st * 16 < n ? st : -1;
+    }
+    uint4 v[SPB][NV > 0 ? NV : 1];
+    q4_load<NV, SPB>(v, w, strip, k);
+    unsigned* xw = reinterpret_cast<unsigned*>(smem);
+    float* xsum = smem + m * ldw + (x ? 0 : k);
+    float* red = xsum + m * nspan;
+    if (x) {
+        griddep_wait();
+        q4_stage_rows(xw, ldw, x, nullptr, m, k);
+    } else {
+        const float* ws = preload_norm(smem + ldw, nw, k);
+        griddep_wait();
+        stage_rmsnorm(reinterpret_cast<uint4*>(xw), h, nw, k, eps, nullptr, ws);
+    }
+    q4_span_sums(xw, ldw, m, k, q4_span(group), xsum);
+    TRACE_PHASE(0);  // the timeline's phases: input staged, dot products done
+    q4_dot<NV, NT, SPB>(v, w, sb, group, strip, k, xw, ldw, m, xsum, red);
+    for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {
+        const int sp = o / (m * 16), t = (o >> 4) % m, r = o & 15;
+        if (strip[sp] < 0) continue;
+        const float a = q4_red_sum<SPB>(red, sp, m, t, r);
+        float* out = y + (size_t)t * ldy + strip[sp] * 16 + r;
+        *out = beta == 0.0f ? a : beta * *out + a;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4(const uint4* __restrict__ w, const unsigned* __restrict__ sb,
+                                                          int group, int n, int k, const bf16* __restrict__ x,
+                                                          const float* __restrict__ h, const float* __restrict__ nw,
+                                                          float eps, int m, float* __restrict__ y, int ldy,
+                                                          float beta) {
+    extern __shared__ float gemv_q4_xs[];
+#define GEMV_Q4_CASE(NV)                                                                              \
+    if (m <= 8) gemv_q4_impl<NV, 1>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_q4_xs); \
+    else gemv_q4_impl<NV, 2>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_q4_xs)
+    switch (k) {
+        case 512: GEMV_Q4_CASE(1); break;
+        case 2048: GEMV_Q4_CASE(4); break;
+        case 4096: GEMV_Q4_CASE(8); break;
+        default: GEMV_Q4_CASE(0);
+    }
+#undef GEMV_Q4_CASE
+}

@@ -328,3 +328,197 @@ __device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, in
             else block_gemv_fixed<1, 0>(w, n, k, row0, staged, x, h, nw, eps, xb_out, xs, y, beta);
     }
 }
+
+// ---- Affine 4-bit weights (MLX, GPTQ, AWQ; W4A16 on the tensor cores) ----
+// w[r, c] = scale[r, g] * q[r, c] + bias[r, g], q in 0..15, g = c / group (group 32, 64 or 128).
+// Device layout ("q4 tiles", written at upload by src/cuda/upload.rs `q4_tiles`): rows in
+// strips of 16, columns in units of 64 (k % 64 == 0, rows % 16 == 0). Unit u of strip s is 512
+// bytes, lane l's 16 bytes at uint4 index (s * (k / 64) + u) * 32 + l; its u32 j (k-step j:
+// columns 64u + 16j ..) holds the eight codes of lane l's mma.m16n8k16 A fragment (g = l / 4,
+// c = 2 (l % 4)), nibbles 0..7 = (g, c), (g+8, c), (g, c+8), (g+8, c+8), (g, c+1), (g+8, c+1),
+// (g, c+9), (g+8, c+9) as (row, column) within the 16 x 16 k-step, so that one mask-and-or per
+// register pair gives the fragment. Scales and biases: sb[(s * (k / group) + grp) * 16 + r],
+// a bf16 pair (scale low, bias high) for row r of strip s.
+// The A registers hold the codes q as bf16 (exact), the B operand the bf16 inputs, the
+// accumulator f32; per group-span (the 64-column unit, or 32 columns at group 32) the span's sum
+// acc = sum q x gives scale * acc + bias * xsum with xsum = sum x of the span (staged beside the
+// input). (Leaving the codes at 128 + q and folding -128 scale into the bias saves the
+// subtraction but costs the sums ~20x of their f32 precision: 8.7e-6 against the emulator's
+// double reference where the exact codes give <= 1.2e-6.)
+
+// The A fragment of one k-step from its u32 of codes: bf16 pairs (q_lo, q_hi), made as 128 + q
+// by one mask-and-or (bf16 0x4300 is 128 with the mantissa's low bits worth 1), then - 128.
+__device__ __forceinline__ void q4_frag(unsigned w, unsigned (&a)[4]) {
+    a[0] = bf16x2_minus128((w & 0x000F000Fu) | 0x43004300u);
+    a[1] = bf16x2_minus128(((w >> 4) & 0x000F000Fu) | 0x43004300u);
+    a[2] = bf16x2_minus128(((w >> 8) & 0x000F000Fu) | 0x43004300u);
+    a[3] = bf16x2_minus128(((w >> 12) & 0x000F000Fu) | 0x43004300u);
+}
+
+// Columns a span (the unit of scale application): 64, or 32 at group 32.
+__host__ __device__ __forceinline__ int q4_span(int group) { return group == 32 ? 32 : 64; }
+
+// Rows of staged input in 32-bit words for m tokens of k (a row padded by 4 words past one token,
+// so that the B fragments' 8 token rows fall in distinct banks).
+__host__ __device__ __forceinline__ int q4_ldw(int m, int k) { return m == 1 ? k / 2 : k / 2 + 4; }
+
+// Shared memory (bytes) of the q4 GEMV machinery for m tokens of k with `red` floats of
+// cross-warp partials: the input (m rows of q4_ldw words; with the RMSNorm, m = 1, its k f32
+// weights after), then m * k / span span sums, then red.
+__host__ __device__ __forceinline__ int q4_smem(int m, int k, int group, bool norm, int red) {
+    return 4 * (m * q4_ldw(m, k) + (norm ? k : 0) + m * (k / q4_span(group)) + red);
+}
+
+// Span sums of the staged bf16 input (xw: m rows of ldw words): xsum[t * nspan + i] = sum of
+// token t's columns of span i, a warp per (token, span), the block's warps taking every 8th.
+// Ends with a block barrier.
+__device__ __forceinline__ void q4_span_sums(const unsigned* xw, int ldw, int m, int k, int span, float* xsum) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nspan = k / span;
+    for (int it = warp; it < m * nspan; it += 8) {
+        const int t = it / nspan, i = it - t * nspan;
+        float v = 0.0f;
+        if (lane < span / 2) {
+            const unsigned p = xw[t * ldw + i * (span / 2) + lane];
+            v = __uint_as_float(p << 16) + __uint_as_float(p & 0xffff0000u);
+        }
+        v = warp_sum(v);
+        if (lane == 0) xsum[it] = v;
+    }
+    __syncthreads();
+}
+
+// Stages m bf16 rows of k into xw (rows of ldw words): row t from x + row_of[t] * k (row_of null:
+// row t). Ends with a block barrier.
+__device__ __forceinline__ void q4_stage_rows(unsigned* xw, int ldw, const bf16* __restrict__ x,
+                                              const int* __restrict__ row_of, int m, int k) {
+    const int kv = k >> 3;  // 16-byte words of a row
+    for (int i = threadIdx.x; i < m * kv; i += blockDim.x) {
+        const int t = i / kv, cw = i - t * kv;
+        const size_t src = (size_t)(row_of ? row_of[t] : t) * kv + cw;
+        reinterpret_cast<uint4*>(xw + t * ldw)[cw] = reinterpret_cast<const uint4*>(x)[src];
+    }
+    __syncthreads();
+}
+
+// One 64-column unit of a 16-row strip against NT tiles of 8 tokens: the unit's codes wv (this
+// lane's 16 bytes), the input xw (m rows of ldw words, column kc0 = the unit's first), span sums
+// xs (token t's span i at xs[t * nspan + i]) and the strip's scale/bias pairs sbp (row r's
+// group grp at sbp[grp * 16 + r]), accumulated into acc[NT][4] (the C fragment: rows g and g+8,
+// tokens 8 nt + c and + 1).
+template <int NT>
+__device__ __forceinline__ void q4_unit(uint4 wv, const unsigned* xw, int ldw, int m, int kc0, const float* xs,
+                                        int nspan, const unsigned* sbp, int group, float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = 2 * (lane & 3);
+    const unsigned wj[4] = {wv.x, wv.y, wv.z, wv.w};
+    const bool g32 = group == 32;
+    float tmp[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) tmp[nt][i] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        unsigned a[4];
+        q4_frag(wj[j], a);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int t = nt * 8 + g;
+            unsigned b0 = 0, b1 = 0;
+            if (t < m) {
+                const unsigned* xr = xw + t * ldw + (kc0 + 16 * j + c) / 2;
+                b0 = xr[0];
+                b1 = xr[4];
+            }
+            mma_bf16_16816(tmp[nt], a, b0, b1);
+        }
+        if (j == 3 || (g32 && j == 1)) {
+            // the span's scale and bias for rows g and g + 8
+            const int col = kc0 + 16 * j - (g32 ? 16 : 48), sp = col / (g32 ? 32 : 64), grp = col / group;
+            const unsigned p0 = sbp[grp * 16 + g], p1 = sbp[grp * 16 + g + 8];
+            const float s0 = __uint_as_float(p0 << 16), c0 = __uint_as_float(p0 & 0xffff0000u);
+            const float s1 = __uint_as_float(p1 << 16), c1 = __uint_as_float(p1 & 0xffff0000u);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int t = nt * 8 + c;
+                const float x0 = t < m ? xs[t * nspan + sp] : 0.0f, x1 = t + 1 < m ? xs[(t + 1) * nspan + sp] : 0.0f;
+                acc[nt][0] += s0 * tmp[nt][0] + c0 * x0;
+                acc[nt][1] += s0 * tmp[nt][1] + c0 * x1;
+                acc[nt][2] += s1 * tmp[nt][2] + c1 * x0;
+                acc[nt][3] += s1 * tmp[nt][3] + c1 * x1;
+                tmp[nt][0] = tmp[nt][1] = tmp[nt][2] = tmp[nt][3] = 0.0f;
+            }
+        }
+    }
+}
+
+// Strips a block of the q4 GEMVs whose warps hold NV units each (NV = k / 512): two at k = 2,048,
+// four at 512, else one (k = 4,096, and NV 0: shapes outside the model's).
+__host__ __device__ __forceinline__ constexpr int q4_strips(int nv) { return nv == 4 ? 2 : nv == 1 ? 4 : 1; }
+
+// This warp's codes of up to SPB strips (strip[sp] < 0: none) of a q4 matrix of k columns: units
+// warp * NV .. + NV - 1 (NV = k / 512; NV 0 loads nothing, q4_dot then reads as it goes).
+template <int NV, int SPB>
+__device__ __forceinline__ void q4_load(uint4 (&v)[SPB][NV > 0 ? NV : 1], const uint4* __restrict__ w,
+                                        const int (&strip)[SPB], int k) {
+    if constexpr (NV > 0) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, U = k >> 6;
+#pragma unroll
+        for (int sp = 0; sp < SPB; sp++)
+#pragma unroll
+            for (int i = 0; i < NV; i++)
+                v[sp][i] = strip[sp] >= 0 ? __ldg(w + ((size_t)strip[sp] * U + warp * NV + i) * 32 + lane)
+                                          : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// The strips' products with the staged input (q4_unit over this warp's units), the partial sums
+// stored to red[((warp * SPB + sp) * m + t) * 16 + r] (row r of strip sp, token t). Ends with a
+// block barrier; q4_red_sum then gives the sum over the 8 warps.
+template <int NV, int NT, int SPB>
+__device__ __forceinline__ void q4_dot(const uint4 (&v)[SPB][NV > 0 ? NV : 1], const uint4* __restrict__ w,
+                                       const unsigned* __restrict__ sb, int group, const int (&strip)[SPB], int k,
+                                       const unsigned* xw, int ldw, int m, const float* xsum, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = 2 * (lane & 3);
+    const int U = k >> 6, G = k / group, nspan = k / q4_span(group);
+    float acc[SPB][NT][4];
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[sp][nt][i] = 0.0f;
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++) {
+        if (strip[sp] < 0) continue;
+        const unsigned* sbp = sb + (size_t)strip[sp] * G * 16;
+        if (NV > 0) {
+#pragma unroll
+            for (int i = 0; i < (NV > 0 ? NV : 1); i++)
+                q4_unit<NT>(v[sp][i], xw, ldw, m, (warp * NV + i) * 64, xsum, nspan, sbp, group, acc[sp]);
+        } else {
+            for (int u = warp; u < U; u += 8)
+                q4_unit<NT>(__ldg(w + ((size_t)strip[sp] * U + u) * 32 + lane), xw, ldw, m, u * 64, xsum, nspan,
+                            sbp, group, acc[sp]);
+        }
+    }
+    TRACE_PHASE(1);
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int t = nt * 8 + c + (i & 1), r = g + (i >= 2 ? 8 : 0);
+                if (t < m) red[((warp * SPB + sp) * m + t) * 16 + r] = acc[sp][nt][i];
+            }
+    __syncthreads();
+}
+
+// Row r of strip sp, token t: the sum of q4_dot's 8 warps' partials.
+template <int SPB>
+__device__ __forceinline__ float q4_red_sum(const float* red, int sp, int m, int t, int r) {
+    float a = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < 8; wi++) a += red[((wi * SPB + sp) * m + t) * 16 + r];
+    return a;
+}

@@ -30,6 +30,133 @@ kernels! {
         w: Dev<U128>, sc: Dev<f32>, n: i32, k: i32, x: Dev<bf16>, h: Dev<f32>, nw: Dev<f32>,
         eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32,
     }
+    /// The W4A16 GEMV of affine 4-bit weights ([`Q4`] tiles, on the tensor cores) for `m`
+    /// tokens: the bf16 rows `x [m, k]`, or (x null, m = 1) RMSNorm(h) with weight `nw`; `y
+    /// [m, ldy]`.
+    GemvQ4 ["gemv_q4"] {
+        w: Dev<U128>, sb: Dev<u32>, group: i32, n: i32, k: i32, x: Dev<bf16>, h: Dev<f32>,
+        nw: Dev<f32>, eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32,
+    }
+}
+
+/// Tokens a [`GemvQ4`] call takes (gemv.cu's GEMV_Q4_TOKENS).
+pub const GEMV_Q4_TOKENS: usize = 16;
+
+/// Affine 4-bit weights on the device in the q4 tile layout (gemv.cuh): `[rows, cols]` with
+/// rows % 16 == 0 and cols % 64 == 0; `q` the codes (a strip of 16 rows, a unit of 64 columns:
+/// 512 bytes, each lane's 16 bytes its mma fragments), `sb` the (scale, bias) bf16 pairs of
+/// each strip's groups, `[rows / 16, cols / group, 16]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Q4 {
+    pub q: Dev<U128>,
+    pub sb: Dev<u32>,
+    pub group: usize,
+}
+
+impl Q4 {
+    /// Rows `[row0, ..)` of a matrix of `cols` columns (row0 % 16 == 0).
+    pub fn rows_from(self, row0: usize, cols: usize) -> Result<Q4> {
+        ensure!(
+            row0.is_multiple_of(16),
+            "4-bit rows from {row0}: not on a 16-row strip"
+        );
+        Ok(Q4 {
+            q: self.q.at(row0 * cols / 32),
+            sb: self.sb.at(row0 * (cols / self.group)),
+            group: self.group,
+        })
+    }
+
+    /// Whether this holds a `[n, k]` matrix.
+    fn holds(&self, n: usize, k: usize) -> bool {
+        n.is_multiple_of(16)
+            && k.is_multiple_of(64)
+            && matches!(self.group, 32 | 64 | 128)
+            && k.is_multiple_of(self.group)
+            && self.q.len * 32 >= n * k
+            && self.sb.len >= n * (k / self.group)
+    }
+}
+
+/// Columns of one scale application (gemv.cuh's q4_span).
+fn q4_span(group: usize) -> usize {
+    if group == 32 { 32 } else { 64 }
+}
+
+/// Strips of 16 rows a `gemv_q4` block (gemv.cuh's q4_strips of k / 512).
+pub fn q4_strips(k: usize) -> usize {
+    match k {
+        2048 => 2,
+        512 => 4,
+        _ => 1,
+    }
+}
+
+/// Shared memory (bytes) of the q4 GEMVs (gemv.cuh's q4_smem): `m` staged input rows of `k`
+/// (padded past one token), the RMSNorm weight when `norm`, the span sums and `red` floats
+/// of partial sums.
+pub fn q4_smem(m: usize, k: usize, group: usize, norm: bool, red: usize) -> usize {
+    let ldw = if m == 1 { k / 2 } else { k / 2 + 4 };
+    4 * (m * ldw + if norm { k } else { 0 } + m * (k / q4_span(group)) + red)
+}
+
+/// `y [m, ldy] = beta · y + input · Wᵀ` for affine 4-bit `W [n, k]` ([`Q4`]): `input` the
+/// bf16 rows `[m, k]` (m <= [`GEMV_Q4_TOKENS`]), or a one-token RMSNorm input.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_q4(
+    gpu: &Gpu,
+    w: Q4,
+    n: usize,
+    k: usize,
+    input: Input,
+    m: usize,
+    y: Dev<f32>,
+    ldy: usize,
+    beta: f32,
+    on: On,
+) -> Result<()> {
+    ensure!(
+        w.holds(n, k)
+            && (1..=GEMV_Q4_TOKENS).contains(&m)
+            && ldy >= n
+            && y.len >= (m - 1) * ldy + n,
+        "gemv_q4: W [{n}, {k}] group {} {:?} scales {:?}, {m} tokens, y {y:?} rows of {ldy}",
+        w.group,
+        w.q,
+        w.sb
+    );
+    let (x, h, nw, eps, norm) = match input {
+        Input::Bf16(x) => {
+            ensure!(x.len >= m * k, "gemv_q4: input {x:?} of {m} x {k}");
+            (x, Dev::null(), Dev::null(), 0.0, false)
+        }
+        Input::Norm { h, w, eps } => {
+            ensure!(
+                m == 1 && h.len >= k && w.len >= k,
+                "gemv_q4: RMSNorm input of {m} tokens: {h:?}, weight {w:?}"
+            );
+            (Dev::null(), h, w, eps, true)
+        }
+    };
+    let spb = q4_strips(k);
+    let smem = q4_smem(m, k, w.group, norm, 8 * 16 * m * spb);
+    let p = GemvQ4 {
+        w: w.q,
+        sb: w.sb,
+        group: w.group as i32,
+        n: n as i32,
+        k: k as i32,
+        x,
+        h,
+        nw,
+        eps,
+        m: m as i32,
+        y,
+        ldy: ldy as i32,
+        beta,
+    };
+    let grid = ((n / 16).div_ceil(spb) as u32, 1, 1);
+    gpu.run("gemv_q4", grid, 256, smem, &p.args(), on)
 }
 
 /// Tokens a [`GemvFp8`] call takes (gemv.cu's GEMV_FP8_TOKENS).
@@ -141,6 +268,7 @@ pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
     vec![
         ("gemv_dec_stream", stream_smem(3)),
         ("gemv_fp8", 2 * GEMV_FP8_TOKENS * 4096),
+        ("gemv_q4", q4_smem(GEMV_Q4_TOKENS, 4096, 32, false, 8 * 16 * GEMV_Q4_TOKENS)),
     ]
 }
 

@@ -14,8 +14,9 @@ extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const in
 // of `ld` floats. Rows of whole 16-byte words (ld % 4 == 0) are read as float4s, four in flight
 // a thread (scalar loads, one at a time, ran 8 rows of 248,320 in ~90 us on the H200: a block
 // holds too few loads in flight to stream a 1 MB row); each thread's ids still ascend.
+// out2 (may be null): a second copy of the ids (the decode step's next input token).
 extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int ld, int limit,
-                                                               int* __restrict__ out) {
+                                                               int* __restrict__ out, int* __restrict__ out2) {
     PREFILL_KERNEL();
     const float* x = logits + (size_t)blockIdx.x * ld;
     float best = -INFINITY;
@@ -39,7 +40,10 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __re
     for (int i = 4 * n4 + threadIdx.x; i < limit; i += step)
         if (x[i] > best) { best = x[i]; id = i; }  // each thread's ids ascend: the first wins ties
     block_argmax(best, id);
-    if (threadIdx.x == 0) out[blockIdx.x] = id == 0x7fffffff ? 0 : id;
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = id == 0x7fffffff ? 0 : id;
+        if (out2) out2[blockIdx.x] = id == 0x7fffffff ? 0 : id;
+    }
 }
 
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, u64 n) {
@@ -154,5 +158,53 @@ extern "C" __global__ void dequant_fp8_bf16(const uint4* __restrict__ q, const f
         }
         out[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
         out[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+}
+
+// Affine 4-bit weights (q4 tiles, gemv.cuh) to bf16 for the prefill GEMMs: out[r, c] =
+// bf16(scale * q + bias) for w [n, k] (n % 16 == 0, k % 64 == 0; experts stacked [E n', k] read
+// as one matrix), a thread a lane's 16 bytes of a unit (32 codes of rows g and g + 8 of a strip),
+// grid-stride.
+extern "C" __global__ void dequant_q4_bf16(const uint4* __restrict__ q, const unsigned* __restrict__ sb, int group,
+                                           u64 n, int k, bf16* __restrict__ out) {
+    PREFILL_KERNEL();
+    const long long U = k >> 6, G = k / group, total = (long long)(n >> 4) * U * 32;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int lane = (int)(i & 31), g = lane >> 2, c = 2 * (lane & 3);
+        const long long su = i >> 5, s = su / U;
+        const int u = (int)(su - s * U);
+        const uint4 w = __ldg(q + i);
+        const unsigned wj[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int col = u * 64 + 16 * j + c, grp = col / group;  // the k-step's 16 columns share a group
+            const unsigned pa = __ldg(sb + (s * G + grp) * 16 + g), pb = __ldg(sb + (s * G + grp) * 16 + g + 8);
+            const float sa = __uint_as_float(pa << 16), ba = __uint_as_float(pa & 0xffff0000u);
+            const float sbv = __uint_as_float(pb << 16), bb = __uint_as_float(pb & 0xffff0000u);
+            auto q_at = [&](int nib) { return (float)((wj[j] >> (4 * nib)) & 15u); };
+            unsigned* ra = reinterpret_cast<unsigned*>(out + (s * 16 + g) * (long long)k + col);
+            unsigned* rb = reinterpret_cast<unsigned*>(out + (s * 16 + g + 8) * (long long)k + col);
+            ra[0] = pack_bf16x2(sa * q_at(0) + ba, sa * q_at(4) + ba);
+            rb[0] = pack_bf16x2(sbv * q_at(1) + bb, sbv * q_at(5) + bb);
+            ra[4] = pack_bf16x2(sa * q_at(2) + ba, sa * q_at(6) + ba);
+            rb[4] = pack_bf16x2(sbv * q_at(3) + bb, sbv * q_at(7) + bb);
+        }
+    }
+}
+
+// Seeded affine 4-bit weights (the synthetic --synthetic full-int4 model): uniform random codes
+// (n_words u32 words) and, for every (row, group), scale = std / 4.6 (1 + U(-1/8, 1/8)) and bias
+// = -7.5 scale, so that w has mean ~0 and standard deviation ~std (the codes' is 4.6).
+extern "C" __global__ void fill_random_q4(unsigned* __restrict__ codes, u64 n_words, unsigned* __restrict__ sb,
+                                          u64 n_pairs, u64 seed, float std) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n_words; i += stride)
+        codes[i] = (unsigned)splitmix64(seed * 0x100000001B3ull + i);
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n_pairs; i += stride) {
+        const u64 r = splitmix64((seed ^ 0x5CA1Eull) * 0x100000001B3ull + i);
+        const float u = (float)(r >> 40) * (1.0f / 16777216.0f) - 0.5f;
+        const float sc = std / 4.6f * (1.0f + 0.25f * u);
+        sb[i] = pack_bf16x2(sc, -7.5f * sc);
     }
 }

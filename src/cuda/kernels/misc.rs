@@ -9,8 +9,8 @@ kernels! {
     /// `out[t, :] = f32(table[ids[t], :])` for `t` rows of `d`.
     EmbedGather ["embed_gather"] { table: Dev<bf16>, ids: Dev<i32>, out: Dev<f32>, d: i32 }
     /// The greedy id of each of `rows` rows of `ld` logits over ids `< limit` (0 where none
-    /// beats -inf), as [`crate::sampling::greedy_id`].
-    ArgmaxRows ["argmax_rows"] { logits: Dev<f32>, ld: i32, limit: i32, out: Dev<i32> }
+    /// beats -inf), as [`crate::sampling::greedy_id`]; also into `out2` unless null.
+    ArgmaxRows ["argmax_rows"] { logits: Dev<f32>, ld: i32, limit: i32, out: Dev<i32>, out2: Dev<i32> }
     /// `y = bf16(x)`, `n` values.
     F32ToBf16 ["f32_to_bf16"] { x: Dev<f32>, y: Dev<bf16>, n: u64 }
     /// `out = mean + std * N(0, 1)` (a sum of four seeded uniforms), `n` bf16 values.
@@ -27,6 +27,12 @@ kernels! {
     DequantFp8Bf16 ["dequant_fp8_bf16"] { q: Dev<U128>, sc: Dev<f32>, n: u64, k: i32, out: Dev<U128> }
     /// Seeded e4m3 bytes of about `N(0, 1) · mult`, `n` bytes (the synthetic FP8 weights).
     FillRandomE4m3 ["fill_random_e4m3"] { out: Dev<u32>, n: u64, seed: u64, mult: f32 }
+    /// `out = bf16(scale · q + bias)` of affine 4-bit weights `[n, k]` in the q4 tile layout
+    /// (`crate::cuda::upload::Q4`), for the prefill GEMMs.
+    DequantQ4Bf16 ["dequant_q4_bf16"] { q: Dev<U128>, sb: Dev<u32>, group: i32, n: u64, k: i32, out: Dev<bf16> }
+    /// Seeded affine 4-bit weights: uniform codes, and (scale, bias) pairs giving weights of
+    /// about mean 0 and standard deviation `std` (the synthetic 4-bit model).
+    FillRandomQ4 ["fill_random_q4"] { codes: Dev<u32>, n_words: u64, sb: Dev<u32>, n_pairs: u64, seed: u64, std: f32 }
 }
 
 /// Dynamic shared memory of `read_probe`: a 4-stage ring of 32 KiB.
@@ -60,10 +66,12 @@ impl ArgmaxRows {
         ensure!(
             limit <= ld
                 && self.logits.len >= rows.saturating_sub(1) * ld + limit
-                && self.out.len >= rows,
-            "argmax_rows: {rows} rows of {ld} (limit {limit}): logits {:?}, out {:?}",
+                && self.out.len >= rows
+                && (self.out2.is_null() || self.out2.len >= rows),
+            "argmax_rows: {rows} rows of {ld} (limit {limit}): logits {:?}, out {:?}, out2 {:?}",
             self.logits,
-            self.out
+            self.out,
+            self.out2
         );
         gpu.run(
             "argmax_rows",
@@ -92,6 +100,49 @@ impl DequantFp8Bf16 {
         let words = n * k / 16;
         let grid = words.div_ceil(256).clamp(1, 132 * 16) as u32;
         gpu.run("dequant_fp8_bf16", (grid, 1, 1), 256, 0, &self.args(), on)
+    }
+}
+
+impl DequantQ4Bf16 {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (n, k, group) = (self.n as usize, self.k as usize, self.group as usize);
+        ensure!(
+            n.is_multiple_of(16)
+                && k.is_multiple_of(64)
+                && matches!(group, 32 | 64 | 128)
+                && k.is_multiple_of(group)
+                && self.q.len * 32 >= n * k
+                && self.sb.len >= n * (k / group)
+                && self.out.len >= n * k,
+            "dequant_q4_bf16: [{n}, {k}] group {group}: q {:?}, scales {:?}, out {:?}",
+            self.q,
+            self.sb,
+            self.out
+        );
+        let words = n * k / 32;
+        let grid = words.div_ceil(256).clamp(1, 132 * 16) as u32;
+        gpu.run("dequant_q4_bf16", (grid, 1, 1), 256, 0, &self.args(), on)
+    }
+}
+
+impl FillRandomQ4 {
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        ensure!(
+            self.codes.len as u64 >= self.n_words && self.sb.len as u64 >= self.n_pairs,
+            "fill_random_q4: {} words into {:?}, {} pairs into {:?}",
+            self.n_words,
+            self.codes,
+            self.n_pairs,
+            self.sb
+        );
+        gpu.run(
+            "fill_random_q4",
+            (1024, 1, 1),
+            256,
+            0,
+            &self.args(),
+            On::Plain,
+        )
     }
 }
 

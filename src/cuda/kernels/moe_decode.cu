@@ -360,3 +360,176 @@ extern "C" __global__ void __launch_bounds__(544) moe_down_dec_fp8(
         moe_down_dec_fp8_impl<0>(act, act_ld, topk_ids, topk_w, k, sgate, down, down_sc, inter, shared_down, sd_sc,
                                  s_inter, h, d);
 }
+
+// moe_gate_up_dec for affine 4-bit experts (q4 tiles, gemv.cuh: gate_up [E, 2 inter, d] and
+// shared_gate_up [2 s_inter, d] with scale/bias pairs gu_sb / sgu_sb, groups of `group`; inter,
+// s_inter % 16 == 0, d % 64 == 0): a block takes 16 features j0.., the gate strip and the up
+// strip of its slot's expert, its 8 warps splitting the d / 64 units on the tensor cores
+// (q4_load / q4_dot; NV = d / 512 a warp), the sums met in shared memory. The slot's expert as
+// in moe_gate_up_dec (each warp's own top-k from the logits; the shared expert's blocks load
+// before the wait). grid (ceil(max(inter, s_inter) / 16), k + 1), block 256, smem
+// gate_up_dec_q4_smem(d, e, k, group) bytes.
+__host__ __device__ __forceinline__ int gate_up_dec_q4_smem(int d, int e, int k, int group) {
+    return q4_smem(1, d, group, false, 8 * 2 * 16) + 4 * 8 * ((e + 2 * k + 3) & ~3);
+}
+template <int NV>
+__device__ __forceinline__ void moe_gate_up_dec_q4_impl(const bf16* __restrict__ xb, int d, const float* logits, int e,
+                                                        int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                                                        const uint4* __restrict__ gate_up,
+                                                        const unsigned* __restrict__ gu_sb, int inter,
+                                                        const uint4* __restrict__ shared_gate_up,
+                                                        const unsigned* __restrict__ sgu_sb, int s_inter, int group,
+                                                        float* __restrict__ act, int act_ld, int late_launch,
+                                                        float* smem) {
+    DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
+    if (!late_launch) griddep_launch();
+    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool shared = slot == k;
+    const int n = shared ? s_inter : inter, j0 = blockIdx.x * 16, nspan = d / q4_span(group);
+    unsigned* xw = reinterpret_cast<unsigned*>(smem);
+    float* xsum = smem + d / 2;
+    float* red = xsum + nspan;
+    float* routing = red + 8 * 2 * 16;
+    int expert = 0;
+    if (!shared) {
+        griddep_wait();  // the logits come from the router
+        if (late_launch) griddep_launch();
+        float* rl = routing + warp * ((e + 2 * k + 3) & ~3);
+        int* ids = reinterpret_cast<int*>(rl + e);
+        float* wts = rl + e + k;
+        for (int i = lane; i < e; i += 32) rl[i] = logits[i];
+        __syncwarp();
+        route_topk_warp(rl, e, k, ids, wts);
+        __syncwarp();  // lanes < k wrote the choices
+        expert = ids[slot];
+        if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
+            topk_ids[lane] = ids[lane];
+            topk_w[lane] = wts[lane];
+        }
+    }
+    if (j0 >= n) return;  // the wider of the two experts' grid
+    const uint4* w = shared ? shared_gate_up : gate_up;
+    const unsigned* sb = shared ? sgu_sb : gu_sb;
+    const int base = shared ? 0 : expert * 2 * inter;  // the expert's first row
+    const int strip[2] = {(base + j0) / 16, (base + n + j0) / 16};
+    uint4 v[2][NV > 0 ? NV : 1];
+    q4_load<NV, 2>(v, w, strip, d);
+    if (shared) {
+        griddep_wait();  // xb, the normalised input, comes from the router
+        if (late_launch) griddep_launch();
+    }
+    q4_stage_rows(xw, d / 2, xb, nullptr, 1, d);
+    q4_span_sums(xw, d / 2, 1, d, q4_span(group), xsum);
+    q4_dot<NV, 1, 2>(v, w, sb, group, strip, d, xw, d / 2, 1, xsum, red);
+    if (threadIdx.x < 16 && j0 + threadIdx.x < n) {
+        const float gs = q4_red_sum<2>(red, 0, 1, 0, threadIdx.x), us = q4_red_sum<2>(red, 1, 1, 0, threadIdx.x);
+        act[(size_t)slot * act_ld + j0 + threadIdx.x] = __bfloat162float(__float2bfloat16(silu_f(gs) * us));
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_dec_q4(
+    const bf16* __restrict__ xb, int d, const float* logits, int e, int k, int* __restrict__ topk_ids,
+    float* __restrict__ topk_w, const uint4* __restrict__ gate_up, const unsigned* __restrict__ gu_sb, int inter,
+    const uint4* __restrict__ shared_gate_up, const unsigned* __restrict__ sgu_sb, int s_inter, int group,
+    float* __restrict__ act, int act_ld, int late_launch) {
+    extern __shared__ float gate_up_q4_xs[];
+    if (d == 2048)
+        moe_gate_up_dec_q4_impl<4>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, gu_sb, inter, shared_gate_up,
+                                   sgu_sb, s_inter, group, act, act_ld, late_launch, gate_up_q4_xs);
+    else
+        moe_gate_up_dec_q4_impl<0>(xb, d, logits, e, k, topk_ids, topk_w, gate_up, gu_sb, inter, shared_gate_up,
+                                   sgu_sb, s_inter, group, act, act_ld, late_launch, gate_up_q4_xs);
+}
+
+// moe_down_dec for affine 4-bit down / shared_down (q4 tiles, [E, d, inter] and [d, s_inter];
+// d % 16 == 0, inter and s_inter % 64 == 0): a block takes a strip of 16 rows; warp s is slot s
+// (the k routed experts from topk_ids after the wait, then the shared expert): it stages its
+// slot's activations as bf16 with their span sums and takes all its strip's units on the tensor
+// cores (NV = inter / 64 = 8 loaded at once at the model's 512); the slots' sums meet in shared
+// memory (a routed expert's rounded to bf16, as moe_down_dec) and go into h.
+// grid d / 16, block 32 (k + 1), smem down_dec_q4_smem(k, inter, s_inter, group) bytes.
+__host__ __device__ __forceinline__ int down_dec_q4_words(int inter, int s_inter, int group) {
+    const int kk = inter > s_inter ? inter : s_inter;
+    return kk / 2 + kk / q4_span(group);
+}
+__host__ __device__ __forceinline__ int down_dec_q4_smem(int k, int inter, int s_inter, int group) {
+    return 4 * (k + 1) * (down_dec_q4_words(inter, s_inter, group) + 16);
+}
+template <int NV>
+__device__ __forceinline__ void moe_down_dec_q4_impl(const float* act, int act_ld, const int* topk_ids,
+                                                     const float* topk_w, int k, const float* sgate,
+                                                     const uint4* __restrict__ down, const unsigned* __restrict__ down_sb,
+                                                     int inter, const uint4* __restrict__ shared_down,
+                                                     const unsigned* __restrict__ sd_sb, int s_inter, int group,
+                                                     float* __restrict__ h, int d, float* smem) {
+    DECODE_KERNEL(TAG_DOWN);
+    const int s = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+    griddep_wait();  // the ids, act and sgate come from the previous kernels
+    const int kk = s == k ? s_inter : inter, U = kk >> 6, G = kk / group, span = q4_span(group), nspan = kk / span;
+    const int strip = (s == k ? 0 : topk_ids[s] * d) / 16 + blockIdx.x;
+    const uint4* w = s == k ? shared_down : down;
+    const unsigned* sbp = (s == k ? sd_sb : down_sb) + (size_t)strip * G * 16;
+    uint4 v[NV > 0 ? NV : 1];
+    if (NV > 0) {
+#pragma unroll
+        for (int i = 0; i < (NV > 0 ? NV : 1); i++) v[i] = __ldg(w + ((size_t)strip * U + i) * 32 + lane);
+    }
+    // this slot's activations as bf16, then its span sums
+    unsigned* xw = reinterpret_cast<unsigned*>(smem) + s * down_dec_q4_words(inter, s_inter, group);
+    float* xsum = reinterpret_cast<float*>(xw + kk / 2);
+    float* red = smem + (k + 1) * down_dec_q4_words(inter, s_inter, group);
+    const float* a = act + (size_t)s * act_ld;
+    for (int c = lane; c < kk / 2; c += 32) xw[c] = pack_bf16x2(a[2 * c], a[2 * c + 1]);
+    __syncwarp();
+    for (int i = 0; i < nspan; i++) {
+        float x = 0.0f;
+        if (lane < span / 2) {
+            const unsigned p = xw[i * (span / 2) + lane];
+            x = __uint_as_float(p << 16) + __uint_as_float(p & 0xffff0000u);
+        }
+        x = warp_sum(x);
+        if (lane == 0) xsum[i] = x;
+    }
+    __syncwarp();
+    TRACE_PHASE(0);  // the timeline's phases: rows in, partial sums done, slots summed
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    if (NV > 0) {
+#pragma unroll
+        for (int i = 0; i < (NV > 0 ? NV : 1); i++) q4_unit<1>(v[i], xw, kk / 2, 1, i * 64, xsum, nspan, sbp, group, acc);
+    } else {
+        for (int u = 0; u < U; u++)
+            q4_unit<1>(__ldg(w + ((size_t)strip * U + u) * 32 + lane), xw, kk / 2, 1, u * 64, xsum, nspan, sbp, group,
+                       acc);
+    }
+    TRACE_PHASE(1);
+    if ((lane & 3) == 0) {  // token 0's column: rows g and g + 8
+        const float coef = s == k ? *sgate : topk_w[s];
+        float r0 = acc[0][0], r1 = acc[0][2];
+        if (s != k) {
+            r0 = __bfloat162float(__float2bfloat16(r0));
+            r1 = __bfloat162float(__float2bfloat16(r1));
+        }
+        red[s * 16 + g] = coef * r0;
+        red[s * 16 + g + 8] = coef * r1;
+    }
+    __syncthreads();
+    TRACE_PHASE(2);
+    const int row = blockIdx.x * 16 + threadIdx.x;
+    if (threadIdx.x < 16 && row < d) {
+        float t = 0.0f;
+        for (int i = 0; i <= k; i++) t += red[i * 16 + threadIdx.x];
+        h[row] += t;
+    }
+}
+extern "C" __global__ void __launch_bounds__(544) moe_down_dec_q4(
+    const float* act, int act_ld, const int* topk_ids, const float* topk_w, int k, const float* sgate,
+    const uint4* __restrict__ down, const unsigned* __restrict__ down_sb, int inter,
+    const uint4* __restrict__ shared_down, const unsigned* __restrict__ sd_sb, int s_inter, int group,
+    float* __restrict__ h, int d) {
+    extern __shared__ float down_q4_xs[];
+    if (inter == 512 && s_inter == 512)
+        moe_down_dec_q4_impl<8>(act, act_ld, topk_ids, topk_w, k, sgate, down, down_sb, inter, shared_down, sd_sb,
+                                s_inter, group, h, d, down_q4_xs);
+    else
+        moe_down_dec_q4_impl<0>(act, act_ld, topk_ids, topk_w, k, sgate, down, down_sb, inter, shared_down, sd_sb,
+                                s_inter, group, h, d, down_q4_xs);
+}

@@ -42,6 +42,111 @@ kernels! {
         sgate: Dev<f32>, down: Dev<U128>, down_sc: Dev<f32>, inter: i32,
         shared_down: Dev<U128>, sd_sc: Dev<f32>, s_inter: i32, h: Dev<f32>, d: i32,
     }
+    /// [`MoeGateUpDec`] for affine 4-bit experts (q4 tiles and their scale/bias pairs, on the
+    /// tensor cores; grid of 16-feature groups).
+    MoeGateUpDecQ4 ["moe_gate_up_dec_q4"] {
+        xb: Dev<bf16>, d: i32, logits: Dev<f32>, e: i32, k: i32, topk_ids: Dev<i32>,
+        topk_w: Dev<f32>, gate_up: Dev<U128>, gu_sb: Dev<u32>, inter: i32,
+        shared_gate_up: Dev<U128>, sgu_sb: Dev<u32>, s_inter: i32, group: i32, act: Dev<f32>,
+        act_ld: i32, late_launch: i32,
+    }
+    /// [`MoeDownDec`] for affine 4-bit experts, the ids from `topk_ids` after the wait (a
+    /// block a strip of 16 rows).
+    MoeDownDecQ4 ["moe_down_dec_q4"] {
+        act: Dev<f32>, act_ld: i32, topk_ids: Dev<i32>, topk_w: Dev<f32>, k: i32,
+        sgate: Dev<f32>, down: Dev<U128>, down_sb: Dev<u32>, inter: i32,
+        shared_down: Dev<U128>, sd_sb: Dev<u32>, s_inter: i32, group: i32, h: Dev<f32>, d: i32,
+    }
+}
+
+/// Shared memory of `moe_gate_up_dec_q4` in bytes (moe_decode.cu's gate_up_dec_q4_smem): the
+/// staged input and its span sums, the warps' partial sums of two strips, then each warp's
+/// routing copy.
+pub fn gate_up_dec_q4_smem(d: usize, e: usize, k: usize, group: usize) -> usize {
+    super::gemv::q4_smem(1, d, group, false, 8 * 2 * 16) + 4 * 8 * (e + 2 * k).next_multiple_of(4)
+}
+
+/// Shared memory of `moe_down_dec_q4` in bytes (moe_decode.cu's down_dec_q4_smem): each slot's
+/// activations as bf16 and their span sums, then the slots' 16 row sums.
+pub fn down_dec_q4_smem(k: usize, inter: usize, s_inter: usize, group: usize) -> usize {
+    let kk = inter.max(s_inter);
+    let span = if group == 32 { 32 } else { 64 };
+    4 * (k + 1) * (kk / 2 + kk / span + 16)
+}
+
+/// The shape contract of the 4-bit decode MoE: widths whole strips and units, groups of 32,
+/// 64 or 128 columns dividing every width.
+fn q4_moe_shape(name: &str, d: usize, i: usize, is: usize, group: usize) -> Result<()> {
+    ensure!(
+        d.is_multiple_of(64)
+            && i.is_multiple_of(64)
+            && is.is_multiple_of(64)
+            && matches!(group, 32 | 64 | 128)
+            && [d, i, is].iter().all(|x| x.is_multiple_of(group)),
+        "{name}: d {d}, inter {i}, shared {is} with groups of {group} do not fit the q4 tiles"
+    );
+    Ok(())
+}
+
+impl MoeGateUpDecQ4 {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (d, e, k) = (self.d as usize, self.e as usize, self.k as usize);
+        let (i, is, group) = (
+            self.inter as usize,
+            self.s_inter as usize,
+            self.group as usize,
+        );
+        q4_moe_shape("moe_gate_up_dec_q4", d, i, is, group)?;
+        ensure!(
+            self.act.len >= (k + 1) * self.act_ld as usize
+                && self.act_ld as usize >= i.max(is)
+                && self.gate_up.len * 32 >= e * 2 * i * d
+                && self.gu_sb.len >= e * 2 * i * (d / group)
+                && self.shared_gate_up.len * 32 >= 2 * is * d
+                && self.sgu_sb.len >= 2 * is * (d / group),
+            "moe_gate_up_dec_q4: d {d}, inter {i}, shared {is}: act {:?} of rows {}, gate_up {:?}",
+            self.act,
+            self.act_ld,
+            self.gate_up
+        );
+        let grid = (i.max(is).div_ceil(16) as u32, (k + 1) as u32, 1);
+        gpu.run(
+            "moe_gate_up_dec_q4",
+            grid,
+            256,
+            gate_up_dec_q4_smem(d, e, k, group),
+            &self.args(),
+            on,
+        )
+    }
+}
+
+impl MoeDownDecQ4 {
+    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+        let (d, k) = (self.d as usize, self.k as usize);
+        let (i, is, group) = (
+            self.inter as usize,
+            self.s_inter as usize,
+            self.group as usize,
+        );
+        q4_moe_shape("moe_down_dec_q4", d, i, is, group)?;
+        ensure!(
+            self.h.len >= d && self.shared_down.len * 32 >= d * is && self.sd_sb.len >= d * (is / group),
+            "moe_down_dec_q4: h {:?}, shared_down {:?}",
+            self.h,
+            self.shared_down
+        );
+        let grid = ((d / 16) as u32, 1, 1);
+        let block = (32 * (k + 1)) as u32;
+        gpu.run(
+            "moe_down_dec_q4",
+            grid,
+            block,
+            down_dec_q4_smem(k, i, is, group),
+            &self.args(),
+            on,
+        )
+    }
 }
 
 /// Router rows per block of `moe_router_dec` (moe_decode.cu's ROUTER_ROWS).

@@ -525,3 +525,76 @@ __device__ __forceinline__ void moe_combine_impl(const void* __restrict__ y, con
     }
 MOE_COMBINE(moe_combine, float, 4)
 MOE_COMBINE(moe_combine_bf16, bf16, 8)
+
+// The few-row MoE for affine 4-bit experts (q4 tiles, gemv.cuh), on the tensor cores: the
+// sorted rows of one expert go through its weights together, up to 8 at a time (the mma's token
+// columns), so each expert's codes are read once per 8 of its rows. Block x = sorted row r leads
+// a tile when r is the first of its expert's run or 8, 16, ... rows into it (other blocks
+// return at once); the tile is its run's rows r .. r + 7. Block y takes SPB strips of 16
+// features: SWIGLU the gate strip and the up strip of 16 features (w [E, 2 nf, kdim], out bf16
+// act [rows, nf] = bf16(SiLU(g) * u)), else q4_strips(kdim / 512) strips of nf (w [E, nf,
+// kdim], out f32 y [rows, nf]). Input of sorted row r: a[gather[r]] (gather null: a[r]), bf16
+// [*, kdim]. nf % 16 == 0, kdim % 64 == 0. grid (rows, ceil(nf / (16 (SWIGLU ? 1 : SPB)))),
+// block 256, smem q4_smem(8, kdim, group, false, 8 * 8 * 16 * SPB) bytes.
+template <int NV, bool SWIGLU>
+__device__ __forceinline__ void moe_gemv_sorted_q4_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                                        const uint4* __restrict__ w, const unsigned* __restrict__ sb,
+                                                        int group, void* __restrict__ out,
+                                                        const int* __restrict__ expert, int rows, int nf, int kdim,
+                                                        float* smem) {
+    constexpr int SPB = SWIGLU ? 2 : q4_strips(NV);
+    griddep_wait_plain();
+    griddep_launch();
+    const int r = blockIdx.x, ex = expert[r];
+    int run0 = r;
+    while (run0 > 0 && expert[run0 - 1] == ex) run0--;
+    if ((r - run0) & 7) return;
+    int m = 1;
+    while (m < 8 && r + m < rows && expert[r + m] == ex) m++;
+    const int per = (SWIGLU ? 2 : 1) * nf, base = ex * per;  // the expert's first row
+    int strip[SPB];
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++) {
+        const int f = SWIGLU ? blockIdx.y * 16 + sp * nf : (blockIdx.y * SPB + sp) * 16;
+        strip[sp] = (SWIGLU ? blockIdx.y * 16 < nf : f < nf) ? (base + f) / 16 : -1;
+    }
+    uint4 v[SPB][NV > 0 ? NV : 1];
+    q4_load<NV, SPB>(v, w, strip, kdim);
+    const int ldw = q4_ldw(m, kdim), nspan = kdim / q4_span(group);
+    unsigned* xw = reinterpret_cast<unsigned*>(smem);
+    float* xsum = smem + m * ldw;
+    float* red = xsum + m * nspan;
+    // the tile's rows: a[gather[r + t]], or (gather null) a[r + t]
+    q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r * kdim, gather ? gather + r : nullptr, m, kdim);
+    q4_span_sums(xw, ldw, m, kdim, q4_span(group), xsum);
+    q4_dot<NV, 1, SPB>(v, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
+    if (SWIGLU) {
+        for (int o = threadIdx.x; o < m * 16; o += blockDim.x) {
+            const int t = o >> 4, j = blockIdx.y * 16 + (o & 15);
+            if (strip[0] < 0 || j >= nf) continue;
+            const float gs = q4_red_sum<SPB>(red, 0, m, t, o & 15), us = q4_red_sum<SPB>(red, SPB - 1, m, t, o & 15);
+            reinterpret_cast<bf16*>(out)[(size_t)(r + t) * nf + j] = __float2bfloat16(silu_f(gs) * us);
+        }
+    } else {
+        for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {
+            const int sp = o / (m * 16), t = (o >> 4) % m, f = (blockIdx.y * SPB + sp) * 16 + (o & 15);
+            if (strip[sp] < 0) continue;
+            reinterpret_cast<float*>(out)[(size_t)(r + t) * nf + f] = q4_red_sum<SPB>(red, sp, m, t, o & 15);
+        }
+    }
+}
+#define MOE_GEMV_SORTED_Q4(NAME, SWIGLU)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                           \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const uint4* __restrict__ w,                      \
+        const unsigned* __restrict__ sb, int group, void* __restrict__ out, const int* __restrict__ expert, int rows, \
+        int nf, int kdim) {                                                                                           \
+        extern __shared__ float gemv_q4_sorted_xs[];                                                                  \
+        if (kdim == 2048)                                                                                             \
+            moe_gemv_sorted_q4_impl<4, SWIGLU>(a, gather, w, sb, group, out, expert, rows, nf, kdim, gemv_q4_sorted_xs); \
+        else if (kdim == 512)                                                                                         \
+            moe_gemv_sorted_q4_impl<1, SWIGLU>(a, gather, w, sb, group, out, expert, rows, nf, kdim, gemv_q4_sorted_xs); \
+        else                                                                                                          \
+            moe_gemv_sorted_q4_impl<0, SWIGLU>(a, gather, w, sb, group, out, expert, rows, nf, kdim, gemv_q4_sorted_xs); \
+    }
+MOE_GEMV_SORTED_Q4(moe_gemv_sorted_q4, false)
+MOE_GEMV_SORTED_Q4(moe_gemv_sorted_swiglu_q4, true)

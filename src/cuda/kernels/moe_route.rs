@@ -51,6 +51,13 @@ kernels! {
         a: Dev<bf16>, gather: Dev<i32>, w: Dev<U128>, sc: Dev<f32>, out: Untyped,
         expert: Dev<i32>, nf: i32, kdim: i32,
     }
+    /// [`MoeGemvSorted`] for affine 4-bit experts (q4 tiles and scale/bias pairs): each
+    /// expert's run of sorted rows goes through its weights 8 rows at a time on the tensor cores
+    /// (`rows`: the sorted rows, to find where a run ends).
+    MoeGemvSortedQ4 ["moe_gemv_sorted_q4", "moe_gemv_sorted_swiglu_q4"] {
+        a: Dev<bf16>, gather: Dev<i32>, w: Dev<U128>, sb: Dev<u32>, group: i32, out: Untyped,
+        expert: Dev<i32>, rows: i32, nf: i32, kdim: i32,
+    }
     /// `act = bf16(SiLU(gu[:, :inter]) * gu[:, inter:])`.
     SwigluBf16 ["swiglu_bf16"] { gu: Dev<f32>, act: Dev<bf16>, rows: i32, inter: i32 }
     /// `h += Σ_slot topk_w · y[slot_row] + sgate · ys`, then (non-null `norm_w`) the next
@@ -254,6 +261,46 @@ impl MoeGemvSortedFp8 {
             kdim,
             swiglu,
             &self.args(),
+        )
+    }
+}
+
+impl MoeGemvSortedQ4 {
+    /// Over the `rows` sorted rows (`self.rows`) of `experts` experts' weights: a block a
+    /// sorted row (those that lead no tile of 8 return at once) and strips of 16 features.
+    pub fn launch(&self, gpu: &Gpu, swiglu: bool, experts: usize) -> Result<()> {
+        let (rows, nf, kdim, group) = (
+            self.rows as usize,
+            self.nf as usize,
+            self.kdim as usize,
+            self.group as usize,
+        );
+        let wrows = if swiglu { 2 * nf } else { nf };
+        ensure!(
+            kdim.is_multiple_of(64)
+                && nf.is_multiple_of(16)
+                && matches!(group, 32 | 64 | 128)
+                && kdim.is_multiple_of(group)
+                && self.w.len * 32 >= experts * wrows * kdim
+                && self.sb.len >= experts * wrows * (kdim / group)
+                && self.expert.len >= rows
+                && (self.gather.is_null() || self.gather.len >= rows),
+            "moe_gemv_sorted_q4: {rows} rows over {experts} experts of {wrows} x {kdim} (group \
+             {group}): w {:?}, scales {:?}, expert {:?}",
+            self.w,
+            self.sb,
+            self.expert
+        );
+        let spb = if swiglu { 1 } else { super::gemv::q4_strips(kdim) };
+        let smem = super::gemv::q4_smem(8, kdim, group, false, 8 * 8 * 16 * if swiglu { 2 } else { spb });
+        let grid = (rows as u32, (nf / 16).div_ceil(spb) as u32, 1);
+        gpu.run(
+            Self::NAMES[swiglu as usize],
+            grid,
+            256,
+            smem,
+            &self.args(),
+            On::Prefill,
         )
     }
 }

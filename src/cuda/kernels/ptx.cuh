@@ -40,6 +40,15 @@ __device__ __forceinline__ float4 e4m3x4_to_float4(unsigned w) {
     return f;
 }
 
+// ---- Affine 4-bit weights ----
+// Both bf16 halves of a minus 128 (fma.rn.bf16x2 a * 1 - 128): exact for the 128 + q (q in 0..15)
+// that gemv.cuh's q4_frag makes, giving the codes q as bf16.
+__device__ __forceinline__ unsigned bf16x2_minus128(unsigned a) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return r;
+}
+
 // ---- Tensor-core fragments (mma.sync m16n8k16, bf16 in, f32 accumulate) ----
 // Fragment layouts (PTX ISA "mma.m16n8k16"), g = lane / 4, c = 2 * (lane % 4):
 //   A 16x16 row-major: a[0] (g, c..c+1), a[1] (g+8, c..), a[2] (g, 8+c..), a[3] (g+8, 8+c..)
