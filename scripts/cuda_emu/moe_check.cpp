@@ -7,6 +7,7 @@
 // gate/up (f32) and plain down (f32, no gather), each against a double-precision reference over
 // every sorted row, and the bf16 down; outputs start as NaN so that a missed row or column shows.
 #include "kernels_emu.inc"
+#include "q4_host.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -388,7 +389,9 @@ static Fp8W rand_fp8(int rows, int cols, float scale) {
 // d 2048 / inter 512 take the kernels' register-preloaded paths, the small shape the generic ones.
 // early: moe_down_dec picks the experts from the logits itself (before its griddep_wait).
 // fp8: the experts e4m3 with block scales (moe_gate_up_dec_fp8, moe_down_dec_fp8; no early).
-static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early, bool fp8 = false) {
+// q4: the experts affine 4-bit in q4 tiles with groups of q4 columns (moe_gate_up_dec_q4,
+// moe_down_dec_q4; no early).
+static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int early, bool fp8 = false, int q4 = 0) {
     const float eps = 1e-6f;
     std::vector<float> h(d), nw(d), w_sg(d);
     for (auto& v : h) v = uni(-2, 2);
@@ -407,11 +410,18 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         dn8 = rand_fp8(e * d, inter, si);
         sdn8 = rand_fp8(d, s_inter, ss_);
     }
+    Q4Host gu4, sgu4, dn4, sdn4;
+    if (q4) {  // scales ~ std / 5: weights of about the bf16 case's spread
+        gu4 = make_q4(e * 2 * inter, d, q4, rng, sd / 5);
+        sgu4 = make_q4(2 * s_inter, d, q4, rng, sd / 5);
+        dn4 = make_q4(e * d, inter, q4, rng, si / 5);
+        sdn4 = make_q4(d, s_inter, q4, rng, ss_ / 5);
+    }
     // weight (row r, column c) of the stacked gate/up, shared gate/up, down, shared down
-    auto w_gu = [&](size_t r, int c) { return fp8 ? gu8.at(r, c) : f(gu[r * d + c]); };
-    auto w_sgu = [&](size_t r, int c) { return fp8 ? sgu8.at(r, c) : f(sgu[r * d + c]); };
-    auto w_dn = [&](size_t r, int c) { return fp8 ? dn8.at(r, c) : f(dn[r * inter + c]); };
-    auto w_sdn = [&](size_t r, int c) { return fp8 ? sdn8.at(r, c) : f(sdn[r * s_inter + c]); };
+    auto w_gu = [&](size_t r, int c) { return q4 ? gu4.w(r, c) : fp8 ? gu8.at(r, c) : f(gu[r * d + c]); };
+    auto w_sgu = [&](size_t r, int c) { return q4 ? sgu4.w(r, c) : fp8 ? sgu8.at(r, c) : f(sgu[r * d + c]); };
+    auto w_dn = [&](size_t r, int c) { return q4 ? dn4.w(r, c) : fp8 ? dn8.at(r, c) : f(dn[r * inter + c]); };
+    auto w_sdn = [&](size_t r, int c) { return q4 ? sdn4.w(r, c) : fp8 ? sdn8.at(r, c) : f(sdn[r * s_inter + c]); };
     const int act_ld = std::max(inter, s_inter);
     std::vector<bf16> xb(d);
     std::vector<float> logits(e), sgate(1), topk_w(k), act((size_t)(k + 1) * act_ld, NAN), h_out = h;
@@ -420,6 +430,14 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         moe_router_dec(h.data(), nw.data(), eps, d, wr.data(), e, w_sg.data(), xb.data(), logits.data(),
                        sgate.data());
     });
+    if (q4)
+        emu_launch({(unsigned)((std::max(inter, s_inter) + 15) / 16), (unsigned)(k + 1), 1}, 256,
+                   (size_t)gate_up_dec_q4_smem(d, e, k, q4), [&] {
+            moe_gate_up_dec_q4(xb.data(), d, logits.data(), e, k, topk_ids.data(), topk_w.data(), gu4.tiles.data(),
+                               gu4.sb.data(), inter, sgu4.tiles.data(), sgu4.sb.data(), s_inter, q4, act.data(), act_ld,
+                               0);
+        });
+    else
     emu_launch({(unsigned)((std::max(inter, s_inter) + 7) / 8), (unsigned)(k + 1), 1}, 256,
                (size_t)gate_up_dec_smem(d, e, k) * 4, [&] {
         if (fp8)
@@ -430,7 +448,12 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
                             sgu.data(), s_inter, act.data(), act_ld, early);
     });
     if (early) std::fill(topk_w.begin(), topk_w.end(), NAN);  // the early down must not read them
-    if (fp8) {
+    if (q4) {
+        emu_launch({(unsigned)(d / 16), 1, 1}, 32 * (k + 1), (size_t)down_dec_q4_smem(k, inter, s_inter, q4), [&] {
+            moe_down_dec_q4(act.data(), act_ld, topk_ids.data(), topk_w.data(), k, sgate.data(), dn4.tiles.data(),
+                            dn4.sb.data(), inter, sdn4.tiles.data(), sdn4.sb.data(), s_inter, q4, h_out.data(), d);
+        });
+    } else if (fp8) {
         emu_launch({(unsigned)((d + 3) / 4), 1, 1}, 32 * (k + 1), 0, [&] {
             moe_down_dec_fp8(act.data(), act_ld, topk_ids.data(), topk_w.data(), k, sgate.data(), dn8.words(),
                              dn8.s.data(), inter, sdn8.words(), sdn8.s.data(), s_inter, h_out.data(), d);
@@ -501,8 +524,10 @@ static void decode_moe_check(int d, int e, int k, int inter, int s_inter, int ea
         scale = std::max(scale, std::fabs(y));
     }
     const bool ok = ids_ok && err <= 1e-5 * (1.0 + scale);
+    char fmt[32];
+    snprintf(fmt, sizeof fmt, q4 ? " q4 group %d" : fp8 ? " fp8" : "", q4);
     printf("%s decode MoE%s d=%d e=%d k=%d inter=%d/%d, down %s: ids %s, h max err %.1e (scale %.2f)\n",
-           ok ? "ok  " : "FAIL", fp8 ? " fp8" : "", d, e, k, inter, s_inter,
+           ok ? "ok  " : "FAIL", fmt, d, e, k, inter, s_inter,
            early == 2 ? "early, bulk rows" : early ? "early" : "after the wait", ids_ok ? "equal" : "DIFFER", err, scale);
     fails += !ok;
 }
@@ -559,6 +584,62 @@ static void sorted_fp8_check(int d, int inter, int e, int rows) {
            ok ? "ok  " : "FAIL", d, inter, e, rows, ea, ey);
 }
 
+// moe_gemv_sorted_q4 / moe_gemv_sorted_swiglu_q4 (the few-row path with affine 4-bit experts,
+// an expert's rows 8 at a time): runs of up to rows / e rows (more than 8 where e is small, so
+// tiles split a run), gathered input for gate/up, against double products of the dequantised
+// weights: act within its bf16 rounding, y to 1e-6 of its scale.
+static void sorted_q4_check(int d, int inter, int e, int rows, int group) {
+    auto gu = make_q4(e * 2 * inter, d, group, rng, 1.0f / std::sqrt((float)d) / 5);
+    auto dn = make_q4(e * d, inter, group, rng, 1.0f / std::sqrt((float)inter) / 5);
+    const int tokens = rows / 2 + 1;
+    auto xb = rand_bf16((size_t)tokens * d, 1.0f), act_in = rand_bf16((size_t)rows * inter, 1.0f);
+    std::vector<int> expert(rows), gather(rows);
+    for (int r = 0; r < rows; r++) expert[r] = (int)(rng() % e), gather[r] = (int)(rng() % tokens);
+    std::sort(expert.begin(), expert.end());
+    std::vector<bf16> act((size_t)rows * inter, bf16{0x7fff});
+    std::vector<float> y((size_t)rows * d, NAN);
+    const int spb = q4_strips(inter == 2048 ? 4 : inter == 512 ? 1 : inter == 4096 ? 8 : 0);
+    emu_launch({(unsigned)rows, (unsigned)(inter / 16), 1}, 256, (size_t)q4_smem(8, d, group, false, 8 * 8 * 16 * 2), [&] {
+        moe_gemv_sorted_swiglu_q4(xb.data(), gather.data(), gu.tiles.data(), gu.sb.data(), group, act.data(),
+                                  expert.data(), rows, inter, d);
+    });
+    emu_launch({(unsigned)rows, (unsigned)((d / 16 + spb - 1) / spb), 1}, 256,
+               (size_t)q4_smem(8, inter, group, false, 8 * 8 * 16 * spb), [&] {
+        moe_gemv_sorted_q4(act_in.data(), nullptr, dn.tiles.data(), dn.sb.data(), group, y.data(), expert.data(), rows,
+                           d, inter);
+    });
+    double ea = 0, ey = 0, ys = 0;
+    std::vector<double> yr((size_t)rows * d);
+    for (int r = 0; r < rows; r++) {
+        const size_t g0 = (size_t)expert[r] * 2 * inter;
+        for (int j = 0; j < inter; j++) {
+            double g = 0, u = 0;
+            for (int i = 0; i < d; i++) {
+                const double xv = f(xb[(size_t)gather[r] * d + i]);
+                g += gu.w(g0 + j, i) * xv;
+                u += gu.w(g0 + inter + j, i) * xv;
+            }
+            const double ref = g / (1.0 + std::exp(-g)) * u, got = f(act[(size_t)r * inter + j]);
+            const double e_ = std::fabs(got - ref) / (std::fabs(ref) * 0.00390625 + 1e-5);
+            if (!(e_ <= ea)) ea = e_;
+        }
+        for (int n = 0; n < d; n++) {
+            double a = 0;
+            for (int j = 0; j < inter; j++) a += dn.w((size_t)expert[r] * d + n, j) * f(act_in[(size_t)r * inter + j]);
+            yr[(size_t)r * d + n] = a;
+            ys = std::max(ys, std::fabs(a));
+        }
+    }
+    for (size_t i = 0; i < yr.size(); i++) {
+        const double e_ = std::fabs(y[i] - yr[i]) / ys;
+        if (!(e_ <= ey)) ey = e_;
+    }
+    const bool ok = ea <= 1.0 && ey <= 1e-6;
+    fails += !ok;
+    printf("%s moe_gemv_sorted q4 group %d d=%d i=%d E=%d rows=%d: swiglu act %.2f of its bound, down %.1e\n",
+           ok ? "ok  " : "FAIL", group, d, inter, e, rows, ea, ey);
+}
+
 // moe_plan alone over several warps of experts (the model's 256, and ragged counts), offsets
 // and cursor included, against plan_ok's sequential table.
 static void plan_check(int e, int tile_m) {
@@ -589,6 +670,15 @@ int main(int argc, char** argv) {
     decode_moe_check(2048, 256, 8, 512, 512, 0, true);
     sorted_fp8_check(128, 128, 4, 5);
     sorted_fp8_check(2048, 512, 6, 9);
+    decode_moe_check(128, 8, 2, 128, 128, 0, false, 64);
+    decode_moe_check(128, 8, 2, 128, 64, 0, false, 32);
+    decode_moe_check(256, 8, 4, 128, 128, 0, false, 128);
+    decode_moe_check(2048, 16, 8, 512, 512, 0, false, 64);
+    decode_moe_check(2048, 256, 8, 512, 512, 0, false, 64);
+    sorted_q4_check(128, 128, 4, 5, 64);
+    sorted_q4_check(128, 128, 2, 21, 32);
+    sorted_q4_check(2048, 512, 3, 20, 64);
+    sorted_q4_check(2048, 512, 6, 9, 128);
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(k % 2 ? 12 : 21, e, k, k % 2 ? 36 : 64);
