@@ -347,6 +347,34 @@ pub enum WeightFormat {
     /// (but GDN's a and b), the shared and the routed experts e4m3 with 128 x 128 block
     /// scales, the rest bf16.
     Fp8,
+    /// Affine 4-bit (MLX, GPTQ, AWQ, compressed-tensors W4A16): on the GPU the matrices of
+    /// [`TextConfig::fp8_matrices`] and lm_head as 4-bit codes with (scale, bias) bf16 pairs per
+    /// group; GDN's a and b, the router, norms and the embedding (dequantised at upload) bf16.
+    /// Byte counts take MLX's group of 64 columns ([`Q4_GROUP`]).
+    Int4,
+}
+
+impl WeightFormat {
+    /// The format of a `--synthetic` kind: `full` bf16, `full-fp8` the official FP8 layout,
+    /// `full-int4` MLX's affine 4-bit (group 64); `None` for any other.
+    pub fn of_synthetic(kind: &str) -> Option<WeightFormat> {
+        match kind {
+            "full" => Some(WeightFormat::Bf16),
+            "full-fp8" => Some(WeightFormat::Fp8),
+            "full-int4" => Some(WeightFormat::Int4),
+            _ => None,
+        }
+    }
+}
+
+/// The group (columns a scale and bias) the 4-bit byte counts and the synthetic 4-bit model
+/// take: MLX's default, Lily's checkpoint's.
+pub const Q4_GROUP: usize = 64;
+
+/// Device bytes of a `[rows, cols]` matrix as 4-bit codes with a bf16 (scale, bias) pair per
+/// [`Q4_GROUP`] columns.
+pub fn q4_bytes(rows: usize, cols: usize) -> usize {
+    rows * cols / 2 + rows * cols.div_ceil(Q4_GROUP) * 4
 }
 
 /// The one quantized format Kestrel runs: the official FP8 release's fine-grained FP8
@@ -1260,6 +1288,21 @@ impl TextConfig {
                     }
                 }
                 (2.0 * (dense_params - dense_q) + dense_q + dense_sc, expert)
+            }
+            WeightFormat::Int4 => {
+                let (mut dense_q, mut dense_b, mut expert) = (0.0, 0.0, 0.0);
+                for (r, c, n, is_routed) in self.fp8_matrices() {
+                    if is_routed {
+                        expert += q4_bytes(r, c) as f64 / self.num_layers as f64;
+                    } else {
+                        dense_q += (r * c * n) as f64;
+                        dense_b += (q4_bytes(r, c) * n) as f64;
+                    }
+                }
+                let (v, d) = (self.vocab_size, self.hidden_size);
+                dense_q += (v * d) as f64; // lm_head
+                dense_b += q4_bytes(v, d) as f64;
+                (2.0 * (dense_params - dense_q) + dense_b, expert)
             }
         }
     }

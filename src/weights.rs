@@ -1302,7 +1302,7 @@ impl ModelWeights {
     }
 
     /// Every matrix the FP8 format quantizes, and the ones it keeps unquantized.
-    fn matrices_by_role(&self) -> (Vec<&Mat>, Vec<&Mat>) {
+    pub(crate) fn matrices_by_role(&self) -> (Vec<&Mat>, Vec<&Mat>) {
         let (mut quantizable, mut kept) = (Vec::new(), vec![&self.embed, &self.lm_head]);
         for l in &self.layers {
             match &l.mixer {
@@ -1356,6 +1356,19 @@ impl ModelWeights {
             .0
             .iter()
             .any(|m| m.dtype == DType::F8E4M3)
+    }
+
+    /// The GPU's weight format for these weights: FP8 where any matrix is FP8, 4-bit where
+    /// any is affine, else bf16.
+    pub fn weight_format(&self) -> crate::config::WeightFormat {
+        use crate::config::WeightFormat;
+        if self.is_fp8() {
+            WeightFormat::Fp8
+        } else if self.is_affine() {
+            WeightFormat::Int4
+        } else {
+            WeightFormat::Bf16
+        }
     }
 
     /// Whether any matrix is stored affine 4/8-bit (MLX, GPTQ, AWQ).

@@ -90,6 +90,71 @@ fn cuda_runs_the_fp8_checkpoint() {
     }
 }
 
+/// The MLX affine 4-bit checkpoint (mlx-lm's converter, group 64, 8-bit router) on the GPU:
+/// W4A16 tensor-core GEMVs (lm_head included), the 4-bit decode MoE and few-row MoE; prefill
+/// chunks of 40 tokens through dequantised bf16 GEMMs, of 8 through the GEMVs; against the
+/// CPU running the same 4-bit weights at the GPU's activation precision (and, printed, against
+/// mlx-lm's own logits).
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
+fn cuda_runs_the_mlx_4bit_checkpoint() {
+    let Some(gpu) = gpu() else { return };
+    for dir in common::mlx_fixtures() {
+        for chunk in [256, 8] {
+            reference_prefill_decode_and_greedy(&gpu, &dir, chunk, 16);
+        }
+    }
+}
+
+/// The GPTQ (group 128, symmetric), AWQ (group 32, zero points) and compressed-tensors (group
+/// 64) fixtures on the GPU against the CPU on the same weights: a 40-token prompt (chunks of
+/// 256 and 8) and 32 greedy steps, within the fixtures' tolerances.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
+fn cuda_runs_the_gptq_awq_and_ct_checkpoints() {
+    let Some(gpu) = gpu() else { return };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let root = if root.is_dir() {
+        root
+    } else {
+        PathBuf::from("tests/fixtures")
+    };
+    for name in ["tiny-gptq", "tiny-awq", "tiny-ct"] {
+        let dir = root.join(name);
+        for chunk in [256, 8] {
+            let (cpu, cuda) = load(&gpu, &dir, chunk);
+            let vocab = cuda.config.vocab_size;
+            let prompt = kestrel::bench::prompt(40, vocab);
+            let (mut gs, mut cs) = (cuda.new_state().unwrap(), cpu.new_state().unwrap());
+            let g = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
+            let c = cpu.forward(&mut cs, &prompt, Logits::All).unwrap();
+            let (pe, pn) = (rel_err(&g, &c), norm_rel_err(&g, &c));
+            let scale = c.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let mut tok = argmax(&c[c.len() - vocab..]).unwrap() as u32;
+            let (mut all_g, mut all_c, mut compared) = (Vec::new(), Vec::new(), 0);
+            for step in 0..32 {
+                let gl = cuda.forward(&mut gs, &[tok], Logits::Last).unwrap();
+                let cl = cpu.forward(&mut cs, &[tok], Logits::Last).unwrap();
+                let want = argmax(&cl).unwrap();
+                if margin(&cl) > 0.05 * scale {
+                    compared += 1;
+                    assert_eq!(argmax(&gl).unwrap(), want, "{name}: greedy step {step}");
+                }
+                all_g.extend_from_slice(&gl);
+                all_c.extend_from_slice(&cl);
+                tok = want as u32;
+            }
+            let (de, dn) = (rel_err(&all_g, &all_c), norm_rel_err(&all_g, &all_c));
+            println!(
+                "{name} (chunk {chunk}): vs CPU@bf16 prompt max {pe:.2e} norm {pn:.2e}, decode max {de:.2e} norm {dn:.2e}; greedy equal on {compared} confident steps"
+            );
+            assert!(pn <= NORM_TOL && dn <= NORM_TOL, "{name}: norm {pn} {dn}");
+            assert!(pe <= REL_TOL && de <= REL_TOL, "{name}: max {pe} {de}");
+            assert!(compared >= 8, "{name}: only {compared} confident steps");
+        }
+    }
+}
+
 /// Prefill and 64 teacher-forced decode steps of fixture `dir` on the GPU (prefill chunks of
 /// `chunk`) against the CPU reference at the GPU's precision; the greedy choice equal on at
 /// least `min_confident` confident steps.
@@ -632,7 +697,10 @@ fn gdn_chunked_matches_recurrent_through_the_model() {
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_decode_matches_one_at_a_time() {
     let Some(gpu) = gpu() else { return };
-    for dir in fixtures().into_iter().chain(common::fp8_fixtures()) {
+    let quantized = common::fp8_fixtures()
+        .into_iter()
+        .chain(common::mlx_fixtures());
+    for dir in fixtures().into_iter().chain(quantized) {
         batched_decode_check(&gpu, &dir);
     }
 }

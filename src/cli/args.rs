@@ -16,10 +16,11 @@ pub(super) struct ModelArgs {
     /// demo model (random weights) runs.
     #[arg(long)]
     pub(super) model: Option<String>,
-    /// `full` (bf16) or `full-fp8` (the official FP8 layout): seeded random weights of the
-    /// exact 40-layer Qwen3.6-35B-A3B shape, made on the GPU (--device cuda), in place of a
-    /// checkpoint: for load tests and benchmarks, the text is gibberish.
-    #[arg(long, conflicts_with = "model", value_parser = ["full", "full-fp8"])]
+    /// `full` (bf16), `full-fp8` (the official FP8 layout) or `full-int4` (affine 4-bit,
+    /// MLX's group 64): seeded random weights of the exact 40-layer Qwen3.6-35B-A3B shape, made
+    /// on the GPU (--device cuda), in place of a checkpoint: for load tests and benchmarks, the
+    /// text is gibberish.
+    #[arg(long, conflicts_with = "model", value_parser = ["full", "full-fp8", "full-int4"])]
     pub(super) synthetic: Option<String>,
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]

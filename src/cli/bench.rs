@@ -139,10 +139,12 @@ pub(super) fn bench_cmd(
     let (cfg, host, weights_label) = match (&synthetic, &model) {
         (Some(s), None) => {
             let cfg = match s.as_str() {
-                "full" | "full-fp8" => TextConfig::qwen36_35b_a3b(),
+                "full" | "full-fp8" | "full-int4" => TextConfig::qwen36_35b_a3b(),
                 "demo" => synthetic::demo_config(),
                 other => {
-                    anyhow::bail!("--synthetic must be `full`, `full-fp8` or `demo`, not {other:?}")
+                    anyhow::bail!(
+                        "--synthetic must be `full`, `full-fp8`, `full-int4` or `demo`, not {other:?}"
+                    )
                 }
             };
             eprintln!(
@@ -150,6 +152,9 @@ pub(super) fn bench_cmd(
                 match s.as_str() {
                     "full" => "exact 40-layer Qwen3.6-35B-A3B, bf16",
                     "full-fp8" => "exact 40-layer Qwen3.6-35B-A3B, the official FP8 layout",
+                    "full-int4" => {
+                        "exact 40-layer Qwen3.6-35B-A3B, affine 4-bit group 64 (MLX's layout)"
+                    }
                     _ => "demo",
                 }
             );
@@ -165,12 +170,14 @@ pub(super) fn bench_cmd(
             }
             (m.config.clone(), Some(m), dir.display().to_string())
         }
-        _ => anyhow::bail!("give exactly one of --synthetic full|full-fp8|demo or --model DIR"),
+        _ => anyhow::bail!(
+            "give exactly one of --synthetic full|full-fp8|full-int4|demo or --model DIR"
+        ),
     };
     let format = match (&host, synthetic.as_deref()) {
-        (Some(h), _) if h.weights.is_fp8() => WeightFormat::Fp8,
-        (None, Some("full-fp8")) => WeightFormat::Fp8,
-        _ => WeightFormat::Bf16,
+        (Some(h), _) => h.weights.weight_format(),
+        (None, Some(kind)) => WeightFormat::of_synthetic(kind).unwrap_or(WeightFormat::Bf16),
+        (None, None) => WeightFormat::Bf16,
     };
     let vocab_limit = cfg
         .vocab_size

@@ -112,7 +112,7 @@ enum Command {
     Bench {
         /// Seeded random weights of a known shape instead of a checkpoint: `full` (the exact
         /// 40-layer Qwen3.6-35B-A3B shape, bf16), `full-fp8` (the same in the official FP8
-        /// layout) or `demo`.
+        /// layout), `full-int4` (affine 4-bit, MLX's group 64) or `demo`.
         #[arg(long)]
         synthetic: Option<String>,
         /// Checkpoint directory (when not --synthetic).
@@ -342,11 +342,7 @@ fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<B
             None => Ok(Backend::Cpu(CpuModel::new(cfg, weights))),
             Some(g) => {
                 let max_seq = (args.max_seq as usize).min(cfg.max_position_embeddings);
-                let format = if weights.is_fp8() {
-                    WeightFormat::Fp8
-                } else {
-                    WeightFormat::Bf16
-                };
+                let format = weights.weight_format();
                 let chunk = kestrel::cuda::model::CudaModel::pick_chunk(
                     g,
                     &cfg,
@@ -382,11 +378,8 @@ fn load_engine(device: Device, dir: Option<&Path>, args: &ModelArgs) -> Result<B
                 "--synthetic {kind} makes its weights on the GPU: it needs --device cuda"
             );
         };
-        let format = if kind == "full-fp8" {
-            WeightFormat::Fp8
-        } else {
-            WeightFormat::Bf16
-        };
+        let format = WeightFormat::of_synthetic(kind)
+            .ok_or_else(|| anyhow::anyhow!("--synthetic {kind}: not a synthetic model"))?;
         let cfg = TextConfig::qwen36_35b_a3b();
         let max_seq = (args.max_seq as usize).min(cfg.max_position_embeddings);
         let chunk =

@@ -7,10 +7,10 @@
 use super::kernels::attn_decode::{AttnCombineDec, AttnDecodeMma, AttnPrep};
 use super::kernels::gdn_decode::{GdnConvDec, GdnConvstepDec, GdnStepDec};
 use super::kernels::gemv::{self, Argmax, Input};
-use super::kernels::misc::EmbedGather;
+use super::kernels::misc::{ArgmaxRows, EmbedGather};
 use super::kernels::moe_decode::{
-    MoeDownDec, MoeDownDecFp8, MoeGateUpDec, MoeGateUpDecFp8, MoeRouterDec, down_dec_smem,
-    gate_up_dec_smem, router_smem,
+    MoeDownDec, MoeDownDecFp8, MoeDownDecQ4, MoeGateUpDec, MoeGateUpDecFp8, MoeGateUpDecQ4,
+    MoeRouterDec, down_dec_smem, gate_up_dec_smem, router_smem,
 };
 use super::kernels::trace::TraceSet;
 use super::kernels::{Dev, On};
@@ -19,7 +19,7 @@ use super::state::{CudaState, DecodeGraph};
 use super::upload::{LayerW, MixerW, Wt};
 use super::{DeviceBuf, Gpu};
 use crate::config::TextConfig;
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, ensure};
 
 /// Attention splits per query head at most (the partial sums' workspace).
 pub(super) const DECODE_SPLITS: usize = 256;
@@ -188,7 +188,7 @@ impl CudaModel {
     }
 
     /// A dense projection of the decode step, `y = beta*y + W·input`: bf16 through
-    /// [`Self::gemv_dec`], FP8 through `gemv_fp8` (W8A16).
+    /// [`Self::gemv_dec`], FP8 through `gemv_fp8` (W8A16), 4-bit through `gemv_q4` (W4A16).
     fn dense_dec(
         &self,
         w: &Wt,
@@ -198,12 +198,16 @@ impl CudaModel {
         y: Dev<f32>,
         beta: f32,
     ) -> Result<()> {
+        let on = On::Decode(self.decode_graph);
         match w {
             Wt::Bf16(b) => self.gemv_dec(b, n, k, input, y, beta, None, self.decode_graph),
             Wt::Fp8 { .. } => {
                 let f = w.fp8().expect("an FP8 matrix");
-                let on = On::Decode(self.decode_graph);
                 gemv::gemv_fp8(&self.gpu, f, n, k, input, 1, y, n, beta, on)
+            }
+            Wt::Q4 { .. } => {
+                let q = w.q4().expect("a 4-bit matrix");
+                gemv::gemv_q4(&self.gpu, q, n, k, input, 1, y, n, beta, on)
             }
         }
     }
@@ -402,16 +406,41 @@ impl CudaModel {
             w: self.w.final_norm.f32(),
             eps,
         };
+        self.lm_head_greedy(normed, vocab_limit, step_in, self.decode_graph)
+    }
+
+    /// lm_head of one row (`input`) into `dws.logits` and its greedy id (over ids <
+    /// `vocab_limit`) into `dws.next`, and into `out2` unless null: bf16 by `gemv_dec_w` with
+    /// the argmax fused, 4-bit by `gemv_q4` then `argmax_rows`.
+    pub(super) fn lm_head_greedy(
+        &self,
+        input: Input,
+        vocab_limit: usize,
+        out2: Dev<i32>,
+        pdl: bool,
+    ) -> Result<()> {
+        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
+        let dw = &self.dws;
         let logits = dw.logits.f32();
-        gemv(
-            &self.w.lm_head,
-            c.vocab_size,
-            d,
-            normed,
-            logits,
-            0.0,
-            Some(vocab_limit),
-        )
+        match &self.w.lm_head {
+            Wt::Q4 { .. } => {
+                let w = self.w.lm_head.q4().expect("a 4-bit matrix");
+                let on = On::Decode(pdl);
+                gemv::gemv_q4(&self.gpu, w, v, d, input, 1, logits, v, 0.0, on)?;
+                ArgmaxRows {
+                    logits,
+                    ld: v as i32,
+                    limit: vocab_limit.min(v) as i32,
+                    out: dw.next.i32(),
+                    out2,
+                }
+                .launch(&self.gpu, 1, on)
+            }
+            w => {
+                let b = w.bf16_buf("lm_head")?;
+                self.gemv_dec(b, v, d, input, logits, 0.0, Some((vocab_limit, out2)), pdl)
+            }
+        }
     }
 
     /// The MoE block of one token in three launches: router (+ its RMSNorm and the shared
@@ -483,6 +512,62 @@ impl CudaModel {
                 shared_down: sdn.q,
                 sd_sc: sdn.sc,
                 s_inter: is,
+                h: dw.h.f32(),
+                d,
+            }
+            .launch(g, on);
+        }
+        if let (Some(gu), Some(dn), Some(sgu), Some(sdn)) = (
+            layer.gate_up.q4(),
+            layer.down.q4(),
+            layer.shared_gate_up.q4(),
+            layer.shared_down.q4(),
+        ) {
+            ensure!(
+                [dn.group, sgu.group, sdn.group]
+                    .iter()
+                    .all(|g| *g == gu.group),
+                "the decode MoE: 4-bit experts with different groups ({}, {}, {}, {})",
+                gu.group,
+                dn.group,
+                sgu.group,
+                sdn.group
+            );
+            MoeGateUpDecQ4 {
+                xb: dw.xb.bf16(),
+                d,
+                logits: dw.router.f32(),
+                e,
+                k,
+                topk_ids: dw.topk_ids.i32(),
+                topk_w: dw.topk_w.f32(),
+                gate_up: gu.q,
+                gu_sb: gu.sb,
+                inter: i,
+                shared_gate_up: sgu.q,
+                sgu_sb: sgu.sb,
+                s_inter: is,
+                group: gu.group as i32,
+                act: dw.act.f32(),
+                act_ld,
+                late_launch: 0,
+            }
+            .launch(g, on)?;
+            // the experts from topk_ids, after this kernel's wait for gate/up
+            return MoeDownDecQ4 {
+                act: dw.act.f32(),
+                act_ld,
+                topk_ids: dw.topk_ids.i32(),
+                topk_w: dw.topk_w.f32(),
+                k,
+                sgate: dw.sgate.f32(),
+                down: dn.q,
+                down_sb: dn.sb,
+                inter: i,
+                shared_down: sdn.q,
+                sd_sb: sdn.sb,
+                s_inter: is,
+                group: gu.group as i32,
                 h: dw.h.f32(),
                 d,
             }

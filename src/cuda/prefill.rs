@@ -10,10 +10,11 @@ use super::kernels::attn_decode::{
 };
 use super::kernels::attn_prefill::AttnPrepRows;
 use super::kernels::gdn_decode::{GdnConvstepDec, GdnGatedNorm, GdnGates};
-use super::kernels::gemv::{GEMV_FP8_TOKENS, Input, gemv_fp8};
-use super::kernels::misc::{DequantFp8Bf16, EmbedGather};
+use super::kernels::gemv::{GEMV_FP8_TOKENS, GEMV_Q4_TOKENS, Input, gemv_fp8, gemv_q4};
+use super::kernels::misc::{DequantFp8Bf16, DequantQ4Bf16, EmbedGather};
 use super::kernels::moe_route::{
-    MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeGemvSortedFp8, MoeRoute, MoeRouteSmall,
+    MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeGemvSortedFp8, MoeGemvSortedQ4, MoeRoute,
+    MoeRouteSmall,
 };
 use super::kernels::norm::RmsnormZcBf16;
 use super::kernels::{Dev, On, Untyped};
@@ -36,16 +37,16 @@ pub(super) const LOGITS_ROWS: usize = 64;
 /// streams 1,886 against 2,020.
 const MOE_GEMV_MAX_ROWS: usize = 128;
 
-/// [`MOE_GEMV_MAX_ROWS`] for FP8 experts: every batched decode step of up to 64 tokens (the
-/// alternative dequantises all 256 experts' weights into bf16 each call, ~2.4 GB of traffic a
-/// layer).
+/// [`MOE_GEMV_MAX_ROWS`] for FP8 and 4-bit experts: every batched decode step of up to 64
+/// tokens (the alternative dequantises all 256 experts' weights into bf16 each call, ~2.4 GB of
+/// traffic a layer).
 const MOE_GEMV_MAX_ROWS_FP8: usize = 512;
 
 /// The few-row MoE path's limit in routed rows for `format`.
 fn moe_gemv_max_rows(format: WeightFormat) -> usize {
     match format {
         WeightFormat::Bf16 => MOE_GEMV_MAX_ROWS,
-        WeightFormat::Fp8 => MOE_GEMV_MAX_ROWS_FP8,
+        WeightFormat::Fp8 | WeightFormat::Int4 => MOE_GEMV_MAX_ROWS_FP8,
     }
 }
 
@@ -156,9 +157,10 @@ impl CudaModel {
         );
         // the few-row path's plan has a tile a row
         let max_tiles = super::moe::max_tiles(t * k, e).max(moe_gemv_max_rows(format).min(t * k));
-        // FP8: the dequantised bf16 matrix of a dense product past gemv_fp8's tokens (one for
-        // each stream), and a layer's experts where a call passes the few-row MoE path
+        // FP8 and 4-bit: the dequantised bf16 matrix of a dense product past the GEMVs' tokens
+        // (one for each stream), and a layer's experts where a call passes the few-row MoE path
         let fp8 = format == WeightFormat::Fp8;
+        let int4 = format == WeightFormat::Int4;
         let dense_max = [
             (cfg.gdn_conv_channels() + cfg.gdn_v_width()) * d,
             d * cfg.gdn_v_width(),
@@ -169,12 +171,12 @@ impl CudaModel {
         .into_iter()
         .max()
         .unwrap_or(0);
-        let dq = if fp8 && t > GEMV_FP8_TOKENS {
+        let dq = if (fp8 && t > GEMV_FP8_TOKENS) || (int4 && t > GEMV_Q4_TOKENS) {
             dense_max
         } else {
             0
         };
-        let dq_experts = if fp8 && t * k > MOE_GEMV_MAX_ROWS_FP8 {
+        let dq_experts = if (fp8 || int4) && t * k > MOE_GEMV_MAX_ROWS_FP8 {
             e * 3 * i * d
         } else {
             0
@@ -417,7 +419,7 @@ impl CudaModel {
                     // the gates and the gated norm read them in place): one GEMM.
                     let ld = ch + vw + 2 * hv;
                     match &w.in_ba {
-                        // FP8: q|k|v|z, then b|a (bf16 in the format) into their columns
+                        // FP8 and 4-bit: q|k|v|z, then b|a (bf16 beside) into their columns
                         Some(ba) => {
                             let qz = ch + vw;
                             self.dense(
@@ -729,8 +731,9 @@ impl CudaModel {
     }
 
     /// `y [t, ldy] = beta·y + x · W[row0..row0 + n]ᵀ` for the bf16 rows `x [t, k]`: bf16 `W`
-    /// by cuBLASLt; FP8 by `gemv_fp8` (W8A16) up to [`GEMV_FP8_TOKENS`] tokens, else
-    /// dequantised into the workspace's `dq` (`dq_aux` on the second stream) for cuBLASLt.
+    /// by cuBLASLt; FP8 by `gemv_fp8` (W8A16) up to [`GEMV_FP8_TOKENS`] tokens and 4-bit by
+    /// `gemv_q4` (W4A16) up to [`GEMV_Q4_TOKENS`], else dequantised into the workspace's `dq`
+    /// (`dq_aux` on the second stream) for cuBLASLt.
     #[allow(clippy::too_many_arguments)]
     fn dense(
         &self,
@@ -748,6 +751,25 @@ impl CudaModel {
     ) -> Result<()> {
         let g = &*self.gpu;
         let gemm = |wp: u64| g.gemm_on(aux, wp, n, k, x, t, y, ldy, beta);
+        if let Some(q) = w.q4() {
+            let q = q.rows_from(row0, k)?;
+            let on = if aux { On::Aux } else { On::Prefill };
+            if t <= GEMV_Q4_TOKENS {
+                let (x, y) = (Dev::new(x, t * k), Dev::new(y, (t - 1) * ldy + n));
+                return gemv_q4(g, q, n, k, Input::Bf16(x), t, y, ldy, beta, on);
+            }
+            let dq = if aux { &ws.dq_aux } else { &ws.dq };
+            DequantQ4Bf16 {
+                q: q.q,
+                sb: q.sb,
+                group: q.group as i32,
+                n: n as u64,
+                k: k as i32,
+                out: dq.bf16(),
+            }
+            .launch(g, on)?;
+            return gemm(dq.ptr);
+        }
         let Some(f) = w.fp8() else {
             let b = w.bf16_buf("a dense product")?;
             return gemm(b.ptr + (row0 * k * 2) as u64);
@@ -876,6 +898,21 @@ impl CudaModel {
             let gemv = |a: Dev<bf16>, gather: Dev<i32>, w: &Wt, out: Untyped, nf, kdim, swiglu| {
                 let expert = plan.tile_expert;
                 let (nf, kdim) = (nf as i32, kdim as i32);
+                if let Some(q) = w.q4() {
+                    return MoeGemvSortedQ4 {
+                        a,
+                        gather,
+                        w: q.q,
+                        sb: q.sb,
+                        group: q.group as i32,
+                        out,
+                        expert,
+                        rows: rows as i32,
+                        nf,
+                        kdim,
+                    }
+                    .launch(g, swiglu, e);
+                }
                 match w.fp8() {
                     Some(f) => MoeGemvSortedFp8 {
                         a,
@@ -945,28 +982,46 @@ impl CudaModel {
                 ws.sorted_token.i32(),
                 ws.slot_row.i32(),
             )?;
-            // FP8: the layer's experts dequantised to bf16 first (gate/up, then down)
-            let (w_gu, w_down) = match (layer.gate_up.fp8(), layer.down.fp8()) {
+            // FP8 and 4-bit: the layer's experts dequantised to bf16 first (gate/up, then down)
+            let dq = ws.dq_experts.bf16();
+            let (w_gu, w_down) = match (layer.gate_up.q4(), layer.down.q4()) {
                 (Some(gu), Some(dn)) => {
-                    let dq = ws.dq_experts.bf16();
-                    for (f, n, kk, out) in
+                    for (q, n, kk, out) in
                         [(gu, e * 2 * i, d, dq), (dn, e * d, i, dq.at(e * 2 * i * d))]
                     {
-                        DequantFp8Bf16 {
-                            q: f.q,
-                            sc: f.sc,
+                        DequantQ4Bf16 {
+                            q: q.q,
+                            sb: q.sb,
+                            group: q.group as i32,
                             n: n as u64,
                             k: kk as i32,
-                            out: Dev::new(out.ptr, out.len / 8),
+                            out,
                         }
                         .launch(g, On::Prefill)?;
                     }
                     (dq, dq.at(e * 2 * i * d))
                 }
-                _ => (
-                    layer.gate_up.bf16_buf("the grouped MoE")?.bf16(),
-                    layer.down.bf16_buf("the grouped MoE")?.bf16(),
-                ),
+                _ => match (layer.gate_up.fp8(), layer.down.fp8()) {
+                    (Some(gu), Some(dn)) => {
+                        for (f, n, kk, out) in
+                            [(gu, e * 2 * i, d, dq), (dn, e * d, i, dq.at(e * 2 * i * d))]
+                        {
+                            DequantFp8Bf16 {
+                                q: f.q,
+                                sc: f.sc,
+                                n: n as u64,
+                                k: kk as i32,
+                                out: Dev::new(out.ptr, out.len / 8),
+                            }
+                            .launch(g, On::Prefill)?;
+                        }
+                        (dq, dq.at(e * 2 * i * d))
+                    }
+                    _ => (
+                        layer.gate_up.bf16_buf("the grouped MoE")?.bf16(),
+                        layer.down.bf16_buf("the grouped MoE")?.bf16(),
+                    ),
+                },
             };
             let gate_up = Grouped {
                 a: ws.xb.bf16(),
@@ -1050,15 +1105,18 @@ impl CudaModel {
             eps: c.rms_norm_eps,
         }
         .launch(g, n, On::Prefill)?;
-        g.gemm(
-            self.w.lm_head.ptr,
-            c.vocab_size,
-            d,
-            ws.xb.ptr,
-            n,
-            ws.logits.ptr,
-            c.vocab_size,
-            0.0,
-        )
+        let v = c.vocab_size;
+        if let Some(w) = self.w.lm_head.q4() {
+            // 4-bit: GEMVs of up to 16 rows
+            for r0 in (0..n).step_by(GEMV_Q4_TOKENS) {
+                let m = (n - r0).min(GEMV_Q4_TOKENS);
+                let x = ws.xb.bf16().at(r0 * d);
+                let y = ws.logits.f32().at(r0 * v);
+                gemv_q4(g, w, v, d, Input::Bf16(x), m, y, v, 0.0, On::Prefill)?;
+            }
+            return Ok(());
+        }
+        let w = self.w.lm_head.bf16_buf("lm_head")?;
+        g.gemm(w.ptr, v, d, ws.xb.ptr, n, ws.logits.ptr, v, 0.0)
     }
 }

@@ -2,7 +2,7 @@
 //! block scales; norms and small vectors f32) or seeded on the device (`--synthetic`), in the
 //! layout the kernels read (fused in-projections, experts stacked `[E, rows, cols]`).
 
-use super::kernels::gemv::Fp8;
+use super::kernels::gemv::{Fp8, Q4};
 use super::{DeviceBuf, Gpu};
 pub use crate::config::WeightFormat;
 use crate::config::{LayerKind, TextConfig};
@@ -18,26 +18,48 @@ pub(super) const FP8_BLOCK: usize = 128;
 /// kernels): e4m3 bytes and f32 block scales `[ceil(rows / 128), ceil(cols / 128)]`, w = q * s.
 /// A stack of parts (fused projections, experts) keeps every part but the last a multiple of
 /// 128 rows, so one block grid serves the stack.
+/// Affine 4-bit (W4A16 on the tensor cores): the codes in q4 tiles and the (scale, bias) bf16
+/// pairs of every 16-row strip's groups (gemv.cuh has the layout; [`q4_tiles`] writes it); a
+/// stack keeps every part whole 16-row strips.
 pub(super) enum Wt {
     Bf16(DeviceBuf),
-    Fp8 { q: DeviceBuf, sc: DeviceBuf },
+    Fp8 {
+        q: DeviceBuf,
+        sc: DeviceBuf,
+    },
+    Q4 {
+        q: DeviceBuf,
+        sb: DeviceBuf,
+        group: usize,
+    },
 }
 
 impl Wt {
     pub(super) fn fp8(&self) -> Option<Fp8> {
         match self {
-            Wt::Bf16(_) => None,
             Wt::Fp8 { q, sc } => Some(Fp8 {
                 q: q.view(),
                 sc: sc.f32(),
             }),
+            _ => None,
         }
     }
-    /// The bf16 matrix; an error names the FP8 matrix a bf16-only path was given.
+    pub(super) fn q4(&self) -> Option<Q4> {
+        match self {
+            Wt::Q4 { q, sb, group } => Some(Q4 {
+                q: q.view(),
+                sb: sb.view(),
+                group: *group,
+            }),
+            _ => None,
+        }
+    }
+    /// The bf16 matrix; an error names the quantized matrix a bf16-only path was given.
     pub(super) fn bf16_buf(&self, what: &str) -> Result<&DeviceBuf> {
         match self {
             Wt::Bf16(b) => Ok(b),
             Wt::Fp8 { .. } => bail!("{what}: an FP8 matrix on a bf16-only path"),
+            Wt::Q4 { .. } => bail!("{what}: a 4-bit matrix on a bf16-only path"),
         }
     }
 }
@@ -57,10 +79,11 @@ pub(super) fn fp8_rows(w: Fp8, cols: usize, row0: usize) -> Result<Fp8> {
 
 pub(super) struct GdnW {
     /// `[C + Hv*Dv + 2*Hv, D]`: the qkv conv inputs, z, b, a rows in one matrix, so decode
-    /// reads them in one GEMV and prefill in one GEMM. FP8: the qkv and z rows only
-    /// (`[C + Hv*Dv, D]`), b and a (kept bf16 by the format) in `in_ba`.
+    /// reads them in one GEMV and prefill in one GEMM. FP8 and 4-bit: the qkv and z rows only
+    /// (`[C + Hv*Dv, D]`), b and a in `in_ba` as bf16 (so kept by the FP8 format; a 4-bit
+    /// checkpoint's are dequantised: 2 Hv rows need not be whole 16-row strips).
     pub(super) in_proj: Wt,
-    /// FP8 checkpoints: the bf16 b and a rows `[2*Hv, D]`.
+    /// FP8 and 4-bit checkpoints: the bf16 b and a rows `[2*Hv, D]`.
     pub(super) in_ba: Option<DeviceBuf>,
     pub(super) conv: DeviceBuf,
     pub(super) a_log: DeviceBuf,
@@ -106,36 +129,128 @@ pub(super) enum Source<'a> {
 impl Source<'_> {
     pub(super) fn format(&self) -> WeightFormat {
         match self {
-            Source::Host(w) if w.is_fp8() => WeightFormat::Fp8,
-            Source::Host(_) => WeightFormat::Bf16,
+            Source::Host(w) => w.weight_format(),
             Source::Synthetic(_, f) => *f,
         }
     }
 }
 
-/// The GPU kernels read bf16 and FP8 weights: an affine 4-bit (MLX, GPTQ, AWQ) checkpoint is
-/// refused before anything is allocated (its kernels are not written yet), rather than
-/// expanded to bf16 behind the user's back.
+/// The GPU runs bf16, FP8 and affine 4-bit checkpoints; GPTQ's act-order (a column to group
+/// map) is refused before anything is allocated: its groups are not runs of columns, which
+/// the q4 tiles need.
 pub(super) fn ensure_gpu_format(w: &ModelWeights) -> Result<()> {
-    if w.is_affine() {
-        anyhow::bail!(
-            "4-bit weights on the GPU are not supported yet (issue 39; this checkpoint is {}); \
-             run it on the CPU backend (`--device cpu`) or use the bf16 or FP8 checkpoint",
+    let (q, k) = w.matrices_by_role();
+    if q.iter()
+        .chain(&k)
+        .any(|m| m.affine.as_ref().is_some_and(|a| a.col_group.is_some()))
+    {
+        bail!(
+            "GPTQ act-order (desc_act, a g_idx column order) on the GPU is not supported yet \
+             (issue 39; this checkpoint is {}); run it on the CPU backend (`--device cpu`) or use \
+             a checkpoint quantised without act-order",
             w.format()
         );
     }
     Ok(())
 }
 
+/// bf16 bytes of a matrix; affine (4- or 8-bit) ones dequantised (the embedding, the router,
+/// GDN's a and b, 8-bit modules).
 fn bf16_bytes(m: &Mat) -> Vec<u8> {
     assert!(
-        m.dtype != DType::F8E4M3 && !m.dtype.is_affine(),
-        "FP8 matrices go up through fp8_bytes, 4-bit ones are refused by ensure_gpu_format"
+        m.dtype != DType::F8E4M3,
+        "FP8 matrices go up through fp8_bytes"
     );
     match m.dtype {
         DType::BF16 => m.bytes().to_vec(),
         _ => encode_f32(&m.to_f32(), DType::BF16),
     }
+}
+
+/// The q4 tiles of `parts` (4-bit affine matrices, one group size, stacked by rows) as
+/// [`Wt::Q4`] stores them: (codes, (scale, bias) pairs, group). The layout (gemv.cuh): strip
+/// s = r / 16, unit u = c / 64, lane l (g = l / 4, c0 = 2 (l % 4)), k-step j; nibble i of the
+/// lane's u32 j is fragment element (row, column) (g, c0), (g+8, c0), (g, c0+8), (g+8, c0+8),
+/// (g, c0+1), (g+8, c0+1), (g, c0+9), (g+8, c0+9) of the k-step's 16 x 16; the pairs
+/// `[strips, cols / group, 16]`, bf16 scale low, bias high. `name` names the stack in errors.
+pub(super) fn q4_tiles(parts: &[&Mat], name: &str) -> Result<(Vec<u8>, Vec<u8>, usize)> {
+    let cols = parts.first().map_or(0, |m| m.cols);
+    let mut group = 0;
+    let (mut q, mut sb) = (Vec::new(), Vec::new());
+    for (i, m) in parts.iter().enumerate() {
+        let Some(a) = m.affine.as_ref().filter(|_| m.dtype == DType::U4) else {
+            bail!(
+                "{name}: part {i} is {} where the GPU's 4-bit layout needs U4",
+                m.dtype.name()
+            );
+        };
+        if i == 0 {
+            group = a.group;
+        }
+        ensure!(
+            a.col_group.is_none()
+                && a.group == group
+                && matches!(group, 32 | 64 | 128)
+                && m.cols == cols
+                && cols.is_multiple_of(64)
+                && cols.is_multiple_of(group)
+                && m.rows.is_multiple_of(16),
+            "{name}: part {i} ({} x {}, group {}{}) does not fit the GPU's 4-bit layout (rows in \
+             whole 16-row strips, columns a multiple of 64, one group of 32, 64 or 128 for the \
+             stack, groups runs of columns)",
+            m.rows,
+            m.cols,
+            a.group,
+            if a.col_group.is_some() {
+                ", act-order"
+            } else {
+                ""
+            }
+        );
+        let groups = cols / group;
+        let codes = m.bytes();
+        let rb = cols / 2;
+        let nib = |r: usize, c: usize| -> u32 {
+            let b = codes[r * rb + c / 2];
+            (if c.is_multiple_of(2) { b & 15 } else { b >> 4 }) as u32
+        };
+        let (mut s, mut b) = (vec![0.0f32; groups], vec![0.0f32; groups]);
+        for st in 0..m.rows / 16 {
+            for u in 0..cols / 64 {
+                for l in 0..32 {
+                    let (g, c0) = (l / 4, 2 * (l % 4));
+                    let pos = [
+                        (g, c0),
+                        (g + 8, c0),
+                        (g, c0 + 8),
+                        (g + 8, c0 + 8),
+                        (g, c0 + 1),
+                        (g + 8, c0 + 1),
+                        (g, c0 + 9),
+                        (g + 8, c0 + 9),
+                    ];
+                    for j in 0..4 {
+                        let mut w = 0u32;
+                        for (n, (dr, dc)) in pos.iter().enumerate() {
+                            w |= nib(st * 16 + dr, u * 64 + 16 * j + dc) << (4 * n);
+                        }
+                        q.extend_from_slice(&w.to_le_bytes());
+                    }
+                }
+            }
+            let mut pairs = vec![0u32; groups * 16];
+            for r in 0..16 {
+                a.scales.rows_f32(st * 16 + r, st * 16 + r + 1, &mut s);
+                a.biases.rows_f32(st * 16 + r, st * 16 + r + 1, &mut b);
+                for gi in 0..groups {
+                    let bits = |v: f32| half::bf16::from_f32(v).to_bits() as u32;
+                    pairs[gi * 16 + r] = bits(s[gi]) | bits(b[gi]) << 16;
+                }
+            }
+            sb.extend(pairs.iter().flat_map(|p| p.to_le_bytes()));
+        }
+    }
+    Ok((q, sb, group))
 }
 
 /// The e4m3 bytes and f32 block scales of `parts` stacked by rows, as [`Wt::Fp8`] stores them;
@@ -179,7 +294,7 @@ pub(super) fn f32_bytes(v: &[f32]) -> Vec<u8> {
 pub(super) struct Weights {
     pub(super) embed: DeviceBuf,
     pub(super) final_norm: DeviceBuf,
-    pub(super) lm_head: DeviceBuf,
+    pub(super) lm_head: Wt,
     /// RoPE's inverse frequencies (f32 `[rotary_dim / 2]`).
     pub(super) inv_freq: DeviceBuf,
     pub(super) layers: Vec<LayerW>,
@@ -198,6 +313,7 @@ impl Weights {
     ) -> Result<Self> {
         let format = src.format();
         let fp8 = format == WeightFormat::Fp8;
+        let int4 = format == WeightFormat::Int4;
         let uploaded = std::cell::Cell::new(0u64);
         let progress = std::cell::RefCell::new(progress);
         let upload = |bytes: &[u8]| -> Result<DeviceBuf> {
@@ -226,13 +342,47 @@ impl Weights {
                 }
             };
         // A quantizable matrix (the stack of `parts`): bf16, or in FP8 checkpoints e4m3 with
-        // its block scales (seeded: bytes of about N(0, 16), every scale std / 16).
+        // its block scales (seeded: bytes of about N(0, 16), every scale std / 16), or in 4-bit
+        // ones q4 tiles where every part is 4-bit (seeded: uniform codes, groups of
+        // Q4_GROUP), else (modules left unquantized or 8-bit) bf16.
         let wt = |parts: Option<Vec<&Mat>>,
                   name: &str,
                   rows: usize,
                   cols: usize,
                   std: f32|
          -> Result<Wt> {
+            if int4 {
+                return match (parts, &src) {
+                    (Some(ps), _) if ps.iter().all(|m| m.dtype == DType::U4) => {
+                        let (q, sb, group) = q4_tiles(&ps, name)?;
+                        Ok(Wt::Q4 {
+                            q: upload(&q)?,
+                            sb: upload(&sb)?,
+                            group,
+                        })
+                    }
+                    (Some(ps), _) => {
+                        let bytes: Vec<u8> = ps.iter().flat_map(|m| bf16_bytes(m)).collect();
+                        Ok(Wt::Bf16(upload(&bytes)?))
+                    }
+                    (None, Source::Synthetic(seed, _)) => {
+                        let group = crate::config::Q4_GROUP;
+                        let q = gpu.alloc(rows * cols / 2)?;
+                        let sb = gpu.alloc(rows * (cols / group) * 4)?;
+                        super::kernels::misc::FillRandomQ4 {
+                            codes: q.view(),
+                            n_words: (rows * cols / 8) as u64,
+                            sb: sb.view(),
+                            n_pairs: (rows * (cols / group)) as u64,
+                            seed: next_seed(*seed),
+                            std,
+                        }
+                        .launch(gpu)?;
+                        Ok(Wt::Q4 { q, sb, group })
+                    }
+                    (None, Source::Host(_)) => unreachable!("host weights always give matrices"),
+                };
+            }
             if !fp8 {
                 let host = parts.map(|ps| ps.iter().flat_map(|m| bf16_bytes(m)).collect());
                 return Ok(Wt::Bf16(mat(host, rows, cols, std)?));
@@ -281,12 +431,22 @@ impl Weights {
         };
         let wstd = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
         let embed = mat(host.map(|w| bf16_bytes(&w.embed)), cfg.vocab_size, d, 1.0)?;
-        let lm_head = mat(
-            host.map(|w| bf16_bytes(&w.lm_head)),
-            cfg.vocab_size,
-            d,
-            wstd(d),
-        )?;
+        let lm_head = if int4 {
+            wt(
+                host.map(|w| vec![&w.lm_head]),
+                "lm_head",
+                cfg.vocab_size,
+                d,
+                wstd(d),
+            )?
+        } else {
+            Wt::Bf16(mat(
+                host.map(|w| bf16_bytes(&w.lm_head)),
+                cfg.vocab_size,
+                d,
+                wstd(d),
+            )?)
+        };
         let final_norm = vecf(host.map(|w| w.final_norm.as_slice()), d, 0.0, 0.1)?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         let cat =
@@ -300,7 +460,7 @@ impl Weights {
                         Mixer::Attention(_) => unreachable!("layer kinds come from the config"),
                     });
                     let (hv, ch) = (cfg.gdn_num_value_heads, cfg.gdn_conv_channels());
-                    let (in_proj, in_ba) = if fp8 {
+                    let (in_proj, in_ba) = if fp8 || int4 {
                         let ba = mat(g.map(|g| cat(&[&g.in_b, &g.in_a])), 2 * hv, d, wstd(d))?;
                         let qz = wt(
                             g.map(|g| vec![&g.in_qkv, &g.in_z]),
@@ -430,8 +590,10 @@ impl Weights {
 mod tests {
     use super::*;
 
+    /// 4-bit weights go to the GPU; GPTQ act-order (a column to group map) is refused with
+    /// a clear error before anything is allocated.
     #[test]
-    fn four_bit_weights_are_refused_with_a_clear_error() {
+    fn act_order_is_refused_and_other_4_bit_weights_pass() {
         let cfg = TextConfig {
             vocab_size: 64,
             ..crate::synthetic::demo_config()
@@ -443,12 +605,74 @@ mod tests {
         ensure_gpu_format(&fp8).unwrap();
         let m = &mut w.layers[0].moe.shared.gate;
         *m = crate::tensor::Mat::quantize_affine(&m.to_f32(), m.rows, m.cols, 4, 64);
+        ensure_gpu_format(&w).unwrap();
+        assert_eq!(w.weight_format(), WeightFormat::Int4);
+        let g = &mut w.layers[0].moe.shared.gate;
+        let cols = g.cols as u32;
+        let a = g.affine.as_mut().unwrap();
+        a.col_group = Some(std::sync::Arc::new((0..cols).map(|c| c % 2).collect()));
         let e = ensure_gpu_format(&w).unwrap_err().to_string();
         assert!(
-            e.contains("4-bit weights on the GPU are not supported yet (issue 39")
-                && e.contains("affine 4-bit group 64"),
+            e.contains("GPTQ act-order") && e.contains("issue 39"),
             "{e}"
         );
+    }
+
+    /// The q4 tiles put every code where gemv.cuh's layout says (read back here by that
+    /// description, independently of the packer's loops) and every (scale, bias) pair of its
+    /// strip and group; parts that break the strips are named.
+    #[test]
+    fn q4_tiles_follow_the_fragment_layout() {
+        let (rows, cols, group) = (48, 192, 32);
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i as f32) * 0.61).sin() + 0.1 * ((i as f32) * 0.07).cos())
+            .collect();
+        let m = Mat::quantize_affine(&v, rows, cols, 4, group);
+        let (a, b) = (m.rows_view(0, 32), m.rows_view(32, 16));
+        let (q, sb, g) = q4_tiles(&[&a, &b], "stack").unwrap();
+        assert_eq!(g, group);
+        assert_eq!(q.len(), rows * cols / 2);
+        assert_eq!(sb.len(), rows * (cols / group) * 4);
+        let want = m.to_f32();
+        let words: Vec<u32> = q
+            .chunks(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let pairs: Vec<u32> = sb
+            .chunks(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let bf = |bits: u32| half::bf16::from_bits(bits as u16).to_f32();
+        let (units, groups) = (cols / 64, cols / group);
+        for r in 0..rows {
+            for c in 0..cols {
+                let (st, rr, u, cc) = (r / 16, r % 16, c / 64, c % 64);
+                let (j, kc) = (cc / 16, cc % 16);
+                // the lane holding (rr, kc): g = rr % 8, column pair 2 (l % 4) = kc % 8 rounded
+                let lane = (rr % 8) * 4 + (kc % 8) / 2;
+                let nibble = (rr / 8) + 2 * (kc / 8) + 4 * (kc % 2);
+                let w = words[((st * units + u) * 32 + lane) * 4 + j];
+                let code = (w >> (4 * nibble)) & 15;
+                let p = pairs[(st * groups + c / group) * 16 + rr];
+                let got = bf(p & 0xffff) * code as f32 + bf(p >> 16);
+                let exact = want[r * cols + c];
+                assert!(
+                    (got - exact).abs() <= 1e-2 * (1.0 + exact.abs()),
+                    "({r}, {c}): {got} vs {exact}"
+                );
+            }
+        }
+        // a part of 8 rows before another breaks the strips
+        let e = q4_tiles(&[&m.rows_view(0, 8), &b], "layer 2 experts")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("layer 2 experts: part 0 (8 x 192, group 32)"),
+            "{e}"
+        );
+        let bf16 = Mat::from_f32(&v, rows, cols, DType::BF16);
+        let e = q4_tiles(&[&a, &bf16], "x").unwrap_err().to_string();
+        assert!(e.contains("part 1 is BF16"), "{e}");
     }
 
     /// FP8 stacks go up as e4m3 bytes and one scale row per 128-row block; a part that is

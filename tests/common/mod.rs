@@ -55,7 +55,7 @@ pub fn fp8_fixtures() -> Vec<PathBuf> {
 }
 
 /// The MLX affine 4-bit fixtures (`tiny-mlx-4bit`, converted by mlx-lm; its reference is
-/// mlx-lm's): kept out of [`fixtures`] until the GPU reads 4-bit weights.
+/// mlx-lm's): kept out of [`fixtures`] (the tests that run it take it by name).
 pub fn mlx_fixtures() -> Vec<PathBuf> {
     let (root, dirs) = reference_dirs();
     let dirs: Vec<PathBuf> = dirs.into_iter().filter(|d| is_mlx(d)).collect();

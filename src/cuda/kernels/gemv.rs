@@ -268,7 +268,10 @@ pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
     vec![
         ("gemv_dec_stream", stream_smem(3)),
         ("gemv_fp8", 2 * GEMV_FP8_TOKENS * 4096),
-        ("gemv_q4", q4_smem(GEMV_Q4_TOKENS, 4096, 32, false, 8 * 16 * GEMV_Q4_TOKENS)),
+        (
+            "gemv_q4",
+            q4_smem(GEMV_Q4_TOKENS, 4096, 32, false, 8 * 16 * GEMV_Q4_TOKENS),
+        ),
     ]
 }
 

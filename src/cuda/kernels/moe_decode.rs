@@ -131,7 +131,9 @@ impl MoeDownDecQ4 {
         );
         q4_moe_shape("moe_down_dec_q4", d, i, is, group)?;
         ensure!(
-            self.h.len >= d && self.shared_down.len * 32 >= d * is && self.sd_sb.len >= d * (is / group),
+            self.h.len >= d
+                && self.shared_down.len * 32 >= d * is
+                && self.sd_sb.len >= d * (is / group),
             "moe_down_dec_q4: h {:?}, shared_down {:?}",
             self.h,
             self.shared_down

@@ -291,8 +291,18 @@ impl MoeGemvSortedQ4 {
             self.sb,
             self.expert
         );
-        let spb = if swiglu { 1 } else { super::gemv::q4_strips(kdim) };
-        let smem = super::gemv::q4_smem(8, kdim, group, false, 8 * 8 * 16 * if swiglu { 2 } else { spb });
+        let spb = if swiglu {
+            1
+        } else {
+            super::gemv::q4_strips(kdim)
+        };
+        let smem = super::gemv::q4_smem(
+            8,
+            kdim,
+            group,
+            false,
+            8 * 8 * 16 * if swiglu { 2 } else { spb },
+        );
         let grid = (rows as u32, (nf / 16).div_ceil(spb) as u32, 1);
         gpu.run(
             Self::NAMES[swiglu as usize],
