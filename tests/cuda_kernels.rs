@@ -1198,7 +1198,6 @@ fn argmax_rows_matches_host_scan() {
             ld: ld as i32,
             limit: limit as i32,
             out: out.i32(),
-            out2: Dev::null(),
         }
         .launch(&gpu, rows, On::Plain)
         .unwrap();

@@ -180,7 +180,7 @@ int main() {
         emu_launch({(unsigned)((n / 16 + spb - 1) / spb), 1, 1}, 256,
                    (size_t)q4_smem(m, k, group, norm, 8 * 16 * m * spb), [&] {
             gemv_q4(wq.tiles.data(), wq.sb.data(), group, n, k, norm ? nullptr : x.data(), h.data(), nw.data(), eps, m,
-                    y.data(), n, beta);
+                    y.data(), n, beta, nullptr, nullptr, nullptr, 0, nullptr, nullptr);
         });
         std::vector<double> xin((size_t)m * k);
         if (norm) {
@@ -202,6 +202,36 @@ int main() {
         const bool ok = err <= 1e-5;
         printf("%s gemv_q4 n=%d k=%d group %d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n, k, group,
                m, norm ? "RMSNorm" : "bf16", err);
+        fails += !ok;
+    }
+    // gemv_q4's fused argmax (lm_head): the greedy id over rows < limit of its own y, in a
+    // second output too, the ticket back at zero; ties to the lowest row (rows 3 and 40 equal).
+    for (auto [n, k, limit] : {std::tuple{96, 2048, 90}, {160, 512, 160}, {48, 128, 17}}) {
+        Q4Host wq = make_q4(n, k, 64, rng);
+        for (int c = 0; c < k; c++) wq.q[(size_t)40 * k + c] = wq.q[(size_t)3 * k + c];
+        for (int g = 0; g < k / 64; g++) {
+            wq.s[40 * (k / 64) + g] = wq.s[3 * (k / 64) + g];
+            wq.b[40 * (k / 64) + g] = wq.b[3 * (k / 64) + g];
+        }
+        pack_q4(wq);
+        std::vector<float> h(k), nw(k), y(n, NAN);
+        for (auto& v : h) v = uni(-2, 2);
+        for (auto& v : nw) v = uni(-0.3f, 0.3f);
+        const int spb = q4_strips(k == 2048 ? 4 : k == 512 ? 1 : k == 4096 ? 8 : 0);
+        const int blocks = (n / 16 + spb - 1) / spb;
+        std::vector<float> av(blocks);
+        std::vector<int> ai(blocks), out(1, -1), out2(1, -1);
+        std::vector<unsigned> done(1, 0);
+        emu_launch({(unsigned)blocks, 1, 1}, 256, (size_t)q4_smem(1, k, 64, true, 8 * 16 * spb), [&] {
+            gemv_q4(wq.tiles.data(), wq.sb.data(), 64, n, k, nullptr, h.data(), nw.data(), 1e-6f, 1, y.data(), n, 0.0f,
+                    av.data(), ai.data(), done.data(), limit, out.data(), out2.data());
+        });
+        int want = 0;
+        for (int r = 1; r < limit; r++)
+            if (y[r] > y[want]) want = r;
+        const bool ok = out[0] == want && out2[0] == want && done[0] == 0;
+        printf("%s gemv_q4 argmax n=%d k=%d limit %d: id %d (host %d), second output %d, ticket %u\n",
+               ok ? "ok  " : "FAIL", n, k, limit, out[0], want, out2[0], done[0]);
         fails += !ok;
     }
     // dequant_q4_bf16: every element bf16(scale q + bias) of its own (row, column).

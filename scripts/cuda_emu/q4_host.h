@@ -25,25 +25,13 @@ inline unsigned bf16_bits(float v) {
     return u;
 }
 
-// Random codes, scales in [0.5, 2] * scale_mag and biases of about -7.5 scales (zero-centred
-// weights, as the quantisers produce), then the tiles: strip st = r / 16, unit u = c / 64, lane l,
-// k-step j; nibble i of the lane's u32 j is (row, column) of the fragment: with g = l / 4,
+// The tiles and pairs of m's codes, scales and biases: strip st = r / 16, unit u = c / 64, lane
+// l, k-step j; nibble i of the lane's u32 j is (row, column) of the fragment: with g = l / 4,
 // c0 = 2 (l % 4): (g, c0), (g+8, c0), (g, c0+8), (g+8, c0+8), (g, c0+1), (g+8, c0+1), (g, c0+9),
 // (g+8, c0+9) within the 16 x 16 k-step.
-inline Q4Host make_q4(int rows, int cols, int group, std::mt19937_64& rng, float scale_mag = 0.02f) {
-    Q4Host m{rows, cols, group, {}, {}, {}, {}, {}};
-    std::uniform_real_distribution<float> u01(0.0f, 1.0f);
-    m.q.resize((size_t)rows * cols);
-    for (auto& v : m.q) v = (unsigned char)(rng() & 15);
-    const int G = cols / group;
-    m.s.resize((size_t)rows * G);
-    m.b.resize((size_t)rows * G);
-    for (size_t i = 0; i < m.s.size(); i++) {
-        m.s[i] = __bfloat162float(__float2bfloat16(scale_mag * (0.5f + 1.5f * u01(rng))));
-        m.b[i] = __bfloat162float(__float2bfloat16(-m.s[i] * (7.5f + (u01(rng) - 0.5f))));
-    }
-    const int U = cols / 64;
-    m.tiles.resize((size_t)rows / 16 * U * 32);
+inline void pack_q4(Q4Host& m) {
+    const int rows = m.rows, cols = m.cols, G = cols / m.group, U = cols / 64;
+    m.tiles.assign((size_t)rows / 16 * U * 32, make_uint4(0, 0, 0, 0));
     for (int st = 0; st < rows / 16; st++)
         for (int un = 0; un < U; un++)
             for (int l = 0; l < 32; l++) {
@@ -61,12 +49,29 @@ inline Q4Host make_q4(int rows, int cols, int group, std::mt19937_64& rng, float
                 }
                 m.tiles[((size_t)st * U + un) * 32 + l] = make_uint4(words[0], words[1], words[2], words[3]);
             }
-    m.sb.resize((size_t)rows * G);
+    m.sb.assign((size_t)rows * G, 0);
     for (int st = 0; st < rows / 16; st++)
         for (int gi = 0; gi < G; gi++)
             for (int r = 0; r < 16; r++) {
                 const size_t i = (size_t)(st * 16 + r) * G + gi;
                 m.sb[((size_t)st * G + gi) * 16 + r] = bf16_bits(m.s[i]) | (bf16_bits(m.b[i]) << 16);
             }
+}
+
+// Random codes, scales in [0.5, 2] * scale_mag and biases of about -7.5 scales (zero-centred
+// weights, as the quantisers produce), packed by pack_q4.
+inline Q4Host make_q4(int rows, int cols, int group, std::mt19937_64& rng, float scale_mag = 0.02f) {
+    Q4Host m{rows, cols, group, {}, {}, {}, {}, {}};
+    std::uniform_real_distribution<float> u01(0.0f, 1.0f);
+    m.q.resize((size_t)rows * cols);
+    for (auto& v : m.q) v = (unsigned char)(rng() & 15);
+    const int G = cols / group;
+    m.s.resize((size_t)rows * G);
+    m.b.resize((size_t)rows * G);
+    for (size_t i = 0; i < m.s.size(); i++) {
+        m.s[i] = __bfloat162float(__float2bfloat16(scale_mag * (0.5f + 1.5f * u01(rng))));
+        m.b[i] = __bfloat162float(__float2bfloat16(-m.s[i] * (7.5f + (u01(rng) - 0.5f))));
+    }
+    pack_q4(m);
     return m;
 }

@@ -7,7 +7,7 @@
 use super::kernels::attn_decode::{AttnCombineDec, AttnDecodeMma, AttnPrep};
 use super::kernels::gdn_decode::{GdnConvDec, GdnConvstepDec, GdnStepDec};
 use super::kernels::gemv::{self, Argmax, Input};
-use super::kernels::misc::{ArgmaxRows, EmbedGather};
+use super::kernels::misc::EmbedGather;
 use super::kernels::moe_decode::{
     MoeDownDec, MoeDownDecFp8, MoeDownDecQ4, MoeGateUpDec, MoeGateUpDecFp8, MoeGateUpDecQ4,
     MoeRouterDec, down_dec_smem, gate_up_dec_smem, router_smem,
@@ -207,7 +207,7 @@ impl CudaModel {
             }
             Wt::Q4 { .. } => {
                 let q = w.q4().expect("a 4-bit matrix");
-                gemv::gemv_q4(&self.gpu, q, n, k, input, 1, y, n, beta, on)
+                gemv::gemv_q4(&self.gpu, q, n, k, input, 1, y, n, beta, None, on)
             }
         }
     }
@@ -410,8 +410,8 @@ impl CudaModel {
     }
 
     /// lm_head of one row (`input`) into `dws.logits` and its greedy id (over ids <
-    /// `vocab_limit`) into `dws.next`, and into `out2` unless null: bf16 by `gemv_dec_w` with
-    /// the argmax fused, 4-bit by `gemv_q4` then `argmax_rows`.
+    /// `vocab_limit`) into `dws.next`, and into `out2` unless null: `gemv_dec_w` (bf16) or
+    /// `gemv_q4` (4-bit) with the argmax fused.
     pub(super) fn lm_head_greedy(
         &self,
         input: Input,
@@ -425,16 +425,28 @@ impl CudaModel {
         match &self.w.lm_head {
             Wt::Q4 { .. } => {
                 let w = self.w.lm_head.q4().expect("a 4-bit matrix");
-                let on = On::Decode(pdl);
-                gemv::gemv_q4(&self.gpu, w, v, d, input, 1, logits, v, 0.0, on)?;
-                ArgmaxRows {
-                    logits,
-                    ld: v as i32,
-                    limit: vocab_limit.min(v) as i32,
+                let argmax = Argmax {
+                    val: dw.arg_val.f32(),
+                    idx: dw.arg_idx.i32(),
+                    done: dw.done.view(),
+                    limit: vocab_limit,
                     out: dw.next.i32(),
                     out2,
-                }
-                .launch(&self.gpu, 1, on)
+                };
+                let on = On::Decode(pdl);
+                gemv::gemv_q4(
+                    &self.gpu,
+                    w,
+                    v,
+                    d,
+                    input,
+                    1,
+                    logits,
+                    v,
+                    0.0,
+                    Some(argmax),
+                    on,
+                )
             }
             w => {
                 let b = w.bf16_buf("lm_head")?;

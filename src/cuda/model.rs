@@ -444,7 +444,6 @@ impl CudaModel {
                     ld: v as i32,
                     limit: limit.min(v) as i32,
                     out: ws.batch_next.i32().at(r0),
-                    out2: Dev::null(),
                 }
                 .launch(&self.gpu, n, On::Prefill)?,
                 RowsOut::Logits => {

@@ -242,19 +242,25 @@ extern "C" __global__ void __launch_bounds__(256) gemv_fp8(const uint4* __restri
 
 // W4A16 GEMV of affine 4-bit weights (q4 tiles, gemv.cuh) for up to GEMV_Q4_TOKENS tokens on
 // the tensor cores: y[t, r] = beta * y[t, r] + sum_c w[r, c] x[t, c] for w [n, k] (n % 16 == 0,
-// k % 64 == 0) with scale/bias pairs sb. A block takes gemv_q4_strips(k) strips of 16 rows; its
+// k % 64 == 0) with scale/bias pairs sb. A block takes q4_strips(k / 512) strips of 16 rows; its
 // 8 warps split each strip's k / 64 units (q4_load / q4_dot: NV consecutive units a warp, all
 // their codes requested before the input is staged); the warps' partial sums meet in shared
 // memory. The input is the bf16 rows x [m, k], or (x null, m = 1) the zero-centred RMSNorm of h
-// with weight nw. y [m, ldy].
-// grid ceil(n / (16 gemv_q4_strips(k))), block 256, smem q4_smem(m, k, group, x null,
-// 8 * 16 * m * gemv_q4_strips(k)) bytes.
+// with weight nw. y [m, ldy]. With arg_val set (m = 1: lm_head), also the greedy argmax over
+// rows < arg_limit as gemv_dec's: per-block partials (arg_val, arg_idx: a block each), reduced by
+// the last block (arg_done's ticket) into arg_out[0] (and arg_out2[0] if given); 0 where no row
+// beats -inf.
+// grid ceil(n / (16 q4_strips(k / 512))), block 256, smem q4_smem(m, k, group, x null,
+// 8 * 16 * m * q4_strips(k / 512)) bytes.
 #define GEMV_Q4_TOKENS 16
 template <int NV, int NT>
 __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const unsigned* __restrict__ sb, int group,
                                              int n, int k, const bf16* __restrict__ x, const float* __restrict__ h,
                                              const float* __restrict__ nw, float eps, int m, float* __restrict__ y,
-                                             int ldy, float beta, float* smem) {
+                                             int ldy, float beta, float* __restrict__ arg_val,
+                                             int* __restrict__ arg_idx, unsigned* __restrict__ arg_done,
+                                             int arg_limit, int* __restrict__ arg_out, int* __restrict__ arg_out2,
+                                             float* smem) {
     DECODE_KERNEL(TAG_GEMV);
     constexpr int SPB = q4_strips(NV);
     const int nspan = k / q4_span(group), ldw = q4_ldw(m, k);
@@ -280,23 +286,51 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
     q4_span_sums(xw, ldw, m, k, q4_span(group), xsum);
     TRACE_PHASE(0);  // the timeline's phases: input staged, dot products done
     q4_dot<NV, NT, SPB>(v, w, sb, group, strip, k, xw, ldw, m, xsum, red);
+    float best = -INFINITY;  // the argmax (m = 1): this thread's row, then the block's
+    int best_id = 0x7fffffff;
     for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {
         const int sp = o / (m * 16), t = (o >> 4) % m, r = o & 15;
         if (strip[sp] < 0) continue;
         const float a = q4_red_sum<SPB>(red, sp, m, t, r);
         float* out = y + (size_t)t * ldy + strip[sp] * 16 + r;
-        *out = beta == 0.0f ? a : beta * *out + a;
+        const float val = beta == 0.0f ? a : beta * *out + a;
+        *out = val;
+        const int row = strip[sp] * 16 + r;
+        if (val > best && row < arg_limit) { best = val; best_id = row; }  // a row a thread: ids ascend
+    }
+    if (!arg_val) return;
+    block_argmax(best, best_id);
+    if (threadIdx.x == 0) { arg_val[blockIdx.x] = best; arg_idx[blockIdx.x] = best_id; }
+    if (!last_block_done(arg_done)) return;
+    float top = -INFINITY;
+    int id = 0x7fffffff;
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
+        const float ov = __ldcg(arg_val + b);
+        const int oi = __ldcg(arg_idx + b);
+        if (ov > top || (ov == top && oi < id)) { top = ov; id = oi; }
+    }
+    block_argmax(top, id);
+    if (threadIdx.x == 0) {
+        arg_out[0] = id == 0x7fffffff ? 0 : id;
+        if (arg_out2) arg_out2[0] = id == 0x7fffffff ? 0 : id;
     }
 }
 extern "C" __global__ void __launch_bounds__(256) gemv_q4(const uint4* __restrict__ w, const unsigned* __restrict__ sb,
                                                           int group, int n, int k, const bf16* __restrict__ x,
                                                           const float* __restrict__ h, const float* __restrict__ nw,
                                                           float eps, int m, float* __restrict__ y, int ldy,
-                                                          float beta) {
+                                                          float beta, float* __restrict__ arg_val,
+                                                          int* __restrict__ arg_idx, unsigned* __restrict__ arg_done,
+                                                          int arg_limit, int* __restrict__ arg_out,
+                                                          int* __restrict__ arg_out2) {
     extern __shared__ float gemv_q4_xs[];
-#define GEMV_Q4_CASE(NV)                                                                              \
-    if (m <= 8) gemv_q4_impl<NV, 1>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_q4_xs); \
-    else gemv_q4_impl<NV, 2>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_q4_xs)
+#define GEMV_Q4_CASE(NV)                                                                                          \
+    if (m <= 8)                                                                                                   \
+        gemv_q4_impl<NV, 1>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, arg_val, arg_idx, arg_done,       \
+                            arg_limit, arg_out, arg_out2, gemv_q4_xs);                                            \
+    else                                                                                                          \
+        gemv_q4_impl<NV, 2>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, nullptr, nullptr, nullptr, 0,     \
+                            nullptr, nullptr, gemv_q4_xs)
     switch (k) {
         case 512: GEMV_Q4_CASE(1); break;
         case 2048: GEMV_Q4_CASE(4); break;

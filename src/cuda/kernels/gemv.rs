@@ -35,7 +35,9 @@ kernels! {
     /// [m, ldy]`.
     GemvQ4 ["gemv_q4"] {
         w: Dev<U128>, sb: Dev<u32>, group: i32, n: i32, k: i32, x: Dev<bf16>, h: Dev<f32>,
-        nw: Dev<f32>, eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32,
+        nw: Dev<f32>, eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32, arg_val: Dev<f32>,
+        arg_idx: Dev<i32>, arg_done: Dev<u32>, arg_limit: i32, arg_out: Dev<i32>,
+        arg_out2: Dev<i32>,
     }
 }
 
@@ -101,7 +103,8 @@ pub fn q4_smem(m: usize, k: usize, group: usize, norm: bool, red: usize) -> usiz
 }
 
 /// `y [m, ldy] = beta · y + input · Wᵀ` for affine 4-bit `W [n, k]` ([`Q4`]): `input` the
-/// bf16 rows `[m, k]` (m <= [`GEMV_Q4_TOKENS`]), or a one-token RMSNorm input.
+/// bf16 rows `[m, k]` (m <= [`GEMV_Q4_TOKENS`]), or a one-token RMSNorm input; with `argmax`
+/// (one token) also the greedy id over its rows.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_q4(
     gpu: &Gpu,
@@ -113,6 +116,7 @@ pub fn gemv_q4(
     y: Dev<f32>,
     ldy: usize,
     beta: f32,
+    argmax: Option<Argmax>,
     on: On,
 ) -> Result<()> {
     ensure!(
@@ -140,6 +144,25 @@ pub fn gemv_q4(
     };
     let spb = q4_strips(k);
     let smem = q4_smem(m, k, w.group, norm, 8 * 16 * m * spb);
+    let blocks = (n / 16).div_ceil(spb);
+    let a = argmax.unwrap_or(Argmax {
+        val: Dev::null(),
+        idx: Dev::null(),
+        done: Dev::null(),
+        limit: 0,
+        out: Dev::null(),
+        out2: Dev::null(),
+    });
+    if argmax.is_some() {
+        ensure!(
+            m == 1
+                && a.val.len >= blocks
+                && a.idx.len >= blocks
+                && !a.done.is_null()
+                && !a.out.is_null(),
+            "gemv_q4: the argmax of {m} tokens, buffers for {blocks} blocks: {a:?}"
+        );
+    }
     let p = GemvQ4 {
         w: w.q,
         sb: w.sb,
@@ -154,9 +177,14 @@ pub fn gemv_q4(
         y,
         ldy: ldy as i32,
         beta,
+        arg_val: a.val,
+        arg_idx: a.idx,
+        arg_done: a.done,
+        arg_limit: a.limit.min(n) as i32,
+        arg_out: a.out,
+        arg_out2: a.out2,
     };
-    let grid = ((n / 16).div_ceil(spb) as u32, 1, 1);
-    gpu.run("gemv_q4", grid, 256, smem, &p.args(), on)
+    gpu.run("gemv_q4", (blocks as u32, 1, 1), 256, smem, &p.args(), on)
 }
 
 /// Tokens a [`GemvFp8`] call takes (gemv.cu's GEMV_FP8_TOKENS).

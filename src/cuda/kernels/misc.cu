@@ -14,9 +14,8 @@ extern "C" __global__ void embed_gather(const bf16* __restrict__ table, const in
 // of `ld` floats. Rows of whole 16-byte words (ld % 4 == 0) are read as float4s, four in flight
 // a thread (scalar loads, one at a time, ran 8 rows of 248,320 in ~90 us on the H200: a block
 // holds too few loads in flight to stream a 1 MB row); each thread's ids still ascend.
-// out2 (may be null): a second copy of the ids (the decode step's next input token).
 extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int ld, int limit,
-                                                               int* __restrict__ out, int* __restrict__ out2) {
+                                                               int* __restrict__ out) {
     PREFILL_KERNEL();
     const float* x = logits + (size_t)blockIdx.x * ld;
     float best = -INFINITY;
@@ -40,10 +39,7 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __re
     for (int i = 4 * n4 + threadIdx.x; i < limit; i += step)
         if (x[i] > best) { best = x[i]; id = i; }  // each thread's ids ascend: the first wins ties
     block_argmax(best, id);
-    if (threadIdx.x == 0) {
-        out[blockIdx.x] = id == 0x7fffffff ? 0 : id;
-        if (out2) out2[blockIdx.x] = id == 0x7fffffff ? 0 : id;
-    }
+    if (threadIdx.x == 0) out[blockIdx.x] = id == 0x7fffffff ? 0 : id;
 }
 
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, u64 n) {

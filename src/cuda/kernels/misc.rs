@@ -9,8 +9,8 @@ kernels! {
     /// `out[t, :] = f32(table[ids[t], :])` for `t` rows of `d`.
     EmbedGather ["embed_gather"] { table: Dev<bf16>, ids: Dev<i32>, out: Dev<f32>, d: i32 }
     /// The greedy id of each of `rows` rows of `ld` logits over ids `< limit` (0 where none
-    /// beats -inf), as [`crate::sampling::greedy_id`]; also into `out2` unless null.
-    ArgmaxRows ["argmax_rows"] { logits: Dev<f32>, ld: i32, limit: i32, out: Dev<i32>, out2: Dev<i32> }
+    /// beats -inf), as [`crate::sampling::greedy_id`].
+    ArgmaxRows ["argmax_rows"] { logits: Dev<f32>, ld: i32, limit: i32, out: Dev<i32> }
     /// `y = bf16(x)`, `n` values.
     F32ToBf16 ["f32_to_bf16"] { x: Dev<f32>, y: Dev<bf16>, n: u64 }
     /// `out = mean + std * N(0, 1)` (a sum of four seeded uniforms), `n` bf16 values.
@@ -66,12 +66,10 @@ impl ArgmaxRows {
         ensure!(
             limit <= ld
                 && self.logits.len >= rows.saturating_sub(1) * ld + limit
-                && self.out.len >= rows
-                && (self.out2.is_null() || self.out2.len >= rows),
-            "argmax_rows: {rows} rows of {ld} (limit {limit}): logits {:?}, out {:?}, out2 {:?}",
+                && self.out.len >= rows,
+            "argmax_rows: {rows} rows of {ld} (limit {limit}): logits {:?}, out {:?}",
             self.logits,
-            self.out,
-            self.out2
+            self.out
         );
         gpu.run(
             "argmax_rows",
