@@ -208,36 +208,24 @@ pub(super) fn q4_tiles(parts: &[&Mat], name: &str) -> Result<(Vec<u8>, Vec<u8>, 
             }
         );
         let groups = cols / group;
-        let codes = m.bytes();
-        let rb = cols / 2;
-        let nib = |r: usize, c: usize| -> u32 {
-            let b = codes[r * rb + c / 2];
-            (if c.is_multiple_of(2) { b & 15 } else { b >> 4 }) as u32
-        };
+        // the codes, strips spread over the host's cores (the full model has ~2 x 10^10)
+        let at = q.len();
+        q.resize(at + m.rows * cols / 2, 0);
+        let strip_bytes = 8 * cols;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = (m.rows / 16).div_ceil(threads).max(1);
+        std::thread::scope(|sc| {
+            for (i, out) in q[at..].chunks_mut(per * strip_bytes).enumerate() {
+                let codes = m.bytes();
+                sc.spawn(move || {
+                    for (k, o) in out.chunks_mut(strip_bytes).enumerate() {
+                        q4_strip(codes, cols, i * per + k, o);
+                    }
+                });
+            }
+        });
         let (mut s, mut b) = (vec![0.0f32; groups], vec![0.0f32; groups]);
         for st in 0..m.rows / 16 {
-            for u in 0..cols / 64 {
-                for l in 0..32 {
-                    let (g, c0) = (l / 4, 2 * (l % 4));
-                    let pos = [
-                        (g, c0),
-                        (g + 8, c0),
-                        (g, c0 + 8),
-                        (g + 8, c0 + 8),
-                        (g, c0 + 1),
-                        (g + 8, c0 + 1),
-                        (g, c0 + 9),
-                        (g + 8, c0 + 9),
-                    ];
-                    for j in 0..4 {
-                        let mut w = 0u32;
-                        for (n, (dr, dc)) in pos.iter().enumerate() {
-                            w |= nib(st * 16 + dr, u * 64 + 16 * j + dc) << (4 * n);
-                        }
-                        q.extend_from_slice(&w.to_le_bytes());
-                    }
-                }
-            }
             let mut pairs = vec![0u32; groups * 16];
             for r in 0..16 {
                 a.scales.rows_f32(st * 16 + r, st * 16 + r + 1, &mut s);
@@ -251,6 +239,42 @@ pub(super) fn q4_tiles(parts: &[&Mat], name: &str) -> Result<(Vec<u8>, Vec<u8>, 
         }
     }
     Ok((q, sb, group))
+}
+
+/// Strip `st` of a row-major 4-bit matrix (`codes`, two a byte, low nibble first; `cols`
+/// columns) as q4 tiles into `out` (`8 cols` bytes), in the order [`q4_tiles`] describes.
+fn q4_strip(codes: &[u8], cols: usize, st: usize, out: &mut [u8]) {
+    let rb = cols / 2;
+    let nib = |r: usize, c: usize| -> u32 {
+        let b = codes[r * rb + c / 2];
+        (if c.is_multiple_of(2) { b & 15 } else { b >> 4 }) as u32
+    };
+    let mut words = out.chunks_exact_mut(4);
+    for u in 0..cols / 64 {
+        for l in 0..32 {
+            let (g, c0) = (l / 4, 2 * (l % 4));
+            let pos = [
+                (g, c0),
+                (g + 8, c0),
+                (g, c0 + 8),
+                (g + 8, c0 + 8),
+                (g, c0 + 1),
+                (g + 8, c0 + 1),
+                (g, c0 + 9),
+                (g + 8, c0 + 9),
+            ];
+            for j in 0..4 {
+                let mut w = 0u32;
+                for (n, (dr, dc)) in pos.iter().enumerate() {
+                    w |= nib(st * 16 + dr, u * 64 + 16 * j + dc) << (4 * n);
+                }
+                words
+                    .next()
+                    .expect("a strip's 8 cols bytes")
+                    .copy_from_slice(&w.to_le_bytes());
+            }
+        }
+    }
 }
 
 /// The e4m3 bytes and f32 block scales of `parts` stacked by rows, as [`Wt::Fp8`] stores them;
