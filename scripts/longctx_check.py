@@ -13,7 +13,9 @@ tensors and meaning:
   prompt_ids i64 [L], prompt_logits_last4 f32 [4,V] (positions L-4..L-1), decode_ids i64 [N],
   decode_logits f32 [N,V] (decode_ids[0] = argmax(last prompt row); step i feeds decode_ids[i]
   at position L+i; decode_ids[i+1] = argmax(decode_logits[i])), hf_bf16_logits f32 [4+N,V] (the
-  same rows from transformers in bf16: the tolerance's basis, measured at the full length)
+  same rows from transformers in bf16, uncached, teacher-forced: the blocked attention below in
+  bf16 (eager's bf16 arithmetic), grouped_mm experts; the tolerance's basis, measured at the
+  full length)
 
 and DIR/longctx.json (versions, margins, spreads, timings).
 
@@ -99,6 +101,15 @@ AttentionInterface.register(ATTN, blocked_attention)
 
 
 @torch.no_grad()
+def params_to(model, dtype):
+    """The parameters only: the buffers (the rotary inv_freq) stay float32, as transformers
+    keeps them in a bf16 model it loads. (model.to(bf16) would round inv_freq too, and a later
+    .float() would not undo that: rotation angles off by up to L x 2^-9 rad at position L.)"""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+@torch.no_grad()
 def last_rows(model, ids, n=4):
     return model(input_ids=ids[None], use_cache=False, logits_to_keep=n).logits[0].float()
 
@@ -176,9 +187,35 @@ def main():
         log(f"FAILED: {ATTN} does not reproduce eager attention")
         sys.exit(2)
 
-    # ---- f32 reference per length ----
-    refs = {}
+    # ---- per length: the f32 reference, then transformers in bf16 on the same rows, written
+    # before the next length (a longer one running out of memory keeps the shorter ones) ----
+    refs, info_lengths = {}, {}
     tap = fw.RouterTap(model, cfg.num_experts_per_tok)
+
+    def write_info():
+        info = {
+            "what": "full-width 4-layer Qwen3.6-35B-A3B random checkpoint + float32 HF references at long context (issue 43)",
+            "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "tiny": args.tiny, "seed": args.seed, "layers": args.layers, "layer_types": cfg.layer_types,
+            "init_rules": rules, "checkpoint_verify": verify,
+            "reference_impl": f"model.float(); attention {ATTN} (eager's f32 arithmetic, {QBLOCK} queries a block); "
+                              "transformers torch GDN (chunked prefill, recurrent decode; fla blocked); eager experts; "
+                              "TF32 off; cached decode",
+            "gdn_chunk_impl": fw.hf_mod.torch_chunk_gated_delta_rule.__module__,
+            "attn_check_vs_eager": attn_check,
+            "min_margin_required": args.min_margin,
+            "lengths": info_lengths,
+            "timings_s": {k: round(v, 2) for k, v in timings.items()},
+            "total_seconds": round(time.perf_counter() - fw.T0, 1),
+            "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        with open(os.path.join(out_dir, "longctx.json"), "w") as f:
+            json.dump(info, f, indent=2)
+            f.write("\n")
+        log(f"wrote {out_dir}/longctx.json; total {info['total_seconds']} s; peak GPU memory {info['peak_gpu_memory_gib']} GiB")
+
     for L in lengths:
         t = time.perf_counter()
         best, tries, res = None, [], None
@@ -215,14 +252,14 @@ def main():
         refs[L] = dict(prompt=prompt, last4=last4, decode_ids=decode_ids, decode_logits=decode_logits,
                        ref_rows=ref_rows, margins=margins, tries=tries, router_min_gap=tap.min_gap,
                        selfcheck=selfcheck)
-    tap.close()
-
-    # ---- transformers in bf16 (sdpa, grouped_mm) on the same rows: the tolerance's basis ----
-    model.to(torch.bfloat16)
-    fw.set_impl(model, "sdpa", "grouped_mm")
-    fw.free(device)
-    info_lengths = {}
-    for L, r in refs.items():
+        r = refs[L]
+        # ---- transformers in bf16 on the same rows: the tolerance's basis. Attention stays the
+        # blocked function (eager's bf16 arithmetic: bf16 scores and values, f32 softmax rounded to
+        # bf16), not sdpa as in fullwidth_check: sdpa falling back to its math kernel would need
+        # 16 x L x L elements. Experts grouped_mm, like the HF peer. ----
+        params_to(model, torch.bfloat16)
+        fw.set_impl(model, ATTN, "grouped_mm")
+        fw.free(device)
         t = time.perf_counter()
         rows16 = fw.teacher_forced_rows(model, r["prompt"], r["decode_ids"], args.decode + 4)
         d = rows16 - r["ref_rows"]
@@ -256,29 +293,12 @@ def main():
         }
         del rows16, d
         fw.free(device)
+        params_to(model, torch.float32)
+        fw.set_impl(model, ATTN, "eager")
+        fw.free(device)
+        write_info()
+    tap.close()
 
-    info = {
-        "what": "full-width 4-layer Qwen3.6-35B-A3B random checkpoint + float32 HF references at long context (issue 43)",
-        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "tiny": args.tiny, "seed": args.seed, "layers": args.layers, "layer_types": cfg.layer_types,
-        "init_rules": rules, "checkpoint_verify": verify,
-        "reference_impl": f"model.float(); attention {ATTN} (eager's f32 arithmetic, {QBLOCK} queries a block); "
-                          "transformers torch GDN (chunked prefill, recurrent decode; fla blocked); eager experts; "
-                          "TF32 off; cached decode",
-        "gdn_chunk_impl": fw.hf_mod.torch_chunk_gated_delta_rule.__module__,
-        "attn_check_vs_eager": attn_check,
-        "min_margin_required": args.min_margin,
-        "lengths": info_lengths,
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
-        "total_seconds": round(time.perf_counter() - fw.T0, 1),
-        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    with open(os.path.join(out_dir, "longctx.json"), "w") as f:
-        json.dump(info, f, indent=2)
-        f.write("\n")
-    log(f"wrote {out_dir}/longctx.json; total {info['total_seconds']} s; peak GPU memory {info['peak_gpu_memory_gib']} GiB")
     bad = [L for L, r in refs.items() if r["selfcheck"] > 1e-2]
     if bad:
         log(f"FAILED: cached vs uncached self-check above 1e-2 at {bad}")
