@@ -593,7 +593,7 @@ impl Prefill {
     /// Calls of `chunk` tokens over `len` (the last one the remainder).
     fn chunks(len: usize, chunk: usize) -> Self {
         let mut pieces = vec![chunk; len / chunk];
-        if len % chunk > 0 {
+        if !len.is_multiple_of(chunk) {
             pieces.push(len % chunk);
         }
         Prefill {
@@ -608,7 +608,7 @@ impl Prefill {
     fn ragged(len: usize) -> Self {
         let body = len - 4;
         let mut pieces = vec![12_288; body / 12_288];
-        if body % 12_288 > 0 {
+        if !body.is_multiple_of(12_288) {
             pieces.push(body % 12_288);
         }
         pieces.push(4);
@@ -712,7 +712,7 @@ fn long_context_check<E: Engine>(
         want.extend(&r.dec_logits);
         let hf16 = &r.hf_bf16[3 * v..];
         let spread = norm_rel_err(hf16, &want);
-        let bar = spread.max(2e-2).min(5e-2);
+        let bar = spread.clamp(2e-2, 5e-2);
         let confident: Vec<usize> = (0..=n)
             .filter(|&i| margin(&want[i * v..][..v]) >= 0.1)
             .collect();
@@ -788,7 +788,7 @@ fn long_context_check<E: Engine>(
                     "L {len} {}: the prompt's last 4 rows vs HF f32 {e4:.3e} (transformers bf16 {s4:.3e})",
                     p.name
                 );
-                if e4 > s4.max(2e-2).min(5e-2) {
+                if e4 > s4.clamp(2e-2, 5e-2) {
                     failures.push(format!("L {len} {}: last 4 rows {e4:.3e}", p.name));
                 }
             }
