@@ -354,7 +354,8 @@ def run_reference(model, prompt_ids, n_decode, min_margin):
     below min_margin (if min_margin > 0)."""
     dev = prompt_ids.device
     T = prompt_ids.numel()
-    out = model(input_ids=prompt_ids[None], use_cache=True)
+    # Only the last 4 positions' logits (a 32k prompt's full [T, 248320] f32 would be 32 GB).
+    out = model(input_ids=prompt_ids[None], use_cache=True, logits_to_keep=4)
     plog = out.logits[0].float()
     last4 = plog[-4:].clone()
     margins = [top2_margin(last4[-1])]

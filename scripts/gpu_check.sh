@@ -6,7 +6,7 @@
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
-#          [serveload-long]
+#          [serveload-long] [longctx [LENGTHS]]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
 #   runs bench, concurrency, profile, kernels and abbin on the synthetic FP8 weights)
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
@@ -25,6 +25,19 @@
 #   failing). $OUT/serveload*.json / .log.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
+#   longctx [LENGTHS]: issue 43's production-shape long-context check. scripts/longctx_check.py
+#   writes a full-width 4-layer checkpoint (GDN x3, gated attention) and transformers' f32
+#   references at LENGTHS (default 32768; "32768,131072" adds the long one) to /tmp/longctx,
+#   then test-cuda's longctx_checkpoint_matches_hf compares Kestrel's prefill (one call,
+#   calls of 16,384 and 8,192, ragged) and 16 decode steps with them. Logs:
+#   $OUT/longctx-hf.log, $OUT/longctx.json, $OUT/longctx.log. Then every
+#   .device/bin/test-cuda-broken-* (scratch builds with a deliberate bug, made here by
+#   scripts/longctx_broken.sh after stage_device.sh) must FAIL the same check: its log in
+#   $OUT/longctx-broken-NAME.log, the verdict in longctx.log. Estimated device time
+#   (unmeasured): 32768 ~3-4 min (checkpoint ~1 min, HF ~1.5 min, Kestrel load ~0.5 min and
+#   ~10 s a prefill way), each broken build +~1 min; with 131072 ~+4 min (HF f32 attention
+#   16x). Both lengths and both broken builds: ~9-10 min, the edge of one call; split them
+#   (`longctx 32768`, then `longctx 131072` in a second call) when in doubt.
 set -uo pipefail
 OUT=${OUT:-/tmp/kestrel-out}
 mkdir -p "$OUT"
@@ -52,6 +65,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     tests)
       for t in .device/bin/test-*; do
+        case $t in *-broken-*) continue ;; esac  # longctx's deliberately broken builds
         echo "== $t"
         # The GPU tests are #[ignore]d (so a machine without a GPU reports them ignored,
         # not passed): include them here.
@@ -149,6 +163,30 @@ while [ $# -gt 0 ]; do
     abbin)
       ab_rounds "$3" ${2//,/ } .device/bin/kestrel
       shift 2 ;;
+    longctx)
+      lengths=32768
+      if [[ "${2:-}" =~ ^[0-9,]+$ ]]; then lengths=$2; shift; fi
+      rm -rf /tmp/longctx
+      python3 scripts/longctx_check.py --out /tmp/longctx --lengths "$lengths" 2>&1 | tee "$OUT/longctx-hf.log" || status=1
+      cp /tmp/longctx/longctx.json "$OUT/" 2> /dev/null
+      KESTREL_LONGCTX_DIR=/tmp/longctx .device/bin/test-cuda longctx --include-ignored --nocapture 2>&1 \
+        | tee "$OUT/longctx.log" || status=1
+      # Scratch builds with a deliberate bug (scripts/longctx_broken.sh): each must fail.
+      for b in .device/bin/test-cuda-broken-*; do
+        [ -e "$b" ] || continue
+        name=${b##*/test-cuda-broken-}
+        if KESTREL_LONGCTX_DIR=/tmp/longctx "$b" longctx --include-ignored --nocapture \
+          > "$OUT/longctx-broken-$name.log" 2>&1; then
+          echo "broken build '$name' PASSED the long-context check: the check is blind to it" | tee -a "$OUT/longctx.log"
+          status=1
+        elif grep -q "long-context check failed" "$OUT/longctx-broken-$name.log"; then
+          echo "broken build '$name' failed the long-context check, as it must:" | tee -a "$OUT/longctx.log"
+          sed -n '/long-context check failed/,/^note:\|^stack/p' "$OUT/longctx-broken-$name.log" | head -20 | tee -a "$OUT/longctx.log"
+        else
+          echo "broken build '$name' failed for another reason (see longctx-broken-$name.log)" | tee -a "$OUT/longctx.log"
+          status=1
+        fi
+      done ;;
     peer)
       python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;
     *) echo "unknown step $1"; status=1 ;;

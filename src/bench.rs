@@ -46,8 +46,10 @@ pub struct BenchRow {
     pub decode_ms_per_token: f64,
     /// Bytes a decode step must read (weights + GDN state r/w + KV at this context).
     pub decode_bytes_per_step: f64,
-    /// Achieved bytes/s over the measured copy bandwidth.
-    pub decode_bandwidth_fraction: f64,
+    /// Achieved bytes/s over the measured read-only streaming bandwidth (`read_bw` of
+    /// [`bench_context`]: `Gpu::measure_weight_stream`, what a decode step's weight reads
+    /// can reach); `None` where none was measured (the CPU).
+    pub decode_bandwidth_fraction: Option<f64>,
     pub digest: String,
 }
 
@@ -74,7 +76,13 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Runs the contract at one context length. `copy_bw` is bytes/s (read + write).
+/// Bytes over seconds over the bandwidth `bw` (bytes/s), where one was measured.
+fn fraction(bytes: f64, secs: f64, bw: Option<f64>) -> Option<f64> {
+    bw.filter(|&b| b > 0.0).map(|b| bytes / secs / b)
+}
+
+/// Runs the contract at one context length. `read_bw` is the measured read-only streaming
+/// bandwidth in bytes/s (`None`: no fraction).
 #[allow(clippy::too_many_arguments)]
 pub fn bench_context<R: GreedyRunner>(
     runner: &R,
@@ -82,7 +90,7 @@ pub fn bench_context<R: GreedyRunner>(
     format: WeightFormat,
     context: usize,
     vocab_limit: usize,
-    copy_bw: f64,
+    read_bw: Option<f64>,
     mut log: impl FnMut(&str),
 ) -> Result<BenchRow> {
     let p = prompt(context, vocab_limit);
@@ -135,11 +143,7 @@ pub fn bench_context<R: GreedyRunner>(
         decode_tok_s: DECODE_STEPS as f64 / dec,
         decode_ms_per_token: per_token * 1e3,
         decode_bytes_per_step: bytes,
-        decode_bandwidth_fraction: if copy_bw > 0.0 {
-            bytes / per_token / copy_bw
-        } else {
-            0.0
-        },
+        decode_bandwidth_fraction: fraction(bytes, per_token, read_bw),
         digest: format!("{:016x}", digests[0]),
     })
 }
@@ -160,8 +164,9 @@ pub struct ConcurrencyRow {
     /// GDN state (read + write) and KV.
     pub bytes_per_step: f64,
     pub expected_experts_per_layer: f64,
-    /// Achieved bytes/s over the read bandwidth given (`read_bw`).
-    pub bandwidth_fraction: f64,
+    /// Achieved bytes/s over the read bandwidth given (`read_bw`); `None` without one (the
+    /// CPU).
+    pub bandwidth_fraction: Option<f64>,
     /// Whether every stream sampled (temperature 1, top-k 20, top-p 0.95) instead of greedy.
     pub sampling: bool,
     pub digest: String,
@@ -199,7 +204,7 @@ pub fn bench_concurrency<E: crate::model::Engine>(
     context: usize,
     vocab_limit: usize,
     sampling: bool,
-    read_bw: f64,
+    read_bw: Option<f64>,
     mut log: impl FnMut(&str),
 ) -> Result<ConcurrencyRow> {
     let params = crate::sampling::SamplingParams {
@@ -281,11 +286,7 @@ pub fn bench_concurrency<E: crate::model::Engine>(
             cfg.experts_per_token,
             streams,
         ),
-        bandwidth_fraction: if read_bw > 0.0 {
-            bytes / step / read_bw
-        } else {
-            0.0
-        },
+        bandwidth_fraction: fraction(bytes, step, read_bw),
         sampling,
         digest: format!("{:016x}", digests[0]),
     })

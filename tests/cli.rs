@@ -699,6 +699,51 @@ fn speculative_flags_keep_the_reply_and_report_acceptance() {
     );
 }
 
+/// The plain and the concurrency bench on the CPU: it measures no bandwidth, so the JSON says
+/// so (`bandwidth_basis` "none", the bandwidths and every fraction null) and the tables print
+/// `-` for the fraction, not a made-up 0.
+#[test]
+fn cpu_bench_states_it_has_no_bandwidth_basis() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-official-bf16");
+    for (name, extra) in [("plain", &[][..]), ("conc", &["--concurrency", "2"][..])] {
+        let json = dir.path().join(format!("{name}.json"));
+        let mut args = vec![
+            "bench",
+            "--device",
+            "cpu",
+            "--model",
+            fixture.to_str().unwrap(),
+            "--contexts",
+            "16",
+            "--json",
+            json.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let out = kestrel(&args, None, &[]);
+        assert_ok(&out);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert!(
+            v["bandwidth_basis"].as_str().unwrap().starts_with("none"),
+            "{name}: {v}"
+        );
+        assert!(v["read_bandwidth_bytes_per_s"].is_null(), "{name}: {v}");
+        assert!(v["copy_bandwidth_bytes_per_s"].is_null(), "{name}: {v}");
+        let row = &v["rows"][0];
+        let key = if extra.is_empty() {
+            "decode_bandwidth_fraction"
+        } else {
+            "bandwidth_fraction"
+        };
+        assert!(row[key].is_null(), "{name}: {row}");
+        assert!(row["decode_tok_s"].as_f64().unwrap() > 0.0, "{name}: {row}");
+        let table = text(&out.stdout);
+        let last = table.lines().last().unwrap();
+        assert!(last.trim_end().ends_with(" -"), "{name}: {table}");
+    }
+}
+
 /// `bench --speculative mtp` on the CPU: the JSON carries acceptance, tokens per step and the
 /// verify costs; forced acceptance accepts every draft.
 #[test]

@@ -3,7 +3,9 @@
 // query prep) against a double-precision causal softmax(q·k * scale) · v times sigmoid(gate);
 // attn_decode_mma_hd256 (split-K over the context on tensor cores) then attn_combine_dec against
 // the same reference at the model's head dim (256) with 8 query heads per KV head, 2, and 1 (no
-// GQA sharing), with partial tiles and splits.
+// GQA sharing), with partial tiles and splits, up to the step's 64 and 256 splits at 4,096,
+// 16,384 and 32,805 positions (the GPU test attn_decode_splits_match_reference_long_kv goes on
+// to 131,072).
 #include "kernels_emu.inc"
 #include <cstdio>
 #include <cstring>
@@ -306,10 +308,15 @@ int main(int argc, char** argv) {
         run<256>(8, 8, 130, 4, attn_decode_mma_hd256);    // no GQA sharing
         run<256>(16, 2, 4097, 64, attn_decode_mma_hd256);
         run<256>(16, 2, 3000, 256, attn_decode_mma_hd256);  // many splits: 47 of 64 positions
+        // The step's own counts at long context (decode_splits: 64 up to 4,096, 256 beyond):
+        run<256>(16, 2, 4096, 64, attn_decode_mma_hd256);    // 64 full splits of 64
+        run<256>(16, 2, 16384, 256, attn_decode_mma_hd256);  // 256 full splits of 64
+        run<256>(16, 2, 32805, 256, attn_decode_mma_hd256);  // 255 splits of 129, the last of 39
     }
     if (decode) {
         run_decode_batch(16, 2, {1, 70, 300}, 16);  // ragged: one split used, three, all ten
         run_decode_batch(8, 8, {33, 5}, 4);
+        run_decode_batch(16, 2, {16500, 1, 4097}, 256);  // long rows, 256 splits: 65 positions each
     }
     return fails ? 1 : 0;
 }

@@ -11,7 +11,7 @@
 #   attn attn_prefill.cu, attn_decode.cu: attn_prep_rows against attn_prep; the prefill flash
 #        kernel attn_flash4 (on emulated wgmma, mbarriers and a producer warpgroup; its fused
 #        query prep bitwise the separate prep); the tensor-core decode attention and its
-#        combine (head dim 256)
+#        combine (head dim 256; up to the step's 64 and 256 splits at 4,096-32,805 positions)
 #   gemv gemv.cu: the decode GEMVs (gemv_dec, gemv_dec_w, gemv_dec_stream, gemv_fp8, gemv_q4 on
 #        emulated mma.sync) and misc.cu's dequant_q4_bf16
 #   moe  moe_route.cu, moe_gemm.cu, moe_decode.cu: the routing top-k (ties included), the few-row

@@ -184,14 +184,15 @@ pub(super) fn bench_cmd(
         .min(kestrel::tokenizer::special::FIRST_PADDING_ID as usize);
     let log = |s: &str| eprintln!("{s}");
     let mut prefill_chunk = None; // the GPU's, for the JSON
-    let (rows, device_name, copy_bw) = match device.as_str() {
+    let (rows, device_name, bw) = match device.as_str() {
         "cuda" => {
             let gpu = kestrel::cuda::Gpu::open(0)?;
-            let copy_bw = gpu.measure_copy_bandwidth(4 << 30)?;
+            let bw = Bandwidth::measure(&gpu)?;
             eprintln!(
-                "device: {} (copy bandwidth {:.2} TB/s read+write)",
+                "device: {} (read bandwidth {:.2} TB/s, the fractions' basis; copy {:.2} TB/s read+write)",
                 gpu.name,
-                copy_bw / 1e12
+                bw.read.unwrap_or(0.0) / 1e12,
+                bw.copy.unwrap_or(0.0) / 1e12
             );
             let max_seq = max_ctx + kestrel::bench::DECODE_STEPS + 8;
             let max_chunk = match max_chunk {
@@ -230,8 +231,6 @@ pub(super) fn bench_cmd(
                 m.weight_bytes as f64 / 1e9
             );
             if let Some(streams) = &streams {
-                let read_bw = gpu.measure_weight_stream(2048, 256)?;
-                eprintln!("read bandwidth {:.2} TB/s", read_bw / 1e12);
                 let rows = concurrency_rows(
                     &m,
                     &cfg,
@@ -240,7 +239,7 @@ pub(super) fn bench_cmd(
                     &contexts,
                     vocab_limit,
                     sampling,
-                    read_bw,
+                    bw.read,
                 )?;
                 print_profile(&gpu);
                 return write_concurrency_json(
@@ -248,7 +247,7 @@ pub(super) fn bench_cmd(
                     &rows,
                     &gpu.name,
                     &weights_label,
-                    read_bw,
+                    bw,
                 );
             }
             let runner = CudaRunner(&m, vocab_limit);
@@ -260,7 +259,7 @@ pub(super) fn bench_cmd(
                     format,
                     c,
                     vocab_limit,
-                    copy_bw,
+                    bw.read,
                     log,
                 )?);
                 // Written after every context, so a run cut short keeps what it measured.
@@ -269,7 +268,7 @@ pub(super) fn bench_cmd(
                     &rows,
                     &gpu.name,
                     &weights_label,
-                    copy_bw,
+                    bw,
                     prefill_chunk,
                 )?;
                 if let Some(prefix) = &kestrel::settings::Settings::get().trace_out {
@@ -277,7 +276,7 @@ pub(super) fn bench_cmd(
                 }
             }
             print_profile(&gpu);
-            (rows, gpu.name.clone(), copy_bw)
+            (rows, gpu.name.clone(), bw)
         }
         "cpu" => {
             let m = match host {
@@ -310,9 +309,15 @@ pub(super) fn bench_cmd(
                     &contexts,
                     vocab_limit,
                     sampling,
-                    0.0,
+                    None,
                 )?;
-                return write_concurrency_json(json.as_deref(), &rows, "cpu", &weights_label, 0.0);
+                return write_concurrency_json(
+                    json.as_deref(),
+                    &rows,
+                    "cpu",
+                    &weights_label,
+                    Bandwidth::default(),
+                );
             }
             let runner = CpuRunner(&m, vocab_limit);
             let mut rows = Vec::new();
@@ -323,11 +328,11 @@ pub(super) fn bench_cmd(
                     format,
                     c,
                     vocab_limit,
-                    0.0,
+                    None,
                     log,
                 )?);
             }
-            (rows, "cpu".to_string(), 0.0)
+            (rows, "cpu".to_string(), Bandwidth::default())
         }
         other => anyhow::bail!("--device must be cpu or cuda, not {other:?}"),
     };
@@ -337,13 +342,13 @@ pub(super) fn bench_cmd(
     );
     for r in &rows {
         println!(
-            "{:>8} {:>14.0} {:>10.1} {:>13.1} {:>10.3} {:>9.3}",
+            "{:>8} {:>14.0} {:>10.1} {:>13.1} {:>10.3} {:>9}",
             r.context,
             r.prefill_tok_s,
             r.ttft_ms,
             r.decode_tok_s,
             r.decode_ms_per_token,
-            r.decode_bandwidth_fraction
+            frac(r.decode_bandwidth_fraction)
         );
     }
     write_bench_json(
@@ -351,7 +356,7 @@ pub(super) fn bench_cmd(
         &rows,
         &device_name,
         &weights_label,
-        copy_bw,
+        bw,
         prefill_chunk,
     )?;
     Ok(())
@@ -467,7 +472,7 @@ fn concurrency_rows<E: Engine>(
     contexts: &[usize],
     vocab_limit: usize,
     sampling: bool,
-    read_bw: f64,
+    read_bw: Option<f64>,
 ) -> Result<Vec<kestrel::bench::ConcurrencyRow>> {
     let mut rows = Vec::new();
     for &c in contexts {
@@ -491,14 +496,14 @@ fn concurrency_rows<E: Engine>(
     );
     for r in &rows {
         println!(
-            "{:>8} {:>8} {:>13.1} {:>15.1} {:>9.3} {:>9.2} {:>9.3}",
+            "{:>8} {:>8} {:>13.1} {:>15.1} {:>9.3} {:>9.2} {:>9}",
             r.streams,
             r.context,
             r.decode_tok_s,
             r.per_stream_tok_s,
             r.step_ms,
             r.bytes_per_step / 1e9,
-            r.bandwidth_fraction
+            frac(r.bandwidth_fraction)
         );
     }
     Ok(rows)
@@ -509,17 +514,16 @@ fn write_concurrency_json(
     rows: &[kestrel::bench::ConcurrencyRow],
     device: &str,
     weights: &str,
-    read_bw: f64,
+    bw: Bandwidth,
 ) -> Result<()> {
     write_report(
         path,
-        serde_json::json!({
+        bw.with(serde_json::json!({
             "device": device,
             "weights": weights,
-            "read_bandwidth_bytes_per_s": read_bw,
             "contract": "N streams, each its own contract prompt (offset by the stream index) of `context` tokens, greedy (rows with `sampling`: temperature 1, top-k 20, top-p 0.95, drawn on the device), 4 warm-up then 64 measured batched decode steps, median of 2 rounds",
             "rows": rows,
-        }),
+        })),
     )
 }
 
@@ -543,18 +547,57 @@ fn write_bench_json(
     rows: &[kestrel::bench::BenchRow],
     device: &str,
     weights: &str,
-    copy_bw: f64,
+    bw: Bandwidth,
     prefill_chunk: Option<usize>,
 ) -> Result<()> {
     write_report(
         path,
-        serde_json::json!({
+        bw.with(serde_json::json!({
             "device": device,
             "weights": weights,
-            "copy_bandwidth_bytes_per_s": copy_bw,
             "prefill_chunk": prefill_chunk,
             "contract": "batch 1, greedy, prompt[i] = ((i*2654435761) mod 2^32) mod vocab, exact-shape warm-up, TTFT prefill, 64 decode steps, median of 2 rounds",
             "rows": rows,
-        }),
+        })),
     )
+}
+
+/// The bandwidths a GPU bench measures once, before the weights load. Every fraction (batch 1
+/// and concurrency) is of `read`: the read-only streaming probe (`read_probe`, 2 GiB of 4 KiB
+/// rows read whole, a persistent block an SM, nothing written), the kind of traffic a decode
+/// step's weight reads are. `copy` (a device-to-device copy, bytes read + written over the
+/// time) is reported beside it only: the tables up to issue 43 divided by it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Bandwidth {
+    read: Option<f64>,
+    copy: Option<f64>,
+}
+
+impl Bandwidth {
+    fn measure(gpu: &kestrel::cuda::Gpu) -> Result<Self> {
+        Ok(Bandwidth {
+            read: Some(gpu.measure_weight_stream(2048, 256)?),
+            copy: Some(gpu.measure_copy_bandwidth(4 << 30)?),
+        })
+    }
+
+    /// `fields` with the bandwidths and the fractions' basis added.
+    fn with(self, mut fields: serde_json::Value) -> serde_json::Value {
+        let basis = if self.read.is_some() {
+            "read: each fraction is bytes a step / step time / read_bandwidth_bytes_per_s (the read-only streaming probe read_probe: 2 GiB of 4 KiB rows read whole, a persistent block an SM, nothing written); copy_bandwidth_bytes_per_s (device-to-device copy, read + write) is reported only"
+        } else {
+            "none: no bandwidth is measured on this device, the fractions are null"
+        };
+        if let Some(f) = fields.as_object_mut() {
+            f.insert("bandwidth_basis".into(), basis.into());
+            f.insert("read_bandwidth_bytes_per_s".into(), self.read.into());
+            f.insert("copy_bandwidth_bytes_per_s".into(), self.copy.into());
+        }
+        fields
+    }
+}
+
+/// A fraction for the tables, `-` where none was measured.
+fn frac(f: Option<f64>) -> String {
+    f.map_or_else(|| "-".into(), |f| format!("{f:.3}"))
 }

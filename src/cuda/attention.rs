@@ -2,6 +2,7 @@
 //! prepared on the way in), and which attention shapes the kernels take.
 
 use super::Gpu;
+pub use super::decode::decode_splits;
 use super::kernels::attn_decode::AttnDecodeMma;
 use super::kernels::attn_prefill::AttnFlash4;
 use super::kernels::{Dev, On};

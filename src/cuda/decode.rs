@@ -24,9 +24,10 @@ use anyhow::{Result, anyhow, ensure};
 /// Attention splits per query head at most (the partial sums' workspace).
 pub(super) const DECODE_SPLITS: usize = 256;
 
-/// Attention splits per query head in the fused decode step, by context length: each bucket
-/// gets its own captured graph; the kernels derive the chunk length from the position.
-fn decode_splits(n: usize) -> usize {
+/// Attention splits per query head in the fused decode step, by context length `n` (the new
+/// position counted): each bucket gets its own captured graph; the kernels derive the chunk
+/// length from the position. (Public for the kernel tests, which run the splits it picks.)
+pub fn decode_splits(n: usize) -> usize {
     [4, 16, 64]
         .into_iter()
         .find(|&b| b * 64 >= n)
