@@ -6,9 +6,11 @@
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
-#          [serveload-long] [longctx [LENGTHS]]
+#          [serveload-long] [longctx [LENGTHS]] [formats CONTEXTS]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
-#   runs bench, concurrency, profile, kernels and abbin on the synthetic FP8 weights)
+#   runs bench, concurrency, profile, kernels and abbin on the synthetic FP8 weights, =full-int4
+#   on the 4-bit ones)
+#   formats CONTEXTS: the bench at CONTEXTS on synthetic bf16, FP8 and 4-bit weights in one call.
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
 #   built here and carried under .device/) and of this one, alternating, two rounds each, rows
 #   tagged by binary into $OUT/ab.log: how a change is compared with history (there are no
@@ -86,6 +88,14 @@ while [ $# -gt 0 ]; do
       [ -e "$OUT/bench.json" ] && tag="-${1//,/_}"
       .device/bin/kestrel bench --synthetic ${KESTREL_SYNTHETIC:-full} --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench$tag.json" 2>&1 \
         | tee "$OUT/bench$tag.log" || status=1 ;;
+    formats)
+      # the same bench on the three synthetic formats in one call (bf16, FP8, 4-bit), side by
+      # side: bench-full.json, bench-full-fp8.json, bench-full-int4.json and their logs
+      shift
+      for f in full full-fp8 full-int4; do
+        .device/bin/kestrel bench --synthetic $f --contexts "$1" ${KESTREL_BENCH_ARGS:-} --json "$OUT/bench-$f.json" 2>&1 \
+          | tee "$OUT/bench-$f.log" || status=1
+      done ;;
     concurrency|concurrency-sampling)
       # concurrency-sampling: every stream samples, drawn on the device (--sampling)
       tag=${1#concurrency}
