@@ -162,13 +162,18 @@ int main() {
                norm ? "RMSNorm" : "bf16", err);
         fails += !ok;
     }
-    // gemv_q4: (n, k, tokens, RMSNorm input, group); beta 1 for bf16 input, 0 with the RMSNorm.
-    for (auto [n, k, m, norm, group] :
-         {std::tuple{48, 2048, 1, true, 64}, {48, 2048, 3, false, 128}, {32, 2048, 16, false, 64},
-          {32, 4096, 1, false, 64}, {16, 4096, 9, false, 32}, {80, 512, 1, false, 64}, {80, 512, 16, false, 128},
-          {16, 128, 2, false, 32}, {32, 256, 1, true, 128}, {16, 192, 5, false, 64}}) {
+    // gemv_q4: (n, k, tokens, RMSNorm input, group, bf16 tail rows); beta 1 for bf16 input, 0
+    // with the RMSNorm; y rows of n + nb.
+    for (auto [n, k, m, norm, group, nb] :
+         {std::tuple{48, 2048, 1, true, 64, 64}, {48, 2048, 3, false, 128, 0}, {32, 2048, 16, false, 64, 5},
+          {32, 4096, 1, false, 64, 0}, {16, 4096, 9, false, 32, 0}, {80, 512, 1, false, 64, 0},
+          {80, 512, 16, false, 128, 33}, {16, 128, 2, false, 32, 4}, {32, 256, 1, true, 128, 0},
+          {16, 192, 5, false, 64, 0}}) {
         Q4Host wq = make_q4(n, k, group, rng);
-        std::vector<float> h(k), nw(k), y0((size_t)m * n);
+        std::vector<bf16> wb((size_t)nb * k);
+        for (auto& v : wb) v = __float2bfloat16(uni(-0.05f, 0.05f));
+        const int ny = n + nb;
+        std::vector<float> h(k), nw(k), y0((size_t)m * ny);
         for (auto& v : h) v = uni(-2, 2);
         for (auto& v : nw) v = uni(-0.3f, 0.3f);
         for (auto& v : y0) v = uni(-1, 1);
@@ -177,10 +182,10 @@ int main() {
         const float eps = 1e-6f, beta = norm ? 0.0f : 1.0f;
         std::vector<float> y = y0;
         const int spb = q4_strips(k == 2048 ? 4 : k == 512 ? 1 : k == 4096 ? 8 : 0);
-        emu_launch({(unsigned)((n / 16 + spb - 1) / spb), 1, 1}, 256,
+        emu_launch({(unsigned)((n / 16 + spb - 1) / spb + (nb + 15) / 16), 1, 1}, 256,
                    (size_t)q4_smem(m, k, group, norm, 8 * 16 * m * spb), [&] {
             gemv_q4(wq.tiles.data(), wq.sb.data(), group, n, k, norm ? nullptr : x.data(), h.data(), nw.data(), eps, m,
-                    y.data(), n, beta, nullptr, nullptr, nullptr, 0, nullptr, nullptr);
+                    y.data(), n + nb, beta, nullptr, nullptr, nullptr, 0, nullptr, nullptr, wb.data(), nb);
         });
         std::vector<double> xin((size_t)m * k);
         if (norm) {
@@ -193,30 +198,34 @@ int main() {
         }
         double err = 0;
         for (int t = 0; t < m; t++)
-            for (int r = 0; r < n; r++) {
-                double ref = beta * y0[(size_t)t * n + r];
-                for (int i = 0; i < k; i++) ref += wq.w(r, i) * xin[(size_t)t * k + i];
-                const double e = std::fabs(y[(size_t)t * n + r] - ref) / (1.0 + std::fabs(ref));
+            for (int r = 0; r < ny; r++) {
+                double ref = beta * y0[(size_t)t * ny + r];
+                for (int i = 0; i < k; i++)
+                    ref += (r < n ? wq.w(r, i) : (double)__bfloat162float(wb[(size_t)(r - n) * k + i])) *
+                           xin[(size_t)t * k + i];
+                const double e = std::fabs(y[(size_t)t * ny + r] - ref) / (1.0 + std::fabs(ref));
                 if (!(e <= err)) err = e;  // NaN sticks
             }
         const bool ok = err <= 1e-5;
-        printf("%s gemv_q4 n=%d k=%d group %d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n, k, group,
-               m, norm ? "RMSNorm" : "bf16", err);
+        printf("%s gemv_q4 n=%d (+%d bf16) k=%d group %d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n,
+               nb, k, group, m, norm ? "RMSNorm" : "bf16", err);
         fails += !ok;
     }
     // gemv_q4's fused argmax (lm_head): the greedy id over rows < limit of its own y, in a
-    // second output too, the ticket back at zero; ties to the lowest row (rows 3 and 40 equal).
+    // second output too, the ticket back at zero; ties to the lowest row: with a positive input,
+    // rows 3 and 40 (all codes 15, no bias: equal and the largest) tie where 40 < limit.
     for (auto [n, k, limit] : {std::tuple{96, 2048, 90}, {160, 512, 160}, {48, 128, 17}}) {
         Q4Host wq = make_q4(n, k, 64, rng);
-        for (int c = 0; c < k; c++) wq.q[(size_t)40 * k + c] = wq.q[(size_t)3 * k + c];
-        for (int g = 0; g < k / 64; g++) {
-            wq.s[40 * (k / 64) + g] = wq.s[3 * (k / 64) + g];
-            wq.b[40 * (k / 64) + g] = wq.b[3 * (k / 64) + g];
-        }
+        for (int r : {3, 40})
+            for (int c = 0; c < k; c++) {
+                wq.q[(size_t)r * k + c] = 15;
+                wq.s[r * (k / 64) + c / 64] = 0.02f;
+                wq.b[r * (k / 64) + c / 64] = 0.0f;
+            }
         pack_q4(wq);
         std::vector<float> h(k), nw(k), y(n, NAN);
-        for (auto& v : h) v = uni(-2, 2);
-        for (auto& v : nw) v = uni(-0.3f, 0.3f);
+        for (auto& v : h) v = uni(0.5f, 2);
+        for (auto& v : nw) v = uni(0.0f, 0.3f);
         const int spb = q4_strips(k == 2048 ? 4 : k == 512 ? 1 : k == 4096 ? 8 : 0);
         const int blocks = (n / 16 + spb - 1) / spb;
         std::vector<float> av(blocks);
@@ -224,12 +233,12 @@ int main() {
         std::vector<unsigned> done(1, 0);
         emu_launch({(unsigned)blocks, 1, 1}, 256, (size_t)q4_smem(1, k, 64, true, 8 * 16 * spb), [&] {
             gemv_q4(wq.tiles.data(), wq.sb.data(), 64, n, k, nullptr, h.data(), nw.data(), 1e-6f, 1, y.data(), n, 0.0f,
-                    av.data(), ai.data(), done.data(), limit, out.data(), out2.data());
+                    av.data(), ai.data(), done.data(), limit, out.data(), out2.data(), nullptr, 0);
         });
         int want = 0;
         for (int r = 1; r < limit; r++)
             if (y[r] > y[want]) want = r;
-        const bool ok = out[0] == want && out2[0] == want && done[0] == 0;
+        const bool ok = out[0] == want && out2[0] == want && done[0] == 0 && want == 3 && y[3] == y[40];
         printf("%s gemv_q4 argmax n=%d k=%d limit %d: id %d (host %d), second output %d, ticket %u\n",
                ok ? "ok  " : "FAIL", n, k, limit, out[0], want, out2[0], done[0]);
         fails += !ok;

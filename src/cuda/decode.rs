@@ -208,7 +208,7 @@ impl CudaModel {
             }
             Wt::Q4 { .. } => {
                 let q = w.q4().expect("a 4-bit matrix");
-                gemv::gemv_q4(&self.gpu, q, n, k, input, 1, y, n, beta, None, on)
+                gemv::gemv_q4(&self.gpu, q, n, k, input, 1, y, n, beta, None, None, on)
             }
         }
     }
@@ -273,6 +273,26 @@ impl CudaModel {
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
                     match &w.in_ba {
+                        // 4-bit: q|k|v|z and the bf16 b|a in one launch
+                        Some(ba) if w.in_proj.q4().is_some() => {
+                            let q = w.in_proj.q4().expect("a 4-bit matrix");
+                            let tail = Some((ba.bf16(), 2 * hv));
+                            let n = ch + vw;
+                            gemv::gemv_q4(
+                                g,
+                                q,
+                                n,
+                                d,
+                                normed,
+                                1,
+                                proj,
+                                n + 2 * hv,
+                                0.0,
+                                None,
+                                tail,
+                                on,
+                            )?;
+                        }
                         // FP8: q|k|v|z in FP8, b|a (bf16 in the format) beside them
                         Some(ba) => {
                             self.dense_dec(&w.in_proj, ch + vw, d, normed, proj, 0.0)?;
@@ -446,6 +466,7 @@ impl CudaModel {
                     v,
                     0.0,
                     Some(argmax),
+                    None,
                     on,
                 )
             }

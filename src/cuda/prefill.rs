@@ -756,7 +756,7 @@ impl CudaModel {
             let on = if aux { On::Aux } else { On::Prefill };
             if t <= GEMV_Q4_TOKENS {
                 let (x, y) = (Dev::new(x, t * k), Dev::new(y, (t - 1) * ldy + n));
-                return gemv_q4(g, q, n, k, Input::Bf16(x), t, y, ldy, beta, None, on);
+                return gemv_q4(g, q, n, k, Input::Bf16(x), t, y, ldy, beta, None, None, on);
             }
             let dq = if aux { &ws.dq_aux } else { &ws.dq };
             DequantQ4Bf16 {
@@ -1112,7 +1112,20 @@ impl CudaModel {
                 let m = (n - r0).min(GEMV_Q4_TOKENS);
                 let x = ws.xb.bf16().at(r0 * d);
                 let y = ws.logits.f32().at(r0 * v);
-                gemv_q4(g, w, v, d, Input::Bf16(x), m, y, v, 0.0, None, On::Prefill)?;
+                gemv_q4(
+                    g,
+                    w,
+                    v,
+                    d,
+                    Input::Bf16(x),
+                    m,
+                    y,
+                    v,
+                    0.0,
+                    None,
+                    None,
+                    On::Prefill,
+                )?;
             }
             return Ok(());
         }

@@ -260,15 +260,17 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
                                              int ldy, float beta, float* __restrict__ arg_val,
                                              int* __restrict__ arg_idx, unsigned* __restrict__ arg_done,
                                              int arg_limit, int* __restrict__ arg_out, int* __restrict__ arg_out2,
-                                             float* smem) {
+                                             const bf16* __restrict__ wb, int nb, float* smem) {
     DECODE_KERNEL(TAG_GEMV);
     constexpr int SPB = q4_strips(NV);
     const int nspan = k / q4_span(group), ldw = q4_ldw(m, k);
+    const int q4_blocks = (n / 16 + SPB - 1) / SPB;
+    const bool tail = (int)blockIdx.x >= q4_blocks;  // block-uniform: bf16 rows of wb
     int strip[SPB];
 #pragma unroll
     for (int sp = 0; sp < SPB; sp++) {
         const int st = (int)blockIdx.x * SPB + sp;
-        strip[sp] = st * 16 < n ? st : -1;
+        strip[sp] = !tail && st * 16 < n ? st : -1;
     }
     uint4 v[SPB][NV > 0 ? NV : 1];
     q4_load<NV, SPB>(v, w, strip, k);
@@ -282,6 +284,23 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
         const float* ws = preload_norm(smem + ldw, nw, k);
         griddep_wait();
         stage_rmsnorm(reinterpret_cast<uint4*>(xw), h, nw, k, eps, nullptr, ws);
+    }
+    if (tail) {
+        const int lane = threadIdx.x & 31, tr = ((int)blockIdx.x - q4_blocks) * 16 + (threadIdx.x >> 5) * 2;
+        const bf16* brows[2] = {tr < nb ? wb + (size_t)tr * k : nullptr, tr + 1 < nb ? wb + (size_t)(tr + 1) * k : nullptr};
+        for (int t = 0; t < m; t++) {
+            float acc[2];
+            dot_rows_any<2>(brows, reinterpret_cast<const uint4*>(xw + t * ldw), k, acc);
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const float a = warp_sum(acc[q]);
+                if (lane == q && tr + q < nb) {
+                    float* o = y + (size_t)t * ldy + n + tr + q;
+                    *o = beta == 0.0f ? a : beta * *o + a;
+                }
+            }
+        }
+        return;
     }
     q4_span_sums(xw, ldw, m, k, q4_span(group), xsum);
     TRACE_PHASE(0);  // the timeline's phases: input staged, dot products done
@@ -322,15 +341,16 @@ extern "C" __global__ void __launch_bounds__(256) gemv_q4(const uint4* __restric
                                                           float beta, float* __restrict__ arg_val,
                                                           int* __restrict__ arg_idx, unsigned* __restrict__ arg_done,
                                                           int arg_limit, int* __restrict__ arg_out,
-                                                          int* __restrict__ arg_out2) {
+                                                          int* __restrict__ arg_out2, const bf16* __restrict__ wb,
+                                                          int nb) {
     extern __shared__ float gemv_q4_xs[];
 #define GEMV_Q4_CASE(NV)                                                                                          \
     if (m <= 8)                                                                                                   \
         gemv_q4_impl<NV, 1>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, arg_val, arg_idx, arg_done,       \
-                            arg_limit, arg_out, arg_out2, gemv_q4_xs);                                            \
+                            arg_limit, arg_out, arg_out2, wb, nb, gemv_q4_xs);                                    \
     else                                                                                                          \
         gemv_q4_impl<NV, 2>(w, sb, group, n, k, x, h, nw, eps, m, y, ldy, beta, nullptr, nullptr, nullptr, 0,     \
-                            nullptr, nullptr, gemv_q4_xs)
+                            nullptr, nullptr, wb, nb, gemv_q4_xs)
     switch (k) {
         case 512: GEMV_Q4_CASE(1); break;
         case 2048: GEMV_Q4_CASE(4); break;

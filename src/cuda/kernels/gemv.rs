@@ -37,7 +37,7 @@ kernels! {
         w: Dev<U128>, sb: Dev<u32>, group: i32, n: i32, k: i32, x: Dev<bf16>, h: Dev<f32>,
         nw: Dev<f32>, eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32, arg_val: Dev<f32>,
         arg_idx: Dev<i32>, arg_done: Dev<u32>, arg_limit: i32, arg_out: Dev<i32>,
-        arg_out2: Dev<i32>,
+        arg_out2: Dev<i32>, wb: Dev<bf16>, nb: i32,
     }
 }
 
@@ -104,7 +104,8 @@ pub fn q4_smem(m: usize, k: usize, group: usize, norm: bool, red: usize) -> usiz
 
 /// `y [m, ldy] = beta · y + input · Wᵀ` for affine 4-bit `W [n, k]` ([`Q4`]): `input` the
 /// bf16 rows `[m, k]` (m <= [`GEMV_Q4_TOKENS`]), or a one-token RMSNorm input; with `argmax`
-/// (one token) also the greedy id over its rows.
+/// (one token) also the greedy id over its rows. `tail`: bf16 rows `[nb, k]` whose products go
+/// to rows `[n, n + nb)` of y in the same launch (GDN's b|a beside the 4-bit q|k|v|z).
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_q4(
     gpu: &Gpu,
@@ -117,14 +118,19 @@ pub fn gemv_q4(
     ldy: usize,
     beta: f32,
     argmax: Option<Argmax>,
+    tail: Option<(Dev<bf16>, usize)>,
     on: On,
 ) -> Result<()> {
+    let (wb, nb) = tail.unwrap_or((Dev::null(), 0));
     ensure!(
         w.holds(n, k)
             && (1..=GEMV_Q4_TOKENS).contains(&m)
-            && ldy >= n
-            && y.len >= (m - 1) * ldy + n,
-        "gemv_q4: W [{n}, {k}] group {} {:?} scales {:?}, {m} tokens, y {y:?} rows of {ldy}",
+            && ldy >= n + nb
+            && y.len >= (m - 1) * ldy + n + nb
+            && wb.len >= nb * k
+            && (nb == 0 || argmax.is_none()),
+        "gemv_q4: W [{n}, {k}] group {} {:?} scales {:?} (+ {nb} bf16 rows {wb:?}), {m} tokens, \
+         y {y:?} rows of {ldy}",
         w.group,
         w.q,
         w.sb
@@ -144,7 +150,8 @@ pub fn gemv_q4(
     };
     let spb = q4_strips(k);
     let smem = q4_smem(m, k, w.group, norm, 8 * 16 * m * spb);
-    let blocks = (n / 16).div_ceil(spb);
+    let q4_blocks = (n / 16).div_ceil(spb);
+    let blocks = q4_blocks + nb.div_ceil(16);
     let a = argmax.unwrap_or(Argmax {
         val: Dev::null(),
         idx: Dev::null(),
@@ -183,6 +190,8 @@ pub fn gemv_q4(
         arg_limit: a.limit.min(n) as i32,
         arg_out: a.out,
         arg_out2: a.out2,
+        wb,
+        nb: nb as i32,
     };
     gpu.run("gemv_q4", (blocks as u32, 1, 1), 256, smem, &p.args(), on)
 }
