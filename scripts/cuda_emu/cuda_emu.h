@@ -18,7 +18,7 @@
 // emu-provides: wgmma_m64n64k16_rs wgmma_m64n128k16_rs_tb
 // emu-provides: ld_acquire_gpu st_release_gpu spin_pause
 // emu-provides: mbar_arrive_expect_tx bulk_load cluster_arrive_release cluster_wait_acquire
-// emu-provides: bf16x2_minus128
+// emu-provides: q4_pair
 // emu-skips: fill_random_e4m3 (the synthetic FP8 weights; cvt.rn.satfinite.e4m3x2.f32 is not emulated)
 // emu-provides: e4m3x4_to_float4
 // (build.py drops these from the headers and the kernel files; everything else there compiles
@@ -674,15 +674,18 @@ inline float emu_e4m3(unsigned b) {
 inline float4 e4m3x4_to_float4(unsigned w) {
     return {emu_e4m3(w & 0xff), emu_e4m3((w >> 8) & 0xff), emu_e4m3((w >> 16) & 0xff), emu_e4m3(w >> 24)};
 }
-// fma.rn.bf16x2 a * 1 - 128 on both halves (exact for the inputs q4_frag makes).
-inline uint32_t bf16x2_minus128(uint32_t a) {
+// shr, lop3 (a & 0x000F000F | 0x43004300), fma.rn.bf16x2 x * 1 - 128: the codes at bits S and
+// S + 16 as a bf16 pair (exact).
+template <int S>
+inline uint32_t q4_pair(uint32_t w) {
     auto half = [](uint32_t h) {
         uint32_t u = h << 16;
         float f;
         memcpy(&f, &u, 4);
         return (uint32_t)__float2bfloat16(f - 128.0f).v;
     };
-    return half(a & 0xffff) | (half(a >> 16) << 16);
+    const uint32_t t = ((w >> S) & 0x000F000Fu) | 0x43004300u;
+    return half(t & 0xffff) | (half(t >> 16) << 16);
 }
 
 // cvt.rna.tf32.f32: keep 10 mantissa bits, round half away from zero (magnitude), NaN/inf kept.

@@ -640,6 +640,77 @@ static void sorted_q4_check(int d, int inter, int e, int rows, int group) {
            ok ? "ok  " : "FAIL", group, d, inter, e, rows, ea, ey);
 }
 
+// moe_grouped_q4 / moe_grouped_swiglu_q4 (the grouped MoE on 4-bit experts, prefill past the
+// few-row path) over a plan of tiles of up to 128 rows built here (an expert of 150 rows: a full
+// tile and a short one; runs of 5 and 17; an expert with none; the tile list padded past
+// num_tiles with junk the kernel must not read), gathered input for gate/up, against double
+// products of the dequantised weights: act within its bf16 rounding, y to 1e-6 of its scale.
+static void grouped_q4_check(int d, int inter, int group, const std::vector<int>& run) {
+    const int e = (int)run.size();
+    auto gu = make_q4(e * 2 * inter, d, group, rng, 1.0f / std::sqrt((float)d) / 5);
+    auto dn = make_q4(e * d, inter, group, rng, 1.0f / std::sqrt((float)inter) / 5);
+    std::vector<int> expert, te, tr, tn;
+    for (int x = 0; x < e; x++) {
+        for (int j = 0; j < run[x]; j += 128) {
+            te.push_back(x);
+            tr.push_back((int)expert.size() + j);
+            tn.push_back(std::min(128, run[x] - j));
+        }
+        for (int j = 0; j < run[x]; j++) expert.push_back(x);
+    }
+    const int rows = (int)expert.size(), tiles = (int)te.size(), max_tiles = tiles + 3;
+    std::vector<int> num_tiles(1, tiles);
+    for (int j = 0; j < 3; j++) te.push_back(999999), tr.push_back(-5), tn.push_back(1000);
+    const int tokens = rows / 2 + 1;
+    auto xb = rand_bf16((size_t)tokens * d, 1.0f), act_in = rand_bf16((size_t)rows * inter, 1.0f);
+    std::vector<int> gather(rows);
+    for (int r = 0; r < rows; r++) gather[r] = (int)(rng() % tokens);
+    std::vector<bf16> act((size_t)rows * inter, bf16{0x7fff});
+    std::vector<float> y((size_t)rows * d, NAN);
+    auto spb = [](bool swiglu, int kdim) { return swiglu ? 2 : q4_strips(kdim == 2048 ? 4 : kdim == 512 ? 1 : kdim == 4096 ? 8 : 0); };
+    emu_launch({(unsigned)max_tiles, (unsigned)(inter / 16), 1}, 256,
+               (size_t)q4_smem(16, d, group, false, 8 * 16 * 16 * spb(true, d)), [&] {
+        moe_grouped_swiglu_q4(xb.data(), gather.data(), gu.tiles.data(), gu.sb.data(), group, act.data(), te.data(),
+                              tr.data(), tn.data(), num_tiles.data(), inter, d);
+    });
+    const int sd = spb(false, inter);
+    emu_launch({(unsigned)max_tiles, (unsigned)((d / 16 + sd - 1) / sd), 1}, 256,
+               (size_t)q4_smem(16, inter, group, false, 8 * 16 * 16 * sd), [&] {
+        moe_grouped_q4(act_in.data(), nullptr, dn.tiles.data(), dn.sb.data(), group, y.data(), te.data(), tr.data(),
+                       tn.data(), num_tiles.data(), d, inter);
+    });
+    double ea = 0, ey = 0, ys = 0;
+    std::vector<double> yr((size_t)rows * d);
+    for (int r = 0; r < rows; r++) {
+        const size_t g0 = (size_t)expert[r] * 2 * inter;
+        for (int j = 0; j < inter; j++) {
+            double g = 0, u = 0;
+            for (int i = 0; i < d; i++) {
+                const double xv = f(xb[(size_t)gather[r] * d + i]);
+                g += gu.w(g0 + j, i) * xv;
+                u += gu.w(g0 + inter + j, i) * xv;
+            }
+            const double ref = g / (1.0 + std::exp(-g)) * u, got = f(act[(size_t)r * inter + j]);
+            const double e_ = std::fabs(got - ref) / (std::fabs(ref) * 0.00390625 + 1e-5);
+            if (!(e_ <= ea)) ea = e_;
+        }
+        for (int n = 0; n < d; n++) {
+            double a = 0;
+            for (int j = 0; j < inter; j++) a += dn.w((size_t)expert[r] * d + n, j) * f(act_in[(size_t)r * inter + j]);
+            yr[(size_t)r * d + n] = a;
+            ys = std::max(ys, std::fabs(a));
+        }
+    }
+    for (size_t i = 0; i < yr.size(); i++) {
+        const double e_ = std::fabs(y[i] - yr[i]) / ys;
+        if (!(e_ <= ey)) ey = e_;
+    }
+    const bool ok = ea <= 1.0 && ey <= 1e-6;
+    fails += !ok;
+    printf("%s moe_grouped q4 group %d d=%d i=%d E=%d rows=%d tiles=%d: swiglu act %.2f of its bound, down %.1e\n",
+           ok ? "ok  " : "FAIL", group, d, inter, e, rows, tiles, ea, ey);
+}
+
 // moe_plan alone over several warps of experts (the model's 256, and ragged counts), offsets
 // and cursor included, against plan_ok's sequential table.
 static void plan_check(int e, int tile_m) {
@@ -679,6 +750,8 @@ int main(int argc, char** argv) {
     sorted_q4_check(128, 128, 2, 21, 32);
     sorted_q4_check(2048, 512, 3, 20, 64);
     sorted_q4_check(2048, 512, 6, 9, 128);
+    grouped_q4_check(128, 128, 32, {20, 0, 9});
+    grouped_q4_check(2048, 512, 64, {150, 5, 0, 17});
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(k % 2 ? 12 : 21, e, k, k % 2 ? 36 : 64);

@@ -10,8 +10,10 @@ use super::kernels::attn_decode::{
 };
 use super::kernels::attn_prefill::AttnPrepRows;
 use super::kernels::gdn_decode::{GdnConvstepDec, GdnGatedNorm, GdnGates};
+use super::kernels::gemv::Q4;
 use super::kernels::gemv::{GEMV_FP8_TOKENS, GEMV_Q4_TOKENS, Input, gemv_fp8, gemv_q4};
 use super::kernels::misc::{DequantFp8Bf16, DequantQ4Bf16, EmbedGather};
+use super::kernels::moe_gemm::MoeGroupedQ4;
 use super::kernels::moe_route::{
     MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeGemvSortedFp8, MoeGemvSortedQ4, MoeRoute,
     MoeRouteSmall,
@@ -158,7 +160,8 @@ impl CudaModel {
         // the few-row path's plan has a tile a row
         let max_tiles = super::moe::max_tiles(t * k, e).max(moe_gemv_max_rows(format).min(t * k));
         // FP8 and 4-bit: the dequantised bf16 matrix of a dense product past the GEMVs' tokens
-        // (one for each stream), and a layer's experts where a call passes the few-row MoE path
+        // (one for each stream); FP8: a layer's experts where a call passes the few-row MoE path
+        // (4-bit experts run on their tiles there too: moe_grouped_q4)
         let fp8 = format == WeightFormat::Fp8;
         let int4 = format == WeightFormat::Int4;
         let dense_max = [
@@ -176,7 +179,7 @@ impl CudaModel {
         } else {
             0
         };
-        let dq_experts = if (fp8 || int4) && t * k > MOE_GEMV_MAX_ROWS_FP8 {
+        let dq_experts = if fp8 && t * k > MOE_GEMV_MAX_ROWS_FP8 {
             e * 3 * i * d
         } else {
             0
@@ -862,7 +865,8 @@ impl CudaModel {
         }
         let gemv_path = rows <= moe_gemv_max_rows(self.w.format);
         // y in bf16 from the grouped GEMM's tiles (16-byte rows of 8 features).
-        let y_bf16 = !gemv_path && d % 8 == 0;
+        let q4 = layer.gate_up.q4().zip(layer.down.q4());
+        let y_bf16 = !gemv_path && d % 8 == 0 && q4.is_none();
         let counts = ws.counts.i32();
         let plan = MoePlan {
             counts,
@@ -982,26 +986,33 @@ impl CudaModel {
                 ws.sorted_token.i32(),
                 ws.slot_row.i32(),
             )?;
-            // FP8 and 4-bit: the layer's experts dequantised to bf16 first (gate/up, then down)
-            let dq = ws.dq_experts.bf16();
-            let (w_gu, w_down) = match (layer.gate_up.q4(), layer.down.q4()) {
-                (Some(gu), Some(dn)) => {
-                    for (q, n, kk, out) in
-                        [(gu, e * 2 * i, d, dq), (dn, e * d, i, dq.at(e * 2 * i * d))]
-                    {
-                        DequantQ4Bf16 {
-                            q: q.q,
-                            sb: q.sb,
-                            group: q.group as i32,
-                            n: n as u64,
-                            k: kk as i32,
-                            out,
-                        }
-                        .launch(g, On::Prefill)?;
-                    }
-                    (dq, dq.at(e * 2 * i * d))
-                }
-                _ => match (layer.gate_up.fp8(), layer.down.fp8()) {
+            if let Some((gu, dn)) = q4 {
+                // 4-bit: the grouped products on the q4 tiles themselves
+                let tiles = super::moe::max_tiles(rows, e);
+                let grouped =
+                    |a: Dev<bf16>, gather: Dev<i32>, w: Q4, out: Untyped, nf, kdim| MoeGroupedQ4 {
+                        a,
+                        gather,
+                        w: w.q,
+                        sb: w.sb,
+                        group: w.group as i32,
+                        out,
+                        tile_expert: plan.tile_expert,
+                        tile_row: plan.tile_row,
+                        tile_rows: plan.tile_rows,
+                        num_tiles: plan.num_tiles,
+                        nf: nf as i32,
+                        kdim: kdim as i32,
+                    };
+                let sorted = ws.sorted_token.i32();
+                grouped(ws.xb.bf16(), sorted, gu, ws.act.bf16().into(), i, d)
+                    .launch(g, true, tiles, rows, e)?;
+                grouped(ws.act.bf16(), Dev::null(), dn, ws.y.f32().into(), d, i)
+                    .launch(g, false, tiles, rows, e)?;
+            } else {
+                // FP8: the layer's experts dequantised to bf16 first (gate/up, then down)
+                let dq = ws.dq_experts.bf16();
+                let (w_gu, w_down) = match (layer.gate_up.fp8(), layer.down.fp8()) {
                     (Some(gu), Some(dn)) => {
                         for (f, n, kk, out) in
                             [(gu, e * 2 * i, d, dq), (dn, e * d, i, dq.at(e * 2 * i * d))]
@@ -1021,31 +1032,31 @@ impl CudaModel {
                         layer.gate_up.bf16_buf("the grouped MoE")?.bf16(),
                         layer.down.bf16_buf("the grouped MoE")?.bf16(),
                     ),
-                },
-            };
-            let gate_up = Grouped {
-                a: ws.xb.bf16(),
-                gather: ws.sorted_token.i32(),
-                w: w_gu,
-                out: ws.act.bf16().into(),
-                ndim: 2 * i,
-                kdim: d,
-            };
-            g.moe_grouped(GroupedOut::SwiGlu, &plan, rows, e, &gate_up, false)?;
-            let down = Grouped {
-                a: ws.act.bf16(),
-                gather: Dev::null(),
-                w: w_down,
-                out: ws.y.f32().into(),
-                ndim: d,
-                kdim: i,
-            };
-            let out = if y_bf16 {
-                GroupedOut::Bf16
-            } else {
-                GroupedOut::F32
-            };
-            g.moe_grouped(out, &plan, rows, e, &down, false)?;
+                };
+                let gate_up = Grouped {
+                    a: ws.xb.bf16(),
+                    gather: ws.sorted_token.i32(),
+                    w: w_gu,
+                    out: ws.act.bf16().into(),
+                    ndim: 2 * i,
+                    kdim: d,
+                };
+                g.moe_grouped(GroupedOut::SwiGlu, &plan, rows, e, &gate_up, false)?;
+                let down = Grouped {
+                    a: ws.act.bf16(),
+                    gather: Dev::null(),
+                    w: w_down,
+                    out: ws.y.f32().into(),
+                    ndim: d,
+                    kdim: i,
+                };
+                let out = if y_bf16 {
+                    GroupedOut::Bf16
+                } else {
+                    GroupedOut::F32
+                };
+                g.moe_grouped(out, &plan, rows, e, &down, false)?;
+            }
         }
         g.join_aux()?;
         let slot_row = ws.slot_row.i32();

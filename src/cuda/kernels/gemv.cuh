@@ -346,13 +346,13 @@ __device__ __forceinline__ void block_gemv(const bf16* __restrict__ w, int n, in
 // subtraction but costs the sums ~20x of their f32 precision: 8.7e-6 against the emulator's
 // double reference where the exact codes give <= 1.2e-6.)
 
-// The A fragment of one k-step from its u32 of codes: bf16 pairs (q_lo, q_hi), made as 128 + q
-// by one mask-and-or (bf16 0x4300 is 128 with the mantissa's low bits worth 1), then - 128.
+// The A fragment of one k-step from its u32 of codes: bf16 pairs (q_lo, q_hi) (ptx.cuh's
+// q4_pair: a shift, one mask-and-or giving 128 + q, an exact - 128).
 __device__ __forceinline__ void q4_frag(unsigned w, unsigned (&a)[4]) {
-    a[0] = bf16x2_minus128((w & 0x000F000Fu) | 0x43004300u);
-    a[1] = bf16x2_minus128(((w >> 4) & 0x000F000Fu) | 0x43004300u);
-    a[2] = bf16x2_minus128(((w >> 8) & 0x000F000Fu) | 0x43004300u);
-    a[3] = bf16x2_minus128(((w >> 12) & 0x000F000Fu) | 0x43004300u);
+    a[0] = q4_pair<0>(w);
+    a[1] = q4_pair<4>(w);
+    a[2] = q4_pair<8>(w);
+    a[3] = q4_pair<12>(w);
 }
 
 // Columns a span (the unit of scale application): 64, or 32 at group 32.

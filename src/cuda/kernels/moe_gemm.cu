@@ -323,3 +323,85 @@ __device__ __forceinline__ void moe_gemm6_impl(const bf16* __restrict__ a, const
 MOE_GEMM6(moe_gemm6_m128, false, false)
 MOE_GEMM6(moe_gemm6_m128_bf16, false, true)
 MOE_GEMM6(moe_gemm6_swiglu_m128, true, false)
+
+// The grouped MoE of affine 4-bit experts (q4 tiles, gemv.cuh), prefill calls past the few-row
+// path, on the tensor cores without a bf16 copy of the experts: over moe_plan's tiles (tile:
+// expert tile_expert, sorted rows tile_row .. + tile_rows, at most 128), a block takes SPB strips
+// of 16 features of its tile's expert, holds their codes for its warp's units in registers
+// (q4_load, once) and takes the tile's rows 16 at a time: staged (gathered), span sums, q4_dot
+// with the rows as two 8-token mma columns, written. SWIGLU: w [E, 2 nf, kdim] (the gate and up
+// strips of 16 features), out bf16 act [rows, nf] = bf16(SiLU(g) * u); else w [E, nf, kdim],
+// q4_strips(kdim / 512) strips a block, out f32 y [rows, nf]. Input of sorted row r: a[gather[r]]
+// (gather null: a[r]), bf16 [*, kdim]. nf % 16 == 0, kdim % 64 == 0.
+// grid (max tiles, ceil(nf / (16 (SWIGLU ? 1 : SPB)))), block 256, smem q4_smem(16, kdim,
+// group, false, 8 * 16 * 16 * SPB) bytes.
+#define MOE_Q4_CHUNK 16
+template <int NV, bool SWIGLU>
+__device__ __forceinline__ void moe_grouped_q4_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                                    const uint4* __restrict__ w, const unsigned* __restrict__ sb,
+                                                    int group, void* __restrict__ out,
+                                                    const int* __restrict__ tile_expert,
+                                                    const int* __restrict__ tile_row,
+                                                    const int* __restrict__ tile_rows,
+                                                    const int* __restrict__ num_tiles, int nf, int kdim, float* smem) {
+    constexpr int SPB = SWIGLU ? 2 : q4_strips(NV);
+    griddep_wait_plain();
+    griddep_launch();
+    const int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    const int ex = tile_expert[tile], row0 = tile_row[tile], nrows = tile_rows[tile];
+    const int per = (SWIGLU ? 2 : 1) * nf, base = ex * per;  // the expert's first weight row
+    int strip[SPB];
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++) {
+        const int f = SWIGLU ? blockIdx.y * 16 + sp * nf : (blockIdx.y * SPB + sp) * 16;
+        strip[sp] = (SWIGLU ? blockIdx.y * 16 < nf : f < nf) ? (base + f) / 16 : -1;
+    }
+    uint4 v[SPB][NV > 0 ? NV : 1];
+    q4_load<NV, SPB>(v, w, strip, kdim);
+    const int nspan = kdim / q4_span(group);
+    for (int c0 = 0; c0 < nrows; c0 += MOE_Q4_CHUNK) {
+        const int m = nrows - c0 < MOE_Q4_CHUNK ? nrows - c0 : MOE_Q4_CHUNK, r0 = row0 + c0;
+        const int ldw = q4_ldw(m, kdim);
+        unsigned* xw = reinterpret_cast<unsigned*>(smem);
+        float* xsum = smem + m * ldw;
+        float* red = xsum + m * nspan;
+        if (c0) __syncthreads();  // the previous chunk's partial sums are read
+        q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r0 * kdim, gather ? gather + r0 : nullptr, m, kdim);
+        q4_span_sums(xw, ldw, m, kdim, q4_span(group), xsum);
+        q4_dot<NV, 2, SPB>(v, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
+        if (SWIGLU) {
+            for (int o = threadIdx.x; o < m * 16; o += blockDim.x) {
+                const int t = o >> 4, j = blockIdx.y * 16 + (o & 15);
+                if (strip[0] < 0 || j >= nf) continue;
+                const float gs = q4_red_sum<SPB>(red, 0, m, t, o & 15), us = q4_red_sum<SPB>(red, 1, m, t, o & 15);
+                reinterpret_cast<bf16*>(out)[(size_t)(r0 + t) * nf + j] = __float2bfloat16(silu_f(gs) * us);
+            }
+        } else {
+            for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {
+                const int sp = o / (m * 16), t = (o >> 4) % m, f = (blockIdx.y * SPB + sp) * 16 + (o & 15);
+                if (strip[sp] < 0) continue;
+                reinterpret_cast<float*>(out)[(size_t)(r0 + t) * nf + f] = q4_red_sum<SPB>(red, sp, m, t, o & 15);
+            }
+        }
+    }
+}
+#define MOE_GROUPED_Q4(NAME, SWIGLU)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                          \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const uint4* __restrict__ w,                     \
+        const unsigned* __restrict__ sb, int group, void* __restrict__ out, const int* __restrict__ tile_expert,    \
+        const int* __restrict__ tile_row, const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,     \
+        int nf, int kdim) {                                                                                          \
+        extern __shared__ float moe_grouped_q4_xs[];                                                                 \
+        if (kdim == 2048)                                                                                            \
+            moe_grouped_q4_impl<4, SWIGLU>(a, gather, w, sb, group, out, tile_expert, tile_row, tile_rows, num_tiles, \
+                                           nf, kdim, moe_grouped_q4_xs);                                             \
+        else if (kdim == 512)                                                                                        \
+            moe_grouped_q4_impl<1, SWIGLU>(a, gather, w, sb, group, out, tile_expert, tile_row, tile_rows, num_tiles, \
+                                           nf, kdim, moe_grouped_q4_xs);                                             \
+        else                                                                                                         \
+            moe_grouped_q4_impl<0, SWIGLU>(a, gather, w, sb, group, out, tile_expert, tile_row, tile_rows, num_tiles, \
+                                           nf, kdim, moe_grouped_q4_xs);                                             \
+    }
+MOE_GROUPED_Q4(moe_grouped_q4, false)
+MOE_GROUPED_Q4(moe_grouped_swiglu_q4, true)

@@ -2,9 +2,11 @@
 //! two consumer warpgroups fed by a producer warpgroup through four mbarrier-guarded stages,
 //! persistent: a block an SM claiming (tile, column block) items from a counter). `_m128`: f32
 //! out; `_m128_bf16`: bf16 out (the down product's y); `_swiglu_m128`: gate/up with the SwiGLU
-//! fused, bf16 act out.
+//! fused, bf16 act out. `moe_grouped(_swiglu)_q4`: the same products over the same plan for
+//! affine 4-bit experts (q4 tiles on `mma.sync`, the codes held in registers across a tile's
+//! rows, no bf16 copy of the experts).
 
-use super::{Dev, On, Untyped, kernels};
+use super::{Dev, On, U128, Untyped, kernels};
 use crate::cuda::Gpu;
 use anyhow::{Result, bail};
 use half::bf16;
@@ -18,6 +20,76 @@ kernels! {
         tile_row: Dev<i32>, tile_rows: Dev<i32>, num_tiles: Dev<i32>, ndim: i32, kdim: i32,
         nblk: i32, claim: Dev<i32>,
     }
+    /// The grouped products for affine 4-bit experts ([`crate::cuda::kernels::gemv::Q4`]
+    /// tiles and pairs): `out[row] = A[gather[row] or row] · W_x[n]ᵀ` (f32), or with the
+    /// SwiGLU fused, bf16 act.
+    MoeGroupedQ4 ["moe_grouped_q4", "moe_grouped_swiglu_q4"] {
+        a: Dev<bf16>, gather: Dev<i32>, w: Dev<U128>, sb: Dev<u32>, group: i32, out: Untyped,
+        tile_expert: Dev<i32>, tile_row: Dev<i32>, tile_rows: Dev<i32>, num_tiles: Dev<i32>,
+        nf: i32, kdim: i32,
+    }
+}
+
+/// Rows of a tile `moe_grouped_q4` takes at a time (moe_gemm.cu's MOE_Q4_CHUNK).
+const Q4_CHUNK: usize = 16;
+
+/// Strips of 16 features a `moe_grouped_q4` block takes.
+fn q4_strips(swiglu: bool, kdim: usize) -> usize {
+    if swiglu {
+        2
+    } else {
+        super::gemv::q4_strips(kdim)
+    }
+}
+
+/// Dynamic shared memory of `moe_grouped(_swiglu)_q4` for inner dimension `kdim`.
+pub fn grouped_q4_smem(swiglu: bool, kdim: usize, group: usize) -> usize {
+    let spb = q4_strips(swiglu, kdim);
+    super::gemv::q4_smem(Q4_CHUNK, kdim, group, false, 8 * 16 * Q4_CHUNK * spb)
+}
+
+impl MoeGroupedQ4 {
+    /// Over at most `tiles` plan tiles of `experts` experts' weights (`rows` sorted rows): a
+    /// block a tile and strips of 16 features.
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        swiglu: bool,
+        tiles: usize,
+        rows: usize,
+        experts: usize,
+    ) -> Result<()> {
+        let (nf, kdim, group) = (self.nf as usize, self.kdim as usize, self.group as usize);
+        let wrows = if swiglu { 2 * nf } else { nf };
+        if !(kdim.is_multiple_of(64)
+            && nf.is_multiple_of(16)
+            && matches!(group, 32 | 64 | 128)
+            && kdim.is_multiple_of(group)
+            && self.w.len * 32 >= experts * wrows * kdim
+            && self.sb.len >= experts * wrows * (kdim / group)
+            && self.tile_expert.len >= tiles
+            && (self.gather.is_null() || self.gather.len >= rows))
+        {
+            bail!(
+                "moe_grouped_q4: {rows} rows ({tiles} tiles) over {experts} experts of {wrows} x \
+                 {kdim} (group {group}): w {:?}, scales {:?}, gather {:?}",
+                self.w,
+                self.sb,
+                self.gather
+            );
+        }
+        let spb = q4_strips(swiglu, kdim);
+        let grid = (tiles as u32, (nf / 16).div_ceil(spb) as u32, 1);
+        let smem = grouped_q4_smem(swiglu, kdim, group);
+        gpu.run(
+            Self::NAMES[swiglu as usize],
+            grid,
+            256,
+            smem,
+            &self.args(),
+            On::Prefill,
+        )
+    }
 }
 
 /// Threads of `moe_gemm6`: a producer and two consumer warpgroups.
@@ -28,7 +100,15 @@ const THREADS: u32 = 384;
 pub const SMEM: usize = 4 * (128 + 256) * 64 * 2 + 2 * 4 * 8 + 48;
 
 pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
-    MoeGemm6::NAMES.iter().map(|&n| (n, SMEM)).collect()
+    let mut v: Vec<(&'static str, usize)> = MoeGemm6::NAMES.iter().map(|&n| (n, SMEM)).collect();
+    // the most any 4-bit shape takes: k 4,096, groups of 32
+    for (swiglu, name) in [
+        (false, MoeGroupedQ4::NAMES[0]),
+        (true, MoeGroupedQ4::NAMES[1]),
+    ] {
+        v.push((name, grouped_q4_smem(swiglu, 4096, 32)));
+    }
+    v
 }
 
 impl MoeGemm6 {
