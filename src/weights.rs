@@ -1359,12 +1359,13 @@ impl ModelWeights {
     }
 
     /// The GPU's weight format for these weights: FP8 where any matrix is FP8, 4-bit where
-    /// any is affine, else bf16.
+    /// any is 4-bit affine, else bf16 (8-bit affine ones are dequantised to bf16 on the GPU).
     pub fn weight_format(&self) -> crate::config::WeightFormat {
         use crate::config::WeightFormat;
+        let (q, k) = self.matrices_by_role();
         if self.is_fp8() {
             WeightFormat::Fp8
-        } else if self.is_affine() {
+        } else if q.iter().chain(&k).any(|m| m.dtype == DType::U4) {
             WeightFormat::Int4
         } else {
             WeightFormat::Bf16

@@ -326,14 +326,15 @@ fn cuda_rejects_bad_tokens_and_overflow() {
 /// at 4 layers (3 GDN, 1 attention), seeded weights made on the device: the decode kernels'
 /// full-shape paths (which the tiny fixtures do not reach) are deterministic and race-free.
 /// Two graph + PDL runs of a 200-token prompt and 64 greedy steps give bitwise-equal logits,
-/// and so do direct launches without PDL. A kernel reading data before its griddep_wait that
+/// and so do direct launches without PDL; in bf16, FP8 and 4-bit (whose 1,600 routed rows take
+/// the grouped 4-bit MoE), the device's fused greedy pick is the host's argmax. A kernel reading data before its griddep_wait that
 /// an earlier kernel of the step writes makes these differ (the bench's round check caught
 /// such a race in moe_down_dec; the tiny fixtures did not).
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn full_width_decode_is_deterministic_with_graph_and_pdl() {
     let Some(gpu) = gpu() else { return };
-    for format in [WeightFormat::Bf16, WeightFormat::Fp8] {
+    for format in [WeightFormat::Bf16, WeightFormat::Fp8, WeightFormat::Int4] {
         full_width_determinism(&gpu, format);
     }
 }
@@ -346,6 +347,20 @@ fn full_width_determinism(gpu: &Arc<Gpu>, format: WeightFormat) {
     assert_eq!(cfg.num_attention_layers(), 1, "{:?}", cfg.layer_kinds);
     let mut cuda = CudaModel::synthetic(gpu.clone(), cfg.clone(), format, 7, 512, 512).unwrap();
     let prompt: Vec<u32> = kestrel::bench::prompt(200, 248_077);
+    // the fused greedy pick (lm_head's argmax on the device) is the host's argmax of the logits
+    {
+        let mut st = cuda.new_state().unwrap();
+        let first = cuda.forward(&mut st, &prompt, Logits::Last).unwrap();
+        let mut st2 = cuda.new_state().unwrap();
+        let next = cuda
+            .forward_greedy(&mut st2, &prompt, cfg.vocab_size)
+            .unwrap();
+        assert_eq!(
+            next as usize,
+            argmax(&first).unwrap(),
+            "{format:?}: greedy pick"
+        );
+    }
     let convstep = cuda.gdn_convstep;
     let mut run = |graph: bool, ids: Option<&[u32]>, fused_conv_step: bool| {
         cuda.decode_graph = graph;

@@ -605,7 +605,7 @@ impl CudaModel {
                 h: dw.h.f32(),
                 d,
             }
-            .launch(g, on);
+            .launch(g, c.num_experts, on);
         }
         let bf16 = |w: &Wt| w.bf16_buf("the decode MoE").map(|b| b.bf16());
         MoeGateUpDec {

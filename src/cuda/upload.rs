@@ -135,11 +135,56 @@ impl Source<'_> {
     }
 }
 
-/// The GPU runs bf16, FP8 and affine 4-bit checkpoints; GPTQ's act-order (a column to group
-/// map) is refused before anything is allocated: its groups are not runs of columns, which
-/// the q4 tiles need.
+/// The GPU runs bf16, FP8 and affine 4-bit checkpoints. Refused before anything is allocated:
+/// GPTQ's act-order (a column to group map: its groups are not runs of columns, which the q4
+/// tiles need), 4-bit matrices the tiles cannot hold (groups other than 32, 64, 128; rows not
+/// whole 16-row strips; columns not a multiple of 64), and a layer whose experts (routed and
+/// shared) are not all 4-bit with one group or all not (the MoE kernels take one format).
 pub(super) fn ensure_gpu_format(w: &ModelWeights) -> Result<()> {
+    let fits = |m: &Mat| {
+        m.affine.as_ref().is_some_and(|a| {
+            matches!(a.group, 32 | 64 | 128)
+                && m.rows.is_multiple_of(16)
+                && m.cols.is_multiple_of(64)
+                && m.cols.is_multiple_of(a.group)
+        })
+    };
+    for (l, layer) in w.layers.iter().enumerate() {
+        let moe = &layer.moe;
+        let experts: Vec<&Mat> = moe
+            .experts
+            .iter()
+            .chain([&moe.shared])
+            .flat_map(|e| [&e.gate, &e.up, &e.down])
+            .collect();
+        let four: Vec<bool> = experts.iter().map(|m| m.dtype == DType::U4).collect();
+        let groups: Vec<usize> = experts
+            .iter()
+            .filter_map(|m| m.affine.as_ref().map(|a| a.group))
+            .collect();
+        if four.iter().any(|&b| b)
+            && (four.iter().any(|&b| !b) || groups.windows(2).any(|g| g[0] != g[1]))
+        {
+            bail!(
+                "layer {l}: the routed and shared experts mix 4-bit and other formats or group \
+                 sizes; the GPU's MoE kernels take every expert of a layer in one format (run it \
+                 on `--device cpu`)"
+            );
+        }
+    }
     let (q, k) = w.matrices_by_role();
+    for m in q.iter().chain([&&w.lm_head]) {
+        if m.dtype == DType::U4 && !fits(m) {
+            bail!(
+                "a 4-bit matrix of {} x {} with groups of {} does not fit the GPU's 4-bit tiles \
+                 (groups of 32, 64 or 128 columns, rows in whole 16-row strips, columns a \
+                 multiple of 64); run it on `--device cpu`",
+                m.rows,
+                m.cols,
+                m.affine.as_ref().map_or(0, |a| a.group)
+            );
+        }
+    }
     if q.iter()
         .chain(&k)
         .any(|m| m.affine.as_ref().is_some_and(|a| a.col_group.is_some()))
@@ -614,12 +659,14 @@ impl Weights {
 mod tests {
     use super::*;
 
-    /// 4-bit weights go to the GPU; GPTQ act-order (a column to group map) is refused with
-    /// a clear error before anything is allocated.
+    /// 4-bit weights go to the GPU; refused with a clear error before anything is allocated:
+    /// a layer mixing 4-bit and other experts, a group the tiles do not take, GPTQ act-order.
     #[test]
-    fn act_order_is_refused_and_other_4_bit_weights_pass() {
+    fn what_the_4_bit_tiles_cannot_hold_is_refused_and_the_rest_passes() {
         let cfg = TextConfig {
             vocab_size: 64,
+            moe_intermediate: 64,
+            shared_intermediate: 64,
             ..crate::synthetic::demo_config()
         };
         let mut w = crate::synthetic::random_weights(&cfg, 1, DType::BF16);
@@ -627,10 +674,41 @@ mod tests {
         let mut fp8 = crate::synthetic::random_weights(&cfg, 1, DType::BF16);
         fp8.quantize_fp8(&crate::config::Fp8Quant::block_128());
         ensure_gpu_format(&fp8).unwrap();
-        let m = &mut w.layers[0].moe.shared.gate;
-        *m = crate::tensor::Mat::quantize_affine(&m.to_f32(), m.rows, m.cols, 4, 64);
+        let q4 = |m: &mut Mat, group: usize| {
+            *m = crate::tensor::Mat::quantize_affine(&m.to_f32(), m.rows, m.cols, 4, group);
+        };
+        // one expert matrix of a layer 4-bit, the others not: the MoE kernels take one format
+        q4(&mut w.layers[0].moe.shared.gate, 64);
+        let e = ensure_gpu_format(&w).unwrap_err().to_string();
+        assert!(
+            e.contains("layer 0: the routed and shared experts mix"),
+            "{e}"
+        );
+        let moe = &mut w.layers[0].moe;
+        for x in moe.experts.iter_mut().chain([&mut moe.shared]) {
+            for m in [&mut x.gate, &mut x.up, &mut x.down] {
+                if m.dtype != DType::U4 {
+                    q4(m, 64);
+                }
+            }
+        }
         ensure_gpu_format(&w).unwrap();
         assert_eq!(w.weight_format(), WeightFormat::Int4);
+        // a group the tiles do not take
+        let o = &mut w.layers[1].mixer;
+        if let crate::weights::Mixer::Gdn(g) = o {
+            q4(&mut g.out, 16);
+        } else if let crate::weights::Mixer::Attention(a) = o {
+            q4(&mut a.o, 16);
+        }
+        let e = ensure_gpu_format(&w).unwrap_err().to_string();
+        assert!(e.contains("with groups of 16 does not fit"), "{e}");
+        if let crate::weights::Mixer::Gdn(g) = &mut w.layers[1].mixer {
+            q4(&mut g.out, 64);
+        } else if let crate::weights::Mixer::Attention(a) = &mut w.layers[1].mixer {
+            q4(&mut a.o, 64);
+        }
+        ensure_gpu_format(&w).unwrap();
         let g = &mut w.layers[0].moe.shared.gate;
         let cols = g.cols as u32;
         let a = g.affine.as_mut().unwrap();
@@ -640,6 +718,27 @@ mod tests {
             e.contains("GPTQ act-order") && e.contains("issue 39"),
             "{e}"
         );
+    }
+
+    /// Every 4-bit fixture (MLX, GPTQ, AWQ, compressed-tensors) passes the GPU's checks and
+    /// packs into q4 tiles, matrix by matrix, as the GPU tests will load them.
+    #[test]
+    fn the_4_bit_fixtures_fit_the_gpu_tiles() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        for name in ["tiny-mlx-4bit", "tiny-gptq", "tiny-awq", "tiny-ct"] {
+            let m = crate::model::CpuModel::load(&root.join(name)).unwrap();
+            assert_eq!(m.weights.weight_format(), WeightFormat::Int4, "{name}");
+            ensure_gpu_format(&m.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let (q, _) = m.weights.matrices_by_role();
+            let packed = q
+                .iter()
+                .chain([&&m.weights.lm_head])
+                .filter(|x| x.dtype == DType::U4)
+                .map(|x| q4_tiles(&[x], name).map(|_| ()))
+                .collect::<Result<Vec<_>>>()
+                .unwrap();
+            assert!(!packed.is_empty(), "{name}: no 4-bit matrix");
+        }
     }
 
     /// The q4 tiles put every code where gemv.cuh's layout says (read back here by that

@@ -244,6 +244,7 @@ pub(super) fn dynamic_smem(max_smem: usize) -> Vec<(&'static str, usize)> {
     v.extend(attn_prefill::dynamic_smem());
     v.extend(attn_decode::dynamic_smem());
     v.extend(moe_gemm::dynamic_smem());
+    v.extend(moe_route::dynamic_smem());
     v.extend(gemv::dynamic_smem());
     v.extend(gdn_chunk::dynamic_smem(max_smem));
     v.extend(gdn_state::dynamic_smem(max_smem));

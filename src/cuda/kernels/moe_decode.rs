@@ -122,7 +122,8 @@ impl MoeGateUpDecQ4 {
 }
 
 impl MoeDownDecQ4 {
-    pub fn launch(&self, gpu: &Gpu, on: On) -> Result<()> {
+    /// Over `experts` routed experts' down stacks.
+    pub fn launch(&self, gpu: &Gpu, experts: usize, on: On) -> Result<()> {
         let (d, k) = (self.d as usize, self.k as usize);
         let (i, is, group) = (
             self.inter as usize,
@@ -132,10 +133,13 @@ impl MoeDownDecQ4 {
         q4_moe_shape("moe_down_dec_q4", d, i, is, group)?;
         ensure!(
             self.h.len >= d
+                && self.down.len * 32 >= experts * d * i
+                && self.down_sb.len >= experts * d * (i / group)
                 && self.shared_down.len * 32 >= d * is
                 && self.sd_sb.len >= d * (is / group),
-            "moe_down_dec_q4: h {:?}, shared_down {:?}",
+            "moe_down_dec_q4: h {:?}, down {:?} for {experts} experts, shared_down {:?}",
             self.h,
+            self.down,
             self.shared_down
         );
         let grid = ((d / 16) as u32, 1, 1);

@@ -265,6 +265,19 @@ impl MoeGemvSortedFp8 {
     }
 }
 
+/// Dynamic shared memory the few-row 4-bit MoE may take (inner dimensions up to 4,096, groups
+/// of 32: more than the default 48 KB there).
+pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
+    let most = |swiglu: bool| {
+        let spb = if swiglu { 2 } else { 1 };
+        super::gemv::q4_smem(8, 4096, 32, false, 8 * 8 * 16 * spb)
+    };
+    vec![
+        (MoeGemvSortedQ4::NAMES[0], most(false)),
+        (MoeGemvSortedQ4::NAMES[1], most(true)),
+    ]
+}
+
 impl MoeGemvSortedQ4 {
     /// Over the `rows` sorted rows (`self.rows`) of `experts` experts' weights: a block a
     /// sorted row (those that lead no tile of 8 return at once) and strips of 16 features.

@@ -43,15 +43,16 @@ __device__ __forceinline__ float4 e4m3x4_to_float4(unsigned w) {
 // ---- Affine 4-bit weights ----
 // One register pair of a q4 A fragment (gemv.cuh's q4_frag): the nibbles at bits S and S + 16 of
 // w as a bf16 pair of the codes q, exactly: (w >> S) & 0x000F000F | 0x43004300 is bf16 128 + q
-// (0x4300 is 128 with the mantissa's low bits worth 1), then fma.rn.bf16x2 x * 1 - 128. One asm
-// statement: the grouped 4-bit MoE reuses a block's codes for every 16 rows of its tile and
-// converts them again each time; written as C shifts and masks, ptxas hoisted 4x the registers
-// of shifted words out of its row loop (218 registers a thread; 122 so). gemv_q4 holds 106 so
-// against 80 the C way (two blocks an SM instead of three at k = 2,048).
+// (0x4300 is 128 with the mantissa's low bits worth 1), then fma.rn.bf16x2 x * 1 - 128. One
+// volatile asm statement: the grouped 4-bit MoE reuses a block's codes for every 16 rows of its
+// tile and converts them again each time; written as C shifts and masks, ptxas hoisted 4x the
+// registers of shifted words out of its row loop (218 registers a thread; 122 so), and volatile
+// keeps the compiler from hoisting the statement itself. gemv_q4 holds 106 so against 80 the C
+// way (two blocks an SM instead of three at k = 2,048).
 template <int S>
 __device__ __forceinline__ unsigned q4_pair(unsigned w) {
     unsigned r;
-    asm("{\n.reg .b32 t;\nshr.b32 t, %1, %6;\nlop3.b32 t, t, %2, %3, 0xEA;\nfma.rn.bf16x2 %0, t, %4, %5;\n}\n"
+    asm volatile("{\n.reg .b32 t;\nshr.b32 t, %1, %6;\nlop3.b32 t, t, %2, %3, 0xEA;\nfma.rn.bf16x2 %0, t, %4, %5;\n}\n"
                  : "=r"(r)
                  : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u), "r"(0x3F803F80u), "r"(0xC300C300u), "n"(S));
     return r;
