@@ -6,7 +6,7 @@
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
-#          [serveload-long]
+#          [serveload-long] [structmask]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
 #   runs bench, concurrency, profile, kernels and abbin on the synthetic FP8 weights)
 #   abbin: the bench of other builds of kestrel (comma-separated, e.g. an older commit's,
@@ -23,6 +23,11 @@
 #   flight, sampled ones (the server's defaults) at 8 and 64, open-loop arrivals at 4 and 16 a
 #   second; then a --max-seq 32768 server given 256 requests at once (admitted or queued, none
 #   failing). $OUT/serveload*.json / .log.
+#   structmask: the structured-output mask's cost a token (issue 41, PERFORMANCE.md table 16):
+#   `kestrel serve --device cuda --synthetic full --max-seq 4096` at RUST_LOG=kestrel=info,
+#   scripts/struct_mask.py's batch-1 streaming requests, plain and json_schema at temperature
+#   0 and 1, twice: ITL per kind into $OUT/structmask.log / .json, the server's per-reply mask
+#   compute and wait lines after them.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 set -uo pipefail
@@ -122,6 +127,17 @@ while [ $# -gt 0 ]; do
           --requests 8 --long-prompt-words 30000 --json "$OUT/serveload-long-$per.json" 2>&1 | tee -a "$OUT/serveload-long.log" || status=1
         kill %1; wait
       done ;;
+    structmask)
+      RUST_LOG=kestrel=info .device/bin/kestrel serve --device cuda --synthetic full --bind 127.0.0.1:8126 \
+        --max-seq 4096 > "$OUT/serve-structmask.log" 2>&1 &
+      for _ in $(seq 300); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8126/health', timeout=2)" 2> /dev/null && break
+        sleep 1
+      done
+      python3 scripts/struct_mask.py --url http://127.0.0.1:8126 --json "$OUT/structmask.json" 2>&1 \
+        | tee "$OUT/structmask.log" || status=1
+      kill %1; wait
+      grep -h "structured output:" "$OUT/serve-structmask.log" | tee -a "$OUT/structmask.log" ;;
     profile)
       shift
       # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.
