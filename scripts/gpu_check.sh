@@ -6,7 +6,7 @@
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
-#          [serveload-long] [longctx [LENGTHS]] [formats CONTEXTS]
+#          [serveload-long] [longctx [LENGTHS]] [formats CONTEXTS] [structmask]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
 #   runs bench, concurrency, profile, kernels and abbin on the synthetic FP8 weights, =full-int4
 #   on the 4-bit ones)
@@ -25,6 +25,11 @@
 #   flight, sampled ones (the server's defaults) at 8 and 64, open-loop arrivals at 4 and 16 a
 #   second; then a --max-seq 32768 server given 256 requests at once (admitted or queued, none
 #   failing). $OUT/serveload*.json / .log.
+#   structmask: the structured-output mask's cost a token (issue 41, PERFORMANCE.md table 16):
+#   `kestrel serve --device cuda --synthetic full --max-seq 4096` at RUST_LOG=kestrel=info,
+#   scripts/struct_mask.py's batch-1 streaming requests, plain and json_schema at temperature
+#   0 and 1, twice: ITL per kind into $OUT/structmask.log / .json, the server's per-reply mask
+#   compute and wait lines after them.
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 #   longctx [LENGTHS]: issue 43's production-shape long-context check. scripts/longctx_check.py
@@ -69,8 +74,8 @@ while [ $# -gt 0 ]; do
       for t in .device/bin/test-*; do
         case $t in *-broken-*) continue ;; esac  # longctx's deliberately broken builds
         echo "== $t"
-        # The GPU tests are #[ignore]d (so a machine without a GPU reports them ignored,
-        # not passed): include them here.
+        # The GPU tests are ignored unless asked for (their harness, tests/common gpu_main,
+        # reports them ignored with the reason where no usable GPU exists): include them.
         "$t" --include-ignored --test-threads=1 --nocapture 2>&1 | tee -a "$OUT/tests.log" || status=1
       done ;;
     fullwidth)
@@ -146,6 +151,17 @@ while [ $# -gt 0 ]; do
           --requests 8 --long-prompt-words 30000 --json "$OUT/serveload-long-$per.json" 2>&1 | tee -a "$OUT/serveload-long.log" || status=1
         kill %1; wait
       done ;;
+    structmask)
+      RUST_LOG=kestrel=info .device/bin/kestrel serve --device cuda --synthetic full --bind 127.0.0.1:8126 \
+        --max-seq 4096 > "$OUT/serve-structmask.log" 2>&1 &
+      for _ in $(seq 300); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8126/health', timeout=2)" 2> /dev/null && break
+        sleep 1
+      done
+      python3 scripts/struct_mask.py --url http://127.0.0.1:8126 --json "$OUT/structmask.json" 2>&1 \
+        | tee "$OUT/structmask.log" || status=1
+      kill %1; wait
+      grep -h "structured output:" "$OUT/serve-structmask.log" | tee -a "$OUT/structmask.log" ;;
     profile)
       shift
       # CUDA-event time per op and grid (KESTREL_PROFILE=1), prefill and decode of one context.

@@ -292,6 +292,8 @@ pub struct DecodeLoop {
     tools: Option<crate::grammar::ToolGate>,
     /// What the masks the ids were picked under cost.
     pub mask_cost: crate::grammar::MaskCost,
+    /// Whether the constraint already has `device_next` ([`Self::set_drawn`]).
+    committed: bool,
     /// Ids a speculative step chose, not picked yet, each with the target's logits at its
     /// position.
     spec_queue: std::collections::VecDeque<(u32, Vec<f32>)>,
@@ -318,6 +320,7 @@ impl DecodeLoop {
             guide: None,
             tools: None,
             mask_cost: Default::default(),
+            committed: false,
             spec_queue: Default::default(),
             ahead: 0,
             held: 0,
@@ -445,8 +448,9 @@ impl DecodeLoop {
     }
 
     /// The mask the next id is picked under, if the constraint applies to it: outside the
-    /// thinking block and with no forced id due. Valid after [`pick`](Self::pick) (for the
-    /// draw that chooses the id after the one picked) and before it.
+    /// thinking block and with no forced id due. Valid after [`pick`](Self::pick), for the
+    /// draw that chooses the id after the one picked (before the pick of an engine's id
+    /// the constraint already took, it is the mask after that id).
     pub fn next_mask(&self) -> Option<&crate::grammar::PendingMask> {
         if self.thinking || !self.forced.is_empty() {
             return None;
@@ -511,14 +515,55 @@ impl DecodeLoop {
     /// forward itself (the server's batched step).
     pub fn set_next(&mut self, id: u32) {
         self.logits.clear();
-        self.device_next = Some(id);
+        self.take_device_id(id);
     }
 
     /// What a batched step's draw gives (the server's): the next id, chosen on the device from
     /// the sampler's uniform, and the logits where they were asked for.
     pub fn set_drawn(&mut self, id: u32, logits: Option<Vec<f32>>) {
         self.logits = logits.unwrap_or_default();
+        self.take_device_id(id);
+    }
+
+    /// Whether the constraint applies to the next picked id: outside the thinking block,
+    /// with no forced id due.
+    fn constrainable(&self) -> bool {
+        !self.thinking && self.forced.is_empty()
+    }
+
+    /// The engine's id for the next [`pick`](Self::pick). Where the constraint applies to it
+    /// the pick cannot choose another (a forced id or the thinking budget would have made it
+    /// unconstrained; speculation is off under a constraint), so the constraint gets it now:
+    /// the next mask starts computing at once, not after the caller reported the token (in
+    /// the server's round: after every earlier sequence's pick).
+    fn take_device_id(&mut self, id: u32) {
         self.device_next = Some(id);
+        self.committed = false;
+        if self.spec_queue.is_empty() && self.constrainable() {
+            self.constrain_id(id, true);
+            self.committed = true;
+        }
+    }
+
+    /// Records `next`, picked under the constraint's current mask (counted; `device`: chosen
+    /// by the engine, so only checked against it), with the constraint.
+    fn constrain_id(&mut self, next: u32, device: bool) {
+        let pending = match (&self.guide, &self.tools) {
+            (Some(g), _) => Some(g.next_mask()),
+            (None, Some(t)) => t.next_mask(),
+            (None, None) => None,
+        };
+        if let Some(m) = pending {
+            self.mask_cost.add(m);
+            if device && !crate::grammar::allowed(m.get(), next) {
+                tracing::warn!("the engine's draw chose id {next}, which the mask refuses");
+            }
+        }
+        if let Some(g) = &mut self.guide {
+            g.commit(next);
+        } else if let Some(t) = &mut self.tools {
+            t.observe(next);
+        }
     }
 
     /// What [`feed`](Self::feed) does with the new logits (see [`set_next`](Self::set_next)).
@@ -543,42 +588,36 @@ impl DecodeLoop {
             self.device_next = Some(id);
         }
         let device_next = self.device_next.take();
-        // The constraint's mask, where it applies to this id (the device's draw, if it chose
-        // the id, already applied it).
-        let constrainable = !self.thinking && self.forced.is_empty();
-        let pending = match (&self.guide, &self.tools) {
-            _ if !constrainable => None,
-            (Some(g), _) => Some(g.next_mask()),
-            (None, Some(t)) => t.next_mask(),
-            (None, None) => None,
-        };
-        if let Some(m) = pending {
-            self.mask_cost.add(m);
-        }
-        let mask = pending.map(|m| m.get());
-        let next = match self.forced.pop_front() {
-            Some(id) => {
+        let committed = std::mem::take(&mut self.committed);
+        let next = match (self.forced.pop_front(), device_next) {
+            (Some(id), _) => {
                 self.stats.forced_tokens += 1;
                 id
             }
-            None => match (device_next, mask) {
-                (Some(id), m) => {
-                    if m.is_some_and(|m| !crate::grammar::allowed(m, id)) {
-                        tracing::warn!("the engine's draw chose id {id}, which the mask refuses");
-                    }
-                    id
-                }
-                (None, Some(m)) => sampler.sample_masked(&self.logits, &self.stats.generated, m),
-                (None, None) => sampler.sample(&self.logits, &self.stats.generated),
-            },
-        };
-        if constrainable {
-            if let Some(g) = &mut self.guide {
-                g.commit(next);
-            } else if let Some(t) = &mut self.tools {
-                t.observe(next);
+            // the constraint has it already (`take_device_id`), or does not apply to it
+            (None, Some(id)) if committed || !self.constrainable() => id,
+            (None, Some(id)) => {
+                self.constrain_id(id, true);
+                id
             }
-        }
+            (None, None) => {
+                // on the host, under the constraint's mask where it applies
+                let pending = match (&self.guide, &self.tools) {
+                    _ if !self.constrainable() => None,
+                    (Some(g), _) => Some(g.next_mask()),
+                    (None, Some(t)) => t.next_mask(),
+                    (None, None) => None,
+                };
+                let id = match pending {
+                    Some(m) => sampler.sample_masked(&self.logits, &self.stats.generated, m.get()),
+                    None => sampler.sample(&self.logits, &self.stats.generated),
+                };
+                if self.constrainable() {
+                    self.constrain_id(id, false);
+                }
+                id
+            }
+        };
         if self.t_decode.is_none() {
             self.stats.time_to_first_token = self.t0.elapsed();
             self.t_decode = Some(Instant::now());

@@ -359,35 +359,38 @@ impl PendingMask {
     }
 
     /// The mask, for a draw that asks for it while the model's step may still be running
-    /// (the GPU's, whose kernels were queued): until `busy()` says the step is done the
-    /// draw takes the mask as soon as it arrives (polling, no thread wake-up on its path)
-    /// and that time is not counted as waited, since the step hid it; only the wait after
-    /// the step ended is. With `busy` false at once, [`get`](Self::get).
+    /// (the GPU's, whose kernels were queued): the draw polls for the mask (no thread
+    /// wake-up on its path, before or after the step ends) and takes it the moment it
+    /// arrives; only the time after `busy()` first said the step was done counts as waited,
+    /// since the step hid the rest.
     pub fn get_after(&self, busy: impl Fn() -> bool) -> &[u32] {
         if let Some(c) = self.mask.get() {
             return &c.0;
         }
-        let early = {
+        let (c, waited) = {
             let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            let mut idle: Option<Instant> = None;
             loop {
                 match rx.try_recv() {
-                    Ok(c) => break Some(c),
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => break None,
-                    // yielding: on few cores the guide's thread may want this one
-                    Err(std::sync::mpsc::TryRecvError::Empty) if busy() => {
+                    Ok(c) => break (c, idle.map_or(Duration::ZERO, |t| t.elapsed())),
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        break (
+                            (only(self.words, self.eos), Duration::ZERO),
+                            idle.map_or(Duration::ZERO, |t| t.elapsed()),
+                        );
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Empty) => {
+                        if idle.is_none() && !busy() {
+                            idle = Some(Instant::now());
+                        }
+                        // yielding: on few cores the guide's thread may want this one
                         std::thread::yield_now();
                     }
-                    Err(std::sync::mpsc::TryRecvError::Empty) => break None,
                 }
             }
         };
-        match early {
-            Some(c) => {
-                let _ = self.waited.set(Duration::ZERO);
-                &self.mask.get_or_init(|| c).0
-            }
-            None => self.get(),
-        }
+        let _ = self.waited.set(waited);
+        &self.mask.get_or_init(|| c).0
     }
 
     fn computed(&self) -> &Computed {

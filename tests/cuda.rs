@@ -1,7 +1,8 @@
 //! The CUDA backend, whole model, against the CPU reference and the Hugging Face fixtures
-//! (the kernels alone: `tests/cuda_kernels.rs`). Skips (with the
-//! reason printed) where no usable GPU exists, e.g. in CI; run on the H200 by
-//! `scripts/gpu_check.sh`.
+//! (the kernels alone: `tests/cuda_kernels.rs`). Its own harness (`main`, through
+//! `common::gpu_main`): each test is reported ignored with the reason where it cannot run (not
+//! asked for with `--include-ignored`, or no usable GPU, e.g. in CI); run on the H200 by
+//! `scripts/gpu_check.sh tests`.
 //!
 //! Precision chain: the CPU reference matches transformers (f32) to ~1e-5 on the HF fixtures
 //! (`tests/hf_reference.rs`). The GPU keeps weights in bf16, feeds bf16 into every GEMM and
@@ -64,10 +65,8 @@ fn margin(x: &[f32]) -> f32 {
     a - b
 }
 
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_matches_reference_prefill_decode_and_greedy() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         // The confident steps are the CPU reference's own margins (at bf16): 38 on
         // tiny-flat-f32 and 29 on tiny-official-bf16 since the fixtures have the model's head
@@ -79,10 +78,8 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
 /// The official FP8 layout on the GPU (W8A16 GEMVs, the FP8 few-row MoE; prefill chunks of 70
 /// tokens through dequantised bf16 GEMMs, of 8 through the GEMVs) against the CPU running the
 /// same FP8 weights at the GPU's activation precision.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_runs_the_fp8_checkpoint() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in common::fp8_fixtures() {
         for chunk in [256, 8] {
             reference_prefill_decode_and_greedy(&gpu, &dir, chunk, 28);
@@ -95,10 +92,8 @@ fn cuda_runs_the_fp8_checkpoint() {
 /// chunks of 40 tokens through dequantised bf16 GEMMs, of 8 through the GEMVs; against the
 /// CPU running the same 4-bit weights at the GPU's activation precision (and, printed, against
 /// mlx-lm's own logits).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_runs_the_mlx_4bit_checkpoint() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in common::mlx_fixtures() {
         for chunk in [256, 8] {
             reference_prefill_decode_and_greedy(&gpu, &dir, chunk, 16);
@@ -109,10 +104,8 @@ fn cuda_runs_the_mlx_4bit_checkpoint() {
 /// The GPTQ (group 128, symmetric), AWQ (group 32, zero points) and compressed-tensors (group
 /// 64) fixtures on the GPU against the CPU on the same weights: a 40-token prompt (chunks of
 /// 256 and 8) and 32 greedy steps, within the fixtures' tolerances.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_runs_the_gptq_awq_and_ct_checkpoints() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let root = if root.is_dir() {
         root
@@ -218,10 +211,8 @@ fn reference_prefill_decode_and_greedy(
     }
 }
 
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_chunked_prefill_equals_one_shot_and_token_by_token() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         let r = read_reference(&dir);
         let reference = {
@@ -251,10 +242,8 @@ fn cuda_chunked_prefill_equals_one_shot_and_token_by_token() {
     }
 }
 
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_matches_cpu_and_snapshots_restore() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         let (cpu, cuda) = load(&gpu, &dir, 256);
         let r = read_reference(&dir);
@@ -305,10 +294,8 @@ fn cuda_matches_cpu_and_snapshots_restore() {
     }
 }
 
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_rejects_bad_tokens_and_overflow() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let cfg = kestrel::synthetic::demo_config();
     let w = kestrel::synthetic::random_weights(&cfg, 3, kestrel::tensor::DType::BF16);
     let cuda = CudaModel::from_weights(gpu.clone(), cfg, &w, 512, 64).unwrap();
@@ -330,10 +317,8 @@ fn cuda_rejects_bad_tokens_and_overflow() {
 /// the grouped 4-bit MoE), the device's fused greedy pick is the host's argmax. A kernel reading data before its griddep_wait that
 /// an earlier kernel of the step writes makes these differ (the bench's round check caught
 /// such a race in moe_down_dec; the tiny fixtures did not).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn full_width_decode_is_deterministic_with_graph_and_pdl() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for format in [WeightFormat::Bf16, WeightFormat::Fp8, WeightFormat::Int4] {
         full_width_determinism(&gpu, format);
     }
@@ -435,10 +420,8 @@ fn full_width_determinism(gpu: &Arc<Gpu>, format: WeightFormat) {
 
 /// Needs no fixtures: seeded random weights (demo shape, real vocabulary; and a shape with
 /// dk=32, 8 value heads, 16 experts top-4), GPU against CPU in prefill and decode.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn cuda_matches_cpu_on_random_weights() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let mut wide = kestrel::synthetic::demo_config();
     wide.vocab_size = 3000;
     // 4 value heads a key head: the decode step's conv and delta rule as two launches
@@ -536,16 +519,10 @@ fn load_full_width(gpu: &Arc<Gpu>, dir: &Path, max_seq: usize, max_chunk: usize)
 /// f32 logits within ‖Δ‖/‖ref‖ <= 5e-2 and at least as closely as transformers' own bf16 run
 /// does (or 2e-2), and its greedy continuation (teacher-forced: every step's argmax equals
 /// HF's; the script picked a prompt whose steps have a top-2 margin >= 0.1).
-/// Skips without the checkpoint (KESTREL_FULLWIDTH_DIR).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
+/// Ignored without the checkpoint (KESTREL_FULLWIDTH_DIR, see `main`).
 fn fullwidth_checkpoint_matches_hf() {
-    let Ok(dir) = std::env::var("KESTREL_FULLWIDTH_DIR") else {
-        println!("SKIPPED: KESTREL_FULLWIDTH_DIR not set (see scripts/gpu_check.sh fullwidth)");
-        return;
-    };
-    let Some(gpu) = gpu() else { return };
-    let dir = PathBuf::from(dir);
+    let dir = PathBuf::from(std::env::var("KESTREL_FULLWIDTH_DIR").unwrap());
+    let gpu = gpu();
     let cuda = load_full_width(&gpu, &dir, 1024, 256);
     let HfRows {
         prompt,
@@ -673,15 +650,10 @@ fn prefill_then_decode<E: Engine>(m: &E, r: &HfRows, p: &Prefill) -> (Vec<f32>, 
 /// such rows). Each way against calls of 16,384: ‖Δ‖/‖ref‖ <= 1e-2 (the same kernels in other
 /// call shapes; a wrong chunk offset is far more). Every failure is listed before the test
 /// fails.
-/// Skips without the checkpoint (KESTREL_LONGCTX_DIR).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
+/// Ignored without the checkpoint (KESTREL_LONGCTX_DIR, see `main`).
 fn longctx_checkpoint_matches_hf() {
-    let Ok(dir) = std::env::var("KESTREL_LONGCTX_DIR") else {
-        println!("SKIPPED: KESTREL_LONGCTX_DIR not set (see scripts/gpu_check.sh longctx)");
-        return;
-    };
-    let Some(gpu) = gpu() else { return };
+    let dir = std::env::var("KESTREL_LONGCTX_DIR").unwrap();
+    let gpu = gpu();
     let dir = PathBuf::from(dir);
     let mut lengths: Vec<usize> = std::fs::read_dir(&dir)
         .unwrap()
@@ -822,10 +794,8 @@ fn long_context_check<E: Engine>(
 /// dependent launch, so a kernel reading its inputs before `griddep_wait` would show up as a
 /// difference. The greedy ids from the fused lm_head argmax
 /// equal the argmax of the fused logits at every step.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn fused_decode_and_graph_match_general_path() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         let r = read_reference(&dir);
         let (_cpu, mut cuda) = load(&gpu, &dir, 256);
@@ -921,10 +891,8 @@ fn logits_in_pieces(
 /// (2 and 4 chunks, the last partial), and in calls of 2 tokens and 1 (both token by token on
 /// either setting: pieces of at most 32 tokens skip the chunked kernels), then 40 and 70
 /// (chunked, state carried in from the short pieces).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gdn_chunked_matches_recurrent_through_the_model() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         let r = read_reference(&dir);
         let (_cpu, mut cuda) = load(&gpu, &dir, 256);
@@ -960,10 +928,8 @@ fn gdn_chunked_matches_recurrent_through_the_model() {
 /// the one-at-a-time ones within the general path's tolerance (summation order), the batched
 /// greedy ids equal the argmax of the batched logits, and the greedy choice equals the
 /// one-at-a-time one wherever the margin is confident.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_decode_matches_one_at_a_time() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let quantized = common::fp8_fixtures()
         .into_iter()
         .chain(common::mlx_fixtures());
@@ -1076,10 +1042,8 @@ fn batched_decode_check(gpu: &Arc<Gpu>, dir: &Path) {
 
 /// A batched step checks every row before it runs: a bad token or a full sequence fails the
 /// whole step with a clear error and leaves every state where it was.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_decode_rejects_bad_rows_without_moving_any_state() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let dir = &fixtures()[0];
     let (_cpu, cuda) = load(&gpu, dir, 256);
     let v = cuda.config.vocab_size;
@@ -1113,10 +1077,8 @@ fn batched_decode_rejects_bad_rows_without_moving_any_state() {
 /// last on the flash attention and chunked GDN kernels) share a call, one of 40 is longer than
 /// the workspace's 32 and runs alone, and one continues a prefilled state. The last
 /// positions' logits agree within summation order, and so do the next decode steps.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_prefill_matches_each_prompt_alone() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         let r = read_reference(&dir);
         let (_cpu, cuda) = load(&gpu, &dir, 32);
@@ -1174,11 +1136,9 @@ fn batched_prefill_matches_each_prompt_alone() {
 /// every row but where the batched logits themselves differ between the two runs (they do not
 /// here: the step is deterministic), the log-probabilities within 1e-4, and the states advance
 /// as the logits run's.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn batched_draws_match_the_host_draw_of_the_same_logits() {
     use kestrel::sampling::{Draw, Rng, SamplingParams};
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         let r = read_reference(&dir);
         let (_cpu, cuda) = load(&gpu, &dir, 256);
@@ -1275,10 +1235,8 @@ fn batched_draws_match_the_host_draw_of_the_same_logits() {
 /// piece's end; a snapshot shares its full pages and copies the partly filled one, and
 /// both continue alike; a snapshot at a page boundary copies none; every page goes back to
 /// the pool when the states drop.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn paged_kv_crosses_pages_shares_them_and_gives_them_back() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for dir in fixtures() {
         let (cpu, cuda) = load_seq(&gpu, &dir, 4096, 512);
         let v = cpu.config.vocab_size as u32;
@@ -1334,4 +1292,93 @@ fn paged_kv_crosses_pages_shares_them_and_gives_them_back() {
         drop((st, snap, resumed, from_boundary, direct));
         assert_eq!(blocks(), 0, "{}: pages not given back", dir.display());
     }
+}
+
+/// The GPU tests, run by [`common::gpu_main`] (`harness = false`): a new one is listed here.
+fn main() -> std::process::ExitCode {
+    common::gpu_main(
+        &[
+            (
+                "cuda_matches_reference_prefill_decode_and_greedy",
+                cuda_matches_reference_prefill_decode_and_greedy,
+            ),
+            ("cuda_runs_the_fp8_checkpoint", cuda_runs_the_fp8_checkpoint),
+            (
+                "cuda_chunked_prefill_equals_one_shot_and_token_by_token",
+                cuda_chunked_prefill_equals_one_shot_and_token_by_token,
+            ),
+            (
+                "cuda_matches_cpu_and_snapshots_restore",
+                cuda_matches_cpu_and_snapshots_restore,
+            ),
+            (
+                "cuda_rejects_bad_tokens_and_overflow",
+                cuda_rejects_bad_tokens_and_overflow,
+            ),
+            (
+                "full_width_decode_is_deterministic_with_graph_and_pdl",
+                full_width_decode_is_deterministic_with_graph_and_pdl,
+            ),
+            (
+                "cuda_matches_cpu_on_random_weights",
+                cuda_matches_cpu_on_random_weights,
+            ),
+            (
+                "fullwidth_checkpoint_matches_hf",
+                fullwidth_checkpoint_matches_hf,
+            ),
+            (
+                "fused_decode_and_graph_match_general_path",
+                fused_decode_and_graph_match_general_path,
+            ),
+            (
+                "gdn_chunked_matches_recurrent_through_the_model",
+                gdn_chunked_matches_recurrent_through_the_model,
+            ),
+            (
+                "batched_decode_matches_one_at_a_time",
+                batched_decode_matches_one_at_a_time,
+            ),
+            (
+                "batched_decode_rejects_bad_rows_without_moving_any_state",
+                batched_decode_rejects_bad_rows_without_moving_any_state,
+            ),
+            (
+                "batched_prefill_matches_each_prompt_alone",
+                batched_prefill_matches_each_prompt_alone,
+            ),
+            (
+                "batched_draws_match_the_host_draw_of_the_same_logits",
+                batched_draws_match_the_host_draw_of_the_same_logits,
+            ),
+            (
+                "paged_kv_crosses_pages_shares_them_and_gives_them_back",
+                paged_kv_crosses_pages_shares_them_and_gives_them_back,
+            ),
+            (
+                "cuda_runs_the_mlx_4bit_checkpoint",
+                cuda_runs_the_mlx_4bit_checkpoint,
+            ),
+            (
+                "cuda_runs_the_gptq_awq_and_ct_checkpoints",
+                cuda_runs_the_gptq_awq_and_ct_checkpoints,
+            ),
+            (
+                "longctx_checkpoint_matches_hf",
+                longctx_checkpoint_matches_hf,
+            ),
+        ],
+        &[
+            (
+                "fullwidth_checkpoint_matches_hf",
+                "KESTREL_FULLWIDTH_DIR",
+                "the checkpoint of scripts/gpu_check.sh fullwidth",
+            ),
+            (
+                "longctx_checkpoint_matches_hf",
+                "KESTREL_LONGCTX_DIR",
+                "the checkpoints of scripts/gpu_check.sh longctx",
+            ),
+        ],
+    )
 }

@@ -1,6 +1,7 @@
 //! The CUDA kernels one by one against references (f64 products, the sequential kernels, or
-//! the CPU), at the model's shapes where the tiny fixtures do not reach them. Skips (with the
-//! reason printed) where no usable GPU exists; run on the H200 by `scripts/gpu_check.sh`.
+//! the CPU), at the model's shapes where the tiny fixtures do not reach them. Its own harness
+//! (`main`, through `common::gpu_main`): each test is reported ignored with the reason where
+//! it cannot run (not asked for, or no usable GPU); run on the H200 by `scripts/gpu_check.sh`.
 //! Timing lives in `kestrel bench`, not here.
 
 use kestrel::cuda::attention::{FlashCall, QPrep};
@@ -28,10 +29,8 @@ fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
 /// scale, bf16 y bitwise bf16(f32 y); the kernels' item counter back at zero. Then the few-row
 /// path (`moe_gemv_sorted`, batched decode steps) the same way: 8 tokens (a batch of 8), 1, and
 /// 16 routed ~9:1 (a hot expert's rows in a run).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn moe_grouped_gemm_matches_reference_full_shape() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for (t, skewed) in [(4096, true), (2048, false), (40, false)] {
         moe_grouped_case(&gpu, t, skewed, false);
     }
@@ -368,10 +367,8 @@ fn model_gdn_shape(t: usize) -> GdnShape {
 /// model's head dims (dk = dv = 128) with its 16 key and 32 value heads over 300 tokens (a
 /// partial last chunk) and 2 tokens, and with the fixtures' few heads (one or two value heads a
 /// key head).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gdn_chunked_kernel_matches_recurrent() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let shape = |t, hk, hv, dk, dv| GdnShape { t, hk, hv, dk, dv };
     for sh in [
         model_gdn_shape(300),
@@ -408,10 +405,8 @@ fn gdn_chunked_kernel_matches_recurrent() {
 /// conv's history; the same sums in the same order, so equal up to the last bits. The inputs
 /// in rows wider than the channels (the whole in-projection's output, as prefill has them)
 /// where `pad` > 0.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gdn_conv_prefill_matches_sequential() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let kern = 4;
     for (t, hk, hv, dk, dv, pad) in [
         (2, 16, 32, 128, 128, 4160),
@@ -463,10 +458,8 @@ fn gdn_conv_prefill_matches_sequential() {
 /// `Gpu::gemm` (cuBLASLt) against an f64 product: y = x·Wᵀ, then y += x·Wᵀ, into rows wider
 /// than n, at 70 rows, then 65 and 80 (the same bucket of row counts: cuBLASLt reuses the
 /// algorithm it chose at 70), on the main and the second stream.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn gemm_matches_reference() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
     let (tmax, n, k, ldy) = (80, 96, 136, 100);
     let mut rng = Lcg(3);
@@ -524,10 +517,8 @@ fn gemm_matches_reference() {
 /// The decode GEMV kernels (`gemv_dec`; `gemv_dec_w`, k = 4096 a warp per whole row) against
 /// an f64 product with bf16 inputs, y = y0 + W·x, at the model's inner dimensions (512 experts'
 /// down, 2,048 in-projections, 4,096 out-projections) and ragged row counts.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn decode_gemv_kernels_match_reference() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let bf = |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
     for (n, k) in [(300, 4096), (2048, 4096), (100, 2048), (70, 512)] {
         let mut rng = Lcg(n as u64 * 7 + k as u64);
@@ -757,10 +748,8 @@ impl QPrepCase {
 /// output within 1e-2 of the reference (q and the probabilities enter the tensor cores as bf16,
 /// the output is bf16); from an empty cache, after cached positions, ragged lengths, and one
 /// 2,048-token call against the reference's first and last rows.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn attn_flash4_matches_reference_full_shape() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let rh = QPrepCase::ROT_HALF;
     assert!(kestrel::cuda::kernels::attn_prefill::AttnFlash4::fits(
         ATT_NQ, ATT_NKV, ATT_HD, rh
@@ -900,12 +889,10 @@ fn decode_attn_case(n: usize, nsplit: usize, seed: u64) -> AttnCase {
 /// expected; the f64 reference with one boundary split's V zeroed moves by 9.5e-2 to 3.4e-1
 /// over all heads, 2.7e-1 to 7.4e-1 for the worst head, at every length here). The reference
 /// takes ~10 s of CPU at 131,072.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn attn_decode_splits_match_reference_long_kv() {
     use kestrel::cuda::attention::decode_splits;
     use kestrel::cuda::kernels::attn_decode::{AttnCombineDec, AttnDecodeMma};
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let (nq, nkv, hd) = (ATT_NQ, ATT_NKV, ATT_HD);
     for (n, nsplit) in [
         (1_100, 64),
@@ -992,12 +979,10 @@ fn vocab_rows(rows: usize, seed: u64, peak: f32) -> Vec<f32> {
 /// must be the host's (plain sampling in id order may differ in f32 summation order: at most
 /// one row in 64), the log-probabilities within 1e-4, and a row asking for its logits gets
 /// them unchanged (penalized rows' raw values restored).
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn device_draws_match_the_host_sampler() {
     use kestrel::cuda::sample::SampleWs;
     use kestrel::sampling::{Draw, Rng, SamplingParams};
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let (v, rows) = (248_320usize, 64usize);
     let ws = SampleWs::new(&gpu, rows).unwrap();
     let base = SamplingParams {
@@ -1133,13 +1118,11 @@ fn device_draws_match_the_host_sampler() {
 /// 40 or 5,000 allowed ids, or a real JSON grammar's first mask, under every kind of setting,
 /// next to rows without one: each device id is the host's masked draw ([`Draw::on_host`]
 /// masks too), always an allowed id, and a row asking for its logits gets them masked.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn device_draws_honour_structured_output_masks() {
     use kestrel::cuda::sample::SampleWs;
     use kestrel::grammar::{Constraint, GrammarEngine, PendingMask, allowed, mask_words};
     use kestrel::sampling::{Draw, Rng, SamplingParams};
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let (v, rows) = (248_320usize, 40usize);
     let ws = SampleWs::new(&gpu, rows).unwrap();
     let tok = kestrel::tokenizer::Tokenizer::bundled().unwrap();
@@ -1179,46 +1162,64 @@ fn device_draws_honour_structured_output_masks() {
             })
         })
         .collect();
-    let logits = vocab_rows(rows, 321, 10.0);
-    let dev = gpu.upload(&logits).unwrap();
+    let all = vocab_rows(rows, 321, 10.0);
     let us: Vec<f64> = (0..rows).map(|_| rng.next_f64()).collect();
-    let draws: Vec<Draw> = (0..rows)
-        .map(|r| Draw {
-            params: &kinds[r % kinds.len()],
-            u: us[r],
-            history: &[],
-            top_logprobs: (r % 4 == 0).then_some(3),
-            want_logits: r % 7 == 3,
-            mask: masks[r].as_ref(),
-        })
-        .collect();
-    let got = gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap();
+    // Twice through the same buffers, the second time with the rows reversed (each mask in
+    // another slot of the page-locked staging and on the device): nothing of the first
+    // call's masks or parameters may show in the second's draws.
     let mut plain_differ = 0;
-    for (r, d) in draws.iter().enumerate() {
-        let row = &logits[r * v..(r + 1) * v];
-        let want = d.on_host(row);
-        let p = d.params;
-        // plain sampling in id order may differ in f32 summation order (as above)
-        let plain = p.temperature > 0.0 && p.top_k == 0 && p.top_p >= 1.0;
-        if plain && got[r].id != want.id {
-            plain_differ += 1;
+    for round in 0..2 {
+        let order: Vec<usize> = if round == 0 {
+            (0..rows).collect()
         } else {
-            assert_eq!(got[r].id, want.id, "row {r}: {d:?}");
-        }
-        if let Some(m) = d.mask {
-            assert!(allowed(m.get(), got[r].id), "row {r}: a refused id");
-        }
-        if d.want_logits {
-            assert_eq!(
-                got[r].logits.as_ref(),
-                want.logits.as_ref(),
-                "row {r}: logits"
-            );
+            (0..rows).rev().collect()
+        };
+        let logits: Vec<f32> = order
+            .iter()
+            .flat_map(|&r| all[r * v..(r + 1) * v].iter().copied())
+            .collect();
+        let dev = gpu.upload(&logits).unwrap();
+        let draws: Vec<Draw> = order
+            .iter()
+            .map(|&r| Draw {
+                params: &kinds[r % kinds.len()],
+                u: us[r],
+                history: &[],
+                top_logprobs: (r % 4 == 0).then_some(3),
+                want_logits: r % 7 == 3,
+                mask: masks[r].as_ref(),
+            })
+            .collect();
+        let got = gpu.draw_rows(&ws, dev.f32(), v, &draws).unwrap();
+        for (r, d) in draws.iter().enumerate() {
+            let row = &logits[r * v..(r + 1) * v];
+            let want = d.on_host(row);
+            let p = d.params;
+            // plain sampling in id order may differ in f32 summation order (as above)
+            let plain = p.temperature > 0.0 && p.top_k == 0 && p.top_p >= 1.0;
+            if plain && got[r].id != want.id {
+                plain_differ += 1;
+            } else {
+                assert_eq!(got[r].id, want.id, "round {round} row {r}: {d:?}");
+            }
+            if let Some(m) = d.mask {
+                assert!(
+                    allowed(m.get(), got[r].id),
+                    "round {round} row {r}: a refused id"
+                );
+            }
+            if d.want_logits {
+                assert_eq!(
+                    got[r].logits.as_ref(),
+                    want.logits.as_ref(),
+                    "round {round} row {r}: logits"
+                );
+            }
         }
     }
-    assert!(plain_differ <= 1, "{plain_differ} plain rows differ");
+    assert!(plain_differ <= 2, "{plain_differ} plain rows differ");
     println!(
-        "masked draws: {rows} rows the host's (plain differs on {plain_differ}), every id allowed"
+        "masked draws: {rows} rows twice the host's (plain differs on {plain_differ}), every id allowed"
     );
 }
 
@@ -1227,12 +1228,10 @@ fn device_draws_honour_structured_output_masks() {
 /// 20, top-p 0.95, temperature 0.7) on a moderately peaked row, against the probabilities the
 /// host's draw gives (its id at 200,000 evenly spaced uniforms): chi-square over the ids the
 /// host can choose (those expected fewer than 5 times in one bin), at most its 0.999 quantile.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn device_draws_follow_the_host_distribution() {
     use kestrel::cuda::sample::SampleWs;
     use kestrel::sampling::{Draw, Rng, SamplingParams, draw};
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let (v, rows) = (248_320usize, 64usize);
     let ws = SampleWs::new(&gpu, rows).unwrap();
     let one = vocab_rows(1, 77, 2.5);
@@ -1311,10 +1310,8 @@ fn device_draws_follow_the_host_distribution() {
 /// limit, the lowest on ties, NaN never chosen, 0 when nothing beats -inf; at the real
 /// vocabulary (float4 loads) and at an odd row width (the scalar path), with the maximum
 /// planted in the last float4, in the scalar tail, tied, beside NaNs and past the limit.
-#[test]
-#[ignore = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)"]
 fn argmax_rows_matches_host_scan() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for (ld, limit) in [
         (248_320usize, 248_320usize),
         (248_320, 248_077),
@@ -1361,4 +1358,54 @@ fn argmax_rows_matches_host_scan() {
         gpu.copy_to_host(out.ptr, &mut got).unwrap();
         assert_eq!(got, want, "rows of {ld} (limit {limit})");
     }
+}
+
+/// The GPU tests, run by [`common::gpu_main`] (`harness = false`): a new one is listed here.
+fn main() -> std::process::ExitCode {
+    common::gpu_main(
+        &[
+            (
+                "moe_grouped_gemm_matches_reference_full_shape",
+                moe_grouped_gemm_matches_reference_full_shape,
+            ),
+            (
+                "attn_decode_splits_match_reference_long_kv",
+                attn_decode_splits_match_reference_long_kv,
+            ),
+            (
+                "gdn_chunked_kernel_matches_recurrent",
+                gdn_chunked_kernel_matches_recurrent,
+            ),
+            (
+                "gdn_conv_prefill_matches_sequential",
+                gdn_conv_prefill_matches_sequential,
+            ),
+            ("gemm_matches_reference", gemm_matches_reference),
+            (
+                "decode_gemv_kernels_match_reference",
+                decode_gemv_kernels_match_reference,
+            ),
+            (
+                "attn_flash4_matches_reference_full_shape",
+                attn_flash4_matches_reference_full_shape,
+            ),
+            (
+                "device_draws_match_the_host_sampler",
+                device_draws_match_the_host_sampler,
+            ),
+            (
+                "device_draws_honour_structured_output_masks",
+                device_draws_honour_structured_output_masks,
+            ),
+            (
+                "device_draws_follow_the_host_distribution",
+                device_draws_follow_the_host_distribution,
+            ),
+            (
+                "argmax_rows_matches_host_scan",
+                argmax_rows_matches_host_scan,
+            ),
+        ],
+        &[],
+    )
 }

@@ -2647,6 +2647,69 @@ fn a_prompt_far_over_the_context_is_refused_before_tokenizing() {
     }
 }
 
+/// Issue 41: every endpoint that tokenizes request text refuses one the context cannot hold
+/// before tokenizing it whole (the error says "at least", a count it did not finish): text
+/// the check of the messages' contents does not count (an assistant turn), the token
+/// endpoints, and a prompt under the byte floor whose head already exceeds the context.
+/// Before, a 21 MB assistant turn or `/tokenize` text was tokenized whole: 6-7 s, the
+/// server's resident set 0.44 -> 2.9 GB.
+#[test]
+fn every_tokenizing_endpoint_refuses_an_oversized_text_cheaply() {
+    let a = demo();
+    let huge = "x".repeat(6_000_000);
+    // 2 MB of words: under the floor (2e6 / 128 < 32,768) but some 400k tokens
+    let words = "word ".repeat(400_000);
+    let turns = json!([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": huge},
+        {"role": "user", "content": "go on"}
+    ]);
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": turns.clone(), "max_tokens": 1}),
+        ),
+        ("/v1/chat/completions/render", json!({"messages": turns})),
+        ("/tokenize", json!({"content": huge})),
+        (
+            "/v1/messages/count_tokens",
+            json!({"model": "test-model", "messages": anthropic_user(&huge)}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user(&words), "max_tokens": 1}),
+        ),
+        ("/v1/completions", json!({"prompt": words, "max_tokens": 1})),
+        ("/tokenize", json!({"content": words})),
+    ] {
+        let t0 = Instant::now();
+        let (status, text) = http(a, "POST", path, Some(&body.to_string()), &[]);
+        let took = t0.elapsed();
+        assert_eq!(status, 400, "{path}: {text:.300}");
+        assert!(
+            text.contains("at least") && text.contains("32768"),
+            "{path}: {text:.300}"
+        );
+        assert!(took < Duration::from_secs(5), "{path}: {took:?}");
+    }
+    // a text that fits is still tokenized whole
+    let fits = "word ".repeat(1000);
+    let (status, text) = http(
+        a,
+        "POST",
+        "/tokenize",
+        Some(&json!({"content": fits}).to_string()),
+        &[],
+    );
+    assert_eq!(status, 200, "{text:.300}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let want = kestrel::tokenizer::Tokenizer::bundled()
+        .unwrap()
+        .encode(&fits, true)
+        .unwrap();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), want.len());
+}
+
 /// A streaming chat request on its own connection: the thread returns its SSE body.
 fn stream_in_thread(a: SocketAddr, body: Value) -> std::thread::JoinHandle<(u16, String)> {
     std::thread::spawn(move || {

@@ -340,6 +340,66 @@ fn the_mask_is_hidden_behind_a_longer_step() {
     }
 }
 
+/// An id the engine chose under the constraint reaches the guide when the engine hands it
+/// over (`set_drawn`), so the next mask computes while the caller reports the token; the
+/// pick that follows records it once, not twice.
+#[test]
+fn an_engines_id_reaches_the_guide_before_its_pick() {
+    let c = Constraint::JsonSchema(person_schema());
+    let opts = GenerateOptions {
+        max_tokens: 16,
+        stop_ids: vec![special::IM_END],
+        prefill_chunk: 64,
+        max_seq: 4096,
+        thinking: None,
+        device_greedy: true,
+        speculative: None,
+    };
+    let stats = GenerationStats {
+        prompt_tokens: 3,
+        cached_tokens: 0,
+        generated: Vec::new(),
+        forced_tokens: 0,
+        time_to_first_token: Duration::ZERO,
+        decode_time: Duration::ZERO,
+        stop: StopReason::Cancelled,
+        prefill_complete: true,
+        spec: Default::default(),
+    };
+    let mut sampler = Sampler::new(SamplingParams::default(), 7);
+    let flat = vec![0.0; engine().vocab()];
+    let mut dl = DecodeLoop::new(stats, false, flat, Instant::now());
+    dl.constrain(engine().guide(&c).unwrap());
+    let first = dl.pick(&opts, &mut sampler);
+    // the engine's choice for the next id: the first one the mask allows that is not the end
+    let mask = dl.next_mask().unwrap().get().to_vec();
+    let second = (0..engine().vocab() as u32)
+        .find(|&i| allowed(&mask, i) && i != special::IM_END)
+        .unwrap();
+    let mut reference = engine().guide(&c).unwrap();
+    reference.commit(first);
+    reference.commit(second);
+    let after = reference.next_mask().get().to_vec();
+    assert_ne!(
+        after, mask,
+        "the test needs a mask that changes with the id"
+    );
+    dl.set_drawn(second, None);
+    assert!(
+        dl.next_mask().unwrap().get() == after,
+        "after set_drawn the next mask is still the one {second} was drawn under"
+    );
+    assert_eq!(dl.pick(&opts, &mut sampler), second);
+    assert!(
+        dl.next_mask().unwrap().get() == after,
+        "the pick recorded {second} with the guide a second time"
+    );
+    assert_eq!(
+        dl.mask_cost.masks, 2,
+        "each mask an id was picked under, counted once"
+    );
+}
+
 #[test]
 fn json_object_walks_stay_a_json_object_prefix() {
     // Any object is unbounded: a walk may not end, but what it wrote is always the start of

@@ -77,6 +77,43 @@ impl Drop for DeviceBuf {
     }
 }
 
+/// Page-locked (pinned) host memory of 32-bit words, freed on drop: copies from and to it
+/// are DMA on the stream, asynchronous to the host, without the staging copy the driver makes
+/// of pageable memory. A range handed to [`Gpu::copy_pinned_to_device`] must not be written
+/// again until the stream has passed that copy (its owner syncs first).
+pub struct PinnedBuf {
+    ptr: std::ptr::NonNull<u32>,
+    words: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the allocation belongs to this value alone; it is read through `&self` and written
+// through `&mut self`, as a `Vec<u32>` would be.
+unsafe impl Send for PinnedBuf {}
+unsafe impl Sync for PinnedBuf {}
+
+impl PinnedBuf {
+    pub fn words(&self) -> &[u32] {
+        // SAFETY: ptr holds `words` initialised (zeroed at allocation) u32s.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.words) }
+    }
+
+    pub fn words_mut(&mut self) -> &mut [u32] {
+        // SAFETY: as in `words`, and `&mut self` is the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.words) }
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr came from malloc_host and is freed once.
+        unsafe {
+            let _ = result::free_host(self.ptr.as_ptr().cast());
+        }
+    }
+}
+
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
 pub enum Arg {
@@ -470,6 +507,62 @@ impl Gpu {
         unsafe { result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
             .map_err(GpuError::driver("host-to-device copy"))
             .map_err(Into::into)
+    }
+
+    /// `words` words of page-locked host memory, zeroed.
+    pub fn alloc_pinned(&self, words: usize) -> Result<PinnedBuf> {
+        self.bind()?;
+        let bytes = words.max(1) * 4;
+        // SAFETY: a plain page-locked allocation; freed by PinnedBuf::drop.
+        let raw = unsafe { result::malloc_host(bytes, 0) }
+            .map_err(GpuError::driver("page-locked host allocation"))?;
+        let ptr = std::ptr::NonNull::new(raw.cast::<u32>())
+            .ok_or_else(|| anyhow!("page-locked host allocation of {bytes} bytes gave null"))?;
+        // SAFETY: `bytes` bytes were just allocated at ptr.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, words) };
+        Ok(PinnedBuf {
+            ptr,
+            words,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Queues the copy of `src`'s words `range` to `dst` on the stream and returns at once
+    /// (DMA from page-locked memory): `src`'s range must stay unwritten until the stream
+    /// has passed the copy.
+    pub fn copy_pinned_to_device(
+        &self,
+        dst: u64,
+        src: &PinnedBuf,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.main_tail_not_kernel();
+        // SAFETY: dst has room for the range (caller's allocation); the words stay valid
+        // (owned by `src`, which the caller keeps unwritten until the stream passed the copy).
+        unsafe { result::memcpy_htod_async(dst, &src.words()[range], self.stream.cu_stream()) }
+            .map_err(GpuError::driver("host-to-device copy"))
+            .map_err(Into::into)
+    }
+
+    /// [`Gpu::copy_to_host`] into page-locked words `range` of `out` (a DMA, then the sync).
+    pub fn copy_to_pinned(
+        &self,
+        src: u64,
+        out: &mut PinnedBuf,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: src holds at least range.len() words.
+        unsafe {
+            result::memcpy_dtoh_async(&mut out.words_mut()[range], src, self.stream.cu_stream())
+        }
+        .map_err(GpuError::driver("device-to-host copy"))?;
+        self.sync()
     }
 
     pub fn copy_to_host<T: Copy>(&self, src: u64, out: &mut [T]) -> Result<()> {

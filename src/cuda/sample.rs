@@ -11,10 +11,11 @@ use super::kernels::sample::{
     SampleStats, chunks, so, sp,
 };
 use super::kernels::{Dev, On};
-use super::{DeviceBuf, Gpu};
+use super::{DeviceBuf, Gpu, PinnedBuf};
 use crate::sampling::{Draw, Drawn, TokenLogprobs};
 use anyhow::{Result, ensure};
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 /// Penalized (id, count) pairs a call holds at most, over all its rows.
 const PEN_CAP: usize = 1 << 18;
@@ -31,6 +32,20 @@ pub struct SampleWs {
     out: DeviceBuf,
     /// The structured-output masks of a call's masked rows ([`SAMPLE_MASK_WORDS`] a row).
     masks: DeviceBuf,
+    /// The page-locked host side of `up`, `masks` and `out`.
+    host: Mutex<Staging>,
+}
+
+/// Page-locked staging of a call's uploads and results: the copies are DMA queued on the
+/// stream behind the step's kernels (the host does not wait for them, nor make the staging
+/// copy pageable memory takes).
+struct Staging {
+    up: PinnedBuf,
+    masks: PinnedBuf,
+    out: PinnedBuf,
+    /// Whether copies from `up` / `masks` may still be queued (a call that failed before its
+    /// closing sync): the next call syncs before writing them.
+    in_flight: bool,
 }
 
 impl SampleWs {
@@ -45,6 +60,12 @@ impl SampleWs {
             cand_v: gpu.alloc_zeroed(rows * per_row)?,
             out: gpu.alloc_zeroed(rows * SAMPLE_OW * 4)?,
             masks: gpu.alloc_zeroed(rows * SAMPLE_MASK_WORDS * 4)?,
+            host: Mutex::new(Staging {
+                up: gpu.alloc_pinned(rows * SAMPLE_PW + PEN_CAP * 2)?,
+                masks: gpu.alloc_pinned(rows * SAMPLE_MASK_WORDS)?,
+                out: gpu.alloc_pinned(rows * SAMPLE_OW)?,
+                in_flight: false,
+            }),
         })
     }
 
@@ -143,24 +164,40 @@ impl Gpu {
         }
         let mut out = vec![0u32; rows * SAMPLE_OW];
         if host.iter().any(|h| !h) {
-            // The masked rows' masks, waited for only now: the step's kernels are queued, so
-            // the guides computed them while the GPU ran; a mask taken before the step ended
-            // cost nothing and is not counted as waited. A host row masks its own logits.
+            let mut staging = ws.host.lock().unwrap_or_else(|p| p.into_inner());
+            let st = &mut *staging;
+            if st.in_flight {
+                self.sync()?;
+            }
+            // The masked rows' mask slots, then the parameter words and penalty pairs, queued
+            // (page-locked, asynchronous) behind the step's kernels before any mask is waited
+            // for. A host row masks its own logits.
             let words_per = ld.div_ceil(32).min(SAMPLE_MASK_WORDS);
-            let mut masks: Vec<u32> = Vec::new();
+            let mut masked = Vec::new();
             for (r, d) in draws.iter().enumerate() {
                 if let Some(m) = d.mask.filter(|_| !host[r]) {
-                    words[r * SAMPLE_PW + sp::MASK] = (masks.len() / words_per) as u32;
-                    let m = m.get_after(|| self.busy());
-                    let at = masks.len();
-                    masks.extend(m.iter().take(words_per));
-                    masks.resize(at + words_per, 0);
+                    words[r * SAMPLE_PW + sp::MASK] = masked.len() as u32;
+                    masked.push(m);
                 }
             }
             let pen_at_dev = ws.rows * SAMPLE_PW;
             words.resize(pen_at_dev, 0);
             words.extend(pen.iter().map(|&x| x as u32));
-            self.copy_to_device(ws.up.ptr, &words)?;
+            st.up.words_mut()[..words.len()].copy_from_slice(&words);
+            st.in_flight = true;
+            self.copy_pinned_to_device(ws.up.ptr, &st.up, 0..words.len())?;
+            // Each mask as soon as it is there, its copy queued at once: the guides computed
+            // them while the GPU ran the step, so a mask taken before the step ended costs
+            // nothing and is not counted as waited (`get_after`).
+            for (k, m) in masked.iter().enumerate() {
+                let m = m.get_after(|| self.busy());
+                let slot = k * words_per..(k + 1) * words_per;
+                let dst = &mut st.masks.words_mut()[slot.clone()];
+                let n = m.len().min(words_per);
+                dst[..n].copy_from_slice(&m[..n]);
+                dst[n..].fill(0);
+                self.copy_pinned_to_device(ws.masks.ptr + 4 * slot.start as u64, &st.masks, slot)?;
+            }
             let params: Dev<u32> = Dev::new(ws.up.ptr, pen_at_dev);
             let pen_dev: Dev<i32> = Dev::new(ws.up.ptr + 4 * pen_at_dev as u64, PEN_CAP * 2);
             let (ldi, nc) = (ld as i32, nchunks as i32);
@@ -185,8 +222,7 @@ impl Gpu {
                 phase,
                 out: ws.out.view(),
             };
-            if !masks.is_empty() {
-                self.copy_to_device(ws.masks.ptr, &masks)?;
+            if !masked.is_empty() {
                 SampleMask {
                     logits,
                     ld: ldi,
@@ -194,13 +230,7 @@ impl Gpu {
                     masks: ws.masks.view(),
                     words: words_per as i32,
                 }
-                .launch(
-                    self,
-                    rows,
-                    nchunks,
-                    masks.len() / words_per,
-                    On::Prefill,
-                )?;
+                .launch(self, rows, nchunks, masked.len(), On::Prefill)?;
             }
             stats.launch(self, rows, nchunks, On::Prefill)?;
             if pen.is_empty() {
@@ -221,7 +251,9 @@ impl Gpu {
                 stats.launch(self, rows, nchunks, On::Prefill)?;
                 pick(SAMPLE_DRAW | SAMPLE_PENALIZED).launch(self, rows, On::Prefill)?;
             }
-            self.copy_to_host(ws.out.ptr, &mut out)?;
+            self.copy_to_pinned(ws.out.ptr, &mut st.out, 0..rows * SAMPLE_OW)?;
+            st.in_flight = false;
+            out.copy_from_slice(&st.out.words()[..rows * SAMPLE_OW]);
         }
         let mut drawn = Vec::with_capacity(rows);
         for (r, d) in draws.iter().enumerate() {

@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Assembler, Delta, ResponseMeta, ToolChoice, Usage};
 use super::http::{error_response, json_response, read_json, read_request, sse_response};
 use super::submit::{
-    Submitted, context_error, context_floor, event_error, finish_reason, fits_context, gone_event,
-    max_tokens_cap, meta, model_gone, settings, submit, token_text,
+    Submitted, context_error, context_floor, encode_bounded, event_error, finish_reason,
+    fits_context, gone_event, max_tokens_cap, meta, model_gone, settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::chat::ChatRequest;
@@ -96,10 +96,9 @@ fn render_chat(s: &Shared, input: &api::ChatInput) -> Result<ChatPrompt, ApiErro
         text.push_str(input.prefill.as_deref().unwrap_or_default());
         text.push_str(&forced);
     }
-    let ids = s
-        .tokenizer
-        .encode(&text, true)
-        .map_err(|e| ApiError::new(500, "server_error", format!("{e:#}")))?;
+    // the whole rendered prompt against the context floor: also what the check of the
+    // messages' contents did not count (assistant turns, tool calls)
+    let ids = encode_bounded(s, &text, true, "messages")?;
     // Snapshot at the end of the first message (a shared system prompt) and before the
     // generation prompt, the last `<|im_start|>` (the conversation so far, which the next
     // turn extends).

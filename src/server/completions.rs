@@ -5,8 +5,8 @@ use super::Shared;
 use super::api::{self, ApiError, Usage};
 use super::http::{error_response, json_response, read_request, sse_response};
 use super::submit::{
-    context_error, context_floor, event_error, finish_reason, fits_context, gone_event,
-    max_tokens_cap, meta, model_gone, settings, submit, token_text,
+    context_error, context_floor, encode_bounded, event_error, finish_reason, fits_context,
+    gone_event, max_tokens_cap, meta, model_gone, settings, submit, token_text,
 };
 use super::worker::Event;
 use crate::generate::Channel;
@@ -66,12 +66,11 @@ async fn completion_inner(
         api::PromptInput::Text(t) => {
             context_floor(s, t.len(), "prompt")?;
             let s2 = s.clone();
-            tokio::task::spawn_blocking(move || s2.tokenizer.encode(&t, true))
+            tokio::task::spawn_blocking(move || encode_bounded(&s2, &t, true, "prompt"))
                 .await
                 .map_err(|e| {
                     ApiError::new(500, "server_error", format!("tokenization failed: {e}"))
-                })?
-                .map_err(|e| ApiError::new(500, "server_error", format!("{e:#}")))?
+                })??
         }
         api::PromptInput::Ids(ids) => {
             let vocab = s.defaults.vocab_limit;

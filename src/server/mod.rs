@@ -129,6 +129,8 @@ pub struct Shared {
     /// [`Tokenizer::max_token_bytes`]: a prompt's token count is known to be at least its
     /// bytes over this before it is tokenized.
     max_token_bytes: usize,
+    /// Bytes of text being tokenized at once ([`submit::encode_bounded`]).
+    tokenizing: submit::TextBudget,
     /// The structured-output vocabulary and compiler, built on first use.
     grammar: std::sync::OnceLock<Result<Arc<crate::grammar::GrammarEngine>, String>>,
 }
@@ -153,6 +155,14 @@ impl Shared {
         let close_think_ids = tokenizer.encode("</think>\n\n", true)?;
         let im_start = tokenizer.token_to_id("<|im_start|>");
         let max_token_bytes = tokenizer.max_token_bytes();
+        // The longest text the context floor lets through, or the body limit if smaller: one
+        // such text at a time, or many short ones.
+        let tokenizing = submit::TextBudget::new(
+            max_token_bytes
+                .saturating_mul(config.max_seq)
+                .min(config.max_body)
+                .max(1),
+        );
         let (tx, rx) = channel();
         let shared = Shared {
             config,
@@ -171,6 +181,7 @@ impl Shared {
             next_id: AtomicU64::new(1),
             started: http::unix_now(),
             max_token_bytes,
+            tokenizing,
             grammar: Default::default(),
         };
         Ok((Arc::new(shared), rx))

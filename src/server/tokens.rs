@@ -67,11 +67,11 @@ async fn tokenize_inner(
     flag(&obj, "add_special", false)?;
     let parse_special = flag(&obj, "parse_special", true)?;
     let with_pieces = flag(&obj, "with_pieces", false)?;
+    // a text the context cannot hold is refused as a prompt would be, and tokenized within
+    // the server's budget
+    super::submit::context_floor(s, content.len(), "content")?;
     blocking(s, move |s| {
-        let ids = s
-            .tokenizer
-            .encode(&content, parse_special)
-            .map_err(|e| ApiError::new(500, "server_error", format!("{e:#}")))?;
+        let ids = super::submit::encode_bounded(s, &content, parse_special, "content")?;
         let tokens: Vec<Value> = if with_pieces {
             ids.iter()
                 .map(|&id| {

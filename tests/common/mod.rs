@@ -142,25 +142,75 @@ pub fn norm_rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 
-/// The GPU, or None (with the reason printed) where none is usable: only a missing GPU or
-/// driver, or a GPU that is not Hopper-class, skips; a kernel or cuBLAS failure on a GPU machine fails.
-pub fn gpu() -> Option<std::sync::Arc<kestrel::cuda::Gpu>> {
-    match kestrel::cuda::Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e)
-            if matches!(
-                kestrel::cuda::GpuError::of(&e),
-                Some(kestrel::cuda::GpuError::Unavailable(_))
-            ) =>
-        {
-            // Reached only with --include-ignored (the GPU tests are #[ignore]d, so a plain
-            // `cargo test` lists them as ignored): the test returns doing nothing, said here
-            // (shown with --nocapture, as scripts/gpu_check.sh runs them).
-            println!("SKIPPED: no usable GPU: {e:#}");
-            None
+/// The GPU (device 0) for a GPU test. [`gpu_main`] runs a GPU test only after its probe
+/// opened one, so a failure here is the test's.
+pub fn gpu() -> std::sync::Arc<kestrel::cuda::Gpu> {
+    kestrel::cuda::Gpu::open(0).unwrap_or_else(|e| panic!("GPU present but unusable: {e:#}"))
+}
+
+/// Why a GPU test did not run without `--include-ignored` (or `--ignored`).
+const NOT_ASKED: &str = "needs a GPU: run with --include-ignored (scripts/gpu_check.sh does)";
+
+/// The harness of the GPU test files (`harness = false` in Cargo.toml, via libtest-mimic):
+/// runs `tests` (name, function) as libtest would, except that a test that cannot run is
+/// reported ignored with the reason, never passed, and without a panic. Without
+/// `--include-ignored` / `--ignored` each is ignored with [`NOT_ASKED`] (CI, a plain
+/// `cargo test`); with one, device 0 is opened once first: where no usable GPU exists (no
+/// driver, no device, not Hopper-class) each is ignored with the reason; a GPU that is present
+/// but fails to open fails each test; otherwise they run. A test named in `needs` with an
+/// environment variable (what it reads its input from) is ignored, saying so, where the
+/// variable is unset.
+pub fn gpu_main(
+    tests: &[(&'static str, fn())],
+    needs: &[(&str, &str, &str)],
+) -> std::process::ExitCode {
+    use libtest_mimic::{Arguments, Completion, Failed, Trial};
+    let args = Arguments::from_args();
+    let asked = args.ignored || args.include_ignored;
+    // Ok(None): run; Ok(Some(reason)): ignored; Err: fails
+    let verdict: Result<Option<String>, String> = if !asked {
+        Ok(Some(NOT_ASKED.to_string()))
+    } else if args.list {
+        Ok(None)
+    } else {
+        match kestrel::cuda::Gpu::open(0) {
+            Ok(_) => Ok(None),
+            Err(e)
+                if matches!(
+                    kestrel::cuda::GpuError::of(&e),
+                    Some(kestrel::cuda::GpuError::Unavailable(_))
+                ) =>
+            {
+                Ok(Some(format!("no usable GPU: {e:#}")))
+            }
+            Err(e) => Err(format!("GPU present but unusable: {e:#}")),
         }
-        Err(e) => panic!("GPU present but unusable: {e:#}"),
-    }
+    };
+    let trials = tests
+        .iter()
+        .map(|&(name, test)| {
+            let mut verdict = verdict.clone();
+            if let Ok(None) = verdict
+                && let Some((_, var, why)) = needs
+                    .iter()
+                    .find(|n| n.0 == name && std::env::var_os(n.1).is_none())
+            {
+                verdict = Ok(Some(format!("{var} not set ({why})")));
+            }
+            // flagged ignored only where asked, so `--ignored` selects them and a plain run
+            // reaches the runner, which reports the reason
+            Trial::ignorable_test(name, move || match verdict {
+                Ok(None) => {
+                    test();
+                    Ok(Completion::Completed)
+                }
+                Ok(Some(reason)) => Ok(Completion::ignored_with(reason)),
+                Err(e) => Err(Failed::from(e)),
+            })
+            .with_ignored_flag(asked)
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit_code()
 }
 
 /// Seeded numbers in [-1, 1).
