@@ -522,3 +522,26 @@ __device__ __forceinline__ float q4_red_sum(const float* red, int sp, int m, int
     for (int wi = 0; wi < 8; wi++) a += red[((wi * SPB + sp) * m + t) * 16 + r];
     return a;
 }
+
+// The few-row and grouped 4-bit MoE's outputs of rows r0 .. r0 + m - 1 from q4_dot's partials
+// (feature group fy = blockIdx.y): SWIGLU bf16 act[r, j] = bf16(SiLU(gate) * up) of strips 0
+// (gate) and 1 (up), j = 16 fy + (0..15); else f32 y[r, f] of each strip sp, f = 16 (SPB fy + sp)
+// + (0..15). Rows of nf.
+template <int SPB, bool SWIGLU>
+__device__ __forceinline__ void q4_store_rows(const float* red, const int (&strip)[SPB], int m, int nf, int fy, int r0,
+                                              void* __restrict__ out) {
+    if (SWIGLU) {
+        for (int o = threadIdx.x; o < m * 16; o += blockDim.x) {
+            const int t = o >> 4, j = fy * 16 + (o & 15);
+            if (strip[0] < 0 || j >= nf) continue;
+            const float gs = q4_red_sum<SPB>(red, 0, m, t, o & 15), us = q4_red_sum<SPB>(red, 1, m, t, o & 15);
+            reinterpret_cast<bf16*>(out)[(size_t)(r0 + t) * nf + j] = __float2bfloat16(silu_f(gs) * us);
+        }
+    } else {
+        for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {
+            const int sp = o / (m * 16), t = (o >> 4) % m, f = (fy * SPB + sp) * 16 + (o & 15);
+            if (strip[sp] < 0) continue;
+            reinterpret_cast<float*>(out)[(size_t)(r0 + t) * nf + f] = q4_red_sum<SPB>(red, sp, m, t, o & 15);
+        }
+    }
+}

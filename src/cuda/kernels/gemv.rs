@@ -152,14 +152,7 @@ pub fn gemv_q4(
     let smem = q4_smem(m, k, w.group, norm, 8 * 16 * m * spb);
     let q4_blocks = (n / 16).div_ceil(spb);
     let blocks = q4_blocks + nb.div_ceil(16);
-    let a = argmax.unwrap_or(Argmax {
-        val: Dev::null(),
-        idx: Dev::null(),
-        done: Dev::null(),
-        limit: 0,
-        out: Dev::null(),
-        out2: Dev::null(),
-    });
+    let a = argmax.unwrap_or(Argmax::NONE);
     if argmax.is_some() {
         ensure!(
             m == 1
@@ -332,6 +325,18 @@ pub struct Argmax {
     pub out2: Dev<i32>,
 }
 
+impl Argmax {
+    /// No argmax: the kernels' null pointers.
+    const NONE: Argmax = Argmax {
+        val: Dev::null(),
+        idx: Dev::null(),
+        done: Dev::null(),
+        limit: 0,
+        out: Dev::null(),
+        out2: Dev::null(),
+    };
+}
+
 /// `y = beta * y + W · input` for `W [n, k]` (bf16): `gemv_dec_stream` at k = 2,048 without an
 /// argmax, else `gemv_dec_w` (with the argmax when given).
 #[allow(clippy::too_many_arguments)]
@@ -384,14 +389,7 @@ pub fn gemv(
         return gpu.run("gemv_dec_stream", grid, 256, stream_smem(ns), &p.args(), on);
     }
     let blocks = n.div_ceil(rows_per_block(k, true)).min(MAX_BLOCKS);
-    let a = argmax.unwrap_or(Argmax {
-        val: Dev::null(),
-        idx: Dev::null(),
-        done: Dev::null(),
-        limit: 0,
-        out: Dev::null(),
-        out2: Dev::null(),
-    });
+    let a = argmax.unwrap_or(Argmax::NONE);
     if argmax.is_some() {
         ensure!(
             a.val.len >= blocks && a.idx.len >= blocks && !a.done.is_null() && !a.out.is_null(),

@@ -47,7 +47,7 @@ impl<T> std::fmt::Debug for Dev<T> {
 
 impl<T> Dev<T> {
     /// `len` elements at device address `ptr`.
-    pub fn new(ptr: u64, len: usize) -> Self {
+    pub const fn new(ptr: u64, len: usize) -> Self {
         Dev {
             ptr,
             len,
@@ -56,7 +56,7 @@ impl<T> Dev<T> {
     }
 
     /// No buffer (a null pointer).
-    pub fn null() -> Self {
+    pub const fn null() -> Self {
         Self::new(0, 0)
     }
 

@@ -370,20 +370,7 @@ __device__ __forceinline__ void moe_grouped_q4_impl(const bf16* __restrict__ a, 
         q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r0 * kdim, gather ? gather + r0 : nullptr, m, kdim);
         q4_span_sums(xw, ldw, m, kdim, q4_span(group), xsum);
         q4_dot<NV, 2, SPB>(v, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
-        if (SWIGLU) {
-            for (int o = threadIdx.x; o < m * 16; o += blockDim.x) {
-                const int t = o >> 4, j = blockIdx.y * 16 + (o & 15);
-                if (strip[0] < 0 || j >= nf) continue;
-                const float gs = q4_red_sum<SPB>(red, 0, m, t, o & 15), us = q4_red_sum<SPB>(red, 1, m, t, o & 15);
-                reinterpret_cast<bf16*>(out)[(size_t)(r0 + t) * nf + j] = __float2bfloat16(silu_f(gs) * us);
-            }
-        } else {
-            for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {
-                const int sp = o / (m * 16), t = (o >> 4) % m, f = (blockIdx.y * SPB + sp) * 16 + (o & 15);
-                if (strip[sp] < 0) continue;
-                reinterpret_cast<float*>(out)[(size_t)(r0 + t) * nf + f] = q4_red_sum<SPB>(red, sp, m, t, o & 15);
-            }
-        }
+        q4_store_rows<SPB, SWIGLU>(red, strip, m, nf, blockIdx.y, r0, out);
     }
 }
 #define MOE_GROUPED_Q4(NAME, SWIGLU)                                                                                 \

@@ -568,20 +568,7 @@ __device__ __forceinline__ void moe_gemv_sorted_q4_impl(const bf16* __restrict__
     q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r * kdim, gather ? gather + r : nullptr, m, kdim);
     q4_span_sums(xw, ldw, m, kdim, q4_span(group), xsum);
     q4_dot<NV, 1, SPB>(v, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
-    if (SWIGLU) {
-        for (int o = threadIdx.x; o < m * 16; o += blockDim.x) {
-            const int t = o >> 4, j = blockIdx.y * 16 + (o & 15);
-            if (strip[0] < 0 || j >= nf) continue;
-            const float gs = q4_red_sum<SPB>(red, 0, m, t, o & 15), us = q4_red_sum<SPB>(red, SPB - 1, m, t, o & 15);
-            reinterpret_cast<bf16*>(out)[(size_t)(r + t) * nf + j] = __float2bfloat16(silu_f(gs) * us);
-        }
-    } else {
-        for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {
-            const int sp = o / (m * 16), t = (o >> 4) % m, f = (blockIdx.y * SPB + sp) * 16 + (o & 15);
-            if (strip[sp] < 0) continue;
-            reinterpret_cast<float*>(out)[(size_t)(r + t) * nf + f] = q4_red_sum<SPB>(red, sp, m, t, o & 15);
-        }
-    }
+    q4_store_rows<SPB, SWIGLU>(red, strip, m, nf, blockIdx.y, r, out);
 }
 #define MOE_GEMV_SORTED_Q4(NAME, SWIGLU)                                                                              \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                           \
