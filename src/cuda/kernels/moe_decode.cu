@@ -81,6 +81,29 @@ __host__ __device__ __forceinline__ int gate_up_dec_smem(int d, int e, int k) { 
 // logits before its own wait).
 // FP8: gate_up / shared_gate_up e4m3 with their block scales gu_sc [E, 2 inter / 128, ceil(d /
 // 128)] and sgu_sc (inter, s_inter % 128 == 0, d % 16 == 0), VPL words of 16 a lane (d / 512).
+// A routed slot's expert, picked by this warp from the router's logits after the wait (its own
+// copy in `routing`: per warp e logits, k ids, k weights, 16-byte rounded; no block barrier);
+// block (0, 1)'s warp 0 also stores the ids and weights for moe_down_dec. Shared by the bf16/FP8
+// and 4-bit gate/up kernels.
+__device__ __forceinline__ int gate_up_dec_pick(float* routing, const float* logits, int e, int k, int slot,
+                                                int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                                                int late_launch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    griddep_wait();  // the logits come from the router
+    if (late_launch) griddep_launch();
+    float* rl = routing + warp * ((e + 2 * k + 3) & ~3);
+    int* ids = reinterpret_cast<int*>(rl + e);
+    float* wts = rl + e + k;
+    for (int i = lane; i < e; i += 32) rl[i] = logits[i];
+    __syncwarp();
+    route_topk_warp(rl, e, k, ids, wts);
+    __syncwarp();  // lanes < k wrote the choices
+    if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
+        topk_ids[lane] = ids[lane];
+        topk_w[lane] = wts[lane];
+    }
+    return ids[slot];
+}
 template <int VPL, bool FP8>
 __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb, int d, const float* logits, int e,
                                                      int k, int* __restrict__ topk_ids, float* __restrict__ topk_w,
@@ -94,23 +117,7 @@ __device__ __forceinline__ void moe_gate_up_dec_impl(const bf16* __restrict__ xb
     // are known before the router finishes, so those blocks load them before waiting.
     const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool shared = slot == k;
-    int expert = 0;
-    if (!shared) {
-        griddep_wait();  // the logits come from the router
-        if (late_launch) griddep_launch();
-        float* rl = xs + d + warp * ((e + 2 * k + 3) & ~3);
-        int* ids = reinterpret_cast<int*>(rl + e);
-        float* wts = rl + e + k;
-        for (int i = lane; i < e; i += 32) rl[i] = logits[i];
-        __syncwarp();
-        route_topk_warp(rl, e, k, ids, wts);
-        __syncwarp();  // lanes < k wrote the choices
-        expert = ids[slot];
-        if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
-            topk_ids[lane] = ids[lane];
-            topk_w[lane] = wts[lane];
-        }
-    }
+    const int expert = shared ? 0 : gate_up_dec_pick(xs + d, logits, e, k, slot, topk_ids, topk_w, late_launch);
     const int n = shared ? s_inter : inter, j = blockIdx.x * 8 + warp;
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
     // the shared expert's xb, the normalised input, comes from the router too
@@ -390,23 +397,7 @@ __device__ __forceinline__ void moe_gate_up_dec_q4_impl(const bf16* __restrict__
     float* xsum = smem + d / 2;
     float* red = xsum + nspan;
     float* routing = red + 8 * 2 * 16;
-    int expert = 0;
-    if (!shared) {
-        griddep_wait();  // the logits come from the router
-        if (late_launch) griddep_launch();
-        float* rl = routing + warp * ((e + 2 * k + 3) & ~3);
-        int* ids = reinterpret_cast<int*>(rl + e);
-        float* wts = rl + e + k;
-        for (int i = lane; i < e; i += 32) rl[i] = logits[i];
-        __syncwarp();
-        route_topk_warp(rl, e, k, ids, wts);
-        __syncwarp();  // lanes < k wrote the choices
-        expert = ids[slot];
-        if (blockIdx.x == 0 && blockIdx.y == 1 && warp == 0 && lane < k) {
-            topk_ids[lane] = ids[lane];
-            topk_w[lane] = wts[lane];
-        }
-    }
+    const int expert = shared ? 0 : gate_up_dec_pick(routing, logits, e, k, slot, topk_ids, topk_w, late_launch);
     if (j0 >= n) return;  // the wider of the two experts' grid
     const uint4* w = shared ? shared_gate_up : gate_up;
     const unsigned* sb = shared ? sgu_sb : gu_sb;
