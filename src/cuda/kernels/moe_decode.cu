@@ -390,7 +390,7 @@ __device__ __forceinline__ void moe_gate_up_dec_q4_impl(const bf16* __restrict__
                                                         float* smem) {
     DECODE_KERNEL_NO_LAUNCH(TAG_GATE_UP);
     if (!late_launch) griddep_launch();
-    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slot = blockIdx.y == 0 ? k : blockIdx.y - 1;
     const bool shared = slot == k;
     const int n = shared ? s_inter : inter, j0 = blockIdx.x * 16, nspan = d / q4_span(group);
     unsigned* xw = reinterpret_cast<unsigned*>(smem);
