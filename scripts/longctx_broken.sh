@@ -53,5 +53,6 @@ for l in sys.stdin:
         print(m["executable"])')
   [ -n "$exe" ] || { echo "longctx_broken.sh: the '$bug' build failed (cargo test --release --test cuda --no-run in $wt)" >&2; exit 1; }
   cp "$exe" ".device/bin/test-cuda-broken-$bug"
+  strip ".device/bin/test-cuda-broken-$bug"
   echo "built .device/bin/test-cuda-broken-$bug ($(git -C "$wt" diff --stat | tail -1))"
 done

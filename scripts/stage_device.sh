@@ -20,5 +20,7 @@ cp "${CARGO_TARGET_DIR:-target}/release/kestrel" .device/bin/
 while read -r name exe; do
   case "$name" in cuda | cuda_kernels) cp "$exe" ".device/bin/test-$name" ;; esac
 done < /tmp/kestrel-test-exes
+# Stripped: the device tool carries at most 64 MiB with the tree (the fixtures are ~30 MiB).
+strip .device/bin/*
 git rev-parse --short HEAD > .device/COMMIT
 du -sh .device
