@@ -6,7 +6,7 @@
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
-#          [serveload-long] [longctx [LENGTHS]] [formats CONTEXTS] [structmask]
+#          [serveload-long] [longctx [LENGTHS]] [formats CONTEXTS] [structmask] [hf-fp8]
 #   (KESTREL_BENCH_ARGS adds bench options, e.g. "--max-chunk 8192"; KESTREL_SYNTHETIC=full-fp8
 #   runs bench, concurrency, profile, kernels and abbin on the synthetic FP8 weights, =full-int4
 #   on the 4-bit ones)
@@ -30,6 +30,9 @@
 #   scripts/struct_mask.py's batch-1 streaming requests, plain and json_schema at temperature
 #   0 and 1, twice: ITL per kind into $OUT/structmask.log / .json, the server's per-reply mask
 #   compute and wait lines after them.
+#   hf-fp8: transformers' own FP8 compute path (W8A8) on tests/fixtures/tiny-official-fp8
+#   (scripts/hf_fp8_gpu_reference.py): its logits and their distance from the committed f32
+#   reference into $OUT/hf-fp8/ (issue 38).
 #   kernels: Nsight Compute times every kernel of one fused decode step (clocks left alone)
 #   and scripts/kernel_table.py sums them per op into $OUT/decode-kernels.md.
 #   longctx [LENGTHS]: issue 43's production-shape long-context check. scripts/longctx_check.py
@@ -213,6 +216,8 @@ while [ $# -gt 0 ]; do
           status=1
         fi
       done ;;
+    hf-fp8)
+      python3 scripts/hf_fp8_gpu_reference.py --out "$OUT/hf-fp8" 2>&1 | tee "$OUT/hf-fp8.log" || status=1 ;;
     peer)
       python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;
     *) echo "unknown step $1"; status=1 ;;
