@@ -711,6 +711,24 @@ static void grouped_q4_check(int d, int inter, int group, const std::vector<int>
            ok ? "ok  " : "FAIL", group, d, inter, e, rows, tiles, ea, ey);
 }
 
+// e4m3x4_to_bf16x4 (as the emulator runs its instructions) against the e4m3 values: every byte
+// (NaN codes aside) in every position of the word, bitwise.
+static void e4m3_bf16_check() {
+    int bad = 0;
+    for (unsigned b = 0; b < 256; b++) {
+        if ((b & 0x7f) == 0x7f) continue;
+        for (int pos = 0; pos < 4; pos++) {
+            const unsigned w = (b << (8 * pos)) | (0x38u << (8 * ((pos + 1) % 4)));  // 0x38: 1.0 beside it
+            unsigned lo, hi;
+            e4m3x4_to_bf16x4(w, lo, hi);
+            const unsigned half = ((pos < 2 ? lo : hi) >> (16 * (pos % 2))) & 0xffff;
+            bad += f(bf16{(uint16_t)half}) != (double)emu_e4m3(b);
+        }
+    }
+    printf("%s e4m3x4_to_bf16x4: every finite e4m3 code, each byte position: %d wrong\n", bad ? "FAIL" : "ok  ", bad);
+    fails += bad != 0;
+}
+
 // moe_plan alone over several warps of experts (the model's 256, and ragged counts), offsets
 // and cursor included, against plan_ok's sequential table.
 static void plan_check(int e, int tile_m) {
@@ -729,6 +747,7 @@ static void plan_check(int e, int tile_m) {
 }
 
 int main(int argc, char** argv) {
+    const bool quick = argc > 1 && std::string(argv[1]) == "quick";
     for (int e : {5, 40, 256, 1000}) plan_check(e, e == 40 ? 64 : 128);
     for (int early : {0, 1, 2}) {  // 2: the down rows by bulk copies
         decode_moe_check(64, 8, 2, 32, 32, early);
@@ -752,6 +771,7 @@ int main(int argc, char** argv) {
     sorted_q4_check(2048, 512, 6, 9, 128);
     grouped_q4_check(128, 128, 32, {20, 0, 9});
     grouped_q4_check(2048, 512, 64, {150, 5, 0, 17});
+    e4m3_bf16_check();
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(k % 2 ? 12 : 21, e, k, k % 2 ? 36 : 64);
@@ -764,7 +784,6 @@ int main(int argc, char** argv) {
         combine_check(3, 10, 36, sorted);
         combine_check(4, 2, 1100, sorted);
     }
-    bool quick = argc > 1 && std::string(argv[1]) == "quick";
     // deep-k: 8 and 5 K tiles, so the pipelines' stages wrap (the tiny shapes have one or two)
     const Shape tiny[] = {{"tiny-flat-f32", 37, 64, 32, 8, 2}, {"tiny-official-bf16", 150, 96, 32, 16, 4},
                           {"ragged", 50, 40, 24, 5, 2}, {"deep-k", 40, 512, 320, 4, 2}};
