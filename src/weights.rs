@@ -1225,12 +1225,24 @@ impl ModelWeights {
         })
     }
 
-    /// Every matrix re-stored as bf16 (what the GPU backend holds), so the CPU reference can
-    /// run at the GPU's precision. FP8 and affine matrices stay as they are (the GPU will
-    /// hold them so too).
+    /// Every matrix re-stored as the GPU backend holds it, so the CPU reference can run at
+    /// the GPU's precision: bf16, except FP8 (kept) and 4-bit affine matrices, which keep their
+    /// codes with their scales and biases rounded to bf16 (the GPU's q4 tiles hold bf16
+    /// pairs: GPTQ/AWQ f16 scales move by up to 2^-9). 8-bit affine matrices (MLX's router)
+    /// go up dequantised to bf16. Without this the 4-bit fixtures' GPU runs sit 2-5x further
+    /// from the CPU than the GPU's own arithmetic explains (tiny-gptq: 2.7e-2 of the decode
+    /// logits' norm from the scales alone; tiny-mlx-4bit: 5.1e-2 of the prompt's, router flips).
     pub fn round_to_bf16(&mut self) {
         let r = |m: &mut Mat| {
-            if m.dtype != DType::BF16 && m.dtype != DType::F8E4M3 && !m.dtype.is_affine() {
+            if m.dtype == DType::U4 {
+                if let Some(a) = m.affine.as_mut() {
+                    for t in [&mut a.scales, &mut a.biases] {
+                        if t.dtype != DType::BF16 {
+                            *t = Mat::from_f32(&t.to_f32(), t.rows, t.cols, DType::BF16);
+                        }
+                    }
+                }
+            } else if m.dtype != DType::BF16 && m.dtype != DType::F8E4M3 {
                 *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
             }
         };
