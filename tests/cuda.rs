@@ -608,6 +608,11 @@ struct Prefill {
 }
 
 impl Prefill {
+    /// Whether the last call takes prefill's short-call kernels (at most 16 tokens).
+    fn last_short(&self) -> bool {
+        self.pieces.last().is_some_and(|&n| n <= 16)
+    }
+
     /// Calls of `chunk` tokens over `len` (the last one the remainder).
     fn chunks(len: usize, chunk: usize) -> Self {
         let mut pieces = vec![chunk; len / chunk];
@@ -673,9 +678,11 @@ fn prefill_then_decode<E: Engine>(m: &E, r: &HfRows, p: &Prefill) -> (Vec<f32>, 
 /// against HF f32: ‖Δ‖/‖ref‖ <= 5e-2 and at most max(2e-2, transformers' own bf16 spread on the
 /// same rows at the same length), the fullwidth check's bar; the ragged way's 4 last prompt rows
 /// the same; the greedy choice HF's on every row where HF's top-2 margin is >= 0.1 (at least 8
-/// such rows). Each way against calls of 16,384: ‖Δ‖/‖ref‖ <= 1e-2 (the same kernels in other
-/// call shapes; a wrong chunk offset is far more). Every failure is listed before the test
-/// fails.
+/// such rows). Each way against calls of 16,384: ‖Δ‖/‖ref‖ <= 1e-4 where the calls run the same
+/// kernels in other shapes (they agree exactly; a wrong chunk offset moved them 1.2e-3 on the
+/// H100, which the HF bar alone cannot see with random weights, whose attention spreads over
+/// every position), and within the HF bar for the ragged way (its 4-token last call runs the
+/// short-call kernels). Every failure is listed before the test fails.
 /// Ignored without the checkpoint (KESTREL_LONGCTX_DIR, see `main`).
 fn longctx_checkpoint_matches_hf() {
     let dir = std::env::var("KESTREL_LONGCTX_DIR").unwrap();
@@ -791,8 +798,15 @@ fn long_context_check<E: Engine>(
                     p.name
                 ));
             }
-            if let Some(x) = vs_first.filter(|&x| x > 1e-2) {
-                failures.push(format!("L {len} {}: {x:.3e} from {}", p.name, ways[0].name));
+            // Calls on the same kernels agree exactly (0 measured on the H100); the ragged
+            // way's last call (4 tokens) takes the short-call kernels, so its rows differ by
+            // the precision spread (1.5e-2 measured), within HF's own bf16 bar.
+            let same_bar = if p.last_short() { bar } else { 1e-4 };
+            if let Some(x) = vs_first.filter(|&x| x > same_bar) {
+                failures.push(format!(
+                    "L {len} {}: {x:.3e} from {} (bar {same_bar:.1e})",
+                    p.name, ways[0].name
+                ));
             }
             if let Some(l4) = last4 {
                 let e4 = norm_rel_err(&l4, &r.last4);
