@@ -6,7 +6,10 @@ Batch 1: one streaming chat request at a time, thinking off, max_tokens 128, eac
 --rounds times (default 2), alternating: plain and json_schema (strict, an object of exactly 8
 strings of 20-30 characters), each at temperature 0 and 1. The inter-token latency is the
 mean gap between content chunks after the first. A constrained reply must parse as JSON with
-the 8 keys. Prints a row per request and the mean ITL of each kind with the constrained kinds'
+the 8 keys: first one request a temperature with room to finish (--check-tokens, default
+1024) must end by the grammar (finish "stop") and parse; the timed replies are judged only
+where they finished (the synthetic weights' short tokens can run them to max_tokens, as
+2026-12-07's did). Prints a row per request and the mean ITL of each kind with the constrained kinds'
 excess over the same temperature unconstrained; --json writes the rows. The server's log has
 the masks' compute and wait per reply ("structured output: N masks, ..." at RUST_LOG info).
 
@@ -31,7 +34,7 @@ SCHEMA = {
 
 
 def one(host, port, model, schema, temperature, max_tokens, timeout):
-    """One streaming request: (ttft_s, [gap_s], text, error)."""
+    """One streaming request: (ttft_s, [gap_s], text, error, finish_reason)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Describe a kestrel as JSON."}],
@@ -55,8 +58,8 @@ def one(host, port, model, schema, temperature, max_tokens, timeout):
     f = s.makefile("rb")
     status = f.readline().split()
     if len(status) < 2 or status[1] != b"200":
-        return None, [], "", f"status {status!r}: {f.read()[-300:]!r}"
-    times, text, err = [], [], None
+        return None, [], "", f"status {status!r}: {f.read()[-300:]!r}", None
+    times, text, err, finish = [], [], None, None
     for line in f:
         line = line.strip()
         if not line.startswith(b"data: "):
@@ -68,15 +71,25 @@ def one(host, port, model, schema, temperature, max_tokens, timeout):
             err = str(ev["error"])
             break
         for c in ev.get("choices", []):
+            finish = c.get("finish_reason") or finish
             piece = (c.get("delta") or {}).get("content")
             if piece:
                 times.append(time.perf_counter())
                 text.append(piece)
     s.close()
     if not times:
-        return None, [], "", err or "no content"
+        return None, [], "", err or "no content", finish
     gaps = [b - a for a, b in zip(times, times[1:])]
-    return times[0] - t0, gaps, "".join(text), err
+    return times[0] - t0, gaps, "".join(text), err, finish
+
+
+def parses(text):
+    """Whether a constrained reply is the schema's object (the 8 keys)."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(v, dict) and sorted(v) == sorted(KEYS)
 
 
 def main():
@@ -84,6 +97,7 @@ def main():
     ap.add_argument("--url", default="http://127.0.0.1:8126")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--check-tokens", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -94,25 +108,31 @@ def main():
     # warm-up: the first request of each kind compiles and fills caches
     for schema in (False, True):
         one(host, port, model, schema, 0.0, 16, args.timeout)
-    rows, failed = [], 0
+    # Every constrained reply given room to finish must end by the grammar (finish "stop") and
+    # parse: the timed ones below stop at max_tokens where the synthetic weights' tokens are short.
+    checks, rows, failed = [], [], 0
+    for t in (0.0, 1.0):
+        _, _, text, err, finish = one(host, port, model, True, t, args.check_tokens, args.timeout)
+        good = not err and finish == "stop" and parses(text)
+        checks.append({"temperature": t, "finish": finish, "parses": good, "chars": len(text),
+                       "error": err, "text_head": text[:120]})
+        failed += not good
+        print(f"check temperature {t}: finish {finish}, {len(text)} chars, parses {good}, error {err}: "
+              f"{text[:80]!r}")
     for rnd in range(args.rounds):
         for schema in (False, True):
             for t in (0.0, 1.0):
-                ttft, gaps, text, err = one(host, port, model, schema, t, args.max_tokens, args.timeout)
-                parses = None
-                if schema and not err:
-                    try:
-                        v = json.loads(text)
-                        parses = isinstance(v, dict) and sorted(v) == sorted(KEYS)
-                    except ValueError:
-                        parses = False
+                ttft, gaps, text, err, finish = one(host, port, model, schema, t, args.max_tokens,
+                                                    args.timeout)
+                # a reply cut by max_tokens is not judged here (the check below is)
+                ok = parses(text) if schema and not err and finish == "stop" else None
                 itl = sum(gaps) / len(gaps) * 1e3 if gaps else None
                 row = {"round": rnd, "schema": schema, "temperature": t, "chunks": len(gaps) + 1 if ttft else 0,
-                       "ttft_ms": ttft * 1e3 if ttft else None, "itl_ms": itl, "parses": parses, "error": err}
+                       "ttft_ms": ttft * 1e3 if ttft else None, "itl_ms": itl, "finish": finish, "parses": ok, "error": err}
                 rows.append(row)
-                failed += bool(err) or parses is False
+                failed += bool(err) or ok is False
                 print(f"round {rnd} schema {schema!s:5} temperature {t}: {row['chunks']} chunks, "
-                      f"ITL {itl if itl is None else round(itl, 3)} ms, parses {parses}, error {err}")
+                      f"ITL {itl if itl is None else round(itl, 3)} ms, finish {finish}, parses {ok}, error {err}")
                 sys.stdout.flush()
     mean = {}
     for schema in (False, True):
@@ -125,7 +145,7 @@ def main():
               f"+{masked - plain:.3f} ms ({(masked / plain - 1) * 100:+.1f}% of a step; issue 41: < 10%)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"schema": SCHEMA, "requests": rows}, f, indent=1)
+            json.dump({"schema": SCHEMA, "checks": checks, "requests": rows}, f, indent=1)
     sys.exit(1 if failed else 0)
 
 
