@@ -1228,8 +1228,9 @@ impl ModelWeights {
     /// Every matrix re-stored as the GPU backend holds it, so the CPU reference can run at
     /// the GPU's precision: bf16, except FP8 (kept) and 4-bit affine matrices, which keep their
     /// codes with their scales and biases rounded to bf16 (the GPU's q4 tiles hold bf16
-    /// pairs: GPTQ/AWQ f16 scales move by up to 2^-9). 8-bit affine matrices (MLX's router)
-    /// go up dequantised to bf16. Without this the 4-bit fixtures' GPU runs sit 2-5x further
+    /// pairs: GPTQ/AWQ f16 scales move by up to 2^-9). 8-bit affine matrices (MLX's router),
+    /// the embedding and GDN's in_proj_a / in_proj_b go up dequantised to bf16 whatever their
+    /// format (the gather and the b|a rows read bf16). Without this the 4-bit fixtures' GPU runs sit 2-5x further
     /// from the CPU than the GPU's own arithmetic explains (tiny-gptq: 2.7e-2 of the decode
     /// logits' norm from the scales alone; tiny-mlx-4bit: 5.1e-2 of the prompt's, router flips).
     pub fn round_to_bf16(&mut self) {
@@ -1246,20 +1247,21 @@ impl ModelWeights {
                 *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
             }
         };
-        r(&mut self.embed);
+        let bf16 = |m: &mut Mat| {
+            if m.dtype != DType::BF16 {
+                *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
+            }
+        };
+        bf16(&mut self.embed);
         r(&mut self.lm_head);
         for l in &mut self.layers {
             match &mut l.mixer {
                 Mixer::Gdn(g) => {
-                    for m in [
-                        &mut g.in_qkv,
-                        &mut g.in_z,
-                        &mut g.in_a,
-                        &mut g.in_b,
-                        &mut g.out,
-                    ] {
+                    for m in [&mut g.in_qkv, &mut g.in_z, &mut g.out] {
                         r(m);
                     }
+                    bf16(&mut g.in_a);
+                    bf16(&mut g.in_b);
                 }
                 Mixer::Attention(a) => {
                     for m in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
