@@ -2,7 +2,7 @@
 # The GPU round, run on the H200 through the device tool from the repository root:
 #   GPU test executables (built here with `cargo test --release --no-run`, staged by
 #   scripts/stage_device.sh into .device/), the HF full-width comparison, the bench and the
-#   HF peer, all logs and JSON under $OUT.
+#   HF peer; all logs and JSON packed into $OUT/round.tgz (see Results below).
 # Usage: scripts/gpu_check.sh [tests] [fullwidth] [cli] [bench CONTEXTS] [profile CONTEXT] [peer]
 #          [kernels CONTEXT] [abbin BINARY[,BINARY..] CONTEXTS] [timeline CONTEXTS]
 #          [concurrency STREAMS CONTEXTS] [concurrency-sampling STREAMS CONTEXTS] [serveload]
@@ -46,9 +46,15 @@
 #   $OUT/longctx-broken-NAME.log, the verdict in longctx.log. Measured on an H100 (2026-12-07):
 #   32768 with two broken builds took 199 s (HF's references ~120 s, Kestrel's load 32 s and
 #   ~30 s for all ways, each broken build ~30 s). 131072 adds HF's f32 attention at 16x.
+#   Results: a call returns at most 8 files, so every log and JSON is written under a work
+#   folder and packed after each step into $OUT/round.tgz (a step cut short keeps what the
+#   earlier ones packed): `tar xzf .../round.tgz` here.
 set -uo pipefail
-OUT=${OUT:-/tmp/kestrel-out}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/kestrel-out}
+OUT=/tmp/kestrel-round
+rm -rf "$OUT"
+mkdir -p "$OUT" "$FINAL"
+pack() { tar czf "$FINAL/round.tgz" -C "$OUT" .; }
 export KESTREL_CACHE_DIR=/tmp/kestrel-cache RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
 export KESTREL_COMMIT=$(cat .device/COMMIT 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
@@ -221,5 +227,6 @@ while [ $# -gt 0 ]; do
     *) echo "unknown step $1"; status=1 ;;
   esac
   shift
+  pack
 done
 exit $status
