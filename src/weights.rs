@@ -1034,6 +1034,17 @@ pub struct LayerWeights {
     pub moe: MoeWeights,
 }
 
+impl LayerWeights {
+    /// The mixer's projections, the dense matrices the quantised formats store quantised: GDN's
+    /// in_proj_qkv, in_proj_z and out_proj (not in_proj_a / in_proj_b), attention's q, k, v, o.
+    pub fn mixer_matrices_mut(&mut self) -> Vec<&mut Mat> {
+        match &mut self.mixer {
+            Mixer::Gdn(g) => vec![&mut g.in_qkv, &mut g.in_z, &mut g.out],
+            Mixer::Attention(a) => vec![&mut a.q, &mut a.k, &mut a.v, &mut a.o],
+        }
+    }
+}
+
 pub struct ModelWeights {
     pub embed: Mat,
     pub layers: Vec<LayerWeights>,
@@ -1226,13 +1237,13 @@ impl ModelWeights {
     }
 
     /// Every matrix re-stored as the GPU backend holds it, so the CPU reference can run at
-    /// the GPU's precision: bf16, except FP8 (kept) and 4-bit affine matrices, which keep their
-    /// codes with their scales and biases rounded to bf16 (the GPU's q4 tiles hold bf16
+    /// the GPU's precision: bf16, except FP8 (kept) and 4-bit affine matrices, which keep
+    /// their codes with their scales and biases rounded to bf16 (the GPU's q4 tiles hold bf16
     /// pairs: GPTQ/AWQ f16 scales move by up to 2^-9). 8-bit affine matrices (MLX's router),
     /// the embedding and GDN's in_proj_a / in_proj_b go up dequantised to bf16 whatever their
-    /// format (the gather and the b|a rows read bf16). Without this the 4-bit fixtures' GPU runs sit 2-5x further
-    /// from the CPU than the GPU's own arithmetic explains (tiny-gptq: 2.7e-2 of the decode
-    /// logits' norm from the scales alone; tiny-mlx-4bit: 5.1e-2 of the prompt's, router flips).
+    /// format (the gather and the b|a rows read bf16). Without this the 4-bit fixtures' GPU
+    /// runs sat 2-5x further from the CPU than the GPU's own arithmetic explains (tiny-gptq:
+    /// 2.7e-2 of the decode logits' norm from the scales alone).
     pub fn round_to_bf16(&mut self) {
         let r = |m: &mut Mat| {
             if m.dtype == DType::U4 {
@@ -1255,19 +1266,10 @@ impl ModelWeights {
         bf16(&mut self.embed);
         r(&mut self.lm_head);
         for l in &mut self.layers {
-            match &mut l.mixer {
-                Mixer::Gdn(g) => {
-                    for m in [&mut g.in_qkv, &mut g.in_z, &mut g.out] {
-                        r(m);
-                    }
-                    bf16(&mut g.in_a);
-                    bf16(&mut g.in_b);
-                }
-                Mixer::Attention(a) => {
-                    for m in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
-                        r(m);
-                    }
-                }
+            l.mixer_matrices_mut().into_iter().for_each(r);
+            if let Mixer::Gdn(g) = &mut l.mixer {
+                bf16(&mut g.in_a);
+                bf16(&mut g.in_b);
             }
             r(&mut l.moe.router);
             for e in l
@@ -1343,14 +1345,7 @@ impl ModelWeights {
             }
         };
         for l in &mut self.layers {
-            match &mut l.mixer {
-                Mixer::Gdn(g) => [&mut g.in_qkv, &mut g.in_z, &mut g.out]
-                    .into_iter()
-                    .for_each(f),
-                Mixer::Attention(a) => [&mut a.q, &mut a.k, &mut a.v, &mut a.o]
-                    .into_iter()
-                    .for_each(f),
-            }
+            l.mixer_matrices_mut().into_iter().for_each(f);
             for e in l
                 .moe
                 .experts

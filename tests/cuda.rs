@@ -23,7 +23,7 @@ use kestrel::cuda::model::{CudaModel, WeightFormat};
 use kestrel::model::{CpuModel, Engine, Logits};
 use kestrel::ops::argmax;
 use kestrel::tensor::{DType, Mat};
-use kestrel::weights::{Mixer, ModelWeights};
+use kestrel::weights::ModelWeights;
 mod common;
 use common::{f32_tensor, fixtures, gpu, id_tensor, norm_rel_err, read_reference, rel_err};
 use std::path::{Path, PathBuf};
@@ -151,15 +151,6 @@ fn cuda_runs_the_gptq_awq_and_ct_checkpoints() {
     }
 }
 
-/// Whether `m` holds 4-bit (or 8-bit) affine matrices.
-fn has_affine(m: &CpuModel) -> bool {
-    m.weights.lm_head.dtype.is_affine()
-        || m.weights.layers.iter().any(|l| match &l.mixer {
-            Mixer::Gdn(g) => g.in_qkv.dtype.is_affine(),
-            Mixer::Attention(a) => a.q.dtype.is_affine(),
-        })
-}
-
 /// The dense (non-expert) affine matrices dequantised to bf16, as a 4-bit prompt of more than
 /// [`GEMV_Q4_TOKENS`] tokens runs them on the GPU; the routed experts stay exact (the grouped
 /// and few-row 4-bit MoE kernels read the codes).
@@ -171,14 +162,7 @@ fn dense_affine_to_bf16(w: &mut ModelWeights) {
     };
     f(&mut w.lm_head);
     for l in &mut w.layers {
-        match &mut l.mixer {
-            Mixer::Gdn(g) => [&mut g.in_qkv, &mut g.in_z, &mut g.out]
-                .into_iter()
-                .for_each(f),
-            Mixer::Attention(a) => [&mut a.q, &mut a.k, &mut a.v, &mut a.o]
-                .into_iter()
-                .for_each(f),
-        }
+        l.mixer_matrices_mut().into_iter().for_each(f);
         let s = &mut l.moe.shared;
         [&mut s.gate, &mut s.up, &mut s.down]
             .into_iter()
@@ -206,7 +190,7 @@ fn reference_prefill_decode_and_greedy(
         // dequantised weights (cuBLASLt): compare that prompt with an oracle rounded the same
         // way (on tiny-mlx-4bit the rounding alone moves the CPU's prompt 3.4e-2 of the norm,
         // max 1.56e-1, as far as the GPU sits from the exact-4-bit oracle).
-        let c_prompt = if chunk > GEMV_Q4_TOKENS && has_affine(&cpu) {
+        let c_prompt = if chunk > GEMV_Q4_TOKENS && cpu.weights.is_affine() {
             let mut dq = CpuModel::load(dir).unwrap();
             dq.weights.round_to_bf16();
             dense_affine_to_bf16(&mut dq.weights);

@@ -692,7 +692,6 @@ fn gptq_and_awq_load_to_their_definitions() {
 #[test]
 fn gptq_and_awq_models_equal_their_dequantised_models() {
     use kestrel::tensor::Mat;
-    use kestrel::weights::Mixer;
     for name in ["tiny-gptq", "tiny-awq", "tiny-ct"] {
         let dir = fixture(name);
         let quant = CpuModel::load(&dir).unwrap();
@@ -703,14 +702,7 @@ fn gptq_and_awq_models_equal_their_dequantised_models() {
             }
         };
         for l in &mut deq.weights.layers {
-            match &mut l.mixer {
-                Mixer::Gdn(g) => [&mut g.in_qkv, &mut g.in_z, &mut g.out]
-                    .into_iter()
-                    .for_each(f),
-                Mixer::Attention(a) => [&mut a.q, &mut a.k, &mut a.v, &mut a.o]
-                    .into_iter()
-                    .for_each(f),
-            }
+            l.mixer_matrices_mut().into_iter().for_each(f);
             for e in l
                 .moe
                 .experts
