@@ -3499,6 +3499,11 @@ fn binary_writes_an_access_log_line_per_request_unless_told_not_to() {
     assert!(!log.contains("kestrel::access"), "{log}");
 }
 
+/// How long [`sixty_four_streams_with_twenty_disconnects_all_finish_or_are_counted`] may take
+/// (and wait for one stream line): it runs beside the other server tests, and on a loaded
+/// 2-core CI machine a 60 s bound failed once (a stream's next line came after 60 s).
+const LOADED_CI: Duration = Duration::from_secs(240);
+
 /// What held under load (issue 41): 64 concurrent streams on the demo model, 20 of which hang
 /// up mid-stream. Every other stream ends with a finish_reason and `[DONE]`, the 20 are
 /// counted as cancellations, and nothing is left running or queued.
@@ -3516,7 +3521,7 @@ fn sixty_four_streams_with_twenty_disconnects_all_finish_or_are_counted() {
                 let body = json!({"messages": user(&format!("Story number {i}, please.")),
                     "max_tokens": if hang_up { 4000 } else { 6 }, "stream": true, "seed": i});
                 let mut s = TcpStream::connect(a).unwrap();
-                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                s.set_read_timeout(Some(LOADED_CI)).unwrap();
                 s.write_all(
                     request("POST", "/v1/chat/completions", Some(&body.to_string()), &[])
                         .as_bytes(),
@@ -3577,11 +3582,7 @@ fn sixty_four_streams_with_twenty_disconnects_all_finish_or_are_counted() {
         64,
         "{m}"
     );
-    assert!(
-        t0.elapsed() < Duration::from_secs(60),
-        "took {:?}",
-        t0.elapsed()
-    );
+    assert!(t0.elapsed() < LOADED_CI, "took {:?}", t0.elapsed());
 }
 
 /// A server with `--speculative mtp` (the demo model with its seeded random head) answers
