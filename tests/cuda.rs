@@ -104,6 +104,44 @@ fn cuda_runs_the_mlx_4bit_checkpoint() {
     }
 }
 
+/// The MLX 4-bit checkpoint's grouped MoE on the GPU: a 300-token prompt in one call, whose
+/// 600 routed rows (top-2) pass the few-row MoE's 512 and take moe_grouped_swiglu_q4 /
+/// moe_grouped_q4 (the q4 tiles on mma.sync over moe_plan's tiles), against the CPU at the
+/// GPU's precision with its dense affine matrices in bf16 (a 4-bit prompt past
+/// [`GEMV_Q4_TOKENS`] runs them on bf16 copies; the routed experts stay exact codes on both).
+fn cuda_runs_the_mlx_4bit_grouped_moe() {
+    let gpu = gpu();
+    for dir in common::mlx_fixtures() {
+        let (_, cuda) = load(&gpu, &dir, 512);
+        let cfg = &cuda.config;
+        let (tokens, k) = (300, cfg.experts_per_token);
+        assert!(
+            tokens * k > 512 && tokens > GEMV_Q4_TOKENS,
+            "{} routed rows: the few-row path",
+            tokens * k
+        );
+        let mut oracle = CpuModel::load(&dir).unwrap();
+        oracle.weights.round_to_bf16();
+        dense_affine_to_bf16(&mut oracle.weights);
+        oracle.bf16_activations = true;
+        let prompt = kestrel::bench::prompt(tokens, cfg.vocab_size);
+        let (mut gs, mut cs) = (cuda.new_state().unwrap(), oracle.new_state().unwrap());
+        let g = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
+        let c = oracle.forward(&mut cs, &prompt, Logits::All).unwrap();
+        let (pe, pn) = (rel_err(&g, &c), norm_rel_err(&g, &c));
+        println!(
+            "{} ({tokens} tokens, {} routed rows, grouped 4-bit MoE): vs CPU@bf16 (dense bf16) prompt max {pe:.2e} norm {pn:.2e}",
+            dir.display(),
+            tokens * k
+        );
+        assert!(
+            pe <= REL_TOL && pn <= NORM_TOL,
+            "{}: grouped 4-bit prefill {pe} {pn}",
+            dir.display()
+        );
+    }
+}
+
 /// The GPTQ (group 128, symmetric), AWQ (group 32, zero points) and compressed-tensors (group
 /// 64) fixtures on the GPU against the CPU on the same weights: a 40-token prompt (chunks of
 /// 256 and 8) and 32 greedy steps, within the fixtures' tolerances.
@@ -1408,6 +1446,10 @@ fn main() -> std::process::ExitCode {
             (
                 "cuda_runs_the_mlx_4bit_checkpoint",
                 cuda_runs_the_mlx_4bit_checkpoint,
+            ),
+            (
+                "cuda_runs_the_mlx_4bit_grouped_moe",
+                cuda_runs_the_mlx_4bit_grouped_moe,
             ),
             (
                 "cuda_runs_the_gptq_awq_and_ct_checkpoints",

@@ -42,6 +42,16 @@ fn q4_strips(swiglu: bool, kdim: usize) -> usize {
     }
 }
 
+/// Blocks along y of `moe_grouped(_swiglu)_q4` for `nf` output features: a SwiGLU block writes
+/// 16 features (its two strips are their gate and up rows), a plain one 16 a strip.
+fn grouped_grid_y(swiglu: bool, nf: usize, kdim: usize) -> usize {
+    if swiglu {
+        nf.div_ceil(16)
+    } else {
+        nf.div_ceil(16).div_ceil(q4_strips(false, kdim))
+    }
+}
+
 /// Dynamic shared memory of `moe_grouped(_swiglu)_q4` for inner dimension `kdim`.
 pub fn grouped_q4_smem(swiglu: bool, kdim: usize, group: usize) -> usize {
     let spb = q4_strips(swiglu, kdim);
@@ -78,8 +88,7 @@ impl MoeGroupedQ4 {
                 self.gather
             );
         }
-        let spb = q4_strips(swiglu, kdim);
-        let grid = (tiles as u32, (nf / 16).div_ceil(spb) as u32, 1);
+        let grid = (tiles as u32, grouped_grid_y(swiglu, nf, kdim) as u32, 1);
         let smem = grouped_q4_smem(swiglu, kdim, group);
         gpu.run(
             Self::NAMES[swiglu as usize],
@@ -123,5 +132,30 @@ impl MoeGemm6 {
         }
         let grid = (items.min(gpu.sm_count).max(1) as u32, 1, 1);
         gpu.run(name, grid, THREADS, SMEM, &self.args(), on)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The grouped 4-bit grids cover every feature exactly as the kernels split them: a SwiGLU
+    /// block 16 features (blockIdx.y * 16), a plain block q4_strips strips of 16.
+    #[test]
+    fn grouped_grids_cover_every_feature() {
+        for kdim in [128, 384, 512, 2048, 4096] {
+            for nf in [16, 32, 48, 128, 512, 2048] {
+                let sw = grouped_grid_y(true, nf, kdim);
+                assert_eq!(sw * 16, nf, "swiglu nf {nf} k {kdim}");
+                let spb = q4_strips(false, kdim);
+                let pl = grouped_grid_y(false, nf, kdim);
+                assert!(
+                    pl * spb * 16 >= nf && (pl - 1) * spb * 16 < nf,
+                    "plain nf {nf} k {kdim}"
+                );
+            }
+        }
+        // the model's gate/up: 512 features of k 2,048 in 32 blocks, not 16
+        assert_eq!(grouped_grid_y(true, 512, 2048), 32);
     }
 }
