@@ -40,9 +40,7 @@ fn load(gpu: &Arc<Gpu>, dir: &Path, max_chunk: usize) -> (CpuModel, CudaModel) {
 
 /// [`load`] with room for `max_seq` positions a state.
 fn load_seq(gpu: &Arc<Gpu>, dir: &Path, max_seq: usize, max_chunk: usize) -> (CpuModel, CudaModel) {
-    let mut cpu = CpuModel::load(dir).unwrap();
-    cpu.weights.round_to_bf16();
-    cpu.bf16_activations = true;
+    let cpu = oracle(dir, false);
     let cuda = CudaModel::from_weights(
         gpu.clone(),
         cpu.config.clone(),
@@ -52,6 +50,19 @@ fn load_seq(gpu: &Arc<Gpu>, dir: &Path, max_seq: usize, max_chunk: usize) -> (Cp
     )
     .unwrap();
     (cpu, cuda)
+}
+
+/// The CPU reference of fixture `dir` at the GPU's precision (`round_to_bf16`, bf16
+/// activations); with `dense_bf16` also its dense affine matrices in bf16, as a 4-bit prompt
+/// past [`GEMV_Q4_TOKENS`] runs them ([`dense_affine_to_bf16`]).
+fn oracle(dir: &Path, dense_bf16: bool) -> CpuModel {
+    let mut m = CpuModel::load(dir).unwrap();
+    m.weights.round_to_bf16();
+    if dense_bf16 {
+        dense_affine_to_bf16(&mut m.weights);
+    }
+    m.bf16_activations = true;
+    m
 }
 
 /// Top-1 minus top-2.
@@ -120,10 +131,7 @@ fn cuda_runs_the_mlx_4bit_grouped_moe() {
             "{} routed rows: the few-row path",
             tokens * k
         );
-        let mut oracle = CpuModel::load(&dir).unwrap();
-        oracle.weights.round_to_bf16();
-        dense_affine_to_bf16(&mut oracle.weights);
-        oracle.bf16_activations = true;
+        let oracle = oracle(&dir, true);
         let prompt = kestrel::bench::prompt(tokens, cfg.vocab_size);
         let (mut gs, mut cs) = (cuda.new_state().unwrap(), oracle.new_state().unwrap());
         let g = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
@@ -229,10 +237,7 @@ fn reference_prefill_decode_and_greedy(
         // way (on tiny-mlx-4bit the rounding alone moves the CPU's prompt 3.4e-2 of the norm,
         // max 1.56e-1, as far as the GPU sits from the exact-4-bit oracle).
         let c_prompt = if chunk > GEMV_Q4_TOKENS && cpu.weights.is_affine() {
-            let mut dq = CpuModel::load(dir).unwrap();
-            dq.weights.round_to_bf16();
-            dense_affine_to_bf16(&mut dq.weights);
-            dq.bf16_activations = true;
+            let dq = oracle(dir, true);
             let mut st = dq.new_state().unwrap();
             dq.forward(&mut st, &r.prompt_ids, Logits::All).unwrap()
         } else {
@@ -656,9 +661,10 @@ struct Prefill {
 }
 
 impl Prefill {
-    /// Whether the last call takes prefill's short-call kernels (at most 16 tokens).
+    /// Whether the last call takes prefill's short-call kernels (under prefill.rs's
+    /// FLASH_MIN_TOKENS, 16: split attention over the cache, the recurrent GDN, the GEMVs).
     fn last_short(&self) -> bool {
-        self.pieces.last().is_some_and(|&n| n <= 16)
+        self.pieces.last().is_some_and(|&n| n < 16)
     }
 
     /// Calls of `chunk` tokens over `len` (the last one the remainder).
