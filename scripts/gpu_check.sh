@@ -221,7 +221,11 @@ while [ $# -gt 0 ]; do
         fi
       done ;;
     hf-fp8)
-      python3 scripts/hf_fp8_gpu_reference.py --out "$OUT/hf-fp8" 2>&1 | tee "$OUT/hf-fp8.log" || status=1 ;;
+      # the Triton kernel transformers loads from the Hub, copied here (no network there):
+      # .device/hfk/finegrained_fp8 (see scripts/hf_fp8_gpu_reference.py)
+      kernel=""
+      [ -d .device/hfk/finegrained_fp8 ] && kernel="--kernel .device/hfk"
+      python3 scripts/hf_fp8_gpu_reference.py --out "$OUT/hf-fp8" $kernel 2>&1 | tee "$OUT/hf-fp8.log" || status=1 ;;
     peer)
       python3 scripts/hf_peer_bench.py --out "$OUT/hf_peer.json" 2>&1 | tee "$OUT/hf_peer.log" || status=1 ;;
     *) echo "unknown step $1"; status=1 ;;

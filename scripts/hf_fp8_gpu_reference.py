@@ -12,7 +12,14 @@ as users run it, and writes the logits and their distance from the committed f32
       DIR/hf_w8a8_reference.safetensors  prompt_logits [70, 256], decode_logits [64, 256] (f32)
       DIR/hf_w8a8_reference.json         versions, module classes, distances, greedy agreement
 
-Run on the GPU machine (scripts/gpu_check.sh hf-fp8); needs torch with CUDA and transformers.
+Run on the GPU machine (scripts/gpu_check.sh hf-fp8); needs torch with CUDA (and Triton) and
+transformers. transformers (5.x) runs FP8Linear / FP8Experts through the Triton kernel
+`kernels-community/finegrained-fp8`, which its `kernels` package downloads from the Hugging Face
+Hub at first use; the GPU machine has no network, so `--kernel DIR` imports a local copy of that
+kernel's Python package instead (DIR/finegrained_fp8: the `finegrained-fp8/torch-ext/
+finegrained_fp8` folder of github.com/huggingface/kernels-community, plus the `_ops.py` the
+kernel builder would generate: `ops = torch.ops.<namespace>` and `add_op_namespace_prefix`) and
+hands its matmul_2d / matmul_batched / matmul_grouped to transformers as the loaded kernel.
 """
 
 import argparse
@@ -37,7 +44,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--fixture", default=FIXTURE)
+    ap.add_argument("--kernel", help="folder holding a local finegrained_fp8 package (see above)")
     args = ap.parse_args()
+    kernel_source = "the Hugging Face Hub (kernels package)"
+    if args.kernel:
+        sys.path.insert(0, args.kernel)
+        import finegrained_fp8  # noqa: E402
+        from transformers.integrations import finegrained_fp8 as tf_fp8  # noqa: E402
+
+        tf_fp8._FINEGRAINED_FP8 = tf_fp8.FineGrainedFP8(
+            matmul=finegrained_fp8.matmul_2d,
+            batched_matmul=finegrained_fp8.matmul_batched,
+            grouped_matmul=finegrained_fp8.matmul_grouped,
+        )
+        src = os.path.join(args.kernel, "SOURCE")
+        kernel_source = "local copy " + (open(src).read().strip() if os.path.exists(src) else args.kernel)
+        print("finegrained-fp8 kernel:", kernel_source, flush=True)
     os.makedirs(args.out, exist_ok=True)
     assert torch.cuda.is_available(), "needs a GPU: the W8A8 path is what this script measures"
     ref = load_file(os.path.join(args.fixture, "reference.safetensors"))
@@ -84,6 +106,7 @@ def main():
                 "per-128 activation quantisation); prompt one-shot, decode teacher-forced on the "
                 "fixture's decode_ids with the cache",
         "fp8_module_classes": classes,
+        "finegrained_fp8_kernel": kernel_source,
         "vs_f32_dequantised_reference": {
             "prompt": compare(prompt_logits, ref["prompt_logits"]),
             "decode": compare(decode_logits, ref["decode_logits"]),
