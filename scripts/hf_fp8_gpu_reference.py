@@ -48,14 +48,21 @@ def main():
     args = ap.parse_args()
     kernel_source = "the Hugging Face Hub (kernels package)"
     if args.kernel:
-        sys.path.insert(0, args.kernel)
-        import finegrained_fp8  # noqa: E402
+        import importlib
+        import types
+
         from transformers.integrations import finegrained_fp8 as tf_fp8  # noqa: E402
 
+        # the package without its __init__ (which also imports the fused MoE kernels, whose
+        # Triton tensor descriptors an older Triton lacks): only the three matmuls' modules
+        pkg = types.ModuleType("finegrained_fp8")
+        pkg.__path__ = [os.path.join(args.kernel, "finegrained_fp8")]
+        sys.modules["finegrained_fp8"] = pkg
+        mod = {n: importlib.import_module(f"finegrained_fp8.{n}") for n in ("matmul", "batched", "grouped")}
         tf_fp8._FINEGRAINED_FP8 = tf_fp8.FineGrainedFP8(
-            matmul=finegrained_fp8.matmul_2d,
-            batched_matmul=finegrained_fp8.matmul_batched,
-            grouped_matmul=finegrained_fp8.matmul_grouped,
+            matmul=mod["matmul"].matmul_2d,
+            batched_matmul=mod["batched"].matmul_batched,
+            grouped_matmul=mod["grouped"].matmul_grouped,
         )
         src = os.path.join(args.kernel, "SOURCE")
         kernel_source = "local copy " + (open(src).read().strip() if os.path.exists(src) else args.kernel)
