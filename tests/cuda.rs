@@ -91,13 +91,39 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
 
 /// The official FP8 layout on the GPU (W8A16 GEMVs, the FP8 few-row MoE; prefill chunks of 70
 /// tokens through dequantised bf16 GEMMs, of 8 through the GEMVs) against the CPU running the
-/// same FP8 weights at the GPU's activation precision.
+/// same FP8 weights at the GPU's activation precision; then a 300-token prompt in one call,
+/// whose 600 routed rows (top-2) pass the few-row MoE's 512 and take the grouped FP8 MoE
+/// (`moe_grouped_swiglu_fp8` / `moe_grouped_fp8` on the e4m3 words), every position's logits
+/// within the same tolerances.
 fn cuda_runs_the_fp8_checkpoint() {
     let gpu = gpu();
     for dir in common::fp8_fixtures() {
         for chunk in [256, 8] {
             reference_prefill_decode_and_greedy(&gpu, &dir, chunk, 28);
         }
+        let (cpu, cuda) = load(&gpu, &dir, 512);
+        let cfg = &cuda.config;
+        let (tokens, k) = (300, cfg.experts_per_token);
+        assert!(
+            tokens * k > 512,
+            "{} routed rows: the few-row path",
+            tokens * k
+        );
+        let prompt = kestrel::bench::prompt(tokens, cfg.vocab_size);
+        let (mut gs, mut cs) = (cuda.new_state().unwrap(), cpu.new_state().unwrap());
+        let g = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
+        let c = cpu.forward(&mut cs, &prompt, Logits::All).unwrap();
+        let (pe, pn) = (rel_err(&g, &c), norm_rel_err(&g, &c));
+        println!(
+            "{} ({tokens} tokens, {} routed rows, grouped FP8 MoE): vs CPU@bf16 prompt max {pe:.2e} norm {pn:.2e}",
+            dir.display(),
+            tokens * k
+        );
+        assert!(
+            pe <= REL_TOL && pn <= NORM_TOL,
+            "{}: grouped FP8 prefill {pe} {pn}",
+            dir.display()
+        );
     }
 }
 
@@ -393,7 +419,7 @@ fn cuda_rejects_bad_tokens_and_overflow() {
 /// full-shape paths (which the tiny fixtures do not reach) are deterministic and race-free.
 /// Two graph + PDL runs of a 200-token prompt and 64 greedy steps give bitwise-equal logits,
 /// and so do direct launches without PDL; in bf16, FP8 and 4-bit (whose 1,600 routed rows take
-/// the grouped 4-bit MoE), the device's fused greedy pick is the host's argmax. A kernel reading data before its griddep_wait that
+/// the grouped FP8 and 4-bit MoE kernels), the device's fused greedy pick is the host's argmax. A kernel reading data before its griddep_wait that
 /// an earlier kernel of the step writes makes these differ (the bench's round check caught
 /// such a race in moe_down_dec; the tiny fixtures did not).
 fn full_width_decode_is_deterministic_with_graph_and_pdl() {

@@ -4,7 +4,9 @@
 //! out; `_m128_bf16`: bf16 out (the down product's y); `_swiglu_m128`: gate/up with the SwiGLU
 //! fused, bf16 act out. `moe_grouped(_swiglu)_q4`: the same products over the same plan for
 //! affine 4-bit experts (q4 tiles on `mma.sync`, the codes held in registers across a tile's
-//! rows, no bf16 copy of the experts).
+//! rows, no bf16 copy of the experts); `moe_grouped(_swiglu)_fp8` the same for FP8 experts (the
+//! e4m3 words converted exactly to bf16 fragments in registers, each 64-column unit's f32 sum
+//! times its 128 x 128 block scale).
 
 use super::{Dev, On, U128, Untyped, kernels};
 use crate::cuda::Gpu;
@@ -25,6 +27,14 @@ kernels! {
     /// SwiGLU fused, bf16 act.
     MoeGroupedQ4 ["moe_grouped_q4", "moe_grouped_swiglu_q4"] {
         a: Dev<bf16>, gather: Dev<i32>, w: Dev<U128>, sb: Dev<u32>, group: i32, out: Untyped,
+        tile_expert: Dev<i32>, tile_row: Dev<i32>, tile_rows: Dev<i32>, num_tiles: Dev<i32>,
+        nf: i32, kdim: i32,
+    }
+    /// The grouped products for FP8 experts ([`crate::cuda::kernels::gemv::Fp8`]: e4m3 words of
+    /// 16 and the stack's f32 block scales): `out[row] = A[gather[row] or row] · W_x[n]ᵀ` (f32),
+    /// or with the SwiGLU fused, bf16 act.
+    MoeGroupedFp8 ["moe_grouped_fp8", "moe_grouped_swiglu_fp8"] {
+        a: Dev<bf16>, gather: Dev<i32>, w: Dev<U128>, sc: Dev<f32>, out: Untyped,
         tile_expert: Dev<i32>, tile_row: Dev<i32>, tile_rows: Dev<i32>, num_tiles: Dev<i32>,
         nf: i32, kdim: i32,
     }
@@ -56,6 +66,54 @@ fn grouped_grid_y(swiglu: bool, nf: usize, kdim: usize) -> usize {
 pub fn grouped_q4_smem(swiglu: bool, kdim: usize, group: usize) -> usize {
     let spb = q4_strips(swiglu, kdim);
     super::gemv::q4_smem(Q4_CHUNK, kdim, group, false, 8 * 16 * Q4_CHUNK * spb)
+}
+
+/// Dynamic shared memory of `moe_grouped(_swiglu)_fp8` for inner dimension `kdim`: 16 staged
+/// rows (gemv.cuh's q4_ldw words each) and the 8 warps' partial sums of its strips.
+pub fn grouped_fp8_smem(swiglu: bool, kdim: usize) -> usize {
+    let spb = q4_strips(swiglu, kdim);
+    4 * (Q4_CHUNK * (kdim / 2 + 4) + 8 * 16 * Q4_CHUNK * spb)
+}
+
+impl MoeGroupedFp8 {
+    /// Over at most `tiles` plan tiles of `experts` experts' weights (`rows` sorted rows): a
+    /// block a tile and strips of 16 features (as [`MoeGroupedQ4::launch`]).
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        swiglu: bool,
+        tiles: usize,
+        rows: usize,
+        experts: usize,
+    ) -> Result<()> {
+        let (nf, kdim) = (self.nf as usize, self.kdim as usize);
+        let wrows = if swiglu { 2 * nf } else { nf };
+        if !(kdim.is_multiple_of(64)
+            && nf.is_multiple_of(16)
+            && self.w.len * 16 >= experts * wrows * kdim
+            && self.sc.len >= (experts * wrows).div_ceil(128) * kdim.div_ceil(128)
+            && self.tile_expert.len >= tiles
+            && (self.gather.is_null() || self.gather.len >= rows))
+        {
+            bail!(
+                "moe_grouped_fp8: {rows} rows ({tiles} tiles) over {experts} experts of {wrows} x \
+                 {kdim}: w {:?}, scales {:?}, gather {:?}",
+                self.w,
+                self.sc,
+                self.gather
+            );
+        }
+        let spb = q4_strips(swiglu, kdim);
+        let grid = (tiles as u32, (nf / 16).div_ceil(spb) as u32, 1);
+        gpu.run(
+            Self::NAMES[swiglu as usize],
+            grid,
+            256,
+            grouped_fp8_smem(swiglu, kdim),
+            &self.args(),
+            On::Prefill,
+        )
+    }
 }
 
 impl MoeGroupedQ4 {
@@ -116,6 +174,13 @@ pub(super) fn dynamic_smem() -> Vec<(&'static str, usize)> {
         (true, MoeGroupedQ4::NAMES[1]),
     ] {
         v.push((name, grouped_q4_smem(swiglu, 4096, 32)));
+    }
+    // FP8: k 4,096 at most as well
+    for (swiglu, name) in [
+        (false, MoeGroupedFp8::NAMES[0]),
+        (true, MoeGroupedFp8::NAMES[1]),
+    ] {
+        v.push((name, grouped_fp8_smem(swiglu, 4096)));
     }
     v
 }
