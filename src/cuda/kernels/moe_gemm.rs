@@ -52,8 +52,9 @@ fn q4_strips(swiglu: bool, kdim: usize) -> usize {
     }
 }
 
-/// Blocks along y of `moe_grouped(_swiglu)_q4` for `nf` output features: a SwiGLU block writes
-/// 16 features (its two strips are their gate and up rows), a plain one 16 a strip.
+/// Blocks along y of `moe_grouped(_swiglu)_q4` and `_fp8` (the same split) for `nf` output
+/// features: a SwiGLU block writes 16 features (its two strips are their gate and up rows), a
+/// plain one 16 a strip.
 fn grouped_grid_y(swiglu: bool, nf: usize, kdim: usize) -> usize {
     if swiglu {
         nf.div_ceil(16)
@@ -103,8 +104,7 @@ impl MoeGroupedFp8 {
                 self.gather
             );
         }
-        let spb = q4_strips(swiglu, kdim);
-        let grid = (tiles as u32, (nf / 16).div_ceil(spb) as u32, 1);
+        let grid = (tiles as u32, grouped_grid_y(swiglu, nf, kdim) as u32, 1);
         gpu.run(
             Self::NAMES[swiglu as usize],
             grid,
