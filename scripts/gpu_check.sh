@@ -177,7 +177,7 @@ while [ $# -gt 0 ]; do
       shift
       # One decode step = the launches from one embed_gather to the next; skip the warm-up.
       ncu --clock-control none --csv --metrics gpu__time_duration.sum \
-        -k regex:'embed_gather|gemv_dec|_dec_|_dec$|attn_decode|attn_prep|attn_combine' \
+        -k regex:'embed_gather|gemv_|_dec_|_dec$|attn_decode|attn_prep|attn_combine' \
         --launch-skip 3000 --launch-count 600 \
         .device/bin/kestrel bench --synthetic ${KESTREL_SYNTHETIC:-full} --contexts "$1" > "$OUT/ncu.csv" 2> "$OUT/ncu.log" || status=1
       python3 scripts/kernel_table.py "$OUT/ncu.csv" > "$OUT/decode-kernels.md" || status=1
