@@ -273,7 +273,8 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
         strip[sp] = !tail && st * 16 < n ? st : -1;
     }
     uint4 v[SPB][NV > 0 ? NV : 1];
-    q4_load<NV, SPB>(v, w, strip, k);
+    Q4Sb<(NV > 0 ? NV : 1)> sbr[SPB];
+    q4_load<NV, SPB>(v, sbr, w, sb, group, strip, k);
     unsigned* xw = reinterpret_cast<unsigned*>(smem);
     float* xsum = smem + m * ldw + (x ? 0 : k);
     float* red = xsum + m * nspan;
@@ -304,7 +305,7 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
     }
     q4_span_sums(xw, ldw, m, k, q4_span(group), xsum);
     TRACE_PHASE(0);  // the timeline's phases: input staged, dot products done
-    q4_dot<NV, NT, SPB>(v, w, sb, group, strip, k, xw, ldw, m, xsum, red);
+    q4_dot<NV, NT, SPB>(v, sbr, w, sb, group, strip, k, xw, ldw, m, xsum, red);
     float best = -INFINITY;  // the argmax (m = 1): this thread's row, then the block's
     int best_id = 0x7fffffff;
     for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {

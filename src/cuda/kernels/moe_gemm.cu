@@ -358,7 +358,7 @@ __device__ __forceinline__ void moe_grouped_q4_impl(const bf16* __restrict__ a, 
         strip[sp] = (SWIGLU ? blockIdx.y * 16 < nf : f < nf) ? (base + f) / 16 : -1;
     }
     uint4 v[SPB][NV > 0 ? NV : 1];
-    q4_load<NV, SPB>(v, w, strip, kdim);
+    q4_load<NV, SPB>(v, nullptr, w, sb, group, strip, kdim);
     const int nspan = kdim / q4_span(group);
     for (int c0 = 0; c0 < nrows; c0 += MOE_Q4_CHUNK) {
         const int m = nrows - c0 < MOE_Q4_CHUNK ? nrows - c0 : MOE_Q4_CHUNK, r0 = row0 + c0;
@@ -369,7 +369,7 @@ __device__ __forceinline__ void moe_grouped_q4_impl(const bf16* __restrict__ a, 
         if (c0) __syncthreads();  // the previous chunk's partial sums are read
         q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r0 * kdim, gather ? gather + r0 : nullptr, m, kdim);
         q4_span_sums(xw, ldw, m, kdim, q4_span(group), xsum);
-        q4_dot<NV, 2, SPB>(v, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
+        q4_dot<NV, 2, SPB>(v, nullptr, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
         q4_store_rows<SPB, SWIGLU>(red, strip, m, nf, blockIdx.y, r0, out);
     }
 }
