@@ -19,6 +19,7 @@
 use kestrel::cuda::Gpu;
 use kestrel::cuda::gdn::GdnShape;
 use kestrel::cuda::kernels::gemv::{GEMV_FP8_TOKENS, GEMV_Q4_TOKENS};
+use kestrel::cuda::kernels::moe_gemm::FP8_GROUPED_MAX_ROWS;
 use kestrel::cuda::model::{CudaModel, WeightFormat};
 use kestrel::model::{CpuModel, Engine, Logits};
 use kestrel::ops::argmax;
@@ -93,40 +94,49 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
 /// tokens through dequantised bf16 GEMMs, of 8 through the GEMVs) against the CPU running the
 /// same FP8 weights at the GPU's activation precision; then a 300-token prompt in one call,
 /// whose 600 routed rows (top-2) pass the few-row MoE's 512 and take the grouped FP8 MoE
-/// (`moe_grouped_swiglu_fp8` / `moe_grouped_fp8` on the e4m3 words), every position's logits
-/// within the same tolerances of the CPU with its dense matrices in bf16, as the GPU runs them
-/// past the GEMVs' tokens (against the exact oracle it sat 4.2e-2 of the norm away on an H100,
-/// exactly as far as the rounding alone moves the CPU).
+/// (`moe_grouped_swiglu_fp8` / `moe_grouped_fp8` on the e4m3 words), and a 6,200-token one past
+/// [`FP8_GROUPED_MAX_ROWS`] (the experts dequantised, the bf16 grouped GEMM), every position's
+/// logits within the same tolerances of the CPU with its dense matrices in bf16, as the GPU runs
+/// them past the GEMVs' tokens (against the exact oracle the 300-token call sat 4.2e-2 of the
+/// norm away on an H100, exactly as far as the rounding alone moves the CPU).
 fn cuda_runs_the_fp8_checkpoint() {
     let gpu = gpu();
     for dir in common::fp8_fixtures() {
         for chunk in [256, 8] {
             reference_prefill_decode_and_greedy(&gpu, &dir, chunk, 28);
         }
-        let (_, cuda) = load(&gpu, &dir, 512);
+        // one call of 300 tokens (600 routed rows: the grouped FP8 kernels) and one of 6,200
+        // (12,400 rows, past FP8_GROUPED_MAX_ROWS: the experts dequantised, the bf16 GEMM)
+        let (_, cuda) = load_seq(&gpu, &dir, 8192, 8192);
         let cpu = oracle(&dir, true);
         let cfg = &cuda.config;
-        let (tokens, k) = (300, cfg.experts_per_token);
-        assert!(
-            tokens * k > 512 && tokens > GEMV_FP8_TOKENS,
-            "{} routed rows: the few-row path",
-            tokens * k
-        );
-        let prompt = kestrel::bench::prompt(tokens, cfg.vocab_size);
-        let (mut gs, mut cs) = (cuda.new_state().unwrap(), cpu.new_state().unwrap());
-        let g = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
-        let c = cpu.forward(&mut cs, &prompt, Logits::All).unwrap();
-        let (pe, pn) = (rel_err(&g, &c), norm_rel_err(&g, &c));
-        println!(
-            "{} ({tokens} tokens, {} routed rows, grouped FP8 MoE): vs CPU@bf16 (dense bf16) prompt max {pe:.2e} norm {pn:.2e}",
-            dir.display(),
-            tokens * k
-        );
-        assert!(
-            pe <= REL_TOL && pn <= NORM_TOL,
-            "{}: grouped FP8 prefill {pe} {pn}",
-            dir.display()
-        );
+        let k = cfg.experts_per_token;
+        for (tokens, path) in [
+            (300, "grouped FP8 MoE"),
+            (6_200, "experts dequantised, bf16 grouped GEMM"),
+        ] {
+            let grouped = tokens * k <= FP8_GROUPED_MAX_ROWS;
+            assert!(
+                tokens * k > 512 && tokens > GEMV_FP8_TOKENS && grouped == (tokens == 300),
+                "{} routed rows: not the {path} path",
+                tokens * k
+            );
+            let prompt = kestrel::bench::prompt(tokens, cfg.vocab_size);
+            let (mut gs, mut cs) = (cuda.new_state().unwrap(), cpu.new_state().unwrap());
+            let g = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
+            let c = cpu.forward(&mut cs, &prompt, Logits::All).unwrap();
+            let (pe, pn) = (rel_err(&g, &c), norm_rel_err(&g, &c));
+            println!(
+                "{} ({tokens} tokens, {} routed rows, {path}): vs CPU@bf16 (dense bf16) prompt max {pe:.2e} norm {pn:.2e}",
+                dir.display(),
+                tokens * k
+            );
+            assert!(
+                pe <= REL_TOL && pn <= NORM_TOL,
+                "{}: {path} prefill {pe} {pn}",
+                dir.display()
+            );
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use super::kernels::gdn_decode::{GdnConvstepDec, GdnGatedNorm, GdnGates};
 use super::kernels::gemv::{Fp8, Q4};
 use super::kernels::gemv::{GEMV_FP8_TOKENS, GEMV_Q4_TOKENS, Input, gemv_fp8, gemv_q4};
 use super::kernels::misc::{DequantFp8Bf16, DequantQ4Bf16, EmbedGather};
-use super::kernels::moe_gemm::{MoeGroupedFp8, MoeGroupedQ4};
+use super::kernels::moe_gemm::{FP8_GROUPED_MAX_ROWS, MoeGroupedFp8, MoeGroupedQ4};
 use super::kernels::moe_route::{
     MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeGemvSortedFp8, MoeGemvSortedQ4, MoeRoute,
     MoeRouteSmall,
@@ -140,6 +140,9 @@ pub(super) struct Workspace {
     /// stream).
     pub(super) dq: DeviceBuf,
     pub(super) dq_aux: DeviceBuf,
+    /// FP8 weights: a layer's experts (gate/up, then down) dequantised to bf16 for the calls
+    /// past [`FP8_GROUPED_MAX_ROWS`].
+    pub(super) dq_experts: DeviceBuf,
 }
 
 impl CudaModel {
@@ -160,8 +163,9 @@ impl CudaModel {
         // the few-row path's plan has a tile a row
         let max_tiles = super::moe::max_tiles(t * k, e).max(moe_gemv_max_rows(format).min(t * k));
         // FP8 and 4-bit: the dequantised bf16 matrix of a dense product past the GEMVs' tokens
-        // (one for each stream); the experts need none (moe_grouped_fp8 / moe_grouped_q4 read
-        // them as they are)
+        // (one for each stream); FP8: a layer's experts where a call passes
+        // FP8_GROUPED_MAX_ROWS (below it moe_grouped_fp8 reads them as they are, as
+        // moe_grouped_q4 always does)
         let fp8 = format == WeightFormat::Fp8;
         let int4 = format == WeightFormat::Int4;
         let dense_max = [
@@ -176,6 +180,11 @@ impl CudaModel {
         .unwrap_or(0);
         let dq = if (fp8 && t > GEMV_FP8_TOKENS) || (int4 && t > GEMV_Q4_TOKENS) {
             dense_max
+        } else {
+            0
+        };
+        let dq_experts = if fp8 && t * k > FP8_GROUPED_MAX_ROWS {
+            e * 3 * i * d
         } else {
             0
         };
@@ -231,6 +240,7 @@ impl CudaModel {
             ("batch_next", t.min(MAX_BATCH), 4),
             ("dq", dq, 2),
             ("dq_aux", dq, 2),
+            ("dq_experts", dq_experts, 2),
         ];
         let total = list.iter().map(|(_, n, b)| n * b).sum();
         (list, total)
@@ -302,6 +312,7 @@ impl CudaModel {
             batch_next: take("batch_next")?,
             dq: take("dq")?,
             dq_aux: take("dq_aux")?,
+            dq_experts: take("dq_experts")?,
         })
     }
 
@@ -861,7 +872,8 @@ impl CudaModel {
         // and FP8 grouped kernels write f32.
         let q4 = layer.gate_up.q4().zip(layer.down.q4());
         let fp8 = layer.gate_up.fp8().zip(layer.down.fp8());
-        let y_bf16 = !gemv_path && d % 8 == 0 && q4.is_none() && fp8.is_none();
+        let fp8_grouped = fp8.filter(|_| rows <= FP8_GROUPED_MAX_ROWS);
+        let y_bf16 = !gemv_path && d % 8 == 0 && q4.is_none() && fp8_grouped.is_none();
         let counts = ws.counts.i32();
         let plan = MoePlan {
             counts,
@@ -1004,7 +1016,7 @@ impl CudaModel {
                     .launch(g, true, tiles, rows, e)?;
                 grouped(ws.act.bf16(), Dev::null(), dn, ws.y.f32().into(), d, i)
                     .launch(g, false, tiles, rows, e)?;
-            } else if let Some((gu, dn)) = fp8 {
+            } else if let Some((gu, dn)) = fp8_grouped {
                 // FP8: the grouped products on the e4m3 words and block scales themselves
                 let tiles = super::moe::max_tiles(rows, e);
                 let grouped = |a: Dev<bf16>, gather: Dev<i32>, w: Fp8, out: Untyped, nf, kdim| {
@@ -1028,10 +1040,30 @@ impl CudaModel {
                 grouped(ws.act.bf16(), Dev::null(), dn, ws.y.f32().into(), d, i)
                     .launch(g, false, tiles, rows, e)?;
             } else {
-                let (w_gu, w_down) = (
-                    layer.gate_up.bf16_buf("the grouped MoE")?.bf16(),
-                    layer.down.bf16_buf("the grouped MoE")?.bf16(),
-                );
+                let (w_gu, w_down) = match fp8 {
+                    // FP8 past FP8_GROUPED_MAX_ROWS: the layer's experts dequantised to bf16
+                    // first (gate/up, then down)
+                    Some((gu, dn)) => {
+                        let dq = ws.dq_experts.bf16();
+                        for (f, n, kk, out) in
+                            [(gu, e * 2 * i, d, dq), (dn, e * d, i, dq.at(e * 2 * i * d))]
+                        {
+                            DequantFp8Bf16 {
+                                q: f.q,
+                                sc: f.sc,
+                                n: n as u64,
+                                k: kk as i32,
+                                out: Dev::new(out.ptr, out.len / 8),
+                            }
+                            .launch(g, On::Prefill)?;
+                        }
+                        (dq, dq.at(e * 2 * i * d))
+                    }
+                    None => (
+                        layer.gate_up.bf16_buf("the grouped MoE")?.bf16(),
+                        layer.down.bf16_buf("the grouped MoE")?.bf16(),
+                    ),
+                };
                 let gate_up = Grouped {
                     a: ws.xb.bf16(),
                     gather: ws.sorted_token.i32(),
