@@ -785,7 +785,7 @@ impl CudaModel {
         let on = if aux { On::Aux } else { On::Prefill };
         if t <= GEMV_FP8_TOKENS {
             let (x, y) = (Dev::new(x, t * k), Dev::new(y, (t - 1) * ldy + n));
-            return gemv_fp8(g, f, n, k, Input::Bf16(x), t, y, ldy, beta, on);
+            return gemv_fp8(g, f, n, k, Input::Bf16(x), t, y, ldy, beta, None, on);
         }
         let dq = if aux { &ws.dq_aux } else { &ws.dq };
         DequantFp8Bf16 {
