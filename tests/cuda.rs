@@ -18,7 +18,8 @@
 
 use kestrel::cuda::Gpu;
 use kestrel::cuda::gdn::GdnShape;
-use kestrel::cuda::kernels::gemv::GEMV_Q4_TOKENS;
+use kestrel::cuda::kernels::gemv::{GEMV_FP8_TOKENS, GEMV_Q4_TOKENS};
+use kestrel::cuda::kernels::moe_gemm::FP8_GROUPED_MAX_ROWS;
 use kestrel::cuda::model::{CudaModel, WeightFormat};
 use kestrel::model::{CpuModel, Engine, Logits};
 use kestrel::ops::argmax;
@@ -53,13 +54,13 @@ fn load_seq(gpu: &Arc<Gpu>, dir: &Path, max_seq: usize, max_chunk: usize) -> (Cp
 }
 
 /// The CPU reference of fixture `dir` at the GPU's precision (`round_to_bf16`, bf16
-/// activations); with `dense_bf16` also its dense affine matrices in bf16, as a 4-bit prompt
-/// past [`GEMV_Q4_TOKENS`] runs them ([`dense_affine_to_bf16`]).
+/// activations); with `dense_bf16` also its dense FP8 and affine matrices in bf16, as an FP8
+/// or 4-bit prompt past the GEMVs' 16 tokens runs them ([`dense_quantized_to_bf16`]).
 fn oracle(dir: &Path, dense_bf16: bool) -> CpuModel {
     let mut m = CpuModel::load(dir).unwrap();
     m.weights.round_to_bf16();
     if dense_bf16 {
-        dense_affine_to_bf16(&mut m.weights);
+        dense_quantized_to_bf16(&mut m.weights);
     }
     m.bf16_activations = true;
     m
@@ -91,12 +92,50 @@ fn cuda_matches_reference_prefill_decode_and_greedy() {
 
 /// The official FP8 layout on the GPU (W8A16 GEMVs, the FP8 few-row MoE; prefill chunks of 70
 /// tokens through dequantised bf16 GEMMs, of 8 through the GEMVs) against the CPU running the
-/// same FP8 weights at the GPU's activation precision.
+/// same FP8 weights at the GPU's activation precision; then a 300-token prompt in one call,
+/// whose 600 routed rows (top-2) pass the few-row MoE's 512 and take the grouped FP8 MoE
+/// (`moe_grouped_swiglu_fp8` / `moe_grouped_fp8` on the e4m3 words), and a 6,200-token one past
+/// [`FP8_GROUPED_MAX_ROWS`] (the experts dequantised, the bf16 grouped GEMM), every position's
+/// logits within the same tolerances of the CPU with its dense matrices in bf16, as the GPU runs
+/// them past the GEMVs' tokens (against the exact oracle the 300-token call sat 4.2e-2 of the
+/// norm away on an H100, exactly as far as the rounding alone moves the CPU).
 fn cuda_runs_the_fp8_checkpoint() {
     let gpu = gpu();
     for dir in common::fp8_fixtures() {
         for chunk in [256, 8] {
             reference_prefill_decode_and_greedy(&gpu, &dir, chunk, 28);
+        }
+        // one call of 300 tokens (600 routed rows: the grouped FP8 kernels) and one of 6,200
+        // (12,400 rows, past FP8_GROUPED_MAX_ROWS: the experts dequantised, the bf16 GEMM)
+        let (_, cuda) = load_seq(&gpu, &dir, 8192, 8192);
+        let cpu = oracle(&dir, true);
+        let cfg = &cuda.config;
+        let k = cfg.experts_per_token;
+        for (tokens, path) in [
+            (300, "grouped FP8 MoE"),
+            (6_200, "experts dequantised, bf16 grouped GEMM"),
+        ] {
+            let grouped = tokens * k <= FP8_GROUPED_MAX_ROWS;
+            assert!(
+                tokens * k > 512 && tokens > GEMV_FP8_TOKENS && grouped == (tokens == 300),
+                "{} routed rows: not the {path} path",
+                tokens * k
+            );
+            let prompt = kestrel::bench::prompt(tokens, cfg.vocab_size);
+            let (mut gs, mut cs) = (cuda.new_state().unwrap(), cpu.new_state().unwrap());
+            let g = cuda.forward(&mut gs, &prompt, Logits::All).unwrap();
+            let c = cpu.forward(&mut cs, &prompt, Logits::All).unwrap();
+            let (pe, pn) = (rel_err(&g, &c), norm_rel_err(&g, &c));
+            println!(
+                "{} ({tokens} tokens, {} routed rows, {path}): vs CPU@bf16 (dense bf16) prompt max {pe:.2e} norm {pn:.2e}",
+                dir.display(),
+                tokens * k
+            );
+            assert!(
+                pe <= REL_TOL && pn <= NORM_TOL,
+                "{}: {path} prefill {pe} {pn}",
+                dir.display()
+            );
         }
     }
 }
@@ -197,12 +236,15 @@ fn cuda_runs_the_gptq_awq_and_ct_checkpoints() {
     }
 }
 
-/// The dense (non-expert) affine matrices dequantised to bf16, as a 4-bit prompt of more than
-/// [`GEMV_Q4_TOKENS`] tokens runs them on the GPU; the routed experts stay exact (the grouped
-/// and few-row 4-bit MoE kernels read the codes).
-fn dense_affine_to_bf16(w: &mut ModelWeights) {
+/// The dense (non-expert) FP8 and affine matrices dequantised to bf16, as an FP8 prompt of more
+/// than [`GEMV_FP8_TOKENS`] or a 4-bit one of more than [`GEMV_Q4_TOKENS`] tokens runs them on
+/// the GPU; the routed experts stay exact (the grouped and few-row MoE kernels read the codes).
+/// bf16(w) against the exact w moves the tiny FP8 fixture's logits of a 300-token prompt by
+/// 4.2e-2 of their norm on the CPU alone (the random-weight model amplifies it), the whole
+/// difference the GPU showed against the exact oracle.
+fn dense_quantized_to_bf16(w: &mut ModelWeights) {
     let f = |m: &mut Mat| {
-        if m.dtype.is_affine() {
+        if m.dtype.is_affine() || m.dtype == DType::F8E4M3 {
             *m = Mat::from_f32(&m.to_f32(), m.rows, m.cols, DType::BF16);
         }
     };
@@ -229,22 +271,31 @@ fn reference_prefill_decode_and_greedy(
         let (cpu, cuda) = load(gpu, dir, chunk);
         let r = read_reference(dir);
         let vocab = cuda.config.vocab_size;
-        let (mut gs, mut cs) = (cuda.new_state().unwrap(), cpu.new_state().unwrap());
+        let mut gs = cuda.new_state().unwrap();
         let g = cuda.forward(&mut gs, &r.prompt_ids, Logits::All).unwrap();
-        let c = cpu.forward(&mut cs, &r.prompt_ids, Logits::All).unwrap();
-        // 4-bit prompts past the GEMVs' tokens run their dense products on bf16 copies of the
-        // dequantised weights (cuBLASLt): compare that prompt with an oracle rounded the same
+        // FP8 and 4-bit prompts past the GEMVs' 16 tokens run their dense products on bf16
+        // copies of the dequantised weights (cuBLASLt): the oracle's prompt is rounded the same
         // way (on tiny-mlx-4bit the rounding alone moves the CPU's prompt 3.4e-2 of the norm,
-        // max 1.56e-1, as far as the GPU sits from the exact-4-bit oracle).
-        let c_prompt = if chunk > GEMV_Q4_TOKENS && cpu.weights.is_affine() {
-            let dq = oracle(dir, true);
-            let mut st = dq.new_state().unwrap();
-            dq.forward(&mut st, &r.prompt_ids, Logits::All).unwrap()
+        // max 1.56e-1, as far as the GPU sits from the exact-4-bit oracle), and its decode steps
+        // (exact weights, as the GPU's GEMVs) go on from that prompt's state, as the GPU's do.
+        let gemv_tokens = if cpu.weights.is_fp8() {
+            GEMV_FP8_TOKENS
         } else {
-            c.clone()
+            GEMV_Q4_TOKENS
         };
-        let pe = rel_err(&g, &c_prompt);
-        let pn = norm_rel_err(&g, &c_prompt);
+        let rounded_prompt =
+            chunk > gemv_tokens && (cpu.weights.is_affine() || cpu.weights.is_fp8());
+        let prompt_model = if rounded_prompt {
+            oracle(dir, true)
+        } else {
+            oracle(dir, false)
+        };
+        let mut cs = prompt_model.new_state().unwrap();
+        let c = prompt_model
+            .forward(&mut cs, &r.prompt_ids, Logits::All)
+            .unwrap();
+        let pe = rel_err(&g, &c);
+        let pn = norm_rel_err(&g, &c);
         let hf = rel_err(&g, &r.prompt_logits);
         // 64 decode steps, teacher-forced with the reference's greedy tokens.
         let mut tok = argmax(&c[c.len() - vocab..]).unwrap() as u32;
@@ -393,7 +444,7 @@ fn cuda_rejects_bad_tokens_and_overflow() {
 /// full-shape paths (which the tiny fixtures do not reach) are deterministic and race-free.
 /// Two graph + PDL runs of a 200-token prompt and 64 greedy steps give bitwise-equal logits,
 /// and so do direct launches without PDL; in bf16, FP8 and 4-bit (whose 1,600 routed rows take
-/// the grouped 4-bit MoE), the device's fused greedy pick is the host's argmax. A kernel reading data before its griddep_wait that
+/// the grouped FP8 and 4-bit MoE kernels), the device's fused greedy pick is the host's argmax. A kernel reading data before its griddep_wait that
 /// an earlier kernel of the step writes makes these differ (the bench's round check caught
 /// such a race in moe_down_dec; the tiny fixtures did not).
 fn full_width_decode_is_deterministic_with_graph_and_pdl() {

@@ -20,7 +20,7 @@
 // emu-provides: mbar_arrive_expect_tx bulk_load cluster_arrive_release cluster_wait_acquire
 // emu-provides: q4_pair
 // emu-skips: fill_random_e4m3 (the synthetic FP8 weights; cvt.rn.satfinite.e4m3x2.f32 is not emulated)
-// emu-provides: e4m3x4_to_float4
+// emu-provides: e4m3x4_to_float4 e4m3x4_to_bf16x4
 // (build.py drops these from the headers and the kernel files; everything else there compiles
 // as written.) bar_sync_named(id, threads): `bar.sync id, threads` for whole warps;
 // gdn_prefetch_l2: a prefetch, nothing here.
@@ -673,6 +673,36 @@ inline float emu_e4m3(unsigned b) {
 }
 inline float4 e4m3x4_to_float4(unsigned w) {
     return {emu_e4m3(w & 0xff), emu_e4m3((w >> 8) & 0xff), emu_e4m3((w >> 16) & 0xff), emu_e4m3(w >> 24)};
+}
+// The f16 bits of a value exactly representable as a normal f16 or zero (an e4m3 value: the
+// result of cvt.rn.f16x2.e4m3x2; NaN: 0x7fff).
+inline uint32_t emu_f16_bits(float v) {
+    if (std::isnan(v)) return 0x7fff;
+    const uint32_t s = std::signbit(v) ? 0x8000 : 0;
+    if (v == 0) return s;
+    int e;
+    const double fr = std::frexp(std::fabs((double)v), &e);  // |v| = fr 2^e, fr in [0.5, 1)
+    const double mant = (fr * 2 - 1) * 1024;                 // 10 mantissa bits
+    if (e - 1 + 15 <= 0 || e - 1 + 15 >= 31 || mant != std::floor(mant)) emu_fail("emu_f16_bits: not an exact normal f16");
+    return s | (uint32_t)(e - 1 + 15) << 10 | (uint32_t)mant;
+}
+// e4m3x4_to_bf16x4's instructions one by one: cvt.rn.f16x2.e4m3x2 (the byte pair's low byte to
+// the low half), and 0x7fff7fff, shr 3, lop3 a | (b & 0x80008000), fma.rn.bf16x2 by 2^112 plus -0
+// (each half through f32: exact products, one round to bf16).
+inline void e4m3x4_to_bf16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    auto pair = [](uint32_t b16) {
+        const uint32_t h = emu_f16_bits(emu_e4m3(b16 & 0xff)) | emu_f16_bits(emu_e4m3(b16 >> 8)) << 16;
+        const uint32_t t = (((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u));
+        auto half = [](uint32_t x) {
+            uint32_t u = x << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            return (uint32_t)__float2bfloat16(f * 0x1p112f + -0.0f).v;
+        };
+        return half(t & 0xffff) | half(t >> 16) << 16;
+    };
+    lo = pair(w & 0xffff);
+    hi = pair(w >> 16);
 }
 // shr, lop3 (a & 0x000F000F | 0x43004300), fma.rn.bf16x2 x * 1 - 128: the codes at bits S and
 // S + 16 as a bf16 pair (exact).

@@ -117,9 +117,12 @@ int main() {
     }
     // gemv_fp8: random e4m3 bytes (every finite value, NaN codes skipped) and per-block scales;
     // the model's k (register-preloaded paths) and others (the generic path); 1, 3 and 16 tokens;
-    // beta 0 and 1; the RMSNorm input for one token.
-    for (auto [n, k, m, norm] : {std::tuple{37, 4096, 1, false}, {300, 2048, 3, false}, {300, 2048, 1, true},
-                                 {20, 512, 16, false}, {129, 128, 2, false}, {21, 48, 1, true}, {9, 4096, 16, false}}) {
+    // beta 0 and 1; the RMSNorm input for one token; nb bf16 tail rows (GDN's b|a: 64 beside
+    // the in-projection's 12,288 at the model's shape) in the same launch.
+    for (auto [n, k, m, norm, nb] :
+         {std::tuple{37, 4096, 1, false, 0}, {300, 2048, 3, false, 5}, {300, 2048, 1, true, 64},
+          {256, 2048, 1, true, 33}, {20, 512, 16, false, 17}, {129, 128, 2, false, 0}, {21, 48, 1, true, 3},
+          {9, 4096, 16, false, 0}}) {
         const int kb = (k + 127) / 128;
         std::vector<unsigned char> q((size_t)n * k);
         for (auto& b : q) {
@@ -130,14 +133,18 @@ int main() {
         for (auto& v : h) v = uni(-2, 2);
         for (auto& v : nw) v = uni(-0.3f, 0.3f);
         for (auto& v : y0) v = uni(-1, 1);
-        std::vector<bf16> x((size_t)m * k);
+        const int ldy = n + nb;
+        y0.resize((size_t)m * ldy);
+        for (auto& v : y0) v = uni(-1, 1);
+        std::vector<bf16> x((size_t)m * k), wb((size_t)nb * k);
         for (auto& v : x) v = __float2bfloat16(uni(-1, 1));
+        for (auto& v : wb) v = __float2bfloat16(uni(-0.1f, 0.1f));
         const float eps = 1e-6f, beta = norm ? 0.0f : 1.0f;
         std::vector<float> y = y0;
-        const int rows = 8 * gemv_fp8_rows(k);
-        emu_launch({(unsigned)((n + rows - 1) / rows), 1, 1}, 256, (size_t)gemv_fp8_smem(m, k, norm), [&] {
+        const int rows = 8 * gemv_fp8_rows(k), blocks = (n + rows - 1) / rows + (nb + 15) / 16;
+        emu_launch({(unsigned)blocks, 1, 1}, 256, (size_t)gemv_fp8_smem(m, k, norm), [&] {
             gemv_fp8(reinterpret_cast<const uint4*>(q.data()), sc.data(), n, k, norm ? nullptr : x.data(), h.data(),
-                     nw.data(), eps, m, y.data(), n, beta);
+                     nw.data(), eps, m, y.data(), ldy, beta, nb ? wb.data() : nullptr, nb);
         });
         std::vector<double> xin((size_t)m * k);
         if (norm) {
@@ -150,16 +157,18 @@ int main() {
         }
         double err = 0;
         for (int t = 0; t < m; t++)
-            for (int r = 0; r < n; r++) {
-                double ref = beta * y0[(size_t)t * n + r];
+            for (int r = 0; r < n + nb; r++) {
+                double ref = beta * y0[(size_t)t * ldy + r];
                 for (int i = 0; i < k; i++)
-                    ref += (double)emu_e4m3(q[(size_t)r * k + i]) * sc[(r / 128) * kb + i / 128] * xin[(size_t)t * k + i];
-                const double e = std::fabs(y[(size_t)t * n + r] - ref) / (1.0 + std::fabs(ref));
+                    ref += (r < n ? (double)emu_e4m3(q[(size_t)r * k + i]) * sc[(r / 128) * kb + i / 128]
+                                  : (double)__bfloat162float(wb[(size_t)(r - n) * k + i])) *
+                           xin[(size_t)t * k + i];
+                const double e = std::fabs(y[(size_t)t * ldy + r] - ref) / (1.0 + std::fabs(ref));
                 if (!(e <= err)) err = e;  // NaN sticks
             }
         const bool ok = err <= 1e-5;
-        printf("%s gemv_fp8 n=%d k=%d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n, k, m,
-               norm ? "RMSNorm" : "bf16", err);
+        printf("%s gemv_fp8 n=%d (+%d bf16) k=%d tokens=%d %s input: max err %.2e\n", ok ? "ok  " : "FAIL", n, nb, k,
+               m, norm ? "RMSNorm" : "bf16", err);
         fails += !ok;
     }
     // gemv_q4: (n, k, tokens, RMSNorm input, group, bf16 tail rows); beta 1 for bf16 input, 0

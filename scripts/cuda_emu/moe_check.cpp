@@ -3,7 +3,8 @@
 // routing (moe_route_small); moe_combine; the decode MoE block (router, gate/up, down) against a
 // double reference; then the prefill MoE kernels: moe_plan and moe_scatter on skewed random
 // routing (one expert hot, one unused), the few-row moe_gemv_sorted (SwiGLU-fused gate/up and
-// plain down over the sorted rows), then moe_gemm6: SwiGLU-fused gate/up (bf16 act), plain
+// plain down over the sorted rows), the grouped 4-bit and FP8 kernels (moe_grouped(_swiglu)_q4,
+// _fp8) over a plan of tiles, then moe_gemm6: SwiGLU-fused gate/up (bf16 act), plain
 // gate/up (f32) and plain down (f32, no gather), each against a double-precision reference over
 // every sorted row, and the bf16 down; outputs start as NaN so that a missed row or column shows.
 #include "kernels_emu.inc"
@@ -711,6 +712,96 @@ static void grouped_q4_check(int d, int inter, int group, const std::vector<int>
            ok ? "ok  " : "FAIL", group, d, inter, e, rows, tiles, ea, ey);
 }
 
+// moe_grouped_fp8 / moe_grouped_swiglu_fp8 (the grouped MoE on FP8 experts, prefill past the
+// few-row path) over grouped_q4_check's kind of plan (a full tile and a short one, short runs, an
+// expert with none, junk past num_tiles), every e4m3 code but NaN (zeros and subnormals
+// included) with random 128 x 128 block scales, gathered input for gate/up, against double
+// products of the dequantised weights: act within its bf16 rounding, y to 1e-6 of its scale.
+// Shapes whose rows and columns cross several scale blocks (per expert and within a strip's
+// units), at the model's kdim 2,048 / 512 (the register-held paths) and others (the NV 0 path).
+static void grouped_fp8_check(int d, int inter, const std::vector<int>& run) {
+    const int e = (int)run.size();
+    auto gu = rand_fp8(e * 2 * inter, d, 1.0f / std::sqrt((float)d));
+    auto dn = rand_fp8(e * d, inter, 1.0f / std::sqrt((float)inter));
+    std::vector<int> expert, te, tr, tn;
+    for (int x = 0; x < e; x++) {
+        for (int j = 0; j < run[x]; j += 128) {
+            te.push_back(x);
+            tr.push_back((int)expert.size() + j);
+            tn.push_back(std::min(128, run[x] - j));
+        }
+        for (int j = 0; j < run[x]; j++) expert.push_back(x);
+    }
+    const int rows = (int)expert.size(), tiles = (int)te.size(), max_tiles = tiles + 3;
+    std::vector<int> num_tiles(1, tiles);
+    for (int j = 0; j < 3; j++) te.push_back(999999), tr.push_back(-5), tn.push_back(1000);
+    const int tokens = rows / 2 + 1;
+    auto xb = rand_bf16((size_t)tokens * d, 1.0f), act_in = rand_bf16((size_t)rows * inter, 1.0f);
+    std::vector<int> gather(rows);
+    for (int r = 0; r < rows; r++) gather[r] = (int)(rng() % tokens);
+    std::vector<bf16> act((size_t)rows * inter, bf16{0x7fff});
+    std::vector<float> y((size_t)rows * d, NAN);
+    auto spb = [](bool swiglu, int kdim) { return swiglu ? 2 : q4_strips(kdim == 2048 ? 4 : kdim == 512 ? 1 : 0); };
+    auto smem = [&](bool swiglu, int kdim) { return (size_t)4 * (16 * q4_ldw(16, kdim) + 8 * 16 * 16 * spb(swiglu, kdim)); };
+    emu_launch({(unsigned)max_tiles, (unsigned)(inter / 16), 1}, 256, smem(true, d), [&] {
+        moe_grouped_swiglu_fp8(xb.data(), gather.data(), gu.words(), gu.s.data(), act.data(), te.data(), tr.data(),
+                               tn.data(), num_tiles.data(), inter, d);
+    });
+    const int sd = spb(false, inter);
+    emu_launch({(unsigned)max_tiles, (unsigned)((d / 16 + sd - 1) / sd), 1}, 256, smem(false, inter), [&] {
+        moe_grouped_fp8(act_in.data(), nullptr, dn.words(), dn.s.data(), y.data(), te.data(), tr.data(), tn.data(),
+                        num_tiles.data(), d, inter);
+    });
+    double ea = 0, ey = 0, ys = 0;
+    std::vector<double> yr((size_t)rows * d);
+    for (int r = 0; r < rows; r++) {
+        const size_t g0 = (size_t)expert[r] * 2 * inter;
+        for (int j = 0; j < inter; j++) {
+            double g = 0, u = 0;
+            for (int i = 0; i < d; i++) {
+                const double xv = f(xb[(size_t)gather[r] * d + i]);
+                g += gu.at(g0 + j, i) * xv;
+                u += gu.at(g0 + inter + j, i) * xv;
+            }
+            const double ref = g / (1.0 + std::exp(-g)) * u, got = f(act[(size_t)r * inter + j]);
+            const double e_ = std::fabs(got - ref) / (std::fabs(ref) * 0.00390625 + 1e-5);
+            if (!(e_ <= ea)) ea = e_;
+        }
+        for (int n = 0; n < d; n++) {
+            double a = 0;
+            for (int j = 0; j < inter; j++) a += dn.at((size_t)expert[r] * d + n, j) * f(act_in[(size_t)r * inter + j]);
+            yr[(size_t)r * d + n] = a;
+            ys = std::max(ys, std::fabs(a));
+        }
+    }
+    for (size_t i = 0; i < yr.size(); i++) {
+        const double e_ = std::fabs(y[i] - yr[i]) / ys;
+        if (!(e_ <= ey)) ey = e_;
+    }
+    const bool ok = ea <= 1.0 && ey <= 1e-6;
+    fails += !ok;
+    printf("%s moe_grouped fp8 d=%d i=%d E=%d rows=%d tiles=%d: swiglu act %.2f of its bound, down %.1e\n",
+           ok ? "ok  " : "FAIL", d, inter, e, rows, tiles, ea, ey);
+}
+
+// e4m3x4_to_bf16x4 (as the emulator runs its instructions) against the e4m3 values: every byte
+// (NaN codes aside) in every position of the word, bitwise.
+static void e4m3_bf16_check() {
+    int bad = 0;
+    for (unsigned b = 0; b < 256; b++) {
+        if ((b & 0x7f) == 0x7f) continue;
+        for (int pos = 0; pos < 4; pos++) {
+            const unsigned w = (b << (8 * pos)) | (0x38u << (8 * ((pos + 1) % 4)));  // 0x38: 1.0 beside it
+            unsigned lo, hi;
+            e4m3x4_to_bf16x4(w, lo, hi);
+            const unsigned half = ((pos < 2 ? lo : hi) >> (16 * (pos % 2))) & 0xffff;
+            bad += f(bf16{(uint16_t)half}) != (double)emu_e4m3(b);
+        }
+    }
+    printf("%s e4m3x4_to_bf16x4: every finite e4m3 code, each byte position: %d wrong\n", bad ? "FAIL" : "ok  ", bad);
+    fails += bad != 0;
+}
+
 // moe_plan alone over several warps of experts (the model's 256, and ragged counts), offsets
 // and cursor included, against plan_ok's sequential table.
 static void plan_check(int e, int tile_m) {
@@ -729,6 +820,7 @@ static void plan_check(int e, int tile_m) {
 }
 
 int main(int argc, char** argv) {
+    const bool quick = argc > 1 && std::string(argv[1]) == "quick";
     for (int e : {5, 40, 256, 1000}) plan_check(e, e == 40 ? 64 : 128);
     for (int early : {0, 1, 2}) {  // 2: the down rows by bulk copies
         decode_moe_check(64, 8, 2, 32, 32, early);
@@ -752,6 +844,10 @@ int main(int argc, char** argv) {
     sorted_q4_check(2048, 512, 6, 9, 128);
     grouped_q4_check(128, 128, 32, {20, 0, 9});
     grouped_q4_check(2048, 512, 64, {150, 5, 0, 17});
+    e4m3_bf16_check();
+    grouped_fp8_check(128, 128, {20, 0, 9});
+    grouped_fp8_check(384, 256, {150, 5, 0, 17});
+    if (!quick) grouped_fp8_check(2048, 512, {150, 5, 0, 17});
     for (int e : {5, 8, 16, 64, 256, 300})
         for (int k : {1, 2, 4, 8})
             if (k <= e) route_check(k % 2 ? 12 : 21, e, k, k % 2 ? 36 : 64);
@@ -764,7 +860,6 @@ int main(int argc, char** argv) {
         combine_check(3, 10, 36, sorted);
         combine_check(4, 2, 1100, sorted);
     }
-    bool quick = argc > 1 && std::string(argv[1]) == "quick";
     // deep-k: 8 and 5 K tiles, so the pipelines' stages wrap (the tiny shapes have one or two)
     const Shape tiny[] = {{"tiny-flat-f32", 37, 64, 32, 8, 2}, {"tiny-official-bf16", 150, 96, 32, 16, 4},
                           {"ragged", 50, 40, 24, 5, 2}, {"deep-k", 40, 512, 320, 4, 2}};

@@ -20,6 +20,7 @@
 #        fused RMSNorm against norm.cu's rmsnorm_zc_bf16, bitwise); moe_plan + moe_scatter +
 #        moe_gemv_sorted (the few-row path) +
 #        moe_grouped(_swiglu)_q4 (4-bit experts over a plan of tiles) +
+#        moe_grouped(_swiglu)_fp8 (FP8 experts over such a plan, e4m3 to bf16 in registers) +
 #        moe_gemm6 (wgmma, emulated through its descriptors; SwiGLU-fused and plain, and the bf16
 #        y bitwise its f32 y rounded) against double references at the tiny fixtures' dims, a
 #        deep-K shape and a reduced real shape; moe_plan over several warps of experts

@@ -204,7 +204,7 @@ impl CudaModel {
             Wt::Bf16(b) => self.gemv_dec(b, n, k, input, y, beta, None, self.decode_graph),
             Wt::Fp8 { .. } => {
                 let f = w.fp8().expect("an FP8 matrix");
-                gemv::gemv_fp8(&self.gpu, f, n, k, input, 1, y, n, beta, on)
+                gemv::gemv_fp8(&self.gpu, f, n, k, input, 1, y, n, beta, None, on)
             }
             Wt::Q4 { .. } => {
                 let q = w.q4().expect("a 4-bit matrix");
@@ -293,7 +293,14 @@ impl CudaModel {
                                 on,
                             )?;
                         }
-                        // FP8: q|k|v|z in FP8, b|a (bf16 in the format) beside them
+                        // FP8: q|k|v|z in FP8 and the bf16 b|a (as the format keeps them) in one
+                        // launch
+                        Some(ba) if w.in_proj.fp8().is_some() => {
+                            let f = w.in_proj.fp8().expect("an FP8 matrix");
+                            let tail = Some((ba.bf16(), 2 * hv));
+                            let n = ch + vw;
+                            gemv::gemv_fp8(g, f, n, d, normed, 1, proj, n + 2 * hv, 0.0, tail, on)?;
+                        }
                         Some(ba) => {
                             self.dense_dec(&w.in_proj, ch + vw, d, normed, proj, 0.0)?;
                             gemv(ba, 2 * hv, d, normed, proj.at(ch + vw), 0.0, None)?;

@@ -682,6 +682,31 @@ impl Engine for CudaModel {
 mod tests {
     use super::*;
 
+    /// The FP8 plan holds the dequantised experts' scratch (a layer's 256 experts in bf16,
+    /// 1.61 GB) only when a chunk can pass FP8_GROUPED_MAX_ROWS (the grouped e4m3 kernels take
+    /// the calls below it); no other format holds it.
+    #[test]
+    fn fp8_plan_holds_the_expert_scratch_only_for_long_chunks() {
+        use crate::cuda::kernels::moe_gemm::FP8_GROUPED_MAX_ROWS;
+        let c = TextConfig::qwen36_35b_a3b();
+        let scratch = |format, t| {
+            let (list, _) = CudaModel::workspace_floats(&c, format, t);
+            let (_, n, b) = list
+                .into_iter()
+                .find(|(n, _, _)| *n == "dq_experts")
+                .unwrap();
+            n * b
+        };
+        let experts = c.num_experts * 3 * c.moe_intermediate * c.hidden_size * 2;
+        assert_eq!(experts, 1_610_612_736);
+        let limit = FP8_GROUPED_MAX_ROWS / c.experts_per_token;
+        assert_eq!(scratch(WeightFormat::Fp8, 8192), experts);
+        assert_eq!(scratch(WeightFormat::Fp8, limit + 1), experts);
+        assert_eq!(scratch(WeightFormat::Fp8, limit), 0);
+        assert_eq!(scratch(WeightFormat::Int4, 8192), 0);
+        assert_eq!(scratch(WeightFormat::Bf16, 8192), 0);
+    }
+
     /// Issue 39's memory target: the 4-bit model's weights (MLX's layout: every projection
     /// and lm_head 4-bit with bf16 scale/bias pairs a group of 64; the embedding, router, GDN
     /// a/b and norms bf16) at most 22 GB on the GPU; and the decode step's bytes about a

@@ -10,10 +10,10 @@ use super::kernels::attn_decode::{
 };
 use super::kernels::attn_prefill::AttnPrepRows;
 use super::kernels::gdn_decode::{GdnConvstepDec, GdnGatedNorm, GdnGates};
-use super::kernels::gemv::Q4;
+use super::kernels::gemv::{Fp8, Q4};
 use super::kernels::gemv::{GEMV_FP8_TOKENS, GEMV_Q4_TOKENS, Input, gemv_fp8, gemv_q4};
 use super::kernels::misc::{DequantFp8Bf16, DequantQ4Bf16, EmbedGather};
-use super::kernels::moe_gemm::MoeGroupedQ4;
+use super::kernels::moe_gemm::{FP8_GROUPED_MAX_ROWS, MoeGroupedFp8, MoeGroupedQ4};
 use super::kernels::moe_route::{
     MoeCombine, MoeCombineBf16, MoeGemvSorted, MoeGemvSortedFp8, MoeGemvSortedQ4, MoeRoute,
     MoeRouteSmall,
@@ -40,8 +40,9 @@ pub(super) const LOGITS_ROWS: usize = 64;
 const MOE_GEMV_MAX_ROWS: usize = 128;
 
 /// [`MOE_GEMV_MAX_ROWS`] for FP8 and 4-bit experts: every batched decode step of up to 64
-/// tokens (the alternative dequantises all 256 experts' weights into bf16 each call, ~2.4 GB of
-/// traffic a layer).
+/// tokens. (Set when FP8 past it dequantised all 256 experts' weights into bf16 each call, ~2.4
+/// GB of traffic a layer; not measured again against moe_grouped_fp8, which reads the e4m3
+/// words as they are.)
 const MOE_GEMV_MAX_ROWS_FP8: usize = 512;
 
 /// The few-row MoE path's limit in routed rows for `format`.
@@ -135,10 +136,12 @@ pub(super) struct Workspace {
     pub(super) batch_tab: DeviceBuf,
     pub(super) batch_pos: DeviceBuf,
     pub(super) batch_next: DeviceBuf,
-    /// FP8 weights: a dense product's matrix dequantised to bf16 (main and second stream),
-    /// and a layer's experts (gate/up then down) for the calls past the few-row MoE path.
+    /// FP8 and 4-bit weights: a dense product's matrix dequantised to bf16 (main and second
+    /// stream).
     pub(super) dq: DeviceBuf,
     pub(super) dq_aux: DeviceBuf,
+    /// FP8 weights: a layer's experts (gate/up, then down) dequantised to bf16 for the calls
+    /// past [`FP8_GROUPED_MAX_ROWS`].
     pub(super) dq_experts: DeviceBuf,
 }
 
@@ -160,8 +163,9 @@ impl CudaModel {
         // the few-row path's plan has a tile a row
         let max_tiles = super::moe::max_tiles(t * k, e).max(moe_gemv_max_rows(format).min(t * k));
         // FP8 and 4-bit: the dequantised bf16 matrix of a dense product past the GEMVs' tokens
-        // (one for each stream); FP8: a layer's experts where a call passes the few-row MoE path
-        // (4-bit experts run on their tiles there too: moe_grouped_q4)
+        // (one for each stream); FP8: a layer's experts where a call passes
+        // FP8_GROUPED_MAX_ROWS (below it moe_grouped_fp8 reads them as they are, as
+        // moe_grouped_q4 always does)
         let fp8 = format == WeightFormat::Fp8;
         let int4 = format == WeightFormat::Int4;
         let dense_max = [
@@ -179,7 +183,7 @@ impl CudaModel {
         } else {
             0
         };
-        let dq_experts = if fp8 && t * k > MOE_GEMV_MAX_ROWS_FP8 {
+        let dq_experts = if fp8 && t * k > FP8_GROUPED_MAX_ROWS {
             e * 3 * i * d
         } else {
             0
@@ -781,7 +785,7 @@ impl CudaModel {
         let on = if aux { On::Aux } else { On::Prefill };
         if t <= GEMV_FP8_TOKENS {
             let (x, y) = (Dev::new(x, t * k), Dev::new(y, (t - 1) * ldy + n));
-            return gemv_fp8(g, f, n, k, Input::Bf16(x), t, y, ldy, beta, on);
+            return gemv_fp8(g, f, n, k, Input::Bf16(x), t, y, ldy, beta, None, on);
         }
         let dq = if aux { &ws.dq_aux } else { &ws.dq };
         DequantFp8Bf16 {
@@ -864,9 +868,12 @@ impl CudaModel {
             self.dense(ws, &layer.shared_down, 0, d, is, sact, t, ys, d, 0.0, true)?;
         }
         let gemv_path = rows <= moe_gemv_max_rows(self.w.format);
-        // y in bf16 from the grouped GEMM's tiles (16-byte rows of 8 features).
+        // y in bf16 from the bf16 grouped GEMM's tiles (16-byte rows of 8 features); the 4-bit
+        // and FP8 grouped kernels write f32.
         let q4 = layer.gate_up.q4().zip(layer.down.q4());
-        let y_bf16 = !gemv_path && d % 8 == 0 && q4.is_none();
+        let fp8 = layer.gate_up.fp8().zip(layer.down.fp8());
+        let fp8_grouped = fp8.filter(|_| rows <= FP8_GROUPED_MAX_ROWS);
+        let y_bf16 = !gemv_path && d % 8 == 0 && q4.is_none() && fp8_grouped.is_none();
         let counts = ws.counts.i32();
         let plan = MoePlan {
             counts,
@@ -1009,11 +1016,35 @@ impl CudaModel {
                     .launch(g, true, tiles, rows, e)?;
                 grouped(ws.act.bf16(), Dev::null(), dn, ws.y.f32().into(), d, i)
                     .launch(g, false, tiles, rows, e)?;
+            } else if let Some((gu, dn)) = fp8_grouped {
+                // FP8: the grouped products on the e4m3 words and block scales themselves
+                let tiles = super::moe::max_tiles(rows, e);
+                let grouped = |a: Dev<bf16>, gather: Dev<i32>, w: Fp8, out: Untyped, nf, kdim| {
+                    MoeGroupedFp8 {
+                        a,
+                        gather,
+                        w: w.q,
+                        sc: w.sc,
+                        out,
+                        tile_expert: plan.tile_expert,
+                        tile_row: plan.tile_row,
+                        tile_rows: plan.tile_rows,
+                        num_tiles: plan.num_tiles,
+                        nf: nf as i32,
+                        kdim: kdim as i32,
+                    }
+                };
+                let sorted = ws.sorted_token.i32();
+                grouped(ws.xb.bf16(), sorted, gu, ws.act.bf16().into(), i, d)
+                    .launch(g, true, tiles, rows, e)?;
+                grouped(ws.act.bf16(), Dev::null(), dn, ws.y.f32().into(), d, i)
+                    .launch(g, false, tiles, rows, e)?;
             } else {
-                // FP8: the layer's experts dequantised to bf16 first (gate/up, then down)
-                let dq = ws.dq_experts.bf16();
-                let (w_gu, w_down) = match (layer.gate_up.fp8(), layer.down.fp8()) {
-                    (Some(gu), Some(dn)) => {
+                let (w_gu, w_down) = match fp8 {
+                    // FP8 past FP8_GROUPED_MAX_ROWS: the layer's experts dequantised to bf16
+                    // first (gate/up, then down)
+                    Some((gu, dn)) => {
+                        let dq = ws.dq_experts.bf16();
                         for (f, n, kk, out) in
                             [(gu, e * 2 * i, d, dq), (dn, e * d, i, dq.at(e * 2 * i * d))]
                         {
@@ -1028,7 +1059,7 @@ impl CudaModel {
                         }
                         (dq, dq.at(e * 2 * i * d))
                     }
-                    _ => (
+                    None => (
                         layer.gate_up.bf16_buf("the grouped MoE")?.bf16(),
                         layer.down.bf16_buf("the grouped MoE")?.bf16(),
                     ),

@@ -177,7 +177,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
 // bf16 rows x [m, k], or (x null, m = 1) the zero-centred RMSNorm of h with weight nw; it is
 // staged in shared memory as bf16 after the warp's weight words are in flight (all of them: R
 // rows of k / 512 words a lane). y [m, ldy]. Each token re-converts the words held in registers.
-// grid ceil(n / (8 gemv_fp8_rows(k))), block 256, smem gemv_fp8_smem(m, k, x null) bytes.
+// With nb > 0, blocks past the FP8 rows' take the bf16 rows wb [nb, k] (two a warp), their
+// products into y columns n .. n + nb - 1 (GDN's bf16 b|a beside the FP8 q|k|v|z: one launch).
+// grid ceil(n / (8 gemv_fp8_rows(k))) + ceil(nb / 16), block 256, smem gemv_fp8_smem(m, k,
+// x null) bytes.
 #define GEMV_FP8_TOKENS 16
 __host__ __device__ __forceinline__ constexpr int gemv_fp8_rows(int k) {
     return k == 4096 ? 1 : k == 2048 ? 4 : k == 512 ? 8 : 2;
@@ -187,11 +190,13 @@ template <int VPL>
 __device__ __forceinline__ void gemv_fp8_impl(const uint4* __restrict__ w, const float* __restrict__ sc, int n, int k,
                                               const bf16* __restrict__ x, const float* __restrict__ h,
                                               const float* __restrict__ nw, float eps, int m, float* __restrict__ y,
-                                              int ldy, float beta, float* xs) {
+                                              int ldy, float beta, const bf16* __restrict__ wb, int nb, float* xs) {
     DECODE_KERNEL(TAG_GEMV);
     constexpr int R = gemv_fp8_rows(VPL * 512), NV = VPL > 0 ? VPL : 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = k >> 4, kb = (k + 127) >> 7;
-    const int r0 = (blockIdx.x * 8 + warp) * R;
+    const int fp8_blocks = (n + 8 * R - 1) / (8 * R);
+    const bool tail = (int)blockIdx.x >= fp8_blocks;  // block-uniform: bf16 rows of wb
+    const int r0 = tail ? n : (blockIdx.x * 8 + warp) * R;
     const uint4* rows[R];
     const float* srows[R];
 #pragma unroll
@@ -212,6 +217,23 @@ __device__ __forceinline__ void gemv_fp8_impl(const uint4* __restrict__ w, const
         griddep_wait();
         stage_rmsnorm(xb, h, nw, k, eps, nullptr, ws);
     }
+    if (tail) {
+        const int tr = ((int)blockIdx.x - fp8_blocks) * 16 + warp * 2;
+        const bf16* brows[2] = {tr < nb ? wb + (size_t)tr * k : nullptr, tr + 1 < nb ? wb + (size_t)(tr + 1) * k : nullptr};
+        for (int t = 0; t < m; t++) {
+            float acc[2];
+            dot_rows_any<2>(brows, xb + t * (k >> 3), k, acc);
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const float a = warp_sum(acc[q]);
+                if (lane == q && tr + q < nb) {
+                    float* o = y + (size_t)t * ldy + n + tr + q;
+                    *o = beta == 0.0f ? a : beta * *o + a;
+                }
+            }
+        }
+        return;
+    }
     for (int t = 0; t < m; t++) {
         float acc[R];
         if (VPL > 0) dot_rows_fp8<R, NV>(v, s, xb + t * (k >> 3), acc);
@@ -230,13 +252,13 @@ extern "C" __global__ void __launch_bounds__(256) gemv_fp8(const uint4* __restri
                                                            int n, int k, const bf16* __restrict__ x,
                                                            const float* __restrict__ h, const float* __restrict__ nw,
                                                            float eps, int m, float* __restrict__ y, int ldy,
-                                                           float beta) {
+                                                           float beta, const bf16* __restrict__ wb, int nb) {
     extern __shared__ float gemv_fp8_xs[];
     switch (k) {
-        case 512: gemv_fp8_impl<1>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs); break;
-        case 2048: gemv_fp8_impl<4>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs); break;
-        case 4096: gemv_fp8_impl<8>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs); break;
-        default: gemv_fp8_impl<0>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, gemv_fp8_xs);
+        case 512: gemv_fp8_impl<1>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, wb, nb, gemv_fp8_xs); break;
+        case 2048: gemv_fp8_impl<4>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, wb, nb, gemv_fp8_xs); break;
+        case 4096: gemv_fp8_impl<8>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, wb, nb, gemv_fp8_xs); break;
+        default: gemv_fp8_impl<0>(w, sc, n, k, x, h, nw, eps, m, y, ldy, beta, wb, nb, gemv_fp8_xs);
     }
 }
 
@@ -273,7 +295,8 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
         strip[sp] = !tail && st * 16 < n ? st : -1;
     }
     uint4 v[SPB][NV > 0 ? NV : 1];
-    q4_load<NV, SPB>(v, w, strip, k);
+    Q4Sb<(NV > 0 ? NV : 1)> sbr[SPB];
+    q4_load<NV, SPB>(v, sbr, w, sb, group, strip, k);
     unsigned* xw = reinterpret_cast<unsigned*>(smem);
     float* xsum = smem + m * ldw + (x ? 0 : k);
     float* red = xsum + m * nspan;
@@ -304,7 +327,7 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
     }
     q4_span_sums(xw, ldw, m, k, q4_span(group), xsum);
     TRACE_PHASE(0);  // the timeline's phases: input staged, dot products done
-    q4_dot<NV, NT, SPB>(v, w, sb, group, strip, k, xw, ldw, m, xsum, red);
+    q4_dot<NV, NT, SPB>(v, sbr, w, sb, group, strip, k, xw, ldw, m, xsum, red);
     float best = -INFINITY;  // the argmax (m = 1): this thread's row, then the block's
     int best_id = 0x7fffffff;
     for (int o = threadIdx.x; o < SPB * m * 16; o += blockDim.x) {

@@ -400,14 +400,53 @@ __device__ __forceinline__ void q4_stage_rows(unsigned* xw, int ldw, const bf16*
     __syncthreads();
 }
 
+// A strip's scale/bias pairs that one warp's NV units use, held in registers and requested with
+// the codes (before the wait), not read from global memory inside the products where each
+// unit's load waited a round trip (on an H100, gemv_q4's time grew ~2 us a unit a warp: 38 us
+// for the GDN in-projection's 12.6 MB). Word p * 32 + lane of the strip's groups from grp0 (the
+// first unit's): sb[(s * G + grp0) * 16 + p * 32 + lane]; NV words a lane cover NV units at group
+// 32 (two groups a unit), half of them at 64, a quarter at 128 (the rest stay 0).
+template <int NV>
+struct Q4Sb {
+    unsigned w[NV];
+    int grp0;
+};
+// Strip s's pairs for units unit0 .. unit0 + NV - 1 (s < 0: none) of a q4 matrix of k columns.
+template <int NV>
+__device__ __forceinline__ void q4_load_sb(Q4Sb<NV>& r, const unsigned* __restrict__ sb, int group, int s, int k,
+                                           int unit0) {
+    const int lane = threadIdx.x & 31, G = k / group;
+    r.grp0 = unit0 * 64 / group;
+    const int words = ((unit0 * 64 + NV * 64 - 1) / group - r.grp0 + 1) * 16;
+    const unsigned* p = sb + ((size_t)(s < 0 ? 0 : s) * G + r.grp0) * 16 + lane;
+#pragma unroll
+    for (int i = 0; i < NV; i++) r.w[i] = s >= 0 && i * 32 + lane < words ? __ldg(p + i * 32) : 0u;
+}
+// Row r's pair of group grp from registers q4_load_sb filled (every lane calls it with the same
+// grp: the word's slot (grp - grp0) / 2 is the same for all, its lane differs).
+template <int NV>
+__device__ __forceinline__ unsigned q4_sb_at(const Q4Sb<NV>& s, int grp, int r) {
+    const int idx = (grp - s.grp0) * 16 + r, slot = idx >> 5;
+    unsigned v = s.w[0];
+#pragma unroll
+    for (int i = 1; i < NV; i++)
+        if (slot == i) v = s.w[i];
+    return __shfl_sync(0xffffffffu, v, idx & 31);
+}
+// The same pair read from global memory (shapes outside the model's: units read as they go).
+struct Q4SbGlobal {
+    const unsigned* sbp;  // the strip's pairs: row r of group grp at sbp[grp * 16 + r]
+    __device__ __forceinline__ unsigned operator()(int grp, int r) const { return sbp[grp * 16 + r]; }
+};
+
 // One 64-column unit of a 16-row strip against NT tiles of 8 tokens: the unit's codes wv (this
 // lane's 16 bytes), the input xw (m rows of ldw words, column kc0 = the unit's first), span sums
-// xs (token t's span i at xs[t * nspan + i]) and the strip's scale/bias pairs sbp (row r's
-// group grp at sbp[grp * 16 + r]), accumulated into acc[NT][4] (the C fragment: rows g and g+8,
-// tokens 8 nt + c and + 1).
-template <int NT>
+// xs (token t's span i at xs[t * nspan + i]) and the strip's scale/bias pairs (row r's group
+// grp: sb_at(grp, r), q4_sb_global or q4_sb_at; called alike by every lane), accumulated into
+// acc[NT][4] (the C fragment: rows g and g+8, tokens 8 nt + c and + 1).
+template <int NT, typename SB>
 __device__ __forceinline__ void q4_unit(uint4 wv, const unsigned* xw, int ldw, int m, int kc0, const float* xs,
-                                        int nspan, const unsigned* sbp, int group, float (&acc)[NT][4]) {
+                                        int nspan, SB sb_at, int group, float (&acc)[NT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = 2 * (lane & 3);
     const unsigned wj[4] = {wv.x, wv.y, wv.z, wv.w};
     const bool g32 = group == 32;
@@ -434,7 +473,7 @@ __device__ __forceinline__ void q4_unit(uint4 wv, const unsigned* xw, int ldw, i
         if (j == 3 || (g32 && j == 1)) {
             // the span's scale and bias for rows g and g + 8
             const int col = kc0 + 16 * j - (g32 ? 16 : 48), sp = col / (g32 ? 32 : 64), grp = col / group;
-            const unsigned p0 = sbp[grp * 16 + g], p1 = sbp[grp * 16 + g + 8];
+            const unsigned p0 = sb_at(grp, g), p1 = sb_at(grp, g + 8);
             const float s0 = __uint_as_float(p0 << 16), c0 = __uint_as_float(p0 & 0xffff0000u);
             const float s1 = __uint_as_float(p1 << 16), c1 = __uint_as_float(p1 & 0xffff0000u);
 #pragma unroll
@@ -455,19 +494,25 @@ __device__ __forceinline__ void q4_unit(uint4 wv, const unsigned* xw, int ldw, i
 // four at 512, else one (k = 4,096, and NV 0: shapes outside the model's).
 __host__ __device__ __forceinline__ constexpr int q4_strips(int nv) { return nv == 4 ? 2 : nv == 1 ? 4 : 1; }
 
-// This warp's codes of up to SPB strips (strip[sp] < 0: none) of a q4 matrix of k columns: units
-// warp * NV .. + NV - 1 (NV = k / 512; NV 0 loads nothing, q4_dot then reads as it goes).
+// This warp's codes of up to SPB strips (strip[sp] < 0: none) of a q4 matrix of k columns, units
+// warp * NV .. + NV - 1 (NV = k / 512), and (sbr not null: SPB of them) their scale/bias pairs;
+// NV 0 loads nothing, q4_dot then reads as it goes. The grouped MoE, whose blocks take many
+// chunks of rows, reads the pairs from global memory (sbr null: 176 registers a thread held,
+// against 122, for one wait per unit its later chunks find in L1).
 template <int NV, int SPB>
-__device__ __forceinline__ void q4_load(uint4 (&v)[SPB][NV > 0 ? NV : 1], const uint4* __restrict__ w,
+__device__ __forceinline__ void q4_load(uint4 (&v)[SPB][NV > 0 ? NV : 1], Q4Sb<(NV > 0 ? NV : 1)>* sbr,
+                                        const uint4* __restrict__ w, const unsigned* __restrict__ sb, int group,
                                         const int (&strip)[SPB], int k) {
     if constexpr (NV > 0) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, U = k >> 6;
 #pragma unroll
-        for (int sp = 0; sp < SPB; sp++)
+        for (int sp = 0; sp < SPB; sp++) {
 #pragma unroll
             for (int i = 0; i < NV; i++)
                 v[sp][i] = strip[sp] >= 0 ? __ldg(w + ((size_t)strip[sp] * U + warp * NV + i) * 32 + lane)
                                           : make_uint4(0, 0, 0, 0);
+            if (sbr) q4_load_sb<NV>(sbr[sp], sb, group, strip[sp], k, warp * NV);
+        }
     }
 }
 
@@ -475,7 +520,8 @@ __device__ __forceinline__ void q4_load(uint4 (&v)[SPB][NV > 0 ? NV : 1], const 
 // stored to red[((warp * SPB + sp) * m + t) * 16 + r] (row r of strip sp, token t). Ends with a
 // block barrier; q4_red_sum then gives the sum over the 8 warps.
 template <int NV, int NT, int SPB>
-__device__ __forceinline__ void q4_dot(const uint4 (&v)[SPB][NV > 0 ? NV : 1], const uint4* __restrict__ w,
+__device__ __forceinline__ void q4_dot(const uint4 (&v)[SPB][NV > 0 ? NV : 1],
+                                       const Q4Sb<(NV > 0 ? NV : 1)>* sbr, const uint4* __restrict__ w,
                                        const unsigned* __restrict__ sb, int group, const int (&strip)[SPB], int k,
                                        const unsigned* xw, int ldw, int m, const float* xsum, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = 2 * (lane & 3);
@@ -490,15 +536,22 @@ __device__ __forceinline__ void q4_dot(const uint4 (&v)[SPB][NV > 0 ? NV : 1], c
 #pragma unroll
     for (int sp = 0; sp < SPB; sp++) {
         if (strip[sp] < 0) continue;
-        const unsigned* sbp = sb + (size_t)strip[sp] * G * 16;
-        if (NV > 0) {
+        if (NV > 0 && sbr) {
+            const Q4Sb<(NV > 0 ? NV : 1)>& sr = sbr[sp];
+            const auto at = [&sr](int grp, int r) { return q4_sb_at(sr, grp, r); };
 #pragma unroll
             for (int i = 0; i < (NV > 0 ? NV : 1); i++)
-                q4_unit<NT>(v[sp][i], xw, ldw, m, (warp * NV + i) * 64, xsum, nspan, sbp, group, acc[sp]);
+                q4_unit<NT>(v[sp][i], xw, ldw, m, (warp * NV + i) * 64, xsum, nspan, at, group, acc[sp]);
+        } else if (NV > 0) {
+            const Q4SbGlobal at{sb + (size_t)strip[sp] * G * 16};
+#pragma unroll
+            for (int i = 0; i < (NV > 0 ? NV : 1); i++)
+                q4_unit<NT>(v[sp][i], xw, ldw, m, (warp * NV + i) * 64, xsum, nspan, at, group, acc[sp]);
         } else {
+            const Q4SbGlobal at{sb + (size_t)strip[sp] * G * 16};
             for (int u = warp; u < U; u += 8)
                 q4_unit<NT>(__ldg(w + ((size_t)strip[sp] * U + u) * 32 + lane), xw, ldw, m, u * 64, xsum, nspan,
-                            sbp, group, acc[sp]);
+                            at, group, acc[sp]);
         }
     }
     TRACE_PHASE(1);

@@ -28,7 +28,7 @@ kernels! {
     /// [m, ldy]`.
     GemvFp8 ["gemv_fp8"] {
         w: Dev<U128>, sc: Dev<f32>, n: i32, k: i32, x: Dev<bf16>, h: Dev<f32>, nw: Dev<f32>,
-        eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32,
+        eps: f32, m: i32, y: Dev<f32>, ldy: i32, beta: f32, wb: Dev<bf16>, nb: i32,
     }
     /// The W4A16 GEMV of affine 4-bit weights ([`Q4`] tiles, on the tensor cores) for `m`
     /// tokens: the bf16 rows `x [m, k]`, or (x null, m = 1) RMSNorm(h) with weight `nw`; `y
@@ -202,6 +202,12 @@ fn gemv_fp8_rows(k: usize) -> usize {
     }
 }
 
+/// Blocks of a `gemv_fp8` launch: 8 warps of gemv_fp8_rows FP8 rows, then 16 bf16 tail rows a
+/// block.
+fn gemv_fp8_blocks(n: usize, k: usize, nb: usize) -> usize {
+    n.div_ceil(8 * gemv_fp8_rows(k)) + nb.div_ceil(16)
+}
+
 /// FP8 weights on the device: e4m3 `[rows, cols]` row-major (16 a 16-byte word) and their f32
 /// block scales `[ceil(rows / 128), ceil(cols / 128)]`.
 #[derive(Clone, Copy, Debug)]
@@ -211,7 +217,9 @@ pub struct Fp8 {
 }
 
 /// `y [m, ldy] = beta · y + input · Wᵀ` for FP8 `W [n, k]` (k % 16 == 0): `input` the bf16
-/// rows `[m, k]` (m <= [`GEMV_FP8_TOKENS`]), or a one-token RMSNorm input.
+/// rows `[m, k]` (m <= [`GEMV_FP8_TOKENS`]), or a one-token RMSNorm input. `tail`: bf16 rows
+/// `[nb, k]` whose products go to rows `[n, n + nb)` of y in the same launch (GDN's b|a beside
+/// the FP8 q|k|v|z).
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_fp8(
     gpu: &Gpu,
@@ -223,17 +231,21 @@ pub fn gemv_fp8(
     y: Dev<f32>,
     ldy: usize,
     beta: f32,
+    tail: Option<(Dev<bf16>, usize)>,
     on: On,
 ) -> Result<()> {
     let kb = k.div_ceil(128);
+    let (wb, nb) = tail.unwrap_or((Dev::null(), 0));
     ensure!(
         k.is_multiple_of(16)
             && (1..=GEMV_FP8_TOKENS).contains(&m)
             && w.q.len * 16 >= n * k
             && w.sc.len >= n.div_ceil(128) * kb
-            && ldy >= n
-            && y.len >= (m - 1) * ldy + n,
-        "gemv_fp8: W [{n}, {k}] {:?} scales {:?}, {m} tokens, y {y:?} rows of {ldy}",
+            && ldy >= n + nb
+            && y.len >= (m - 1) * ldy + n + nb
+            && wb.len >= nb * k,
+        "gemv_fp8: W [{n}, {k}] {:?} scales {:?} (+ {nb} bf16 rows {wb:?}), {m} tokens, y {y:?} \
+         rows of {ldy}",
         w.q,
         w.sc
     );
@@ -263,8 +275,10 @@ pub fn gemv_fp8(
         y,
         ldy: ldy as i32,
         beta,
+        wb,
+        nb: nb as i32,
     };
-    let grid = (n.div_ceil(8 * gemv_fp8_rows(k)) as u32, 1, 1);
+    let grid = (gemv_fp8_blocks(n, k, nb) as u32, 1, 1);
     gpu.run("gemv_fp8", grid, 256, smem, &p.args(), on)
 }
 
@@ -424,4 +438,32 @@ pub fn gemv(
         &p.args(),
         on,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gemv_fp8's grid covers every FP8 row as the kernel splits them (8 warps of
+    /// gemv_fp8_rows(k) rows a block) and then every bf16 tail row (16 a block), no block
+    /// wholly past both.
+    #[test]
+    fn fp8_grid_covers_the_rows_and_the_tail() {
+        for k in [128, 512, 2048, 4096] {
+            let per = 8 * gemv_fp8_rows(k);
+            for n in [16usize, 300, 2048, 12_288] {
+                for nb in [0, 1, 16, 33, 64] {
+                    let fp8 = n.div_ceil(per);
+                    let tail = gemv_fp8_blocks(n, k, nb) - fp8;
+                    assert!(fp8 * per >= n && (fp8 - 1) * per < n, "n {n} k {k}");
+                    assert!(
+                        tail * 16 >= nb && (tail == 0 || (tail - 1) * 16 < nb),
+                        "nb {nb}"
+                    );
+                }
+            }
+        }
+        // the GDN in-projection: 12,288 FP8 rows in 384 blocks, b|a's 64 in 4 more
+        assert_eq!(gemv_fp8_blocks(12_288, 2048, 64), 388);
+    }
 }

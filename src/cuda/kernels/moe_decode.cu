@@ -404,14 +404,15 @@ __device__ __forceinline__ void moe_gate_up_dec_q4_impl(const bf16* __restrict__
     const int base = shared ? 0 : expert * 2 * inter;  // the expert's first row
     const int strip[2] = {(base + j0) / 16, (base + n + j0) / 16};
     uint4 v[2][NV > 0 ? NV : 1];
-    q4_load<NV, 2>(v, w, strip, d);
+    Q4Sb<(NV > 0 ? NV : 1)> sbr[2];
+    q4_load<NV, 2>(v, sbr, w, sb, group, strip, d);
     if (shared) {
         griddep_wait();  // xb, the normalised input, comes from the router
         if (late_launch) griddep_launch();
     }
     q4_stage_rows(xw, d / 2, xb, nullptr, 1, d);
     q4_span_sums(xw, d / 2, 1, d, q4_span(group), xsum);
-    q4_dot<NV, 1, 2>(v, w, sb, group, strip, d, xw, d / 2, 1, xsum, red);
+    q4_dot<NV, 1, 2>(v, sbr, w, sb, group, strip, d, xw, d / 2, 1, xsum, red);
     if (threadIdx.x < 16 && j0 + threadIdx.x < n) {
         const float gs = q4_red_sum<2>(red, 0, 1, 0, threadIdx.x), us = q4_red_sum<2>(red, 1, 1, 0, threadIdx.x);
         act[(size_t)slot * act_ld + j0 + threadIdx.x] = __bfloat162float(__float2bfloat16(silu_f(gs) * us));
@@ -458,11 +459,13 @@ __device__ __forceinline__ void moe_down_dec_q4_impl(const float* act, int act_l
     const int kk = s == k ? s_inter : inter, U = kk >> 6, G = kk / group, span = q4_span(group), nspan = kk / span;
     const int strip = (s == k ? 0 : topk_ids[s] * d) / 16 + blockIdx.x;
     const uint4* w = s == k ? shared_down : down;
-    const unsigned* sbp = (s == k ? sd_sb : down_sb) + (size_t)strip * G * 16;
+    const unsigned* sb = s == k ? sd_sb : down_sb;
     uint4 v[NV > 0 ? NV : 1];
+    Q4Sb<(NV > 0 ? NV : 1)> sbr;
     if (NV > 0) {
 #pragma unroll
         for (int i = 0; i < (NV > 0 ? NV : 1); i++) v[i] = __ldg(w + ((size_t)strip * U + i) * 32 + lane);
+        q4_load_sb(sbr, sb, group, strip, kk, 0);
     }
     // this slot's activations as bf16, then its span sums
     unsigned* xw = reinterpret_cast<unsigned*>(smem) + s * down_dec_q4_words(inter, s_inter, group);
@@ -484,11 +487,13 @@ __device__ __forceinline__ void moe_down_dec_q4_impl(const float* act, int act_l
     TRACE_PHASE(0);  // the timeline's phases: rows in, partial sums done, slots summed
     float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
     if (NV > 0) {
+        const auto at = [&sbr](int grp, int r) { return q4_sb_at(sbr, grp, r); };
 #pragma unroll
-        for (int i = 0; i < (NV > 0 ? NV : 1); i++) q4_unit<1>(v[i], xw, kk / 2, 1, i * 64, xsum, nspan, sbp, group, acc);
+        for (int i = 0; i < (NV > 0 ? NV : 1); i++) q4_unit<1>(v[i], xw, kk / 2, 1, i * 64, xsum, nspan, at, group, acc);
     } else {
+        const Q4SbGlobal at{sb + (size_t)strip * G * 16};
         for (int u = 0; u < U; u++)
-            q4_unit<1>(__ldg(w + ((size_t)strip * U + u) * 32 + lane), xw, kk / 2, 1, u * 64, xsum, nspan, sbp, group,
+            q4_unit<1>(__ldg(w + ((size_t)strip * U + u) * 32 + lane), xw, kk / 2, 1, u * 64, xsum, nspan, at, group,
                        acc);
     }
     TRACE_PHASE(1);

@@ -358,7 +358,7 @@ __device__ __forceinline__ void moe_grouped_q4_impl(const bf16* __restrict__ a, 
         strip[sp] = (SWIGLU ? blockIdx.y * 16 < nf : f < nf) ? (base + f) / 16 : -1;
     }
     uint4 v[SPB][NV > 0 ? NV : 1];
-    q4_load<NV, SPB>(v, w, strip, kdim);
+    q4_load<NV, SPB>(v, nullptr, w, sb, group, strip, kdim);
     const int nspan = kdim / q4_span(group);
     for (int c0 = 0; c0 < nrows; c0 += MOE_Q4_CHUNK) {
         const int m = nrows - c0 < MOE_Q4_CHUNK ? nrows - c0 : MOE_Q4_CHUNK, r0 = row0 + c0;
@@ -369,7 +369,7 @@ __device__ __forceinline__ void moe_grouped_q4_impl(const bf16* __restrict__ a, 
         if (c0) __syncthreads();  // the previous chunk's partial sums are read
         q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r0 * kdim, gather ? gather + r0 : nullptr, m, kdim);
         q4_span_sums(xw, ldw, m, kdim, q4_span(group), xsum);
-        q4_dot<NV, 2, SPB>(v, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
+        q4_dot<NV, 2, SPB>(v, nullptr, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
         q4_store_rows<SPB, SWIGLU>(red, strip, m, nf, blockIdx.y, r0, out);
     }
 }
@@ -392,3 +392,172 @@ __device__ __forceinline__ void moe_grouped_q4_impl(const bf16* __restrict__ a, 
     }
 MOE_GROUPED_Q4(moe_grouped_q4, false)
 MOE_GROUPED_Q4(moe_grouped_swiglu_q4, true)
+
+// The grouped MoE of FP8 experts (e4m3 rows, f32 block scales per 128 x 128: gemv.cuh's FP8
+// layout), prefill calls past the few-row path, on the tensor cores without a bf16 copy of the
+// experts: moe_grouped_q4's blocks, plan, staging and stores, with the codes read as the
+// checkpoint stores them. A strip is 16 weight rows (inside one 128-row scale block: rows % 16
+// == 0), a unit its 64 columns from 64u (inside one 128-column block); lane (g, q) (g = lane / 4,
+// q = lane % 4) holds words 4u + q of rows g and g + 8, columns 64u + 16q .. + 15. Its u32 j of
+// those words gives the A fragment of k-step j: the four columns 64u + 16q + 4j .. + 3 of each
+// row are the fragment's logical columns 2q, 2q + 1 (bytes 0, 1) and 8 + 2q, 9 + 2q (bytes 2, 3),
+// converted exactly to bf16 (e4m3x4_to_bf16x4). A dot product does not care how its terms are
+// ordered, so the B fragment (the staged bf16 input, token = the mma column) takes the same
+// columns for the same logical rows: token g's bf16 columns 64u + 16q + 4j .. + 3, for k-steps
+// 2h and 2h + 1 one 16-byte shared load (conflict-free: q4_ldw's rows of k / 2 + 4 words). Each
+// unit's f32 partial sums (one scale block of the strip) are scaled once: acc += s * unit sum.
+
+// One unit of a strip against NT tiles of 8 tokens (acc[NT][4]: the C fragment, rows g and g + 8,
+// tokens 8 nt + 2q and + 1): the lane's words w0 (row g), w1 (row g + 8), the unit's block scale s,
+// the input xw (m rows of ldw words; the unit's first column kc0).
+template <int NT>
+__device__ __forceinline__ void fp8_unit(uint4 w0, uint4 w1, float s, const unsigned* xw, int ldw, int m, int kc0,
+                                         float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned r0[4] = {w0.x, w0.y, w0.z, w0.w}, r1[4] = {w1.x, w1.y, w1.z, w1.w};
+    float tmp[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) tmp[nt][i] = 0.0f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        uint4 xb[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int t = nt * 8 + g;
+            xb[nt] = t < m ? *reinterpret_cast<const uint4*>(xw + t * ldw + kc0 / 2 + 8 * q + 4 * h)
+                           : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++) {
+            unsigned a[4];
+            e4m3x4_to_bf16x4(r0[2 * h + jj], a[0], a[2]);
+            e4m3x4_to_bf16x4(r1[2 * h + jj], a[1], a[3]);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                mma_bf16_16816(tmp[nt], a, jj ? xb[nt].z : xb[nt].x, jj ? xb[nt].w : xb[nt].y);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[nt][i] += s * tmp[nt][i];
+}
+
+// The strips' products with the staged input (fp8_unit over this warp's units: NV consecutive
+// ones held in v, NV 0: every 8th read as it goes), the partial sums stored to red as q4_dot
+// stores them (q4_red_sum and q4_store_rows read them). strip[sp]: the strip's first weight row
+// (< 0: none); sc the block scales. Ends with a block barrier.
+template <int NV, int NT, int SPB>
+__device__ __forceinline__ void fp8_dot(const uint4 (&v)[SPB][NV > 0 ? NV : 1][2], const uint4* __restrict__ w,
+                                        const float* __restrict__ sc, const int (&strip)[SPB], int kdim,
+                                        const unsigned* xw, int ldw, int m, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = 2 * (lane & 3);
+    const int U = kdim >> 6, kw = kdim >> 4, kb = (kdim + 127) >> 7;
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++) {
+        if (strip[sp] < 0) continue;
+        const float* srow = sc + (size_t)(strip[sp] >> 7) * kb;  // the strip's row of block scales
+        // one strip's sums at a time (stored before the next strip's products: 8 registers fewer)
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
+        if (NV > 0) {
+#pragma unroll
+            for (int i = 0; i < (NV > 0 ? NV : 1); i++) {
+                const int u = warp * (NV > 0 ? NV : 1) + i;
+                fp8_unit<NT>(v[sp][i][0], v[sp][i][1], __ldg(srow + (u >> 1)), xw, ldw, m, u * 64, acc);
+            }
+        } else {
+            const uint4* w0 = w + (size_t)(strip[sp] + g) * kw + (lane & 3);
+            for (int u = warp; u < U; u += 8)
+                fp8_unit<NT>(__ldg(w0 + 4 * u), __ldg(w0 + 8 * kw + 4 * u), __ldg(srow + (u >> 1)), xw, ldw, m,
+                             u * 64, acc);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int t = nt * 8 + c + (i & 1), r = g + (i >= 2 ? 8 : 0);
+                if (t < m) red[((warp * SPB + sp) * m + t) * 16 + r] = acc[nt][i];
+            }
+    }
+    __syncthreads();
+}
+
+// moe_grouped_q4's kernel for FP8 experts: over moe_plan's tiles, a block takes SPB strips of 16
+// features of its tile's expert, holds its warp's units of them in registers (NV = kdim / 512
+// units a warp, once) and takes the tile's rows 16 at a time: staged (gathered), fp8_dot with
+// the rows as two 8-token mma columns, written. SWIGLU: w [E, 2 nf, kdim] (gate rows, then up
+// rows), out bf16 act [rows, nf] = bf16(SiLU(g) * u), SPB 2 (a feature's gate and up strips);
+// else w [E, nf, kdim], q4_strips(NV) strips a block, out f32 y [rows, nf]. sc: the stack's block
+// scales [ceil(E * rows / 128), ceil(kdim / 128)]. Input of sorted row r: a[gather[r]] (gather
+// null: a[r]), bf16 [*, kdim]. nf % 16 == 0, kdim % 64 == 0.
+// grid (max tiles, ceil(nf / (16 (SWIGLU ? 1 : SPB)))), block 256, smem
+// 4 (16 q4_ldw(16, kdim) + 8 * 16 * 16 * SPB) bytes.
+template <int NV, bool SWIGLU>
+__device__ __forceinline__ void moe_grouped_fp8_impl(const bf16* __restrict__ a, const int* __restrict__ gather,
+                                                     const uint4* __restrict__ w, const float* __restrict__ sc,
+                                                     void* __restrict__ out, const int* __restrict__ tile_expert,
+                                                     const int* __restrict__ tile_row,
+                                                     const int* __restrict__ tile_rows,
+                                                     const int* __restrict__ num_tiles, int nf, int kdim,
+                                                     float* smem) {
+    constexpr int SPB = SWIGLU ? 2 : q4_strips(NV), NVV = NV > 0 ? NV : 1;
+    griddep_wait_plain();
+    griddep_launch();
+    const int tile = blockIdx.x;
+    if (tile >= *num_tiles) return;
+    const int ex = tile_expert[tile], row0 = tile_row[tile], nrows = tile_rows[tile];
+    const int per = (SWIGLU ? 2 : 1) * nf, base = ex * per;  // the expert's first weight row
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kw = kdim >> 4;
+    int strip[SPB];
+#pragma unroll
+    for (int sp = 0; sp < SPB; sp++) {
+        const int f = SWIGLU ? blockIdx.y * 16 + sp * nf : (blockIdx.y * SPB + sp) * 16;
+        strip[sp] = (SWIGLU ? blockIdx.y * 16 < nf : f < nf) ? base + f : -1;
+    }
+    uint4 v[SPB][NVV][2];
+    if constexpr (NV > 0) {
+#pragma unroll
+        for (int sp = 0; sp < SPB; sp++)
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                const uint4* w0 = w + (size_t)(strip[sp] + (lane >> 2)) * kw + 4 * (warp * NV + i) + (lane & 3);
+                v[sp][i][0] = strip[sp] >= 0 ? __ldg(w0) : make_uint4(0, 0, 0, 0);
+                v[sp][i][1] = strip[sp] >= 0 ? __ldg(w0 + 8 * kw) : make_uint4(0, 0, 0, 0);
+            }
+    }
+    for (int c0 = 0; c0 < nrows; c0 += MOE_Q4_CHUNK) {
+        const int m = nrows - c0 < MOE_Q4_CHUNK ? nrows - c0 : MOE_Q4_CHUNK, r0 = row0 + c0;
+        const int ldw = q4_ldw(m, kdim);
+        unsigned* xw = reinterpret_cast<unsigned*>(smem);
+        float* red = smem + m * ldw;
+        if (c0) __syncthreads();  // the previous chunk's partial sums are read
+        q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r0 * kdim, gather ? gather + r0 : nullptr, m, kdim);
+        fp8_dot<NV, 2, SPB>(v, w, sc, strip, kdim, xw, ldw, m, red);
+        q4_store_rows<SPB, SWIGLU>(red, strip, m, nf, blockIdx.y, r0, out);
+    }
+}
+#define MOE_GROUPED_FP8(NAME, SWIGLU)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                           \
+        const bf16* __restrict__ a, const int* __restrict__ gather, const uint4* __restrict__ w,                      \
+        const float* __restrict__ sc, void* __restrict__ out, const int* __restrict__ tile_expert,                   \
+        const int* __restrict__ tile_row, const int* __restrict__ tile_rows, const int* __restrict__ num_tiles,      \
+        int nf, int kdim) {                                                                                           \
+        extern __shared__ float moe_grouped_fp8_xs[];                                                                 \
+        if (kdim == 2048)                                                                                             \
+            moe_grouped_fp8_impl<4, SWIGLU>(a, gather, w, sc, out, tile_expert, tile_row, tile_rows, num_tiles, nf,   \
+                                            kdim, moe_grouped_fp8_xs);                                                \
+        else if (kdim == 512)                                                                                         \
+            moe_grouped_fp8_impl<1, SWIGLU>(a, gather, w, sc, out, tile_expert, tile_row, tile_rows, num_tiles, nf,   \
+                                            kdim, moe_grouped_fp8_xs);                                                \
+        else                                                                                                          \
+            moe_grouped_fp8_impl<0, SWIGLU>(a, gather, w, sc, out, tile_expert, tile_row, tile_rows, num_tiles, nf,   \
+                                            kdim, moe_grouped_fp8_xs);                                                \
+    }
+MOE_GROUPED_FP8(moe_grouped_fp8, false)
+MOE_GROUPED_FP8(moe_grouped_swiglu_fp8, true)

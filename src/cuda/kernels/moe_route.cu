@@ -559,7 +559,8 @@ __device__ __forceinline__ void moe_gemv_sorted_q4_impl(const bf16* __restrict__
         strip[sp] = (SWIGLU ? blockIdx.y * 16 < nf : f < nf) ? (base + f) / 16 : -1;
     }
     uint4 v[SPB][NV > 0 ? NV : 1];
-    q4_load<NV, SPB>(v, w, strip, kdim);
+    Q4Sb<(NV > 0 ? NV : 1)> sbr[SPB];
+    q4_load<NV, SPB>(v, sbr, w, sb, group, strip, kdim);
     const int ldw = q4_ldw(m, kdim), nspan = kdim / q4_span(group);
     unsigned* xw = reinterpret_cast<unsigned*>(smem);
     float* xsum = smem + m * ldw;
@@ -567,7 +568,7 @@ __device__ __forceinline__ void moe_gemv_sorted_q4_impl(const bf16* __restrict__
     // the tile's rows: a[gather[r + t]], or (gather null) a[r + t]
     q4_stage_rows(xw, ldw, gather ? a : a + (size_t)r * kdim, gather ? gather + r : nullptr, m, kdim);
     q4_span_sums(xw, ldw, m, kdim, q4_span(group), xsum);
-    q4_dot<NV, 1, SPB>(v, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
+    q4_dot<NV, 1, SPB>(v, sbr, w, sb, group, strip, kdim, xw, ldw, m, xsum, red);
     q4_store_rows<SPB, SWIGLU>(red, strip, m, nf, blockIdx.y, r, out);
 }
 #define MOE_GEMV_SORTED_Q4(NAME, SWIGLU)                                                                              \

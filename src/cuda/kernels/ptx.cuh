@@ -40,6 +40,25 @@ __device__ __forceinline__ float4 e4m3x4_to_float4(unsigned w) {
     return f;
 }
 
+// Four e4m3fn bytes of w as two bf16 pairs, exactly: lo = (byte 0, byte 1), hi = (byte 2, byte 3)
+// (the lower byte in the low half), for an mma A fragment. Each byte pair: cvt.rn.f16x2.e4m3x2
+// (exact: every e4m3 value, subnormals included, is a normal f16 or zero, mantissa bits 0-6
+// clear); the f16 bits without the sign shifted right by 3 are the bf16 bits of the value times
+// 2^-112 (the exponent biases 15 and 127; zero stays zero; the smallest, 2^-9, gives 2^-121, a
+// normal bf16), the sign ORed back (lop3); fma.rn.bf16x2 by 2^112 (0x7780) plus -0 restores the
+// value, exactly. volatile, as q4_pair: the grouped FP8 MoE converts a block's words again for
+// every 16 rows of its tile rather than hold the converted pairs (twice the registers).
+__device__ __forceinline__ void e4m3x4_to_bf16x4(unsigned w, unsigned& lo, unsigned& hi) {
+    asm volatile(
+        "{\n.reg .b16 a, b;\n.reg .b32 h, t;\nmov.b32 {a, b}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 h, a;\nand.b32 t, h, 0x7fff7fff;\nshr.b32 t, t, 3;\n"
+        "lop3.b32 t, t, h, 0x80008000, 0xF8;\nfma.rn.bf16x2 %0, t, %3, %4;\n"
+        "cvt.rn.f16x2.e4m3x2 h, b;\nand.b32 t, h, 0x7fff7fff;\nshr.b32 t, t, 3;\n"
+        "lop3.b32 t, t, h, 0x80008000, 0xF8;\nfma.rn.bf16x2 %1, t, %3, %4;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w), "r"(0x77807780u), "r"(0x80008000u));
+}
+
 // ---- Affine 4-bit weights ----
 // One register pair of a q4 A fragment (gemv.cuh's q4_frag): the nibbles at bits S and S + 16 of
 // w as a bf16 pair of the codes q, exactly: (w >> S) & 0x000F000F | 0x43004300 is bf16 128 + q
