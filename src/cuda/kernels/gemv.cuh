@@ -442,7 +442,7 @@ struct Q4SbGlobal {
 // One 64-column unit of a 16-row strip against NT tiles of 8 tokens: the unit's codes wv (this
 // lane's 16 bytes), the input xw (m rows of ldw words, column kc0 = the unit's first), span sums
 // xs (token t's span i at xs[t * nspan + i]) and the strip's scale/bias pairs (row r's group
-// grp: sb_at(grp, r), q4_sb_global or q4_sb_at; called alike by every lane), accumulated into
+// grp: sb_at(grp, r), Q4SbGlobal or q4_sb_at; called alike by every lane), accumulated into
 // acc[NT][4] (the C fragment: rows g and g+8, tokens 8 nt + c and + 1).
 template <int NT, typename SB>
 __device__ __forceinline__ void q4_unit(uint4 wv, const unsigned* xw, int ldw, int m, int kc0, const float* xs,
