@@ -222,7 +222,7 @@ while [ $# -gt 0 ]; do
       done ;;
     hf-fp8)
       # the Triton kernel transformers loads from the Hub, copied here (no network there):
-      # .device/hfk/finegrained_fp8 (see scripts/hf_fp8_gpu_reference.py)
+      # .device/hfk/finegrained_fp8 (scripts/stage_hf_fp8_kernel.sh writes it)
       kernel=""
       [ -d .device/hfk/finegrained_fp8 ] && kernel="--kernel .device/hfk"
       python3 scripts/hf_fp8_gpu_reference.py --out "$OUT/hf-fp8" $kernel 2>&1 | tee "$OUT/hf-fp8.log" || status=1 ;;

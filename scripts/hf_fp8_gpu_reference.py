@@ -18,8 +18,9 @@ transformers. transformers (5.x) runs FP8Linear / FP8Experts through the Triton 
 Hub at first use; the GPU machine has no network, so `--kernel DIR` imports a local copy of that
 kernel's Python package instead (DIR/finegrained_fp8: the `finegrained-fp8/torch-ext/
 finegrained_fp8` folder of github.com/huggingface/kernels-community, plus the `_ops.py` the
-kernel builder would generate: `ops = torch.ops.<namespace>` and `add_op_namespace_prefix`) and
-hands its matmul_2d / matmul_batched / matmul_grouped to transformers as the loaded kernel.
+kernel builder would generate: `ops = torch.ops.<namespace>` and `add_op_namespace_prefix`;
+scripts/stage_hf_fp8_kernel.sh REPO writes both into .device/hfk) and hands its matmul_2d /
+matmul_batched / matmul_grouped to transformers as the loaded kernel.
 """
 
 import argparse
