@@ -171,6 +171,27 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_dec_stream(
     if (launch_at > 0 && mine == 0) griddep_launch();
 }
 
+// The bf16 tail rows of gemv_fp8 / gemv_q4 (GDN's b|a beside the quantised q|k|v|z): tail block
+// tb takes rows 16 tb .. + 15 of wb [nb, k], two a warp, against the m staged bf16 input rows
+// (x: rows of ldw 32-bit words), into y [t, n + row] (beta as the GEMV's).
+__device__ __forceinline__ void gemv_bf16_tail(const bf16* __restrict__ wb, int nb, int tb, int k, const unsigned* x,
+                                               int ldw, int m, float* __restrict__ y, int ldy, int n, float beta) {
+    const int lane = threadIdx.x & 31, tr = tb * 16 + (threadIdx.x >> 5) * 2;
+    const bf16* brows[2] = {tr < nb ? wb + (size_t)tr * k : nullptr, tr + 1 < nb ? wb + (size_t)(tr + 1) * k : nullptr};
+    for (int t = 0; t < m; t++) {
+        float acc[2];
+        dot_rows_any<2>(brows, reinterpret_cast<const uint4*>(x + t * ldw), k, acc);
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const float a = warp_sum(acc[q]);
+            if (lane == q && tr + q < nb) {
+                float* o = y + (size_t)t * ldy + n + tr + q;
+                *o = beta == 0.0f ? a : beta * *o + a;
+            }
+        }
+    }
+}
+
 // W8A16 GEMV of FP8 weights for up to GEMV_FP8_TOKENS tokens (the decode step, batched steps and
 // short chunks): y[t, r] = beta * y[t, r] + sum_c q[r, c] s[r / 128, c / 128] x[t, c] for W e4m3
 // [n, k] (k % 16 == 0) with f32 block scales s [ceil(n / 128), ceil(k / 128)]. The input is the
@@ -218,20 +239,8 @@ __device__ __forceinline__ void gemv_fp8_impl(const uint4* __restrict__ w, const
         stage_rmsnorm(xb, h, nw, k, eps, nullptr, ws);
     }
     if (tail) {
-        const int tr = ((int)blockIdx.x - fp8_blocks) * 16 + warp * 2;
-        const bf16* brows[2] = {tr < nb ? wb + (size_t)tr * k : nullptr, tr + 1 < nb ? wb + (size_t)(tr + 1) * k : nullptr};
-        for (int t = 0; t < m; t++) {
-            float acc[2];
-            dot_rows_any<2>(brows, xb + t * (k >> 3), k, acc);
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const float a = warp_sum(acc[q]);
-                if (lane == q && tr + q < nb) {
-                    float* o = y + (size_t)t * ldy + n + tr + q;
-                    *o = beta == 0.0f ? a : beta * *o + a;
-                }
-            }
-        }
+        gemv_bf16_tail(wb, nb, (int)blockIdx.x - fp8_blocks, k, reinterpret_cast<const unsigned*>(xb), k / 2, m, y,
+                       ldy, n, beta);
         return;
     }
     for (int t = 0; t < m; t++) {
@@ -309,20 +318,7 @@ __device__ __forceinline__ void gemv_q4_impl(const uint4* __restrict__ w, const 
         stage_rmsnorm(reinterpret_cast<uint4*>(xw), h, nw, k, eps, nullptr, ws);
     }
     if (tail) {
-        const int lane = threadIdx.x & 31, tr = ((int)blockIdx.x - q4_blocks) * 16 + (threadIdx.x >> 5) * 2;
-        const bf16* brows[2] = {tr < nb ? wb + (size_t)tr * k : nullptr, tr + 1 < nb ? wb + (size_t)(tr + 1) * k : nullptr};
-        for (int t = 0; t < m; t++) {
-            float acc[2];
-            dot_rows_any<2>(brows, reinterpret_cast<const uint4*>(xw + t * ldw), k, acc);
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const float a = warp_sum(acc[q]);
-                if (lane == q && tr + q < nb) {
-                    float* o = y + (size_t)t * ldy + n + tr + q;
-                    *o = beta == 0.0f ? a : beta * *o + a;
-                }
-            }
-        }
+        gemv_bf16_tail(wb, nb, (int)blockIdx.x - q4_blocks, k, xw, ldw, m, y, ldy, n, beta);
         return;
     }
     q4_span_sums(xw, ldw, m, k, q4_span(group), xsum);
