@@ -19,7 +19,7 @@ use super::state::{CudaState, DecodeGraph};
 use super::upload::{LayerW, MixerW, Wt};
 use super::{DeviceBuf, Gpu};
 use crate::config::TextConfig;
-use anyhow::{Result, anyhow, ensure};
+use anyhow::{Result, anyhow, bail, ensure};
 
 /// Attention splits per query head at most (the partial sums' workspace).
 pub(super) const DECODE_SPLITS: usize = 256;
@@ -238,19 +238,6 @@ impl CudaModel {
             d: d as i32,
         }
         .launch(g, 1, On::Decode(false))?;
-        // y = beta*y + W·x, x = the bf16 vector `x` or RMSNorm(h) with weight `norm`;
-        // with `greedy = Some(limit)` also the argmax over rows < limit into `next` and the
-        // next step's input.
-        let gemv = |w: &DeviceBuf,
-                    n: usize,
-                    k: usize,
-                    input: Input,
-                    y: Dev<f32>,
-                    beta: f32,
-                    greedy: Option<usize>| {
-            let greedy = greedy.map(|limit| (limit, step_in));
-            self.gemv_dec(w, n, k, input, y, beta, greedy, self.decode_graph)
-        };
         let (mut gdn_i, mut attn_i) = (0, 0);
         for layer in &self.w.layers {
             // The mixer's fused input projection (GDN: qkv|z|b|a; attention: q+gate|k|v) of
@@ -272,41 +259,36 @@ impl CudaModel {
                         c.gdn_value_dim,
                     );
                     let (ch, vw) = (c.gdn_conv_channels(), c.gdn_v_width());
-                    match &w.in_ba {
-                        // 4-bit: q|k|v|z and the bf16 b|a in one launch
-                        Some(ba) if w.in_proj.q4().is_some() => {
-                            let q = w.in_proj.q4().expect("a 4-bit matrix");
-                            let tail = Some((ba.bf16(), 2 * hv));
-                            let n = ch + vw;
-                            gemv::gemv_q4(
-                                g,
-                                q,
-                                n,
-                                d,
-                                normed,
-                                1,
-                                proj,
-                                n + 2 * hv,
-                                0.0,
-                                None,
-                                tail,
-                                on,
-                            )?;
+                    // FP8 and 4-bit (the only formats with b|a apart, bf16): q|k|v|z and b|a in
+                    // one launch, b|a as the GEMV's bf16 tail rows
+                    let n = ch + vw;
+                    let tail = w.in_ba.as_ref().map(|ba| (ba.bf16(), 2 * hv));
+                    match (tail, w.in_proj.q4(), w.in_proj.fp8()) {
+                        (Some(_), Some(q), _) => gemv::gemv_q4(
+                            g,
+                            q,
+                            n,
+                            d,
+                            normed,
+                            1,
+                            proj,
+                            n + 2 * hv,
+                            0.0,
+                            None,
+                            tail,
+                            on,
+                        )?,
+                        (Some(_), None, Some(f)) => {
+                            gemv::gemv_fp8(g, f, n, d, normed, 1, proj, n + 2 * hv, 0.0, tail, on)?
                         }
-                        // FP8: q|k|v|z in FP8 and the bf16 b|a (as the format keeps them) in one
-                        // launch
-                        Some(ba) if w.in_proj.fp8().is_some() => {
-                            let f = w.in_proj.fp8().expect("an FP8 matrix");
-                            let tail = Some((ba.bf16(), 2 * hv));
-                            let n = ch + vw;
-                            gemv::gemv_fp8(g, f, n, d, normed, 1, proj, n + 2 * hv, 0.0, tail, on)?;
+                        (Some(_), None, None) => {
+                            bail!(
+                                "GDN layer {}: b|a apart from a bf16 in-projection",
+                                gdn_i - 1
+                            )
                         }
-                        Some(ba) => {
-                            self.dense_dec(&w.in_proj, ch + vw, d, normed, proj, 0.0)?;
-                            gemv(ba, 2 * hv, d, normed, proj.at(ch + vw), 0.0, None)?;
-                        }
-                        None => {
-                            self.dense_dec(&w.in_proj, ch + vw + 2 * hv, d, normed, proj, 0.0)?
+                        (None, ..) => {
+                            self.dense_dec(&w.in_proj, n + 2 * hv, d, normed, proj, 0.0)?
                         }
                     }
                     let (z, ba) = (proj.at(ch), proj.at(ch + vw));
