@@ -304,11 +304,8 @@ fn reference_prefill_decode_and_greedy(
         };
         let rounded_prompt =
             chunk > gemv_tokens && (cpu.weights.is_affine() || cpu.weights.is_fp8());
-        let prompt_model = if rounded_prompt {
-            oracle(dir, true)
-        } else {
-            oracle(dir, false)
-        };
+        let rounded = rounded_prompt.then(|| oracle(dir, true));
+        let prompt_model = rounded.as_ref().unwrap_or(&cpu);
         let mut cs = prompt_model.new_state().unwrap();
         let c = prompt_model
             .forward(&mut cs, &r.prompt_ids, Logits::All)
